@@ -1,0 +1,36 @@
+# The two commands a newcomer needs: `make demo` and `make test`. Both set everything up first.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+# Loopback only: Ray keeps 127.0.0.1 and Gloo stays on lo (see DESIGN §5).
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
+export GLOO_SOCKET_IFNAME := lo
+
+.PHONY: install demo test test-fast bench services lint clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	# torch first, from the 2.13.0 CPU build on disk, so nothing pulls a CUDA build.
+	$(PIP) install --quiet --find-links /opt/wheels "torch==2.13.0"
+	$(PIP) install --quiet --find-links /opt/wheels -e ".[dev]"
+	touch $(STAMP)
+
+services:
+	@bash scripts/ensure-services.sh
+
+demo: install
+	$(PY) -m examples.demo
+
+test: install services
+	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+bench: install
+	$(PY) -m benchmarks.engine --json bench-results/engine.json
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache bench-results

@@ -1,0 +1,179 @@
+"""Built-in GPT presets and user model factories.
+
+Jobs name a model either by preset (``{"preset": "gpt-mini"}``) or by a factory
+(``{"factory": "pkg.mod:fn", "kwargs": {...}}``). The GPT here is a plain GPT-2 style decoder
+(learned positions, pre-LayerNorm blocks in a ``ModuleList`` named ``blocks``, tied input and
+output embeddings) so that the ZeRO engine, the planner and the benchmarks all see the same
+shapes real users train: a tied parameter, many equal transformer blocks, a large embedding.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 256
+    block_size: int = 256  # longest sequence the position table holds
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+    bias: bool = True
+
+
+PRESETS: dict[str, GPTConfig] = {
+    # byte-level vocabularies for the small ones: they train on text as bytes.
+    "gpt-nano": GPTConfig(vocab_size=256, block_size=256, n_layer=5, n_head=4, n_embd=128),
+    "gpt-mini": GPTConfig(vocab_size=256, block_size=256, n_layer=6, n_head=6, n_embd=384),
+    # GPT-2 shapes (vocabulary padded to a multiple of 64) for the large ones.
+    "gpt-small": GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768),
+    "gpt-medium": GPTConfig(vocab_size=50304, block_size=1024, n_layer=24, n_head=16, n_embd=1024),
+    "gpt-1b": GPTConfig(vocab_size=50304, block_size=1024, n_layer=24, n_head=16, n_embd=2048),
+}
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        if cfg.n_embd % cfg.n_head:
+            raise ValueError(f"n_embd ({cfg.n_embd}) must be divisible by n_head ({cfg.n_head})")
+        self.n_head = cfg.n_head
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.dropout = cfg.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
+        return self.proj(y.transpose(1, 2).contiguous().view(b, t, c))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
+        self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """``forward(idx)`` returns logits; ``forward(idx, targets)`` returns the mean loss."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.config = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied: one parameter, used twice
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith("proj.weight"):  # GPT-2's scaled init of residual projections
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        t = idx.shape[1]
+        if t > self.config.block_size:
+            raise ValueError(f"sequence length {t} exceeds block_size {self.config.block_size}")
+        pos = torch.arange(t, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def num_parameters(model: nn.Module, trainable_only: bool = False) -> int:
+    """Φ: unique parameters (a tied weight counts once, as ``model.parameters()`` yields it)."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
+
+
+def flops_per_token(model: nn.Module, seq_len: int) -> float:
+    """Training FLOPs per token: 6·Φ for the matmuls plus attention's 12·L·d·T (PaLM appendix B)."""
+    flops = 6.0 * num_parameters(model)
+    cfg = getattr(model, "config", None)
+    if isinstance(cfg, GPTConfig):
+        flops += 12.0 * cfg.n_layer * cfg.n_embd * seq_len
+    return flops
+
+
+def resolve_factory(path: str) -> Callable[..., Any]:
+    """Import ``"pkg.mod:fn"``; raise ValueError with the path when it cannot be found."""
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"factory must look like 'package.module:function', got {path!r}")
+    try:
+        obj = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"cannot import factory {path!r}: {exc}") from exc
+    if not callable(obj):
+        raise ValueError(f"factory {path!r} is not callable")
+    return obj
+
+
+def preset_config(name: str, **overrides: Any) -> GPTConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
+    return replace(PRESETS[name], **overrides)
+
+
+def build_model(model_spec: dict[str, Any]) -> nn.Module:
+    """Build the model a job spec's ``model`` block names (on the current default device)."""
+    kwargs = dict(model_spec.get("kwargs") or {})
+    if model_spec.get("preset"):
+        return GPT(preset_config(model_spec["preset"], **kwargs))
+    if model_spec.get("factory"):
+        return resolve_factory(model_spec["factory"])(**kwargs)
+    raise ValueError("model needs either 'preset' or 'factory'")
+
+
+def preset_summary() -> dict[str, dict[str, Any]]:
+    """Each preset's shape and Φ, computed on the meta device (no memory spent)."""
+    out = {}
+    for name, cfg in PRESETS.items():
+        with torch.device("meta"):
+            phi = num_parameters(GPT(cfg))
+        out[name] = {**asdict(cfg), "parameters": phi}
+    return out
