@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Starts what the test suite talks to when it is not already running: PostgreSQL on
-# 127.0.0.1:5432 (DESIGN §5). Idempotent; prints what it did.
+# Starts or installs what the test suite talks to when it is missing: PostgreSQL on
+# 127.0.0.1:5432 and Debian's Chromium for the browser tests (DESIGN §5). Idempotent.
 set -euo pipefail
 
 if ! pg_isready -q -h 127.0.0.1 -p 5432 2>/dev/null; then
@@ -9,3 +9,11 @@ if ! pg_isready -q -h 127.0.0.1 -p 5432 2>/dev/null; then
   for _ in $(seq 1 30); do pg_isready -q -h 127.0.0.1 -p 5432 && break; sleep 1; done
 fi
 pg_isready -h 127.0.0.1 -p 5432
+
+if [ ! -x /usr/bin/chromium ]; then
+  echo "installing Debian's chromium for the browser tests"
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium >/dev/null
+fi
+/usr/bin/chromium --version
