@@ -1,0 +1,841 @@
+"""The memory planner: predict every rank's memory before launch, pick the stage, check after.
+
+DeepSpeed and FSDP leave "use the lowest ZeRO stage that fits" to the user, and estimators
+that count only model states miss activations, buffers and the allocator. This module
+predicts each term separately so that a prediction can be checked term by term against what
+the engine reports (``engine.memory()``) and what the process really used (peak), and it
+turns the rule into a choice (``choose_plan``, ``plan_for_spec``).
+
+Units: bytes everywhere inside; GB in tables means decimal GB (1e9). Bandwidth is taken in
+bytes per second internally; ``gbps_to_bytes_per_s`` converts link rates in gigabits.
+
+Terms of one rank's device memory (each reported separately):
+
+* model states (DESIGN §4): parameters, gradients, optimizer state (K bytes per parameter:
+  12 for bf16/fp16 = fp32 master + Adam m + v; 8 for fp32 = m + v), partitioned by stage;
+  under optimizer offload the fp32 master, the moments and an fp32 gradient shard live on
+  the host instead (``cpu`` terms);
+* communication buckets (``bucket_buffer_bytes`` says what it assumes);
+* stage-3 gathered units: ``prefetch + 1`` of the largest unit, in the low precision;
+* activations: measured by running one micro-batch forward and backward under a tensor
+  tracker (``ActivationTracker``), on the meta device by default (no memory, no compute);
+* an allocator reserve (``allocator_reserve_bytes``).
+
+This module imports nothing from ``workers.zero`` so the engine package can import it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import weakref
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+import torch.nn as nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+GB = 1e9
+MIB = 2**20
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+STAGES = (0, 1, 2, 3)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+DEFAULT_MARGIN = 0.10  # a plan fits when its total is at most (1 - margin) of the budget
+DEFAULT_TARGET_EFFICIENCY = 0.75
+
+
+# --------------------------------------------------------------------------- precision
+
+
+def low_precision_bytes(precision: str) -> int:
+    """Bytes of one parameter or gradient element as the engine keeps and communicates it."""
+    _check_precision(precision)
+    return 4 if precision == "fp32" else 2
+
+
+def optimizer_bytes_per_param(precision: str) -> int:
+    """K: Adam state per parameter; mixed precision adds the fp32 master copy (4 + 4 + 4)."""
+    _check_precision(precision)
+    return 8 if precision == "fp32" else 12
+
+
+def _check_precision(precision: str) -> None:
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+
+
+def _check_stage(stage: int) -> None:
+    if stage not in STAGES:
+        raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
+
+
+# --------------------------------------------------------------------------- model states
+
+
+@dataclass(frozen=True)
+class ModelStateBytes:
+    """Bytes of model states on one rank: on the device (``gpu_*``) and on the host (``cpu_*``).
+
+    ``gpu_*`` is what ``engine.memory()`` reports as params/grads/optimizer (the engine's
+    "device" is the CPU itself in a Gloo run). Under offload the host keeps the fp32 master
+    shard (``cpu_params``), a pinned fp32 gradient shard the host optimizer reads
+    (``cpu_grads``) and Adam's moments (``cpu_optimizer``).
+    """
+
+    gpu_params: int
+    gpu_grads: int
+    gpu_optimizer: int
+    cpu_params: int = 0
+    cpu_grads: int = 0
+    cpu_optimizer: int = 0
+
+    @property
+    def gpu_total(self) -> int:
+        return self.gpu_params + self.gpu_grads + self.gpu_optimizer
+
+    @property
+    def cpu_total(self) -> int:
+        return self.cpu_params + self.cpu_grads + self.cpu_optimizer
+
+
+def shard_numel(phi: int, n_ranks: int) -> int:
+    """Elements of one rank's shard: the flat buffer split evenly (rounded up) over N ranks."""
+    if n_ranks < 1:
+        raise ValueError(f"number of ranks must be >= 1, got {n_ranks}")
+    return -(-int(phi) // n_ranks)
+
+
+def model_state_bytes(
+    phi: int,
+    n_ranks: int,
+    precision: str = "bf16",
+    stage: int = 0,
+    offload: bool = False,
+    phi_padded: int | None = None,
+) -> ModelStateBytes:
+    """DESIGN §4 per rank: stage 0 16Φ, 1 4Φ+12Φ/N, 2 2Φ+14Φ/N, 3 16Φ/N (bf16 Adam).
+
+    ``phi_padded`` (see ``padded_numel``) is the flat size after the engine pads buckets to a
+    multiple of N; partitioned terms use it, replicated terms use Φ.
+    """
+    _check_precision(precision)
+    _check_stage(stage)
+    phi = int(phi)
+    shard = shard_numel(phi if phi_padded is None else phi_padded, n_ranks)
+    p = low_precision_bytes(precision)
+    k = optimizer_bytes_per_param(precision)
+    param_elems = shard if stage >= 3 else phi
+    grad_elems = shard if stage >= 2 else phi
+    optim_elems = shard if stage >= 1 else phi
+    if not offload:
+        return ModelStateBytes(p * param_elems, p * grad_elems, k * optim_elems)
+    # The host optimizer updates the fp32 master shard with an fp32 gradient shard; for fp32
+    # training the "master" is the host copy of the weights the device also holds.
+    return ModelStateBytes(
+        gpu_params=p * param_elems,
+        gpu_grads=p * grad_elems,
+        gpu_optimizer=0,
+        cpu_params=4 * optim_elems,
+        cpu_grads=4 * optim_elems,
+        cpu_optimizer=8 * optim_elems,
+    )
+
+
+def padded_numel(numels: Sequence[int], n_ranks: int, bucket_elems: int | None = None) -> int:
+    """Φ after padding: parameters packed into buckets, each padded to a multiple of N.
+
+    Packing follows the engine's flat layout (``workers/zero/flat.py``): reverse registration
+    order, a new bucket when the next parameter would overflow ``bucket_elems``, a parameter
+    larger than a bucket alone in its own; ``None`` means one flat buffer. The padding is at
+    most ``n_buckets · (N - 1)`` elements.
+    """
+    buckets: list[int] = []
+    for numel in reversed(numels):
+        if buckets and (bucket_elems is None or buckets[-1] + numel <= bucket_elems):
+            buckets[-1] += numel
+        else:
+            buckets.append(int(numel))
+    return sum(shard_numel(b, n_ranks) * n_ranks for b in buckets)
+
+
+# --------------------------------------------------------------------------- communication
+
+
+def comm_elements(phi: int, stage: int, reshard_after_forward: bool = True) -> int:
+    """Elements each rank communicates per step (an all-reduce counts twice, DESIGN §4).
+
+    Stages 0–2: 2Φ (all-reduce, or reduce-scatter + all-gather). Stage 3: all-gather in
+    forward and again in backward plus a reduce-scatter, 3Φ; 2Φ when parameters stay gathered
+    between forward and backward (``reshard_after_forward=False``).
+    """
+    _check_stage(stage)
+    if stage == 3 and reshard_after_forward:
+        return 3 * int(phi)
+    return 2 * int(phi)
+
+
+def gbps_to_bytes_per_s(gbps: float) -> float:
+    """A link rate in gigabits per second (what NICs are sold by) as bytes per second."""
+    return gbps * 1e9 / 8
+
+
+def bytes_per_s_to_gbps(bytes_per_s: float) -> float:
+    return bytes_per_s * 8 / 1e9
+
+
+def ring_factor(n_ranks: int) -> float:
+    """Ring collectives move (N-1)/N of the collective's size over each rank's link."""
+    return (n_ranks - 1) / n_ranks
+
+
+def comm_time_s(comm_bytes: float, n_ranks: int, bandwidth_bytes_per_s: float) -> float:
+    """Time of one step's collectives on a ring with the given per-rank link bandwidth."""
+    if bandwidth_bytes_per_s <= 0:
+        raise ValueError("bandwidth must be positive")
+    return comm_bytes * ring_factor(n_ranks) / bandwidth_bytes_per_s
+
+
+def efficiency(compute_s: float, comm_s: float) -> float:
+    """T_compute / (T_compute + T_comm): communication counted as fully exposed (no overlap)."""
+    return compute_s / (compute_s + comm_s) if compute_s + comm_s > 0 else 1.0
+
+
+def bandwidth_for_efficiency(
+    comm_bytes: float, n_ranks: int, compute_s: float, target: float = DEFAULT_TARGET_EFFICIENCY
+) -> float:
+    """Bytes per second a rank's link needs so that ``efficiency`` reaches ``target``."""
+    if not 0 < target < 1:
+        raise ValueError("target efficiency must lie strictly between 0 and 1")
+    if compute_s <= 0:
+        raise ValueError("compute time must be positive")
+    allowed_comm_s = compute_s * (1 - target) / target
+    return comm_bytes * ring_factor(n_ranks) / allowed_comm_s
+
+
+# --------------------------------------------------------------------------- buffers
+
+
+def bucket_elements(bucket_mb: float, precision: str) -> int:
+    """Elements in one communication bucket: ``bucket_mb`` MiB of the low-precision dtype."""
+    return max(1, int(bucket_mb * MIB) // low_precision_bytes(precision))
+
+
+def bucket_buffer_bytes(bucket_mb: float, precision: str, phi: int, in_flight: int = 2) -> int:
+    """Communication buckets held at once by one rank.
+
+    Assumes: a bucket is ``bucket_mb`` MiB of the low-precision dtype (never more elements
+    than the model has), ``in_flight`` buckets exist at once (2: one being filled while the
+    previous one is reduced), and mixed precision adds an fp32 buffer of the same element
+    count per bucket (the fp32 reduction/accumulation target). fp32 training needs no copy.
+    """
+    elems = min(bucket_elements(bucket_mb, precision), int(phi))
+    per_elem = low_precision_bytes(precision) + (0 if precision == "fp32" else 4)
+    return in_flight * elems * per_elem
+
+
+def gathered_unit_bytes(unit_numels: Sequence[int], precision: str, prefetch: int = 1) -> int:
+    """Stage 3: the largest unit gathered ``prefetch + 1`` times (current unit + prefetched)."""
+    if not unit_numels:
+        return 0
+    count = min(prefetch + 1, len(unit_numels))
+    return count * max(unit_numels) * low_precision_bytes(precision)
+
+
+CUDA_CONTEXT_BYTES = 512 * MIB  # CUDA context, cuBLAS workspaces: outside the allocator
+FRAGMENTATION = 0.05  # caching allocator (CUDA) / malloc arenas (CPU) on top of live tensors
+
+
+def allocator_reserve_bytes(subtotal: int, device: str = "cuda") -> int:
+    """5% of the other terms for fragmentation, plus 512 MiB of CUDA context on GPUs."""
+    reserve = int(FRAGMENTATION * subtotal)
+    return reserve + (CUDA_CONTEXT_BYTES if device == "cuda" else 0)
+
+
+# --------------------------------------------------------------------------- the model
+
+DEFAULT_UNITS = 32
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the planner needs from a model: Φ, parameter sizes in order, stage-3 units."""
+
+    phi: int
+    param_numels: tuple[int, ...]
+    unit_numels: tuple[int, ...]
+
+    @classmethod
+    def of(cls, model: nn.Module) -> "ModelShape":
+        numels = tuple(p.numel() for p in model.parameters())
+        return cls(phi=sum(numels), param_numels=numels, unit_numels=tuple(stage3_units(model)))
+
+    @classmethod
+    def from_count(cls, phi: float, n_units: int = DEFAULT_UNITS) -> "ModelShape":
+        """A bare parameter count: no structure is known, so assume ``n_units`` equal stage-3
+        units (32 by default: the depth of 7B-class transformers) and equal-sized tensors."""
+        phi = int(phi)
+        if phi <= 0:
+            raise ValueError("the parameter count must be positive")
+        if n_units < 1:
+            raise ValueError("the number of units must be >= 1")
+        units = tuple(shard_numel(phi, n_units) for _ in range(n_units))
+        return cls(phi=phi, param_numels=(phi,), unit_numels=units)
+
+
+def stage3_units(model: nn.Module) -> list[int]:
+    """Parameter counts of stage-3 units: each child of the largest ``ModuleList`` + a root unit.
+
+    The root unit holds every parameter outside those children (embeddings, final norm, and
+    tied weights, which belong to the unit enclosing both uses); each parameter counts once.
+    """
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    largest = max(lists, key=lambda m: sum(p.numel() for p in m.parameters()), default=None)
+    units: list[int] = []
+    seen: set[int] = set()
+    if largest is not None:
+        for child in largest:
+            own = [p for p in child.parameters() if id(p) not in seen]
+            seen.update(id(p) for p in own)
+            units.append(sum(p.numel() for p in own))
+    root = sum(p.numel() for p in model.parameters() if id(p) not in seen)
+    return [root] + units if root else units
+
+
+def build_on_meta(model_spec: dict[str, Any]) -> nn.Module:
+    """Instantiate a job's model on the meta device: shapes only, no memory, no init compute."""
+    from workers.models import build_model
+
+    with torch.device("meta"):
+        return build_model(model_spec)
+
+
+def model_shape(model: "nn.Module | dict[str, Any] | int | float") -> ModelShape:
+    """Φ and structure from a module, a job's ``model`` block (preset or factory), or a number."""
+    if isinstance(model, nn.Module):
+        return ModelShape.of(model)
+    if isinstance(model, dict):
+        return _shape_of_spec(json.dumps(model, sort_keys=True))
+    return ModelShape.from_count(model)
+
+
+@functools.lru_cache(maxsize=64)
+def _shape_of_spec(model_spec_json: str) -> ModelShape:
+    return ModelShape.of(build_on_meta(json.loads(model_spec_json)))
+
+
+# --------------------------------------------------------------------------- activations
+
+
+class ActivationTracker(TorchDispatchMode):
+    """Peak bytes of tensors created while active and still alive, tracked per storage.
+
+    Every op's outputs are recorded by their storage (views share one, so each storage counts
+    once, at its full size); a storage stops counting when it is freed. Storages that existed
+    before (parameters, inputs) are ignored. This sees the same tensors on the CPU, on CUDA
+    and on the meta device (meta tensors have sizes but no data), so one method serves the
+    measurement and the estimate. It counts tensor bytes only: allocator rounding and
+    fragmentation are the reserve's job.
+    """
+
+    def __init__(self, ignore: Iterable[torch.Tensor] = ()):
+        super().__init__()
+        self._ignored = {self._key(t) for t in ignore}
+        self._live: dict[int, tuple[Any, int]] = {}
+        self.current = 0
+        self.peak = 0
+
+    @staticmethod
+    def _key(tensor: torch.Tensor) -> int:
+        return StorageWeakRef(tensor.untyped_storage()).cdata
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, torch.Tensor):
+                self._record(tensor)
+        self.peak = max(self.peak, self.current)
+        self._forget_freed()
+        return out
+
+    def _record(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        ref = StorageWeakRef(storage)
+        if ref.cdata in self._ignored or ref.cdata in self._live:
+            return
+        self._live[ref.cdata] = (ref, storage.nbytes())
+        self.current += storage.nbytes()
+
+    def _forget_freed(self) -> None:
+        for key in [k for k, (ref, _) in self._live.items() if ref.expired()]:
+            self.current -= self._live.pop(key)[1]
+
+
+class _FlashAttentionOnMeta(TorchFunctionMode):
+    """On meta, SDPA falls back to the math kernel, which keeps a T×T attention matrix that a
+    real device (flash / memory-efficient kernels on CUDA, flash on CPU) never stores; route it
+    to the CPU flash kernel, which has meta shapes and saves what the real kernels save
+    (output + log-sum-exp). Masked or dropout calls keep the default path."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            q, k, v = args[:3]
+            mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+            dropout = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
+            if q.device.type == "meta" and mask is None and not dropout:
+                causal = kwargs.get("is_causal", args[5] if len(args) > 5 else False)
+                op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+                return op(q, k, v, 0.0, causal, scale=kwargs.get("scale"))[0]
+        return func(*args, **kwargs)
+
+
+def default_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """The worker's contract for models: ``model(inputs, targets)`` returns the mean loss."""
+    return model(*batch)
+
+
+def token_batch(
+    micro_batch: int, seq_len: int, vocab_size: int, device: str | torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    inputs = torch.randint(0, vocab_size, (micro_batch, seq_len), device=device)
+    return inputs, torch.randint(0, vocab_size, (micro_batch, seq_len), device=device)
+
+
+def measure_activation_bytes(
+    model: nn.Module,
+    batch: Sequence[torch.Tensor],
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor] = default_loss,
+) -> int:
+    """Peak bytes of one micro-batch's forward + backward beyond the parameters.
+
+    Gradients are dropped as soon as each is accumulated, as the engine moves them into its
+    own buffers (counted under grads/buckets): what remains is activations, saved tensors,
+    transients and one parameter's gradient at a time. On CUDA the allocator's own peak
+    (``max_memory_allocated``) is taken as well and the larger of the two is returned.
+    """
+    hooks = [
+        p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+        for p in model.parameters()
+        if p.requires_grad
+    ]
+    device = next(iter(model.parameters())).device
+    tensors_before = [*model.parameters(), *model.buffers(), *batch]
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        allocated_before = torch.cuda.memory_allocated(device)
+    try:
+        tracker = ActivationTracker(ignore=tensors_before)
+        with _FlashAttentionOnMeta(), tracker:
+            loss_fn(model, tuple(batch)).backward()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    if cuda:
+        torch.cuda.synchronize(device)
+        return max(tracker.peak, torch.cuda.max_memory_allocated(device) - allocated_before)
+    return tracker.peak
+
+
+def profile_activations(
+    model_spec: dict[str, Any],
+    micro_batch: int,
+    seq_len: int,
+    precision: str = "bf16",
+    device: str = "meta",
+    vocab_size: int | None = None,
+) -> int:
+    """Build the job's model in its training dtype on ``device`` and measure one micro-batch.
+
+    ``device="meta"`` (the default at submit time) costs no memory and well under a second
+    for the presets: it is the estimate for devices the planner cannot run on. Results for
+    meta are cached per (model, shape, precision).
+    """
+    key = json.dumps(model_spec, sort_keys=True)
+    if device == "meta":
+        return _profile_on_meta(key, micro_batch, seq_len, precision, vocab_size)
+    return _profile(key, micro_batch, seq_len, precision, device, vocab_size)
+
+
+@functools.lru_cache(maxsize=64)
+def _profile_on_meta(key: str, micro_batch: int, seq_len: int, precision: str, vocab: int | None) -> int:
+    return _profile(key, micro_batch, seq_len, precision, "meta", vocab)
+
+
+def _profile(key: str, micro_batch: int, seq_len: int, precision: str, device: str, vocab: int | None) -> int:
+    from workers.models import build_model
+
+    with torch.device(device):
+        model = build_model(json.loads(key)).to(DTYPES[precision])
+    config = getattr(model, "config", None)
+    vocab = vocab or getattr(config, "vocab_size", None) or 256
+    return measure_activation_bytes(model, token_batch(micro_batch, seq_len, vocab, device))
+
+
+# --------------------------------------------------------------------------- prediction
+
+
+@dataclass
+class StagePrediction:
+    """One candidate (stage, offload): every term in bytes, communication and time."""
+
+    stage: int
+    offload: bool
+    n_ranks: int
+    precision: str
+    gpu: dict[str, int]
+    cpu: dict[str, int]
+    padding_bytes: int
+    comm_elements: int
+    comm_bytes: int
+    comm_time_s: float | None = None
+    efficiency: float | None = None
+    bandwidth_needed_bytes_per_s: float | None = None
+    fits: bool | None = None
+
+    @property
+    def total(self) -> int:
+        return self.gpu["total"]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """Everything a prediction depends on besides the stage."""
+
+    shape: ModelShape
+    n_ranks: int
+    precision: str = "bf16"
+    bucket_mb: float = 25.0
+    prefetch: int = 1
+    activation_bytes: int | None = None  # None: not estimated (counted as 0, said so)
+    device: str = "cuda"  # "cuda" adds the CUDA context to the reserve; "cpu" does not
+    bandwidth_bytes_per_s: float | None = None
+    compute_s: float | None = None
+    target_efficiency: float = DEFAULT_TARGET_EFFICIENCY
+    reshard_after_forward: bool = True
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "parameters": self.shape.phi,
+            "largest_unit": max(self.shape.unit_numels),
+            "units": len(self.shape.unit_numels),
+            "n_ranks": self.n_ranks,
+            "precision": self.precision,
+            "bucket_mb": self.bucket_mb,
+            "prefetch": self.prefetch,
+            "activation_bytes": self.activation_bytes,
+            "device": self.device,
+            "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s,
+            "compute_s": self.compute_s,
+            "target_efficiency": self.target_efficiency,
+        }
+
+
+def predict(inputs: PlanInputs, stage: int, offload: bool = False) -> StagePrediction:
+    """Every term of one rank's memory for one (stage, offload), plus communication and time."""
+    shape, n, precision = inputs.shape, inputs.n_ranks, inputs.precision
+    bucket_elems = bucket_elements(inputs.bucket_mb, precision)
+    phi_padded = padded_numel(shape.param_numels, n, bucket_elems) if stage >= 1 else shape.phi
+    states = model_state_bytes(shape.phi, n, precision, stage, offload, phi_padded)
+    gpu = {
+        "params": states.gpu_params,
+        "grads": states.gpu_grads,
+        "optimizer": states.gpu_optimizer,
+        "buckets": bucket_buffer_bytes(inputs.bucket_mb, precision, shape.phi),
+        "gathered_units": gathered_unit_bytes(shape.unit_numels, precision, inputs.prefetch)
+        if stage == 3
+        else 0,
+        "activations": inputs.activation_bytes or 0,
+    }
+    gpu["reserve"] = allocator_reserve_bytes(sum(gpu.values()), inputs.device)
+    gpu["total"] = sum(gpu.values())
+    cpu = {
+        "params": states.cpu_params,
+        "grads": states.cpu_grads,
+        "optimizer": states.cpu_optimizer,
+        "total": states.cpu_total,
+    }
+    elements = comm_elements(shape.phi, stage, inputs.reshard_after_forward)
+    prediction = StagePrediction(
+        stage=stage,
+        offload=offload,
+        n_ranks=n,
+        precision=precision,
+        gpu=gpu,
+        cpu=cpu,
+        padding_bytes=(phi_padded - shape.phi) * low_precision_bytes(precision),
+        comm_elements=elements,
+        comm_bytes=elements * low_precision_bytes(precision),
+    )
+    _add_time_model(prediction, inputs)
+    return prediction
+
+
+def _add_time_model(prediction: StagePrediction, inputs: PlanInputs) -> None:
+    n, comm_bytes = inputs.n_ranks, prediction.comm_bytes
+    if inputs.compute_s and n > 1:
+        prediction.bandwidth_needed_bytes_per_s = bandwidth_for_efficiency(
+            comm_bytes, n, inputs.compute_s, inputs.target_efficiency
+        )
+    if inputs.bandwidth_bytes_per_s:
+        prediction.comm_time_s = comm_time_s(comm_bytes, n, inputs.bandwidth_bytes_per_s)
+        if inputs.compute_s:
+            prediction.efficiency = efficiency(inputs.compute_s, prediction.comm_time_s)
+
+
+def predict_all(inputs: PlanInputs) -> list[StagePrediction]:
+    """Stages 0–3 without offload, then 1–3 with the optimizer offloaded: the planner's order."""
+    plain = [predict(inputs, stage) for stage in STAGES]
+    return plain + [predict(inputs, stage, offload=True) for stage in STAGES[1:]]
+
+
+# --------------------------------------------------------------------------- choice
+
+
+@dataclass
+class Plan:
+    """The chosen (stage, offload), why, and every candidate's full prediction (JSON-able)."""
+
+    stage: int
+    offload: bool
+    reason: str
+    budget_bytes: int | None
+    host_budget_bytes: int | None
+    margin: float
+    inputs: dict[str, Any]
+    candidates: list[StagePrediction] = field(default_factory=list)
+
+    @property
+    def chosen(self) -> StagePrediction:
+        return next(c for c in self.candidates if (c.stage, c.offload) == (self.stage, self.offload))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "stage": self.stage,
+            "offload_optimizer": self.offload,
+            "reason": self.reason,
+            "budget_bytes": self.budget_bytes,
+            "host_budget_bytes": self.host_budget_bytes,
+            "margin": self.margin,
+            "inputs": self.inputs,
+            "chosen": self.chosen.to_dict(),
+            "candidates": [c.to_dict() for c in self.candidates],
+            "method": METHOD,
+        }
+
+
+METHOD = {
+    "model_states": "DESIGN §4 per rank; partitioned terms use Φ padded per bucket to a multiple of N",
+    "offload": "host keeps fp32 master (4Φ/N), fp32 gradient shard (4Φ/N), Adam moments (8Φ/N)",
+    "buckets": "2 buckets in flight of bucket_mb MiB low precision, + an fp32 copy each (mixed precision)",
+    "gathered_units": "stage 3: (prefetch+1) × largest unit (a block of the largest ModuleList, or the root)",
+    "activations": "peak live tensor bytes over one micro-batch forward+backward (dispatch tracker; "
+    "meta device at submit time, SDPA as flash attention)",
+    "reserve": "5% of the other terms, + 512 MiB CUDA context on GPUs",
+    "comm_time": "ring collectives: bytes × (N-1)/N / link bandwidth; fully exposed (no overlap)",
+    "fits": "total <= (1 - margin) × budget; offload also needs host_total <= (1 - margin) × host budget",
+}
+
+
+class NoPlanFits(ValueError):
+    """Nothing fits the budget; ``detail`` holds the numbers (the API answers 422 with it)."""
+
+    def __init__(self, detail: dict[str, Any]):
+        super().__init__(detail["message"])
+        self.detail = detail
+
+
+def choose_plan(
+    inputs: PlanInputs,
+    budget_bytes: int | None,
+    margin: float = DEFAULT_MARGIN,
+    host_budget_bytes: int | None = None,
+    allow_offload: bool = True,
+) -> Plan:
+    """The lowest stage whose total fits ``(1 - margin) × budget``; then offload (stages 1–3).
+
+    With no budget known, stage 0 (least communication) is chosen and the reason says so.
+    Raises ``NoPlanFits`` with every candidate's numbers when nothing fits.
+    """
+    candidates = predict_all(inputs)
+    limit = None if budget_bytes is None else int((1 - margin) * budget_bytes)
+    host_limit = None if host_budget_bytes is None else int((1 - margin) * host_budget_bytes)
+    for c in candidates:
+        c.fits = None if limit is None else c.total <= limit and _host_fits(c, host_limit)
+    plan = functools.partial(
+        Plan,
+        budget_bytes=budget_bytes,
+        host_budget_bytes=host_budget_bytes,
+        margin=margin,
+        inputs=inputs.describe(),
+        candidates=candidates,
+    )
+    if limit is None:
+        return plan(stage=0, offload=False, reason="no memory budget known: stage 0, the least communication")
+    for c in candidates:
+        if c.fits and (allow_offload or not c.offload):
+            what = f"stage {c.stage}" + (" with optimizer offload" if c.offload else "")
+            reason = (
+                f"{what} is the lowest that fits: {c.total / GB:.2f} GB per rank <= "
+                f"{limit / GB:.2f} GB ({1 - margin:.0%} of {budget_bytes / GB:.2f} GB)"
+            )
+            return plan(stage=c.stage, offload=c.offload, reason=reason)
+    smallest = min(candidates, key=lambda c: c.total)
+    raise NoPlanFits(
+        {
+            "message": (
+                f"no ZeRO stage fits: the smallest plan (stage {smallest.stage}"
+                f"{' + offload' if smallest.offload else ''}) needs {smallest.total / GB:.2f} GB "
+                f"per rank, the budget allows {limit / GB:.2f} GB ({1 - margin:.0%} of "
+                f"{budget_bytes / GB:.2f} GB)"
+            ),
+            "budget_bytes": budget_bytes,
+            "usable_bytes": limit,
+            "host_budget_bytes": host_budget_bytes,
+            "margin": margin,
+            "inputs": inputs.describe(),
+            "candidates": [c.to_dict() for c in candidates],
+        }
+    )
+
+
+def _host_fits(candidate: StagePrediction, host_limit: int | None) -> bool:
+    return host_limit is None or candidate.cpu["total"] <= host_limit
+
+
+# --------------------------------------------------------------------------- job specs
+
+
+def inputs_for_spec(
+    spec: dict[str, Any],
+    activations_on: str = "meta",
+    bandwidth_bytes_per_s: float | None = None,
+    compute_s: float | None = None,
+) -> PlanInputs:
+    """PlanInputs for a JobSpec (dict as in DESIGN §3): Φ and activations from the real model.
+
+    N is ``resources.num_workers`` (one data-parallel rank per worker). Activations are
+    profiled on ``activations_on`` (meta by default: the control plane has no GPU to spare);
+    if the model cannot run that way the term is left out and the plan says so (None).
+    """
+    model_spec = spec["model"]
+    data, train = spec.get("data") or {}, spec.get("train") or {}
+    zero, resources = spec.get("zero") or {}, spec.get("resources") or {}
+    precision = zero.get("precision") or "bf16"
+    try:
+        activation_bytes: int | None = profile_activations(
+            model_spec,
+            micro_batch=int(train.get("micro_batch_size") or 1),
+            seq_len=int(data.get("seq_len") or 256),
+            precision=precision,
+            device=activations_on,
+            vocab_size=data.get("vocab_size"),
+        )
+    except Exception:  # a user model may not run on meta: the plan records None
+        activation_bytes = None
+    return PlanInputs(
+        shape=model_shape(model_spec),
+        n_ranks=int(resources.get("num_workers") or 1),
+        precision=precision,
+        bucket_mb=float(zero.get("bucket_mb") or 25),
+        prefetch=int(zero.get("prefetch") if zero.get("prefetch") is not None else 1),
+        activation_bytes=activation_bytes,
+        device="cuda" if (resources.get("gpus_per_worker") or 0) > 0 else "cpu",
+        bandwidth_bytes_per_s=bandwidth_bytes_per_s,
+        compute_s=compute_s,
+    )
+
+
+def plan_for_spec(
+    spec: dict[str, Any],
+    gpu_memory_bytes: int | None = None,
+    margin: float = DEFAULT_MARGIN,
+    host_memory_bytes: int | None = None,
+) -> Plan:
+    """What the control plane calls at submit time; the choice matters for ``stage: "auto"``.
+
+    Budget: ``gpu_memory_bytes`` (what the cluster reports) or else
+    ``resources.gpu_memory_gb``. CPU jobs (``gpus_per_worker == 0``) are budgeted by
+    ``host_memory_bytes`` per worker when the caller knows it; with no budget at all the plan
+    is stage 0 and its reason says that no budget was known. A fixed stage in the spec is
+    kept (its prediction is still recorded); ``offload_optimizer: true`` is kept likewise.
+    Raises ``NoPlanFits`` (→ 422) when ``stage`` is "auto" and nothing fits.
+    """
+    inputs = inputs_for_spec(spec)
+    resources, zero = spec.get("resources") or {}, spec.get("zero") or {}
+    gpu_job = (resources.get("gpus_per_worker") or 0) > 0
+    budget = gpu_memory_bytes
+    if budget is None and gpu_job and resources.get("gpu_memory_gb"):
+        budget = int(float(resources["gpu_memory_gb"]) * GB)
+    if budget is None and not gpu_job:
+        budget = host_memory_bytes
+    stage = zero.get("stage", "auto")
+    if stage in (None, "auto"):
+        return choose_plan(inputs, budget, margin, host_budget_bytes=host_memory_bytes if gpu_job else None)
+    return fixed_plan(inputs, int(stage), bool(zero.get("offload_optimizer")), budget, margin)
+
+
+def fixed_plan(inputs: PlanInputs, stage: int, offload: bool, budget_bytes: int | None, margin: float) -> Plan:
+    """The prediction for a stage the user fixed; ``fits`` says whether the budget holds it."""
+    candidates = predict_all(inputs)
+    if not any((c.stage, c.offload) == (stage, offload) for c in candidates):
+        candidates.append(predict(inputs, stage, offload))
+    limit = None if budget_bytes is None else int((1 - margin) * budget_bytes)
+    for c in candidates:
+        c.fits = None if limit is None else c.total <= limit
+    return Plan(
+        stage=stage,
+        offload=offload,
+        reason=f"stage {stage}{' with optimizer offload' if offload else ''} fixed by the job spec",
+        budget_bytes=budget_bytes,
+        host_budget_bytes=None,
+        margin=margin,
+        inputs=inputs.describe(),
+        candidates=candidates,
+    )
+
+
+# --------------------------------------------------------------------------- checking
+
+
+def compare(prediction: dict[str, Any], measured: dict[str, Any]) -> dict[str, Any]:
+    """Per-term error of a prediction against measurements (pure; the worker calls it at the end).
+
+    ``prediction``: a ``Plan.to_dict()`` (its ``chosen`` entry is used) or one candidate's
+    dict. ``measured``: ``engine.memory()`` keys (params, grads, optimizer, buffers, total) and
+    optionally ``peak`` (peak bytes growth of the process: CUDA max allocated, or RSS on CPU).
+    Each term: predicted, measured, error_bytes (predicted − measured), rel_error (/ measured).
+    Buffers compare with buckets + gathered units; ``total`` with the model-state + buffer
+    terms; ``peak`` with the full predicted total (activations and reserve included).
+    """
+    gpu = (prediction.get("chosen") or prediction)["gpu"]
+    predicted = {
+        "params": gpu["params"],
+        "grads": gpu["grads"],
+        "optimizer": gpu["optimizer"],
+        "buffers": gpu["buckets"] + gpu["gathered_units"],
+    }
+    predicted["total"] = sum(predicted.values())
+    predicted["peak"] = gpu["total"]
+    out = {}
+    for term, value in predicted.items():
+        if measured.get(term) is None:
+            continue
+        actual = float(measured[term])
+        out[term] = {
+            "predicted": value,
+            "measured": actual,
+            "error_bytes": value - actual,
+            "rel_error": (value - actual) / actual if actual else None,
+        }
+    return out
