@@ -1,0 +1,66 @@
+"""One JSON shape for every error: ``{"detail": "...", "errors": [{"field", "message", "type"}]}``.
+
+Validation errors name the field as a dotted path inside the body (``train.micro_batch_size``)
+or as the query/header parameter; the database being down is a 503, not a traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DBAPIError, OperationalError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger(__name__)
+_LOCATION_PREFIXES = {"body", "query", "path", "header"}
+
+
+def field_name(error: dict[str, Any]) -> str | None:
+    named = (error.get("ctx") or {}).get("field")
+    if named:
+        return str(named)
+    loc = [str(part) for part in error.get("loc", ())]
+    if loc and loc[0] in _LOCATION_PREFIXES:
+        loc = loc[1:]
+    return ".".join(loc) or None
+
+
+def error_body(detail: str, errors: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {"detail": detail, "errors": errors or []}
+
+
+async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = [
+        {"field": field_name(error), "message": error.get("msg", "invalid"), "type": error.get("type")}
+        for error in exc.errors()
+    ]
+    summary = "; ".join(f"{e['field']}: {e['message']}" if e["field"] else e["message"] for e in errors)
+    return JSONResponse(error_body(f"invalid request: {summary}", errors), status_code=422)
+
+
+async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    return JSONResponse(error_body(str(exc.detail)), status_code=exc.status_code,
+                        headers=getattr(exc, "headers", None))
+
+
+async def _database_error(_request: Request, exc: DBAPIError) -> JSONResponse:
+    log.error("database error: %s", exc.orig if exc.orig is not None else exc)
+    return JSONResponse(error_body("database unavailable; try again shortly"), status_code=503)
+
+
+async def _unexpected_error(_request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error", exc_info=exc)
+    return JSONResponse(error_body("internal server error"), status_code=500)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(OperationalError, _database_error)
+    app.add_exception_handler(DBAPIError, _database_error)
+    app.add_exception_handler(Exception, _unexpected_error)

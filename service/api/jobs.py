@@ -1,0 +1,142 @@
+"""Jobs: submit (idempotent), list, get, cancel, events, logs."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import uuid
+from typing import Annotated
+
+from fastapi import APIRouter, Header, HTTPException, Query, Request, Response
+from fastapi.responses import PlainTextResponse
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from service.api.deps import CurrentUser, LauncherDep, SessionDep, VisibleJob
+from service.auth import Principal
+from service.launchers.base import LaunchHandle
+from service.models import IdempotencyKey, Job, JobEvent, utcnow
+from service.schemas import EventList, JobOut, JobPage, JobSpec, JobState
+from service.states import IllegalTransition, Reason, load_job, record_created, transition
+
+router = APIRouter(prefix="/jobs", tags=["jobs"])
+
+IdempotencyKeyHeader = Annotated[
+    str | None, Header(alias="Idempotency-Key", min_length=1, max_length=200)
+]
+
+
+def new_job_id() -> str:
+    return f"job-{uuid.uuid4().hex[:16]}"
+
+
+def spec_sha256(spec_json: dict) -> str:
+    return hashlib.sha256(json.dumps(spec_json, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _replay(session: Session, user: Principal, key: str, request_hash: str) -> Job | None:
+    """The job an earlier request with this key created, or None; 409 if the body differs."""
+    row = session.execute(
+        select(IdempotencyKey).where(IdempotencyKey.owner == user.name, IdempotencyKey.key == key)
+    ).scalar_one_or_none()
+    if row is None:
+        return None
+    if row.request_sha256 != request_hash:
+        raise HTTPException(409, f"Idempotency-Key {key!r} was already used with a different job spec")
+    return load_job(session, row.job_id)
+
+
+@router.post("", status_code=201, response_model=JobOut, name="submit_job",
+             responses={200: {"model": JobOut, "description": "replayed: the job this key created"}})
+def submit_job(spec: JobSpec, request: Request, response: Response, session: SessionDep,
+               user: CurrentUser, idempotency_key: IdempotencyKeyHeader = None) -> Job:
+    spec_json = spec.model_dump(mode="json")
+    request_hash = spec_sha256(spec_json)
+    if idempotency_key and (earlier := _replay(session, user, idempotency_key, request_hash)):
+        response.status_code = 200
+        return earlier
+    now = utcnow()
+    job = Job(id=new_job_id(), name=spec.name, owner=user.name, state=JobState.QUEUED.value,
+              reason=Reason.SUBMITTED, attempt=0, spec=spec_json, created_at=now, updated_at=now)
+    session.add(job)
+    session.flush()
+    record_created(session, job)
+    if idempotency_key:
+        session.add(IdempotencyKey(owner=user.name, key=idempotency_key,
+                                   request_sha256=request_hash, job_id=job.id))
+    try:
+        session.commit()
+    except IntegrityError:  # a concurrent request with the same key won the race
+        session.rollback()
+        earlier = _replay(session, user, idempotency_key, request_hash) if idempotency_key else None
+        if earlier is None:
+            raise
+        response.status_code = 200
+        return earlier
+    wake = getattr(request.app.state, "wake_scheduler", None)
+    if wake:
+        wake()
+    return job
+
+
+@router.get("", response_model=JobPage, name="list_jobs")
+def list_jobs(session: SessionDep, user: CurrentUser,
+              state: Annotated[JobState | None, Query(description="only jobs in this state")] = None,
+              limit: Annotated[int, Query(ge=1, le=500)] = 50,
+              cursor: Annotated[str | None, Query(pattern=r"^\d{1,19}$",
+                                                  description="next_cursor of the previous page")] = None,
+              ) -> JobPage:
+    query = select(Job).order_by(Job.pk.desc()).limit(limit + 1)
+    if not user.is_admin:
+        query = query.where(Job.owner == user.name)
+    if state is not None:
+        query = query.where(Job.state == state.value)
+    if cursor is not None:
+        query = query.where(Job.pk < int(cursor))
+    jobs = list(session.execute(query).scalars())
+    next_cursor = str(jobs[limit - 1].pk) if len(jobs) > limit else None
+    return JobPage(items=[JobOut.model_validate(job) for job in jobs[:limit]], next_cursor=next_cursor)
+
+
+@router.get("/{job_id}", response_model=JobOut, name="get_job")
+def get_job(job: VisibleJob) -> Job:
+    return job
+
+
+@router.post("/{job_id}/cancel", response_model=JobOut, name="cancel_job")
+def cancel_job(job: VisibleJob, request: Request, session: SessionDep) -> Job:
+    """QUEUED jobs are cancelled at once; running ones go to CANCELLING until the launcher stops them."""
+    for _ in range(10):
+        current = JobState(load_job(session, job.id).state)
+        if current is JobState.CANCELLING:
+            return load_job(session, job.id)
+        target = JobState.CANCELLED if current is JobState.QUEUED else JobState.CANCELLING
+        try:
+            cancelled = transition(session, job.id, target, reason=Reason.CANCELLED_BY_USER,
+                                   message="cancelled by the user", expected={current})
+        except IllegalTransition as refused:
+            session.rollback()
+            if refused.current is not current:  # it moved on meanwhile; judge the new state
+                continue
+            raise HTTPException(409, f"job {job.id} is already {current.value}; it cannot be cancelled")
+        session.commit()
+        wake = getattr(request.app.state, "wake_scheduler", None)
+        if wake:
+            wake()
+        return cancelled
+    raise HTTPException(409, f"job {job.id} kept changing state; retry the cancel")
+
+
+@router.get("/{job_id}/events", response_model=EventList, name="list_job_events")
+def list_job_events(job: VisibleJob, session: SessionDep) -> EventList:
+    events = session.execute(select(JobEvent).where(JobEvent.job_id == job.id).order_by(JobEvent.id)).scalars()
+    return EventList.model_validate({"items": list(events)}, from_attributes=True)
+
+
+@router.get("/{job_id}/logs", response_class=PlainTextResponse, name="get_job_logs")
+def get_job_logs(job: VisibleJob, launcher: LauncherDep,
+                 tail_bytes: Annotated[int | None, Query(ge=1, le=64 * 1024 * 1024)] = None) -> str:
+    if not job.launch_handle:
+        return ""
+    return launcher.logs(LaunchHandle.from_json(job.launch_handle), tail_bytes)

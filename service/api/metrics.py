@@ -1,0 +1,144 @@
+"""Training metrics: batched idempotent ingest from workers, queries, and a live SSE stream.
+
+Ingest relies on the unique (job, attempt, rank, step) key with ``ON CONFLICT DO NOTHING``, so
+a batch re-sent after a timeout is counted as duplicates and changes nothing. Queries can be
+downsampled server-side (``max_points``): steps are cut into equal buckets and each bucket
+becomes one point per rank holding the mean of every metric.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from typing import Annotated, Any
+
+import anyio
+from fastapi import APIRouter, Header, Query, Request
+from fastapi.responses import StreamingResponse
+from sqlalchemy import Select, func, select
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session
+
+from service.api.deps import SessionDep, VisibleJob, WorkerJob
+from service.models import Job, Metric
+from service.schemas import (
+    METRIC_FIELDS,
+    TERMINAL_STATES,
+    IngestResult,
+    JobState,
+    MetricBatch,
+    MetricList,
+    MetricPoint,
+)
+
+router = APIRouter(prefix="/jobs", tags=["metrics"])
+
+STORED_FIELDS = ("attempt", "rank", "step", "time", *METRIC_FIELDS)
+STREAM_BATCH = 1000
+
+
+@router.post("/{job_id}/metrics", response_model=IngestResult, name="ingest_metrics")
+def ingest_metrics(batch: MetricBatch, job: WorkerJob, request: Request, session: SessionDep) -> IngestResult:
+    if not batch.records:
+        return IngestResult(accepted=0, duplicates=0)
+    rows = [{"job_id": job.id, **record.model_dump(include=set(STORED_FIELDS))} for record in batch.records]
+    dialect = postgresql if session.get_bind().dialect.name == "postgresql" else sqlite
+    statement = dialect.insert(Metric).on_conflict_do_nothing().returning(Metric.id)
+    accepted = len(session.execute(statement, rows).all())
+    session.commit()
+    request.app.state.service_metrics.metric_points.inc(accepted)
+    return IngestResult(accepted=accepted, duplicates=len(rows) - accepted)
+
+
+def _filtered(query: Select, job_id: str, rank: int | None, attempt: int | None,
+              step_min: int | None, step_max: int | None) -> Select:
+    query = query.where(Metric.job_id == job_id)
+    if rank is not None:
+        query = query.where(Metric.rank == rank)
+    if attempt is not None:
+        query = query.where(Metric.attempt == attempt)
+    if step_min is not None:
+        query = query.where(Metric.step >= step_min)
+    if step_max is not None:
+        query = query.where(Metric.step <= step_max)
+    return query
+
+
+def _downsampled(session: Session, job_id: str, max_points: int, **filters: Any) -> list[dict]:
+    low, high = session.execute(_filtered(select(func.min(Metric.step), func.max(Metric.step)),
+                                          job_id, **filters)).one()
+    if low is None:
+        return []
+    width = max(1, math.ceil((high - low + 1) / max_points))
+    bucket = ((Metric.step - low) / width).label("bucket")  # integer division on both dialects
+    columns = [func.max(Metric.attempt).label("attempt"), Metric.rank, func.max(Metric.step).label("step"),
+               func.max(Metric.time).label("time"),
+               *(func.avg(getattr(Metric, name)).label(name) for name in METRIC_FIELDS)]
+    query = _filtered(select(*columns), job_id, **filters).group_by(Metric.rank, bucket)
+    return [dict(row._mapping) for row in session.execute(query.order_by(Metric.rank, bucket))]
+
+
+@router.get("/{job_id}/metrics", response_model=MetricList, name="list_metrics")
+def list_metrics(job: VisibleJob, session: SessionDep,
+                 rank: Annotated[int | None, Query(ge=0)] = None,
+                 attempt: Annotated[int | None, Query(ge=0)] = None,
+                 step_min: Annotated[int | None, Query(ge=0)] = None,
+                 step_max: Annotated[int | None, Query(ge=0)] = None,
+                 after_id: Annotated[int | None, Query(ge=0, description="only records stored after this id")] = None,
+                 limit: Annotated[int, Query(ge=1, le=100_000)] = 10_000,
+                 max_points: Annotated[int | None, Query(ge=1, le=100_000,
+                                                         description="downsample to about this many steps per rank")] = None,
+                 ) -> MetricList:
+    filters = {"rank": rank, "attempt": attempt, "step_min": step_min, "step_max": step_max}
+    if max_points is not None:
+        return MetricList(items=[MetricPoint.model_validate(row) for row in
+                                 _downsampled(session, job.id, max_points, **filters)], downsampled=True)
+    query = _filtered(select(Metric), job.id, **filters)
+    if after_id is not None:
+        query = query.where(Metric.id > after_id)
+    metrics = session.execute(query.order_by(Metric.step, Metric.rank, Metric.id).limit(limit)).scalars()
+    return MetricList(items=[MetricPoint.model_validate(metric) for metric in metrics])
+
+
+def _next_metrics(make_session, job_id: str, after_id: int, rank: int | None) -> tuple[list[MetricPoint], bool]:  # noqa: ANN001
+    """New records after ``after_id`` and whether the job had ended before they were read."""
+    with make_session() as session:
+        state = session.execute(select(Job.state).where(Job.id == job_id)).scalar_one()
+        query = _filtered(select(Metric), job_id, rank, None, None, None).where(Metric.id > after_id)
+        metrics = session.execute(query.order_by(Metric.id).limit(STREAM_BATCH)).scalars()
+        return [MetricPoint.model_validate(m) for m in metrics], JobState(state) in TERMINAL_STATES
+
+
+@router.get("/{job_id}/metrics/stream", name="stream_metrics",
+            response_class=StreamingResponse,
+            responses={200: {"content": {"text/event-stream": {}},
+                             "description": "one `metric` event per record; `end` when the job has ended"}})
+async def stream_metrics(job: VisibleJob, request: Request,
+                         after_id: Annotated[int, Query(ge=0)] = 0,
+                         rank: Annotated[int | None, Query(ge=0)] = None,
+                         last_event_id: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
+                         ) -> StreamingResponse:
+    """Server-sent events of new metric records; ends once the job is terminal and drained."""
+    if last_event_id and last_event_id.isdigit():
+        after_id = max(after_id, int(last_event_id))
+    make_session = request.app.state.sessionmaker
+    poll_s = request.app.state.settings.sse_poll_s
+    job_id = job.id
+
+    async def events():
+        cursor = after_id
+        yield "retry: 1000\n\n"
+        while not await request.is_disconnected():
+            points, ended = await anyio.to_thread.run_sync(_next_metrics, make_session, job_id, cursor, rank)
+            for point in points:
+                cursor = point.id
+                yield f"id: {point.id}\nevent: metric\ndata: {point.model_dump_json(exclude_none=True)}\n\n"
+            if ended and len(points) < STREAM_BATCH:
+                yield f"event: end\ndata: {json.dumps({'job_id': job_id})}\n\n"
+                return
+            if not points:
+                await asyncio.sleep(poll_s)
+
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -1,0 +1,135 @@
+"""``POST /plan``: the memory planner over HTTP (mounted under ``/api/v1``).
+
+Two ways to ask, so that both a whiteboard question and a job about to be submitted get an
+answer: a bare parameter count (``{"params": 7.5e9, "gpus": 64, ...}``) or a job spec, or
+the part of one that matters (``{"model", "data.seq_len", "train.micro_batch_size", "zero",
+"resources"}``; other JobSpec fields are ignored here, the jobs route validates them). The
+answer is the plan: the chosen stage, why, and every candidate's terms in bytes. When
+nothing fits, the answer is a 422 that carries the same numbers (``plan``), so the caller
+sees how far off each stage is. Auth is added by whoever mounts the router.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+router = APIRouter(tags=["plan"])
+
+GB = 1e9
+
+
+class PlanRequest(BaseModel):
+    """Either ``params`` (+ ``gpus``) or ``model`` (+ the job-spec blocks it needs)."""
+
+    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+    # a bare count
+    params: float | None = Field(default=None, gt=0, description="Φ, number of parameters")
+    gpus: int = Field(default=1, ge=1, description="data-parallel ranks (with params)")
+    precision: Literal["fp32", "bf16", "fp16"] | None = Field(
+        default=None, description="default: zero.precision of the spec, else bf16"
+    )
+    activation_gb: float | None = Field(default=None, ge=0, description="activations per rank, GB (with params)")
+    units: int = Field(default=32, ge=1, description="stage-3 units assumed for a bare count")
+    # a job spec (or its relevant part)
+    model: dict[str, Any] | None = None
+    data: dict[str, Any] | None = None
+    train: dict[str, Any] | None = None
+    zero: dict[str, Any] | None = None
+    resources: dict[str, Any] | None = None
+    # budget and time model (both ways)
+    gpu_mem_gb: float | None = Field(default=None, gt=0, description="memory per GPU (or per CPU worker), GB")
+    host_mem_gb: float | None = Field(default=None, gt=0, description="host memory per rank for offload, GB")
+    margin: float = Field(default=0.10, ge=0, lt=1, description="fraction of the budget kept free")
+    bandwidth_gbps: float | None = Field(default=None, gt=0, description="per-rank link, gigabits/s")
+    compute_s: float | None = Field(default=None, gt=0, description="compute time of one step, s")
+    target_efficiency: float = Field(default=0.75, gt=0, lt=1)
+    bucket_mb: float = Field(default=25.0, gt=0)
+    prefetch: int = Field(default=1, ge=0)
+
+    @model_validator(mode="after")
+    def _one_way(self) -> "PlanRequest":
+        if (self.params is None) == (self.model is None):
+            raise ValueError("give exactly one of 'params' (a parameter count) or 'model' (a job spec)")
+        return self
+
+
+class PlanResponse(BaseModel):
+    """``memory.Plan.to_dict()``: bytes per rank for every candidate; ``chosen`` is the pick."""
+
+    model_config = ConfigDict(extra="allow")
+
+    stage: int
+    offload_optimizer: bool
+    reason: str
+    budget_bytes: int | None
+    host_budget_bytes: int | None
+    margin: float
+    inputs: dict[str, Any]
+    chosen: dict[str, Any]
+    candidates: list[dict[str, Any]]
+    method: dict[str, str]
+
+
+def _gb(value: float | None) -> int | None:
+    return None if value is None else int(value * GB)
+
+
+def plan_from_request(req: PlanRequest) -> "Any":
+    """The ``memory.Plan`` a request asks for; raises ``memory.NoPlanFits`` or ``ValueError``."""
+    from workers.zero import memory
+
+    bandwidth = None if req.bandwidth_gbps is None else memory.gbps_to_bytes_per_s(req.bandwidth_gbps)
+    if req.model is not None:
+        zero = dict(req.zero or {})
+        if req.precision:
+            zero["precision"] = req.precision
+        spec = {"model": req.model, "data": req.data, "train": req.train, "zero": zero, "resources": req.resources}
+        return memory.plan_for_spec(
+            spec,
+            gpu_memory_bytes=_gb(req.gpu_mem_gb),
+            margin=req.margin,
+            host_memory_bytes=_gb(req.host_mem_gb),
+            bandwidth_bytes_per_s=bandwidth,
+            compute_s=req.compute_s,
+        )
+    inputs = memory.PlanInputs(
+        shape=memory.ModelShape.from_count(req.params, req.units),
+        n_ranks=req.gpus,
+        precision=req.precision or "bf16",
+        bucket_mb=req.bucket_mb,
+        prefetch=req.prefetch,
+        activation_bytes=_gb(req.activation_gb),
+        device="cuda",
+        bandwidth_bytes_per_s=bandwidth,
+        compute_s=req.compute_s,
+        target_efficiency=req.target_efficiency,
+    )
+    return memory.choose_plan(inputs, _gb(req.gpu_mem_gb), req.margin, host_budget_bytes=_gb(req.host_mem_gb))
+
+
+def no_plan_response(detail: dict[str, Any]) -> JSONResponse:
+    """422 in the service's error shape, with every candidate's numbers under ``plan``."""
+    error = {"field": "zero.stage", "message": detail["message"], "type": "no_plan_fits"}
+    return JSONResponse({"detail": detail["message"], "errors": [error], "plan": detail}, status_code=422)
+
+
+@router.post(
+    "/plan",
+    response_model=PlanResponse,
+    responses={422: {"description": "nothing fits the memory budget; the numbers are under 'plan'"}},
+)
+def post_plan(req: PlanRequest) -> Any:
+    from workers.zero import memory
+
+    try:
+        return plan_from_request(req).to_dict()
+    except memory.NoPlanFits as exc:
+        return no_plan_response(exc.detail)
+    except ValueError as exc:  # unknown preset, unimportable factory, ...
+        return JSONResponse({"detail": str(exc), "errors": [{"field": "model", "message": str(exc),
+                                                               "type": "value_error"}]}, status_code=422)

@@ -1,0 +1,52 @@
+"""Routes the job's driver and workers call with the job's ingest token (docs/contracts.md)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, HTTPException
+from sqlalchemy import select
+from sqlalchemy.dialects import postgresql, sqlite
+
+from service.api.deps import SessionDep, SettingsDep, WorkerJob
+from service.models import Checkpoint, Job
+from service.schemas import CheckpointIn, CheckpointOut, JobOut, JobState, WorkerSpecOut, WorkerStateIn
+from service.states import IllegalTransition, Reason, transition
+
+router = APIRouter(prefix="/jobs/{job_id}/worker", tags=["workers"])
+
+DEFAULT_REASONS = {
+    JobState.RUNNING: Reason.DRIVER_STARTED,
+    JobState.RESTARTING: Reason.WORKER_FAILED,
+    JobState.SUCCEEDED: Reason.DRIVER_REPORTED,
+    JobState.FAILED: Reason.WORKER_FAILED,
+}
+
+
+@router.get("/spec", response_model=WorkerSpecOut, name="get_worker_spec")
+def get_worker_spec(job: WorkerJob, settings: SettingsDep) -> WorkerSpecOut:
+    return WorkerSpecOut(job_id=job.id, attempt=job.attempt, state=JobState(job.state),
+                         spec=job.spec, storage_uri=settings.storage_uri)
+
+
+@router.post("/state", response_model=JobOut, name="report_worker_state")
+def report_worker_state(report: WorkerStateIn, job: WorkerJob, session: SessionDep) -> Job:
+    target = JobState(report.state)
+    if JobState(job.state) is target and report.attempt in (None, job.attempt):
+        return job  # a retried report: already applied
+    try:
+        updated = transition(session, job.id, target, reason=report.reason or DEFAULT_REASONS[target],
+                             message=report.message, attempt=report.attempt)
+    except IllegalTransition as refused:
+        raise HTTPException(409, str(refused)) from None
+    session.commit()
+    return updated
+
+
+@router.post("/checkpoints", status_code=201, response_model=CheckpointOut, name="register_checkpoint")
+def register_checkpoint(checkpoint: CheckpointIn, job: WorkerJob, session: SessionDep) -> Checkpoint:
+    dialect = postgresql if session.get_bind().dialect.name == "postgresql" else sqlite
+    session.execute(dialect.insert(Checkpoint).values(job_id=job.id, **checkpoint.model_dump())
+                    .on_conflict_do_nothing())
+    session.commit()
+    return session.execute(
+        select(Checkpoint).where(Checkpoint.job_id == job.id, Checkpoint.step == checkpoint.step)
+    ).scalar_one()

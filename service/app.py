@@ -1,0 +1,108 @@
+"""The FastAPI application factory: ``create_app(settings)``.
+
+Start-up migrates the database (see ``service.migrate`` for why the service migrates itself),
+creates the local admin token when the embedded default is used, builds the launcher and
+starts the scheduler thread; shutdown stops them in reverse order.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI
+from fastapi.responses import HTMLResponse
+from fastapi.routing import APIRoute
+
+from service import migrate
+from service.api import checkpoints, health, jobs, metrics, workers
+from service.api.errors import install_error_handlers
+from service.auth import ensure_local_admin_token
+from service.db import make_engine, make_sessionmaker
+from service.launchers import make_launcher
+from service.limits import BodySizeLimit
+from service.observability import RequestMetrics, ServiceMetrics
+from service.scheduler import Scheduler
+from service.settings import Settings
+
+log = logging.getLogger(__name__)
+API_PREFIX = "/api/v1"
+OPTIONAL_ROUTERS = ("service.api.plan",)  # written alongside; included when present
+
+
+def _operation_id(route: APIRoute) -> str:
+    return route.name
+
+
+def _include_optional_routers(app: FastAPI) -> None:
+    for module_name in OPTIONAL_ROUTERS:
+        if importlib.util.find_spec(module_name) is None:
+            continue
+        app.include_router(importlib.import_module(module_name).router, prefix=API_PREFIX)
+
+
+def _mount_dashboard(app: FastAPI) -> None:
+    """The dashboard's own router when it exists, else its static files, else a placeholder."""
+    if importlib.util.find_spec("service.dashboard") is not None:
+        dashboard = importlib.import_module("service.dashboard")
+        if hasattr(dashboard, "router"):
+            app.include_router(dashboard.router)
+            return
+    static = Path(__file__).parent / "dashboard" / "static"
+    if (static / "index.html").exists():
+        from fastapi.staticfiles import StaticFiles
+
+        app.mount("/", StaticFiles(directory=static, html=True), name="dashboard")
+        return
+
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    def dashboard_placeholder() -> str:
+        return "<!doctype html><title>zerotrain</title><p>zerotrain is running. API: <a href='/docs'>/docs</a></p>"
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings()
+    engine = make_engine(settings.database_url)
+    make_session = make_sessionmaker(engine)
+    service_metrics = ServiceMetrics(make_session)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        migrate.upgrade(settings.database_url)
+        if settings.bootstrap_admin:
+            ensure_local_admin_token(make_session, settings.token_file)
+        launcher = make_launcher(settings)
+        scheduler = Scheduler(make_session, launcher, settings)
+        app.state.launcher = launcher
+        app.state.scheduler = scheduler
+        if settings.scheduler_enabled:
+            scheduler.start()
+            app.state.wake_scheduler = scheduler.wake
+        try:
+            yield
+        finally:
+            scheduler.stop()
+            launcher.close()
+            engine.dispose()
+
+    app = FastAPI(title="zerotrain", version="0.1.0", lifespan=lifespan,
+                  generate_unique_id_function=_operation_id,
+                  description="Self-hostable training service: jobs, metrics, checkpoints.")
+    app.state.settings = settings
+    app.state.engine = engine
+    app.state.sessionmaker = make_session
+    app.state.service_metrics = service_metrics
+    app.state.wake_scheduler = None
+
+    install_error_handlers(app)
+    for router in (jobs.router, metrics.router, workers.router, checkpoints.router):
+        app.include_router(router, prefix=API_PREFIX)
+    _include_optional_routers(app)
+    app.include_router(health.router)
+    _mount_dashboard(app)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(RequestMetrics, metrics=service_metrics)
+    return app

@@ -1,0 +1,77 @@
+"""Bearer tokens: user API tokens, per-job ingest tokens, and the local admin bootstrap.
+
+Only SHA-256 hashes are stored; a token is checked by hashing what the client sent and looking
+the hash up (no secret ever sits in the database, and no string comparison leaks timing).
+A user token acts as its ``name``: jobs belong to that name, and admins see every job.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from service.models import ApiToken
+
+USER_TOKEN_PREFIX = "zt_"
+INGEST_TOKEN_PREFIX = "zti_"
+LOCAL_ADMIN_NAME = "admin"
+
+
+@dataclass(frozen=True)
+class Principal:
+    name: str
+    is_admin: bool
+
+    def owns(self, owner: str) -> bool:
+        return self.is_admin or owner == self.name
+
+
+def new_token(prefix: str = USER_TOKEN_PREFIX) -> str:
+    return prefix + secrets.token_urlsafe(32)
+
+
+def hash_token(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def create_api_token(session: Session, name: str, *, is_admin: bool = False) -> str:
+    """Store a new token for ``name`` and return it; this is the only time it is visible."""
+    token = new_token()
+    session.add(ApiToken(name=name, token_hash=hash_token(token), is_admin=is_admin))
+    return token
+
+
+def authenticate(session: Session, token: str) -> Principal | None:
+    row = session.execute(
+        select(ApiToken).where(ApiToken.token_hash == hash_token(token), ApiToken.revoked_at.is_(None))
+    ).scalar_one_or_none()
+    return None if row is None else Principal(row.name, row.is_admin)
+
+
+def ensure_local_admin_token(make_session: sessionmaker[Session], token_file: Path) -> None:
+    """Embedded default: an admin token in ``token_file`` (mode 0600), created on first start.
+
+    If the file exists but the database is new (e.g. it was deleted), the file's token is
+    registered again so the CLI keeps working.
+    """
+    token_file.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        token = token_file.read_text().strip()
+    else:
+        token = new_token()
+        with os.fdopen(fd, "w") as handle:
+            handle.write(token + "\n")
+    if not token:
+        return
+    with make_session() as session:
+        if authenticate(session, token) is None:
+            session.add(ApiToken(name=LOCAL_ADMIN_NAME, token_hash=hash_token(token), is_admin=True))
+            session.commit()

@@ -1,0 +1,243 @@
+"""Python SDK for the zerotrain API (depends on httpx and pydantic only).
+
+    from service.client import Client
+    client = Client()                          # ZEROTRAIN_URL / ZEROTRAIN_TOKEN, else the local defaults
+    job = client.submit(spec, idempotency_key="run-1")
+    job = client.wait(job.id, timeout=600)
+
+Every HTTP error becomes a typed exception carrying the server's message (``ZerotrainError``
+and its subclasses); connection failures are ``ServiceUnavailable``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from service.schemas import (
+    TERMINAL_STATES,
+    CheckpointList,
+    CheckpointOut,
+    EventList,
+    EventOut,
+    JobOut,
+    JobPage,
+    JobSpec,
+    JobState,
+    MetricList,
+    MetricPoint,
+)
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+class ZerotrainError(Exception):
+    """Base of every SDK error; ``status`` is the HTTP status (None if there was no answer)."""
+
+    def __init__(self, message: str, status: int | None = None, errors: list[dict] | None = None):
+        super().__init__(message)
+        self.message, self.status, self.errors = message, status, errors or []
+
+
+class Unauthorized(ZerotrainError):
+    pass
+
+
+class NotFound(ZerotrainError):
+    pass
+
+
+class Conflict(ZerotrainError):
+    pass
+
+
+class ValidationFailed(ZerotrainError):
+    """422: ``errors`` lists ``{"field", "message", "type"}`` for each bad field."""
+
+    @property
+    def fields(self) -> list[str]:
+        return [error.get("field") or "" for error in self.errors]
+
+
+class PayloadTooLarge(ZerotrainError):
+    pass
+
+
+class ServerError(ZerotrainError):
+    pass
+
+
+class ServiceUnavailable(ZerotrainError):
+    pass
+
+
+class WaitTimeout(ZerotrainError):
+    pass
+
+
+_ERRORS_BY_STATUS: dict[int, type[ZerotrainError]] = {
+    401: Unauthorized, 403: Unauthorized, 404: NotFound, 409: Conflict, 413: PayloadTooLarge,
+    422: ValidationFailed, 503: ServiceUnavailable,
+}
+
+
+def _default_home() -> Path:
+    return Path(os.environ.get("ZEROTRAIN_HOME") or "~/.zerotrain").expanduser()
+
+
+def default_token() -> str | None:
+    token = os.environ.get("ZEROTRAIN_TOKEN")
+    if token:
+        return token
+    token_file = _default_home() / "token"
+    try:
+        return token_file.read_text().strip() or None
+    except OSError:
+        return None
+
+
+def default_url() -> str:
+    return (os.environ.get("ZEROTRAIN_URL") or DEFAULT_URL).rstrip("/")
+
+
+def error_from_response(response: httpx.Response) -> ZerotrainError:
+    try:
+        body = response.json()
+        message, errors = str(body.get("detail", response.text)), body.get("errors") or []
+    except (ValueError, AttributeError):
+        message, errors = response.text or response.reason_phrase, []
+    kind = _ERRORS_BY_STATUS.get(response.status_code)
+    if kind is None:
+        kind = ServerError if response.status_code >= 500 else ZerotrainError
+    return kind(message, response.status_code, errors)
+
+
+class Client:
+    def __init__(self, url: str | None = None, token: str | None = None, *, timeout: float = 30.0,
+                 transport: httpx.BaseTransport | None = None):
+        self.url = (url or default_url()).rstrip("/")
+        self.token = token or default_token()
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout, transport=transport)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ plumbing
+
+    def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            response = self._http.request(method, path, **kwargs)
+        except httpx.TransportError as error:
+            raise ServiceUnavailable(f"cannot reach zerotrain at {self.url}: {error}") from None
+        if response.status_code >= 400:
+            raise error_from_response(response)
+        return response
+
+    def _api(self, method: str, path: str, **kwargs: Any) -> Any:
+        return self.request(method, f"/api/v1{path}", **kwargs).json()
+
+    # ------------------------------------------------------------------ jobs
+
+    def submit(self, spec: JobSpec | dict[str, Any], idempotency_key: str | None = None) -> JobOut:
+        body = spec.model_dump(mode="json") if isinstance(spec, JobSpec) else spec
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+        return JobOut.model_validate(self._api("POST", "/jobs", json=body, headers=headers))
+
+    def get(self, job_id: str) -> JobOut:
+        return JobOut.model_validate(self._api("GET", f"/jobs/{job_id}"))
+
+    def list(self, state: JobState | str | None = None, limit: int = 50,
+             cursor: str | None = None) -> JobPage:
+        params: dict[str, Any] = {"limit": limit}
+        if state is not None:
+            params["state"] = JobState(state).value
+        if cursor is not None:
+            params["cursor"] = cursor
+        return JobPage.model_validate(self._api("GET", "/jobs", params=params))
+
+    def iterate(self, state: JobState | str | None = None, page_size: int = 100) -> Iterator[JobOut]:
+        cursor = None
+        while True:
+            page = self.list(state=state, limit=page_size, cursor=cursor)
+            yield from page.items
+            if page.next_cursor is None:
+                return
+            cursor = page.next_cursor
+
+    def cancel(self, job_id: str) -> JobOut:
+        return JobOut.model_validate(self._api("POST", f"/jobs/{job_id}/cancel"))
+
+    def events(self, job_id: str) -> list[EventOut]:
+        return EventList.model_validate(self._api("GET", f"/jobs/{job_id}/events")).items
+
+    def logs(self, job_id: str, tail_bytes: int | None = None) -> str:
+        params = {"tail_bytes": tail_bytes} if tail_bytes else {}
+        return self.request("GET", f"/api/v1/jobs/{job_id}/logs", params=params).text
+
+    def checkpoints(self, job_id: str) -> list[CheckpointOut]:
+        return CheckpointList.model_validate(self._api("GET", f"/jobs/{job_id}/checkpoints")).items
+
+    def wait(self, job_id: str, timeout: float | None = None, poll: float = 0.5) -> JobOut:
+        """Poll until the job is terminal; ``WaitTimeout`` after ``timeout`` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            job = self.get(job_id)
+            if job.state in TERMINAL_STATES:
+                return job
+            if deadline is not None and time.monotonic() >= deadline:
+                raise WaitTimeout(f"job {job_id} is still {job.state.value} after {timeout} s")
+            time.sleep(poll if deadline is None else max(0.0, min(poll, deadline - time.monotonic())))
+
+    # ------------------------------------------------------------------ metrics
+
+    def metrics(self, job_id: str, rank: int | None = None, step_min: int | None = None,
+                step_max: int | None = None, *, attempt: int | None = None,
+                max_points: int | None = None, limit: int | None = None) -> list[MetricPoint]:
+        params = {key: value for key, value in {
+            "rank": rank, "step_min": step_min, "step_max": step_max, "attempt": attempt,
+            "max_points": max_points, "limit": limit}.items() if value is not None}
+        return MetricList.model_validate(self._api("GET", f"/jobs/{job_id}/metrics", params=params)).items
+
+    def stream_metrics(self, job_id: str, after_id: int = 0, rank: int | None = None,
+                       timeout: float | None = None) -> Iterator[MetricPoint]:
+        """Yield metric records as they are stored; returns when the job has ended."""
+        params: dict[str, Any] = {"after_id": after_id}
+        if rank is not None:
+            params["rank"] = rank
+        try:
+            with self._http.stream("GET", f"/api/v1/jobs/{job_id}/metrics/stream", params=params,
+                                   timeout=httpx.Timeout(self._http.timeout.connect, read=timeout)) as response:
+                if response.status_code >= 400:
+                    response.read()
+                    raise error_from_response(response)
+                yield from _parse_sse(response.iter_lines())
+        except httpx.TransportError as error:
+            raise ServiceUnavailable(f"metric stream from {self.url} broke: {error}") from None
+
+
+def _parse_sse(lines: Iterator[str]) -> Iterator[MetricPoint]:
+    event, data = "message", []
+    for line in lines:
+        if line == "":
+            if event == "end":
+                return
+            if event == "metric" and data:
+                yield MetricPoint.model_validate(json.loads("\n".join(data)))
+            event, data = "message", []
+        elif line.startswith("event:"):
+            event = line[6:].strip()
+        elif line.startswith("data:"):
+            data.append(line[5:].lstrip())

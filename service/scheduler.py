@@ -1,0 +1,192 @@
+"""The scheduler: claims QUEUED jobs, hands them to the launcher, reconciles what it reports.
+
+Claiming locks candidate rows with ``SELECT … FOR UPDATE SKIP LOCKED`` (PostgreSQL), so two
+control planes never pick the same job; the claim itself is the conditional QUEUED→STARTING
+transition of ``service.states``, which also keeps SQLite (no row locks) exclusive.
+
+Reconciling maps ``LaunchPhase`` onto job states without overriding what the driver already
+reported: a job the driver finished is left alone, a job whose driver vanished fails with a
+reason, a job waiting for resources says why (once, not on every poll), and CANCELLING jobs
+are stopped through the launcher and then marked CANCELLED.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import uuid
+from datetime import timedelta
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from service.auth import INGEST_TOKEN_PREFIX, hash_token, new_token
+from service.launchers.base import Launcher, LaunchHandle, LaunchPhase, LaunchRequest, LaunchStatus
+from service.models import Job, utcnow
+from service.schemas import JobState
+from service.settings import Settings
+from service.states import IllegalTransition, Reason, note_waiting, transition
+
+log = logging.getLogger(__name__)
+S = JobState
+RECONCILED_STATES = (S.STARTING, S.RUNNING, S.RESTARTING, S.CANCELLING)
+
+
+class Scheduler:
+    def __init__(self, make_session: sessionmaker[Session], launcher: Launcher, settings: Settings,
+                 *, claim_batch: int = 8):
+        self.make_session = make_session
+        self.launcher = launcher
+        self.settings = settings
+        self.claim_batch = claim_batch
+        self.identity = f"{socket.gethostname()}:{uuid.uuid4().hex[:8]}"
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._cancel_sent: set[str] = set()
+
+    # ------------------------------------------------------------------ loop
+
+    def run_once(self) -> None:
+        for job_id, ingest_token in self.claim():
+            self.launch(job_id, ingest_token)
+        self.reconcile()
+
+    def run_forever(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.run_once()
+            except Exception:  # one bad poll (e.g. database restarting) must not end the loop
+                log.exception("scheduler poll failed")
+            self._wake.wait(self.settings.scheduler_poll_s)
+            self._wake.clear()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self.run_forever, name="zerotrain-scheduler", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # ------------------------------------------------------------------ claim and launch
+
+    def claim(self) -> list[tuple[str, str]]:
+        """Move up to ``claim_batch`` QUEUED jobs to STARTING; return their ids and ingest tokens."""
+        claimed: list[tuple[str, str]] = []
+        with self.make_session() as session:
+            candidates = session.execute(
+                select(Job.id).where(Job.state == S.QUEUED.value).order_by(Job.pk)
+                .limit(self.claim_batch).with_for_update(skip_locked=True)
+            ).scalars().all()
+            for job_id in candidates:
+                token = new_token(INGEST_TOKEN_PREFIX)
+                try:
+                    transition(session, job_id, S.STARTING, reason=Reason.CLAIMED,
+                               message=f"claimed by {self.identity}", expected={S.QUEUED},
+                               values={"ingest_token_hash": hash_token(token), "claimed_by": self.identity})
+                except IllegalTransition:
+                    continue  # cancelled or claimed elsewhere meanwhile
+                claimed.append((job_id, token))
+            session.commit()
+        return claimed
+
+    def launch(self, job_id: str, ingest_token: str) -> None:
+        with self.make_session() as session:
+            job = session.execute(select(Job).where(Job.id == job_id)).scalar_one()
+            request = LaunchRequest(job_id=job.id, attempt=job.attempt, spec=job.spec,
+                                    api_url=self.settings.api_url, ingest_token=ingest_token,
+                                    storage_uri=self.settings.storage_uri)
+        try:
+            handle = self.launcher.start(request)
+        except Exception as error:
+            log.exception("launcher failed to start %s", job_id)
+            self._finish_failed_launch(job_id, f"{type(error).__name__}: {error}")
+            return
+        with self.make_session() as session:
+            session.execute(Job.__table__.update().where(Job.__table__.c.id == job_id)
+                            .values(launch_handle=handle.to_json()))
+            session.commit()
+
+    def _finish_failed_launch(self, job_id: str, message: str) -> None:
+        with self.make_session() as session:
+            for target in (S.FAILED, S.CANCELLED):  # CANCELLED if the user cancelled meanwhile
+                try:
+                    transition(session, job_id, target, reason=Reason.LAUNCH_FAILED, message=message)
+                    session.commit()
+                    return
+                except IllegalTransition:
+                    session.rollback()
+
+    # ------------------------------------------------------------------ reconcile
+
+    def reconcile(self) -> None:
+        with self.make_session() as session:
+            jobs = session.execute(
+                select(Job).where(Job.state.in_([s.value for s in RECONCILED_STATES]),
+                                  Job.launch_handle.is_not(None)).order_by(Job.pk)
+            ).scalars().all()
+            session.expunge_all()
+        for job in jobs:
+            try:
+                self._reconcile_job(job)
+            except Exception:
+                log.exception("reconciling %s failed", job.id)
+
+    def _reconcile_job(self, job: Job) -> None:
+        handle = LaunchHandle.from_json(job.launch_handle)
+        state = JobState(job.state)
+        if state is S.CANCELLING and job.id not in self._cancel_sent:
+            self.launcher.cancel(handle)
+            self._cancel_sent.add(job.id)
+        status = self.launcher.status(handle)
+        with self.make_session() as session:
+            if self._apply(session, job, state, status):
+                session.commit()
+        if state is S.CANCELLING and status.phase is not LaunchPhase.RUNNING:
+            self._cancel_sent.discard(job.id)
+
+    def _apply(self, session: Session, job: Job, state: JobState, status: LaunchStatus) -> bool:
+        """Write what ``status`` implies for a job last seen in ``state``; True if anything changed."""
+        phase = status.phase
+        target: JobState | None = None
+        reason, message = status.reason, status.message
+        if state is S.CANCELLING:
+            if phase is not LaunchPhase.RUNNING and phase is not LaunchPhase.PENDING:
+                target, reason, message = S.CANCELLED, job.reason, job.message
+        elif phase is LaunchPhase.PENDING:
+            return bool(status.reason) and note_waiting(session, job, status.reason, status.message)
+        elif phase is LaunchPhase.RUNNING:
+            return self._check_runtime(session, job, state)
+        elif phase is LaunchPhase.SUCCEEDED:
+            target, reason = S.SUCCEEDED, Reason.DRIVER_EXITED
+        elif phase is LaunchPhase.FAILED:
+            target = S.FAILED
+            reason = reason or (Reason.WORKER_FAILED if state is S.RUNNING else Reason.DRIVER_LOST)
+        else:  # STOPPED outside our control, or UNKNOWN: the driver is gone
+            target, reason = S.FAILED, Reason.DRIVER_LOST
+            message = f"launcher reports {phase.value}" + (f": {message}" if message else "")
+        try:
+            transition(session, job.id, target, reason=reason, message=message, expected={state})
+        except IllegalTransition:
+            return False  # the driver (or a user) moved the job first; their word stands
+        return True
+
+    def _check_runtime(self, session: Session, job: Job, state: JobState) -> bool:
+        limit = job.spec.get("max_runtime_s")
+        if not limit or job.started_at is None or state is not S.RUNNING:
+            return False
+        if utcnow() - job.started_at < timedelta(seconds=limit):
+            return False
+        try:
+            transition(session, job.id, S.CANCELLING, reason=Reason.MAX_RUNTIME_EXCEEDED,
+                       message=f"ran longer than max_runtime_s={limit}", expected={state})
+        except IllegalTransition:
+            return False
+        return True

@@ -1,0 +1,443 @@
+"""The wire contract: the job spec (DESIGN §3) and every request/response body of the REST API.
+
+This module is imported by the SDK, the CLI, the workers and the server, so it depends on
+pydantic alone. Input models are strict and forbid unknown fields: a typo in a spec is a 422
+that names the field, never a silently ignored setting. Output models are lenient so that an
+older client keeps reading a newer server.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from datetime import datetime
+from typing import Any, Generic, Literal, TypeVar
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+# --------------------------------------------------------------------------- job states
+
+
+class JobState(str, enum.Enum):
+    QUEUED = "QUEUED"
+    STARTING = "STARTING"
+    RUNNING = "RUNNING"
+    RESTARTING = "RESTARTING"
+    CANCELLING = "CANCELLING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+
+
+TERMINAL_STATES: frozenset[JobState] = frozenset(
+    {JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED}
+)
+ACTIVE_STATES: frozenset[JobState] = frozenset(set(JobState) - TERMINAL_STATES - {JobState.QUEUED})
+
+# --------------------------------------------------------------------------- job spec
+
+SLUG_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
+FACTORY_PATTERN = r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$"
+STORAGE_SCHEMES = ("file://", "s3://")
+
+# Longest sequence each built-in preset's position table holds. workers/models.py is the source
+# of truth (it needs torch, which the SDK must not); a test keeps the two equal.
+PRESET_CONTEXT: dict[str, int] = {
+    "gpt-nano": 256,
+    "gpt-mini": 256,
+    "gpt-small": 1024,
+    "gpt-medium": 1024,
+    "gpt-1b": 1024,
+}
+
+
+class SpecModel(BaseModel):
+    """Base of every input model: strict types, unknown fields rejected."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+def _storage_uri(value: str) -> str:
+    if not value.startswith(STORAGE_SCHEMES):
+        raise PydanticCustomError(
+            "uri_scheme", "must start with file:// or s3:// (got '{value}')", {"value": value}
+        )
+    return value
+
+
+def _factory_path(value: str) -> str:
+    if not re.match(FACTORY_PATTERN, value):
+        raise PydanticCustomError(
+            "factory_path", "must look like 'package.module:function' (got '{value}')", {"value": value}
+        )
+    return value
+
+
+class ModelSpec(SpecModel):
+    """Either a built-in preset or a user factory ``pkg.mod:fn`` called with ``kwargs``."""
+
+    preset: str | None = None
+    factory: str | None = None
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("preset")
+    @classmethod
+    def _known_preset(cls, value: str | None) -> str | None:
+        if value is not None and value not in PRESET_CONTEXT:
+            raise PydanticCustomError(
+                "unknown_preset",
+                "unknown preset '{value}'; choose one of {known}",
+                {"value": value, "known": ", ".join(PRESET_CONTEXT)},
+            )
+        return value
+
+    @field_validator("factory")
+    @classmethod
+    def _factory(cls, value: str | None) -> str | None:
+        return None if value is None else _factory_path(value)
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> "ModelSpec":
+        if (self.preset is None) == (self.factory is None):
+            raise PydanticCustomError(
+                "model_choice", "give exactly one of model.preset or model.factory", {"field": "model"}
+            )
+        if self.preset is not None and self.kwargs:
+            raise PydanticCustomError(
+                "model_kwargs", "model.kwargs applies to model.factory only", {"field": "model.kwargs"}
+            )
+        return self
+
+
+class DataSpec(SpecModel):
+    """``text`` (byte-level files under ``uri``), ``synthetic`` tokens, or a user ``factory``."""
+
+    kind: Literal["text", "synthetic", "factory"]
+    uri: str | None = None
+    glob: str = "**/*"
+    seq_len: int | None = Field(default=None, ge=1)
+    vocab_size: int | None = Field(default=None, ge=2)
+    factory: str | None = None
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _factory_implies_kind(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "kind" not in data and "factory" in data:
+            return {**data, "kind": "factory"}
+        return data
+
+    @field_validator("uri")
+    @classmethod
+    def _uri(cls, value: str | None) -> str | None:
+        return None if value is None else _storage_uri(value)
+
+    @field_validator("factory")
+    @classmethod
+    def _factory(cls, value: str | None) -> str | None:
+        return None if value is None else _factory_path(value)
+
+    @model_validator(mode="after")
+    def _fields_of_kind(self) -> "DataSpec":
+        required = {"text": ("uri", "seq_len"), "synthetic": ("seq_len",), "factory": ("factory",)}
+        for name in required[self.kind]:
+            if getattr(self, name) is None:
+                raise PydanticCustomError(
+                    "missing_for_kind",
+                    "data.{name} is required when data.kind is '{kind}'",
+                    {"name": name, "kind": self.kind, "field": f"data.{name}"},
+                )
+        if self.kind != "factory" and self.factory is not None:
+            raise PydanticCustomError(
+                "factory_for_kind",
+                "data.factory is only allowed when data.kind is 'factory'",
+                {"field": "data.factory"},
+            )
+        if self.kind == "synthetic" and self.vocab_size is None:
+            self.vocab_size = 256
+        return self
+
+
+class TrainSpec(SpecModel):
+    steps: int = Field(ge=1)
+    global_batch_size: int = Field(ge=1)
+    micro_batch_size: int = Field(ge=1)
+    lr: float = Field(default=3e-4, gt=0)
+    warmup_steps: int = Field(default=0, ge=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    grad_clip: float | None = Field(default=1.0, gt=0)
+    seed: int = Field(default=0, ge=0)
+
+
+class ZeroSpec(SpecModel):
+    stage: Literal[0, 1, 2, 3, "auto"] = "auto"
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    offload_optimizer: bool = False
+    bucket_mb: float = Field(default=25.0, gt=0)
+    prefetch: int = Field(default=1, ge=0)
+    activation_checkpointing: bool = False
+    reshard_after_forward: bool = True
+
+
+class ResourcesSpec(SpecModel):
+    num_workers: int = Field(default=1, ge=1)
+    gpus_per_worker: float = Field(default=0, ge=0)
+    cpus_per_worker: float = Field(default=1, gt=0)
+    gpu_memory_gb: float | None = Field(default=None, gt=0)
+
+
+class CheckpointSpec(SpecModel):
+    every_steps: int = Field(default=50, ge=1)
+    keep_last: int = Field(default=2, ge=1)
+    uri: str | None = None
+
+    @field_validator("uri")
+    @classmethod
+    def _uri(cls, value: str | None) -> str | None:
+        return None if value is None else _storage_uri(value)
+
+
+class ResumeFrom(SpecModel):
+    job_id: str = Field(pattern=SLUG_PATTERN)
+    step: int | Literal["latest"] = "latest"
+
+    @field_validator("step")
+    @classmethod
+    def _non_negative(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 0:
+            raise PydanticCustomError("step", "must be >= 0 or 'latest' (got {value})", {"value": value})
+        return value
+
+
+class JobSpec(SpecModel):
+    """A training job as the user submits it (DESIGN §3)."""
+
+    name: str = Field(pattern=SLUG_PATTERN)
+    model: ModelSpec
+    data: DataSpec
+    train: TrainSpec
+    zero: ZeroSpec = Field(default_factory=ZeroSpec)
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    max_failures: int = Field(default=2, ge=0)
+    resume_from: ResumeFrom | None = None
+    max_runtime_s: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _batch_arithmetic(self) -> "JobSpec":
+        gbs, mbs = self.train.global_batch_size, self.train.micro_batch_size
+        workers = self.resources.num_workers
+        per_step = mbs * workers
+        if gbs % per_step:
+            raise PydanticCustomError(
+                "batch_arithmetic",
+                "train.global_batch_size ({gbs}) must equal train.micro_batch_size ({mbs}) × "
+                "accumulation_steps × resources.num_workers ({workers}) for a whole "
+                "accumulation_steps ≥ 1, i.e. a multiple of {per_step}",
+                {"gbs": gbs, "mbs": mbs, "workers": workers, "per_step": per_step,
+                 "field": "train.global_batch_size"},
+            )
+        context = PRESET_CONTEXT.get(self.model.preset or "")
+        if context is not None and self.data.seq_len is not None and self.data.seq_len > context:
+            raise PydanticCustomError(
+                "seq_len_context",
+                "data.seq_len ({seq_len}) exceeds the context of preset '{preset}' ({context})",
+                {"seq_len": self.data.seq_len, "preset": self.model.preset, "context": context,
+                 "field": "data.seq_len"},
+            )
+        return self
+
+    @property
+    def accumulation_steps(self) -> int:
+        return self.train.global_batch_size // (
+            self.train.micro_batch_size * self.resources.num_workers
+        )
+
+    @property
+    def tokens_per_step(self) -> int | None:
+        seq_len = self.data.seq_len
+        return None if seq_len is None else seq_len * self.train.global_batch_size
+
+
+# --------------------------------------------------------------------------- outputs
+
+
+class OutModel(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+
+class JobOut(OutModel):
+    id: str
+    name: str
+    owner: str
+    state: JobState
+    reason: str | None = None
+    message: str | None = None
+    attempt: int = 0
+    spec: dict[str, Any]
+    created_at: datetime
+    updated_at: datetime
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in TERMINAL_STATES
+
+
+class EventOut(OutModel):
+    id: int
+    job_id: str
+    from_state: JobState | None = None
+    to_state: JobState
+    reason: str | None = None
+    message: str | None = None
+    attempt: int = 0
+    created_at: datetime
+
+
+T = TypeVar("T")
+
+
+class Page(BaseModel, Generic[T]):
+    items: list[T]
+    next_cursor: str | None = None
+
+
+JobPage = Page[JobOut]
+
+
+class EventList(BaseModel):
+    items: list[EventOut]
+
+
+# --------------------------------------------------------------------------- metrics
+
+METRIC_FIELDS: tuple[str, ...] = (
+    "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "samples_per_s", "tflops", "mfu",
+    "mem_params_bytes", "mem_grads_bytes", "mem_optimizer_bytes", "mem_buffers_bytes",
+    "mem_peak_bytes", "comm_bytes", "comm_exposed_s", "checkpoint_blocked_s",
+)
+MAX_METRIC_BATCH = 10_000
+
+
+class MetricRecord(BaseModel):
+    """One rank's numbers for one step (docs/contracts.md). Numbers may be ints or floats."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    attempt: int = Field(ge=0)
+    rank: int = Field(ge=0)
+    step: int = Field(ge=0)
+    time: float | None = None
+    loss: float | None = None
+    lr: float | None = None
+    grad_norm: float | None = None
+    step_time_s: float | None = None
+    tokens_per_s: float | None = None
+    samples_per_s: float | None = None
+    tflops: float | None = None
+    mfu: float | None = None
+    mem_params_bytes: float | None = None
+    mem_grads_bytes: float | None = None
+    mem_optimizer_bytes: float | None = None
+    mem_buffers_bytes: float | None = None
+    mem_peak_bytes: float | None = None
+    comm_bytes: float | None = None
+    comm_exposed_s: float | None = None
+    checkpoint_blocked_s: float | None = None
+
+
+class MetricBatch(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    records: list[MetricRecord] = Field(max_length=MAX_METRIC_BATCH)
+
+
+class IngestResult(BaseModel):
+    accepted: int
+    duplicates: int
+
+
+class MetricPoint(MetricRecord):
+    """A stored record; ``id`` orders the stream (absent on downsampled points)."""
+
+    model_config = ConfigDict(extra="ignore", from_attributes=True)
+
+    id: int | None = None
+
+
+class MetricList(BaseModel):
+    items: list[MetricPoint]
+    downsampled: bool = False
+
+
+# --------------------------------------------------------------------------- workers and checkpoints
+
+
+class WorkerSpecOut(BaseModel):
+    job_id: str
+    attempt: int
+    state: JobState
+    spec: JobSpec
+    storage_uri: str
+
+
+class WorkerStateIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    state: Literal["RUNNING", "RESTARTING", "SUCCEEDED", "FAILED"]
+    reason: str | None = Field(default=None, max_length=100)
+    message: str | None = Field(default=None, max_length=10_000)
+    attempt: int | None = Field(default=None, ge=0)
+
+
+class CheckpointIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    step: int = Field(ge=0)
+    uri: str
+    world_size: int = Field(ge=1)
+    stage: int = Field(ge=0, le=3)
+    size_bytes: int = Field(ge=0)
+    manifest_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+    @field_validator("uri")
+    @classmethod
+    def _uri(cls, value: str) -> str:
+        return _storage_uri(value)
+
+
+class CheckpointOut(OutModel):
+    job_id: str
+    step: int
+    uri: str
+    world_size: int
+    stage: int
+    size_bytes: int
+    manifest_sha256: str
+    created_at: datetime
+
+
+class CheckpointList(BaseModel):
+    items: list[CheckpointOut]
+
+
+class ErrorDetail(BaseModel):
+    field: str | None = None
+    message: str
+    type: str | None = None
+
+
+class ErrorOut(BaseModel):
+    """Every 4xx/5xx body: one human sentence, plus per-field errors on a 422."""
+
+    detail: str
+    errors: list[ErrorDetail] = Field(default_factory=list)

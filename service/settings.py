@@ -1,0 +1,60 @@
+"""Every knob of the control plane, read from ``ZEROTRAIN_*`` environment variables.
+
+Defaults are the embedded, single-machine setup: everything lives under the data directory
+(``~/.zerotrain``, or ``ZEROTRAIN_HOME``): a SQLite database, ``file://`` storage, logs, and
+the local admin token. Production points ``ZEROTRAIN_DATABASE_URL`` at PostgreSQL.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def default_home() -> Path:
+    return Path("~/.zerotrain").expanduser()
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="ZEROTRAIN_", extra="ignore")
+
+    home: Path = Field(default_factory=default_home)
+    database_url: str = ""  # empty: sqlite:///{home}/zerotrain.db
+    storage_uri: str = ""  # empty: file://{home}/storage
+    ray_address: str | None = None  # None: the Ray launcher starts an embedded local head
+    launcher: Literal["local", "ray", "kuberay"] = "ray"
+    local_entrypoint: str = "workers.launch"  # module, or a path ending in .py
+    host: str = "127.0.0.1"
+    port: int = 8000
+    public_url: str = ""  # where drivers reach the API; empty: http://{host}:{port}
+    max_body_bytes: int = 16 * 1024 * 1024
+    scheduler_enabled: bool = True  # run the scheduler loop inside the API process
+    scheduler_poll_s: float = 1.0
+    cancel_grace_s: float = 10.0  # SIGTERM → SIGKILL delay of the local launcher
+    token_file: Path | None = None  # empty: {home}/token
+    bootstrap_admin: bool = True  # create the local admin token on first start
+    sse_poll_s: float = 0.25
+
+    @model_validator(mode="after")
+    def _fill_from_home(self) -> "Settings":
+        self.home = Path(self.home).expanduser()
+        if not self.database_url:
+            self.database_url = f"sqlite:///{self.home / 'zerotrain.db'}"
+        if not self.storage_uri:
+            self.storage_uri = f"file://{self.home / 'storage'}"
+        if not self.public_url:
+            self.public_url = f"http://{self.host}:{self.port}"
+        if self.token_file is None:
+            self.token_file = self.home / "token"
+        return self
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.home / "logs"
+
+    @property
+    def api_url(self) -> str:
+        return self.public_url.rstrip("/")

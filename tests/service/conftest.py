@@ -1,0 +1,60 @@
+"""Fixtures of the control-plane tests: specs, the fake driver, users and their clients."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from service.auth import create_api_token
+from service.db import make_engine, make_sessionmaker
+
+FAKE_DRIVER = str(Path(__file__).with_name("fake_driver.py"))
+
+VALID_SPEC: dict[str, Any] = {
+    "name": "test-job",
+    "model": {"factory": "tests.fake:build", "kwargs": {}},
+    "data": {"kind": "synthetic", "vocab_size": 256, "seq_len": 64},
+    "train": {"steps": 5, "global_batch_size": 8, "micro_batch_size": 2, "lr": 3e-4,
+              "warmup_steps": 1, "weight_decay": 0.1, "grad_clip": 1.0, "seed": 0},
+    "zero": {"stage": "auto", "precision": "bf16", "offload_optimizer": False, "bucket_mb": 25, "prefetch": 1},
+    "resources": {"num_workers": 2, "gpus_per_worker": 0, "cpus_per_worker": 1, "gpu_memory_gb": None},
+    "checkpoint": {"every_steps": 50, "keep_last": 2, "uri": None},
+    "max_failures": 2,
+}
+
+
+def make_spec(**driver_options: Any) -> dict[str, Any]:
+    spec = copy.deepcopy(VALID_SPEC)
+    spec["model"]["kwargs"] = driver_options
+    return spec
+
+
+@pytest.fixture
+def spec() -> dict[str, Any]:
+    return make_spec()
+
+
+@pytest.fixture
+def service(make_live_service):
+    """A live server whose local launcher runs the fake driver."""
+    return make_live_service(local_entrypoint=FAKE_DRIVER)
+
+
+def add_user(database_url: str, name: str, *, is_admin: bool = False) -> str:
+    engine = make_engine(database_url)
+    try:
+        with make_sessionmaker(engine)() as session:
+            token = create_api_token(session, name, is_admin=is_admin)
+            session.commit()
+        return token
+    finally:
+        engine.dispose()
+
+
+@pytest.fixture
+def new_user(service) -> Callable[..., str]:
+    return lambda name, is_admin=False: add_user(service.database_url, name, is_admin=is_admin)

@@ -1,0 +1,59 @@
+"""A stand-in for ``workers.launch`` that speaks the real worker protocol over HTTP.
+
+Run by path by the local launcher in tests. Behaviour comes from ``spec.model.kwargs``:
+``fail`` (report FAILED), ``hang_s`` (sleep after RUNNING, to test cancel), ``exit_code``
+(exit without reporting a final state), ``ranks`` (metric records per step, default 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import httpx
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--job-id", required=True)
+    parser.add_argument("--api", required=True)
+    args = parser.parse_args()
+    token = os.environ["ZEROTRAIN_INGEST_TOKEN"]
+    assert token not in " ".join(sys.argv), "the ingest token must not be on the command line"
+    assert os.environ["ZEROTRAIN_JOB_ID"] == args.job_id
+    http = httpx.Client(base_url=f"{args.api}/api/v1/jobs/{args.job_id}",
+                        headers={"Authorization": f"Bearer {token}"}, timeout=10)
+
+    worker = http.get("/worker/spec").raise_for_status().json()
+    spec, attempt = worker["spec"], worker["attempt"]
+    options = spec["model"].get("kwargs") or {}
+    print(f"fake driver for {args.job_id}: {spec['train']['steps']} steps", flush=True)
+    http.post("/worker/state", json={"state": "RUNNING"}).raise_for_status()
+
+    if options.get("hang_s"):
+        time.sleep(options["hang_s"])
+    if "exit_code" in options:
+        return int(options["exit_code"])
+
+    records = [{"attempt": attempt, "rank": rank, "step": step, "loss": 5.0 / (step + 1),
+                "tokens_per_s": 1000.0 + step, "time": time.time()}
+               for step in range(spec["train"]["steps"]) for rank in range(options.get("ranks", 2))]
+    half = len(records) // 2
+    first = http.post("/metrics", json={"records": records[:half]}).raise_for_status().json()
+    assert first == {"accepted": half, "duplicates": 0}, first
+    again = http.post("/metrics", json={"records": records}).raise_for_status().json()  # a resend
+    assert again == {"accepted": len(records) - half, "duplicates": half}, again
+
+    if options.get("fail"):
+        http.post("/worker/state", json={"state": "FAILED", "reason": "user_code_error",
+                                         "message": "ValueError: boom"}).raise_for_status()
+        return 1
+    http.post("/worker/state", json={"state": "SUCCEEDED"}).raise_for_status()
+    print("fake driver done", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""``POST /plan`` through HTTP: stage "auto" picks 0, then 2 or 3, then offload, then a 422."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from service.api.plan import router
+
+GB = 1e9
+
+
+@pytest.fixture(scope="module")
+def client():
+    app = FastAPI()
+    app.include_router(router, prefix="/api/v1")
+    with TestClient(app) as c:
+        yield c
+
+
+def job_spec(preset: str, workers: int, gpu_memory_gb: float | None, stage="auto", **zero) -> dict:
+    """A whole JobSpec, as a user would submit it (fields the planner does not need included)."""
+    return {
+        "name": "plan-test",
+        "model": {"preset": preset},
+        "data": {"kind": "synthetic", "vocab_size": 50304, "seq_len": 1024},
+        "train": {"steps": 10, "global_batch_size": 8 * workers, "micro_batch_size": 8},
+        "zero": {"stage": stage, "precision": "bf16", **zero},
+        "resources": {"num_workers": workers, "gpus_per_worker": 1, "gpu_memory_gb": gpu_memory_gb},
+        "checkpoint": {"every_steps": 50},
+        "max_failures": 0,
+    }
+
+
+def post(client, body) -> tuple[int, dict]:
+    response = client.post("/api/v1/plan", json=body)
+    return response.status_code, response.json()
+
+
+def test_auto_picks_stage_0_when_the_model_fits(client):
+    status, plan = post(client, job_spec("gpt-small", 4, gpu_memory_gb=80))
+    assert status == 200, plan
+    assert (plan["stage"], plan["offload_optimizer"]) == (0, False)
+    assert plan["chosen"]["gpu"]["activations"] > 1e9  # measured on meta: logits of 8×1024×50304
+    assert plan["chosen"]["gpu"]["total"] <= 0.9 * 80 * GB
+
+
+def test_auto_picks_a_sharded_stage_when_stage_0_does_not_fit(client):
+    status, plan = post(client, job_spec("gpt-1b", 8, gpu_memory_gb=24))
+    assert status == 200, plan
+    by_stage = {c["stage"]: c for c in plan["candidates"] if not c["offload"]}
+    assert by_stage[0]["gpu"]["total"] > 0.9 * 24 * GB  # 16Φ = 21 GB of states alone
+    assert plan["stage"] in (2, 3) and not plan["offload_optimizer"]
+    lower = [s for s in range(plan["stage"])]
+    assert all(not by_stage[s]["fits"] for s in lower)
+    assert plan["chosen"]["fits"] is True
+
+
+def test_auto_offloads_when_even_stage_3_does_not_fit(client):
+    status, plan = post(client, {"params": 7.5e9, "gpus": 8, "gpu_mem_gb": 16, "activation_gb": 2})
+    assert status == 200, plan
+    assert (plan["stage"], plan["offload_optimizer"]) == (3, True)
+    assert plan["chosen"]["gpu"]["optimizer"] == 0 and plan["chosen"]["cpu"]["total"] == 15e9
+
+
+def test_refuses_with_422_and_the_numbers_when_nothing_fits(client):
+    status, body = post(client, job_spec("gpt-1b", 2, gpu_memory_gb=8))
+    assert status == 422
+    assert "no ZeRO stage fits" in body["detail"]
+    numbers = body["plan"]
+    assert numbers["budget_bytes"] == 8 * GB and numbers["usable_bytes"] == int(0.9 * 8 * GB)
+    assert len(numbers["candidates"]) == 7
+    assert all(c["gpu"]["total"] > numbers["usable_bytes"] for c in numbers["candidates"])
+    assert body["errors"][0]["field"] == "zero.stage"
+
+
+def test_a_fixed_stage_is_kept_and_its_prediction_recorded(client):
+    status, plan = post(client, job_spec("gpt-small", 4, gpu_memory_gb=80, stage=3))
+    assert status == 200 and plan["stage"] == 3
+    assert plan["chosen"]["gpu"]["gathered_units"] > 0
+
+
+def test_cpu_job_without_a_budget_is_stage_0_and_says_why(client):
+    spec = job_spec("gpt-nano", 2, gpu_memory_gb=None)
+    spec["resources"]["gpus_per_worker"] = 0
+    spec["data"].update(vocab_size=256, seq_len=128)
+    status, plan = post(client, spec)
+    assert status == 200 and plan["stage"] == 0
+    assert "no memory budget" in plan["reason"]
+    assert plan["inputs"]["device"] == "cpu"
+
+
+def test_bare_count_with_time_model(client):
+    body = {"params": 7.5e9, "gpus": 64, "gpu_mem_gb": 80, "bandwidth_gbps": 400, "compute_s": 2.0}
+    status, plan = post(client, body)
+    assert status == 200, plan
+    for c in plan["candidates"]:
+        assert 0 < c["efficiency"] < 1
+        assert c["comm_bytes"] == c["comm_elements"] * 2  # bf16
+    stage3 = next(c for c in plan["candidates"] if c["stage"] == 3 and not c["offload"])
+    stage0 = next(c for c in plan["candidates"] if c["stage"] == 0)
+    assert stage3["comm_time_s"] == pytest.approx(1.5 * stage0["comm_time_s"])
+    assert stage3["bandwidth_needed_bytes_per_s"] > stage0["bandwidth_needed_bytes_per_s"]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"gpus": 8},  # neither params nor model
+        {"params": 1e9, "model": {"preset": "gpt-nano"}},  # both
+        {"params": -1},
+        {"params": 1e9, "precision": "int4"},
+    ],
+)
+def test_bad_requests_are_422(client, body):
+    status, _ = post(client, body)
+    assert status == 422
+
+
+def test_unknown_preset_is_422_naming_it(client):
+    status, body = post(client, job_spec("gpt-huge", 2, gpu_memory_gb=80))
+    assert status == 422 and "gpt-huge" in body["detail"]
