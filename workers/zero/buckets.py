@@ -1,0 +1,57 @@
+"""``FlatBucket``: the tensors behind one bucket of the layout, on this rank.
+
+One bucket is what is communicated together (FSDP2's "param group"). It owns
+
+* ``flat_param`` -- the full compute-dtype parameters, padded; the module's ``Parameter``s are
+  views into it (``param.data = flat_param[offset:offset+numel].view(shape)``), so updating
+  the flat buffer updates the model without copies;
+* ``master`` -- this rank's fp32 shard (the whole bucket at stage 0). With fp32 training it is a
+  view of ``flat_param`` instead of a copy;
+* ``master_views`` -- one 1-D view of ``master`` per parameter piece this rank holds: these are
+  what the user's optimizer receives, so ``grad=None`` skips a parameter exactly as torch.optim
+  does and ``foreach`` implementations run over them;
+* gradient storage, whose shape depends on the stage (see ``stages.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from .collectives import Pending
+from .flat import Bucket, ShardPiece
+
+
+@dataclass
+class FlatBucket:
+    spec: Bucket
+    params: list[nn.Parameter]  # aligned with spec.slots
+    flat_param: torch.Tensor
+    master: torch.Tensor
+    master_views: list[tuple[ShardPiece, torch.Tensor]]
+    shard_rank: int
+    # gradient state (stage-dependent; unused fields stay None)
+    grad_full: Optional[torch.Tensor] = None  # stage 0/1: full gradient, accumulates micro-steps
+    grad_shard: Optional[torch.Tensor] = None  # stage 2: this rank's reduced shard, accumulates
+    scratch: Optional[torch.Tensor] = None  # stage 2: this micro-step's full gradient, in flight
+    scratch_out: Optional[torch.Tensor] = None  # stage 2: reduce-scatter output before accumulate
+    pending: Optional[Pending] = None
+    ready: int = 0  # parameters whose gradient arrived this micro-step
+    launched: bool = False
+    micro_steps_reduced: int = 0
+    expected: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.expected = len(self.spec.slots)
+
+    @property
+    def shard_slice(self) -> slice:
+        lo, hi = self.spec.shard_range(self.shard_rank)
+        return slice(lo, hi)
+
+    def slot_range(self, pos: int) -> tuple[int, int]:
+        s = self.spec.slots[pos]
+        return s.offset, s.offset + s.numel

@@ -1,0 +1,258 @@
+"""Stateless-looking wrappers around ``torch.distributed`` collectives, with accounting.
+
+Everything the engine sends goes through :class:`Collectives`, which
+
+* counts the elements it hands to each collective (``comm_volume()`` is this count, never a
+  formula): a reduce-scatter counts its *input*, an all-gather its *output*, an all-reduce
+  twice its elements (it is a reduce-scatter plus an all-gather), so one step of stage 0, 1
+  or 2 adds up to 2Φ (padded). Small control messages (the gradient-norm scalar and the
+  "which parameters got a gradient" mask) are counted apart, under ``control``.
+* times how long the caller is blocked waiting on them (``comm_exposed_s``);
+* numbers every collective (a per-group sequence number) and, through a watchdog thread,
+  logs which bucket and which sequence number a rank is stuck on when one wait exceeds
+  ``timeout_s`` -- the first thing to look at when a job hangs because ranks disagree on
+  the order of collectives;
+* runs on one rank without any process group (world size 1): nothing is sent and nothing is
+  counted, the "collective" is a local copy.
+
+[Note: CUDA streams]
+On CUDA, collectives are launched from a dedicated side stream that first waits for the
+compute stream, so gradient buckets are reduced while backward keeps computing; ``wait()``
+makes the *current* stream wait for the collective (it does not block the host). Exposed
+time on CUDA is measured with a pair of timing events around that stream wait: the gap is
+how long the compute stream stalled for communication.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+# torch >= 2.10 renamed the tensor-in/tensor-out collectives; keep both spellings working.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+
+
+@dataclass
+class CommCounter:
+    """Elements passed to collectives (and time blocked on them) since the last ``reset``."""
+
+    all_gather: int = 0
+    reduce_scatter: int = 0
+    all_reduce: int = 0  # already doubled
+    control: int = 0  # scalars/masks; not part of "total"
+    exposed_s: float = 0.0
+    calls: int = 0
+
+    def snapshot(self) -> dict:
+        return {
+            "all_gather": self.all_gather,
+            "reduce_scatter": self.reduce_scatter,
+            "all_reduce": self.all_reduce,
+            "total": self.all_gather + self.reduce_scatter + self.all_reduce,
+            "control": self.control,
+        }
+
+
+@dataclass
+class Pending:
+    """A launched collective. ``wait()`` once; the result is valid afterwards."""
+
+    work: Optional[object]
+    label: str
+    seq: int
+    owner: "Collectives"
+    done: bool = False
+    tensors: tuple = field(default_factory=tuple)  # kept alive until waited on
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        if self.work is not None:
+            self.owner._timed_wait(self.work, self.label, self.seq)
+        self.tensors = ()
+
+
+class _Watchdog:
+    """Logs collectives a rank has been blocked on for longer than ``timeout_s``."""
+
+    def __init__(self, timeout_s: float, rank: int):
+        self.timeout_s = timeout_s
+        self.rank = rank
+        self._waiting: dict[int, tuple[str, int, float]] = {}
+        self._lock = threading.Lock()
+        self._thread: Optional[threading.Thread] = None
+        self._next = 0
+
+    def enter(self, label: str, seq: int) -> int:
+        with self._lock:
+            token = self._next
+            self._next += 1
+            self._waiting[token] = (label, seq, time.monotonic())
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="zero-comm-watchdog", daemon=True)
+                self._thread.start()
+        return token
+
+    def exit(self, token: int) -> None:
+        with self._lock:
+            self._waiting.pop(token, None)
+
+    def _run(self) -> None:
+        reported: set[int] = set()
+        while True:
+            time.sleep(min(5.0, self.timeout_s / 4))
+            now = time.monotonic()
+            with self._lock:
+                stuck = [(t, v) for t, v in self._waiting.items() if now - v[2] > self.timeout_s and t not in reported]
+            for token, (label, seq, start) in stuck:
+                reported.add(token)
+                log.warning(
+                    "rank %d blocked %.0fs on collective #%d (%s); other ranks may have issued "
+                    "collectives in a different order or died",
+                    self.rank, now - start, seq, label,
+                )
+
+
+class Collectives:
+    """The engine's only door to ``torch.distributed``."""
+
+    def __init__(self, group: Optional[dist.ProcessGroup], device: torch.device, timeout_s: float = 300.0):
+        self.group = group
+        if group is not None:
+            self.rank = dist.get_rank(group)
+            self.world_size = dist.get_world_size(group)
+        else:
+            self.rank, self.world_size = 0, 1
+        self.device = device
+        self.counter = CommCounter()
+        self.seq = 0
+        self._watchdog = _Watchdog(timeout_s, self.rank)
+        self._cuda = device.type == "cuda" and torch.cuda.is_available()
+        self.stream = torch.cuda.Stream(device=device) if self._cuda else None
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    @property
+    def distributed(self) -> bool:
+        return self.group is not None and self.world_size > 1
+
+    # -- accounting ---------------------------------------------------------------------------
+    def reset(self) -> None:
+        self.counter = CommCounter()
+        self._events = []
+
+    def exposed_seconds(self) -> float:
+        """Time blocked on collectives since ``reset``; synchronizes pending CUDA timing events."""
+        total = self.counter.exposed_s
+        for start, end in self._events:
+            end.synchronize()
+            total += start.elapsed_time(end) / 1000.0
+        return total
+
+    def _timed_wait(self, work, label: str, seq: int) -> None:
+        token = self._watchdog.enter(label, seq)
+        try:
+            if self._cuda:
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                work.wait()
+                end.record()
+                self._events.append((start, end))
+            else:
+                t0 = time.perf_counter()
+                work.wait()
+                self.counter.exposed_s += time.perf_counter() - t0
+        finally:
+            self._watchdog.exit(token)
+
+    @contextlib.contextmanager
+    def _launch_context(self):
+        if self.stream is None:
+            yield
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            yield
+
+    def _next_seq(self) -> int:
+        self.seq += 1
+        self.counter.calls += 1
+        return self.seq
+
+    # -- collectives --------------------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, label: str, async_op: bool = True) -> Pending:
+        """Sum ``tensor`` in place over ranks."""
+        seq = self._next_seq()
+        if not self.distributed:
+            return Pending(None, label, seq, self, done=True)
+        self.counter.all_reduce += 2 * tensor.numel()
+        with self._launch_context():
+            work = dist.all_reduce(tensor, group=self.group, async_op=True)
+        p = Pending(work, label, seq, self, tensors=(tensor,))
+        if not async_op:
+            p.wait()
+        return p
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, label: str, async_op: bool = True) -> Pending:
+        """``output`` (1/N of ``input``) = this rank's slice of the sum of ``input`` over ranks."""
+        seq = self._next_seq()
+        if not self.distributed:
+            if output.data_ptr() != input.data_ptr():
+                output.copy_(input)
+            return Pending(None, label, seq, self, done=True)
+        self.counter.reduce_scatter += input.numel()
+        with self._launch_context():
+            work = _reduce_scatter(output, input, group=self.group, async_op=True)
+        p = Pending(work, label, seq, self, tensors=(output, input))
+        if not async_op:
+            p.wait()
+        return p
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, label: str, async_op: bool = True) -> Pending:
+        """Concatenate every rank's ``input`` into ``output`` (``input`` may alias its slot)."""
+        seq = self._next_seq()
+        if not self.distributed:
+            if output.data_ptr() != input.data_ptr():
+                output.copy_(input)
+            return Pending(None, label, seq, self, done=True)
+        self.counter.all_gather += output.numel()
+        with self._launch_context():
+            work = _all_gather(output, input, group=self.group, async_op=True)
+        p = Pending(work, label, seq, self, tensors=(output, input))
+        if not async_op:
+            p.wait()
+        return p
+
+    def control_all_reduce(self, tensor: torch.Tensor, label: str) -> None:
+        """A small synchronous sum (norms, masks): counted under ``control``, not ``total``."""
+        seq = self._next_seq()
+        if not self.distributed:
+            return
+        self.counter.control += 2 * tensor.numel()
+        work = dist.all_reduce(tensor, group=self.group, async_op=True)
+        self._timed_wait(work, label, seq)
+        if self._cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        """Set-up traffic (initial parameters, buffers); not part of any step's volume."""
+        if not self.distributed:
+            return
+        dist.broadcast(tensor, src=dist.get_global_rank(self.group, src), group=self.group)
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier(group=self.group)

@@ -1,0 +1,151 @@
+"""``ZeroConfig``: every knob of the engine, validated once, at construction.
+
+A bad value raises ``ValueError`` naming the field, the value and what would be accepted, so a
+job spec that reaches a worker with ``stage=7`` fails with a sentence, not a stack trace from
+deep inside a collective.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+PRECISIONS: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
+
+
+def dtype_usable(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
+    """Whether ``device`` can run a matmul (and its backward's reductions) in ``dtype``.
+
+    Probed, not guessed: a 4x4 matmul and a sum. Old CPU builds raise ``"addmm_impl_cpu_" not
+    implemented for 'Half'``; that is the failure a job should see as a config error.
+    """
+    if dtype == torch.float32:
+        return True
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return False
+    try:
+        a = torch.ones(4, 4, dtype=dtype, device=device)
+        out = (a @ a).sum()
+        return bool(torch.isfinite(out.float()).item())
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
+@dataclass
+class ZeroConfig:
+    """How the engine shards, communicates and rounds.
+
+    stage               0 = DDP (bucketed all-reduce), 1 = shard optimizer state, 2 = also shard
+                        gradients (reduce-scatter during backward), 3 = also shard parameters.
+    precision           "fp32" | "bf16" | "fp16": dtype of compute parameters and gradients;
+                        master weights and optimizer state are always fp32.
+    bucket_mb           size of one communication bucket, in MiB of the compute dtype.
+    overlap_comm        stage 2: launch each bucket's reduce-scatter during backward as soon as
+                        it is full (False: launch them all when backward ends).
+    offload_optimizer   keep master weights and optimizer state in CPU memory (issue 3).
+    prefetch            stage 3: how many units ahead to all-gather parameters (issue 3).
+    grad_clip           max global L2 norm of the averaged gradient, or None for no clipping.
+    reshard_after_forward  stage 3: free gathered parameters after forward (issue 3).
+    activation_checkpointing  recompute wrapped units in backward (issue 3).
+    wrap                stage 3 unit policy: None (auto: children that are ModuleLists' items),
+                        a list of module class names, or a callable(module) -> bool (issue 3).
+    initial_loss_scale  fp16 only: dynamic loss scale to start from.
+    loss_scale_growth_interval  fp16 only: steps without overflow before the scale doubles.
+    comm_timeout_s      a rank blocked longer than this on one collective logs which bucket and
+                        sequence number it waits on (it keeps waiting; the process group's own
+                        timeout is what aborts).
+    """
+
+    stage: int = 2
+    precision: str = "bf16"
+    bucket_mb: float = 25.0
+    overlap_comm: bool = True
+    offload_optimizer: bool = False
+    prefetch: int = 1
+    grad_clip: Optional[float] = None
+    reshard_after_forward: bool = True
+    activation_checkpointing: bool = False
+    wrap: Any = None
+    initial_loss_scale: float = 2.0**16
+    loss_scale_growth_interval: int = 2000
+    comm_timeout_s: float = 300.0
+    extra: dict = field(default_factory=dict)  # forward-compatible, ignored by the engine
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stage, bool) or not isinstance(self.stage, int) or not 0 <= self.stage <= 3:
+            raise ValueError(f"stage must be an integer 0, 1, 2 or 3, got {self.stage!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {self.precision!r}")
+        if not _is_real(self.bucket_mb) or not self.bucket_mb > 0 or math.isinf(self.bucket_mb):
+            raise ValueError(f"bucket_mb must be a positive number of MiB, got {self.bucket_mb!r}")
+        for name in ("overlap_comm", "offload_optimizer", "reshard_after_forward", "activation_checkpointing"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
+            raise ValueError(f"prefetch must be an integer >= 0, got {self.prefetch!r}")
+        if self.grad_clip is not None and (
+            not _is_real(self.grad_clip) or not self.grad_clip > 0 or math.isinf(self.grad_clip)
+        ):
+            raise ValueError(f"grad_clip must be None or a positive finite number, got {self.grad_clip!r}")
+        if self.wrap is not None and not (callable(self.wrap) or _is_str_list(self.wrap)):
+            raise ValueError(f"wrap must be None, a list of module class names or a callable, got {self.wrap!r}")
+        if not _is_real(self.initial_loss_scale) or not 0 < self.initial_loss_scale < math.inf:
+            raise ValueError(f"initial_loss_scale must be a positive finite number, got {self.initial_loss_scale!r}")
+        if (
+            isinstance(self.loss_scale_growth_interval, bool)
+            or not isinstance(self.loss_scale_growth_interval, int)
+            or self.loss_scale_growth_interval < 1
+        ):
+            raise ValueError(
+                f"loss_scale_growth_interval must be an integer >= 1, got {self.loss_scale_growth_interval!r}"
+            )
+        if not _is_real(self.comm_timeout_s) or not self.comm_timeout_s > 0:
+            raise ValueError(f"comm_timeout_s must be a positive number of seconds, got {self.comm_timeout_s!r}")
+        if self.precision != "fp32" and not torch.cuda.is_available():
+            # Only the CPU can run this job here; refuse a dtype it cannot compute in.
+            if not dtype_usable(PRECISIONS[self.precision], "cpu"):
+                raise ValueError(
+                    f"precision={self.precision!r} is not supported by this CPU (a {self.precision} "
+                    "matmul failed); use precision='fp32' or 'bf16'"
+                )
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return PRECISIONS[self.precision]
+
+    @property
+    def bucket_bytes(self) -> int:
+        return max(1, int(self.bucket_mb * 2**20))
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        if callable(self.wrap):
+            d["wrap"] = getattr(self.wrap, "__qualname__", repr(self.wrap))
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ZeroConfig":
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown ZeroConfig field(s): {unknown}")
+        return cls(**d)
+
+
+def _is_real(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and not (isinstance(x, float) and math.isnan(x))
+
+
+def _is_str_list(x: Any) -> bool:
+    return isinstance(x, (list, tuple)) and all(isinstance(s, str) for s in x)
+
+
+OptimizerFactory = Callable[[list], torch.optim.Optimizer]

@@ -1,0 +1,531 @@
+"""``ZeroEngine``: the facade a training loop talks to.
+
+    engine = ZeroEngine(model, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), config=cfg)
+    loss = engine(x, y); engine.backward(loss); info = engine.step()
+
+It wires the parts together and owns nothing subtle itself: ``flat.py`` decides where every
+parameter lives, ``buckets.py`` holds the tensors, ``stages.py`` decides what is communicated
+when, ``collectives.py`` talks to ``torch.distributed`` and counts, ``precision.py`` rounds
+and scales. Imports flow one way: config/flat -> collectives/precision -> buckets -> stages ->
+engine.
+
+[Note: what step() does, in order]
+1. finish an open micro-step (launch whatever buckets did not fill, wait for them);
+2. the stage reduces gradients to this rank's averaged shard (compute dtype);
+3. to fp32, divided by the loss scale (fp16): "loss-scale removal";
+4. ONE small control all-reduce carries [sum of squares of the shard, got-a-gradient mask]:
+   the global norm is the square root of the summed squares (stage 0 sums its full gradient
+   locally), and a parameter is "used" if any rank produced a gradient for it;
+5. fp16 and a non-finite norm: skip the step on every rank, back off the scale;
+6. clip with torch's formula ``coef = min(1, max_norm / (norm + 1e-6))``;
+7. hand the optimizer ``grad`` views for used pieces, ``None`` for unused ones; step;
+8. the stage republishes parameters (stage 0: cast; 1/2: all-gather), gradients are zeroed.
+
+[Note: unused parameters]
+Semantics are PyTorch's: a parameter no rank produced a gradient for keeps ``grad=None`` in the
+optimizer, so it is not decayed and its moments do not move; a parameter some ranks used gets
+the averaged gradient (zeros from the others). The mask travels in step 4, OR-ed over
+micro-steps and ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .buckets import FlatBucket
+from .collectives import Collectives
+from .config import ZeroConfig
+from .flat import FlatLayout
+from .precision import MixedPrecision
+from .stages import Strategy, make_strategy
+
+log = logging.getLogger(__name__)
+
+STATE_FORMAT = "zerotrain.zero/v1"
+
+
+class ZeroEngine:
+    """Trains ``model`` with ZeRO stage 0, 1 or 2 over ``process_group`` (default: WORLD).
+
+    ``optimizer`` is a factory ``f(list_of_tensors) -> torch.optim.Optimizer``; it receives 1-D
+    fp32 views of this rank's shard, one per parameter piece. Any element-wise optimizer (SGD,
+    Adam, AdamW, Adagrad, RMSprop, ...) behaves exactly as on the unsharded model; optimizers
+    that look at a parameter's shape (Muon, Adafactor) are not supported.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
+        config: Optional[ZeroConfig] = None,
+        process_group: Optional[dist.ProcessGroup] = None,
+    ):
+        config = config if config is not None else ZeroConfig()
+        if not isinstance(config, ZeroConfig):
+            raise TypeError(f"config must be a ZeroConfig, got {type(config).__name__}")
+        if config.stage == 3:
+            raise NotImplementedError("ZeRO stage 3 is not implemented yet (issue 3); use stage 0, 1 or 2")
+        if config.offload_optimizer:
+            raise NotImplementedError("offload_optimizer is not implemented yet (issue 3)")
+        if isinstance(optimizer, torch.optim.Optimizer) or not callable(optimizer):
+            raise TypeError(
+                "optimizer must be a factory, e.g. lambda params: torch.optim.AdamW(params, lr=1e-3); "
+                "the engine builds it over its fp32 shard"
+            )
+        self.module = model
+        self.config = config
+        self.precision = MixedPrecision(config.precision)
+        if process_group is None and dist.is_available() and dist.is_initialized():
+            process_group = dist.group.WORLD
+        first = next(iter(model.parameters()), None)
+        self.device = first.device if first is not None else torch.device("cpu")
+        self.precision.check_device(self.device)
+        self.comm = Collectives(process_group, self.device, config.comm_timeout_s)
+        self.rank, self.world_size = self.comm.rank, self.comm.world_size
+        # Stage 0 does not shard: its "shard" is the whole bucket on every rank.
+        self.shard_world = 1 if config.stage == 0 else self.world_size
+        self.shard_rank = 0 if config.stage == 0 else self.rank
+
+        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self._frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
+        bucket_numel = max(1, config.bucket_bytes // torch.empty((), dtype=self.precision.compute_dtype).element_size())
+        self.layout = FlatLayout.build([(n, tuple(p.shape)) for n, p in trainable], self.shard_world, bucket_numel)
+        self.buckets = self._build_buckets([p for _, p in trainable])
+        self._frozen_fp32 = self._sync_frozen_and_buffers()
+        self._slot_of = {id(p): slot for (_, p), slot in zip(trainable, self.layout.slots)}
+
+        self.strategy: Strategy = make_strategy(config.stage, self.buckets, self.comm, config.overlap_comm)
+        self._opt_params = [(piece, view) for b in self.buckets for piece, view in b.master_views]
+        self.optimizer = optimizer([view for _, view in self._opt_params])
+        self._check_optimizer()
+        self.scaler = self.precision.make_scaler(config.initial_loss_scale, config.loss_scale_growth_interval)
+
+        self._got_grad = [False] * len(self.layout.slots)
+        self._micro_open = False
+        self._micro_steps = 0
+        self._step = 0
+        self._last_comm = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0, "total": 0, "control": 0}
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._make_hook(b, pos))
+            for b in self.buckets
+            for pos, p in enumerate(b.params)
+        ]
+
+    # -- construction ------------------------------------------------------------------------------
+    def _build_buckets(self, params: list[nn.Parameter]) -> list[FlatBucket]:
+        """Broadcast rank 0's fp32 values bucket by bucket, then split into compute/master."""
+        dtype = self.precision.compute_dtype
+        out = []
+        for spec in self.layout.buckets:
+            members = [params[s.index] for s in spec.slots]
+            full32 = torch.zeros(spec.numel, dtype=torch.float32, device=self.device)
+            with torch.no_grad():
+                for s, p in zip(spec.slots, members):
+                    full32[s.offset : s.offset + s.numel].copy_(p.detach().reshape(-1))
+            self.comm.broadcast(full32, src=0)
+            lo, hi = spec.shard_range(self.shard_rank)
+            if self.precision.separate_master:
+                flat = full32.to(dtype)
+                master = full32[lo:hi].clone()
+            else:
+                flat, master = full32, full32[lo:hi]
+            del full32
+            for s, p in zip(spec.slots, members):
+                p.data = flat[s.offset : s.offset + s.numel].view(s.shape)
+            views = [
+                (piece, master[piece.shard_offset : piece.shard_offset + piece.numel])
+                for piece in spec.pieces(self.shard_rank)
+            ]
+            out.append(FlatBucket(spec, members, flat, master, views, self.shard_rank))
+        return out
+
+    def _sync_frozen_and_buffers(self) -> dict[int, torch.Tensor]:
+        """Broadcast frozen parameters and buffers from rank 0; cast frozen ones to compute dtype.
+
+        Returns the fp32 originals of frozen parameters that were cast (for full_state_dict).
+        """
+        originals = {}
+        with torch.no_grad():
+            for _, p in self._frozen:
+                self._broadcast_any(p.data)
+                if p.is_floating_point() and p.dtype != self.precision.compute_dtype:
+                    originals[id(p)] = p.data.clone()
+                    p.data = p.data.to(self.precision.compute_dtype)
+            for _, buf in self.module.named_buffers():
+                self._broadcast_any(buf)
+        return originals
+
+    def _broadcast_any(self, t: torch.Tensor) -> None:
+        if t.dtype == torch.bool:
+            tmp = t.to(torch.uint8)
+            self.comm.broadcast(tmp)
+            t.copy_(tmp.bool())
+        else:
+            self.comm.broadcast(t)
+
+    def _check_optimizer(self) -> None:
+        mine = {id(v) for _, v in self._opt_params}
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in mine:
+                    raise ValueError(
+                        "the optimizer factory must build the optimizer over the tensors it is given "
+                        "(the engine's fp32 shard), not over model.parameters()"
+                    )
+
+    # -- forward / backward ------------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*self.precision.cast_inputs(args), **self.precision.cast_inputs(kwargs))
+
+    def train(self, mode: bool = True) -> "ZeroEngine":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "ZeroEngine":
+        return self.train(False)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of one micro-batch; gradients accumulate (sum) until ``step()``."""
+        self._begin_micro_step()
+        if self.scaler is not None:
+            loss = loss * self.scaler.scale
+        loss.backward()
+        if self._micro_open:
+            self._end_micro_step()
+
+    def _make_hook(self, bucket: FlatBucket, pos: int):
+        index = bucket.spec.slots[pos].index
+
+        def hook(param: nn.Parameter) -> None:
+            if param.grad is None:
+                return
+            if not self._micro_open:  # the user called loss.backward() directly
+                self._begin_micro_step()
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_micro_step)
+            self._got_grad[index] = True
+            self.strategy.on_grad(bucket, pos, param.grad)
+            param.grad = None
+
+        return hook
+
+    def _begin_micro_step(self) -> None:
+        if self._micro_open:
+            return
+        self._micro_open = True
+        self.strategy.begin_micro_step()
+
+    def _end_micro_step(self) -> None:
+        if not self._micro_open:
+            return
+        self.strategy.end_micro_step()
+        self._micro_open = False
+        self._micro_steps += 1
+
+    # -- step --------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self) -> dict[str, Any]:
+        """Average over ranks, unscale, clip, update, republish parameters, zero gradients.
+
+        Returns ``{"grad_norm", "skipped", "loss_scale", "comm_exposed_s", "step",
+        "micro_steps", "comm_elements"}``; ``grad_norm`` is the global pre-clip L2 norm of the
+        averaged, unscaled gradient (``inf``/``nan`` on an fp16 overflow).
+        """
+        self._end_micro_step()
+        scale = self.scaler.scale if self.scaler is not None else None
+        grads = self.strategy.reduced_grads()
+        grads32 = []
+        for g in grads:
+            g32 = g if g.dtype == torch.float32 else g.float()
+            if scale is not None:
+                g32.mul_(1.0 / scale)
+            grads32.append(g32)
+
+        sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        for g32 in grads32:
+            sq += torch.linalg.vector_norm(g32).double() ** 2
+        control = torch.zeros(1 + len(self._got_grad), dtype=torch.float64, device=self.device)
+        if self.strategy.sharded_grads:
+            control[0] = sq
+        control[1:] = torch.tensor(self._got_grad, dtype=torch.float64)
+        self.comm.control_all_reduce(control, label="grad norm + used mask")
+        total_sq = control[0] if self.strategy.sharded_grads else sq
+        norm = float(total_sq.sqrt())
+        used = (control[1:] > 0).tolist()
+
+        skipped = self.scaler is not None and not math.isfinite(norm)
+        if not skipped:
+            if self.config.grad_clip is not None:
+                norm32 = torch.tensor(norm, dtype=torch.float32, device=self.device)
+                coef = torch.clamp(self.config.grad_clip / (norm32 + 1e-6), max=1.0)
+                for g32 in grads32:
+                    g32.mul_(coef)
+            for b, g32 in zip(self.buckets, grads32):
+                for piece, view in b.master_views:
+                    if used[piece.slot.index]:
+                        view.grad = g32[piece.shard_offset : piece.shard_offset + piece.numel]
+                    else:
+                        view.grad = None
+            self.optimizer.step()
+            for _, view in self._opt_params:
+                view.grad = None
+            self.strategy.publish_params()
+        else:
+            log.warning("step %d: fp16 gradient overflow (norm=%s), skipped; loss scale %s -> %s",
+                        self._step + 1, norm, scale, scale * self.scaler.backoff_factor)
+        del grads, grads32
+        if self.scaler is not None:
+            self.scaler.update(skipped)
+        self.strategy.zero_grads()
+        self._got_grad = [False] * len(self._got_grad)
+        self._step += 1
+        micro_steps, self._micro_steps = self._micro_steps, 0
+        self._last_comm = self.comm.counter.snapshot()
+        exposed = self.comm.exposed_seconds()
+        self.comm.reset()
+        return {
+            "grad_norm": norm,
+            "skipped": skipped,
+            "loss_scale": scale,
+            "comm_exposed_s": exposed,
+            "step": self._step,
+            "micro_steps": micro_steps,
+            "comm_elements": self._last_comm["total"],
+        }
+
+    def zero_grad(self) -> None:
+        """Drop accumulated gradients without stepping (after a completed backward)."""
+        self._end_micro_step()
+        self.strategy.zero_grads()
+        self._got_grad = [False] * len(self._got_grad)
+        self._micro_steps = 0
+
+    # -- observation -------------------------------------------------------------------------------
+    @property
+    def loss_scale(self) -> Optional[float]:
+        return self.scaler.scale if self.scaler is not None else None
+
+    @property
+    def global_step(self) -> int:
+        return self._step
+
+    def comm_volume(self) -> dict[str, int]:
+        """Elements handed to collectives during the last completed step (0s before the first).
+
+        ``all_reduce`` counts twice its elements; ``total`` = all_gather + reduce_scatter +
+        all_reduce. ``control`` (norm and mask messages, a few hundred elements) is reported
+        apart and is not in ``total``. Nothing is counted on one rank without a process group.
+        """
+        return dict(self._last_comm)
+
+    def memory(self) -> dict[str, int]:
+        """Bytes of the tensors this engine holds right now, by role; shared storage counted once.
+
+        params: compute-dtype flat parameters (+ frozen parameters and their fp32 originals);
+        grads: gradient storage (full buckets at stages 0/1, the shard accumulator at stage 2);
+        optimizer: fp32 master shard when it is a separate copy + every tensor in the optimizer
+        state; buffers: in-flight communication scratch and the module's registered buffers.
+        """
+        seen: set[int] = set()
+
+        def tally(tensors) -> int:
+            total = 0
+            for t in tensors:
+                if t is None or not isinstance(t, torch.Tensor):
+                    continue
+                storage = t.untyped_storage()
+                key = storage.data_ptr()
+                if storage.nbytes() == 0 or key in seen:
+                    continue
+                seen.add(key)
+                total += storage.nbytes()
+            return total
+
+        params = tally([b.flat_param for b in self.buckets] + [p.data for _, p in self._frozen]
+                       + list(self._frozen_fp32.values()))
+        grads = tally(self.strategy.grad_tensors())
+        opt_tensors = [b.master for b in self.buckets]
+        for state in self.optimizer.state.values():
+            opt_tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+        optimizer = tally(opt_tensors)
+        buffers = tally(self.strategy.scratch_tensors() + list(self.module.buffers()))
+        return {"params": params, "grads": grads, "optimizer": optimizer, "buffers": buffers,
+                "total": params + grads + optimizer + buffers}
+
+    # -- state -------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _uncounted(self):
+        saved = self.comm.counter
+        self.comm.reset()
+        try:
+            yield
+        finally:
+            self.comm.counter = saved
+
+    @torch.no_grad()
+    def _full_master(self, b: FlatBucket) -> torch.Tensor:
+        """The whole bucket's fp32 master values (a collective at stages 1/2 with a separate master)."""
+        if not self.precision.separate_master:
+            return b.flat_param
+        if self.shard_world == 1:
+            return b.master
+        full = torch.empty(b.spec.numel, dtype=torch.float32, device=self.device)
+        self.comm.all_gather(full, b.master, label=f"full_state_dict bucket {b.spec.index}", async_op=False)
+        return full
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full fp32 parameters and buffers, keys as ``model.state_dict()``, identical on every rank.
+
+        A collective at stages 1/2 with bf16/fp16 (all ranks must call it). Tensors are CPU copies.
+        """
+        with self._uncounted():
+            values: dict[int, torch.Tensor] = {}
+            for b in self.buckets:
+                full = self._full_master(b)
+                for s, p in zip(b.spec.slots, b.params):
+                    values[id(p)] = full[s.offset : s.offset + s.numel].view(s.shape).to("cpu", copy=True)
+        out = {}
+        for key, t in self.module.state_dict(keep_vars=True).items():
+            if id(t) in values:
+                out[key] = values[id(t)].clone()  # tied weights: one copy per key, no shared storage
+            elif id(t) in self._frozen_fp32:
+                out[key] = self._frozen_fp32[id(t)].to("cpu", copy=True)
+            else:
+                out[key] = t.detach().to("cpu", copy=True)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's shard: enough to continue bit-identically, or to reshard elsewhere.
+
+        Format ``zerotrain.zero/v1`` (all tensors are CPU copies)::
+
+            format          "zerotrain.zero/v1"
+            stage, precision, world_size, rank      of the run that saved it
+            shard_world_size, shard_rank            how the optimizer state is split
+                                                    (1/0 at stage 0: every rank holds everything)
+            step            optimizer steps taken (skipped fp16 steps included)
+            layout          FlatLayout.describe(shard_rank): buckets (numel, shard_numel,
+                            shard_range, param names) and params (shape, numel, bucket, offset)
+            params          {name: {"shape", "numel", "bucket", "offset",
+                                    "shard_range": [a, b] | None,   # elements [a, b) of the
+                                    "shard_offset": int | None}}    # flattened param held here
+            master          {name: fp32 1-D tensor} = flattened param[a:b] (held pieces only)
+            optimizer       optimizer.state_dict(); its param i is optimizer_params[i]
+            optimizer_params [name, ...] in optimizer order; state tensors of param i
+                            cover that param's shard_range, flattened
+            loss_scaler     {"scale", "good_steps", "growth_interval"} or None
+            frozen          {name: full fp32 tensor} frozen parameters (same on every rank)
+            buffers         {name: tensor} module buffers (same on every rank)
+            config          ZeroConfig.to_dict()
+        """
+        params, master = {}, {}
+        held = {piece.slot.name: (piece, view) for piece, view in self._opt_params}
+        for s in self.layout.slots:
+            piece_view = held.get(s.name)
+            entry = {"shape": list(s.shape), "numel": s.numel, "bucket": s.bucket, "offset": s.offset,
+                     "shard_range": None, "shard_offset": None}
+            if piece_view is not None:
+                piece, view = piece_view
+                entry["shard_range"] = [piece.param_start, piece.param_end]
+                entry["shard_offset"] = piece.shard_offset
+                master[s.name] = view.detach().to("cpu", copy=True)
+            params[s.name] = entry
+        frozen = {}
+        for n, p in self._frozen:
+            frozen[n] = self._frozen_fp32.get(id(p), p.data).to("cpu", copy=True)
+        return {
+            "format": STATE_FORMAT,
+            "stage": self.config.stage,
+            "precision": self.config.precision,
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "shard_world_size": self.shard_world,
+            "shard_rank": self.shard_rank,
+            "step": self._step,
+            "layout": self.layout.describe(self.shard_rank),
+            "params": params,
+            "master": master,
+            "optimizer": _to_cpu(self.optimizer.state_dict()),
+            "optimizer_params": [piece.slot.name for piece, _ in self._opt_params],
+            "loss_scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "frozen": frozen,
+            "buffers": {n: b.detach().to("cpu", copy=True) for n, b in self.module.named_buffers()},
+            "config": self.config.to_dict(),
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Load a ``state_dict()`` saved by a run with the same stage, world size and layout.
+
+        Another world size or stage needs resharding first (``workers.checkpoint``).
+        """
+        if sd.get("format") != STATE_FORMAT:
+            raise ValueError(f"not an engine state dict (format {sd.get('format')!r}, want {STATE_FORMAT!r})")
+        mine = self.state_dict_meta()
+        for key in ("shard_world_size", "shard_rank"):
+            if sd[key] != mine[key]:
+                raise ValueError(
+                    f"state dict was saved with {key}={sd[key]}, this engine has {mine[key]}; "
+                    "reshard it with workers.checkpoint first"
+                )
+        if sd["params"] != mine["params"]:
+            raise ValueError("state dict parameter layout (names, shapes or shard ranges) differs from this "
+                             "engine's (bucket_mb or model changed?); reshard it with workers.checkpoint first")
+        if sd["optimizer_params"] != [piece.slot.name for piece, _ in self._opt_params]:
+            raise ValueError("state dict optimizer parameter order differs from this engine's")
+        for piece, view in self._opt_params:
+            view.copy_(sd["master"][piece.slot.name])
+        self.optimizer.load_state_dict(sd["optimizer"])
+        for n, p in self._frozen:
+            src = sd["frozen"][n]
+            if id(p) in self._frozen_fp32:
+                self._frozen_fp32[id(p)].copy_(src)
+            p.data.copy_(src)
+        bufs = dict(self.module.named_buffers())
+        for n, t in sd["buffers"].items():
+            bufs[n].copy_(t)
+        if self.scaler is not None and sd.get("loss_scaler") is not None:
+            self.scaler.load_state_dict(sd["loss_scaler"])
+        self._step = int(sd["step"])
+        with self._uncounted():
+            self.strategy.publish_params()
+        self.strategy.zero_grads()
+        self._got_grad = [False] * len(self._got_grad)
+
+    def state_dict_meta(self) -> dict[str, Any]:
+        """The layout part of ``state_dict()`` without copying any tensor."""
+        held = {piece.slot.name: piece for piece, _ in self._opt_params}
+        params = {}
+        for s in self.layout.slots:
+            piece = held.get(s.name)
+            params[s.name] = {"shape": list(s.shape), "numel": s.numel, "bucket": s.bucket, "offset": s.offset,
+                              "shard_range": [piece.param_start, piece.param_end] if piece else None,
+                              "shard_offset": piece.shard_offset if piece else None}
+        return {"shard_world_size": self.shard_world, "shard_rank": self.shard_rank, "params": params}
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+
+def _to_cpu(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to_cpu(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_to_cpu(v) for v in obj)
+    return obj

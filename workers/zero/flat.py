@@ -1,0 +1,165 @@
+"""Flat, padded bucket layout: which parameter lives where, and which slice each rank owns.
+
+Pure bookkeeping, no tensors and no communication: the layout is a deterministic function of
+(trainable parameter names and shapes, bucket size, world size), so every rank computes the
+same one without talking, and a checkpoint can record it and another world size can rebuild it.
+
+[Note: bucket order]
+Parameters are packed in *reverse* registration order, like DDP: backward produces gradients
+roughly from the last layer to the first, so bucket 0 fills first and collectives can start
+while the rest of backward runs. Order is only a performance hint; correctness never depends
+on it because a bucket is launched only after every earlier bucket was (see ``grads.py``).
+
+[Note: padding]
+Each bucket's flat length is rounded up to a multiple of the shard world size so that rank r
+owns exactly ``[r*S, (r+1)*S)``; ``reduce_scatter``/``all_gather`` need equal pieces. Padding
+elements are zero in parameters and gradients, are never handed to the optimizer, and are the
+"+ padding" of the memory and communication formulas.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """One trainable parameter's place in the layout."""
+
+    index: int  # position among trainable parameters (model.named_parameters() order, tied once)
+    name: str
+    shape: tuple[int, ...]
+    numel: int
+    bucket: int
+    offset: int  # first element inside its bucket's flat buffer
+
+
+@dataclass(frozen=True)
+class ShardPiece:
+    """The part of one parameter that falls inside one rank's shard of a bucket."""
+
+    slot: ParamSlot
+    param_start: int  # elements [param_start, param_end) of the flattened parameter
+    param_end: int
+    shard_offset: int  # where they start inside the rank's shard of the bucket
+
+    @property
+    def numel(self) -> int:
+        return self.param_end - self.param_start
+
+
+@dataclass(frozen=True)
+class Bucket:
+    index: int
+    slots: tuple[ParamSlot, ...]
+    numel: int  # padded flat length, a multiple of world_size
+    world_size: int
+
+    @property
+    def shard_numel(self) -> int:
+        return self.numel // self.world_size
+
+    @property
+    def used_numel(self) -> int:
+        return sum(s.numel for s in self.slots)
+
+    def shard_range(self, rank: int) -> tuple[int, int]:
+        return rank * self.shard_numel, (rank + 1) * self.shard_numel
+
+    def pieces(self, rank: int) -> list[ShardPiece]:
+        lo, hi = self.shard_range(rank)
+        out = []
+        for s in self.slots:
+            a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
+            if a < b:
+                out.append(ShardPiece(s, a - s.offset, b - s.offset, a - lo))
+        return out
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    buckets: tuple[Bucket, ...]
+    slots: tuple[ParamSlot, ...]  # in trainable-parameter order (slot.index)
+    world_size: int
+
+    @classmethod
+    def build(
+        cls,
+        params: Sequence[tuple[str, Sequence[int]]],
+        world_size: int,
+        bucket_numel: int,
+    ) -> "FlatLayout":
+        """Pack ``(name, shape)`` (registration order) into buckets of ~``bucket_numel`` elements.
+
+        A parameter larger than a bucket gets a bucket of its own; parameters are never split
+        across buckets (a bucket is the unit of readiness in backward).
+        """
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        numels = [_numel(shape) for _, shape in params]
+        groups: list[list[int]] = []
+        current: list[int] = []
+        filled = 0
+        for i in reversed(range(len(params))):
+            if current and filled + numels[i] > bucket_numel:
+                groups.append(current)
+                current, filled = [], 0
+            current.append(i)
+            filled += numels[i]
+        if current:
+            groups.append(current)
+
+        slots: dict[int, ParamSlot] = {}
+        buckets = []
+        for b, members in enumerate(groups):
+            offset = 0
+            bucket_slots = []
+            for i in members:
+                name, shape = params[i]
+                slot = ParamSlot(i, name, tuple(int(d) for d in shape), numels[i], b, offset)
+                slots[i] = slot
+                bucket_slots.append(slot)
+                offset += numels[i]
+            padded = -(-max(offset, 1) // world_size) * world_size
+            buckets.append(Bucket(b, tuple(bucket_slots), padded, world_size))
+        return cls(tuple(buckets), tuple(slots[i] for i in range(len(params))), world_size)
+
+    @property
+    def numel(self) -> int:
+        """Padded elements over all buckets: the Φ (+ padding) of the communication formulas."""
+        return sum(b.numel for b in self.buckets)
+
+    @property
+    def used_numel(self) -> int:
+        return sum(s.numel for s in self.slots)
+
+    def pieces(self, rank: int) -> list[ShardPiece]:
+        """All of this rank's pieces, bucket by bucket: the order the optimizer sees them in."""
+        return [p for b in self.buckets for p in b.pieces(rank)]
+
+    def describe(self, rank: int) -> dict:
+        """JSON-able description of the layout from ``rank``'s point of view (for checkpoints)."""
+        return {
+            "world_size": self.world_size,
+            "buckets": [
+                {
+                    "numel": b.numel,
+                    "shard_numel": b.shard_numel,
+                    "shard_range": list(b.shard_range(rank)),
+                    "params": [s.name for s in b.slots],
+                }
+                for b in self.buckets
+            ],
+            "params": {
+                s.name: {"shape": list(s.shape), "numel": s.numel, "bucket": s.bucket, "offset": s.offset}
+                for s in self.slots
+            },
+        }
+
+
+def _numel(shape: Iterable[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n

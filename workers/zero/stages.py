@@ -1,0 +1,222 @@
+"""What each ZeRO stage communicates, when, and which gradient storage it keeps.
+
+Three strategies over the same flat buckets. The engine calls them in one fixed sequence:
+
+    begin_micro_step -> on_grad(bucket, pos, grad)* -> end_micro_step     (per backward)
+    reduced_grads -> [optimizer on master views] -> publish_params -> zero_grads   (per step)
+
+=======  ========================================  ==============================  =============
+stage    gradient storage per rank                  communication                   when
+=======  ========================================  ==============================  =============
+0        full, compute dtype (2Φ)                   all-reduce each bucket (2Φ)     in step()
+1        full, compute dtype (2Φ)                   reduce-scatter Φ + all-gather Φ step()
+2        shard, compute dtype (2Φ/N) + in-flight    reduce-scatter Φ per micro-step backward;
+         bucket scratch                             + all-gather Φ                  step()
+=======  ========================================  ==============================  =============
+
+[Note: who pays for gradient accumulation]
+Stages 0 and 1 keep a full local gradient, so non-final micro-steps communicate nothing: the
+gradients accumulate locally and are reduced once, in ``step()``. Stage 2 does not keep a full
+gradient (that is its point), so it reduce-scatters *every* micro-step into a shard-sized
+accumulator: k micro-steps cost k·Φ of reduce-scatter. That is the memory/communication trade
+stage 2 makes; the accumulator is kept in the compute dtype (2Φ/N bytes, DESIGN §4), the same
+dtype autograd accumulates full gradients in at stages 0 and 1.
+
+[Note: deterministic collective order]
+Post-accumulate-grad hooks fire in data-dependent order (and not at all for a parameter this
+rank did not use). Hooks therefore never issue a collective for "their" bucket directly: a
+bucket counts as ready when all its parameters reported, and buckets are launched strictly in
+index order -- a ready bucket waits until every earlier one was launched. Whatever did not
+become ready (unused parameters) is launched, still in index order, when backward ends. Every
+rank thus issues bucket 0, 1, 2, ... in the same order every micro-step.
+
+[Note: averaging]
+Each bucket is divided by N before it is summed (DDP's "pre-divide"), which keeps fp16 sums
+in range; the result is the mean over ranks of each rank's summed micro-step gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .buckets import FlatBucket
+from .collectives import Collectives, Pending
+
+
+class Strategy:
+    stage: int = -1
+    #: whether ``reduced_grads`` returns shards (norm needs a cross-rank sum) or full gradients
+    sharded_grads: bool = True
+
+    def __init__(self, buckets: list[FlatBucket], comm: Collectives, overlap_comm: bool):
+        self.buckets = buckets
+        self.comm = comm
+        self.world_size = comm.world_size
+        self.overlap_comm = overlap_comm
+        self.allocate_grad_storage()
+
+    # -- storage --------------------------------------------------------------------------------
+    def allocate_grad_storage(self) -> None:
+        for b in self.buckets:
+            b.grad_full = torch.zeros_like(b.flat_param)
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        return [b.grad_full for b in self.buckets if b.grad_full is not None]
+
+    def scratch_tensors(self) -> list[torch.Tensor]:
+        out = []
+        for b in self.buckets:
+            out += [t for t in (b.scratch, b.scratch_out) if t is not None]
+        return out
+
+    # -- backward -------------------------------------------------------------------------------
+    def begin_micro_step(self) -> None:
+        pass
+
+    def on_grad(self, bucket: FlatBucket, pos: int, grad: torch.Tensor) -> None:
+        lo, hi = bucket.slot_range(pos)
+        bucket.grad_full[lo:hi].add_(grad.reshape(-1))
+
+    def end_micro_step(self) -> None:
+        pass
+
+    # -- step -----------------------------------------------------------------------------------
+    def reduced_grads(self) -> list[torch.Tensor]:
+        """Per bucket, this rank's averaged gradient (its shard; the whole bucket at stage 0)."""
+        raise NotImplementedError
+
+    def publish_params(self) -> None:
+        """Make every rank's ``flat_param`` equal to the updated master weights."""
+        pending = []
+        for b in self.buckets:
+            shard = b.flat_param[b.shard_slice]
+            if shard.data_ptr() != b.master.data_ptr():
+                shard.copy_(b.master)
+            pending.append(self.comm.all_gather(b.flat_param, shard, label=f"all_gather bucket {b.spec.index}"))
+        for p in pending:
+            p.wait()
+
+    def zero_grads(self) -> None:
+        for b in self.buckets:
+            if b.grad_full is not None:
+                b.grad_full.zero_()
+            if b.grad_shard is not None:
+                b.grad_shard.zero_()
+            b.micro_steps_reduced = 0
+
+
+class AllReduceStrategy(Strategy):
+    """Stage 0, a DDP equivalent: every rank keeps and updates everything."""
+
+    stage = 0
+    sharded_grads = False
+
+    def reduced_grads(self) -> list[torch.Tensor]:
+        pending: list[Pending] = []
+        for b in self.buckets:
+            if self.world_size > 1:
+                b.grad_full.div_(self.world_size)
+            pending.append(self.comm.all_reduce(b.grad_full, label=f"all_reduce bucket {b.spec.index}"))
+        for p in pending:
+            p.wait()
+        return [b.grad_full for b in self.buckets]
+
+    def publish_params(self) -> None:
+        for b in self.buckets:  # the master is the whole bucket: a local cast, no communication
+            if b.flat_param.data_ptr() != b.master.data_ptr():
+                b.flat_param.copy_(b.master)
+
+
+class ReduceScatterAtStepStrategy(Strategy):
+    """Stage 1: full local gradients; reduce-scatter them into the shard once per step."""
+
+    stage = 1
+
+    def reduced_grads(self) -> list[torch.Tensor]:
+        outs, pending = [], []
+        for b in self.buckets:
+            if self.world_size > 1:
+                b.grad_full.div_(self.world_size)
+            out = torch.empty(b.spec.shard_numel, dtype=b.grad_full.dtype, device=b.grad_full.device)
+            pending.append(self.comm.reduce_scatter(out, b.grad_full, label=f"reduce_scatter bucket {b.spec.index}"))
+            outs.append(out)
+        for p in pending:
+            p.wait()
+        return outs
+
+
+class ReduceScatterInBackwardStrategy(Strategy):
+    """Stage 2: no full gradient kept; each bucket is reduce-scattered as soon as it is full."""
+
+    stage = 2
+
+    def allocate_grad_storage(self) -> None:
+        for b in self.buckets:
+            b.grad_shard = torch.zeros(b.spec.shard_numel, dtype=b.flat_param.dtype, device=b.flat_param.device)
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        return [b.grad_shard for b in self.buckets]
+
+    def begin_micro_step(self) -> None:
+        self._next_launch = 0
+        for b in self.buckets:
+            b.ready = 0
+            b.launched = False
+
+    def _scratch(self, b: FlatBucket) -> torch.Tensor:
+        if b.scratch is None:
+            b.scratch = torch.zeros_like(b.flat_param)
+        return b.scratch
+
+    def on_grad(self, bucket: FlatBucket, pos: int, grad: torch.Tensor) -> None:
+        if bucket.launched:
+            raise RuntimeError(
+                f"gradient for {bucket.spec.slots[pos].name} arrived after bucket {bucket.spec.index} was "
+                "reduced in this backward; call engine.backward() once per micro-batch"
+            )
+        lo, hi = bucket.slot_range(pos)
+        self._scratch(bucket)[lo:hi].add_(grad.reshape(-1))
+        bucket.ready += 1
+        if self.overlap_comm:
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self._next_launch < len(self.buckets):
+            b = self.buckets[self._next_launch]
+            if b.ready < b.expected:
+                return
+            self._launch(b)
+
+    def _launch(self, b: FlatBucket) -> None:
+        scratch = self._scratch(b)
+        if self.world_size > 1:
+            scratch.div_(self.world_size)
+        if b.micro_steps_reduced == 0:
+            out = b.grad_shard  # first micro-step of this step: reduce straight into the accumulator
+        else:
+            out = b.scratch_out = torch.empty_like(b.grad_shard)
+        b.pending = self.comm.reduce_scatter(out, scratch, label=f"reduce_scatter bucket {b.spec.index}")
+        b.launched = True
+        self._next_launch += 1
+
+    def end_micro_step(self) -> None:
+        while self._next_launch < len(self.buckets):  # buckets with unused parameters, in order
+            self._launch(self.buckets[self._next_launch])
+        for b in self.buckets:
+            b.pending.wait()
+            b.pending = None
+            if b.scratch_out is not None:
+                b.grad_shard.add_(b.scratch_out)
+                b.scratch_out = None
+            b.scratch = None
+            b.micro_steps_reduced += 1
+
+    def reduced_grads(self) -> list[torch.Tensor]:
+        return [b.grad_shard for b in self.buckets]
+
+
+def make_strategy(stage: int, buckets: list[FlatBucket], comm: Collectives, overlap_comm: bool) -> Strategy:
+    classes = {0: AllReduceStrategy, 1: ReduceScatterAtStepStrategy, 2: ReduceScatterInBackwardStrategy}
+    if stage not in classes:
+        raise NotImplementedError(f"stage {stage} is not implemented yet (stage 3 arrives with issue 3)")
+    return classes[stage](buckets, comm, overlap_comm)

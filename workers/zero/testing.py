@@ -1,0 +1,71 @@
+"""Run a function on a fresh Gloo world of N processes (tests, examples, benchmarks).
+
+    results = spawn_world(fn, world_size=2, args=(...))   # fn(rank, world_size, *args)
+
+Uses ``torch.multiprocessing.spawn``; each rank initialises the default process group on
+loopback with Gloo, calls ``fn`` and sends its return value back (``torch.save``/``load``, so
+tensors and dicts travel). One thread per rank: a world is usually oversubscribing the CPUs.
+The function is found again in the child by module name, or by file path when its module is
+not importable there (pytest's importlib mode).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import os
+import socket
+import sys
+import tempfile
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _resolve(module: str, qualname: str, path: str) -> Callable:
+    try:
+        mod = importlib.import_module(module)
+    except ImportError:
+        spec = importlib.util.spec_from_file_location(module, path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[module] = mod
+        spec.loader.exec_module(mod)
+    obj: Any = mod
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _entry(rank: int, world_size: int, port: int, target: tuple[str, str, str], args: tuple, outdir: str,
+           timeout_s: float) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    try:
+        result = _resolve(*target)(rank, world_size, *args)
+        torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn_world(fn: Callable, world_size: int, args: tuple = (), timeout_s: float = 120.0) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` Gloo ranks; return each rank's result."""
+    target = (fn.__module__, fn.__qualname__, inspect.getfile(fn))
+    with tempfile.TemporaryDirectory(prefix="zero-world-") as outdir:
+        mp.spawn(_entry, args=(world_size, free_port(), target, args, outdir, timeout_s), nprocs=world_size,
+                 join=True)
+        return [torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
