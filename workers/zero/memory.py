@@ -731,7 +731,7 @@ def inputs_for_spec(
     model_spec = spec["model"]
     data, train = spec.get("data") or {}, spec.get("train") or {}
     zero, resources = spec.get("zero") or {}, spec.get("resources") or {}
-    precision = zero.get("precision") or "bf16"
+    precision = zero.get("precision") or "fp32"  # the JobSpec's default
     try:
         activation_bytes: int | None = profile_activations(
             model_spec,
@@ -753,6 +753,7 @@ def inputs_for_spec(
         device="cuda" if (resources.get("gpus_per_worker") or 0) > 0 else "cpu",
         bandwidth_bytes_per_s=bandwidth_bytes_per_s,
         compute_s=compute_s,
+        reshard_after_forward=bool(zero.get("reshard_after_forward", True)),
     )
 
 
@@ -761,6 +762,8 @@ def plan_for_spec(
     gpu_memory_bytes: int | None = None,
     margin: float = DEFAULT_MARGIN,
     host_memory_bytes: int | None = None,
+    bandwidth_bytes_per_s: float | None = None,
+    compute_s: float | None = None,
 ) -> Plan:
     """What the control plane calls at submit time; the choice matters for ``stage: "auto"``.
 
@@ -771,7 +774,7 @@ def plan_for_spec(
     kept (its prediction is still recorded); ``offload_optimizer: true`` is kept likewise.
     Raises ``NoPlanFits`` (→ 422) when ``stage`` is "auto" and nothing fits.
     """
-    inputs = inputs_for_spec(spec)
+    inputs = inputs_for_spec(spec, bandwidth_bytes_per_s=bandwidth_bytes_per_s, compute_s=compute_s)
     resources, zero = spec.get("resources") or {}, spec.get("zero") or {}
     gpu_job = (resources.get("gpus_per_worker") or 0) > 0
     budget = gpu_memory_bytes
