@@ -13,12 +13,13 @@ import logging
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 from fastapi.responses import HTMLResponse
 from fastapi.routing import APIRoute
 
 from service import migrate
 from service.api import checkpoints, health, jobs, metrics, workers
+from service.api.deps import current_user
 from service.api.errors import install_error_handlers
 from service.auth import ensure_local_admin_token
 from service.db import make_engine, make_sessionmaker
@@ -41,7 +42,8 @@ def _include_optional_routers(app: FastAPI) -> None:
     for module_name in OPTIONAL_ROUTERS:
         if importlib.util.find_spec(module_name) is None:
             continue
-        app.include_router(importlib.import_module(module_name).router, prefix=API_PREFIX)
+        app.include_router(importlib.import_module(module_name).router, prefix=API_PREFIX,
+                           dependencies=[Depends(current_user)])
 
 
 def _mount_dashboard(app: FastAPI) -> None:

@@ -14,7 +14,8 @@
 
 ``LiveService`` has ``url`` (base URL, no trailing slash), ``admin_token`` (the bootstrap
 admin token, also in ``settings.token_file``), ``settings``, ``database_url``, ``app`` and
-``client(token=None)`` returning a ``service.client.Client`` (admin by default).
+``client(token=None)`` returning a ``service.client.Client`` (admin by default), and
+``create_user(name, is_admin=False)`` returning a new API token for that user.
 """
 
 from __future__ import annotations
@@ -105,6 +106,15 @@ class LiveService:
         from service.client import Client
 
         return Client(self.url, token or self.admin_token, **kwargs)
+
+    def create_user(self, name: str, *, is_admin: bool = False) -> str:
+        """A new API token acting as ``name`` (what `zerotrain token create` does)."""
+        from service.auth import create_api_token
+
+        with self.app.state.sessionmaker() as session:
+            token = create_api_token(session, name, is_admin=is_admin)
+            session.commit()
+        return token
 
 
 class _ServerThread:

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from service.auth import create_api_token
-from service.db import make_engine, make_sessionmaker
 
 FAKE_DRIVER = str(Path(__file__).with_name("fake_driver.py"))
 
@@ -42,19 +39,3 @@ def spec() -> dict[str, Any]:
 def service(make_live_service):
     """A live server whose local launcher runs the fake driver."""
     return make_live_service(local_entrypoint=FAKE_DRIVER)
-
-
-def add_user(database_url: str, name: str, *, is_admin: bool = False) -> str:
-    engine = make_engine(database_url)
-    try:
-        with make_sessionmaker(engine)() as session:
-            token = create_api_token(session, name, is_admin=is_admin)
-            session.commit()
-        return token
-    finally:
-        engine.dispose()
-
-
-@pytest.fixture
-def new_user(service) -> Callable[..., str]:
-    return lambda name, is_admin=False: add_user(service.database_url, name, is_admin=is_admin)
