@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import json
 
+from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 
-class BodyTooLarge(Exception):
-    pass
+class BodyTooLarge(HTTPException):
+    """Raised from ``receive``: FastAPI re-raises HTTPExceptions met while reading a body."""
+
+    def __init__(self, max_bytes: int):
+        super().__init__(413, f"request body too large: the limit is {max_bytes} bytes")
 
 
 class BodySizeLimit:
@@ -36,7 +40,7 @@ class BodySizeLimit:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
-                    raise BodyTooLarge
+                    raise BodyTooLarge(self.max_bytes)
             return message
 
         async def tracking_send(message: Message) -> None:
@@ -51,10 +55,7 @@ class BodySizeLimit:
                 await self._refuse(send)
 
     async def _refuse(self, send: Send) -> None:
-        body = json.dumps({
-            "detail": f"request body too large: the limit is {self.max_bytes} bytes",
-            "errors": [],
-        }).encode()
+        body = json.dumps({"detail": BodyTooLarge(self.max_bytes).detail, "errors": []}).encode()
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"),
                                 (b"content-length", str(len(body)).encode())]})

@@ -1,0 +1,170 @@
+"""Must-show 4: a wrong value in any spec field is a 422 that names the field; oversized bodies
+are refused; a refused request writes nothing."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy import func, select
+
+from service.models import Job, JobEvent, Metric
+from service.schemas import JobSpec
+
+from tests.service.conftest import VALID_SPEC
+
+MAX_BODY = 1024 * 1024
+
+
+def with_value(path: str, value: Any, base: dict | None = None) -> dict:
+    spec = copy.deepcopy(base or VALID_SPEC)
+    *parents, leaf = path.split(".")
+    node = spec
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[leaf] = value
+    return spec
+
+
+PRESET = with_value("model", {"preset": "gpt-mini"})
+TEXT = with_value("data", {"kind": "text", "uri": "file:///data", "seq_len": 64})
+
+# (field that must be named, spec with a wrong value there)
+BAD_SPECS: list[tuple[str, dict]] = [
+    ("name", with_value("name", "has spaces!")),
+    ("name", with_value("name", 7)),
+    ("model", with_value("model", {})),
+    ("model.preset", with_value("model", {"preset": "gpt-huge"})),
+    ("model.factory", with_value("model.factory", "not a factory")),
+    ("model.kwargs", with_value("model.kwargs", ["a"])),
+    ("model.color", with_value("model.color", "red")),
+    ("data.kind", with_value("data.kind", "video")),
+    ("data.uri", with_value("data.uri", "http://example.com/corpus", TEXT)),
+    ("data.uri", with_value("data", {"kind": "text", "seq_len": 64})),
+    ("data.glob", with_value("data.glob", 5, TEXT)),
+    ("data.seq_len", with_value("data.seq_len", 0)),
+    ("data.seq_len", with_value("data.seq_len", 4096, PRESET)),
+    ("data.vocab_size", with_value("data.vocab_size", 1)),
+    ("data.factory", with_value("data", {"factory": "no colon"})),
+    ("data.kwargs", with_value("data.kwargs", "x")),
+    ("train", with_value("train", None)),
+    ("train.steps", with_value("train.steps", 0)),
+    ("train.steps", with_value("train.steps", "10")),
+    ("train.global_batch_size", with_value("train.global_batch_size", 0)),
+    ("train.global_batch_size", with_value("train.global_batch_size", 10)),
+    ("train.micro_batch_size", with_value("train.micro_batch_size", 0)),
+    ("train.lr", with_value("train.lr", 0)),
+    ("train.warmup_steps", with_value("train.warmup_steps", -1)),
+    ("train.weight_decay", with_value("train.weight_decay", -0.1)),
+    ("train.grad_clip", with_value("train.grad_clip", 0)),
+    ("train.seed", with_value("train.seed", -1)),
+    ("zero.stage", with_value("zero.stage", 4)),
+    ("zero.precision", with_value("zero.precision", "fp8")),
+    ("zero.offload_optimizer", with_value("zero.offload_optimizer", "yes")),
+    ("zero.bucket_mb", with_value("zero.bucket_mb", 0)),
+    ("zero.prefetch", with_value("zero.prefetch", -1)),
+    ("zero.activation_checkpointing", with_value("zero.activation_checkpointing", "no")),
+    ("zero.reshard_after_forward", with_value("zero.reshard_after_forward", 1)),
+    ("resources.num_workers", with_value("resources.num_workers", 0)),
+    ("resources.gpus_per_worker", with_value("resources.gpus_per_worker", -1)),
+    ("resources.cpus_per_worker", with_value("resources.cpus_per_worker", 0)),
+    ("resources.gpu_memory_gb", with_value("resources.gpu_memory_gb", 0)),
+    ("checkpoint.every_steps", with_value("checkpoint.every_steps", 0)),
+    ("checkpoint.keep_last", with_value("checkpoint.keep_last", 0)),
+    ("checkpoint.uri", with_value("checkpoint.uri", "ftp://host/ckpt")),
+    ("max_failures", with_value("max_failures", -1)),
+    ("resume_from.job_id", with_value("resume_from", {"job_id": "no such/id"})),
+    ("resume_from.step", with_value("resume_from", {"job_id": "job-1", "step": -3})),
+    ("max_runtime_s", with_value("max_runtime_s", 0)),
+    ("nmae", with_value("nmae", "typo")),
+]
+
+
+def test_every_spec_field_is_covered():
+    """Adding a field to JobSpec without a bad-value case here fails this test."""
+    def paths(model, prefix=""):
+        for name, info in model.model_fields.items():
+            sub = getattr(info.annotation, "model_fields", None)
+            if sub is None:  # Optional[Model]
+                sub_model = next((a for a in getattr(info.annotation, "__args__", ())
+                                  if hasattr(a, "model_fields")), None)
+            else:
+                sub_model = info.annotation
+            if sub_model is not None:
+                yield from paths(sub_model, f"{prefix}{name}.")
+            else:
+                yield f"{prefix}{name}"
+    assert set(paths(JobSpec)) <= {field for field, _ in BAD_SPECS}
+
+
+@pytest.fixture
+def service(make_live_service):
+    return make_live_service(scheduler_enabled=False, max_body_bytes=MAX_BODY)
+
+
+def counts(service) -> tuple[int, int, int]:
+    with service.app.state.sessionmaker() as session:
+        return tuple(session.execute(select(func.count()).select_from(table)).scalar_one()
+                     for table in (Job, JobEvent, Metric))
+
+
+def test_each_wrong_value_is_a_422_naming_the_field_and_nothing_is_written(service):
+    http = httpx.Client(base_url=service.url, headers={"Authorization": f"Bearer {service.admin_token}"})
+    for field, spec in BAD_SPECS:
+        response = http.post("/api/v1/jobs", json=spec)
+        assert response.status_code == 422, (field, response.text)
+        body = response.json()
+        named = [error["field"] for error in body["errors"]]
+        assert any(name == field or name.startswith(field + ".") for name in named), (field, body)
+        assert field in body["detail"], (field, body["detail"])
+    assert counts(service) == (0, 0, 0)
+
+
+def test_batch_arithmetic_error_names_the_numbers(service):
+    response = httpx.post(f"{service.url}/api/v1/jobs", json=with_value("train.global_batch_size", 10),
+                          headers={"Authorization": f"Bearer {service.admin_token}"})
+    message = response.json()["errors"][0]["message"]
+    assert "(10)" in message and "micro_batch_size (2)" in message and "num_workers (2)" in message
+
+
+def test_malformed_json_and_bad_parameters_are_422(service):
+    http = httpx.Client(base_url=service.url, headers={"Authorization": f"Bearer {service.admin_token}"})
+    response = http.post("/api/v1/jobs", content=b"{not json", headers={"content-type": "application/json"})
+    assert response.status_code == 422 and "JSON" in response.json()["detail"]
+    response = http.post("/api/v1/jobs", json=VALID_SPEC, headers={"Idempotency-Key": "k" * 201})
+    assert response.status_code == 422 and response.json()["errors"][0]["field"] == "Idempotency-Key"
+    for params, field in (({"state": "SLEEPING"}, "state"), ({"limit": 0}, "limit"), ({"cursor": "abc"}, "cursor")):
+        response = http.get("/api/v1/jobs", params=params)
+        assert response.status_code == 422 and response.json()["errors"][0]["field"] == field
+    assert counts(service) == (0, 0, 0)
+
+
+def test_oversized_bodies_are_refused_with_413(service):
+    http = httpx.Client(base_url=service.url, headers={"Authorization": f"Bearer {service.admin_token}"})
+    huge = with_value("model.kwargs", {"blob": "x" * (MAX_BODY + 1)})
+    response = http.post("/api/v1/jobs", json=huge)
+    assert response.status_code == 413 and str(MAX_BODY) in response.json()["detail"]
+
+    def chunks():  # no Content-Length: the limit is enforced while reading
+        for _ in range(MAX_BODY // 65536 + 2):
+            yield b" " * 65536
+    response = http.post("/api/v1/jobs", content=chunks(), headers={"content-type": "application/json"})
+    assert response.status_code == 413
+    assert counts(service) == (0, 0, 0)
+
+
+def test_metric_batches_over_the_record_limit_are_refused(service):
+    job_id = service.client().submit(VALID_SPEC).id
+    (claimed_id, ingest), = service.app.state.scheduler.claim()
+    assert claimed_id == job_id
+    records = [{"attempt": 0, "rank": 0, "step": step} for step in range(10_001)]
+    response = httpx.post(f"{service.url}/api/v1/jobs/{job_id}/metrics", json={"records": records},
+                          headers={"Authorization": f"Bearer {ingest}"})
+    assert response.status_code == 422 and response.json()["errors"][0]["field"] == "records"
+    bad_record = [{"attempt": 0, "rank": -1, "step": 0}]
+    response = httpx.post(f"{service.url}/api/v1/jobs/{job_id}/metrics", json={"records": bad_record},
+                          headers={"Authorization": f"Bearer {ingest}"})
+    assert response.status_code == 422 and response.json()["errors"][0]["field"] == "records.0.rank"
+    assert counts(service)[2] == 0
