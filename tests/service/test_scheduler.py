@@ -1,0 +1,178 @@
+"""Must-show 5 and the scheduler's reconciling: claims are exclusive, launcher reports map onto
+job states without overriding the driver, and waiting jobs say why (once)."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+import pytest
+from sqlalchemy import select
+
+from service.db import make_engine, make_sessionmaker
+from service.launchers.base import LaunchHandle, LaunchPhase, LaunchRequest, LaunchStatus
+from service.models import Job, JobEvent
+from service.scheduler import Scheduler
+from service.schemas import JobState
+from service.settings import Settings
+from service.states import transition
+
+from tests.service.conftest import make_spec
+
+
+class RecordingLauncher:
+    """Counts starts per job and reports whatever status a test sets."""
+
+    name = "recording"
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.starts: Counter[str] = Counter()
+        self.cancelled: list[str] = []
+        self.phase = LaunchStatus(LaunchPhase.RUNNING)
+
+    def start(self, request: LaunchRequest) -> LaunchHandle:
+        with self.lock:
+            self.starts[request.job_id] += 1
+        return LaunchHandle(self.name, request.job_id)
+
+    def status(self, handle: LaunchHandle) -> LaunchStatus:
+        return self.phase
+
+    def cancel(self, handle: LaunchHandle) -> None:
+        self.cancelled.append(handle.external_id)
+        self.phase = LaunchStatus(LaunchPhase.STOPPED)
+
+    def logs(self, handle: LaunchHandle, tail_bytes: int | None = None) -> str:
+        return ""
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def db(migrated_postgres_url, tmp_path):
+    engine = make_engine(migrated_postgres_url)
+    yield make_sessionmaker(engine), Settings(home=tmp_path, database_url=migrated_postgres_url,
+                                              launcher="local", scheduler_poll_s=0.01)
+    engine.dispose()
+
+
+def add_jobs(make_session, count: int) -> list[str]:
+    from service.models import utcnow
+
+    ids = [f"job-{i:04d}" for i in range(count)]
+    with make_session() as session:
+        for job_id in ids:
+            session.add(Job(id=job_id, name="t", owner="u", state="QUEUED", attempt=0, spec=make_spec(),
+                            created_at=utcnow(), updated_at=utcnow()))
+        session.commit()
+    return ids
+
+
+def job(make_session, job_id: str) -> Job:
+    with make_session() as session:
+        return session.execute(select(Job).where(Job.id == job_id)).scalar_one()
+
+
+def test_two_scheduler_loops_never_start_the_same_job_twice(db):
+    make_session, settings = db
+    ids = add_jobs(make_session, 60)
+    launcher = RecordingLauncher()
+    schedulers = [Scheduler(make_session, launcher, settings, claim_batch=3) for _ in range(2)]
+    barrier = threading.Barrier(2)
+
+    def drain(scheduler: Scheduler) -> None:
+        barrier.wait()
+        while True:
+            claimed = scheduler.claim()
+            if not claimed:
+                with make_session() as session:
+                    if not session.execute(select(Job.id).where(Job.state == "QUEUED")).first():
+                        return
+            for job_id, token in claimed:
+                scheduler.launch(job_id, token)
+
+    threads = [threading.Thread(target=drain, args=(s,)) for s in schedulers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+
+    assert launcher.starts == Counter({job_id: 1 for job_id in ids})
+    with make_session() as session:
+        claimers = Counter(session.execute(select(Job.claimed_by)).scalars())
+        starting_events = session.execute(select(JobEvent.job_id).where(JobEvent.to_state == "STARTING")).scalars()
+        assert sorted(starting_events) == ids
+    assert set(claimers) == {s.identity for s in schedulers}  # both loops did work
+
+
+def scheduled_job(db, phase: LaunchStatus, state: JobState = JobState.RUNNING):
+    make_session, settings = db
+    (job_id,) = add_jobs(make_session, 1)
+    launcher = RecordingLauncher()
+    scheduler = Scheduler(make_session, launcher, settings)
+    scheduler.run_once()
+    if state is not JobState.STARTING:
+        with make_session() as session:
+            transition(session, job_id, state)
+            session.commit()
+    launcher.phase = phase
+    return make_session, scheduler, launcher, job_id
+
+
+def test_launcher_failure_of_a_running_job_fails_it_with_a_reason(db):
+    make_session, scheduler, _, job_id = scheduled_job(db, LaunchStatus(LaunchPhase.FAILED))
+    scheduler.run_once()
+    failed = job(make_session, job_id)
+    assert (failed.state, failed.reason) == ("FAILED", "worker_failed")
+
+
+def test_vanished_driver_is_driver_lost(db):
+    make_session, scheduler, _, job_id = scheduled_job(db, LaunchStatus(LaunchPhase.UNKNOWN))
+    scheduler.run_once()
+    assert (job(make_session, job_id).state, job(make_session, job_id).reason) == ("FAILED", "driver_lost")
+
+
+def test_driver_reported_state_is_not_overridden(db):
+    make_session, scheduler, _, job_id = scheduled_job(db, LaunchStatus(LaunchPhase.SUCCEEDED))
+    with make_session() as session:
+        transition(session, job_id, JobState.FAILED, reason="user_code_error")
+        session.commit()
+    scheduler.run_once()
+    assert (job(make_session, job_id).state, job(make_session, job_id).reason) == ("FAILED", "user_code_error")
+
+
+def test_waiting_for_resources_is_recorded_once(db):
+    waiting = LaunchStatus(LaunchPhase.PENDING, "insufficient_resources", "asked 8 CPUs, cluster has 2")
+    make_session, scheduler, _, job_id = scheduled_job(db, waiting, state=JobState.STARTING)
+    for _ in range(3):
+        scheduler.run_once()
+    pending = job(make_session, job_id)
+    assert (pending.state, pending.reason, pending.message) == (
+        "STARTING", "insufficient_resources", "asked 8 CPUs, cluster has 2")
+    with make_session() as session:
+        reasons = session.execute(select(JobEvent.reason).where(JobEvent.job_id == job_id)).scalars().all()
+    assert reasons.count("insufficient_resources") == 1
+
+
+def test_cancelling_job_is_stopped_through_the_launcher(db):
+    make_session, scheduler, launcher, job_id = scheduled_job(db, LaunchStatus(LaunchPhase.RUNNING))
+    with make_session() as session:
+        transition(session, job_id, JobState.CANCELLING, reason="cancelled_by_user")
+        session.commit()
+    scheduler.run_once()
+    assert launcher.cancelled == [job_id]
+    cancelled = job(make_session, job_id)
+    assert (cancelled.state, cancelled.reason) == ("CANCELLED", "cancelled_by_user")
+    assert cancelled.ingest_token_hash is None
+
+
+def test_launch_failure_fails_the_job(db):
+    make_session, settings = db
+    (job_id,) = add_jobs(make_session, 1)
+    launcher = RecordingLauncher()
+    launcher.start = lambda request: (_ for _ in ()).throw(RuntimeError("no cluster"))
+    Scheduler(make_session, launcher, settings).run_once()
+    failed = job(make_session, job_id)
+    assert (failed.state, failed.reason, failed.message) == ("FAILED", "launch_failed", "RuntimeError: no cluster")
