@@ -15,7 +15,8 @@ Terms of one rank's device memory (each reported separately):
   12 for bf16/fp16 = fp32 master + Adam m + v; 8 for fp32 = m + v), partitioned by stage;
   under optimizer offload the fp32 master, the moments and an fp32 gradient shard live on
   the host instead (``cpu`` terms);
-* communication buckets (``bucket_buffer_bytes`` says what it assumes);
+* communication/step scratch (``backward_buffer_bytes``, ``step_buffer_bytes`` say what they
+  assume about the engine);
 * stage-3 gathered units: ``prefetch + 1`` of the largest unit, in the low precision;
 * activations: measured by running one micro-batch forward and backward under a tensor
   tracker (``ActivationTracker``), on the meta device by default (no memory, no compute);
@@ -122,12 +123,12 @@ def model_state_bytes(
     """DESIGN §4 per rank: stage 0 16Φ, 1 4Φ+12Φ/N, 2 2Φ+14Φ/N, 3 16Φ/N (bf16 Adam).
 
     ``phi_padded`` (see ``padded_numel``) is the flat size after the engine pads buckets to a
-    multiple of N; partitioned terms use it, replicated terms use Φ.
+    multiple of N: the engine's flat buffers hold the padding, so every term uses it.
     """
     _check_precision(precision)
     _check_stage(stage)
-    phi = int(phi)
-    shard = shard_numel(phi if phi_padded is None else phi_padded, n_ranks)
+    phi = int(phi if phi_padded is None else phi_padded)
+    shard = shard_numel(phi, n_ranks)
     p = low_precision_bytes(precision)
     k = optimizer_bytes_per_param(precision)
     param_elems = shard if stage >= 3 else phi
@@ -227,7 +228,7 @@ def bucket_elements(bucket_mb: float, precision: str) -> int:
 
 
 def bucket_buffer_bytes(bucket_mb: float, precision: str, phi: int, in_flight: int = 2) -> int:
-    """Communication buckets held at once by one rank.
+    """Communication buckets held at once by one rank (used for stage 3, see below).
 
     Assumes: a bucket is ``bucket_mb`` MiB of the low-precision dtype (never more elements
     than the model has), ``in_flight`` buckets exist at once (2: one being filled while the
@@ -237,6 +238,44 @@ def bucket_buffer_bytes(bucket_mb: float, precision: str, phi: int, in_flight: i
     elems = min(bucket_elements(bucket_mb, precision), int(phi))
     per_elem = low_precision_bytes(precision) + (0 if precision == "fp32" else 4)
     return in_flight * elems * per_elem
+
+
+def backward_buffer_bytes(stage: int, precision: str, phi_padded: int, bucket_mb: float) -> int | None:
+    """Communication scratch alive during backward on top of activations, for THIS engine.
+
+    Stages 0/1 (``workers/zero/stages.py``): none; autograd's gradient is added into the
+    gradient buffer and dropped at once. Stage 2: each bucket's full-size scratch lives from
+    its first gradient until backward ends, so scratch grows while activations shrink: the
+    joint peak is measured by the profile (``ActivationProfile.with_grads_kept``); None here
+    says "use the profile" (without one, the bound p·Φ is used). Stage 3 (not built yet):
+    assumed bucketed, ``bucket_buffer_bytes`` with 2 in flight.
+    """
+    _check_stage(stage)
+    if stage == 2:
+        return None
+    if stage == 3:
+        return bucket_buffer_bytes(bucket_mb, precision, phi_padded)
+    return 0
+
+
+def step_buffer_bytes(stage: int, precision: str, phi_padded: int, n_ranks: int, device: str = "cuda") -> int:
+    """Scratch of ``engine.step()`` (after backward: activations are gone by then).
+
+    Mixed precision casts the reduced gradients to fp32 for unscaling and clipping: 4 bytes
+    per element of the full gradient at stage 0, of the shard at stages 1–3. Stage 1 also
+    holds its reduce-scatter outputs (the shard, in the compute dtype). On CUDA, torch's
+    foreach Adam keeps one fp32 temporary per optimizer element; on CPU it loops per tensor.
+    """
+    _check_stage(stage)
+    p = low_precision_bytes(precision)
+    shard = shard_numel(phi_padded, n_ranks)
+    reduced = phi_padded if stage == 0 else shard
+    total = 0 if precision == "fp32" else 4 * reduced
+    if stage == 1:
+        total += p * shard
+    if device == "cuda":
+        total += 4 * reduced
+    return total
 
 
 def gathered_unit_bytes(unit_numels: Sequence[int], precision: str, prefetch: int = 1) -> int:
@@ -349,6 +388,13 @@ class ActivationTracker(TorchDispatchMode):
         self._live: dict[int, tuple[Any, int]] = {}
         self.current = 0
         self.peak = 0
+        self.retained = 0  # bytes the caller declares kept outside the tracked tensors
+        self.peak_with_retained = 0
+
+    def retain(self, nbytes: int) -> None:
+        """Count ``nbytes`` as held from now on (e.g. a gradient copied into a kept buffer)."""
+        self.retained += nbytes
+        self.peak_with_retained = max(self.peak_with_retained, self.current + self.retained)
 
     @staticmethod
     def _key(tensor: torch.Tensor) -> int:
@@ -360,6 +406,7 @@ class ActivationTracker(TorchDispatchMode):
             if isinstance(tensor, torch.Tensor):
                 self._record(tensor)
         self.peak = max(self.peak, self.current)
+        self.peak_with_retained = max(self.peak_with_retained, self.current + self.retained)
         self._forget_freed()
         return out
 
@@ -407,41 +454,55 @@ def token_batch(
     return inputs, torch.randint(0, vocab_size, (micro_batch, seq_len), device=device)
 
 
-def measure_activation_bytes(
+@dataclass(frozen=True)
+class ActivationProfile:
+    """Peaks of one micro-batch's forward + backward, in bytes beyond the parameters.
+
+    ``activations``: gradients dropped as soon as each is accumulated (the engine adds them
+    into its own buffers at stages 0/1): activations, saved tensors, transients and one
+    parameter's gradient at a time. ``with_grads_kept``: the same run, counting every
+    gradient as kept once produced (stage 2's per-bucket scratch until backward ends).
+    """
+
+    activations: int
+    with_grads_kept: int
+
+
+def measure_activations(
     model: nn.Module,
     batch: Sequence[torch.Tensor],
     loss_fn: Callable[[nn.Module, Any], torch.Tensor] = default_loss,
-) -> int:
-    """Peak bytes of one micro-batch's forward + backward beyond the parameters.
+) -> ActivationProfile:
+    """Run one forward + backward of ``model`` on ``batch`` under the tracker.
 
-    Gradients are dropped as soon as each is accumulated, as the engine moves them into its
-    own buffers (counted under grads/buckets): what remains is activations, saved tensors,
-    transients and one parameter's gradient at a time. On CUDA the allocator's own peak
-    (``max_memory_allocated``) is taken as well and the larger of the two is returned.
+    On CUDA the allocator's own peak (``max_memory_allocated``) is read as well and the larger
+    of it and the tracker's peak is kept (kernels' workspaces are invisible to the tracker).
     """
-    hooks = [
-        p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
-        for p in model.parameters()
-        if p.requires_grad
-    ]
+    tracker = ActivationTracker(ignore=[*model.parameters(), *model.buffers(), *batch])
+
+    def drop(param: torch.Tensor) -> None:
+        tracker.retain(param.grad.untyped_storage().nbytes())
+        param.grad = None
+
+    hooks = [p.register_post_accumulate_grad_hook(drop) for p in model.parameters() if p.requires_grad]
     device = next(iter(model.parameters())).device
-    tensors_before = [*model.parameters(), *model.buffers(), *batch]
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         allocated_before = torch.cuda.memory_allocated(device)
     try:
-        tracker = ActivationTracker(ignore=tensors_before)
         with _FlashAttentionOnMeta(), tracker:
             loss_fn(model, tuple(batch)).backward()
     finally:
         for hook in hooks:
             hook.remove()
+    peak, kept = tracker.peak, tracker.peak_with_retained
     if cuda:
         torch.cuda.synchronize(device)
-        return max(tracker.peak, torch.cuda.max_memory_allocated(device) - allocated_before)
-    return tracker.peak
+        extra = max(0, torch.cuda.max_memory_allocated(device) - allocated_before - peak)
+        peak, kept = peak + extra, kept + extra
+    return ActivationProfile(peak, max(peak, kept))
 
 
 def profile_activations(
@@ -451,7 +512,7 @@ def profile_activations(
     precision: str = "bf16",
     device: str = "meta",
     vocab_size: int | None = None,
-) -> int:
+) -> ActivationProfile:
     """Build the job's model in its training dtype on ``device`` and measure one micro-batch.
 
     ``device="meta"`` (the default at submit time) costs no memory and well under a second
@@ -465,18 +526,22 @@ def profile_activations(
 
 
 @functools.lru_cache(maxsize=64)
-def _profile_on_meta(key: str, micro_batch: int, seq_len: int, precision: str, vocab: int | None) -> int:
+def _profile_on_meta(
+    key: str, micro_batch: int, seq_len: int, precision: str, vocab: int | None
+) -> ActivationProfile:
     return _profile(key, micro_batch, seq_len, precision, "meta", vocab)
 
 
-def _profile(key: str, micro_batch: int, seq_len: int, precision: str, device: str, vocab: int | None) -> int:
+def _profile(
+    key: str, micro_batch: int, seq_len: int, precision: str, device: str, vocab: int | None
+) -> ActivationProfile:
     from workers.models import build_model
 
     with torch.device(device):
         model = build_model(json.loads(key)).to(DTYPES[precision])
     config = getattr(model, "config", None)
     vocab = vocab or getattr(config, "vocab_size", None) or 256
-    return measure_activation_bytes(model, token_batch(micro_batch, seq_len, vocab, device))
+    return measure_activations(model, token_batch(micro_batch, seq_len, vocab, device))
 
 
 # --------------------------------------------------------------------------- prediction
@@ -493,6 +558,7 @@ class StagePrediction:
     gpu: dict[str, int]
     cpu: dict[str, int]
     padding_bytes: int
+    phases: dict[str, int]  # peak bytes of the backward phase and the step phase (not overlapping)
     comm_elements: int
     comm_bytes: int
     comm_time_s: float | None = None
@@ -518,6 +584,7 @@ class PlanInputs:
     bucket_mb: float = 25.0
     prefetch: int = 1
     activation_bytes: int | None = None  # None: not estimated (counted as 0, said so)
+    activation_bytes_grads_kept: int | None = None  # ActivationProfile.with_grads_kept
     device: str = "cuda"  # "cuda" adds the CUDA context to the reserve; "cpu" does not
     bandwidth_bytes_per_s: float | None = None
     compute_s: float | None = None
@@ -534,6 +601,7 @@ class PlanInputs:
             "bucket_mb": self.bucket_mb,
             "prefetch": self.prefetch,
             "activation_bytes": self.activation_bytes,
+            "activation_bytes_grads_kept": self.activation_bytes_grads_kept,
             "device": self.device,
             "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s,
             "compute_s": self.compute_s,
@@ -547,18 +615,24 @@ def predict(inputs: PlanInputs, stage: int, offload: bool = False) -> StagePredi
     bucket_elems = bucket_elements(inputs.bucket_mb, precision)
     phi_padded = padded_numel(shape.param_numels, n, bucket_elems) if stage >= 1 else shape.phi
     states = model_state_bytes(shape.phi, n, precision, stage, offload, phi_padded)
+    activations = inputs.activation_bytes or 0
+    backward = activations + _backward_buffers(inputs, stage, phi_padded)
+    step = step_buffer_bytes(stage, precision, phi_padded, n, inputs.device)
     gpu = {
         "params": states.gpu_params,
         "grads": states.gpu_grads,
         "optimizer": states.gpu_optimizer,
-        "buckets": bucket_buffer_bytes(inputs.bucket_mb, precision, shape.phi),
         "gathered_units": gathered_unit_bytes(shape.unit_numels, precision, inputs.prefetch)
         if stage == 3
         else 0,
-        "activations": inputs.activation_bytes or 0,
+        "activations": activations,
+        "buffers": max(backward - activations, step),
     }
-    gpu["reserve"] = allocator_reserve_bytes(sum(gpu.values()), inputs.device)
-    gpu["total"] = sum(gpu.values())
+    # Backward (activations + its scratch) and step (its scratch) do not overlap in time.
+    peak_phase = max(backward, step)
+    subtotal = states.gpu_total + gpu["gathered_units"] + peak_phase
+    gpu["reserve"] = allocator_reserve_bytes(subtotal, inputs.device)
+    gpu["total"] = subtotal + gpu["reserve"]
     cpu = {
         "params": states.cpu_params,
         "grads": states.cpu_grads,
@@ -574,11 +648,21 @@ def predict(inputs: PlanInputs, stage: int, offload: bool = False) -> StagePredi
         gpu=gpu,
         cpu=cpu,
         padding_bytes=(phi_padded - shape.phi) * low_precision_bytes(precision),
+        phases={"backward": backward, "step": step},
         comm_elements=elements,
         comm_bytes=elements * low_precision_bytes(precision),
     )
     _add_time_model(prediction, inputs)
     return prediction
+
+
+def _backward_buffers(inputs: PlanInputs, stage: int, phi_padded: int) -> int:
+    fixed = backward_buffer_bytes(stage, inputs.precision, phi_padded, inputs.bucket_mb)
+    if fixed is not None:
+        return fixed
+    if inputs.activation_bytes is not None and inputs.activation_bytes_grads_kept is not None:
+        return inputs.activation_bytes_grads_kept - inputs.activation_bytes
+    return low_precision_bytes(inputs.precision) * phi_padded  # no profile: the bound
 
 
 def _add_time_model(prediction: StagePrediction, inputs: PlanInputs) -> None:
@@ -637,7 +721,10 @@ class Plan:
 METHOD = {
     "model_states": "DESIGN §4 per rank; partitioned terms use Φ padded per bucket to a multiple of N",
     "offload": "host keeps fp32 master (4Φ/N), fp32 gradient shard (4Φ/N), Adam moments (8Φ/N)",
-    "buckets": "2 buckets in flight of bucket_mb MiB low precision, + an fp32 copy each (mixed precision)",
+    "buffers": "larger of backward scratch (stage 2: gradients kept per bucket until backward ends, "
+    "profiled; stage 3: 2 buckets of bucket_mb MiB + fp32 copies) and step scratch (fp32 casts of "
+    "reduced gradients, stage-1 shards, CUDA foreach Adam temporaries)",
+    "peak": "model states + gathered units + max(activations + backward scratch, step scratch) + reserve",
     "gathered_units": "stage 3: (prefetch+1) × largest unit (a block of the largest ModuleList, or the root)",
     "activations": "peak live tensor bytes over one micro-batch forward+backward (dispatch tracker; "
     "meta device at submit time, SDPA as flash attention)",
@@ -733,7 +820,7 @@ def inputs_for_spec(
     zero, resources = spec.get("zero") or {}, spec.get("resources") or {}
     precision = zero.get("precision") or "fp32"  # the JobSpec's default
     try:
-        activation_bytes: int | None = profile_activations(
+        profile: ActivationProfile | None = profile_activations(
             model_spec,
             micro_batch=int(train.get("micro_batch_size") or 1),
             seq_len=int(data.get("seq_len") or 256),
@@ -742,14 +829,15 @@ def inputs_for_spec(
             vocab_size=data.get("vocab_size"),
         )
     except Exception:  # a user model may not run on meta: the plan records None
-        activation_bytes = None
+        profile = None
     return PlanInputs(
         shape=model_shape(model_spec),
         n_ranks=int(resources.get("num_workers") or 1),
         precision=precision,
         bucket_mb=float(zero.get("bucket_mb") or 25),
         prefetch=int(zero.get("prefetch") if zero.get("prefetch") is not None else 1),
-        activation_bytes=activation_bytes,
+        activation_bytes=None if profile is None else profile.activations,
+        activation_bytes_grads_kept=None if profile is None else profile.with_grads_kept,
         device="cuda" if (resources.get("gpus_per_worker") or 0) > 0 else "cpu",
         bandwidth_bytes_per_s=bandwidth_bytes_per_s,
         compute_s=compute_s,
@@ -818,7 +906,8 @@ def compare(prediction: dict[str, Any], measured: dict[str, Any]) -> dict[str, A
     dict. ``measured``: ``engine.memory()`` keys (params, grads, optimizer, buffers, total) and
     optionally ``peak`` (peak bytes growth of the process: CUDA max allocated, or RSS on CPU).
     Each term: predicted, measured, error_bytes (predicted − measured), rel_error (/ measured).
-    Buffers compare with buckets + gathered units; ``total`` with the model-state + buffer
+    Buffers compare with the buffer scratch + gathered units (the engine frees its scratch
+    after each step, so a measurement taken between steps sees only module buffers); ``total`` with the model-state + buffer
     terms; ``peak`` with the full predicted total (activations and reserve included).
     """
     gpu = (prediction.get("chosen") or prediction)["gpu"]
@@ -826,7 +915,7 @@ def compare(prediction: dict[str, Any], measured: dict[str, Any]) -> dict[str, A
         "params": gpu["params"],
         "grads": gpu["grads"],
         "optimizer": gpu["optimizer"],
-        "buffers": gpu["buckets"] + gpu["gathered_units"],
+        "buffers": gpu["buffers"] + gpu["gathered_units"],
     }
     predicted["total"] = sum(predicted.values())
     predicted["peak"] = gpu["total"]

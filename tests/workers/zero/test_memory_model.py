@@ -166,19 +166,42 @@ def test_bucket_buffers_never_exceed_the_model():
     assert mm.bucket_buffer_bytes(25, "bf16", phi=1000) == 2 * 1000 * 6
 
 
+def test_step_scratch_follows_the_engine():
+    phi, n = 1200, 4
+    assert mm.step_buffer_bytes(0, "bf16", phi, n, "cpu") == 4 * phi  # fp32 cast of the full gradient
+    assert mm.step_buffer_bytes(0, "fp32", phi, n, "cpu") == 0
+    assert mm.step_buffer_bytes(1, "bf16", phi, n, "cpu") == (4 + 2) * phi // n  # + reduce-scatter out
+    assert mm.step_buffer_bytes(2, "bf16", phi, n, "cpu") == 4 * phi // n
+    assert mm.step_buffer_bytes(2, "bf16", phi, n, "cuda") == 8 * phi // n  # + foreach Adam temporaries
+    assert mm.backward_buffer_bytes(0, "bf16", phi, 25) == 0
+    assert mm.backward_buffer_bytes(2, "bf16", phi, 25) is None  # from the profile
+
+
+def test_stage_2_backward_uses_the_profile_with_gradients_kept():
+    base = dict(shape=mm.ModelShape.from_count(1e6), n_ranks=4, device="cpu", precision="fp32")
+    profiled = mm.predict(mm.PlanInputs(**base, activation_bytes=100, activation_bytes_grads_kept=150), 2)
+    assert profiled.phases["backward"] == 150
+    bound = mm.predict(mm.PlanInputs(**base, activation_bytes=100), 2)
+    assert bound.phases["backward"] == 100 + 4 * 1_000_000  # no profile: every gradient kept
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_meta_activation_estimate_matches_a_cpu_measurement(precision):
     torch.manual_seed(0)
     spec = {"preset": "gpt-nano"}
     estimate = mm.profile_activations(spec, micro_batch=2, seq_len=64, precision=precision, device="meta")
     measured = mm.profile_activations(spec, micro_batch=2, seq_len=64, precision=precision, device="cpu")
-    assert measured > 0
-    assert estimate == pytest.approx(measured, rel=0.02)
+    assert measured.activations > 0
+    assert estimate.activations == pytest.approx(measured.activations, rel=0.02)
+    assert estimate.with_grads_kept == pytest.approx(measured.with_grads_kept, rel=0.02)
+    # keeping every gradient costs at most the gradients themselves on top of the activations
+    grad_bytes = mm.model_shape(spec).phi * mm.low_precision_bytes(precision)
+    assert measured.activations <= measured.with_grads_kept <= measured.activations + grad_bytes
 
 
 def test_activations_grow_with_the_micro_batch():
-    one = mm.profile_activations({"preset": "gpt-mini"}, 1, 128, "bf16")
-    four = mm.profile_activations({"preset": "gpt-mini"}, 4, 128, "bf16")
+    one = mm.profile_activations({"preset": "gpt-mini"}, 1, 128, "bf16").activations
+    four = mm.profile_activations({"preset": "gpt-mini"}, 4, 128, "bf16").activations
     assert 3.0 < four / one <= 4.0
 
 
@@ -239,8 +262,11 @@ def test_plan_records_every_term_and_is_json():
     )
     doc = json.loads(json.dumps(plan.to_dict()))
     chosen = doc["chosen"]
-    terms = ("params", "grads", "optimizer", "buckets", "gathered_units", "activations", "reserve")
-    assert chosen["gpu"]["total"] == sum(chosen["gpu"][t] for t in terms)
+    gpu, phases = chosen["gpu"], chosen["phases"]
+    states = gpu["params"] + gpu["grads"] + gpu["optimizer"]
+    assert gpu["total"] == states + gpu["gathered_units"] + max(phases.values()) + gpu["reserve"]
+    assert gpu["buffers"] == max(phases["backward"] - gpu["activations"], phases["step"])
+    assert gpu["activations"] == 10**9
     assert 0 < chosen["efficiency"] < 1 and chosen["bandwidth_needed_bytes_per_s"] > 0
     assert {(c["stage"], c["offload"]) for c in doc["candidates"]} >= {(s, False) for s in mm.STAGES}
 
@@ -279,8 +305,8 @@ def test_compare_gives_per_term_errors():
         "params": gpu["params"],
         "grads": gpu["grads"] * 2,
         "optimizer": gpu["optimizer"],
-        "buffers": gpu["buckets"],
-        "total": gpu["params"] + 2 * gpu["grads"] + gpu["optimizer"] + gpu["buckets"],
+        "buffers": gpu["buffers"],
+        "total": gpu["params"] + 2 * gpu["grads"] + gpu["optimizer"] + gpu["buffers"],
         "peak": gpu["total"] / 2,
     }
     errors = mm.compare(plan, measured)
