@@ -1,0 +1,287 @@
+"""What a worker tells the control plane: per-step metric records, pushed batched and safely.
+
+Three parts, used by ``workers.train`` and ``workers.launch``:
+
+``WorkerAPI``       the job's worker endpoints (docs/contracts.md) over HTTP with the ingest
+                    token, retrying what is safe to retry (every worker call is idempotent).
+``StepMeter``       turns one step's observations into a DESIGN §3 metric record, the way
+                    torchtitan's metrics component does: tokens/s, TFLOPs from FLOPs per
+                    token, MFU only when the device's peak is known, memory from
+                    ``engine.memory()`` plus the process peak, communication bytes.
+``MetricReporter``  a per-rank buffer flushed by a background thread about once a second.
+                    A failed POST keeps its batch and retries with backoff, so a control plane
+                    that is down for a while loses nothing; the server ignores re-sent
+                    records (unique on job, attempt, rank, step), so a batch whose answer was
+                    lost is simply sent again. The buffer is bounded: only past the bound are
+                    the oldest records dropped, counted and warned about.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import resource
+import sys
+import threading
+import time
+from collections import deque
+from typing import Any, Callable, Iterable
+
+import httpx
+
+log = logging.getLogger(__name__)
+
+RETRYABLE_STATUS = {408, 425, 429, 500, 502, 503, 504}
+
+
+class JobNotActive(RuntimeError):
+    """The control plane refused a state report: the job was cancelled or already ended."""
+
+
+class WorkerAPI:
+    """The worker endpoints of one job, authenticated with its ingest token."""
+
+    def __init__(self, api_url: str, job_id: str, token: str, *, timeout_s: float = 10.0,
+                 transport: httpx.BaseTransport | None = None):
+        self.job_id = job_id
+        self.base = f"{api_url.rstrip('/')}/api/v1/jobs/{job_id}"
+        self.http = httpx.Client(headers={"Authorization": f"Bearer {token}"}, timeout=timeout_s,
+                                 transport=transport)
+
+    def close(self) -> None:
+        self.http.close()
+
+    def post_metrics(self, records: list[dict[str, Any]]) -> httpx.Response:
+        """One attempt; the reporter decides about retries."""
+        return self.http.post(f"{self.base}/metrics", json={"records": records})
+
+    def _with_retries(self, send: Callable[[], httpx.Response], what: str, deadline_s: float) -> httpx.Response:
+        deadline = time.monotonic() + deadline_s
+        delay = 0.25
+        while True:
+            try:
+                response = send()
+                if response.status_code not in RETRYABLE_STATUS:
+                    return response
+                problem = f"HTTP {response.status_code}"
+            except httpx.TransportError as error:
+                problem = f"{type(error).__name__}: {error}"
+            if time.monotonic() + delay > deadline:
+                raise ConnectionError(f"{what}: control plane unreachable for {deadline_s:.0f} s ({problem})")
+            log.warning("%s failed (%s); retrying in %.1f s", what, problem, delay)
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+    def get_spec(self, deadline_s: float = 120.0) -> dict[str, Any]:
+        """``{"job_id", "attempt", "state", "spec", "storage_uri"}``."""
+        response = self._with_retries(lambda: self.http.get(f"{self.base}/worker/spec"), "fetching the job spec",
+                                      deadline_s)
+        response.raise_for_status()
+        return response.json()
+
+    def post_state(self, state: str, *, reason: str | None = None, message: str | None = None,
+                   attempt: int | None = None, deadline_s: float = 120.0) -> dict[str, Any]:
+        """Report a state; raises ``JobNotActive`` when the control plane refuses it (409/401)."""
+        body = {"state": state, "reason": reason, "message": message and message[-10_000:], "attempt": attempt}
+        response = self._with_retries(lambda: self.http.post(f"{self.base}/worker/state", json=body),
+                                      f"reporting {state}", deadline_s)
+        if response.status_code in (401, 409):
+            raise JobNotActive(f"control plane refused {state}: {response.text}")
+        response.raise_for_status()
+        return response.json()
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+# Dense bf16 tensor-core peaks in FLOP/s, by a substring of torch.cuda.get_device_name().
+# Ordered so that the more specific names match first.
+PEAK_FLOPS: tuple[tuple[str, float], ...] = (
+    ("H200", 989e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("H20", 148e12),
+    ("A100", 312e12), ("A10G", 125e12), ("L40S", 362e12), ("L4", 121e12),
+    ("RTX 4090", 165e12), ("RTX 3090", 71e12), ("V100", 125e12), ("T4", 65e12),
+    ("MI300X", 1307e12), ("MI250X", 383e12), ("B200", 2250e12),
+)
+
+
+def peak_flops(device: Any) -> float | None:
+    """The accelerator's peak FLOP/s if we know it; None on CPU or an unknown device."""
+    import torch
+
+    if getattr(device, "type", str(device)) != "cuda" or not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_FLOPS if key in name), None)
+
+
+def peak_memory_bytes(device: Any) -> int:
+    """High-water mark: allocator peak on a GPU, the process's max RSS on CPU."""
+    import torch
+
+    if getattr(device, "type", str(device)) == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)  # Linux reports KiB
+
+
+class StepMeter:
+    """Builds one rank's metric record for a step (fields of DESIGN §3 / docs/contracts.md).
+
+    Throughput numbers are this rank's own: ``tokens_per_s`` counts the tokens this rank
+    processed (its slice of the global batch), ``tflops`` is what this rank achieved, ``mfu``
+    is that over the device peak. ``loss`` is this rank's mean over its micro-batches.
+    """
+
+    def __init__(self, *, rank: int, attempt: int, flops_per_token: float, comm_element_bytes: int,
+                 device: Any):
+        self.rank, self.attempt = rank, attempt
+        self.flops_per_token = flops_per_token
+        self.comm_element_bytes = comm_element_bytes
+        self.device = device
+        self.peak = peak_flops(device)
+
+    def record(self, *, step: int, loss: float, lr: float, step_time_s: float, samples: int, tokens: int,
+               info: dict[str, Any], memory: dict[str, int], comm_volume: dict[str, int],
+               checkpoint_blocked_s: float = 0.0) -> dict[str, Any]:
+        tokens_per_s = tokens / step_time_s if step_time_s > 0 else 0.0
+        achieved = self.flops_per_token * tokens_per_s
+        return {
+            "attempt": self.attempt, "rank": self.rank, "step": step, "time": time.time(),
+            "loss": loss, "lr": lr, "grad_norm": _finite_or_none(info.get("grad_norm")),
+            "step_time_s": step_time_s, "tokens_per_s": tokens_per_s,
+            "samples_per_s": samples / step_time_s if step_time_s > 0 else 0.0,
+            "tflops": achieved / 1e12,
+            "mfu": achieved / self.peak if self.peak else None,
+            "mem_params_bytes": memory["params"], "mem_grads_bytes": memory["grads"],
+            "mem_optimizer_bytes": memory["optimizer"], "mem_buffers_bytes": memory["buffers"],
+            "mem_peak_bytes": peak_memory_bytes(self.device),
+            "comm_bytes": comm_volume.get("total", 0) * self.comm_element_bytes,
+            "comm_exposed_s": info.get("comm_exposed_s"),
+            "checkpoint_blocked_s": checkpoint_blocked_s,
+        }
+
+
+def _finite_or_none(value: Any) -> float | None:
+    if value is None:
+        return None
+    value = float(value)
+    return value if value == value and abs(value) != float("inf") else None
+
+
+# ----------------------------------------------------------------------------- the reporter
+
+
+class MetricReporter:
+    """Buffers records and pushes them in batches from a background thread.
+
+    ``send(records) -> httpx.Response`` is the transport (``WorkerAPI.post_metrics``). 2xx
+    means stored (or already stored); a retryable answer or a transport error keeps the batch
+    and backs off (0.5 s doubling to ``max_backoff_s``); any other answer (e.g. 401 once the
+    job has ended, 422) drops that batch with an error, since sending it again cannot help.
+    """
+
+    def __init__(self, send: Callable[[list[dict[str, Any]]], httpx.Response], *, flush_interval_s: float = 1.0,
+                 max_buffer: int = 200_000, max_batch: int = 5_000, max_backoff_s: float = 5.0):
+        self.send = send
+        self.flush_interval_s = flush_interval_s
+        self.max_buffer, self.max_batch, self.max_backoff_s = max_buffer, max_batch, max_backoff_s
+        self._buffer: deque[dict[str, Any]] = deque()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._closing = threading.Event()
+        self.sent = 0
+        self.dropped = 0
+        self.rejected = 0
+        self.failures = 0
+        self._thread = threading.Thread(target=self._run, name="zerotrain-metrics", daemon=True)
+        self._thread.start()
+
+    def report(self, record: dict[str, Any]) -> None:
+        with self._lock:
+            self._buffer.append(record)
+            overflow = len(self._buffer) - self.max_buffer
+            for _ in range(max(0, overflow)):
+                self._buffer.popleft()
+            if overflow > 0:
+                self.dropped += overflow
+        if overflow > 0:
+            log.warning("metric buffer full (%d records): dropped %d oldest, %d dropped in total",
+                        self.max_buffer, overflow, self.dropped)
+
+    def extend(self, records: Iterable[dict[str, Any]]) -> None:
+        for record in records:
+            self.report(record)
+
+    @property
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._buffer)
+
+    def _take_batch(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return [self._buffer[i] for i in range(min(self.max_batch, len(self._buffer)))]
+
+    def _drop_sent(self, batch: list[dict[str, Any]]) -> None:
+        with self._lock:  # the batch is still the oldest records unless overflow dropped some
+            for record in batch:
+                if self._buffer and self._buffer[0] is record:
+                    self._buffer.popleft()
+
+    def _flush_once(self) -> bool:
+        """Send the oldest batch; True when the buffer made progress (or is empty)."""
+        batch = self._take_batch()
+        if not batch:
+            return True
+        try:
+            response = self.send(batch)
+        except httpx.TransportError as error:
+            self.failures += 1
+            log.warning("metric push failed (%s: %s); %d records kept", type(error).__name__, error, self.pending)
+            return False
+        if response.status_code in RETRYABLE_STATUS:
+            self.failures += 1
+            log.warning("metric push answered HTTP %d; %d records kept", response.status_code, self.pending)
+            return False
+        if response.is_success:
+            self.sent += len(batch)
+        else:
+            self.rejected += len(batch)
+            log.error("metric push rejected with HTTP %d (%s); dropping %d records",
+                      response.status_code, response.text[:300], len(batch))
+        self._drop_sent(batch)
+        return True
+
+    def _run(self) -> None:
+        backoff = 0.0
+        while True:
+            self._wake.wait(backoff or self.flush_interval_s)
+            self._wake.clear()
+            while self.pending:
+                if not self._flush_once():
+                    backoff = min(max(0.5, backoff * 2), self.max_backoff_s) * random.uniform(0.8, 1.2)
+                    break
+                backoff = 0.0
+            if self._closing.is_set() and (not self.pending or self._closing_deadline_passed()):
+                return
+
+    def _closing_deadline_passed(self) -> bool:
+        return time.monotonic() >= self._deadline
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Push everything buffered now; True if the buffer emptied within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        self._wake.set()
+        while self.pending and time.monotonic() < deadline and self._thread.is_alive():
+            time.sleep(0.02)
+        return not self.pending
+
+    def close(self, timeout_s: float = 60.0) -> int:
+        """Final flush, retrying until ``timeout_s``; returns how many records were left unsent."""
+        self._deadline = time.monotonic() + timeout_s
+        self._closing.set()
+        self._wake.set()
+        self._thread.join(timeout_s + 5)
+        left = self.pending
+        if left:
+            log.error("metric reporter closed with %d records unsent (control plane unreachable)", left)
+        return left
