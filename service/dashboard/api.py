@@ -1,0 +1,62 @@
+"""REST endpoints the dashboard needs beyond the control plane's resources.
+
+* ``GET /api/v1/jobs/{id}/metrics/chart`` — everything the job page draws from metrics, in one
+  answer: per-step series downsampled in SQL (``charts.series``), each rank's latest memory,
+  the predicted bytes for the job's stage, and the id of the newest record so that the live
+  stream (``/metrics/stream?after_id=``) continues exactly where the first render stopped.
+* ``GET /api/v1/dashboard/progress?job_id=…`` — latest step and tokens/s of the jobs on one
+  page of the jobs list (a job row holds neither).
+
+Both use the control plane's auth (a user sees only their jobs; admins see all).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query
+from sqlalchemy import select
+
+from service.api.deps import CurrentUser, SessionDep, VisibleJob
+from service.dashboard import charts
+from service.dashboard.prediction import predict
+from service.models import Checkpoint, Job
+
+router = APIRouter(prefix="/api/v1", tags=["dashboard"])
+
+DEFAULT_MAX_POINTS = 1000
+
+
+def _world(spec: dict[str, Any]) -> int:
+    return int((spec.get("resources") or {}).get("num_workers") or 1)
+
+
+@router.get("/jobs/{job_id}/metrics/chart", name="job_metrics_chart")
+def job_metrics_chart(
+    job: VisibleJob,
+    session: SessionDep,
+    max_points: Annotated[int, Query(ge=10, le=10_000)] = DEFAULT_MAX_POINTS,
+) -> dict[str, Any]:
+    checkpoint_stage = session.execute(
+        select(Checkpoint.stage).where(Checkpoint.job_id == job.id).order_by(Checkpoint.step.desc()).limit(1)
+    ).scalar()
+    return {
+        "job_id": job.id,
+        "max_points": max_points,
+        **charts.series(session, job.id, _world(job.spec), max_points),
+        "memory": charts.latest_memory(session, job.id),
+        "prediction": predict(job.spec, checkpoint_stage),
+    }
+
+
+@router.get("/dashboard/progress", name="dashboard_progress")
+def dashboard_progress(
+    session: SessionDep,
+    user: CurrentUser,
+    job_id: Annotated[list[str], Query(max_length=500)] = [],  # noqa: B006 - FastAPI reads the default
+) -> dict[str, Any]:
+    query = select(Job.id, Job.spec).where(Job.id.in_(job_id[:500]))
+    if not user.is_admin:
+        query = query.where(Job.owner == user.name)
+    worlds = {row.id: _world(row.spec) for row in session.execute(query)}
+    return {"items": charts.progress(session, list(worlds), worlds)}

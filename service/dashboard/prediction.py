@@ -1,0 +1,61 @@
+"""The predicted model-state bytes per rank that the job page draws beside the measured bars.
+
+DESIGN §4 by arithmetic, for jobs whose Φ is known without building the model: the built-in
+presets (their Φ is fixed; a test keeps this table equal to ``workers.models``, which needs
+torch and so cannot be imported by the control plane). The stage is the spec's, or — when the
+spec says "auto" — the one the job's checkpoints were written at. Jobs with a user factory get
+no prediction until the planner stores one on the job.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Φ of each preset: unique parameters, the tied embedding counted once.
+PRESET_PARAMETERS: dict[str, int] = {
+    "gpt-nano": 1_057_152,
+    "gpt-mini": 10_844_160,
+    "gpt-small": 124_475_904,
+    "gpt-medium": 354_871_296,
+    "gpt-1b": 1_313_722_368,
+}
+
+
+def model_state_bytes(phi: int, world: int, stage: int, precision: str) -> dict[str, float]:
+    """§4: params / grads / optimizer bytes on one rank (padding aside)."""
+    low = 4 if precision == "fp32" else 2  # bytes of a param or grad element
+    k = 8 if precision == "fp32" else 12  # optimizer bytes per parameter (fp32 has no master copy)
+    params = low * phi / (world if stage >= 3 else 1)
+    grads = low * phi / (world if stage >= 2 else 1)
+    optimizer = k * phi / (world if stage >= 1 else 1)
+    return {"params": params, "grads": grads, "optimizer": optimizer, "total": params + grads + optimizer}
+
+
+def comm_elements_per_step(phi: int, stage: int) -> int:
+    """§4: 2Φ for stages 0–2 (an all-reduce counts twice), 3Φ for stage 3."""
+    return 3 * phi if stage >= 3 else 2 * phi
+
+
+def predict(spec: dict[str, Any], checkpoint_stage: int | None) -> dict[str, Any]:
+    """The prediction for a job spec, or ``{"reason": ...}`` saying why there is none."""
+    preset = (spec.get("model") or {}).get("preset")
+    phi = PRESET_PARAMETERS.get(preset or "")
+    zero = spec.get("zero") or {}
+    stage = zero.get("stage", "auto")
+    if not isinstance(stage, int):
+        stage = checkpoint_stage
+    if phi is None:
+        return {"reason": "the model is a user factory: its size is known once the planner stores a prediction"}
+    if stage is None:
+        return {"reason": "the stage is 'auto' and not resolved yet (no checkpoint records it)"}
+    world = int((spec.get("resources") or {}).get("num_workers") or 1)
+    precision = zero.get("precision") or "fp32"
+    return {
+        "source": "formula",
+        "phi": phi,
+        "stage": stage,
+        "world": world,
+        "precision": precision,
+        **model_state_bytes(phi, world, stage, precision),
+        "comm_elements_per_step": comm_elements_per_step(phi, stage),
+    }

@@ -1,0 +1,165 @@
+/**
+ * Small SVG line charts, written here rather than vendored: the dashboard draws at most a
+ * thousand points per series (the server downsamples), so a polyline per series is fast and
+ * keeps the page free of a charting dependency. Each chart is a <figure> whose SVG carries an
+ * aria-label with the latest values, so it reads without sight; series differ by dash pattern
+ * as well as colour.
+ */
+
+import { h, svg } from "./dom.js";
+import { number } from "./format.js";
+
+const WIDTH = 640;
+const HEIGHT = 220;
+const PAD = { left: 58, right: 58, top: 12, bottom: 34 };
+
+/** Round numbers for axis ticks (the 1-2-5 ladder). */
+export function niceTicks(lo, hi, count = 4) {
+  if (!Number.isFinite(lo) || !Number.isFinite(hi)) return [];
+  if (lo === hi) {
+    const pad = Math.abs(lo) * 0.1 || 1;
+    lo -= pad;
+    hi += pad;
+  }
+  const raw = (hi - lo) / count;
+  const mag = 10 ** Math.floor(Math.log10(raw));
+  const step = [1, 2, 5, 10].map((m) => m * mag).find((s) => s >= raw) || raw;
+  const ticks = [];
+  for (let t = Math.floor(lo / step) * step; t <= hi + step * 1e-9; t += step) ticks.push(Number(t.toPrecision(12)));
+  if (ticks[0] > lo) ticks.unshift(ticks[0] - step);
+  if (ticks[ticks.length - 1] < hi) ticks.push(ticks[ticks.length - 1] + step);
+  return ticks;
+}
+
+export class LineChart {
+  /**
+   * @param {object} options
+   * @param {string} options.id        stable id (tests and anchors use it)
+   * @param {string} options.title     the figure caption
+   * @param {Array<{key:string,label:string,axis?:"left"|"right",format?:Function,className?:string}>} options.series
+   */
+  constructor({ id, title, series, xLabel = "step", description = "" }) {
+    this.id = id;
+    this.title = title;
+    this.series = series.map((s, i) => ({ axis: "left", format: number, className: `series-${i}`, ...s }));
+    this.xLabel = xLabel;
+    this.points = [];
+    this.pending = false;
+    this.svg = svg("svg", {
+      viewBox: `0 0 ${WIDTH} ${HEIGHT}`,
+      role: "img",
+      class: "chart-svg",
+      preserveAspectRatio: "xMidYMid meet",
+    });
+    this.summary = h("p", { class: "chart-summary" });
+    const legend = h(
+      "ul",
+      { class: "legend", "aria-hidden": "true" },
+      this.series.map((s) =>
+        h("li", {}, h("span", { class: `swatch ${s.className}` }), `${s.label}${s.axis === "right" ? " (right axis)" : ""}`),
+      ),
+    );
+    this.element = h(
+      "figure",
+      { class: "chart", id, "data-points": "0" },
+      h("figcaption", {}, h("h3", { text: title }), legend),
+      this.svg,
+      this.summary,
+      description ? h("p", { class: "muted small", text: description }) : null,
+    );
+    this.render();
+  }
+
+  /** Replace all points; each point is {step, <series key>: number|null}. */
+  setData(points) {
+    this.points = points;
+    this.schedule();
+  }
+
+  schedule() {
+    if (this.pending) return;
+    this.pending = true;
+    requestAnimationFrame(() => {
+      this.pending = false;
+      this.render();
+    });
+  }
+
+  visibleSeries() {
+    return this.series.filter((s) => this.points.some((p) => Number.isFinite(p[s.key])));
+  }
+
+  render() {
+    const points = this.points;
+    const shown = this.visibleSeries();
+    this.element.dataset.points = String(points.length);
+    this.element.dataset.lastStep = points.length ? String(points[points.length - 1].step) : "";
+    this.svg.replaceChildren();
+    if (!points.length || !shown.length) {
+      this.svg.append(svg("text", { x: WIDTH / 2, y: HEIGHT / 2, "text-anchor": "middle", class: "chart-empty", text: "no data yet" }));
+      this.svg.setAttribute("aria-label", `${this.title}: no data yet`);
+      this.summary.textContent = "No data yet.";
+      return;
+    }
+    const xs = points.map((p) => p.step);
+    const x0 = Math.min(...xs);
+    const x1 = Math.max(...xs);
+    const xTicks = niceTicks(x0, x1 === x0 ? x0 + 1 : x1, 5).filter((t) => t >= x0 && t <= Math.max(x1, x0 + 1));
+    const sx = (x) => PAD.left + ((x - x0) / (x1 - x0 || 1)) * (WIDTH - PAD.left - PAD.right);
+    const axes = {};
+    for (const side of ["left", "right"]) {
+      const values = [];
+      for (const s of shown.filter((s) => s.axis === side)) for (const p of points) if (Number.isFinite(p[s.key])) values.push(p[s.key]);
+      if (!values.length) continue;
+      let lo = Math.min(...values);
+      let hi = Math.max(...values);
+      if (lo > 0 && lo / (hi || 1) < 0.5) lo = 0;
+      const ticks = niceTicks(lo, hi, 4);
+      const t0 = ticks[0];
+      const t1 = ticks[ticks.length - 1];
+      axes[side] = { ticks, scale: (v) => HEIGHT - PAD.bottom - ((v - t0) / (t1 - t0 || 1)) * (HEIGHT - PAD.top - PAD.bottom) };
+    }
+    const grid = svg("g", { class: "grid" });
+    const primary = axes.left || axes.right;
+    for (const t of primary.ticks) {
+      const y = primary.scale(t);
+      grid.append(svg("line", { x1: PAD.left, x2: WIDTH - PAD.right, y1: y, y2: y }));
+    }
+    this.svg.append(grid);
+    for (const [side, axis] of Object.entries(axes)) {
+      const fmt = shown.find((s) => s.axis === side).format;
+      const g = svg("g", { class: `axis axis-${side}` });
+      for (const t of axis.ticks) {
+        const x = side === "left" ? PAD.left - 6 : WIDTH - PAD.right + 6;
+        g.append(svg("text", { x, y: axis.scale(t) + 4, "text-anchor": side === "left" ? "end" : "start", text: fmt(t) }));
+      }
+      this.svg.append(g);
+    }
+    const xAxis = svg("g", { class: "axis axis-x" });
+    for (const t of xTicks) xAxis.append(svg("text", { x: sx(t), y: HEIGHT - PAD.bottom + 16, "text-anchor": "middle", text: number(t, 6) }));
+    xAxis.append(svg("text", { x: WIDTH / 2, y: HEIGHT - 4, "text-anchor": "middle", class: "axis-title", text: this.xLabel }));
+    this.svg.append(xAxis);
+    const labels = [];
+    for (const s of shown) {
+      const scale = axes[s.axis].scale;
+      let d = "";
+      let pen = "M";
+      let last = null;
+      for (const p of points) {
+        const v = p[s.key];
+        if (!Number.isFinite(v)) {
+          pen = "M";
+          continue;
+        }
+        d += `${pen}${sx(p.step).toFixed(1)} ${scale(v).toFixed(1)}`;
+        pen = "L";
+        last = p;
+      }
+      this.svg.append(svg("path", { d, class: `line ${s.className}`, "data-series": s.key }));
+      if (last) labels.push(`${s.label} ${s.format(last[s.key])} at step ${last.step}`);
+    }
+    const text = `${this.title}, ${points.length} points up to step ${x1}: ${labels.join("; ")}.`;
+    this.svg.setAttribute("aria-label", text);
+    this.summary.textContent = `Latest: ${labels.join(" · ")}`;
+  }
+}

@@ -1,0 +1,52 @@
+/**
+ * A tiny hyperscript helper: the dashboard builds its DOM with `h()` instead of innerHTML so
+ * that no server-provided string (job names, log lines, reasons) is ever parsed as HTML.
+ */
+
+export function h(tag, attrs = {}, ...children) {
+  const el = document.createElement(tag);
+  for (const [key, value] of Object.entries(attrs || {})) {
+    if (value === null || value === undefined || value === false) continue;
+    if (key === "class") el.className = value;
+    else if (key === "dataset") Object.assign(el.dataset, value);
+    else if (key.startsWith("on") && typeof value === "function") el.addEventListener(key.slice(2), value);
+    else if (key === "text") el.textContent = value;
+    else if (value === true) el.setAttribute(key, "");
+    else el.setAttribute(key, String(value));
+  }
+  append(el, children);
+  return el;
+}
+
+export function append(el, children) {
+  for (const child of children.flat(Infinity)) {
+    if (child === null || child === undefined || child === false) continue;
+    el.append(child instanceof Node ? child : document.createTextNode(String(child)));
+  }
+  return el;
+}
+
+/** Replace every child of `el` with `children`. */
+export function replaceChildren(el, ...children) {
+  el.replaceChildren();
+  return append(el, children);
+}
+
+const SVG_NS = "http://www.w3.org/2000/svg";
+
+export function svg(tag, attrs = {}, ...children) {
+  const el = document.createElementNS(SVG_NS, tag);
+  for (const [key, value] of Object.entries(attrs || {})) {
+    if (value === null || value === undefined) continue;
+    if (key === "text") el.textContent = value;
+    else el.setAttribute(key, String(value));
+  }
+  for (const child of children.flat(Infinity)) if (child) el.append(child);
+  return el;
+}
+
+/** Tell screen-reader users about something that changed without moving their focus. */
+export function announce(message) {
+  const region = document.getElementById("announcer");
+  if (region) region.textContent = message;
+}

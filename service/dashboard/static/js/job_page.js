@@ -1,0 +1,326 @@
+/**
+ * The job page. First render: the job, its chart data (downsampled server-side to ≤ 1,000
+ * points per series, with every rank's latest memory and the predicted bytes), events,
+ * checkpoints and the log tail, fetched in parallel. Then, while the job is not terminal,
+ * metrics arrive over server-sent events (continuing after the newest record the first
+ * render saw) and the rest is polled every two seconds. Nothing reloads the page.
+ */
+
+import { request, requestText, followEvents } from "./api.js";
+import { h, replaceChildren, announce } from "./dom.js";
+import { LineChart } from "./charts.js";
+import { MemoryBars } from "./memory.js";
+import { SeriesStore } from "./series_store.js";
+import { TERMINAL_STATES, bytes, compact, duration, number, timestamp } from "./format.js";
+import { stateBadge } from "./state_badge.js";
+
+const MAX_POINTS = 1000;
+const POLL_MS = 2000;
+const LOG_TAIL_BYTES = 64 * 1024;
+
+const percent = (v) => (Number.isFinite(v) ? `${(100 * v).toFixed(1)}%` : "–");
+const seconds = (v) => (Number.isFinite(v) ? `${number(v)} s` : "–");
+
+function elementBytes(precision) {
+  return precision === "fp32" ? 4 : 2;
+}
+
+function buildCharts(job) {
+  return {
+    loss: new LineChart({ id: "chart-loss", title: "Loss", series: [{ key: "loss", label: "loss" }] }),
+    throughput: new LineChart({
+      id: "chart-throughput",
+      title: "Throughput",
+      series: [{ key: "tokens_per_s", label: "tokens/s (all ranks)", format: compact }],
+    }),
+    compute: new LineChart({
+      id: "chart-compute",
+      title: "TFLOPs and MFU",
+      series: [
+        { key: "tflops", label: "TFLOPs (all ranks)" },
+        { key: "mfu", label: "MFU", axis: "right", format: percent },
+      ],
+      description: "MFU is reported on GPUs only.",
+    }),
+    comm: new LineChart({
+      id: "chart-comm",
+      title: "Communication per step (elements per rank)",
+      series: [
+        { key: "comm_elements", label: "measured", format: compact },
+        { key: "expected_comm", label: "§4 expectation", format: compact },
+      ],
+      description: `Bytes each rank passed to collectives in a step, divided by ${elementBytes((job.spec.zero || {}).precision)} bytes per element.`,
+    }),
+    exposed: new LineChart({
+      id: "chart-exposed",
+      title: "Exposed communication time per step",
+      series: [
+        { key: "comm_exposed_s", label: "exposed communication", format: seconds },
+        { key: "step_time_s", label: "step time", format: seconds },
+      ],
+      description: "Communication the computation did not hide (slowest rank). Efficiency = 1 − exposed / step time.",
+    }),
+  };
+}
+
+function metaList(job, prediction) {
+  const spec = job.spec || {};
+  const zero = spec.zero || {};
+  const train = spec.train || {};
+  const resources = spec.resources || {};
+  const items = [
+    ["Job id", h("code", { text: job.id })],
+    ["Owner", job.owner],
+    ["Model", (spec.model || {}).preset || (spec.model || {}).factory || "–"],
+    ["ZeRO stage", `${zero.stage ?? "auto"}${zero.stage === "auto" && prediction && Number.isFinite(prediction.stage) ? ` (running ${prediction.stage})` : ""}`],
+    ["Precision", zero.precision || "–"],
+    ["Workers", `${resources.num_workers ?? 1} × (${resources.cpus_per_worker ?? 1} CPU, ${resources.gpus_per_worker ?? 0} GPU)`],
+    ["Batch", `${train.global_batch_size} global, ${train.micro_batch_size} per micro-batch`],
+    ["Attempt", String(job.attempt ?? 0)],
+    ["Created", timestamp(job.created_at)],
+    ["Finished", job.finished_at ? timestamp(job.finished_at) : "–"],
+  ];
+  return h("dl", { class: "meta" }, items.map(([k, v]) => [h("dt", { text: k }), h("dd", {}, v)]));
+}
+
+function eventItem(event) {
+  const restart = event.to_state === "RESTARTING" || (event.attempt > 0 && event.to_state === "RUNNING");
+  return h(
+    "li",
+    { class: `event${restart ? " restart" : ""}`, "data-to-state": event.to_state },
+    h("time", { datetime: event.created_at, text: timestamp(event.created_at) }),
+    h(
+      "div",
+      {},
+      event.from_state ? [h("span", { class: "muted", text: `${event.from_state} → ` })] : null,
+      stateBadge(event.to_state),
+      event.reason ? h("span", { class: "reason", text: ` ${event.reason}` }) : null,
+      h("span", { class: "attempt", text: ` · attempt ${event.attempt ?? 0}` }),
+      event.message ? h("p", { class: "event-message", text: event.message }) : null,
+    ),
+  );
+}
+
+async function copyText(text) {
+  try {
+    await navigator.clipboard.writeText(text);
+    return true;
+  } catch {
+    const area = h("textarea", { class: "visually-hidden", readonly: true });
+    area.value = text;
+    document.body.append(area);
+    area.select();
+    const ok = document.execCommand("copy");
+    area.remove();
+    return ok;
+  }
+}
+
+function checkpointRows(items) {
+  if (!items.length) return [h("tr", {}, h("td", { colspan: 5, class: "muted", text: "No checkpoints yet." }))];
+  return items.map((c) => {
+    const uriId = `ckpt-uri-${c.step}`;
+    const copy = h("button", { type: "button", class: "small", "aria-describedby": uriId, text: "Copy URI" });
+    copy.addEventListener("click", async () => {
+      const ok = await copyText(c.uri);
+      copy.textContent = ok ? "Copied" : "Copy failed";
+      announce(ok ? `Copied the URI of the step ${c.step} checkpoint.` : "Could not copy; select the URI instead.");
+      setTimeout(() => (copy.textContent = "Copy URI"), 2000);
+    });
+    return h(
+      "tr",
+      { "data-step": c.step },
+      h("th", { scope: "row", text: String(c.step) }),
+      h("td", { text: bytes(c.size_bytes) }),
+      h("td", { text: `${c.world_size} ranks, stage ${c.stage}` }),
+      h("td", {}, h("code", { id: uriId, class: "uri", text: c.uri })),
+      h("td", {}, copy),
+    );
+  });
+}
+
+export function jobPage({ jobId, signal }) {
+  const heading = h("h1", { id: "job-title", text: jobId });
+  const badgeSlot = h("span", { id: "job-state" });
+  const cancelButton = h("button", { type: "button", class: "danger", id: "cancel-job", text: "Cancel job", hidden: true });
+  const liveStatus = h("span", { id: "live-status", class: "live", text: "" });
+  const progressText = h("p", { id: "job-progress", class: "progress-line" });
+  const reasonText = h("p", { id: "job-reason", class: "muted" });
+  const metaSlot = h("div");
+  const chartsSlot = h("div", { class: "charts" });
+  const commSlot = h("div", { class: "charts" });
+  const commSummary = h("p", { id: "comm-summary", class: "muted small" });
+  const memory = new MemoryBars();
+  const events = h("ol", { class: "timeline", id: "events" });
+  const checkpoints = h("tbody");
+  const logs = h("pre", { id: "log-tail", class: "logs", tabindex: "0", "aria-label": "Log tail" });
+  const element = h(
+    "div",
+    { class: "page job-page", "data-job-id": jobId },
+    h("p", {}, h("a", { href: "/", "data-nav": true, text: "← All jobs" })),
+    h("div", { class: "page-head" }, h("div", {}, heading, h("div", { class: "head-line" }, badgeSlot, " ", liveStatus)), cancelButton),
+    progressText,
+    reasonText,
+    metaSlot,
+    h("section", { "aria-labelledby": "h-training" }, h("h2", { id: "h-training", text: "Training" }), chartsSlot),
+    h("section", { "aria-labelledby": "h-memory" }, h("h2", { id: "h-memory", text: "Memory per rank" }), memory.element),
+    h("section", { "aria-labelledby": "h-comm" }, h("h2", { id: "h-comm", text: "Communication" }), commSummary, commSlot),
+    h("section", { "aria-labelledby": "h-events" }, h("h2", { id: "h-events", text: "Events" }), events),
+    h(
+      "section",
+      { "aria-labelledby": "h-checkpoints" },
+      h("h2", { id: "h-checkpoints", text: "Checkpoints" }),
+      h("table", { class: "data", id: "checkpoints" },
+        h("thead", {}, h("tr", {}, ["Step", "Size", "Layout", "URI", ""].map((c) => h("th", { scope: "col", text: c })))),
+        checkpoints),
+    ),
+    h("section", { "aria-labelledby": "h-logs" }, h("h2", { id: "h-logs", text: "Logs (tail)" }), logs),
+  );
+
+  let job = null;
+  let charts = null;
+  let prediction = null;
+  let predictionMissing = null;
+  let store = null;
+  let streaming = false;
+  let pollTimer = null;
+  const path = `/jobs/${encodeURIComponent(jobId)}`;
+
+  function renderJob(next) {
+    const changed = !job || job.state !== next.state;
+    job = next;
+    heading.textContent = job.name;
+    document.title = `${job.name} · zerotrain`;
+    replaceChildren(badgeSlot, stateBadge(job.state));
+    element.dataset.state = job.state;
+    reasonText.textContent = job.reason ? `Reason: ${job.reason}${job.message ? ` — ${job.message}` : ""}` : "";
+    cancelButton.hidden = TERMINAL_STATES.has(job.state) || job.state === "CANCELLING";
+    replaceChildren(metaSlot, metaList(job, prediction));
+    if (changed) announce(`Job ${job.name} is ${job.state}.`);
+  }
+
+  function renderMetrics() {
+    const points = store.points();
+    const elems = elementBytes((job.spec.zero || {}).precision);
+    const expected = prediction && prediction.comm_elements_per_step;
+    for (const p of points) {
+      p.comm_elements = Number.isFinite(p.comm_bytes) ? p.comm_bytes / elems : null;
+      p.expected_comm = expected && Number.isFinite(p.comm_bytes) ? expected : null;
+    }
+    for (const chart of Object.values(charts)) chart.setData(points);
+    memory.update(store.memoryRanks(), prediction, predictionMissing);
+    const last = points[points.length - 1];
+    const steps = (job.spec.train || {}).steps;
+    progressText.textContent = last
+      ? `Step ${last.step} of ${steps ?? "?"} · ${compact(last.tokens_per_s)} tokens/s · loss ${number(last.loss)}`
+      : `Step 0 of ${steps ?? "?"} · no metrics yet`;
+    element.dataset.lastStep = last ? String(last.step) : "";
+    if (last && Number.isFinite(last.comm_exposed_s) && Number.isFinite(last.step_time_s) && last.step_time_s > 0) {
+      commSummary.textContent = `Latest step: ${seconds(last.comm_exposed_s)} of ${seconds(last.step_time_s)} exposed — efficiency ${percent(1 - last.comm_exposed_s / last.step_time_s)}.`
+        + (expected ? ` §4 expects ${compact(expected)} elements per step at stage ${prediction.stage}.` : "");
+    } else {
+      commSummary.textContent = expected ? `§4 expects ${compact(expected)} elements per step at stage ${prediction.stage}.` : "";
+    }
+  }
+
+  async function refreshSide() {
+    const [nextJob, eventList, ckpts] = await Promise.all([
+      request(path, { signal }),
+      request(`${path}/events`, { signal }),
+      request(`${path}/checkpoints`, { signal }).catch(() => ({ items: [] })),
+    ]);
+    renderJob(nextJob);
+    replaceChildren(events, eventList.items.map(eventItem));
+    replaceChildren(checkpoints, ...checkpointRows(ckpts.items || []));
+    await refreshLogs();
+  }
+
+  async function refreshLogs() {
+    try {
+      const { text } = await requestText(`${path}/logs?tail_bytes=${LOG_TAIL_BYTES}`, { signal });
+      const atBottom = logs.scrollTop + logs.clientHeight >= logs.scrollHeight - 4;
+      logs.textContent = text || "(no log output yet)";
+      if (atBottom) logs.scrollTop = logs.scrollHeight;
+    } catch (error) {
+      if (error.name !== "AbortError") logs.textContent = `(logs unavailable: ${error.message})`;
+    }
+  }
+
+  function startStream() {
+    if (streaming || TERMINAL_STATES.has(job.state)) return;
+    streaming = true;
+    liveStatus.textContent = "● live";
+    followEvents(`${path}/metrics/stream?after_id=${store.lastId}`, {
+      signal,
+      onStatus: (s) => (liveStatus.textContent = s === "live" ? "● live" : "○ reconnecting…"),
+      onEvent: (ev) => {
+        if (ev.event !== "metric") return;
+        store.add(JSON.parse(ev.data));
+        renderMetrics();
+      },
+    }).finally(() => {
+      streaming = false;
+      if (!signal.aborted) liveStatus.textContent = TERMINAL_STATES.has(job.state) ? "finished" : "";
+    });
+  }
+
+  async function poll() {
+    try {
+      await refreshSide();
+    } catch (error) {
+      if (error.name === "AbortError") return;
+    }
+    if (TERMINAL_STATES.has(job.state)) {
+      clearInterval(pollTimer);
+      pollTimer = null;
+      liveStatus.textContent = streaming ? liveStatus.textContent : "finished";
+    }
+  }
+
+  cancelButton.addEventListener("click", async () => {
+    cancelButton.disabled = true;
+    try {
+      renderJob(await request(`${path}/cancel`, { method: "POST" }));
+      await poll();
+    } catch (error) {
+      announce(`Could not cancel: ${error.message}`);
+      reasonText.textContent = `Could not cancel: ${error.message}`;
+    } finally {
+      cancelButton.disabled = false;
+    }
+  });
+
+  async function firstRender() {
+    const started = performance.now();
+    const [first, chart] = await Promise.all([
+      request(path, { signal }),
+      request(`${path}/metrics/chart?max_points=${MAX_POINTS}`, { signal }),
+    ]);
+    prediction = chart.prediction && Number.isFinite(chart.prediction.total) ? chart.prediction : null;
+    predictionMissing = chart.prediction && chart.prediction.reason;
+    store = new SeriesStore({ world: (first.spec.resources || {}).num_workers || 1, maxPoints: MAX_POINTS });
+    store.load(chart);
+    renderJob(first);
+    charts = buildCharts(first);
+    replaceChildren(chartsSlot, charts.loss.element, charts.throughput.element, charts.compute.element);
+    replaceChildren(commSlot, charts.comm.element, charts.exposed.element);
+    renderMetrics();
+    await refreshSide();
+    // Wait for the charts' frame so the measurement covers drawing, not just fetching.
+    await new Promise((resolve) => requestAnimationFrame(() => requestAnimationFrame(resolve)));
+    // Two numbers: since this view started fetching, and since the navigation began.
+    element.dataset.firstRenderMs = (performance.now() - started).toFixed(1);
+    element.dataset.renderedAtMs = performance.now().toFixed(1);
+    element.dataset.rendered = "true";
+    performance.mark("zerotrain:job-page-rendered");
+    startStream();
+    if (!TERMINAL_STATES.has(job.state)) pollTimer = setInterval(poll, POLL_MS);
+  }
+
+  signal.addEventListener("abort", () => pollTimer && clearInterval(pollTimer));
+  firstRender().catch((error) => {
+    if (error.name === "AbortError") return;
+    replaceChildren(element, h("h1", { text: "Job not available" }), h("p", { role: "alert", text: error.message }), h("p", {}, h("a", { href: "/", "data-nav": true, text: "← All jobs" })));
+  });
+  return { element, title: "Job" };
+}

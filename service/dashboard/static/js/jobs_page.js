@@ -1,0 +1,187 @@
+/**
+ * The jobs page: one page of jobs at a time (cursor pagination, 50 per page, so 1,000 jobs
+ * cost the same as 50), filtered by state, refreshed every few seconds, with a submit form
+ * and a cancel button per active job. Progress and tokens/s come from one extra request per
+ * page (`/dashboard/progress`), since a job row holds neither.
+ */
+
+import { request } from "./api.js";
+import { h, replaceChildren, announce } from "./dom.js";
+import { ALL_STATES, TERMINAL_STATES, age, compact } from "./format.js";
+import { SpecForm } from "./spec_form.js";
+import { stateBadge } from "./state_badge.js";
+
+const PAGE_SIZE = 50;
+const REFRESH_MS = 3000;
+
+function modelName(spec) {
+  const model = (spec && spec.model) || {};
+  return model.preset || model.factory || "–";
+}
+
+export function jobsPage({ navigate, signal }) {
+  const params = new URLSearchParams(location.search);
+  const state = { filter: params.get("state") || "", cursors: [null], page: 0, timer: null };
+
+  const filter = h(
+    "select",
+    { id: "state-filter", name: "state" },
+    h("option", { value: "", text: "All states" }),
+    ALL_STATES.map((s) => h("option", { value: s, text: s, selected: s === state.filter })),
+  );
+  const autoRefresh = h("input", { type: "checkbox", id: "auto-refresh", checked: true });
+  const status = h("p", { class: "muted small", id: "jobs-status", "aria-live": "off" });
+  const tbody = h("tbody");
+  const pager = h("nav", { class: "pager", "aria-label": "Pages of jobs" });
+  const form = new SpecForm({ onSubmitted: (job) => navigate(`/jobs/${encodeURIComponent(job.id)}`) });
+  const submitToggle = h("button", { type: "button", "aria-expanded": "false", "aria-controls": "submit-panel", text: "Submit a job…" });
+  const submitPanel = h("section", { id: "submit-panel", "aria-labelledby": "submit-heading", hidden: true }, h("h2", { id: "submit-heading", text: "Submit a job" }), form.element);
+  submitToggle.addEventListener("click", () => {
+    const open = submitPanel.hidden;
+    submitPanel.hidden = !open;
+    submitToggle.setAttribute("aria-expanded", String(open));
+    if (open) form.textarea.focus();
+  });
+
+  const element = h(
+    "div",
+    { class: "page jobs-page" },
+    h("div", { class: "page-head" }, h("h1", { text: "Jobs" }), submitToggle),
+    submitPanel,
+    h(
+      "div",
+      { class: "toolbar", role: "group", "aria-label": "Job list options" },
+      h("label", { for: "state-filter", text: "State" }),
+      filter,
+      h("label", { class: "check" }, autoRefresh, " Auto-refresh"),
+      h("button", { type: "button", text: "Refresh now", onclick: () => load() }),
+      status,
+    ),
+    h(
+      "div",
+      { class: "table-wrap" },
+      h(
+        "table",
+        { class: "data jobs", id: "jobs-table" },
+        h("caption", { class: "visually-hidden", text: "Jobs, newest first" }),
+        h(
+          "thead",
+          {},
+          h("tr", {}, ["Job", "State", "Reason", "Owner", "Model", "ZeRO stage", "Workers", "Progress", "Tokens/s", "Age", "Actions"].map((c) => h("th", { scope: "col", text: c }))),
+        ),
+        tbody,
+      ),
+    ),
+    pager,
+  );
+
+  async function cancel(job, button) {
+    button.disabled = true;
+    try {
+      const updated = await request(`/jobs/${encodeURIComponent(job.id)}/cancel`, { method: "POST" });
+      announce(`Job ${job.name} is ${updated.state}.`);
+    } catch (error) {
+      announce(`Could not cancel ${job.name}: ${error.message}`);
+      status.textContent = `Could not cancel ${job.name}: ${error.message}`;
+    }
+    await load();
+  }
+
+  function row(job, progress) {
+    const spec = job.spec || {};
+    const steps = spec.train && spec.train.steps;
+    const done = progress ? progress.step : null;
+    const link = h("a", { href: `/jobs/${encodeURIComponent(job.id)}`, "data-nav": true, text: job.name });
+    const cancelButton = TERMINAL_STATES.has(job.state) || job.state === "CANCELLING"
+      ? null
+      : h("button", { type: "button", class: "danger small", "aria-label": `Cancel job ${job.name}`, text: "Cancel" });
+    if (cancelButton) cancelButton.addEventListener("click", () => cancel(job, cancelButton));
+    return h(
+      "tr",
+      { "data-job-id": job.id, "data-state": job.state },
+      h("th", { scope: "row" }, link, h("div", { class: "muted small mono", text: job.id })),
+      h("td", {}, stateBadge(job.state)),
+      h("td", { class: "reason", text: job.reason || "–", title: job.message || null }),
+      h("td", { text: job.owner }),
+      h("td", { text: modelName(spec) }),
+      h("td", { text: String((spec.zero && spec.zero.stage) ?? "auto") }),
+      h("td", { text: String((spec.resources && spec.resources.num_workers) ?? "–") }),
+      h(
+        "td",
+        { class: "progress-cell" },
+        steps ? h("progress", { max: steps, value: Math.min(done ?? 0, steps), "aria-label": `${job.name} progress` }) : null,
+        h("span", { text: ` ${done ?? 0} / ${steps ?? "?"}` }),
+      ),
+      h("td", { class: "num", text: progress && progress.tokens_per_s !== null ? compact(progress.tokens_per_s) : "–" }),
+      h("td", { text: age(job.created_at) }),
+      h("td", {}, cancelButton),
+    );
+  }
+
+  function renderPager(nextCursor, count) {
+    const first = state.page * PAGE_SIZE + 1;
+    const prev = h("button", { type: "button", text: "← Newer", disabled: state.page === 0 });
+    const next = h("button", { type: "button", text: "Older →", disabled: !nextCursor });
+    prev.addEventListener("click", () => {
+      state.page -= 1;
+      load(true);
+    });
+    next.addEventListener("click", () => {
+      state.cursors[state.page + 1] = nextCursor;
+      state.page += 1;
+      load(true);
+    });
+    replaceChildren(pager, prev, h("span", { class: "muted", id: "page-range", text: count ? `Jobs ${first}–${first + count - 1}` : "No jobs" }), next);
+  }
+
+  let inFlight = null;
+  async function load(focusTable = false) {
+    if (inFlight) inFlight.abort();
+    const controller = new AbortController();
+    inFlight = controller;
+    const query = new URLSearchParams({ limit: String(PAGE_SIZE) });
+    if (state.filter) query.set("state", state.filter);
+    const cursor = state.cursors[state.page];
+    if (cursor) query.set("cursor", cursor);
+    try {
+      const page = await request(`/jobs?${query}`, { signal: controller.signal });
+      const ids = page.items.map((j) => `job_id=${encodeURIComponent(j.id)}`).join("&");
+      const progress = ids ? (await request(`/dashboard/progress?${ids}`, { signal: controller.signal })).items : {};
+      replaceChildren(
+        tbody,
+        page.items.length
+          ? page.items.map((job) => row(job, progress[job.id]))
+          : h("tr", {}, h("td", { colspan: 11, class: "muted", text: state.filter ? `No ${state.filter} jobs.` : "No jobs yet. Submit one above." })),
+      );
+      renderPager(page.next_cursor, page.items.length);
+      status.textContent = `Updated ${new Date().toLocaleTimeString()}`;
+      element.dataset.loaded = "true";
+      if (focusTable) document.getElementById("jobs-table").focus?.();
+    } catch (error) {
+      if (error.name === "AbortError") return;
+      status.textContent = `Could not load jobs: ${error.message}`;
+    } finally {
+      if (inFlight === controller) inFlight = null;
+    }
+  }
+
+  filter.addEventListener("change", () => {
+    state.filter = filter.value;
+    state.cursors = [null];
+    state.page = 0;
+    const url = state.filter ? `/?state=${encodeURIComponent(state.filter)}` : "/";
+    history.replaceState(null, "", url);
+    load();
+  });
+
+  function tick() {
+    if (autoRefresh.checked && !document.hidden && !inFlight) load();
+  }
+  state.timer = setInterval(tick, REFRESH_MS);
+  signal.addEventListener("abort", () => {
+    clearInterval(state.timer);
+    if (inFlight) inFlight.abort();
+  });
+  load();
+  return { element, title: "Jobs" };
+}

@@ -1,0 +1,108 @@
+/**
+ * Per-rank memory as stacked bars (params / grads / optimizer / buffers) with the predicted
+ * model-state bytes drawn as a marker on the same scale, plus the same numbers as a table so
+ * that nothing depends on colour. Segments also differ by fill pattern.
+ */
+
+import { h, replaceChildren } from "./dom.js";
+import { bytes } from "./format.js";
+
+export const MEMORY_PARTS = [
+  { key: "mem_params_bytes", label: "params", className: "mem-params" },
+  { key: "mem_grads_bytes", label: "grads", className: "mem-grads" },
+  { key: "mem_optimizer_bytes", label: "optimizer", className: "mem-optimizer" },
+  { key: "mem_buffers_bytes", label: "buffers", className: "mem-buffers" },
+];
+
+export class MemoryBars {
+  constructor() {
+    this.bars = h("div", { class: "mem-bars", id: "memory-bars" });
+    this.note = h("p", { class: "muted small", id: "memory-prediction-note" });
+    this.table = h("table", { class: "data mem-table" });
+    this.element = h(
+      "div",
+      { class: "memory" },
+      h(
+        "ul",
+        { class: "legend", "aria-hidden": "true" },
+        MEMORY_PARTS.map((p) => h("li", {}, h("span", { class: `swatch ${p.className}` }), p.label)),
+        h("li", {}, h("span", { class: "swatch mem-predicted" }), "predicted model states"),
+      ),
+      this.bars,
+      this.note,
+      h("details", {}, h("summary", { text: "Memory per rank as a table" }), this.table),
+    );
+    this.update([], null);
+  }
+
+  /**
+   * `ranks`: latest record per rank; `prediction`: {total, stage, source, phi} or null, and
+   * then `missing` says why there is none.
+   */
+  update(ranks, prediction, missing = null) {
+    const sorted = [...ranks].sort((a, b) => a.rank - b.rank);
+    const totals = sorted.map((r) => MEMORY_PARTS.reduce((sum, p) => sum + (Number(r[p.key]) || 0), 0));
+    const scale = Math.max(1, ...totals, prediction ? prediction.total : 0) * 1.05;
+    const pct = (v) => `${((100 * v) / scale).toFixed(3)}%`;
+    if (!sorted.length) {
+      replaceChildren(this.bars, h("p", { class: "muted", text: "No memory reported yet." }));
+    } else {
+      replaceChildren(
+        this.bars,
+        sorted.map((r, i) => {
+          const modelState = (Number(r.mem_params_bytes) || 0) + (Number(r.mem_grads_bytes) || 0) + (Number(r.mem_optimizer_bytes) || 0);
+          const label = `Rank ${r.rank}: ${MEMORY_PARTS.map((p) => `${p.label} ${bytes(r[p.key])}`).join(", ")}; total ${bytes(totals[i])}`
+            + (prediction ? `; predicted model states ${bytes(prediction.total)}, measured ${bytes(modelState)}` : "");
+          return h(
+            "div",
+            { class: "mem-row", "data-rank": r.rank },
+            h("span", { class: "mem-label", text: `rank ${r.rank}` }),
+            h(
+              "div",
+              { class: "mem-track", role: "img", "aria-label": label },
+              MEMORY_PARTS.map((p) =>
+                h("span", {
+                  class: `mem-seg ${p.className}`,
+                  "data-part": p.label,
+                  style: `width:${pct(Number(r[p.key]) || 0)}`,
+                  title: `${p.label}: ${bytes(r[p.key])}`,
+                }),
+              ),
+              prediction ? h("span", { class: "mem-marker", style: `left:${pct(prediction.total)}`, title: `predicted ${bytes(prediction.total)}` }) : null,
+            ),
+            h("span", { class: "mem-total", text: bytes(totals[i]) }),
+          );
+        }),
+      );
+    }
+    if (prediction) {
+      const how = prediction.source === "planner"
+        ? "the planner's prediction"
+        : `DESIGN §4 with Φ = ${Number(prediction.phi).toLocaleString("en-US")}, N = ${prediction.world}, ${prediction.precision}`;
+      this.note.textContent = `Marker: predicted params + grads + optimizer per rank at stage ${prediction.stage ?? "?"}: ${bytes(prediction.total)} (${how}). Buffers are extra.`;
+    } else {
+      this.note.textContent = `No prediction: ${missing || "not known for this job"}.`;
+    }
+    replaceChildren(
+      this.table,
+      h("caption", { text: "Latest memory per rank (bytes)" }),
+      h("thead", {}, h("tr", {}, ["rank", "step", ...MEMORY_PARTS.map((p) => p.label), "total", "peak", "predicted"].map((c) => h("th", { scope: "col", text: c })))),
+      h(
+        "tbody",
+        {},
+        sorted.map((r, i) =>
+          h(
+            "tr",
+            {},
+            h("th", { scope: "row", text: String(r.rank) }),
+            h("td", { text: String(r.step ?? "–") }),
+            MEMORY_PARTS.map((p) => h("td", { text: bytes(r[p.key]) })),
+            h("td", { text: bytes(totals[i]) }),
+            h("td", { text: bytes(r.mem_peak_bytes) }),
+            h("td", { text: prediction ? bytes(prediction.total) : "–" }),
+          ),
+        ),
+      ),
+    );
+  }
+}

@@ -1,0 +1,130 @@
+/**
+ * The job page's chart data: the server's downsampled points for the history, then live
+ * records from the stream combined per step exactly as the server combines them (see
+ * service/dashboard/charts.py): means for loss/lr/grad norm/MFU/comm bytes, mean × world size
+ * for throughput, the slowest rank for times. A restart repeats steps with a newer attempt;
+ * its records replace what was drawn from that step on. The number of points stays bounded:
+ * when it doubles past the limit, neighbouring points are merged pairwise.
+ */
+
+const MEAN = ["loss", "lr", "grad_norm", "mfu", "comm_bytes"];
+const SUMMED = ["tokens_per_s", "samples_per_s", "tflops"];
+const SLOWEST = ["step_time_s", "comm_exposed_s", "checkpoint_blocked_s"];
+export const SERIES_FIELDS = [...MEAN, ...SUMMED, ...SLOWEST];
+const OPEN_STEPS = 32; // steps whose ranks may still be arriving
+
+function mean(values) {
+  const xs = values.filter(Number.isFinite);
+  return xs.length ? xs.reduce((a, b) => a + b, 0) / xs.length : null;
+}
+
+function combine(step, records, world) {
+  const point = { step };
+  for (const f of MEAN) point[f] = mean(records.map((r) => r[f]));
+  for (const f of SUMMED) {
+    const m = mean(records.map((r) => r[f]));
+    point[f] = m === null ? null : m * world;
+  }
+  for (const f of SLOWEST) {
+    const xs = records.map((r) => r[f]).filter(Number.isFinite);
+    point[f] = xs.length ? Math.max(...xs) : null;
+  }
+  return point;
+}
+
+function mergePair(a, b) {
+  const point = { step: b.step };
+  for (const f of SERIES_FIELDS) point[f] = mean([a[f], b[f]]);
+  return point;
+}
+
+export class SeriesStore {
+  constructor({ world = 1, maxPoints = 1000 } = {}) {
+    this.world = world;
+    this.maxPoints = maxPoints;
+    this.final = [];
+    this.open = new Map(); // step -> {attempt, byRank: Map(rank -> record)}
+    this.lastId = 0;
+    this.finalAttempt = -1;
+    this.memory = new Map(); // rank -> latest record with memory numbers
+    this.memoryAttempt = -1;
+  }
+
+  /** The server's answer of GET /jobs/{id}/metrics/chart. */
+  load(chart) {
+    const s = chart.series;
+    this.final = s.step.map((step, i) => {
+      const point = { step };
+      for (const f of SERIES_FIELDS) point[f] = s[f] ? s[f][i] : null;
+      return point;
+    });
+    this.lastId = chart.last_id || 0;
+    this.finalAttempt = chart.latest_attempt ?? -1;
+    this.memory = new Map((chart.memory || []).map((r) => [r.rank, r]));
+    this.memoryAttempt = Math.max(-1, ...(chart.memory || []).map((r) => r.attempt));
+  }
+
+  /** One live record from the stream. */
+  add(record) {
+    if (record.id) this.lastId = Math.max(this.lastId, record.id);
+    this.addMemory(record);
+    const last = this.final.length ? this.final[this.final.length - 1].step : -1;
+    if (record.step <= last) {
+      // A late rank of a step already drawn changes little: skip it. A restart replays steps:
+      // the new attempt's numbers replace the old from that step on.
+      if (record.attempt <= this.finalAttempt) return;
+      this.final = this.final.filter((p) => p.step < record.step);
+    }
+    this.finalAttempt = Math.max(this.finalAttempt, record.attempt);
+    let entry = this.open.get(record.step);
+    if (!entry || entry.attempt < record.attempt) {
+      entry = { attempt: record.attempt, byRank: new Map() };
+      this.open.set(record.step, entry);
+    }
+    if (record.attempt < entry.attempt) return;
+    entry.byRank.set(record.rank, record);
+    for (const step of [...this.open.keys()]) if (step > record.step && this.open.get(step).attempt < record.attempt) this.open.delete(step);
+    this.closeOldSteps();
+  }
+
+  addMemory(record) {
+    if (!Number.isFinite(record.mem_params_bytes)) return;
+    if (record.attempt > this.memoryAttempt) {
+      this.memory = new Map();
+      this.memoryAttempt = record.attempt;
+    }
+    if (record.attempt < this.memoryAttempt) return;
+    const current = this.memory.get(record.rank);
+    if (!current || current.step <= record.step) this.memory.set(record.rank, record);
+  }
+
+  closeOldSteps() {
+    if (this.open.size <= OPEN_STEPS) return;
+    const steps = [...this.open.keys()].sort((a, b) => a - b);
+    for (const step of steps.slice(0, steps.length - OPEN_STEPS)) {
+      this.final.push(combine(step, [...this.open.get(step).byRank.values()], this.world));
+      this.open.delete(step);
+    }
+    this.final.sort((a, b) => a.step - b.step);
+    if (this.final.length > 2 * this.maxPoints) {
+      const merged = [];
+      for (let i = 0; i + 1 < this.final.length; i += 2) merged.push(mergePair(this.final[i], this.final[i + 1]));
+      if (this.final.length % 2) merged.push(this.final[this.final.length - 1]);
+      this.final = merged;
+    }
+  }
+
+  points() {
+    const open = [...this.open.entries()].sort((a, b) => a[0] - b[0]).map(([step, e]) => combine(step, [...e.byRank.values()], this.world));
+    return this.final.concat(open);
+  }
+
+  memoryRanks() {
+    return [...this.memory.values()];
+  }
+
+  lastStep() {
+    const pts = this.points();
+    return pts.length ? pts[pts.length - 1].step : null;
+  }
+}
