@@ -25,7 +25,7 @@ from service.auth import ensure_local_admin_token
 from service.db import make_engine, make_sessionmaker
 from service.launchers import make_launcher
 from service.limits import BodySizeLimit
-from service.observability import RequestMetrics, ServiceMetrics
+from service.observability import RequestMetrics, RouteTemplates, ServiceMetrics
 from service.scheduler import Scheduler
 from service.settings import Settings
 
@@ -106,5 +106,5 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(health.router)
     _mount_dashboard(app)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
-    app.add_middleware(RequestMetrics, metrics=service_metrics)
+    app.add_middleware(RequestMetrics, metrics=service_metrics, templates=RouteTemplates(app))
     return app

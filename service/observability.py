@@ -6,14 +6,17 @@ reports the same truth; request and ingest counters are per process.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 
+from fastapi import FastAPI
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
+from starlette.routing import compile_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.models import Job
@@ -47,11 +50,24 @@ class ServiceMetrics:
         self.registry.register(JobsByState(make_session))
 
 
+class RouteTemplates:
+    """Maps a request path to its OpenAPI path template, keeping label cardinality bounded."""
+
+    def __init__(self, app: FastAPI):
+        self.app = app
+        self._patterns: list[tuple[re.Pattern[str], str]] | None = None
+
+    def __call__(self, path: str) -> str:
+        if self._patterns is None:
+            self._patterns = [(compile_path(template)[0], template) for template in self.app.openapi()["paths"]]
+        return next((template for pattern, template in self._patterns if pattern.match(path)), "unmatched")
+
+
 class RequestMetrics:
     """ASGI middleware counting requests by route template (not raw path) and status."""
 
-    def __init__(self, app: ASGIApp, metrics: ServiceMetrics):
-        self.app, self.metrics = app, metrics
+    def __init__(self, app: ASGIApp, metrics: ServiceMetrics, templates: RouteTemplates):
+        self.app, self.metrics, self.templates = app, metrics, templates
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -69,6 +85,6 @@ class RequestMetrics:
         try:
             await self.app(scope, receive, recording_send)
         finally:
-            route = getattr(scope.get("route"), "path", None) or "unmatched"
+            route = self.templates(scope["path"])
             self.metrics.requests.labels(scope["method"], route, str(status)).inc()
             self.metrics.latency.labels(scope["method"], route).observe(time.perf_counter() - started)

@@ -71,7 +71,7 @@ def _downsampled(session: Session, job_id: str, max_points: int, **filters: Any)
     if low is None:
         return []
     width = max(1, math.ceil((high - low + 1) / max_points))
-    bucket = ((Metric.step - low) / width).label("bucket")  # integer division on both dialects
+    bucket = ((Metric.step - low) // width).label("bucket")
     columns = [func.max(Metric.attempt).label("attempt"), Metric.rank, func.max(Metric.step).label("step"),
                func.max(Metric.time).label("time"),
                *(func.avg(getattr(Metric, name)).label(name) for name in METRIC_FIELDS)]

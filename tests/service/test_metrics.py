@@ -1,0 +1,100 @@
+"""Metric queries, the SSE stream, downsampling, and the service's own health and Prometheus output."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+
+from service.schemas import JobState
+
+from tests.conftest import drop_database
+from tests.service.conftest import make_spec
+
+
+@pytest.fixture
+def running_job(make_live_service):
+    """A claimed job (scheduler off) plus a poster for its worker routes."""
+    service = make_live_service(scheduler_enabled=False)
+    job_id = service.client().submit(make_spec()).id
+    (_, ingest), = service.app.state.scheduler.claim()
+    worker = httpx.Client(base_url=f"{service.url}/api/v1/jobs/{job_id}",
+                          headers={"Authorization": f"Bearer {ingest}"})
+    worker.post("/worker/state", json={"state": "RUNNING"}).raise_for_status()
+    return service, job_id, worker
+
+
+def post_steps(worker: httpx.Client, steps: range, ranks: int = 2) -> dict:
+    records = [{"attempt": 0, "rank": r, "step": s, "loss": float(s), "tokens_per_s": 10.0 * s}
+               for s in steps for r in range(ranks)]
+    return worker.post("/metrics", json={"records": records}).raise_for_status().json()
+
+
+def test_stream_delivers_every_record_once_and_ends_with_the_job(running_job):
+    service, job_id, worker = running_job
+    post_steps(worker, range(0, 3))
+    received = []
+    reader = threading.Thread(target=lambda: received.extend(service.client().stream_metrics(job_id)))
+    reader.start()
+    post_steps(worker, range(3, 6))
+    post_steps(worker, range(0, 6))  # a resend: nothing new to stream
+    worker.post("/worker/state", json={"state": "SUCCEEDED"}).raise_for_status()
+    reader.join(30)
+    assert not reader.is_alive(), "the stream did not end after the job finished"
+    assert [(p.step, p.rank) for p in received] == [(s, r) for s in range(6) for r in range(2)]
+    assert [p.id for p in received] == sorted(p.id for p in received)
+
+
+def test_stream_resumes_after_last_event_id(running_job):
+    service, job_id, worker = running_job
+    post_steps(worker, range(0, 4), ranks=1)
+    worker.post("/worker/state", json={"state": "SUCCEEDED"}).raise_for_status()
+    ids = [p.id for p in service.client().metrics(job_id)]
+    response = httpx.get(f"{service.url}/api/v1/jobs/{job_id}/metrics/stream",
+                         headers={"Authorization": f"Bearer {service.admin_token}", "Last-Event-ID": str(ids[1])})
+    assert response.headers["content-type"].startswith("text/event-stream")
+    streamed = [int(line[4:]) for line in response.text.splitlines() if line.startswith("id: ")]
+    assert streamed == ids[2:]
+    assert "event: end" in response.text
+
+
+def test_downsampled_query_keeps_one_mean_point_per_bucket_and_rank(running_job):
+    service, job_id, worker = running_job
+    assert post_steps(worker, range(100)) == {"accepted": 200, "duplicates": 0}
+    points = service.client().metrics(job_id, rank=0, max_points=10)
+    assert len(points) == 10
+    assert [p.step for p in points] == list(range(9, 100, 10))
+    assert points[0].loss == pytest.approx(4.5)  # mean of steps 0..9
+    assert len(service.client().metrics(job_id, max_points=10)) == 20
+
+
+def test_healthz_and_prometheus_metrics(running_job):
+    service, job_id, worker = running_job
+    post_steps(worker, range(3))
+    assert httpx.get(f"{service.url}/healthz").json() == {"status": "ok", "database": "ok"}
+    text = httpx.get(f"{service.url}/metrics").text
+    assert 'zerotrain_jobs{state="RUNNING"} 1.0' in text
+    assert "zerotrain_metric_points_ingested_total 6.0" in text
+    assert 'zerotrain_http_requests_total{method="POST",route="/api/v1/jobs/{job_id}/metrics",status="200"} 1.0' in text
+
+
+def test_database_outage_is_a_503_with_a_clear_body(running_job):
+    service, job_id, _ = running_job
+    drop_database(service.database_url.rsplit("/", 1)[1])
+    response = httpx.get(f"{service.url}/api/v1/jobs/{job_id}",
+                         headers={"Authorization": f"Bearer {service.admin_token}"})
+    assert response.status_code == 503
+    assert response.json() == {"detail": "database unavailable; try again shortly", "errors": []}
+    assert httpx.get(f"{service.url}/healthz").status_code == 503
+
+
+def test_checkpoints_are_registered_idempotently(running_job):
+    service, job_id, worker = running_job
+    checkpoint = {"step": 10, "uri": f"file:///tmp/{job_id}/checkpoints/step_00000010", "world_size": 2,
+                  "stage": 2, "size_bytes": 1234, "manifest_sha256": "ab" * 32}
+    assert worker.post("/worker/checkpoints", json=checkpoint).status_code == 201
+    assert worker.post("/worker/checkpoints", json=checkpoint).status_code == 201
+    listed = service.client().checkpoints(job_id)
+    assert [(c.step, c.world_size, c.size_bytes) for c in listed] == [(10, 2, 1234)]
+    assert service.client().get(job_id).state is JobState.RUNNING
