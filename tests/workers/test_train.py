@@ -1,0 +1,98 @@
+"""The training loop without Ray: a real 2-process Gloo world training gpt-nano on stdlib text."""
+
+from __future__ import annotations
+
+import json
+import math
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+from workers import train
+from workers.reporting import JobNotActive
+from workers.train import World, lr_at, run_local, start_attempt
+
+METRIC_KEYS = {"attempt", "rank", "step", "time", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s",
+               "samples_per_s", "tflops", "mfu", "mem_params_bytes", "mem_grads_bytes", "mem_optimizer_bytes",
+               "mem_buffers_bytes", "mem_peak_bytes", "comm_bytes", "comm_exposed_s", "checkpoint_blocked_s"}
+
+
+def nano_spec(steps: int) -> dict:
+    stdlib = Path(sysconfig.get_paths()["stdlib"]).as_uri()
+    return {"name": "unit", "model": {"preset": "gpt-nano"},
+            "data": {"kind": "text", "uri": stdlib, "glob": "*.py", "seq_len": 32},
+            "train": {"steps": steps, "global_batch_size": 8, "micro_batch_size": 2, "lr": 3e-3,
+                      "warmup_steps": 3, "weight_decay": 0.1, "grad_clip": 1.0, "seed": 0},
+            "zero": {"stage": 2, "precision": "fp32"}, "resources": {"num_workers": 2}}
+
+
+def test_lr_warms_up_then_decays_by_cosine():
+    kw = {"lr": 1.0, "warmup_steps": 4, "total_steps": 14}
+    assert [lr_at(s, **kw) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    decay = [lr_at(s, **kw) for s in range(4, 15)]
+    assert all(a > b for a, b in zip(decay, decay[1:]))
+    assert decay[-1] == pytest.approx(train.MIN_LR_RATIO)
+    assert lr_at(9, **kw) == pytest.approx(train.MIN_LR_RATIO + (1 - train.MIN_LR_RATIO) * 0.5)
+
+
+def test_two_rank_gloo_world_trains_and_records_every_step(tmp_path: Path):
+    steps = 16
+    metrics = tmp_path / "metrics"
+    summaries = run_local({"spec": nano_spec(steps), "job_id": "unit", "api_url": None,
+                           "attempt_base": 0, "metrics_path": str(metrics)}, world_size=2)
+    assert [s["rank"] for s in summaries] == [0, 1]
+    for summary in summaries:
+        losses = summary["losses"]
+        assert len(losses) == steps and summary["attempt"] == 1 and summary["stage"] == 2
+        assert losses[0] > math.log(256) - 0.5  # starts near uniform over bytes
+        assert sum(losses[-4:]) / 4 < losses[0] - 1.0  # and learns
+        records = [json.loads(line) for line in (tmp_path / f"metrics.rank{summary['rank']}.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in records] == list(range(1, steps + 1))
+        assert {r["rank"] for r in records} == {summary["rank"]}
+        for r in records:
+            assert set(r) == METRIC_KEYS
+            assert all(r[k] is not None for k in METRIC_KEYS - {"mfu"})  # no GPU peak on CPU
+            assert r["tokens_per_s"] > 0 and r["tflops"] > 0 and r["comm_bytes"] > 0
+        last = records[-1]
+        memory = summary["memory"]  # what engine.memory() said after the last step
+        assert (last["mem_params_bytes"], last["mem_grads_bytes"], last["mem_optimizer_bytes"],
+                last["mem_buffers_bytes"]) == (memory["params"], memory["grads"], memory["optimizer"],
+                                               memory["buffers"])
+        assert last["comm_bytes"] == summary["comm_volume"]["total"] * 4  # fp32 elements
+        assert last["mem_peak_bytes"] >= memory["total"]
+    # ZeRO-2 on 2 ranks: the gradient shard is half of the full fp32 gradient
+    assert summaries[0]["memory"]["grads"] < summaries[0]["memory"]["params"]
+
+
+class RecordingAPI:
+    def __init__(self):
+        self.posts = []
+
+    def post_state(self, state, **kw):
+        self.posts.append((state, kw["attempt"]))
+        return {}
+
+
+def test_first_worker_group_reports_running_with_the_next_attempt():
+    api = RecordingAPI()
+    world = World(0, 1, 0, torch.device("cpu"))
+    assert start_attempt({"attempt_base": 0}, world, api) == 1
+    assert api.posts == [("RUNNING", 1)]
+
+
+def test_restarted_worker_group_reports_restarting_then_running(monkeypatch):
+    api = RecordingAPI()
+    monkeypatch.setattr(train, "_worker_group_number", lambda config: 2)
+    assert start_attempt({"attempt_base": 0}, World(0, 1, 0, torch.device("cpu")), api) == 2
+    assert api.posts == [("RESTARTING", 2), ("RUNNING", 2)]
+
+
+def test_a_refused_start_stops_the_worker():
+    class Refusing(RecordingAPI):
+        def post_state(self, state, **kw):
+            raise JobNotActive("409: job is CANCELLING")
+
+    with pytest.raises(RuntimeError, match="CANCELLING"):
+        start_attempt({"attempt_base": 0}, World(0, 1, 0, torch.device("cpu")), Refusing())

@@ -1,0 +1,289 @@
+"""The per-worker training loop: one job spec in, ``steps`` ZeRO steps and their metrics out.
+
+``train_loop(config)`` is what Ray Train's ``TorchTrainer`` runs on every worker (the process
+group is already up there), and ``run_local(config, world_size)`` runs the very same loop on
+a Gloo world of local processes, without Ray, for tests and quick experiments.
+
+``config`` (plain JSON, it travels through Ray):
+
+    spec           the JobSpec as JSON (DESIGN §3)
+    job_id         the job's id
+    api_url        where the control plane is; None: no state reports, no metric push
+    attempt_base   the job's attempt before this run; worker group k of the run is
+                   attempt ``attempt_base + k`` (k counted by ``attempt_counter``)
+    attempt_counter  name of the driver's ``AttemptCounter`` actor (Ray only)
+    metrics_path   optional: also append every record to ``{metrics_path}.rank{r}.jsonl``
+    storage_uri    the storage root (checkpoints go under ``{storage}/{job_id}/checkpoints``)
+
+The ingest token comes from the environment (``ZEROTRAIN_INGEST_TOKEN``), never the config.
+Rank 0 reports RUNNING (and, on a restarted worker group, RESTARTING first) with the attempt;
+every rank pushes its own per-step record. Checkpoints plug in through ``CheckpointHook``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+import torch
+import torch.distributed as dist
+
+from workers.data import ShardedBatchLoader, build_dataset
+from workers.models import build_model, flops_per_token
+from workers.reporting import MetricReporter, StepMeter, WorkerAPI
+from workers.zero import ZeroConfig, ZeroEngine
+
+log = logging.getLogger(__name__)
+
+MIN_LR_RATIO = 0.1  # cosine decays to this fraction of the peak LR
+
+
+# ----------------------------------------------------------------------------- schedule
+
+
+def lr_at(step: int, *, lr: float, warmup_steps: int, total_steps: int, min_ratio: float = MIN_LR_RATIO) -> float:
+    """LR for 0-based ``step``: linear warmup to ``lr``, then cosine down to ``min_ratio·lr``."""
+    if warmup_steps and step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    decay_steps = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / decay_steps)
+    return lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+class CheckpointHook(Protocol):
+    """Where checkpointing plugs into the loop (filled in by the checkpoint issue)."""
+
+    def maybe_resume(self, engine: ZeroEngine, loader: ShardedBatchLoader) -> int:
+        """Restore the latest checkpoint, if any; return the number of completed steps."""
+        ...
+
+    def maybe_save(self, step: int, engine: ZeroEngine, loader: ShardedBatchLoader) -> float:
+        """Save after completed ``step`` when due; return the seconds training was blocked."""
+        ...
+
+
+class NoCheckpoints:
+    def maybe_resume(self, engine: ZeroEngine, loader: ShardedBatchLoader) -> int:
+        return 0
+
+    def maybe_save(self, step: int, engine: ZeroEngine, loader: ShardedBatchLoader) -> float:
+        return 0.0
+
+
+def make_checkpoint_hook(config: dict[str, Any], world: "World", api: WorkerAPI | None) -> CheckpointHook:
+    """The job's checkpoint hook; until the checkpoint module provides one, none."""
+    return NoCheckpoints()
+
+
+# ----------------------------------------------------------------------------- who am I
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @classmethod
+    def current(cls, use_gpu: bool) -> "World":
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        world_size = dist.get_world_size() if dist.is_initialized() else 1
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        if use_gpu and torch.cuda.is_available():
+            device = torch.device("cuda", local_rank % torch.cuda.device_count())
+            torch.cuda.set_device(device)
+        else:
+            device = torch.device("cpu")
+        return cls(rank, world_size, local_rank, device)
+
+    def broadcast(self, value: Any) -> Any:
+        """Rank 0's ``value`` on every rank."""
+        if self.world_size == 1:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0, device=self.device if self.device.type == "cuda" else None)
+        return box[0]
+
+
+def _worker_group_number(config: dict[str, Any]) -> int:
+    """1 for the run's first worker group, 2 after Ray Train restarted it once, ..."""
+    name = config.get("attempt_counter")
+    if not name:
+        return 1
+    import ray
+
+    return int(ray.get(ray.get_actor(name).next_group.remote()))
+
+
+def start_attempt(config: dict[str, Any], world: World, api: WorkerAPI | None) -> int:
+    """Agree on this worker group's attempt and tell the control plane it runs.
+
+    Rank 0 decides and reports; the others learn the attempt (or the refusal) by broadcast,
+    so a cancelled job stops every rank before the first step.
+    """
+    outcome: tuple[int, str | None] = (0, None)
+    if world.rank == 0:
+        group = _worker_group_number(config)
+        attempt = int(config.get("attempt_base", 0)) + group
+        outcome = (attempt, None)
+        if api is not None:
+            try:
+                if group > 1:
+                    api.post_state("RESTARTING", attempt=attempt, reason="worker_failed",
+                                   message=f"Ray Train restarted the worker group (attempt {attempt})")
+                api.post_state("RUNNING", attempt=attempt,
+                               message=f"{world.world_size} workers training (attempt {attempt})")
+            except Exception as error:  # noqa: BLE001 - every rank must learn about it
+                outcome = (attempt, f"{type(error).__name__}: {error}")
+    attempt, refusal = world.broadcast(outcome)
+    if refusal:
+        raise RuntimeError(f"not starting attempt {attempt}: {refusal}")
+    return attempt
+
+
+# ----------------------------------------------------------------------------- engine
+
+
+def resolve_stage(spec: dict[str, Any], device: torch.device) -> int:
+    """The spec's stage, or the planner's choice for ``"auto"`` with this machine's memory."""
+    stage = (spec.get("zero") or {}).get("stage", "auto")
+    if stage != "auto":
+        return int(stage)
+    from workers.zero.memory import plan_for_spec
+
+    if device.type == "cuda":
+        budget = {"gpu_memory_bytes": torch.cuda.get_device_properties(device).total_memory}
+    else:
+        import psutil
+
+        workers = int((spec.get("resources") or {}).get("num_workers") or 1)
+        budget = {"host_memory_bytes": psutil.virtual_memory().total // workers}
+    return int(plan_for_spec(spec, **budget).stage)
+
+
+def build_engine(spec: dict[str, Any], model: torch.nn.Module, device: torch.device) -> ZeroEngine:
+    zero, train = spec.get("zero") or {}, spec["train"]
+    config = ZeroConfig(
+        stage=resolve_stage(spec, device),
+        precision=zero.get("precision", "fp32"),
+        bucket_mb=float(zero.get("bucket_mb", 25.0)),
+        offload_optimizer=bool(zero.get("offload_optimizer", False)),
+        prefetch=int(zero.get("prefetch", 1)),
+        grad_clip=train.get("grad_clip"),
+        activation_checkpointing=bool(zero.get("activation_checkpointing", False)),
+        reshard_after_forward=bool(zero.get("reshard_after_forward", True)),
+    )
+    # One decay for every parameter: the engine hands the optimizer flat 1-D shard views, so
+    # a shape-based "no decay for biases and norms" split is not available here.
+    make_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] = lambda params: torch.optim.AdamW(
+        params, lr=float(train.get("lr", 3e-4)), betas=(0.9, 0.95),
+        weight_decay=float(train.get("weight_decay", 0.0)))
+    return ZeroEngine(model, optimizer=make_optimizer, config=config)
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+class JsonlSink:
+    """Every record of this rank appended to a local file (offline runs and tests)."""
+
+    def __init__(self, path: str):
+        self.file = open(path, "a", encoding="utf-8")
+
+    def report(self, record: dict[str, Any]) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+
+    def close(self, timeout_s: float = 0.0) -> int:
+        self.file.close()
+        return 0
+
+
+def train_loop(config: dict[str, Any]) -> dict[str, Any]:
+    """Train the job's model for ``train.steps`` steps on this rank; return a short summary."""
+    spec = config["spec"]
+    train, data = spec["train"], spec["data"]
+    resources = spec.get("resources") or {}
+    world = World.current(use_gpu=float(resources.get("gpus_per_worker") or 0) > 0)
+    token = os.environ.get("ZEROTRAIN_INGEST_TOKEN")
+    api = WorkerAPI(config["api_url"], config["job_id"], token) if config.get("api_url") and token else None
+    attempt = start_attempt(config, world, api)
+
+    torch.manual_seed(int(train.get("seed", 0)))
+    model = build_model(spec["model"]).to(world.device)
+    engine = build_engine(spec, model, world.device)
+    torch.manual_seed(int(train.get("seed", 0)) + world.rank)  # dropout differs per rank
+    loader = ShardedBatchLoader(build_dataset(data, seed=int(train.get("seed", 0))),
+                                global_batch_size=int(train["global_batch_size"]),
+                                micro_batch_size=int(train["micro_batch_size"]),
+                                rank=world.rank, world_size=world.world_size)
+    seq_len = int(data.get("seq_len") or getattr(getattr(model, "config", None), "block_size", 0))
+    meter = StepMeter(rank=world.rank, attempt=attempt,
+                      flops_per_token=flops_per_token(model, seq_len),
+                      comm_element_bytes=engine.precision.compute_dtype.itemsize, device=world.device)
+    sinks: list[Any] = []
+    if api is not None:
+        sinks.append(MetricReporter(api.post_metrics))
+    if config.get("metrics_path"):
+        sinks.append(JsonlSink(f"{config['metrics_path']}.rank{world.rank}.jsonl"))
+    checkpoints = make_checkpoint_hook(config, world, api)
+
+    total_steps = int(train["steps"])
+    step = checkpoints.maybe_resume(engine, loader)
+    accumulation = loader.accumulation_steps
+    losses: list[float] = []
+    try:
+        while step < total_steps:
+            lr = lr_at(step, lr=float(train.get("lr", 3e-4)), warmup_steps=int(train.get("warmup_steps", 0)),
+                       total_steps=total_steps)
+            for group in engine.optimizer.param_groups:
+                group["lr"] = lr
+            started = time.perf_counter()
+            loss_sum = torch.zeros((), device=world.device)
+            for inputs, targets in loader.next_batch():
+                loss = engine(inputs.to(world.device, non_blocking=True), targets.to(world.device, non_blocking=True))
+                engine.backward(loss / accumulation)  # the engine sums micro-steps, like PyTorch
+                loss_sum += loss.detach().float()
+            info = engine.step()
+            loss_value = float(loss_sum) / accumulation  # .item() waits for the device
+            step_time = time.perf_counter() - started
+            step += 1
+            blocked = checkpoints.maybe_save(step, engine, loader)
+            samples = accumulation * loader.micro_batch_size
+            record = meter.record(step=step, loss=loss_value, lr=lr, step_time_s=step_time, samples=samples,
+                                  tokens=samples * seq_len, info=info, memory=engine.memory(),
+                                  comm_volume=engine.comm_volume(), checkpoint_blocked_s=blocked)
+            losses.append(loss_value)
+            for sink in sinks:
+                sink.report(record)
+    finally:
+        unsent = sum(sink.close(timeout_s=120.0) for sink in sinks)
+        if api is not None:
+            api.close()
+    if unsent:
+        raise RuntimeError(f"{unsent} metric records could not be delivered to the control plane")
+    return {"rank": world.rank, "attempt": attempt, "losses": losses, "memory": engine.memory(),
+            "comm_volume": engine.comm_volume(), "stage": engine.config.stage}
+
+
+# ----------------------------------------------------------------------------- without Ray
+
+
+def _local_rank_entry(rank: int, world_size: int, config: dict[str, Any]) -> dict[str, Any]:
+    return train_loop(config)
+
+
+def run_local(config: dict[str, Any], world_size: int) -> list[dict[str, Any]]:
+    """Run ``train_loop`` on a fresh local Gloo world of ``world_size`` processes; per-rank summaries."""
+    from workers.zero.testing import spawn_world
+
+    return spawn_world(_local_rank_entry, world_size=world_size, args=(config,))
