@@ -48,9 +48,9 @@ LAUNCH_FAILED = "launch_failed"
 MAX_RUNTIME_EXCEEDED = "max_runtime_exceeded"
 CANCELLED_BY_USER = "cancelled_by_user"
 
-# KubeRay derives the RayCluster name (RayJob name + 6 characters) and service names from the
-# RayJob name and refuses RayJob names of 48 characters or more; stay well below.
-MAX_NAME_LEN = 40
+# KubeRay derives the RayCluster name (RayJob name + 6 characters) and the head Service name
+# from the RayJob name, and refuses RayJob names longer than 47 characters.
+MAX_NAME_LEN = 47
 
 
 class KubeRayError(RuntimeError):

@@ -62,7 +62,7 @@ def test_ray_objects_validate_against_kuberay_crds(overlay, need_crds):
             deploy_schemas.validate_crd(obj)
 
 
-def test_validators_reject_unknown_fields(need_crds):
+def test_crd_validator_rejects_unknown_fields(need_crds):
     objects = deploy_kustomize.render(DEPLOY / "overlays" / "gpu")
     cluster = copy.deepcopy(one(objects, "RayCluster"))
     cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["imagee"] = "typo"
@@ -72,6 +72,10 @@ def test_validators_reject_unknown_fields(need_crds):
     cluster["spec"]["workerGroupSpecs"][0]["maxReplicas"] = "eight"
     with pytest.raises(jsonschema.ValidationError):
         deploy_schemas.validate_crd(cluster)
+
+
+def test_core_validator_rejects_unknown_fields():
+    objects = deploy_kustomize.render(DEPLOY / "overlays" / "dev")
     deployment = copy.deepcopy(one(objects, "Deployment"))
     deployment["spec"]["template"]["spec"]["containers"][0]["livenessprobe"] = {}
     with pytest.raises(jsonschema.ValidationError):
