@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import re
 import shlex
 from dataclasses import dataclass
@@ -78,11 +79,15 @@ class KubeRayOptions:
 
     @classmethod
     def from_settings(cls, settings: Any) -> "KubeRayOptions":
-        """Read ``kuberay_*`` attributes when the settings object has them, else defaults."""
+        """Each knob from the settings object, else from ``ZEROTRAIN_<KNOB>`` in the
+        environment (the launcher's own knobs need not be fields of the settings class),
+        else the default."""
         defaults = cls()
 
         def pick(attr: str, default: Any) -> Any:
             value = getattr(settings, attr, None)
+            if value in (None, ""):
+                value = os.environ.get(f"ZEROTRAIN_{attr.upper()}")
             return default if value in (None, "") else value
 
         api_url = pick("api_url_for_workers", "") or pick("api_url", "")
@@ -356,6 +361,8 @@ _FAILED_REASONS = {
     "ValidationFailed": LAUNCH_FAILED,
     "AppFailed": DRIVER_EXITED,
     "JobDeploymentStatusTransitionGracePeriodExceeded": DRIVER_LOST,
+    # Only when preRunningDeadlineSeconds is set: the cluster never became ready in time.
+    "PreRunningDeadlineExceeded": INSUFFICIENT_RESOURCES,
 }
 
 
@@ -435,6 +442,9 @@ def unschedulable_message(pods: list[dict[str, Any]]) -> str | None:
 # --- the launcher ------------------------------------------------------------------------
 
 
+TERMINAL = (LaunchPhase.SUCCEEDED, LaunchPhase.FAILED, LaunchPhase.STOPPED)
+
+
 def _is_status(exc: Exception, code: int) -> bool:
     return getattr(exc, "status", None) == code
 
@@ -500,6 +510,10 @@ class KubeRayLauncher:
             raise
         rayjob_status = obj.get("status") or {}
         mapped = map_status(rayjob_status, pending_timeout_s=self.options.pending_timeout_s)
+        if mapped.phase in TERMINAL:
+            # The driver is done: its token need not exist any longer than that. The RayJob
+            # stays (KubeRay removes its cluster after ttlSecondsAfterFinished).
+            self._delete_secret(ns, handle.extra.get("secret") or secret_name(handle.external_id))
         if mapped.phase == LaunchPhase.PENDING and mapped.reason is None:
             why = self._unschedulable(ns, rayjob_status.get("rayClusterName"))
             if why:

@@ -4,6 +4,7 @@ every state KubeRay documents, and it talks to the API server as the Role allows
 from __future__ import annotations
 
 import json
+import os
 import re
 from datetime import datetime
 from pathlib import Path
@@ -188,7 +189,7 @@ def test_recorded_statuses_cover_every_documented_state():
             "Suspended", "Retrying", "Waiting"} <= deployment
     reasons = {c["status"].get("reason") for c in RECORDED}
     assert {"DeadlineExceeded", "SubmissionFailed", "AppFailed", "ValidationFailed",
-            "JobDeploymentStatusTransitionGracePeriodExceeded"} <= reasons
+            "JobDeploymentStatusTransitionGracePeriodExceeded", "PreRunningDeadlineExceeded"} <= reasons
 
 
 def test_every_ray_job_status_is_mapped():
@@ -250,9 +251,13 @@ def test_status_reads_the_rayjob(cluster):
     cluster.custom.objects[("zerotrain", handle.external_id)]["status"] = {
         "jobDeploymentStatus": "Running", "jobStatus": "RUNNING", "rayClusterName": "c1"}
     assert cluster.launcher.status(handle).phase == LaunchPhase.RUNNING
+    assert cluster.core.secrets, "the token stays while the driver may still use it"
     cluster.custom.objects[("zerotrain", handle.external_id)]["status"] = {
         "jobDeploymentStatus": "Complete", "jobStatus": "SUCCEEDED"}
     assert cluster.launcher.status(handle).phase == LaunchPhase.SUCCEEDED
+    assert cluster.core.secrets == {}, "a finished job's token is deleted"
+    assert cluster.launcher.status(handle).phase == LaunchPhase.SUCCEEDED  # and again: no error
+    assert ("zerotrain", handle.external_id) in cluster.custom.objects, "the RayJob stays for its TTL"
 
 
 def test_status_explains_unschedulable_pods_at_once(cluster):
@@ -312,7 +317,16 @@ def test_logs_come_from_the_submitter_pod_then_the_head(cluster):
     assert cluster.launcher.logs(handle, tail_bytes=0) == ""
 
 
-def test_options_come_from_settings_with_defaults():
+def test_options_come_from_settings_then_environment_then_defaults(monkeypatch):
+    monkeypatch.setenv("ZEROTRAIN_KUBERAY_IMAGE", "zerotrain:dev")
+    monkeypatch.setenv("ZEROTRAIN_KUBERAY_TTL_SECONDS", "60")
+    opts = kuberay.KubeRayOptions.from_settings(SimpleNamespace(kuberay_ttl_seconds=30))
+    assert (opts.image, opts.ttl_seconds, opts.namespace) == ("zerotrain:dev", 30, "zerotrain")
+
+
+def test_options_come_from_settings_with_defaults(monkeypatch):
+    for name in [n for n in os.environ if n.startswith("ZEROTRAIN_")]:
+        monkeypatch.delenv(name)
     opts = kuberay.KubeRayOptions.from_settings(SimpleNamespace(kuberay_ttl_seconds="120", kuberay_image=""))
     assert opts.ttl_seconds == 120 and opts.image == "zerotrain:latest" and opts.namespace == "zerotrain"
     assert kuberay.KubeRayOptions.from_settings(None) == kuberay.KubeRayOptions(ray_version=opts.ray_version)
