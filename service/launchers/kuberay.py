@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import re
 import shlex
@@ -234,10 +235,15 @@ def _quantity(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else str(value)
 
 
+def worker_gpus(resources: dict[str, Any]) -> int:
+    """Whole GPUs per pod: Kubernetes cannot hand out a fraction (0.5 still takes one)."""
+    return math.ceil(float(resources.get("gpus_per_worker") or 0))
+
+
 def worker_resources(resources: dict[str, Any], opts: KubeRayOptions) -> dict[str, Any]:
     """Requests = limits (KubeRay's advice: Ray reads its CPU/GPU counts from the limits)."""
     cpus = float(resources.get("cpus_per_worker") or 1)
-    gpus = int(resources.get("gpus_per_worker") or 0)
+    gpus = worker_gpus(resources)
     memory_gb = max(2, int(cpus * opts.worker_memory_gb_per_cpu + gpus * opts.worker_memory_gb_per_gpu))
     amounts: dict[str, str] = {"cpu": _quantity(cpus), "memory": f"{memory_gb}Gi"}
     if gpus:
@@ -253,7 +259,7 @@ def build_rayjob(request: LaunchRequest, settings: Any) -> dict[str, Any]:
     env = _driver_env(request, opts, secret_name(name))
     resources = dict(request.spec.get("resources") or {})
     num_workers = int(resources.get("num_workers") or 1)
-    gpus = int(resources.get("gpus_per_worker") or 0)
+    gpus = worker_gpus(resources)
     head_amounts = {"cpu": opts.head_cpu, "memory": opts.head_memory}
 
     head = _pod_template(

@@ -100,6 +100,14 @@ def test_rayjob_is_sized_from_the_job_and_cleans_up_after_itself():
     assert all(c["image"] == SETTINGS.kuberay_image for c in containers(rayjob))
 
 
+def test_fractional_resources_round_to_what_kubernetes_can_give(need_crds):
+    rayjob = kuberay.build_rayjob(request(gpus_per_worker=0.5, cpus_per_worker=1.5), SETTINGS)
+    (group,) = rayjob["spec"]["rayClusterSpec"]["workerGroupSpecs"]
+    limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert limits == {"cpu": "1.5", "memory": f"{int(1.5 * 4 + 16)}Gi", "nvidia.com/gpu": "1"}
+    deploy_schemas.validate_crd(rayjob)
+
+
 def test_cpu_job_has_no_gpu_and_no_deadline():
     rayjob = kuberay.build_rayjob(request(), SETTINGS)
     assert "activeDeadlineSeconds" not in rayjob["spec"]
