@@ -83,33 +83,30 @@ def plan_from_request(req: PlanRequest) -> "Any":
     """The ``memory.Plan`` a request asks for; raises ``memory.NoPlanFits`` or ``ValueError``."""
     from workers.zero import memory
 
-    bandwidth = None if req.bandwidth_gbps is None else memory.gbps_to_bytes_per_s(req.bandwidth_gbps)
+    common = dict(
+        gpu_memory_bytes=_gb(req.gpu_mem_gb),
+        margin=req.margin,
+        host_memory_bytes=_gb(req.host_mem_gb),
+        bandwidth_bytes_per_s=None if req.bandwidth_gbps is None else memory.gbps_to_bytes_per_s(req.bandwidth_gbps),
+        compute_s=req.compute_s,
+        target_efficiency=req.target_efficiency,
+    )
     if req.model is not None:
         zero = dict(req.zero or {})
         if req.precision:
             zero["precision"] = req.precision
         spec = {"model": req.model, "data": req.data, "train": req.train, "zero": zero, "resources": req.resources}
-        return memory.plan_for_spec(
-            spec,
-            gpu_memory_bytes=_gb(req.gpu_mem_gb),
-            margin=req.margin,
-            host_memory_bytes=_gb(req.host_mem_gb),
-            bandwidth_bytes_per_s=bandwidth,
-            compute_s=req.compute_s,
-        )
-    inputs = memory.PlanInputs(
-        shape=memory.ModelShape.from_count(req.params, req.units),
-        n_ranks=req.gpus,
+        return memory.plan_for_spec(spec, **common)
+    return memory.plan_for_count(
+        req.params,
+        req.gpus,
         precision=req.precision or "bf16",
         bucket_mb=req.bucket_mb,
         prefetch=req.prefetch,
         activation_bytes=_gb(req.activation_gb),
-        device="cuda",
-        bandwidth_bytes_per_s=bandwidth,
-        compute_s=req.compute_s,
-        target_efficiency=req.target_efficiency,
+        units=req.units,
+        **common,
     )
-    return memory.choose_plan(inputs, _gb(req.gpu_mem_gb), req.margin, host_budget_bytes=_gb(req.host_mem_gb))
 
 
 def no_plan_response(detail: dict[str, Any]) -> JSONResponse:

@@ -122,3 +122,44 @@ def test_bad_requests_are_422(client, body):
 def test_unknown_preset_is_422_naming_it(client):
     status, body = post(client, job_spec("gpt-huge", 2, gpu_memory_gb=80))
     assert status == 422 and "gpt-huge" in body["detail"]
+
+
+def _cli(argv: list[str]):
+    import argparse
+
+    from service import cli_plan
+
+    parser = argparse.ArgumentParser(prog="zerotrain")
+    cli_plan.register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+def test_cli_plan_prints_a_row_per_candidate(capsys):
+    assert _cli(["plan", "--params", "7.5e9", "--gpus", "64", "--gpu-mem", "80",
+                 "--bandwidth-gbps", "400", "--compute-s", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "N = 64" in out and "chosen:" in out
+    assert out.count("+offload") == 3 and "→" in out
+
+
+def test_cli_plan_json_matches_the_api(client, capsys):
+    assert _cli(["plan", "--preset", "gpt-nano", "--gpus", "2", "--seq-len", "64",
+                 "--micro-batch", "2", "--gpu-mem", "1", "--json"]) == 0
+    import json
+
+    from_cli = json.loads(capsys.readouterr().out)
+    body = {"model": {"preset": "gpt-nano"}, "data": {"seq_len": 64}, "train": {"micro_batch_size": 2},
+            "zero": {"precision": "bf16"}, "resources": {"num_workers": 2, "gpus_per_worker": 1},
+            "gpu_mem_gb": 1}
+    status, from_api = post(client, body)
+    assert status == 200
+    assert from_cli["chosen"] == from_api["chosen"] and from_cli["stage"] == from_api["stage"]
+
+
+def test_cli_plan_nothing_fits_is_a_user_error(capsys):
+    from service.cli import CliError
+
+    with pytest.raises(CliError, match="no ZeRO stage fits"):
+        _cli(["plan", "--params", "7.5e9", "--gpus", "2", "--gpu-mem", "8"])
+    assert "fits" in capsys.readouterr().out  # the table is still printed

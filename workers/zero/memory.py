@@ -258,23 +258,25 @@ def backward_buffer_bytes(stage: int, precision: str, phi_padded: int, bucket_mb
     return 0
 
 
-def step_buffer_bytes(stage: int, precision: str, phi_padded: int, n_ranks: int, device: str = "cuda") -> int:
-    """Scratch of ``engine.step()`` (after backward: activations are gone by then).
+def step_buffer_bytes(
+    stage: int, precision: str, phi_padded: int, n_ranks: int, device: str = "cuda", offload: bool = False
+) -> int:
+    """Scratch of ``engine.step()`` on the device (after backward: activations are gone).
 
     Mixed precision casts the reduced gradients to fp32 for unscaling and clipping: 4 bytes
     per element of the full gradient at stage 0, of the shard at stages 1–3. Stage 1 also
     holds its reduce-scatter outputs (the shard, in the compute dtype). On CUDA, torch's
     foreach Adam keeps one fp32 temporary per optimizer element; on CPU it loops per tensor.
+    Under offload the fp32 gradient and the optimizer live on the host (``cpu`` terms).
     """
     _check_stage(stage)
     p = low_precision_bytes(precision)
     shard = shard_numel(phi_padded, n_ranks)
     reduced = phi_padded if stage == 0 else shard
-    total = 0 if precision == "fp32" else 4 * reduced
-    if stage == 1:
-        total += p * shard
-    if device == "cuda":
-        total += 4 * reduced
+    total = p * shard if stage == 1 else 0
+    if not offload:
+        total += 0 if precision == "fp32" else 4 * reduced
+        total += 4 * reduced if device == "cuda" else 0
     return total
 
 
@@ -617,7 +619,7 @@ def predict(inputs: PlanInputs, stage: int, offload: bool = False) -> StagePredi
     states = model_state_bytes(shape.phi, n, precision, stage, offload, phi_padded)
     activations = inputs.activation_bytes or 0
     backward = activations + _backward_buffers(inputs, stage, phi_padded)
-    step = step_buffer_bytes(stage, precision, phi_padded, n, inputs.device)
+    step = step_buffer_bytes(stage, precision, phi_padded, n, inputs.device, offload)
     gpu = {
         "params": states.gpu_params,
         "grads": states.gpu_grads,
@@ -808,6 +810,7 @@ def inputs_for_spec(
     activations_on: str = "meta",
     bandwidth_bytes_per_s: float | None = None,
     compute_s: float | None = None,
+    target_efficiency: float = DEFAULT_TARGET_EFFICIENCY,
 ) -> PlanInputs:
     """PlanInputs for a JobSpec (dict as in DESIGN §3): Φ and activations from the real model.
 
@@ -841,6 +844,7 @@ def inputs_for_spec(
         device="cuda" if (resources.get("gpus_per_worker") or 0) > 0 else "cpu",
         bandwidth_bytes_per_s=bandwidth_bytes_per_s,
         compute_s=compute_s,
+        target_efficiency=target_efficiency,
         reshard_after_forward=bool(zero.get("reshard_after_forward", True)),
     )
 
@@ -852,6 +856,7 @@ def plan_for_spec(
     host_memory_bytes: int | None = None,
     bandwidth_bytes_per_s: float | None = None,
     compute_s: float | None = None,
+    target_efficiency: float = DEFAULT_TARGET_EFFICIENCY,
 ) -> Plan:
     """What the control plane calls at submit time; the choice matters for ``stage: "auto"``.
 
@@ -862,7 +867,7 @@ def plan_for_spec(
     kept (its prediction is still recorded); ``offload_optimizer: true`` is kept likewise.
     Raises ``NoPlanFits`` (→ 422) when ``stage`` is "auto" and nothing fits.
     """
-    inputs = inputs_for_spec(spec, bandwidth_bytes_per_s=bandwidth_bytes_per_s, compute_s=compute_s)
+    inputs = inputs_for_spec(spec, "meta", bandwidth_bytes_per_s, compute_s, target_efficiency)
     resources, zero = spec.get("resources") or {}, spec.get("zero") or {}
     gpu_job = (resources.get("gpus_per_worker") or 0) > 0
     budget = gpu_memory_bytes
@@ -874,6 +879,37 @@ def plan_for_spec(
     if stage in (None, "auto"):
         return choose_plan(inputs, budget, margin, host_budget_bytes=host_memory_bytes if gpu_job else None)
     return fixed_plan(inputs, int(stage), bool(zero.get("offload_optimizer")), budget, margin)
+
+
+def plan_for_count(
+    params: float,
+    gpus: int,
+    precision: str = "bf16",
+    gpu_memory_bytes: int | None = None,
+    margin: float = DEFAULT_MARGIN,
+    host_memory_bytes: int | None = None,
+    bandwidth_bytes_per_s: float | None = None,
+    compute_s: float | None = None,
+    target_efficiency: float = DEFAULT_TARGET_EFFICIENCY,
+    bucket_mb: float = 25.0,
+    prefetch: int = 1,
+    activation_bytes: int | None = None,
+    units: int = DEFAULT_UNITS,
+) -> Plan:
+    """The whiteboard question: Φ parameters on ``gpus`` GPUs, activations given or left out."""
+    inputs = PlanInputs(
+        shape=ModelShape.from_count(params, units),
+        n_ranks=gpus,
+        precision=precision,
+        bucket_mb=bucket_mb,
+        prefetch=prefetch,
+        activation_bytes=activation_bytes,
+        device="cuda",
+        bandwidth_bytes_per_s=bandwidth_bytes_per_s,
+        compute_s=compute_s,
+        target_efficiency=target_efficiency,
+    )
+    return choose_plan(inputs, gpu_memory_bytes, margin, host_budget_bytes=host_memory_bytes)
 
 
 def fixed_plan(inputs: PlanInputs, stage: int, offload: bool, budget_bytes: int | None, margin: float) -> Plan:

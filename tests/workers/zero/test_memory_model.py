@@ -315,3 +315,8 @@ def test_compare_gives_per_term_errors():
     assert errors["peak"]["rel_error"] == pytest.approx(1.0)
     assert errors["buffers"]["error_bytes"] == 0
     assert "activations" not in errors
+
+
+def test_offload_moves_the_step_scratch_off_the_device():
+    assert mm.step_buffer_bytes(2, "bf16", 1200, 4, "cuda", offload=True) == 0
+    assert mm.step_buffer_bytes(1, "bf16", 1200, 4, "cuda", offload=True) == 2 * 300  # reduce-scatter out

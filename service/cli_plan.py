@@ -1,0 +1,159 @@
+"""``zerotrain plan``: the per-stage memory and communication table, computed on this machine.
+
+    zerotrain plan --params 7.5e9 --gpus 64 --gpu-mem 80 --bandwidth-gbps 400 --compute-s 2
+    zerotrain plan --preset gpt-1b --gpus 8 --seq-len 1024 --micro-batch 4 --gpu-mem 24
+
+One row per candidate (stages 0–3, then 1–3 with the optimizer offloaded): GB per GPU by term,
+host GB under offload, communication per step, and with a bandwidth and a compute time the
+efficiency and the bandwidth a target efficiency needs. The chosen row is marked. No server
+is involved: the planner runs here (``workers.zero.memory``; a preset's activations are
+profiled on the meta device, so even gpt-1b costs no memory). ``--json`` prints the plan.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+GB = 1e9
+
+
+def register(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``plan`` subcommand to an argparse ``subparsers`` object."""
+    parser = subparsers.add_parser(
+        "plan",
+        help="predict per-GPU memory, communication and efficiency for each ZeRO stage",
+        description=__doc__.split("\n\n")[0],
+    )
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--params", type=float, help="number of parameters Φ, e.g. 7.5e9")
+    source.add_argument("--preset", help="a built-in model (gpt-nano … gpt-1b): Φ and activations from it")
+    parser.add_argument("--gpus", type=int, default=1, help="data-parallel ranks N (default 1)")
+    parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="bf16")
+    parser.add_argument("--gpu-mem", type=float, help="memory per GPU, GB (decimal); picks the stage")
+    parser.add_argument("--host-mem", type=float, help="host memory per rank for offload, GB")
+    parser.add_argument("--margin", type=float, default=0.10, help="budget fraction kept free (default 0.10)")
+    parser.add_argument("--bandwidth-gbps", type=float, help="per-rank link bandwidth, gigabits per second")
+    parser.add_argument("--compute-s", type=float, help="compute time of one step, seconds")
+    parser.add_argument("--target-efficiency", type=float, default=0.75)
+    parser.add_argument("--seq-len", type=int, help="with --preset: tokens per sample (default: its context)")
+    parser.add_argument("--micro-batch", type=int, default=1, help="with --preset: samples per micro-batch")
+    parser.add_argument("--activation-gb", type=float, help="with --params: activations per GPU, GB")
+    parser.add_argument("--units", type=int, default=32, help="with --params: stage-3 units assumed")
+    parser.add_argument("--bucket-mb", type=float, default=25.0)
+    parser.add_argument("--prefetch", type=int, default=1)
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.set_defaults(func=run)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    """Compute and print the plan; nothing fitting is a user-facing error (exit status 2)."""
+    from workers.zero import memory
+
+    try:
+        plan = _plan(args, memory).to_dict()
+    except memory.NoPlanFits as exc:
+        _print(exc.detail, args, chosen=None)
+        raise _cli_error(exc.detail["message"]) from None
+    except ValueError as exc:
+        raise _cli_error(str(exc)) from None
+    _print(plan, args, chosen=(plan["stage"], plan["offload_optimizer"]))
+    return 0
+
+
+def _plan(args: argparse.Namespace, memory: Any) -> Any:
+    common = dict(
+        gpu_memory_bytes=_gb(args.gpu_mem),
+        margin=args.margin,
+        host_memory_bytes=_gb(args.host_mem),
+        bandwidth_bytes_per_s=None if args.bandwidth_gbps is None else memory.gbps_to_bytes_per_s(args.bandwidth_gbps),
+        compute_s=args.compute_s,
+        target_efficiency=args.target_efficiency,
+    )
+    if args.preset is not None:
+        from workers.models import preset_config
+
+        seq_len = args.seq_len or preset_config(args.preset).block_size
+        spec = {
+            "model": {"preset": args.preset},
+            "data": {"seq_len": seq_len},
+            "train": {"micro_batch_size": args.micro_batch},
+            "zero": {"stage": "auto", "precision": args.precision, "bucket_mb": args.bucket_mb,
+                     "prefetch": args.prefetch},
+            "resources": {"num_workers": args.gpus, "gpus_per_worker": 1},
+        }
+        return memory.plan_for_spec(spec, **common)
+    return memory.plan_for_count(
+        args.params,
+        args.gpus,
+        precision=args.precision,
+        bucket_mb=args.bucket_mb,
+        prefetch=args.prefetch,
+        activation_bytes=_gb(args.activation_gb),
+        units=args.units,
+        **common,
+    )
+
+
+def _gb(value: float | None) -> int | None:
+    return None if value is None else int(value * GB)
+
+
+def _cli_error(message: str) -> Exception:
+    from service.cli import CliError
+
+    return CliError(message)
+
+
+def _print(plan: dict[str, Any], args: argparse.Namespace, chosen: tuple[int, bool] | None) -> None:
+    from rich.console import Console
+
+    console = Console()
+    if not console.is_terminal:  # piped or captured: keep the 15 columns readable
+        console = Console(width=200)
+    if args.json:
+        console.print_json(json.dumps(plan))
+        return
+    console.print(plan_table(plan, chosen, args.target_efficiency))
+    if plan.get("reason"):
+        console.print(f"[bold green]chosen:[/] {plan['reason']}")
+
+
+def plan_table(plan: dict[str, Any], chosen: tuple[int, bool] | None, target_efficiency: float) -> Any:
+    """The whiteboard table: one row per candidate, GB per GPU by term (decimal GB)."""
+    from rich.table import Table
+
+    inputs = plan["inputs"]
+    budget = plan.get("budget_bytes")
+    title = (
+        f"Φ = {inputs['parameters']:.3g} parameters, N = {inputs['n_ranks']}, {inputs['precision']}"
+        + (f", {budget / GB:.0f} GB per GPU, margin {plan['margin']:.0%}" if budget else ", no memory budget")
+    )
+    table = Table(title=title, caption="GB = 1e9 bytes per GPU; host = CPU memory per rank under offload")
+    columns = ["stage", "params", "grads", "optim", "buffers", "gathered", "activ.", "reserve", "total",
+               "host", "comm GB/step", "comm s", "efficiency", f"Gbit/s for {target_efficiency:.0%}", "fits"]
+    for name in columns:
+        table.add_column(name, justify="left" if name == "stage" else "right")
+    for c in plan["candidates"]:
+        gpu = c["gpu"]
+        label = f"{c['stage']}" + (" +offload" if c["offload"] else "")
+        is_chosen = chosen == (c["stage"], c["offload"])
+        table.add_row(
+            ("→ " if is_chosen else "  ") + label,
+            *(_fmt_gb(gpu[k]) for k in ("params", "grads", "optimizer", "buffers", "gathered_units",
+                                        "activations", "reserve", "total")),
+            _fmt_gb(c["cpu"]["total"]) if c["offload"] else "",
+            _fmt_gb(c["comm_bytes"]),
+            "" if c["comm_time_s"] is None else f"{c['comm_time_s']:.3g}",
+            "" if c["efficiency"] is None else f"{c['efficiency']:.0%}",
+            "" if c["bandwidth_needed_bytes_per_s"] is None else f"{c['bandwidth_needed_bytes_per_s'] * 8 / 1e9:.3g}",
+            {True: "yes", False: "no", None: "?"}[c["fits"]],
+            style="bold green" if is_chosen else None,
+        )
+    return table
+
+
+def _fmt_gb(value: float) -> str:
+    return f"{value / GB:.2f}"
