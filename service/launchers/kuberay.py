@@ -22,6 +22,7 @@ is owned by the RayJob (garbage-collected with it) and is also deleted on cancel
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import math
 import os
@@ -310,6 +311,9 @@ def build_rayjob(request: LaunchRequest, settings: Any) -> dict[str, Any]:
             }],
         },
     }
+    working_dir = (request.spec.get("runtime") or {}).get("working_dir")
+    if working_dir:  # user factories shipped with the job; on Kubernetes a remote URI (s3://…zip)
+        spec["runtimeEnvYAML"] = json.dumps({"working_dir": working_dir})  # JSON is YAML
     max_runtime = request.spec.get("max_runtime_s")
     if max_runtime:
         spec["activeDeadlineSeconds"] = max(1, int(max_runtime))

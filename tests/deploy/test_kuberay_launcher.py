@@ -108,6 +108,15 @@ def test_fractional_resources_round_to_what_kubernetes_can_give(need_crds):
     deploy_schemas.validate_crd(rayjob)
 
 
+def test_user_code_travels_as_a_ray_runtime_env():
+    base = request()
+    spec = {**base.spec, "runtime": {"working_dir": "s3://zerotrain/code/mypkg.zip"}}
+    rayjob = kuberay.build_rayjob(LaunchRequest(base.job_id, 1, spec, base.api_url, TOKEN, base.storage_uri),
+                                  SETTINGS)
+    assert yaml.safe_load(rayjob["spec"]["runtimeEnvYAML"]) == {"working_dir": "s3://zerotrain/code/mypkg.zip"}
+    assert "runtimeEnvYAML" not in kuberay.build_rayjob(base, SETTINGS)["spec"]
+
+
 def test_cpu_job_has_no_gpu_and_no_deadline():
     rayjob = kuberay.build_rayjob(request(), SETTINGS)
     assert "activeDeadlineSeconds" not in rayjob["spec"]
@@ -148,6 +157,7 @@ def test_ray_pods_are_unprivileged_and_have_no_api_token():
         assert spec["automountServiceAccountToken"] is False
         assert spec["serviceAccountName"] == "zerotrain-ray"
         assert spec["securityContext"]["runAsNonRoot"] is True
+        assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
         for container in spec["containers"]:
             ctx = container["securityContext"]
             assert ctx["runAsUser"] == 1000 and ctx["allowPrivilegeEscalation"] is False
