@@ -1,0 +1,376 @@
+"""Run each job's driver on Ray through the Ray Jobs API (``JobSubmissionClient``).
+
+With ``ZEROTRAIN_RAY_ADDRESS`` unset the launcher starts an embedded local Ray head
+(``LocalRayHead``) and stops it on ``close()``; set, it is the dashboard URL of a cluster the
+operator runs (``http://head:8265``), and its token comes from Ray's own places
+(``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH``, ``~/.ray/auth_token``).
+
+Ray 2.6x token auth: a head started with ``RAY_AUTH_MODE=token`` answers every dashboard
+request without ``Authorization: Bearer <token>`` with 401. The embedded head gets a fresh
+random token in its environment (never a file under the user's home, so two services on
+one machine do not share one), and every request here carries it explicitly. The head's
+processes, and so the drivers and workers, inherit it from that environment.
+
+Loopback only (DESIGN §5): the head binds 127.0.0.1 with ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``
+(otherwise Ray swaps in the machine's interface address) and ``GLOO_SOCKET_IFNAME=lo``.
+
+Status mapping (Ray job → ``LaunchPhase``): PENDING → PENDING; RUNNING → RUNNING, unless the
+job's worker group is waiting for a placement group the cluster cannot give it now: then
+PENDING with reason ``insufficient_resources`` and the numbers (asked vs total/available);
+SUCCEEDED/FAILED/STOPPED → the same; a submission the cluster no longer knows → UNKNOWN.
+Driver logs are copied to storage when a job ends, so ``logs()`` still answers after the
+cluster (e.g. the embedded head) is gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from service.launchers.base import LaunchHandle, LaunchPhase, LaunchRequest, LaunchStatus
+from service.settings import Settings
+
+log = logging.getLogger(__name__)
+
+LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "GLOO_SOCKET_IFNAME": "lo"}
+PHASES = {
+    "PENDING": LaunchPhase.PENDING,
+    "RUNNING": LaunchPhase.RUNNING,
+    "SUCCEEDED": LaunchPhase.SUCCEEDED,
+    "FAILED": LaunchPhase.FAILED,
+    "STOPPED": LaunchPhase.STOPPED,
+}
+TERMINAL_PHASES = {LaunchPhase.SUCCEEDED, LaunchPhase.FAILED, LaunchPhase.STOPPED}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _fmt(resources: dict[str, float]) -> str:
+    return ", ".join(f"{value:g} {name}" for name, value in sorted(resources.items())) or "nothing"
+
+
+# ----------------------------------------------------------------------------- the embedded head
+
+
+class LocalRayHead:
+    """A single-node Ray cluster this process starts (``ray start --head --block``) and owns.
+
+    ``--block`` keeps ``ray start`` in the foreground as the parent of the head's processes,
+    in a session of its own: stopping it (SIGTERM, then SIGKILL to the whole process group)
+    takes down everything the head started, workers included, and nothing else.
+    """
+
+    def __init__(self, *, num_cpus: int | None = None, num_gpus: int | None = None, log_path: Path | None = None,
+                 object_store_bytes: int = 300 * 2**20, start_timeout_s: float = 90.0):
+        self.num_cpus = num_cpus if num_cpus is not None else (os.cpu_count() or 1)
+        self.num_gpus = num_gpus
+        self.token = secrets.token_hex(32)
+        self.temp_dir = tempfile.mkdtemp(prefix="zt-ray-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+        self.gcs_port, self.dashboard_port = _free_port(), _free_port()
+        self.dashboard_url = f"http://127.0.0.1:{self.dashboard_port}"
+        self.gcs_address = f"127.0.0.1:{self.gcs_port}"
+        self.log_path = log_path or Path(self.temp_dir) / "ray-head.log"
+        self.object_store_bytes = object_store_bytes
+        self.start_timeout_s = start_timeout_s
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def auth_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"}
+
+    def environment(self) -> dict[str, str]:
+        """What the head, and every driver and worker it starts, runs with."""
+        env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN_PATH")}
+        venv_bin = os.path.dirname(sys.executable)  # so that the entrypoint's `python` is this one
+        env.update(LOOPBACK_ENV, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=self.token, RAY_USAGE_STATS_ENABLED="0",
+                   RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0",  # no drain wait on stop: nothing to hand over
+                   PATH=f"{venv_bin}{os.pathsep}{env.get('PATH', '')}")
+        return env
+
+    def command(self) -> list[str]:
+        ports = {"--port": self.gcs_port, "--dashboard-port": self.dashboard_port,
+                 "--ray-client-server-port": _free_port(), "--dashboard-agent-listen-port": _free_port(),
+                 "--dashboard-agent-grpc-port": _free_port(), "--runtime-env-agent-port": _free_port(),
+                 "--metrics-export-port": _free_port()}
+        command = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
+                   "--node-ip-address", "127.0.0.1", "--dashboard-host", "127.0.0.1", "--include-dashboard", "true",
+                   "--num-cpus", str(self.num_cpus), "--object-store-memory", str(self.object_store_bytes),
+                   "--temp-dir", self.temp_dir, "--disable-usage-stats"]
+        if self.num_gpus is not None:
+            command += ["--num-gpus", str(self.num_gpus)]
+        for flag, port in ports.items():
+            command += [flag, str(port)]
+        return command
+
+    def start(self) -> "LocalRayHead":
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as out:
+            self.process = subprocess.Popen(self.command(), env=self.environment(), stdin=subprocess.DEVNULL,
+                                            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        log.info("local Ray head up: dashboard %s, GCS %s", self.dashboard_url, self.gcs_address)
+        return self
+
+    def _wait_ready(self) -> None:
+        """Until the Jobs API answers and the node is registered (a few seconds)."""
+        deadline = time.monotonic() + self.start_timeout_s
+        with httpx.Client(base_url=self.dashboard_url, headers=self.auth_headers, timeout=5) as http:
+            while True:
+                if self.process.poll() is not None:
+                    raise RuntimeError(f"`ray start` exited with code {self.process.returncode}: "
+                                       f"{self.log_tail()}")
+                try:
+                    jobs = http.get("/api/jobs/")
+                    nodes = http.get("/nodes", params={"view": "summary"})
+                    if jobs.status_code == 200 and nodes.status_code == 200 and nodes.json()["data"]["summary"]:
+                        return
+                except (httpx.TransportError, ValueError, KeyError):
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the local Ray head did not come up in {self.start_timeout_s:.0f} s: "
+                                       f"{self.log_tail()}")
+                time.sleep(0.25)
+
+    def log_tail(self, size: int = 3000) -> str:
+        try:
+            return self.log_path.read_bytes()[-size:].decode(errors="replace")
+        except OSError:
+            return ""
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """SIGTERM ``ray start`` (it shuts its processes down), then SIGKILL whatever is left of its group."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                log.warning("local Ray head did not stop in %.0f s; killing it", timeout_s)
+        if self.process is not None:
+            self._signal_group(signal.SIGKILL)  # stragglers of the session (workers mid-exit)
+            self.process.wait(5)
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+    def _signal_group(self, signum: int) -> None:
+        try:
+            os.killpg(self.process.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def token_headers_from_environment() -> dict[str, str]:
+    """Ray's token for a cluster we did not start, from where Ray itself looks for it."""
+    token = os.environ.get("RAY_AUTH_TOKEN")
+    for path in (os.environ.get("RAY_AUTH_TOKEN_PATH"), Path.home() / ".ray" / "auth_token"):
+        if not token and path and Path(path).is_file():
+            token = Path(path).read_text().strip()
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+# ----------------------------------------------------------------------------- the launcher
+
+
+class RayJobsLauncher:
+    name = "ray"
+
+    def __init__(self, settings: Settings, *, head: LocalRayHead | None = None):
+        from ray.job_submission import JobSubmissionClient
+
+        self.settings = settings
+        self.head: LocalRayHead | None = None
+        if settings.ray_address:
+            self.address = settings.ray_address
+            headers = token_headers_from_environment()
+        else:
+            self.head = head or LocalRayHead(log_path=Path(settings.logs_dir) / "ray-head.log").start()
+            self.address, headers = self.head.dashboard_url, self.head.auth_headers
+        self.client = JobSubmissionClient(self.address, headers=headers)
+        self.http = httpx.Client(base_url=self.address, headers=headers, timeout=10)
+        self._logs_saved: set[str] = set()
+
+    @property
+    def dashboard_url(self) -> str:
+        return self.address
+
+    # -- start ------------------------------------------------------------------------------------
+    def start(self, request: LaunchRequest) -> LaunchHandle:
+        submission_id = f"zerotrain-{request.job_id}-a{request.attempt}"
+        env_vars = {
+            "ZEROTRAIN_JOB_ID": request.job_id,
+            "ZEROTRAIN_API_URL": request.api_url,
+            "ZEROTRAIN_INGEST_TOKEN": request.ingest_token,
+            "ZEROTRAIN_STORAGE_URI": request.storage_uri,
+            **(LOOPBACK_ENV if self.head is not None else {}),
+        }
+        runtime_env: dict[str, Any] = {"env_vars": env_vars}
+        working_dir = (request.spec.get("runtime") or {}).get("working_dir")
+        if working_dir:  # user factories shipped with the job (a local dir or a remote zip URI)
+            runtime_env["working_dir"] = working_dir
+        try:
+            self.client.submit_job(
+                entrypoint=f"python -m workers.launch --job-id {request.job_id} --api {request.api_url}",
+                submission_id=submission_id, runtime_env=runtime_env,
+                metadata={"zerotrain_job_id": request.job_id, "zerotrain_attempt": str(request.attempt)})
+        except RuntimeError as error:
+            if "already exists" not in str(error):  # a retried start of the same attempt finds its job
+                raise
+        return LaunchHandle(self.name, submission_id, {
+            "address": self.address, "job_id": request.job_id, "storage_uri": request.storage_uri,
+            "asked": self._asked(request.spec)})
+
+    @staticmethod
+    def _asked(spec: dict[str, Any]) -> dict[str, Any]:
+        resources = spec.get("resources") or {}
+        per_worker = {"CPU": float(resources.get("cpus_per_worker") or 1)}
+        if float(resources.get("gpus_per_worker") or 0):
+            per_worker["GPU"] = float(resources["gpus_per_worker"])
+        return {"num_workers": int(resources.get("num_workers") or 1), "per_worker": per_worker}
+
+    # -- status -----------------------------------------------------------------------------------
+    def status(self, handle: LaunchHandle) -> LaunchStatus:
+        try:
+            info = self.client.get_job_info(handle.external_id)
+        except RuntimeError as error:
+            if "404" in str(error) or "does not exist" in str(error):
+                return LaunchStatus(LaunchPhase.UNKNOWN, "driver_lost",
+                                    f"Ray cluster {self.address} does not know {handle.external_id}")
+            raise
+        phase = PHASES.get(str(info.status.value if hasattr(info.status, "value") else info.status),
+                           LaunchPhase.UNKNOWN)
+        if phase is LaunchPhase.RUNNING:
+            driver_job = getattr(info.driver_info, "id", None)
+            waiting = driver_job and self._waiting_for_resources(driver_job, handle.extra.get("asked") or {})
+            if waiting:
+                return LaunchStatus(LaunchPhase.PENDING, "insufficient_resources", waiting)
+        if phase in TERMINAL_PHASES:
+            self._save_logs(handle)
+        if phase is LaunchPhase.FAILED:
+            return LaunchStatus(phase, None, (info.message or "the driver failed")[-2000:])
+        if phase is LaunchPhase.STOPPED:
+            return LaunchStatus(phase, "cancelled_by_user", info.message)
+        return LaunchStatus(phase)
+
+    def _state_api(self, resource: str, filters: list[tuple[str, str, str]]) -> list[dict[str, Any]]:
+        params: list[tuple[str, str]] = [("limit", "1000"), ("detail", "true")]
+        for key, predicate, value in filters:
+            params += [("filter_keys", key), ("filter_predicates", predicate), ("filter_values", value)]
+        response = self.http.get(f"/api/v0/{resource}", params=params)
+        response.raise_for_status()
+        return response.json()["data"]["result"]["result"]
+
+    def _cluster_usage(self) -> dict[str, list[float]]:
+        """``{resource: [used, total]}`` as the autoscaler's load report has it."""
+        response = self.http.get("/api/cluster_status")
+        response.raise_for_status()
+        return response.json()["data"]["clusterStatus"]["loadMetricsReport"]["usage"]
+
+    def _waiting_for_resources(self, driver_job: str, asked: dict[str, Any]) -> str | None:
+        """A sentence with the numbers when this job's worker group waits for resources, else None."""
+        try:
+            pending = self._state_api("placement_groups", [("creator_job_id", "=", driver_job),
+                                                           ("state", "=", "PENDING")])
+        except (httpx.HTTPError, KeyError, ValueError) as error:
+            log.warning("cannot list placement groups of %s: %s", driver_job, error)
+            return None
+        if not pending:
+            return None
+        wanted: dict[str, float] = {}
+        for bundle in pending[0].get("bundles") or []:
+            for name, amount in (bundle.get("unit_resources") or {}).items():
+                wanted[name] = wanted.get(name, 0.0) + float(amount)
+        workers = asked.get("num_workers") or len(pending[0].get("bundles") or [])
+        per_worker = asked.get("per_worker") or {}
+        sentence = f"asked {_fmt(wanted)} ({workers} workers × {_fmt(per_worker)})"
+        try:
+            usage = self._cluster_usage()
+        except (httpx.HTTPError, KeyError, ValueError):
+            return sentence + "; the cluster's free resources are unknown"
+        totals = {name: float(usage.get(name, [0.0, 0.0])[1]) for name in wanted}
+        available = {name: max(0.0, float(usage.get(name, [0.0, 0.0])[1]) - float(usage.get(name, [0.0, 0.0])[0]))
+                     for name in wanted}
+        short = [name for name in wanted if wanted[name] > totals[name]]
+        verdict = ("more than the cluster has in total" if short else "waiting for other jobs to free them")
+        return f"{sentence}; cluster has {_fmt(totals)} in total, {_fmt(available)} available ({verdict})"
+
+    # -- cancel -----------------------------------------------------------------------------------
+    def cancel(self, handle: LaunchHandle, timeout_s: float = 12.0) -> None:
+        """Stop the Ray job and wait (bounded) until its driver and every actor it owned are gone."""
+        try:
+            self.client.stop_job(handle.external_id)
+        except RuntimeError as error:
+            if "does not exist" in str(error) or "404" in str(error):
+                return
+            raise
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                info = self.client.get_job_info(handle.external_id)
+                driver_job = getattr(info.driver_info, "id", None)
+                stopped = str(getattr(info.status, "value", info.status)) in ("STOPPED", "SUCCEEDED", "FAILED")
+                if stopped and (driver_job is None or not self._live_actors(driver_job)):
+                    return
+            except (RuntimeError, httpx.HTTPError, KeyError, ValueError) as error:
+                log.warning("while waiting for %s to stop: %s", handle.external_id, error)
+            time.sleep(0.25)
+        log.warning("job %s: Ray processes still alive %.0f s after stop", handle.external_id, timeout_s)
+
+    def _live_actors(self, driver_job: str) -> list[dict[str, Any]]:
+        return self._state_api("actors", [("job_id", "=", driver_job), ("state", "!=", "DEAD")])
+
+    # -- logs -------------------------------------------------------------------------------------
+    def _log_copy_path(self, handle: LaunchHandle) -> str:
+        storage = handle.extra.get("storage_uri") or self.settings.storage_uri
+        return f"{storage.rstrip('/')}/{handle.extra.get('job_id', handle.external_id)}/logs/{handle.external_id}.log"
+
+    def _save_logs(self, handle: LaunchHandle) -> None:
+        if handle.external_id in self._logs_saved:
+            return
+        import fsspec
+
+        try:
+            text = self.client.get_job_logs(handle.external_id)
+            with fsspec.open(self._log_copy_path(handle), "w", auto_mkdir=True) as out:
+                out.write(text)
+            self._logs_saved.add(handle.external_id)
+        except Exception as error:  # noqa: BLE001 - a missing copy must not break reconciling
+            log.warning("could not keep the logs of %s: %s", handle.external_id, error)
+
+    def logs(self, handle: LaunchHandle, tail_bytes: int | None = None) -> str:
+        try:
+            text = self.client.get_job_logs(handle.external_id)
+        except Exception:  # noqa: BLE001 - the cluster forgot the job or is gone: read the kept copy
+            import fsspec
+
+            try:
+                with fsspec.open(self._log_copy_path(handle), "r") as kept:
+                    text = kept.read()
+            except FileNotFoundError:
+                return ""
+        if tail_bytes is not None:
+            text = text.encode()[-tail_bytes:].decode(errors="replace")
+        return text
+
+    def close(self) -> None:
+        self.http.close()
+        if self.head is not None:
+            self.head.stop()
+            self.head = None

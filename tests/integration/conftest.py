@@ -1,0 +1,148 @@
+"""Ray end-to-end fixtures: one real local Ray head per module, control planes that can stop.
+
+``ray_head``        a ``LocalRayHead`` (2 CPUs, token auth, loopback) shared by a module; the
+                    control planes of its tests reach it as a remote cluster
+                    (``ZEROTRAIN_RAY_ADDRESS`` + ``RAY_AUTH_TOKEN``).
+``ControlPlane``    the real app under uvicorn on a fixed port that can be stopped and started
+                    again on the same port and database (Must-show 5).
+Helpers find a job's processes by the ``ZEROTRAIN_JOB_ID`` that Ray puts in their environment.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pytest
+
+RAY_CPUS = 2
+
+
+@pytest.fixture(scope="module")
+def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    from service.launchers.ray_jobs import LocalRayHead
+
+    os.environ.update({"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "GLOO_SOCKET_IFNAME": "lo"})
+    head = LocalRayHead(num_cpus=RAY_CPUS, log_path=tmp_path_factory.mktemp("ray") / "head.log").start()
+    saved = os.environ.get("RAY_AUTH_TOKEN")
+    os.environ["RAY_AUTH_TOKEN"] = head.token  # how the launcher authenticates to a cluster it did not start
+    try:
+        yield head
+    finally:
+        if saved is None:
+            os.environ.pop("RAY_AUTH_TOKEN", None)
+        else:
+            os.environ["RAY_AUTH_TOKEN"] = saved
+        head.stop()
+
+
+class ControlPlane:
+    """``create_app(settings)`` under uvicorn in a thread; ``stop()``/``start()`` keep port and database."""
+
+    def __init__(self, settings: Any):
+        self.settings = settings
+        self.url = settings.api_url
+        self.server: Any = None
+        self.thread: threading.Thread | None = None
+
+    def start(self, timeout_s: float = 60.0) -> "ControlPlane":
+        import uvicorn
+
+        from service.app import create_app
+
+        config = uvicorn.Config(create_app(self.settings), host="127.0.0.1", port=self.settings.port,
+                                log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        wait_for(lambda: self.server.started or not self.thread.is_alive(), timeout_s, "control plane start")
+        assert self.server.started, "the control plane exited during start-up"
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        assert not self.thread.is_alive(), "the control plane did not stop"
+
+    def client(self):
+        from service.client import Client
+
+        return Client(self.url, Path(self.settings.token_file).read_text().strip())
+
+
+def _root_conftest(request: pytest.FixtureRequest) -> Any:
+    """tests/conftest.py as pytest loaded it (its database helpers are reused, not copied)."""
+    return request.config.pluginmanager.get_plugin(str(Path(__file__).parents[1] / "conftest.py"))
+
+
+@pytest.fixture
+def make_control_plane(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+                       _migrated_template: str, ray_head: Any) -> Iterator[Callable[..., ControlPlane]]:
+    """Started control planes on fresh migrated PostgreSQL databases, using the module's Ray head."""
+    from service.settings import Settings
+
+    root = _root_conftest(request)
+    made: list[tuple[ControlPlane, str]] = []
+
+    def make(**overrides: Any) -> ControlPlane:
+        database = root.create_database(template=_migrated_template)
+        values: dict[str, Any] = {
+            "home": tmp_path_factory.mktemp("zerotrain-home"), "database_url": root._database_url(database),
+            "launcher": "ray", "ray_address": ray_head.dashboard_url, "host": "127.0.0.1",
+            "port": root.free_port(), "scheduler_poll_s": 0.2, "sse_poll_s": 0.1}
+        values.update(overrides)
+        plane = ControlPlane(Settings(**values)).start()
+        made.append((plane, database))
+        return plane
+
+    yield make
+    for plane, database in reversed(made):
+        if plane.thread is not None and plane.thread.is_alive():
+            plane.stop()
+        root.drop_database(database)
+
+
+def wait_for(condition: Callable[[], Any], timeout_s: float, what: str, poll_s: float = 0.2) -> Any:
+    """Poll ``condition`` until it returns something truthy; fail naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(poll_s)
+
+
+def _read(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def job_processes(job_id: str) -> list[int]:
+    """Live pids whose environment names this job (its driver, Ray Train controller and workers)."""
+    needle = f"ZEROTRAIN_JOB_ID={job_id}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        stat = _read(f"/proc/{entry}/stat")
+        if not stat or stat.rsplit(b")", 1)[1].split()[0] == b"Z":  # gone, or a zombie
+            continue
+        if needle in _read(f"/proc/{entry}/environ").split(b"\0"):
+            found.append(int(entry))
+    return found
+
+
+def cmdline(pid: int) -> str:
+    return _read(f"/proc/{pid}/cmdline").replace(b"\0", b" ").decode(errors="replace").strip()
+
+
+def train_workers(job_id: str) -> list[int]:
+    return [pid for pid in job_processes(job_id) if cmdline(pid).startswith("ray::RayTrainWorker")]

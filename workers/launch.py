@@ -1,0 +1,145 @@
+"""The Ray driver of one job: ``python -m workers.launch --job-id ID --api URL``.
+
+The launcher submits this through the Ray Jobs API. It fetches the job's spec from the
+control plane with the ingest token (``ZEROTRAIN_INGEST_TOKEN``, environment only), runs
+``TorchTrainer(train_loop)`` with one Ray Train worker per ``resources.num_workers``, and
+reports how it ended: SUCCEEDED, or FAILED with the error. RUNNING (and RESTARTING after Ray
+Train replaced a dead worker group) is reported by rank 0 of each worker group, because only
+the workers know when training actually runs; a job still waiting for its resources stays
+STARTING and the launcher says why.
+
+Stopped by the launcher (cancel), the driver reports nothing: the control plane already
+knows the job is being cancelled, and Ray takes the worker group down with the driver.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import traceback
+from typing import Any
+
+import ray
+
+from workers.reporting import JobNotActive, WorkerAPI
+from workers.train import train_loop
+
+log = logging.getLogger("zerotrain.launch")
+
+
+@ray.remote(num_cpus=0)
+class AttemptCounter:
+    """Counts the worker groups of this run; rank 0 of each group asks it for its number.
+
+    Owned by the driver, so it lives exactly as long as the run: Ray Train restarts worker
+    groups inside one ``fit()``, and this is how a new group learns it is not the first.
+    """
+
+    def __init__(self) -> None:
+        self.groups = 0
+
+    def next_group(self) -> int:
+        self.groups += 1
+        return self.groups
+
+
+def counter_name(job_id: str) -> str:
+    return f"zerotrain-attempts-{job_id}"
+
+
+def ray_storage_path(storage_uri: str) -> str:
+    """Where Ray Train keeps its own run state; beside, not inside, our checkpoint layout."""
+    if storage_uri.startswith("file://"):
+        return storage_uri[len("file://"):].rstrip("/") + "/ray-train"
+    return storage_uri.rstrip("/") + "/ray-train"
+
+
+def build_trainer(spec: dict[str, Any], loop_config: dict[str, Any], storage_uri: str, job_id: str):
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    resources = spec.get("resources") or {}
+    gpus = float(resources.get("gpus_per_worker") or 0)
+    per_worker = {"CPU": float(resources.get("cpus_per_worker") or 1)}
+    if gpus:
+        per_worker["GPU"] = gpus
+    return TorchTrainer(
+        train_loop,
+        train_loop_config=loop_config,
+        scaling_config=ScalingConfig(num_workers=int(resources.get("num_workers") or 1), use_gpu=gpus > 0,
+                                     resources_per_worker=per_worker),
+        run_config=RunConfig(storage_path=ray_storage_path(storage_uri), name=job_id,
+                             failure_config=FailureConfig(max_failures=int(spec.get("max_failures", 0)))),
+    )
+
+
+def failure_reason(error: BaseException) -> str:
+    """Map what ``fit()`` raised to a machine-readable reason."""
+    chain, seen = [error], set()
+    while chain[-1].__cause__ is not None and id(chain[-1]) not in seen:
+        seen.add(id(chain[-1]))
+        chain.append(chain[-1].__cause__)
+    names = {type(e).__name__ for e in chain}
+    if "InsufficientClusterResourcesError" in names:
+        return "insufficient_resources"
+    if names & {"WorkerGroupError", "ActorDiedError", "RayActorError", "TrainingFailedError"}:
+        return "worker_failed"
+    return "user_code_error"
+
+
+def _stop_quietly(signum: int, _frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def run(job_id: str, api_url: str) -> int:
+    token = os.environ.get("ZEROTRAIN_INGEST_TOKEN")
+    if not token:
+        log.error("ZEROTRAIN_INGEST_TOKEN is not set; the driver cannot talk to the control plane")
+        return 2
+    api = WorkerAPI(api_url, job_id, token)
+    worker_spec = api.get_spec()
+    spec = worker_spec["spec"]
+    storage_uri = os.environ.get("ZEROTRAIN_STORAGE_URI") or worker_spec["storage_uri"]
+    signal.signal(signal.SIGTERM, _stop_quietly)
+    try:
+        ray.init(log_to_driver=True)
+        counter = AttemptCounter.options(name=counter_name(job_id)).remote()
+        loop_config = {"spec": spec, "job_id": job_id, "api_url": api_url, "storage_uri": storage_uri,
+                       "attempt_base": int(worker_spec.get("attempt") or 0),
+                       "attempt_counter": counter_name(job_id)}
+        log.info("job %s: %d workers, stage %s", job_id, (spec.get("resources") or {}).get("num_workers", 1),
+                 (spec.get("zero") or {}).get("stage", "auto"))
+        build_trainer(spec, loop_config, storage_uri, job_id).fit()
+        del counter
+    except KeyboardInterrupt:
+        log.warning("job %s: driver stopped (cancel); not reporting a final state", job_id)
+        return 130
+    except Exception as error:  # noqa: BLE001 - every failure is reported, then re-raised as exit 1
+        message = f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=20)}"
+        log.error("job %s failed: %s", job_id, message)
+        try:
+            api.post_state("FAILED", reason=failure_reason(error), message=message)
+        except (JobNotActive, ConnectionError) as refused:
+            log.warning("could not report FAILED: %s", refused)
+        return 1
+    try:
+        api.post_state("SUCCEEDED", message="training finished")
+    except JobNotActive as refused:  # cancelled in the last second: the cancel wins
+        log.warning("could not report SUCCEEDED: %s", refused)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m workers.launch", description=__doc__.splitlines()[0])
+    parser.add_argument("--job-id", default=os.environ.get("ZEROTRAIN_JOB_ID"), required="ZEROTRAIN_JOB_ID" not in os.environ)
+    parser.add_argument("--api", default=os.environ.get("ZEROTRAIN_API_URL"), required="ZEROTRAIN_API_URL" not in os.environ)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run(args.job_id, args.api)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
