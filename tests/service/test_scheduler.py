@@ -176,3 +176,24 @@ def test_launch_failure_fails_the_job(db):
     Scheduler(make_session, launcher, settings).run_once()
     failed = job(make_session, job_id)
     assert (failed.state, failed.reason, failed.message) == ("FAILED", "launch_failed", "RuntimeError: no cluster")
+
+
+def test_job_over_its_max_runtime_is_cancelled_with_that_reason(db):
+    from datetime import timedelta
+
+    from sqlalchemy import update
+
+    from service.models import utcnow
+
+    make_session, scheduler, launcher, job_id = scheduled_job(db, LaunchStatus(LaunchPhase.RUNNING))
+    with make_session() as session:
+        spec = {**make_spec(), "max_runtime_s": 60}
+        session.execute(update(Job).where(Job.id == job_id)
+                        .values(spec=spec, started_at=utcnow() - timedelta(seconds=61)))
+        session.commit()
+    scheduler.run_once()
+    assert job(make_session, job_id).state == "CANCELLING"
+    scheduler.run_once()
+    stopped = job(make_session, job_id)
+    assert (stopped.state, stopped.reason) == ("CANCELLED", "max_runtime_exceeded")
+    assert launcher.cancelled == [job_id]

@@ -1,0 +1,46 @@
+"""The spec model on its own (no server): defaults, derived numbers, and lists kept in sync."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from service.models import Metric
+from service.schemas import METRIC_FIELDS, PRESET_CONTEXT, JobSpec, MetricRecord
+
+from tests.service.conftest import VALID_SPEC
+
+
+def test_accumulation_steps_and_tokens_per_step():
+    spec = JobSpec.model_validate({**VALID_SPEC, "train": {**VALID_SPEC["train"], "global_batch_size": 16}})
+    assert spec.accumulation_steps == 16 // (2 * 2)
+    assert spec.tokens_per_step == 64 * 16
+
+
+def test_data_factory_implies_its_kind_and_round_trips():
+    spec = JobSpec.model_validate({**VALID_SPEC, "data": {"factory": "mypkg.data:build", "kwargs": {"n": 1}}})
+    assert spec.data.kind == "factory"
+    assert JobSpec.model_validate(spec.model_dump(mode="json")) == spec
+
+
+def test_later_issue_fields_have_safe_defaults():
+    spec = JobSpec.model_validate(VALID_SPEC)
+    assert (spec.zero.activation_checkpointing, spec.zero.reshard_after_forward) == (False, True)
+    assert (spec.resume_from, spec.max_runtime_s) == (None, None)
+    resumed = JobSpec.model_validate({**VALID_SPEC, "resume_from": {"job_id": "job-abc"}})
+    assert resumed.resume_from.step == "latest"
+
+
+def test_strict_types_refuse_coercion():
+    with pytest.raises(ValidationError, match="train.steps"):
+        JobSpec.model_validate({**VALID_SPEC, "train": {**VALID_SPEC["train"], "steps": True}})
+
+
+def test_preset_contexts_match_the_worker_presets():
+    models = pytest.importorskip("workers.models")
+    assert PRESET_CONTEXT == {name: cfg.block_size for name, cfg in models.PRESETS.items()}
+
+
+def test_metric_columns_match_the_metric_record():
+    assert set(METRIC_FIELDS) | {"attempt", "rank", "step", "time"} == set(MetricRecord.model_fields)
+    assert set(Metric.__table__.columns.keys()) == set(MetricRecord.model_fields) | {"id", "job_id"}
