@@ -127,6 +127,7 @@ class Scheduler:
     # ------------------------------------------------------------------ reconcile
 
     def reconcile(self) -> None:
+        self._fail_abandoned_claims()
         with self.make_session() as session:
             jobs = session.execute(
                 select(Job).where(Job.state.in_([s.value for s in RECONCILED_STATES]),
@@ -138,6 +139,23 @@ class Scheduler:
                 self._reconcile_job(job)
             except Exception:
                 log.exception("reconciling %s failed", job.id)
+
+    def _fail_abandoned_claims(self) -> None:
+        """A claim whose control plane died before storing a launch handle would wait forever."""
+        cutoff = utcnow() - timedelta(seconds=self.settings.launch_timeout_s)
+        with self.make_session() as session:
+            abandoned = session.execute(
+                select(Job.id, Job.state).where(Job.state.in_([S.STARTING.value, S.CANCELLING.value]),
+                                                Job.launch_handle.is_(None), Job.updated_at < cutoff)
+            ).all()
+            for job_id, state in abandoned:
+                target = S.CANCELLED if state == S.CANCELLING.value else S.FAILED
+                try:
+                    transition(session, job_id, target, reason=Reason.LAUNCH_FAILED, expected={S(state)},
+                               message=f"not launched within {self.settings.launch_timeout_s:.0f} s of its claim")
+                except IllegalTransition:
+                    continue
+            session.commit()
 
     def _reconcile_job(self, job: Job) -> None:
         handle = LaunchHandle.from_json(job.launch_handle)

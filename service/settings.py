@@ -34,6 +34,7 @@ class Settings(BaseSettings):
     scheduler_enabled: bool = True  # run the scheduler loop inside the API process
     scheduler_poll_s: float = 1.0
     cancel_grace_s: float = 10.0  # SIGTERM → SIGKILL delay of the local launcher
+    launch_timeout_s: float = 600.0  # a claimed job without a launch handle after this has failed
     token_file: Path | None = None  # empty: {home}/token
     bootstrap_admin: bool = True  # create the local admin token on first start
     sse_poll_s: float = 0.25

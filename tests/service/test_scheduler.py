@@ -197,3 +197,25 @@ def test_job_over_its_max_runtime_is_cancelled_with_that_reason(db):
     stopped = job(make_session, job_id)
     assert (stopped.state, stopped.reason) == ("CANCELLED", "max_runtime_exceeded")
     assert launcher.cancelled == [job_id]
+
+
+def test_claim_abandoned_before_launch_fails_after_the_launch_timeout(db):
+    from datetime import timedelta
+
+    from sqlalchemy import update
+
+    from service.models import utcnow
+
+    make_session, settings = db
+    (job_id,) = add_jobs(make_session, 1)
+    scheduler = Scheduler(make_session, RecordingLauncher(), settings)
+    assert [claimed for claimed, _ in scheduler.claim()] == [job_id]  # ... and the process dies here
+    scheduler.reconcile()
+    assert job(make_session, job_id).state == "STARTING"
+    with make_session() as session:
+        session.execute(update(Job).where(Job.id == job_id).values(
+            updated_at=utcnow() - timedelta(seconds=settings.launch_timeout_s + 1)))
+        session.commit()
+    scheduler.reconcile()
+    failed = job(make_session, job_id)
+    assert (failed.state, failed.reason) == ("FAILED", "launch_failed")
