@@ -1,18 +1,20 @@
 """Chart data for the job page: per-step aggregates over ranks, downsampled in SQL.
 
 A job may hold 100,000+ metric records (steps × ranks × attempts); the page draws at most
-``max_points`` points per series. Three steps, all inside the database:
+``max_points`` points per series, so the database does the reduction and ships ~1,000 rows:
 
-1. one row per (attempt, step): the ranks combined — loss, lr, grad norm and MFU averaged;
-   throughput (tokens/s, samples/s, TFLOPs) as the mean over the ranks that reported times
-   the job's world size (each rank reports its own, so the job's is their sum, and a step
-   whose ranks are still arriving does not dip); step time and exposed communication as the
-   slowest rank's; communicated bytes per rank averaged;
-2. for each step only the latest attempt's row (a restart repeats steps);
-3. steps cut into equal buckets of ``ceil(span / max_points)`` steps; each bucket becomes one
-   point: the mean of its steps, at its last step.
+* steps are cut into equal buckets of ``ceil(spec steps / max_points)`` steps (the job's
+  spec bounds the step range, so no extra pass is needed to find it); each bucket becomes
+  one point at its last step;
+* a point is the mean over the bucket's records of loss, MFU, step time, exposed
+  communication time and communicated bytes per rank; throughput (tokens/s, TFLOPs — each
+  rank reports its own) is that mean times the job's world size, i.e. the job's total, and a
+  step whose ranks are still arriving does not dip;
+* after a restart two attempts may hold the same steps; only then (a bucket mixes attempts)
+  a second, slower query keeps each step's latest attempt before bucketing.
 
-Memory bars need the latest numbers of every rank, not a mean, so they are read separately.
+Memory bars need every rank's latest numbers, not a mean: they come from the newest records
+(by id) and fall back to a full query when those lack a rank.
 """
 
 from __future__ import annotations
@@ -20,94 +22,99 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from sqlalchemy import and_, func, select
+from sqlalchemy import Select, and_, func, select, text
 from sqlalchemy.orm import Session
 
 from service.models import Metric
 
 MEMORY_FIELDS = ("mem_params_bytes", "mem_grads_bytes", "mem_optimizer_bytes", "mem_buffers_bytes", "mem_peak_bytes")
-MEAN_FIELDS = ("loss", "lr", "grad_norm", "mfu", "comm_bytes")
-SUMMED_FIELDS = ("tokens_per_s", "samples_per_s", "tflops")
-SLOWEST_FIELDS = ("step_time_s", "comm_exposed_s", "checkpoint_blocked_s")
-SERIES_FIELDS = (*MEAN_FIELDS, *SUMMED_FIELDS, *SLOWEST_FIELDS)
+# Only what the page draws: every extra column costs an aggregate over every record.
+MEAN_FIELDS = ("loss", "mfu", "comm_bytes", "step_time_s", "comm_exposed_s")
+SUMMED_FIELDS = ("tokens_per_s", "tflops")
+SERIES_FIELDS = (*MEAN_FIELDS, *SUMMED_FIELDS)
 
 
-def _per_step(job_id: str, world: int):
-    """Step 1 and 2: a subquery of one row per step, ranks combined, latest attempt only."""
-    columns = [
-        *(func.avg(getattr(Metric, name)).label(name) for name in MEAN_FIELDS),
-        *((func.avg(getattr(Metric, name)) * world).label(name) for name in SUMMED_FIELDS),
-        *(func.max(getattr(Metric, name)).label(name) for name in SLOWEST_FIELDS),
-    ]
-    per_attempt = (
-        select(Metric.attempt, Metric.step, *columns)
-        .where(Metric.job_id == job_id)
-        .group_by(Metric.attempt, Metric.step)
-        .subquery("per_attempt")
-    )
-    ranked = select(
-        per_attempt,
-        func.max(per_attempt.c.attempt).over(partition_by=per_attempt.c.step).label("latest_attempt"),
-    ).subquery("ranked")
-    return ranked
+def _short(value: Any) -> float | None:
+    """Six significant digits: a chart cannot show more, and the answer halves in size."""
+    return None if value is None else float(f"{float(value):.6g}")
 
 
-def series(session: Session, job_id: str, world: int, max_points: int) -> dict[str, Any]:
-    """Columnar series ``{"step": [...], "<field>": [...]}`` with at most ``max_points`` points."""
-    low, high, count, last_id, latest_attempt = session.execute(
+def _bucketed(source: Any, width: int, world: int, extra: tuple = ()) -> Select:
+    """One row per bucket of ``width`` steps over ``source`` (the metrics table or a subquery)."""
+    bucket = (source.c.step // width).label("bucket")  # `//`: integer division on every dialect
+    return (
         select(
-            func.min(Metric.step), func.max(Metric.step), func.count(), func.max(Metric.id), func.max(Metric.attempt)
-        ).where(Metric.job_id == job_id)
-    ).one()
-    empty = {"step": [], **{name: [] for name in SERIES_FIELDS}}
-    if low is None:
-        return {"records": 0, "last_id": 0, "latest_attempt": None, "bucket_steps": 1, "first_step": None, "last_step": None, "series": empty}
-    width = max(1, math.ceil((high - low + 1) / max_points))
-    ranked = _per_step(job_id, world)
-    bucket = ((ranked.c.step - low) // width).label("bucket")  # `//`: integer division on every dialect
-    query = (
-        select(
-            func.max(ranked.c.step).label("step"),
-            *(func.avg(ranked.c[name]).label(name) for name in SERIES_FIELDS),
+            func.max(source.c.step).label("step"),
+            *(func.avg(source.c[name]).label(name) for name in MEAN_FIELDS),
+            *((func.avg(source.c[name]) * world).label(name) for name in SUMMED_FIELDS),
+            *extra,
         )
-        .where(ranked.c.attempt == ranked.c.latest_attempt)
         .group_by(bucket)
         .order_by(bucket)
     )
-    columns: dict[str, list] = {"step": [], **{name: [] for name in SERIES_FIELDS}}
-    for row in session.execute(query):
-        for name, value in row._mapping.items():
-            columns[name].append(None if value is None else float(value) if name != "step" else int(value))
+
+
+def _latest_attempt_per_step(job_id: str) -> Any:
+    """The job's records, keeping for each step only those of the latest attempt that ran it."""
+    ranked = (
+        select(Metric, func.max(Metric.attempt).over(partition_by=Metric.step).label("latest_attempt"))
+        .where(Metric.job_id == job_id)
+        .subquery("ranked")
+    )
+    return select(ranked).where(ranked.c.attempt == ranked.c.latest_attempt).subquery("latest")
+
+
+def series(session: Session, job_id: str, steps: int, world: int, max_points: int) -> dict[str, Any]:
+    """Columnar ``{"step": [...], "<field>": [...]}`` with about ``max_points`` points at most."""
+    width = max(1, math.ceil((max(steps, 1) + 1) / max_points))  # steps 0…steps inclusive
+    if session.get_bind().dialect.name == "postgresql":
+        # Grouping 100k records fits in memory with this (the 4 MB default may sort on disk).
+        session.execute(text("SET LOCAL work_mem = '64MB'"))
+    table = Metric.__table__
+    bookkeeping = (
+        func.count().label("records"), func.max(table.c.id).label("last_id"),
+        func.min(table.c.attempt).label("min_attempt"), func.max(table.c.attempt).label("max_attempt"),
+    )
+    rows = session.execute(_bucketed(table, width, world, bookkeeping).where(table.c.job_id == job_id)).all()
+    records = sum(row.records for row in rows)
+    last_id = max((row.last_id for row in rows), default=0)
+    latest_attempt = max((row.max_attempt for row in rows), default=None)
+    if any(row.min_attempt != row.max_attempt for row in rows):
+        rows = session.execute(_bucketed(_latest_attempt_per_step(job_id), width, world)).all()
+    columns: dict[str, list] = {"step": [row.step for row in rows]}
+    for name in SERIES_FIELDS:
+        columns[name] = [_short(row._mapping[name]) for row in rows]
     return {
-        "records": count,
+        "records": records,
         "last_id": last_id,
         "latest_attempt": latest_attempt,
         "bucket_steps": width,
-        "first_step": low,
-        "last_step": high,
         "series": columns,
     }
 
 
-def latest_memory(session: Session, job_id: str) -> list[dict[str, Any]]:
-    """Each rank's most recent memory numbers in the job's latest attempt that reported any."""
+def latest_memory(session: Session, job_id: str, world: int) -> list[dict[str, Any]]:
+    """Each rank's most recent memory numbers in the latest attempt that reported any."""
+    columns = (Metric.rank, Metric.attempt, Metric.step, *(getattr(Metric, name) for name in MEMORY_FIELDS))
     reported = and_(Metric.job_id == job_id, Metric.mem_params_bytes.is_not(None))
-    attempt = session.execute(select(func.max(Metric.attempt)).where(reported)).scalar()
-    if attempt is None:
+    newest = session.execute(select(*columns).where(reported).order_by(Metric.id.desc()).limit(4 * world)).all()
+    if not newest:
         return []
-    last = (
-        select(Metric.rank, func.max(Metric.step).label("step"))
-        .where(reported, Metric.attempt == attempt)
-        .group_by(Metric.rank)
-        .subquery("last")
-    )
-    query = (
-        select(Metric.rank, Metric.attempt, Metric.step, *(getattr(Metric, name) for name in MEMORY_FIELDS))
-        .join(last, and_(Metric.rank == last.c.rank, Metric.step == last.c.step))
-        .where(reported, Metric.attempt == attempt)
-        .order_by(Metric.rank)
-    )
-    return [dict(row._mapping) for row in session.execute(query)]
+    attempt = max(row.attempt for row in newest)
+    by_rank: dict[int, Any] = {}
+    for row in newest:
+        if row.attempt == attempt and (row.rank not in by_rank or row.step > by_rank[row.rank].step):
+            by_rank[row.rank] = row
+    if len(by_rank) < world:  # some rank's latest report is older: look it up properly
+        last = (
+            select(Metric.rank, func.max(Metric.step).label("step"))
+            .where(reported, Metric.attempt == attempt)
+            .group_by(Metric.rank)
+            .subquery("last")
+        )
+        query = select(*columns).join(last, and_(Metric.rank == last.c.rank, Metric.step == last.c.step))
+        by_rank = {row.rank: row for row in session.execute(query.where(reported, Metric.attempt == attempt))}
+    return [dict(by_rank[rank]._mapping) for rank in sorted(by_rank)]
 
 
 def progress(session: Session, job_ids: list[str], worlds: dict[str, int]) -> dict[str, dict[str, Any]]:

@@ -58,7 +58,7 @@ function buildCharts(job) {
         { key: "comm_exposed_s", label: "exposed communication", format: seconds },
         { key: "step_time_s", label: "step time", format: seconds },
       ],
-      description: "Communication the computation did not hide (slowest rank). Efficiency = 1 − exposed / step time.",
+      description: "Communication the computation did not hide, mean over ranks. Efficiency = 1 − exposed / step time.",
     }),
   };
 }
@@ -223,27 +223,30 @@ export function jobPage({ jobId, signal }) {
     }
   }
 
-  async function refreshSide() {
-    const [nextJob, eventList, ckpts] = await Promise.all([
+  /** Everything but the metrics, fetched in parallel: job, events, checkpoints, log tail. */
+  function fetchSide() {
+    const logTail = requestText(`${path}/logs?tail_bytes=${LOG_TAIL_BYTES}`, { signal })
+      .then(({ text }) => text || "(no log output yet)")
+      .catch((error) => (error.name === "AbortError" ? Promise.reject(error) : `(logs unavailable: ${error.message})`));
+    return Promise.all([
       request(path, { signal }),
       request(`${path}/events`, { signal }),
-      request(`${path}/checkpoints`, { signal }).catch(() => ({ items: [] })),
+      request(`${path}/checkpoints`, { signal }).catch((error) => (error.name === "AbortError" ? Promise.reject(error) : { items: [] })),
+      logTail,
     ]);
+  }
+
+  function renderSide([nextJob, eventList, ckpts, logText]) {
     renderJob(nextJob);
     replaceChildren(events, eventList.items.map(eventItem));
     replaceChildren(checkpoints, ...checkpointRows(ckpts.items || []));
-    await refreshLogs();
+    const atBottom = logs.scrollTop + logs.clientHeight >= logs.scrollHeight - 4;
+    logs.textContent = logText;
+    if (atBottom) logs.scrollTop = logs.scrollHeight;
   }
 
-  async function refreshLogs() {
-    try {
-      const { text } = await requestText(`${path}/logs?tail_bytes=${LOG_TAIL_BYTES}`, { signal });
-      const atBottom = logs.scrollTop + logs.clientHeight >= logs.scrollHeight - 4;
-      logs.textContent = text || "(no log output yet)";
-      if (atBottom) logs.scrollTop = logs.scrollHeight;
-    } catch (error) {
-      if (error.name !== "AbortError") logs.textContent = `(logs unavailable: ${error.message})`;
-    }
+  async function refreshSide() {
+    renderSide(await fetchSide());
   }
 
   function startStream() {
@@ -292,20 +295,20 @@ export function jobPage({ jobId, signal }) {
 
   async function firstRender() {
     const started = performance.now();
-    const [first, chart] = await Promise.all([
-      request(path, { signal }),
+    const [side, chart] = await Promise.all([
+      fetchSide(),
       request(`${path}/metrics/chart?max_points=${MAX_POINTS}`, { signal }),
     ]);
+    const first = side[0];
     prediction = chart.prediction && Number.isFinite(chart.prediction.total) ? chart.prediction : null;
     predictionMissing = chart.prediction && chart.prediction.reason;
     store = new SeriesStore({ world: (first.spec.resources || {}).num_workers || 1, maxPoints: MAX_POINTS });
     store.load(chart);
-    renderJob(first);
+    renderSide(side);
     charts = buildCharts(first);
     replaceChildren(chartsSlot, charts.loss.element, charts.throughput.element, charts.compute.element);
     replaceChildren(commSlot, charts.comm.element, charts.exposed.element);
     renderMetrics();
-    await refreshSide();
     // Wait for the charts' frame so the measurement covers drawing, not just fetching.
     await new Promise((resolve) => requestAnimationFrame(() => requestAnimationFrame(resolve)));
     // Two numbers: since this view started fetching, and since the navigation began.

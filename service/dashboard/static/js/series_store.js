@@ -1,16 +1,15 @@
 /**
  * The job page's chart data: the server's downsampled points for the history, then live
  * records from the stream combined per step exactly as the server combines them (see
- * service/dashboard/charts.py): means for loss/lr/grad norm/MFU/comm bytes, mean × world size
- * for throughput, the slowest rank for times. A restart repeats steps with a newer attempt;
+ * service/dashboard/charts.py): means over ranks, and mean × world size for throughput
+ * (each rank reports its own). A restart repeats steps with a newer attempt;
  * its records replace what was drawn from that step on. The number of points stays bounded:
  * when it doubles past the limit, neighbouring points are merged pairwise.
  */
 
-const MEAN = ["loss", "lr", "grad_norm", "mfu", "comm_bytes"];
-const SUMMED = ["tokens_per_s", "samples_per_s", "tflops"];
-const SLOWEST = ["step_time_s", "comm_exposed_s", "checkpoint_blocked_s"];
-export const SERIES_FIELDS = [...MEAN, ...SUMMED, ...SLOWEST];
+const MEAN = ["loss", "mfu", "comm_bytes", "step_time_s", "comm_exposed_s"];
+const SUMMED = ["tokens_per_s", "tflops"];
+export const SERIES_FIELDS = [...MEAN, ...SUMMED];
 const OPEN_STEPS = 32; // steps whose ranks may still be arriving
 
 function mean(values) {
@@ -24,10 +23,6 @@ function combine(step, records, world) {
   for (const f of SUMMED) {
     const m = mean(records.map((r) => r[f]));
     point[f] = m === null ? null : m * world;
-  }
-  for (const f of SLOWEST) {
-    const xs = records.map((r) => r[f]).filter(Number.isFinite);
-    point[f] = xs.length ? Math.max(...xs) : null;
   }
   return point;
 }

@@ -34,8 +34,26 @@ checkpoint:
 max_failures: 2
 `;
 
+const YAML_SRC = "/static/vendor/js-yaml/js-yaml.min.js";
+let yamlLoading = null;
+
+/** js-yaml (vendored, MIT) is loaded on first use: most page views never parse YAML. */
+function loadYaml() {
+  if (window.jsyaml) return Promise.resolve(window.jsyaml);
+  yamlLoading ||= new Promise((resolve, reject) => {
+    const script = h("script", { src: YAML_SRC });
+    script.addEventListener("load", () => resolve(window.jsyaml));
+    script.addEventListener("error", () => {
+      yamlLoading = null;
+      reject(new Error("could not load the YAML parser"));
+    });
+    document.head.append(script);
+  });
+  return yamlLoading;
+}
+
 /** Parse JSON or YAML text into {value, format} or throw an Error with a readable message. */
-export function parseSpec(text) {
+export async function parseSpec(text) {
   const trimmed = text.trim();
   if (!trimmed) throw new Error("The spec is empty.");
   if (trimmed.startsWith("{")) {
@@ -45,9 +63,10 @@ export function parseSpec(text) {
       throw new Error(`Not valid JSON: ${error.message}`);
     }
   }
+  const jsyaml = await loadYaml();
   let value;
   try {
-    value = window.jsyaml.load(trimmed);
+    value = jsyaml.load(trimmed);
   } catch (error) {
     throw new Error(`Not valid YAML: ${error.reason || error.message}${error.mark ? ` (line ${error.mark.line + 1})` : ""}`);
   }
@@ -148,7 +167,7 @@ export class SpecForm {
     this.summary.hidden = true;
     let parsed;
     try {
-      parsed = parseSpec(this.textarea.value);
+      parsed = await parseSpec(this.textarea.value);
     } catch (error) {
       replaceChildren(this.fields);
       this.showTextError(error.message);

@@ -1,0 +1,50 @@
+"""Must-show 2: the job page of a real finished job — one that restarted once from its
+checkpoint — rendered and saved as a screenshot into build/screenshots/ (not committed)."""
+
+from __future__ import annotations
+
+import pytest
+from playwright.sync_api import expect
+
+from tests.dashboard.conftest import SCREENSHOTS, spec, training_records, with_token
+
+pytestmark = pytest.mark.browser
+
+
+def test_finished_job_page_screenshot(dashboard, page):
+    job = dashboard.submit(spec("gpt-nano-zero2"))
+    job.metrics(training_records(range(1, 131)))
+    first_uri = job.checkpoint(100)
+    job.state("RESTARTING", reason="worker_failed", attempt=1,
+              message="rank 1 exited with SIGKILL; restarting the worker group from step 100")
+    job.state("RUNNING", attempt=1)
+    job.metrics(training_records(range(101, 201), attempt=1))
+    job.checkpoint(200)
+    job.finish("SUCCEEDED")
+    dashboard.wait_state(job.job_id, {"SUCCEEDED"})
+
+    page.context.grant_permissions(["clipboard-read", "clipboard-write"])
+    with_token(page, dashboard.service.admin_token)
+    page.goto(f"{dashboard.url}/jobs/{job.job_id}")
+    expect(page.locator(".job-page")).to_have_attribute("data-rendered", "true")
+    expect(page.locator("#job-state")).to_contain_text("SUCCEEDED")
+    expect(page.locator("#chart-loss")).to_have_attribute("data-last-step", "200")
+    # the restart replaced steps 101–130 of attempt 0: one point per step, 200 in all
+    assert page.locator("#chart-loss").get_attribute("data-points") == "200"
+    expect(page.locator("#memory-bars .mem-row")).to_have_count(2)
+    timeline = page.locator("#events")
+    expect(timeline.locator("[data-to-state='RESTARTING']")).to_contain_text("worker_failed")
+    expect(timeline.locator("[data-to-state='RESTARTING']")).to_contain_text("attempt 1")
+    expect(timeline.locator("[data-to-state='SUCCEEDED']")).to_have_count(1)
+    expect(page.locator("#checkpoints tbody tr")).to_have_count(2)
+    expect(page.locator("#log-tail")).to_contain_text("training finished: SUCCEEDED")
+    expect(page.locator("#comm-summary")).to_contain_text("efficiency")
+
+    page.locator("#checkpoints tr[data-step='100']").get_by_role("button", name="Copy URI").click()
+    expect(page.locator("#checkpoints tr[data-step='100']").get_by_role("button")).to_have_text("Copied")
+    assert page.evaluate("navigator.clipboard.readText()") == first_uri
+
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    path = SCREENSHOTS / "finished-job.png"
+    page.screenshot(path=str(path), full_page=True)
+    assert path.stat().st_size > 20_000

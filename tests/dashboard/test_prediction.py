@@ -1,0 +1,40 @@
+"""The dashboard's prediction matches DESIGN §4 and its preset table matches the real models."""
+
+from __future__ import annotations
+
+import pytest
+
+from service.dashboard.prediction import PRESET_PARAMETERS, model_state_bytes, predict
+
+
+def test_preset_parameters_match_the_models():
+    pytest.importorskip("torch")
+    from workers.models import preset_summary
+
+    assert PRESET_PARAMETERS == {name: info["parameters"] for name, info in preset_summary().items()}
+
+
+@pytest.mark.parametrize(("stage", "per_phi"), [(0, 16), (1, 4 + 12 / 8), (2, 2 + 14 / 8), (3, 16 / 8)])
+def test_model_state_bytes_follow_the_design_table(stage, per_phi):
+    phi = 1_000_000
+    assert model_state_bytes(phi, 8, stage, "bf16")["total"] == pytest.approx(per_phi * phi)
+
+
+def test_design_example_1_3b_on_8_gpus():
+    phi = 1.3e9
+    assert model_state_bytes(phi, 8, 0, "bf16")["total"] == pytest.approx(20.8e9)
+    assert model_state_bytes(phi, 8, 3, "bf16")["total"] == pytest.approx(2.6e9)
+
+
+def test_fp32_uses_4_byte_params_and_8_bytes_of_adam_state():
+    assert model_state_bytes(100, 1, 0, "fp32")["total"] == 16 * 100
+
+
+def test_predict_resolves_auto_from_checkpoints_and_explains_absence():
+    spec = {"model": {"preset": "gpt-nano"}, "zero": {"stage": "auto", "precision": "bf16"},
+            "resources": {"num_workers": 2}}
+    assert "auto" in predict(spec, None)["reason"]
+    assert predict(spec, 3)["total"] == pytest.approx(16 * PRESET_PARAMETERS["gpt-nano"] / 2)
+    assert predict(spec, 3)["comm_elements_per_step"] == 3 * PRESET_PARAMETERS["gpt-nano"]
+    factory = {**spec, "model": {"factory": "pkg.mod:build"}}
+    assert "factory" in predict(factory, 2)["reason"]
