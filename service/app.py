@@ -21,7 +21,7 @@ from service import migrate
 from service.api import checkpoints, health, jobs, metrics, workers
 from service.api.deps import current_user
 from service.api.errors import install_error_handlers
-from service.auth import ensure_local_admin_token
+from service.auth import ensure_local_admin_token, register_admin_token
 from service.db import make_engine, make_sessionmaker
 from service.launchers import make_launcher
 from service.limits import BodySizeLimit
@@ -76,6 +76,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         migrate.upgrade(settings.database_url)
         if settings.bootstrap_admin:
             ensure_local_admin_token(make_session, settings.token_file)
+        if settings.bootstrap_admin_token is not None:
+            register_admin_token(make_session, settings.bootstrap_admin_token.get_secret_value())
         launcher = make_launcher(settings)
         scheduler = Scheduler(make_session, launcher, settings)
         app.state.launcher = launcher

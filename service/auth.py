@@ -69,8 +69,12 @@ def ensure_local_admin_token(make_session: sessionmaker[Session], token_file: Pa
         token = new_token()
         with os.fdopen(fd, "w") as handle:
             handle.write(token + "\n")
-    if not token:
-        return
+    if token:
+        register_admin_token(make_session, token)
+
+
+def register_admin_token(make_session: sessionmaker[Session], token: str) -> None:
+    """Accept ``token`` as the local admin's (idempotent; used for bootstrap tokens)."""
     with make_session() as session:
         if authenticate(session, token) is None:
             session.add(ApiToken(name=LOCAL_ADMIN_NAME, token_hash=hash_token(token), is_admin=True))

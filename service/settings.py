@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -36,7 +36,8 @@ class Settings(BaseSettings):
     cancel_grace_s: float = 10.0  # SIGTERM → SIGKILL delay of the local launcher
     launch_timeout_s: float = 600.0  # a claimed job without a launch handle after this has failed
     token_file: Path | None = None  # empty: {home}/token
-    bootstrap_admin: bool = True  # create the local admin token on first start
+    bootstrap_admin: bool = True  # create the local admin token file on first start
+    bootstrap_admin_token: SecretStr | None = None  # an admin token to accept from the start (deployments)
     sse_poll_s: float = 0.25
 
     @model_validator(mode="after")

@@ -109,3 +109,9 @@ def test_ingest_token_dies_with_the_job(world):
     assert httpx.post(state_url, json={"state": "SUCCEEDED"}, headers=headers).status_code == 200
     assert httpx.post(state_url, json={"state": "RUNNING"}, headers=headers).status_code == 401
     assert service.client(alice).get(alice_job).state.value == "SUCCEEDED"
+
+
+def test_bootstrap_admin_token_from_the_environment_is_accepted(make_live_service):
+    service = make_live_service(bootstrap_admin_token="deploy-secret-token", scheduler_enabled=False)
+    job = service.client("deploy-secret-token").submit(make_spec())
+    assert job.owner == "admin"
