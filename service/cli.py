@@ -27,7 +27,7 @@ from rich.markup import escape
 from rich.table import Column, Table
 
 from service.client import Client, ZerotrainError
-from service.schemas import TERMINAL_STATES, JobOut, JobState
+from service.schemas import JobOut, JobState
 
 PLUGIN_MODULES = ("service.cli_plan", "service.cli_ckpt")
 USER_ERROR_EXIT = 2
