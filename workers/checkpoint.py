@@ -1,0 +1,215 @@
+"""Sharded checkpoints: the public face the training loop and the tests use.
+
+    manager = CheckpointManager(checkpoints_uri(storage, job_id), job_id=job_id, every_steps=50, keep_last=2)
+    step = manager.load(engine, loader)                   # latest committed, any world size/stage
+    blocked_s = manager.save(step, engine, loader)         # returns after the host copy
+    manager.close()                                        # waits for the last upload
+
+Like torchtitan's checkpoint manager, public ``save``/``load`` wrap private steps that live
+in ``workers.checkpointing`` (snapshot -> background writer -> commit; manifest -> resharding
+reader). ``TrainCheckpointHook`` adapts it to ``workers.train.CheckpointHook``; build it with
+``make_checkpoint_hook(config, world, api)``.
+
+Where checkpoints go: ``{root}/{job_id}/checkpoints/step_{N:08d}/`` with ``root`` the job's
+``checkpoint.uri`` when set, else the service's storage root (``config["storage_uri"]``).
+S3 settings come from the environment (``workers.checkpointing.storage``).
+
+[Note: what blocks the loop]
+``save`` waits for the previous save to be committed (a rank never holds two host copies),
+copies this rank's shard to host memory, and hands it to a background thread. Its return
+value -- the seconds the loop was blocked -- is the step's ``checkpoint_blocked_s`` metric.
+The upload's seconds and throughput are logged and kept in ``last_report``.
+
+[Note: resume]
+A restarted attempt of a job resumes from that job's latest committed checkpoint. Otherwise a
+job with ``resume_from: {job_id, step}`` starts from that job's checkpoint (``"latest"`` or a
+step), looked up under the same storage root. Model weights, optimizer state, step, loss
+scale and the data position are restored; generator states too when the world size is the
+one that saved them (at another size, the ranks' streams cannot correspond anyway).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Optional
+
+import torch.distributed as dist
+
+from workers.checkpointing import reader, snapshot
+from workers.checkpointing.manifest import (CheckpointNotFound, checkpoints_uri, committed_steps, find_checkpoint,
+                                            read_manifest)
+from workers.checkpointing.storage import Storage
+from workers.checkpointing.writer import AsyncCheckpointWriter, CheckpointError, SaveReport
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CheckpointManager", "CheckpointError", "CheckpointNotFound", "TrainCheckpointHook",
+           "ControlPlaneRegistry", "make_checkpoint_hook", "checkpoints_uri"]
+
+
+class CheckpointManager:
+    """Save and load one job's sharded checkpoints from every rank of a process group.
+
+    Build it on every rank (it creates a Gloo group for the background commit when a process
+    group is initialised). ``register(record)`` and ``forget(step)`` tell the control plane
+    about committed and deleted checkpoints (rank 0 calls them).
+    """
+
+    def __init__(self, uri: str, *, job_id: str, every_steps: Optional[int] = None, keep_last: Optional[int] = None,
+                 register: Optional[Callable[[dict], None]] = None, forget: Optional[Callable[[int], None]] = None):
+        self.job_id = job_id
+        self.every_steps, self.keep_last = every_steps, keep_last
+        distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if distributed else 0
+        self.world_size = dist.get_world_size() if distributed else 1
+        self.group = dist.new_group(backend="gloo") if distributed and self.world_size > 1 else None
+        self.storage = Storage.at(uri)
+        self.writer = AsyncCheckpointWriter(self.storage, job_id=job_id, rank=self.rank, world_size=self.world_size,
+                                            group=self.group, keep_last=keep_last, register=register, forget=forget)
+        self.last_load: Optional[reader.LoadReport] = None
+
+    # -- saving ------------------------------------------------------------------------------------
+    def due(self, step: int) -> bool:
+        return bool(self.every_steps) and step > 0 and step % self.every_steps == 0
+
+    def save(self, step: int, engine: Any, loader: Any = None, *, wait: bool = False) -> float:
+        """Checkpoint completed ``step``; return the seconds the caller was blocked.
+
+        ``wait=True`` also waits for the commit (the last checkpoint of a run).
+        """
+        started = time.perf_counter()
+        self.writer.wait()
+        snap = snapshot.take_snapshot(engine, loader, step, self.rank, self.world_size)
+        self.writer.submit(snap)
+        if wait:
+            self.writer.wait()
+        return time.perf_counter() - started
+
+    def wait(self) -> Optional[SaveReport]:
+        """Block until the save in flight is committed (raises ``CheckpointError`` if it failed)."""
+        return self.writer.wait()
+
+    @property
+    def last_report(self) -> Optional[SaveReport]:
+        return self.writer.last_report
+
+    def close(self) -> None:
+        try:
+            self.writer.wait()
+        finally:
+            if self.group is not None:
+                dist.destroy_process_group(self.group)
+                self.group = None
+
+    # -- loading -----------------------------------------------------------------------------------
+    def committed_steps(self, uri: Optional[str] = None) -> list[int]:
+        """Committed steps under this job's (or ``uri``'s) checkpoints, as rank 0 sees them."""
+        steps = committed_steps(Storage.at(uri) if uri else self.storage) if self.rank == 0 else None
+        return self._from_rank0(steps)
+
+    def load(self, engine: Any, loader: Any = None, step: int | str = "latest", uri: Optional[str] = None) -> int:
+        """Load ``step`` (or the latest committed) from this job or from ``uri``; return its step.
+
+        Works at any world size and stage: each rank reads only the byte ranges it needs.
+        """
+        self.writer.wait()
+        where = Storage.at(uri) if uri else self.storage
+        found = None
+        if self.rank == 0:
+            try:
+                found = (find_checkpoint(where, step).uri, None)
+            except CheckpointNotFound as missing:
+                found = (None, str(missing))
+        checkpoint_uri, problem = self._from_rank0(found)
+        if problem:
+            raise CheckpointNotFound(problem)
+        checkpoint = Storage.at(checkpoint_uri)
+        manifest = read_manifest(checkpoint)
+        state, self.last_load = reader.engine_state(checkpoint, manifest, engine)
+        engine.load_state_dict(state)
+        if loader is not None and manifest.get("data"):
+            loader.load_state_dict(manifest["data"])
+        if manifest["world_size"] == self.world_size:
+            snapshot.restore_rng(manifest["rng"][self.rank])
+        log.info("rank %d resumed from %s (step %d; saved at world size %d stage %d; read %.1f MB in %d ranges)",
+                 self.rank, checkpoint.uri, manifest["step"], manifest["world_size"], manifest["stage"],
+                 self.last_load.bytes_read / 1e6, self.last_load.requests)
+        return int(manifest["step"])
+
+    def _from_rank0(self, value: Any) -> Any:
+        if self.group is None:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+
+# ----------------------------------------------------------------------------- control plane
+
+
+class ControlPlaneRegistry:
+    """Tells the control plane about committed (and deleted) checkpoints, with the ingest token."""
+
+    def __init__(self, api: Any):
+        self.api = api
+
+    def register(self, record: dict) -> None:
+        response = self.api._with_retries(lambda: self.api.http.post(f"{self.api.base}/worker/checkpoints",
+                                                                     json=record),
+                                          f"registering checkpoint step {record['step']}", 120.0)
+        response.raise_for_status()
+
+    def forget(self, step: int) -> None:
+        response = self.api._with_retries(lambda: self.api.http.delete(f"{self.api.base}/worker/checkpoints/{step}"),
+                                          f"forgetting checkpoint step {step}", 60.0)
+        if response.status_code in (404, 405) and "checkpoint" not in response.text.lower():
+            log.warning("the control plane has no endpoint to forget checkpoint records; step %d stays listed", step)
+            return
+        if response.status_code != 404:  # already forgotten: deletion is idempotent
+            response.raise_for_status()
+
+
+# ----------------------------------------------------------------------------- the train loop's hook
+
+
+class TrainCheckpointHook:
+    """``workers.train.CheckpointHook`` over a ``CheckpointManager``."""
+
+    def __init__(self, manager: CheckpointManager, *, total_steps: int, resume_from: Optional[dict] = None,
+                 resume_uri: Optional[str] = None):
+        self.manager = manager
+        self.total_steps = total_steps
+        self.resume_from, self.resume_uri = resume_from, resume_uri
+
+    def maybe_resume(self, engine: Any, loader: Any) -> int:
+        if self.manager.committed_steps():
+            return self.manager.load(engine, loader)  # a restarted attempt of this job
+        if self.resume_from:
+            return self.manager.load(engine, loader, step=self.resume_from.get("step", "latest"), uri=self.resume_uri)
+        return 0
+
+    def maybe_save(self, step: int, engine: Any, loader: Any) -> float:
+        last = step >= self.total_steps
+        if not (self.manager.due(step) or last):
+            return 0.0
+        return self.manager.save(step, engine, loader, wait=last)
+
+    def close(self) -> None:
+        self.manager.close()
+
+
+def make_checkpoint_hook(config: dict[str, Any], world: Any = None, api: Any = None) -> TrainCheckpointHook:
+    """The hook for one job's train loop, from the loop's ``config`` (see ``workers.train``)."""
+    spec = config["spec"]
+    ckpt = spec.get("checkpoint") or {}
+    root = ckpt.get("uri") or config["storage_uri"]
+    registry = ControlPlaneRegistry(api) if api is not None else None
+    manager = CheckpointManager(checkpoints_uri(root, config["job_id"]), job_id=config["job_id"],
+                                every_steps=int(ckpt.get("every_steps", 50)), keep_last=int(ckpt.get("keep_last", 2)),
+                                register=registry.register if registry else None,
+                                forget=registry.forget if registry else None)
+    resume = spec.get("resume_from")
+    resume_uri = checkpoints_uri(root, resume["job_id"]) if resume else None
+    return TrainCheckpointHook(manager, total_steps=int(spec["train"]["steps"]), resume_from=resume,
+                               resume_uri=resume_uri)
