@@ -139,4 +139,8 @@ def get_job_logs(job: VisibleJob, launcher: LauncherDep,
                  tail_bytes: Annotated[int | None, Query(ge=1, le=64 * 1024 * 1024)] = None) -> str:
     if not job.launch_handle:
         return ""
-    return launcher.logs(LaunchHandle.from_json(job.launch_handle), tail_bytes)
+    handle = LaunchHandle.from_json(job.launch_handle)
+    if handle.launcher != launcher.name:
+        raise HTTPException(409, f"job {job.id} ran on the {handle.launcher!r} launcher; "
+                                 f"this server uses {launcher.name!r} and cannot read its logs")
+    return launcher.logs(handle, tail_bytes)
