@@ -1,0 +1,108 @@
+"""``zerotrain ckpt``: look at, check and export sharded checkpoints, straight from storage.
+
+    zerotrain ckpt list URI                                   committed checkpoints under URI
+    zerotrain ckpt verify URI                                 every file against the manifest
+    zerotrain ckpt consolidate URI OUT.safetensors [--dtype fp32|bf16]
+
+URI is a checkpoint directory (``.../checkpoints/step_00000100``), a job's ``checkpoints``
+directory or its job directory (then: the latest committed checkpoint); ``file://``,
+a plain path or ``s3://`` (endpoint from ``ZEROTRAIN_S3_ENDPOINT_URL``, credentials from the
+usual ``AWS_*`` variables). No server is involved, and no torch is imported: consolidation
+streams tensor by tensor in a few tens of MB whatever the model's size.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from rich.console import Console
+from rich.table import Column, Table
+
+out = Console()
+
+
+def register(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``ckpt`` (with ``list``, ``verify``, ``consolidate``) to an argparse ``subparsers``."""
+    parser = subparsers.add_parser("ckpt", help="list, verify and consolidate sharded checkpoints",
+                                   description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="ckpt_command", required=True, metavar="COMMAND")
+    listing = commands.add_parser("list", help="committed checkpoints under URI (a job or its checkpoints dir)")
+    listing.add_argument("uri")
+    verify = commands.add_parser("verify", help="check every file of a checkpoint against its manifest")
+    verify.add_argument("uri")
+    consolidate = commands.add_parser("consolidate", help="write one ordinary safetensors weights file")
+    consolidate.add_argument("uri")
+    consolidate.add_argument("out", metavar="OUT.safetensors")
+    consolidate.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                             help="dtype of floating-point tensors (default fp32)")
+    for sub in (listing, verify, consolidate):
+        sub.set_defaults(func=run)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    """Dispatch ``args.ckpt_command``; user mistakes raise ``CliError`` (one line, exit 2)."""
+    from workers.checkpointing.manifest import CheckpointNotFound
+
+    handler = {"list": _list, "verify": _verify, "consolidate": _consolidate}[args.ckpt_command]
+    try:
+        return handler(args)
+    except CheckpointNotFound as missing:
+        raise _cli_error(str(missing)) from None
+    except (FileNotFoundError, PermissionError, ValueError) as problem:
+        raise _cli_error(f"{type(problem).__name__}: {problem}") from None
+
+
+def _list(args: argparse.Namespace) -> int:
+    from workers.checkpointing.manifest import committed_steps, read_manifest, step_dir, step_dirs, total_size
+    from workers.checkpointing.storage import Storage
+
+    where = Storage.at(args.uri)
+    if not step_dirs(where) and step_dirs(where.child("checkpoints")):
+        where = where.child("checkpoints")
+    steps = committed_steps(where)
+    if not steps:
+        raise _cli_error(f"no committed checkpoint under {args.uri}")
+    table = Table("step", "world", "stage", "precision", "size", "created (UTC)", Column("uri", overflow="fold"))
+    for step in steps:
+        checkpoint = where.child(step_dir(step))
+        manifest = read_manifest(checkpoint)
+        table.add_row(str(step), str(manifest["world_size"]), str(manifest["stage"]), manifest["precision"],
+                      _mb(total_size(manifest)), manifest.get("created_at", "")[:19].replace("T", " "), checkpoint.uri)
+    out.print(table)
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from workers.checkpointing.manifest import resolve
+    from workers.checkpointing.verify import verify
+
+    checkpoint = resolve(args.uri)
+    problems = verify(checkpoint)
+    for problem in problems:
+        out.print(f"[red]BAD[/] {checkpoint.uri}/{problem}", highlight=False, soft_wrap=True)
+    if problems:
+        return 1
+    out.print(f"OK {checkpoint.uri}", highlight=False, soft_wrap=True)
+    return 0
+
+
+def _consolidate(args: argparse.Namespace) -> int:
+    from workers.checkpointing.consolidate import consolidate
+
+    report = consolidate(args.uri, args.out, dtype=args.dtype)
+    out.print(f"wrote {args.out}: {report.tensors} tensors, {_mb(report.bytes_written)} "
+              f"(step {report.step}, {args.dtype}; largest tensor {_mb(report.largest_tensor_bytes)})",
+              highlight=False, soft_wrap=True)
+    return 0
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.1f} MB"
+
+
+def _cli_error(message: str) -> Exception:
+    from service.cli import CliError
+
+    return CliError(message)
