@@ -204,11 +204,12 @@ class Client:
     # ------------------------------------------------------------------ metrics
 
     def metrics(self, job_id: str, rank: int | None = None, step_min: int | None = None,
-                step_max: int | None = None, *, attempt: int | None = None,
+                step_max: int | None = None, *, attempt: int | None = None, after_id: int | None = None,
                 max_points: int | None = None, limit: int | None = None) -> list[MetricPoint]:
+        """Stored records ordered by step and rank (by storage id when ``after_id`` is given)."""
         params = {key: value for key, value in {
             "rank": rank, "step_min": step_min, "step_max": step_max, "attempt": attempt,
-            "max_points": max_points, "limit": limit}.items() if value is not None}
+            "after_id": after_id, "max_points": max_points, "limit": limit}.items() if value is not None}
         return MetricList.model_validate(self._api("GET", f"/jobs/{job_id}/metrics", params=params)).items
 
     def stream_metrics(self, job_id: str, after_id: int = 0, rank: int | None = None,

@@ -85,7 +85,7 @@ def list_metrics(job: VisibleJob, session: SessionDep,
                  attempt: Annotated[int | None, Query(ge=0)] = None,
                  step_min: Annotated[int | None, Query(ge=0)] = None,
                  step_max: Annotated[int | None, Query(ge=0)] = None,
-                 after_id: Annotated[int | None, Query(ge=0, description="only records stored after this id")] = None,
+                 after_id: Annotated[int | None, Query(ge=0, description="only records stored after this id, in storage order")] = None,
                  limit: Annotated[int, Query(ge=1, le=100_000)] = 10_000,
                  max_points: Annotated[int | None, Query(ge=1, le=100_000,
                                                          description="downsample to about this many steps per rank")] = None,
@@ -95,9 +95,11 @@ def list_metrics(job: VisibleJob, session: SessionDep,
         return MetricList(items=[MetricPoint.model_validate(row) for row in
                                  _downsampled(session, job.id, max_points, **filters)], downsampled=True)
     query = _filtered(select(Metric), job.id, **filters)
-    if after_id is not None:
-        query = query.where(Metric.id > after_id)
-    metrics = session.execute(query.order_by(Metric.step, Metric.rank, Metric.id).limit(limit)).scalars()
+    if after_id is not None:  # incremental polling: storage order, resume from the last id seen
+        query = query.where(Metric.id > after_id).order_by(Metric.id)
+    else:
+        query = query.order_by(Metric.step, Metric.rank, Metric.id)
+    metrics = session.execute(query.limit(limit)).scalars()
     return MetricList(items=[MetricPoint.model_validate(metric) for metric in metrics])
 
 

@@ -98,3 +98,14 @@ def test_checkpoints_are_registered_idempotently(running_job):
     listed = service.client().checkpoints(job_id)
     assert [(c.step, c.world_size, c.size_bytes) for c in listed] == [(10, 2, 1234)]
     assert service.client().get(job_id).state is JobState.RUNNING
+
+
+def test_incremental_query_after_an_id_returns_newer_records_in_storage_order(running_job):
+    service, job_id, worker = running_job
+    post_steps(worker, range(5, 10), ranks=1)
+    post_steps(worker, range(0, 5), ranks=1)
+    client = service.client()
+    stored = client.metrics(job_id)
+    assert [p.step for p in stored] == list(range(10))
+    later = client.metrics(job_id, after_id=stored[9].id)  # step 9 was stored fifth
+    assert [p.step for p in later] == [0, 1, 2, 3, 4]
