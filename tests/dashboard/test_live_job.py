@@ -53,7 +53,8 @@ def test_running_job_updates_live_and_cancels(dashboard, page):
     expect(page.locator("#memory-prediction-note")).to_contain_text("9.07 MiB")
     expect(page.locator("#memory-prediction-note")).to_contain_text("stage 2")
 
-    page.get_by_role("button", name="Cancel job").click()
+    page.get_by_role("button", name="Cancel job").focus()  # keyboard, not the mouse
+    page.keyboard.press("Enter")
     expect(page.locator("#job-state")).to_contain_text("CANCELLED", timeout=20_000)
     expect(page.locator("#events")).to_contain_text("cancelled_by_user")
     expect(page.get_by_role("button", name="Cancel job")).to_be_hidden()

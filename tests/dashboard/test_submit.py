@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from playwright.sync_api import expect
 
-from tests.dashboard.conftest import sign_in
+from tests.dashboard.conftest import SCREENSHOTS, sign_in
 
 pytestmark = pytest.mark.browser
 
@@ -57,6 +57,8 @@ def test_422_is_shown_next_to_the_wrong_field(dashboard, page):
     expect(batch.locator(".field-error")).to_contain_text("multiple of 8")
     expect(batch.locator(".field-error")).to_contain_text("(10)")
     expect(field(page, "train.micro_batch_size").locator(".field-error")).to_have_count(0)
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    page.locator("#submit-panel").screenshot(path=str(SCREENSHOTS / "spec-422.png"))
 
     batch.get_by_role("textbox").fill("16")  # fix it where the message is
     batch.get_by_role("textbox").press("Tab")

@@ -50,3 +50,19 @@ export function announce(message) {
   const region = document.getElementById("announcer");
   if (region) region.textContent = message;
 }
+
+/**
+ * Replace the children of `el` while keeping keyboard focus: a periodic refresh must not throw
+ * a keyboard user's focus back to the top of the page. Focusable elements that should survive
+ * a refresh carry a stable `data-focus-key`.
+ */
+export function replaceKeepingFocus(el, ...children) {
+  const active = document.activeElement;
+  const key = active && el.contains(active) ? active.dataset.focusKey : null;
+  replaceChildren(el, ...children);
+  if (key) {
+    const again = el.querySelector(`[data-focus-key="${CSS.escape(key)}"]`);
+    if (again) again.focus();
+  }
+  return el;
+}

@@ -7,7 +7,7 @@
  */
 
 import { request, requestText, followEvents } from "./api.js";
-import { h, replaceChildren, announce } from "./dom.js";
+import { h, replaceChildren, replaceKeepingFocus, announce } from "./dom.js";
 import { LineChart } from "./charts.js";
 import { MemoryBars } from "./memory.js";
 import { SeriesStore } from "./series_store.js";
@@ -120,7 +120,7 @@ function checkpointRows(items) {
   if (!items.length) return [h("tr", {}, h("td", { colspan: 5, class: "muted", text: "No checkpoints yet." }))];
   return items.map((c) => {
     const uriId = `ckpt-uri-${c.step}`;
-    const copy = h("button", { type: "button", class: "small", "aria-describedby": uriId, text: "Copy URI" });
+    const copy = h("button", { type: "button", class: "small", "aria-describedby": uriId, "data-focus-key": `copy:${c.step}`, text: "Copy URI" });
     copy.addEventListener("click", async () => {
       const ok = await copyText(c.uri);
       copy.textContent = ok ? "Copied" : "Copy failed";
@@ -236,10 +236,24 @@ export function jobPage({ jobId, signal }) {
     ]);
   }
 
+  // Keys of what the event and checkpoint lists show: redrawn only when they change, so a
+  // "Copied" confirmation or the focus on a Copy button survives the polling.
+  let shownEvents = null;
+  let shownCheckpoints = null;
+
   function renderSide([nextJob, eventList, ckpts, logText]) {
     renderJob(nextJob);
-    replaceChildren(events, eventList.items.map(eventItem));
-    replaceChildren(checkpoints, ...checkpointRows(ckpts.items || []));
+    const eventsKey = eventList.items.map((e) => e.id).join(",");
+    if (eventsKey !== shownEvents) {
+      shownEvents = eventsKey;
+      replaceChildren(events, eventList.items.map(eventItem));
+    }
+    const items = ckpts.items || [];
+    const checkpointsKey = items.map((c) => `${c.step}:${c.uri}`).join(",");
+    if (checkpointsKey !== shownCheckpoints) {
+      shownCheckpoints = checkpointsKey;
+      replaceKeepingFocus(checkpoints, ...checkpointRows(items));
+    }
     const atBottom = logs.scrollTop + logs.clientHeight >= logs.scrollHeight - 4;
     logs.textContent = logText;
     if (atBottom) logs.scrollTop = logs.scrollHeight;

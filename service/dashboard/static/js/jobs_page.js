@@ -6,7 +6,7 @@
  */
 
 import { request } from "./api.js";
-import { h, replaceChildren, announce } from "./dom.js";
+import { h, replaceChildren, replaceKeepingFocus, announce } from "./dom.js";
 import { ALL_STATES, TERMINAL_STATES, age, compact } from "./format.js";
 import { SpecForm } from "./spec_form.js";
 import { stateBadge } from "./state_badge.js";
@@ -91,10 +91,10 @@ export function jobsPage({ navigate, signal }) {
     const spec = job.spec || {};
     const steps = spec.train && spec.train.steps;
     const done = progress ? progress.step : null;
-    const link = h("a", { href: `/jobs/${encodeURIComponent(job.id)}`, "data-nav": true, text: job.name });
+    const link = h("a", { href: `/jobs/${encodeURIComponent(job.id)}`, "data-nav": true, "data-focus-key": `open:${job.id}`, text: job.name });
     const cancelButton = TERMINAL_STATES.has(job.state) || job.state === "CANCELLING"
       ? null
-      : h("button", { type: "button", class: "danger small", "aria-label": `Cancel job ${job.name}`, text: "Cancel" });
+      : h("button", { type: "button", class: "danger small", "aria-label": `Cancel job ${job.name}`, "data-focus-key": `cancel:${job.id}`, text: "Cancel" });
     if (cancelButton) cancelButton.addEventListener("click", () => cancel(job, cancelButton));
     return h(
       "tr",
@@ -147,7 +147,7 @@ export function jobsPage({ navigate, signal }) {
       const page = await request(`/jobs?${query}`, { signal: controller.signal });
       const ids = page.items.map((j) => `job_id=${encodeURIComponent(j.id)}`).join("&");
       const progress = ids ? (await request(`/dashboard/progress?${ids}`, { signal: controller.signal })).items : {};
-      replaceChildren(
+      replaceKeepingFocus(
         tbody,
         page.items.length
           ? page.items.map((job) => row(job, progress[job.id]))
