@@ -326,15 +326,23 @@ class RayJobsLauncher:
                 info = self.client.get_job_info(handle.external_id)
                 driver_job = getattr(info.driver_info, "id", None)
                 stopped = str(getattr(info.status, "value", info.status)) in ("STOPPED", "SUCCEEDED", "FAILED")
-                if stopped and (driver_job is None or not self._live_actors(driver_job)):
+                if stopped and not self._live_actors(handle.external_id, driver_job):
                     return
             except (RuntimeError, httpx.HTTPError, KeyError, ValueError) as error:
                 log.warning("while waiting for %s to stop: %s", handle.external_id, error)
             time.sleep(0.25)
         log.warning("job %s: Ray processes still alive %.0f s after stop", handle.external_id, timeout_s)
 
-    def _live_actors(self, driver_job: str) -> list[dict[str, Any]]:
-        return self._state_api("actors", [("job_id", "=", driver_job), ("state", "!=", "DEAD")])
+    def _live_actors(self, submission_id: str, driver_job: str | None) -> list[dict[str, Any]]:
+        """The job's actors still alive: its Ray job supervisor and what its driver created, except
+        detached cluster singletons (Ray Train's shared ``AutoscalingCoordinator`` is created by
+        the first job and outlives it by design)."""
+        alive = self._state_api("actors", [("name", "=", f"_ray_internal_job_actor_{submission_id}"),
+                                           ("state", "!=", "DEAD")])
+        if driver_job:
+            owned = self._state_api("actors", [("job_id", "=", driver_job), ("state", "!=", "DEAD")])
+            alive += [actor for actor in owned if not actor.get("is_detached")]
+        return alive
 
     # -- logs -------------------------------------------------------------------------------------
     def _log_copy_path(self, handle: LaunchHandle) -> str:

@@ -144,5 +144,14 @@ def cmdline(pid: int) -> str:
     return _read(f"/proc/{pid}/cmdline").replace(b"\0", b" ").decode(errors="replace").strip()
 
 
+# Detached, cluster-wide singletons that Ray Train creates from whichever job comes first and
+# that outlive it by design; they are the cluster's, not that job's.
+CLUSTER_SINGLETONS = ("ray::_AutoscalingCoordinatorActor",)
+
+
+def job_owned_processes(job_id: str) -> list[int]:
+    return [pid for pid in job_processes(job_id) if not cmdline(pid).startswith(CLUSTER_SINGLETONS)]
+
+
 def train_workers(job_id: str) -> list[int]:
     return [pid for pid in job_processes(job_id) if cmdline(pid).startswith("ray::RayTrainWorker")]

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from service.schemas import JobState
-from tests.integration.conftest import job_processes, train_workers, wait_for
+from tests.integration.conftest import job_owned_processes, train_workers, wait_for
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -80,3 +80,80 @@ def test_two_worker_job_succeeds_with_a_metric_row_per_rank_and_step(make_contro
 
     assert [e.to_state for e in events][-2:] == [JobState.RUNNING, JobState.SUCCEEDED]
     assert "workers.launch" in logs and "RayTrainWorker" in logs
+
+
+def running_with_metrics(client, job_id: str, min_rows: int = 1, attempt: int = 1):
+    """The job once it is RUNNING and has stored ``min_rows`` metric rows of ``attempt``."""
+    job = client.get(job_id)
+    if job.state in (JobState.FAILED, JobState.SUCCEEDED, JobState.CANCELLED):
+        raise AssertionError(f"job ended early: {job.state.value}\n{explain(client, job_id)}")
+    return job.state is JobState.RUNNING and len(client.metrics(job_id, attempt=attempt)) >= min_rows and job
+
+
+def test_cancel_of_a_running_job_stops_its_ray_processes_within_15_s(make_control_plane):
+    plane = make_control_plane()
+    with plane.client() as client:
+        job = client.submit(nano_job(5000))
+        wait_for(lambda: running_with_metrics(client, job.id), 180, "the job to run")
+        assert train_workers(job.id), "expected the job's Ray Train workers to be alive"
+        asked = time.monotonic()
+        client.cancel(job.id)
+        final = client.wait(job.id, timeout=15)
+        took = time.monotonic() - asked
+        assert final.state is JobState.CANCELLED and took < 15, took
+        wait_for(lambda: not job_owned_processes(job.id), asked + 15 - time.monotonic(),
+                 "no process of the job to be left 15 s after the cancel", poll_s=0.1)
+        assert [e.to_state for e in client.events(job.id)][-2:] == [JobState.CANCELLING, JobState.CANCELLED]
+
+
+def test_a_job_asking_more_cpus_than_the_cluster_has_says_so_with_the_numbers(make_control_plane):
+    plane = make_control_plane()
+    with plane.client() as client:
+        job = client.submit(nano_job(10, resources={"num_workers": 2, "cpus_per_worker": 2}))
+        event = wait_for(lambda: next((e for e in client.events(job.id) if e.reason == "insufficient_resources"),
+                                      None), 120, "an insufficient_resources event")
+        waiting = client.get(job.id)
+        assert waiting.state in (JobState.QUEUED, JobState.STARTING)
+        assert waiting.reason == "insufficient_resources"
+        assert "asked 4 CPU (2 workers × 2 CPU)" in event.message
+        assert "2 CPU in total" in event.message and "available" in event.message
+        client.cancel(job.id)
+        assert client.wait(job.id, timeout=30).state is JobState.CANCELLED
+        wait_for(lambda: not job_owned_processes(job.id), 15, "the waiting job's processes to exit")
+
+
+def test_killing_a_worker_restarts_the_group_and_the_job_still_succeeds(make_control_plane):
+    steps = 40
+    plane = make_control_plane()
+    with plane.client() as client:
+        job = client.submit(nano_job(steps, max_failures=1))
+        wait_for(lambda: running_with_metrics(client, job.id, min_rows=4), 180, "the first attempt to train")
+        victim = train_workers(job.id)[-1]
+        os.kill(victim, signal.SIGKILL)
+        final = client.wait(job.id, timeout=300)
+        assert final.state is JobState.SUCCEEDED, explain(client, job.id)
+        assert final.attempt == 2
+        transitions = [(e.to_state, e.attempt) for e in client.events(job.id)]
+        restart = transitions.index((JobState.RESTARTING, 2))
+        assert (JobState.RUNNING, 2) in transitions[restart:], transitions
+        second = client.metrics(job.id, attempt=2)
+        assert sorted((r.rank, r.step) for r in second) == [(k, s) for k in (0, 1) for s in range(1, steps + 1)]
+
+
+def test_a_control_plane_down_for_ten_seconds_loses_no_metric_rows(make_control_plane):
+    steps = 80
+    plane = make_control_plane()
+    client = plane.client()
+    job = client.submit(nano_job(steps))
+    wait_for(lambda: running_with_metrics(client, job.id, min_rows=4), 180, "the job to train")
+    client.close()
+    plane.stop()
+    time.sleep(10)  # the outage itself: workers keep training and buffering meanwhile
+    plane.start()
+    with plane.client() as client:
+        final = client.wait(job.id, timeout=300)
+        assert final.state is JobState.SUCCEEDED, explain(client, job.id)
+        rows = client.metrics(job.id)
+    keys = [(r.rank, r.step) for r in rows]
+    assert len(keys) == len(set(keys)) == 2 * steps
+    assert sorted(keys) == [(k, s) for k in (0, 1) for s in range(1, steps + 1)]
