@@ -16,7 +16,7 @@ Two pure functions carry the logic and are tested without a cluster:
 The ingest token never appears in the RayJob: it lives in a per-job Secret and reaches the
 driver as ``ZEROTRAIN_INGEST_TOKEN`` through ``valueFrom.secretKeyRef`` on the Ray containers,
 so it is neither on a command line nor readable by whoever may only read RayJobs. The Secret
-is owned by the RayJob (garbage-collected with it) and is also deleted on cancel.
+is owned by the RayJob (garbage-collected with it) and deleted once the job ends or is cancelled.
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 GROUP, VERSION, PLURAL = "ray.io", "v1", "rayjobs"
 API_VERSION = f"{GROUP}/{VERSION}"
 TOKEN_KEY = "ingest-token"
+# Named explicitly: the client's default patch type differs between its versions.
+MERGE_PATCH = "application/merge-patch+json"
 LABEL_JOB_ID = "zerotrain.io/job-id"
 LABEL_ATTEMPT = "zerotrain.io/attempt"
 ANNOTATION_JOB_ID = "zerotrain.io/job-id"
@@ -488,7 +490,8 @@ class KubeRayLauncher:
         try:
             config.load_incluster_config()
         except config.ConfigException:
-            config.load_kube_config()
+            # Read KUBECONFIG now: the client captures it once, when it is first imported.
+            config.load_kube_config(config_file=os.environ.get("KUBECONFIG") or None)
         return client.ApiClient()
 
     # -- Launcher protocol --
@@ -580,7 +583,8 @@ class KubeRayLauncher:
             if not _is_status(exc, 409):
                 raise KubeRayError(f"creating Secret {ns}/{name} failed: {exc}") from exc
             # A retried start(): the token may be new, so overwrite it.
-            self.core.patch_namespaced_secret(name, ns, {"stringData": secret["stringData"]})
+            self.core.patch_namespaced_secret(name, ns, {"stringData": secret["stringData"]},
+                                              _content_type=MERGE_PATCH)
 
     def _own_secret(self, ns: str, secret: str, rayjob: str, created: dict[str, Any]) -> None:
         """Let Kubernetes delete the Secret with its RayJob (TTL clean-up, manual deletes)."""
@@ -589,7 +593,8 @@ class KubeRayLauncher:
             return
         owner = {"apiVersion": API_VERSION, "kind": "RayJob", "name": rayjob, "uid": uid}
         try:
-            self.core.patch_namespaced_secret(secret, ns, {"metadata": {"ownerReferences": [owner]}})
+            self.core.patch_namespaced_secret(secret, ns, {"metadata": {"ownerReferences": [owner]}},
+                                              _content_type=MERGE_PATCH)
         except Exception as exc:  # cancel() still deletes it explicitly
             log.warning("could not make RayJob %s own Secret %s: %s", rayjob, secret, exc)
 
