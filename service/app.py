@@ -20,7 +20,7 @@ from fastapi.routing import APIRoute
 from service import migrate
 from service.api import checkpoints, health, jobs, metrics, workers
 from service.api.deps import current_user
-from service.api.errors import install_error_handlers
+from service.api.errors import COMMON_ERRORS, error_responses, install_error_handlers
 from service.auth import ensure_local_admin_token, register_admin_token
 from service.db import make_engine, make_sessionmaker
 from service.launchers import make_launcher
@@ -43,7 +43,7 @@ def _include_optional_routers(app: FastAPI) -> None:
         if importlib.util.find_spec(module_name) is None:
             continue
         app.include_router(importlib.import_module(module_name).router, prefix=API_PREFIX,
-                           dependencies=[Depends(current_user)])
+                           dependencies=[Depends(current_user)], responses=error_responses(401, 503))
 
 
 def _mount_dashboard(app: FastAPI) -> None:
@@ -103,9 +103,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     install_error_handlers(app)
     for router in (jobs.router, metrics.router, workers.router, checkpoints.router):
-        app.include_router(router, prefix=API_PREFIX)
+        app.include_router(router, prefix=API_PREFIX, responses=error_responses(*COMMON_ERRORS))
     _include_optional_routers(app)
-    app.include_router(health.router)
+    app.include_router(health.router, responses=error_responses(503))
     _mount_dashboard(app)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(RequestMetrics, metrics=service_metrics, templates=RouteTemplates(app))

@@ -46,6 +46,8 @@ ACTIVE_STATES: frozenset[JobState] = frozenset(set(JobState) - TERMINAL_STATES -
 SLUG_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
 FACTORY_PATTERN = r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$"
 STORAGE_SCHEMES = ("file://", "s3://")
+MAX_INT32 = 2**31 - 1  # integers are stored in 32-bit columns (and read by torch/numpy seeds)
+MAX_INT64 = 2**63 - 1
 
 # Longest sequence each built-in preset's position table holds. workers/models.py is the source
 # of truth (it needs torch, which the SDK must not); a test keeps the two equal.
@@ -122,8 +124,8 @@ class DataSpec(SpecModel):
     kind: Literal["text", "synthetic", "factory"]
     uri: str | None = None
     glob: str = "**/*"
-    seq_len: int | None = Field(default=None, ge=1)
-    vocab_size: int | None = Field(default=None, ge=2)
+    seq_len: int | None = Field(default=None, ge=1, le=MAX_INT32)
+    vocab_size: int | None = Field(default=None, ge=2, le=MAX_INT32)
     factory: str | None = None
     kwargs: dict[str, Any] = Field(default_factory=dict)
 
@@ -166,14 +168,14 @@ class DataSpec(SpecModel):
 
 
 class TrainSpec(SpecModel):
-    steps: int = Field(ge=1)
-    global_batch_size: int = Field(ge=1)
-    micro_batch_size: int = Field(ge=1)
+    steps: int = Field(ge=1, le=MAX_INT32)
+    global_batch_size: int = Field(ge=1, le=MAX_INT32)
+    micro_batch_size: int = Field(ge=1, le=MAX_INT32)
     lr: float = Field(default=3e-4, gt=0)
-    warmup_steps: int = Field(default=0, ge=0)
+    warmup_steps: int = Field(default=0, ge=0, le=MAX_INT32)
     weight_decay: float = Field(default=0.0, ge=0)
     grad_clip: float | None = Field(default=1.0, gt=0)
-    seed: int = Field(default=0, ge=0)
+    seed: int = Field(default=0, ge=0, le=MAX_INT32)
 
 
 class ZeroSpec(SpecModel):
@@ -181,21 +183,21 @@ class ZeroSpec(SpecModel):
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     offload_optimizer: bool = False
     bucket_mb: float = Field(default=25.0, gt=0)
-    prefetch: int = Field(default=1, ge=0)
+    prefetch: int = Field(default=1, ge=0, le=MAX_INT32)
     activation_checkpointing: bool = False
     reshard_after_forward: bool = True
 
 
 class ResourcesSpec(SpecModel):
-    num_workers: int = Field(default=1, ge=1)
+    num_workers: int = Field(default=1, ge=1, le=MAX_INT32)
     gpus_per_worker: float = Field(default=0, ge=0)
     cpus_per_worker: float = Field(default=1, gt=0)
     gpu_memory_gb: float | None = Field(default=None, gt=0)
 
 
 class CheckpointSpec(SpecModel):
-    every_steps: int = Field(default=50, ge=1)
-    keep_last: int = Field(default=2, ge=1)
+    every_steps: int = Field(default=50, ge=1, le=MAX_INT32)
+    keep_last: int = Field(default=2, ge=1, le=MAX_INT32)
     uri: str | None = None
 
     @field_validator("uri")
@@ -226,9 +228,9 @@ class JobSpec(SpecModel):
     zero: ZeroSpec = Field(default_factory=ZeroSpec)
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
-    max_failures: int = Field(default=2, ge=0)
+    max_failures: int = Field(default=2, ge=0, le=MAX_INT32)
     resume_from: ResumeFrom | None = None
-    max_runtime_s: int | None = Field(default=None, ge=1)
+    max_runtime_s: int | None = Field(default=None, ge=1, le=MAX_INT32)
 
     @model_validator(mode="after")
     def _batch_arithmetic(self) -> "JobSpec":
@@ -333,9 +335,9 @@ class MetricRecord(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    attempt: int = Field(ge=0)
-    rank: int = Field(ge=0)
-    step: int = Field(ge=0)
+    attempt: int = Field(ge=0, le=MAX_INT32)
+    rank: int = Field(ge=0, le=MAX_INT32)
+    step: int = Field(ge=0, le=MAX_INT32)
     time: float | None = None
     loss: float | None = None
     lr: float | None = None
@@ -396,17 +398,17 @@ class WorkerStateIn(BaseModel):
     state: Literal["RUNNING", "RESTARTING", "SUCCEEDED", "FAILED"]
     reason: str | None = Field(default=None, max_length=100)
     message: str | None = Field(default=None, max_length=10_000)
-    attempt: int | None = Field(default=None, ge=0)
+    attempt: int | None = Field(default=None, ge=0, le=MAX_INT32)
 
 
 class CheckpointIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    step: int = Field(ge=0)
+    step: int = Field(ge=0, le=MAX_INT32)
     uri: str
-    world_size: int = Field(ge=1)
+    world_size: int = Field(ge=1, le=MAX_INT32)
     stage: int = Field(ge=0, le=3)
-    size_bytes: int = Field(ge=0)
+    size_bytes: int = Field(ge=0, le=MAX_INT64)
     manifest_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
 
     @field_validator("uri")

@@ -15,8 +15,27 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DBAPIError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from service.schemas import ErrorOut
+
 log = logging.getLogger(__name__)
 _LOCATION_PREFIXES = {"body", "query", "path", "header"}
+
+
+ERROR_DESCRIPTIONS = {
+    400: "the body could not be read (e.g. not UTF-8)",
+    401: "missing, invalid or revoked bearer token",
+    404: "no such job (or not yours)",
+    409: "conflicts with the job's state or an earlier request",
+    413: "request body too large",
+    422: "invalid request; `errors` names each bad field",
+    503: "database unavailable",
+}
+COMMON_ERRORS = (400, 401, 404, 413, 422, 503)
+
+
+def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` entries for these status codes, all in the ``ErrorOut`` shape."""
+    return {code: {"model": ErrorOut, "description": ERROR_DESCRIPTIONS[code]} for code in codes}
 
 
 def field_name(error: dict[str, Any]) -> str | None:

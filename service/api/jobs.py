@@ -14,6 +14,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from service.api.deps import CurrentUser, LauncherDep, SessionDep, VisibleJob
+from service.api.errors import error_responses
 from service.auth import Principal
 from service.launchers.base import LaunchHandle
 from service.models import IdempotencyKey, Job, JobEvent, utcnow
@@ -48,7 +49,8 @@ def _replay(session: Session, user: Principal, key: str, request_hash: str) -> J
 
 
 @router.post("", status_code=201, response_model=JobOut, name="submit_job",
-             responses={200: {"model": JobOut, "description": "replayed: the job this key created"}})
+             responses={200: {"model": JobOut, "description": "replayed: the job this key created"},
+                        **error_responses(409)})
 def submit_job(spec: JobSpec, request: Request, response: Response, session: SessionDep,
                user: CurrentUser, idempotency_key: IdempotencyKeyHeader = None) -> Job:
     spec_json = spec.model_dump(mode="json")
@@ -84,7 +86,7 @@ def submit_job(spec: JobSpec, request: Request, response: Response, session: Ses
 def list_jobs(session: SessionDep, user: CurrentUser,
               state: Annotated[JobState | None, Query(description="only jobs in this state")] = None,
               limit: Annotated[int, Query(ge=1, le=500)] = 50,
-              cursor: Annotated[str | None, Query(pattern=r"^\d{1,19}$",
+              cursor: Annotated[str | None, Query(pattern=r"^\d{1,18}$",
                                                   description="next_cursor of the previous page")] = None,
               ) -> JobPage:
     query = select(Job).order_by(Job.pk.desc()).limit(limit + 1)
@@ -104,7 +106,7 @@ def get_job(job: VisibleJob) -> Job:
     return job
 
 
-@router.post("/{job_id}/cancel", response_model=JobOut, name="cancel_job")
+@router.post("/{job_id}/cancel", response_model=JobOut, name="cancel_job", responses=error_responses(409))
 def cancel_job(job: VisibleJob, request: Request, session: SessionDep) -> Job:
     """QUEUED jobs are cancelled at once; running ones go to CANCELLING until the launcher stops them."""
     for _ in range(10):
@@ -134,13 +136,16 @@ def list_job_events(job: VisibleJob, session: SessionDep) -> EventList:
     return EventList.model_validate({"items": list(events)}, from_attributes=True)
 
 
-@router.get("/{job_id}/logs", response_class=PlainTextResponse, name="get_job_logs")
+@router.get("/{job_id}/logs", name="get_job_logs", response_class=Response,
+            responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+                             "description": "the driver's log (the tail with tail_bytes)"},
+                       **error_responses(409)})
 def get_job_logs(job: VisibleJob, launcher: LauncherDep,
-                 tail_bytes: Annotated[int | None, Query(ge=1, le=64 * 1024 * 1024)] = None) -> str:
+                 tail_bytes: Annotated[int | None, Query(ge=1, le=64 * 1024 * 1024)] = None) -> PlainTextResponse:
     if not job.launch_handle:
-        return ""
+        return PlainTextResponse("")
     handle = LaunchHandle.from_json(job.launch_handle)
     if handle.launcher != launcher.name:
         raise HTTPException(409, f"job {job.id} ran on the {handle.launcher!r} launcher; "
                                  f"this server uses {launcher.name!r} and cannot read its logs")
-    return launcher.logs(handle, tail_bytes)
+    return PlainTextResponse(launcher.logs(handle, tail_bytes))

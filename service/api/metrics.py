@@ -23,6 +23,8 @@ from sqlalchemy.orm import Session
 from service.api.deps import SessionDep, VisibleJob, WorkerJob
 from service.models import Job, Metric
 from service.schemas import (
+    MAX_INT32,
+    MAX_INT64,
     METRIC_FIELDS,
     TERMINAL_STATES,
     IngestResult,
@@ -81,11 +83,11 @@ def _downsampled(session: Session, job_id: str, max_points: int, **filters: Any)
 
 @router.get("/{job_id}/metrics", response_model=MetricList, name="list_metrics")
 def list_metrics(job: VisibleJob, session: SessionDep,
-                 rank: Annotated[int | None, Query(ge=0)] = None,
-                 attempt: Annotated[int | None, Query(ge=0)] = None,
-                 step_min: Annotated[int | None, Query(ge=0)] = None,
-                 step_max: Annotated[int | None, Query(ge=0)] = None,
-                 after_id: Annotated[int | None, Query(ge=0, description="only records stored after this id, in storage order")] = None,
+                 rank: Annotated[int | None, Query(ge=0, le=MAX_INT32)] = None,
+                 attempt: Annotated[int | None, Query(ge=0, le=MAX_INT32)] = None,
+                 step_min: Annotated[int | None, Query(ge=0, le=MAX_INT32)] = None,
+                 step_max: Annotated[int | None, Query(ge=0, le=MAX_INT32)] = None,
+                 after_id: Annotated[int | None, Query(ge=0, le=MAX_INT64, description="only records stored after this id, in storage order")] = None,
                  limit: Annotated[int, Query(ge=1, le=100_000)] = 10_000,
                  max_points: Annotated[int | None, Query(ge=1, le=100_000,
                                                          description="downsample to about this many steps per rank")] = None,
@@ -117,8 +119,8 @@ def _next_metrics(make_session, job_id: str, after_id: int, rank: int | None) ->
             responses={200: {"content": {"text/event-stream": {}},
                              "description": "one `metric` event per record; `end` when the job has ended"}})
 async def stream_metrics(job: VisibleJob, request: Request,
-                         after_id: Annotated[int, Query(ge=0)] = 0,
-                         rank: Annotated[int | None, Query(ge=0)] = None,
+                         after_id: Annotated[int, Query(ge=0, le=MAX_INT64)] = 0,
+                         rank: Annotated[int | None, Query(ge=0, le=MAX_INT32)] = None,
                          last_event_id: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
                          ) -> StreamingResponse:
     """Server-sent events of new metric records; ends once the job is terminal and drained."""

@@ -7,6 +7,7 @@ from sqlalchemy import select
 from sqlalchemy.dialects import postgresql, sqlite
 
 from service.api.deps import SessionDep, SettingsDep, WorkerJob
+from service.api.errors import error_responses
 from service.models import Checkpoint, Job
 from service.schemas import CheckpointIn, CheckpointOut, JobOut, JobState, WorkerSpecOut, WorkerStateIn
 from service.states import IllegalTransition, Reason, transition
@@ -27,7 +28,7 @@ def get_worker_spec(job: WorkerJob, settings: SettingsDep) -> WorkerSpecOut:
                          spec=job.spec, storage_uri=settings.storage_uri)
 
 
-@router.post("/state", response_model=JobOut, name="report_worker_state")
+@router.post("/state", response_model=JobOut, name="report_worker_state", responses=error_responses(409))
 def report_worker_state(report: WorkerStateIn, job: WorkerJob, session: SessionDep) -> Job:
     target = JobState(report.state)
     if JobState(job.state) is target and report.attempt in (None, job.attempt):
