@@ -444,6 +444,23 @@ class _FlashAttentionOnMeta(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def checkpoint_units(model: nn.Module) -> None:
+    """Recompute each child of the largest ``ModuleList`` in backward (activation checkpointing),
+    as ``ZeroConfig.activation_checkpointing`` does for the units; for profiling only. The
+    recomputation runs outside the profiler's function mode, so it re-enters it explicitly."""
+    import contextlib
+
+    from torch.utils.checkpoint import checkpoint
+
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    if not lists:
+        return
+    largest = max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
+    contexts = lambda: (contextlib.nullcontext(), _FlashAttentionOnMeta())  # noqa: E731
+    for child in largest:
+        child.forward = functools.partial(checkpoint, child.forward, use_reentrant=False, context_fn=contexts)
+
+
 def default_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """The worker's contract for models: ``model(inputs, targets)`` returns the mean loss."""
     return model(*batch)
@@ -514,6 +531,7 @@ def profile_activations(
     precision: str = "bf16",
     device: str = "meta",
     vocab_size: int | None = None,
+    activation_checkpointing: bool = False,
 ) -> ActivationProfile:
     """Build the job's model in its training dtype on ``device`` and measure one micro-batch.
 
@@ -522,25 +540,24 @@ def profile_activations(
     meta are cached per (model, shape, precision).
     """
     key = json.dumps(model_spec, sort_keys=True)
-    if device == "meta":
-        return _profile_on_meta(key, micro_batch, seq_len, precision, vocab_size)
-    return _profile(key, micro_batch, seq_len, precision, device, vocab_size)
+    args = (key, micro_batch, seq_len, precision, vocab_size, activation_checkpointing)
+    return _profile_on_meta(*args) if device == "meta" else _profile(device, *args)
 
 
 @functools.lru_cache(maxsize=64)
-def _profile_on_meta(
-    key: str, micro_batch: int, seq_len: int, precision: str, vocab: int | None
-) -> ActivationProfile:
-    return _profile(key, micro_batch, seq_len, precision, "meta", vocab)
+def _profile_on_meta(*args: Any) -> ActivationProfile:
+    return _profile("meta", *args)
 
 
 def _profile(
-    key: str, micro_batch: int, seq_len: int, precision: str, device: str, vocab: int | None
+    device: str, key: str, micro_batch: int, seq_len: int, precision: str, vocab: int | None, recompute: bool
 ) -> ActivationProfile:
     from workers.models import build_model
 
     with torch.device(device):
         model = build_model(json.loads(key)).to(DTYPES[precision])
+    if recompute:
+        checkpoint_units(model)
     config = getattr(model, "config", None)
     vocab = vocab or getattr(config, "vocab_size", None) or 256
     return measure_activations(model, token_batch(micro_batch, seq_len, vocab, device))
@@ -830,6 +847,7 @@ def inputs_for_spec(
             precision=precision,
             device=activations_on,
             vocab_size=data.get("vocab_size"),
+            activation_checkpointing=bool(zero.get("activation_checkpointing")),
         )
     except Exception:  # a user model may not run on meta: the plan records None
         profile = None
@@ -933,6 +951,51 @@ def fixed_plan(inputs: PlanInputs, stage: int, offload: bool, budget_bytes: int 
 
 
 # --------------------------------------------------------------------------- checking
+
+
+class PeakMemoryMeter:
+    """Peak memory growth of this process since ``start()``: what ``compare`` calls "peak".
+
+    CUDA: ``max_memory_allocated`` above the allocation at ``start()``. CPU (Linux): the
+    kernel's peak resident set (VmHWM) above the RSS at ``start()``. glibc keeps freed memory
+    unless large blocks are mmapped, so start CPU workers with ``MALLOC_MMAP_THRESHOLD_=65536``
+    for a peak that means what the CUDA one means. Call ``start()`` before building the model
+    and ``reset_peak()`` after building the engine (construction transients are not training).
+    """
+
+    def __init__(self, device: str | torch.device = "cpu"):
+        self.device = torch.device(device)
+        self.baseline = 0
+
+    def start(self) -> None:
+        self.baseline = self._current()
+        self.reset_peak()
+
+    def reset_peak(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+
+    def peak_growth(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) - self.baseline
+        return _proc_status_bytes("VmHWM") - self.baseline
+
+    def _current(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.memory_allocated(self.device)
+        return _proc_status_bytes("VmRSS")
+
+
+def _proc_status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
 
 
 def compare(prediction: dict[str, Any], measured: dict[str, Any]) -> dict[str, Any]:

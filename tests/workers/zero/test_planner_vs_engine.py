@@ -7,22 +7,25 @@ Two claims (issue 8, "must show" 2):
   ``step`` scalars cover real elements only);
 * total: the predicted per-rank total is within 15% of the measured peak RSS growth.
 
-How the peak is measured, per rank: a throwaway tiny model trains one step first (kernels,
-Gloo and allocator arenas are process constants, not the job's memory); RSS is read; the
-job's model and engine are built; the kernel's peak-RSS mark is reset
-(``/proc/self/clear_refs`` ← 5) and two steps run; growth = VmHWM − RSS before the model.
-glibc is told to serve every allocation above 64 KiB with mmap (``MALLOC_MMAP_THRESHOLD_``)
-so freed tensors leave the RSS, as they leave a CUDA allocator's "allocated" counter. The
-prediction uses device="cpu" (no CUDA context) and activations profiled on the meta device.
+How the peak is measured, per rank (``memory.PeakMemoryMeter``): a throwaway tiny model trains
+one step first (kernels, Gloo and allocator arenas are process constants, not the job's
+memory); the meter starts (RSS); the job's model and engine are built; the kernel's peak-RSS
+mark is reset and two steps run; growth = VmHWM − RSS before the model. glibc is told to serve
+every allocation above 64 KiB with mmap (``MALLOC_MMAP_THRESHOLD_``) so freed tensors leave the
+RSS, as they leave a CUDA allocator's "allocated" counter. The prediction uses device="cpu"
+(no CUDA context) and activations profiled on the meta device.
+
+One Gloo world of 3 processes per preset serves N = 1, 2 and 3 through subgroups of its
+first N ranks (spawning costs more than the measurements).
 """
 
 from __future__ import annotations
 
 import gc
-import json
 
 import pytest
 import torch
+import torch.distributed as dist
 
 pytest.importorskip("workers.zero.engine")
 
@@ -37,12 +40,7 @@ STAGES = (0, 1, 2)
 PRECISIONS = {"gpt-nano": ("fp32", "bf16"), "gpt-mini": ("bf16",)}
 
 
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
+WORLD = 3
 
 
 def _train(engine, vocab: int, steps: int) -> None:
@@ -53,34 +51,41 @@ def _train(engine, vocab: int, steps: int) -> None:
         engine.step()
 
 
-def _engine(model, stage: int, precision: str):
+def _engine(model, stage: int, precision: str, group):
     from workers.zero import ZeroConfig, ZeroEngine
 
     config = ZeroConfig(stage=stage, precision=precision, bucket_mb=BUCKET_MB)
-    return ZeroEngine(model, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), config=config)
+    return ZeroEngine(model, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), config=config, process_group=group)
 
 
 def measure_rank(rank: int, world_size: int, preset: str) -> list[dict]:
-    """On every rank: for each precision and stage, engine.memory() and the peak RSS growth."""
+    """On each rank of subgroups of size 1..3: per precision and stage, memory() and peak growth."""
     results = []
-    for precision in PRECISIONS[preset]:
-        for stage in STAGES:
-            warm = GPT(preset_config(preset, n_layer=1))  # same ops, tiny: warms kernels and arenas
-            _train(_engine(warm, stage, precision), warm.config.vocab_size, 1)
-            del warm
-            gc.collect()
-            rss_before = _status_kb("VmRSS")
-            torch.manual_seed(0)
-            model = GPT(PRESETS[preset])
-            engine = _engine(model, stage, precision)
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            _train(engine, model.config.vocab_size, 2)
-            peak = _status_kb("VmHWM") - rss_before
-            results.append({"precision": precision, "stage": stage, "peak": peak, **engine.memory()})
-            del engine, model
-            gc.collect()
+    for n in range(1, world_size + 1):
+        group = dist.new_group(list(range(n)))  # every rank takes part in creating it
+        if rank < n:
+            results += [measure_one(preset, n, stage, precision, group)
+                        for precision in PRECISIONS[preset] for stage in STAGES]
+        dist.barrier()
     return results
+
+
+def measure_one(preset: str, n: int, stage: int, precision: str, group) -> dict:
+    warm = GPT(preset_config(preset, n_layer=1))  # same ops, tiny: warms kernels and arenas
+    _train(_engine(warm, stage, precision, group), warm.config.vocab_size, 1)
+    del warm
+    gc.collect()
+    meter = mm.PeakMemoryMeter("cpu")
+    meter.start()
+    torch.manual_seed(0)
+    model = GPT(PRESETS[preset])
+    engine = _engine(model, stage, precision, group)
+    meter.reset_peak()
+    _train(engine, model.config.vocab_size, 2)
+    measured = {"n": n, "precision": precision, "stage": stage, "peak": meter.peak_growth(), **engine.memory()}
+    del engine, model
+    gc.collect()
+    return measured
 
 
 def predicted(preset: str, n: int, stage: int, precision: str) -> mm.StagePrediction:
@@ -104,14 +109,15 @@ def _mmap_large_allocations(monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("n", [1, 2, 3])
 @pytest.mark.parametrize("preset", ["gpt-nano", "gpt-mini"])
-def test_prediction_matches_the_engine(preset, n):
-    per_rank = spawn_world(measure_rank, world_size=n, args=(preset,), timeout_s=300)
+def test_prediction_matches_the_engine(preset):
+    per_rank = spawn_world(measure_rank, world_size=WORLD, args=(preset,), timeout_s=300)
     report, failures = [], []
+    configs = len(STAGES) * len(PRECISIONS[preset])
+    assert [len(results) for results in per_rank] == [(WORLD - rank) * configs for rank in range(WORLD)]
     for rank, results in enumerate(per_rank):
         for measured in results:
-            stage, precision = measured["stage"], measured["precision"]
+            n, stage, precision = measured["n"], measured["stage"], measured["precision"]
             pred = predicted(preset, n, stage, precision)
             errors = mm.compare({"gpu": pred.gpu}, measured)
             states_pred = pred.gpu["params"] + pred.gpu["grads"] + pred.gpu["optimizer"]
@@ -130,5 +136,8 @@ def test_prediction_matches_the_engine(preset, n):
                 failures.append(f"model states off: {row}")
             if abs(peak_err) > 0.15:
                 failures.append(f"peak off by more than 15%: {row}")
-    print("\nPLANNER-VS-ENGINE " + json.dumps(report))
+    print(f"\nplanner vs engine, {preset} (rel. errors: model states, peak):")
+    for row in report:
+        print("  N={n} rank {rank} stage {stage} {precision}: states {states_rel_err:+.4%} "
+              "peak {peak_pred:.0f}/{peak_meas:.0f} B {peak_rel_err:+.1%}".format(**row))
     assert not failures, "\n".join(failures)
