@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import functools
 import json
-import weakref
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
@@ -696,10 +695,10 @@ def _add_time_model(prediction: StagePrediction, inputs: PlanInputs) -> None:
             prediction.efficiency = efficiency(inputs.compute_s, prediction.comm_time_s)
 
 
-def predict_all(inputs: PlanInputs) -> list[StagePrediction]:
+def predict_all(inputs: PlanInputs, stages: Sequence[int] = STAGES, offload: bool = True) -> list[StagePrediction]:
     """Stages 0–3 without offload, then 1–3 with the optimizer offloaded: the planner's order."""
-    plain = [predict(inputs, stage) for stage in STAGES]
-    return plain + [predict(inputs, stage, offload=True) for stage in STAGES[1:]]
+    plain = [predict(inputs, stage) for stage in stages]
+    return plain + [predict(inputs, stage, offload=True) for stage in stages if stage and offload]
 
 
 # --------------------------------------------------------------------------- choice
@@ -767,13 +766,15 @@ def choose_plan(
     margin: float = DEFAULT_MARGIN,
     host_budget_bytes: int | None = None,
     allow_offload: bool = True,
+    stages: Sequence[int] = STAGES,
 ) -> Plan:
     """The lowest stage whose total fits ``(1 - margin) × budget``; then offload (stages 1–3).
 
-    With no budget known, stage 0 (least communication) is chosen and the reason says so.
-    Raises ``NoPlanFits`` with every candidate's numbers when nothing fits.
+    ``stages``/``allow_offload`` restrict the candidates to what the engine can run. With no
+    budget known, stage 0 (least communication) is chosen and the reason says so. Raises
+    ``NoPlanFits`` with every candidate's numbers when nothing fits.
     """
-    candidates = predict_all(inputs)
+    candidates = predict_all(inputs, stages, allow_offload)
     limit = None if budget_bytes is None else int((1 - margin) * budget_bytes)
     host_limit = None if host_budget_bytes is None else int((1 - margin) * host_budget_bytes)
     for c in candidates:
@@ -787,9 +788,11 @@ def choose_plan(
         candidates=candidates,
     )
     if limit is None:
-        return plan(stage=0, offload=False, reason="no memory budget known: stage 0, the least communication")
+        lowest = min(stages)
+        return plan(stage=lowest, offload=False,
+                    reason=f"no memory budget known: stage {lowest}, the least communication")
     for c in candidates:
-        if c.fits and (allow_offload or not c.offload):
+        if c.fits:
             what = f"stage {c.stage}" + (" with optimizer offload" if c.offload else "")
             reason = (
                 f"{what} is the lowest that fits: {c.total / GB:.2f} GB per rank <= "
@@ -875,6 +878,9 @@ def plan_for_spec(
     bandwidth_bytes_per_s: float | None = None,
     compute_s: float | None = None,
     target_efficiency: float = DEFAULT_TARGET_EFFICIENCY,
+    stages: Sequence[int] = STAGES,
+    allow_offload: bool = True,
+    activations_on: str = "meta",
 ) -> Plan:
     """What the control plane calls at submit time; the choice matters for ``stage: "auto"``.
 
@@ -883,9 +889,11 @@ def plan_for_spec(
     ``host_memory_bytes`` per worker when the caller knows it; with no budget at all the plan
     is stage 0 and its reason says that no budget was known. A fixed stage in the spec is
     kept (its prediction is still recorded); ``offload_optimizer: true`` is kept likewise.
-    Raises ``NoPlanFits`` (→ 422) when ``stage`` is "auto" and nothing fits.
+    Raises ``NoPlanFits`` (→ 422) when ``stage`` is "auto" and nothing fits. ``stages`` and
+    ``allow_offload`` limit "auto" to what the engine implements; ``activations_on`` is
+    "meta" at submit time, a real device ("cuda", "cpu") when a worker re-plans.
     """
-    inputs = inputs_for_spec(spec, "meta", bandwidth_bytes_per_s, compute_s, target_efficiency)
+    inputs = inputs_for_spec(spec, activations_on, bandwidth_bytes_per_s, compute_s, target_efficiency)
     resources, zero = spec.get("resources") or {}, spec.get("zero") or {}
     gpu_job = (resources.get("gpus_per_worker") or 0) > 0
     budget = gpu_memory_bytes
@@ -895,7 +903,8 @@ def plan_for_spec(
         budget = host_memory_bytes
     stage = zero.get("stage", "auto")
     if stage in (None, "auto"):
-        return choose_plan(inputs, budget, margin, host_budget_bytes=host_memory_bytes if gpu_job else None)
+        host_budget = host_memory_bytes if gpu_job else None
+        return choose_plan(inputs, budget, margin, host_budget, allow_offload, stages)
     return fixed_plan(inputs, int(stage), bool(zero.get("offload_optimizer")), budget, margin)
 
 

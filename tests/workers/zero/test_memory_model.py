@@ -320,3 +320,30 @@ def test_compare_gives_per_term_errors():
 def test_offload_moves_the_step_scratch_off_the_device():
     assert mm.step_buffer_bytes(2, "bf16", 1200, 4, "cuda", offload=True) == 0
     assert mm.step_buffer_bytes(1, "bf16", 1200, 4, "cuda", offload=True) == 2 * 300  # reduce-scatter out
+
+
+def test_activation_checkpointing_keeps_only_unit_inputs():
+    spec = {"preset": "gpt-mini"}
+    full = mm.profile_activations(spec, 4, 128, "fp32")
+    recomputed = mm.profile_activations(spec, 4, 128, "fp32", activation_checkpointing=True)
+    on_cpu = mm.profile_activations(spec, 4, 128, "fp32", device="cpu", activation_checkpointing=True)
+    assert recomputed.activations < full.activations / 2
+    assert recomputed == on_cpu
+
+
+def test_peak_meter_sees_a_freed_allocation():
+    meter = mm.PeakMemoryMeter("cpu")
+    meter.start()
+    big = torch.ones(64 * 2**20 // 4)  # 64 MiB, mmapped by glibc (above its largest threshold)
+    del big
+    assert meter.peak_growth() == pytest.approx(64 * 2**20, rel=0.05)
+
+
+def test_choice_can_be_limited_to_what_the_engine_runs():
+    inputs = _inputs(1.3e9, 8, activation_gb=2)
+    assert mm.choose_plan(inputs, int(6.5 * GB)).stage == 3
+    with pytest.raises(mm.NoPlanFits) as err:
+        mm.choose_plan(inputs, int(6.5 * GB), allow_offload=False, stages=(0, 1, 2))
+    assert {c["stage"] for c in err.value.detail["candidates"]} == {0, 1, 2}
+    spec = _spec()
+    assert mm.plan_for_spec(spec, stages=(1, 2)).stage == 1  # no budget: the lowest allowed
