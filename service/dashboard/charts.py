@@ -35,8 +35,8 @@ SERIES_FIELDS = (*MEAN_FIELDS, *SUMMED_FIELDS)
 
 
 def _short(value: Any) -> float | None:
-    """Six significant digits: a chart cannot show more, and the answer halves in size."""
-    return None if value is None else float(f"{float(value):.6g}")
+    """Seven significant digits: a chart cannot show more, and the answer halves in size."""
+    return None if value is None else float(f"{float(value):.7g}")
 
 
 def _bucketed(source: Any, width: int, world: int, extra: tuple = ()) -> Select:

@@ -37,9 +37,11 @@ export class LineChart {
    * @param {string} options.id        stable id (tests and anchors use it)
    * @param {string} options.title     the figure caption
    * @param {Array<{key:string,label:string,axis?:"left"|"right",format?:Function,className?:string}>} options.series
+   * @param {boolean} [options.zeroBased] the y axes start at 0
    */
-  constructor({ id, title, series, xLabel = "step", description = "" }) {
+  constructor({ id, title, series, xLabel = "step", description = "", zeroBased = false }) {
     this.id = id;
+    this.zeroBased = zeroBased; // rates and sizes start at 0, so a 2% wobble does not look like a cliff
     this.title = title;
     this.series = series.map((s, i) => ({ axis: "left", format: number, className: `series-${i}`, ...s }));
     this.xLabel = xLabel;
@@ -113,7 +115,13 @@ export class LineChart {
       if (!values.length) continue;
       let lo = Math.min(...values);
       let hi = Math.max(...values);
-      if (lo > 0 && lo / (hi || 1) < 0.5) lo = 0;
+      if (lo > 0 && (this.zeroBased || lo / (hi || 1) < 0.5)) lo = 0;
+      const floor = Math.abs(hi) * 0.02; // equal-looking values stay flat, not stretched to fill
+      if (hi - lo < floor) {
+        const mid = (hi + lo) / 2;
+        lo = mid - floor / 2;
+        hi = mid + floor / 2;
+      }
       const ticks = niceTicks(lo, hi, 4);
       const t0 = ticks[0];
       const t1 = ticks[ticks.length - 1];

@@ -30,11 +30,13 @@ function buildCharts(job) {
     loss: new LineChart({ id: "chart-loss", title: "Loss", series: [{ key: "loss", label: "loss" }] }),
     throughput: new LineChart({
       id: "chart-throughput",
+      zeroBased: true,
       title: "Throughput",
       series: [{ key: "tokens_per_s", label: "tokens/s (all ranks)", format: compact }],
     }),
     compute: new LineChart({
       id: "chart-compute",
+      zeroBased: true,
       title: "TFLOPs and MFU",
       series: [
         { key: "tflops", label: "TFLOPs (all ranks)" },
@@ -44,6 +46,7 @@ function buildCharts(job) {
     }),
     comm: new LineChart({
       id: "chart-comm",
+      zeroBased: true,
       title: "Communication per step (elements per rank)",
       series: [
         { key: "comm_elements", label: "measured", format: compact },
@@ -53,6 +56,7 @@ function buildCharts(job) {
     }),
     exposed: new LineChart({
       id: "chart-exposed",
+      zeroBased: true,
       title: "Exposed communication time per step",
       series: [
         { key: "comm_exposed_s", label: "exposed communication", format: seconds },
