@@ -194,9 +194,14 @@ class ZeroEngine:
     def eval(self) -> "ZeroEngine":
         return self.train(False)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backward of one micro-batch; gradients accumulate (sum) until ``step()``."""
-        self._begin_micro_step()
+    def backward(self, loss: torch.Tensor, sync: Optional[bool] = None) -> None:
+        """Backward of one micro-batch; gradients accumulate (sum) until ``step()``.
+
+        ``sync=True`` marks the last micro-batch before ``step()``: stages 0 and 1 then reduce
+        each bucket during this backward, as it fills, instead of all at once in ``step()``
+        (stage 2 always does). Leave it unset when unsure: the result is the same.
+        """
+        self._begin_micro_step(bool(sync))
         if self.scaler is not None:
             loss = loss * self.scaler.scale
         loss.backward()
@@ -218,11 +223,11 @@ class ZeroEngine:
 
         return hook
 
-    def _begin_micro_step(self) -> None:
+    def _begin_micro_step(self, sync: bool = False) -> None:
         if self._micro_open:
             return
+        self.strategy.begin_micro_step(sync)
         self._micro_open = True
-        self.strategy.begin_micro_step()
 
     def _end_micro_step(self) -> None:
         if not self._micro_open:

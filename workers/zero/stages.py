@@ -5,18 +5,21 @@ Three strategies over the same flat buckets. The engine calls them in one fixed 
     begin_micro_step -> on_grad(bucket, pos, grad)* -> end_micro_step     (per backward)
     reduced_grads -> [optimizer on master views] -> publish_params -> zero_grads   (per step)
 
-=======  ========================================  ==============================  =============
-stage    gradient storage per rank                  communication                   when
-=======  ========================================  ==============================  =============
-0        full, compute dtype (2Φ)                   all-reduce each bucket (2Φ)     in step()
-1        full, compute dtype (2Φ)                   reduce-scatter Φ + all-gather Φ step()
-2        shard, compute dtype (2Φ/N) + in-flight    reduce-scatter Φ per micro-step backward;
-         bucket scratch                             + all-gather Φ                  step()
-=======  ========================================  ==============================  =============
+=======  ===================================  ================================  ======================
+stage    gradient storage per rank             communication per step            when
+=======  ===================================  ================================  ======================
+0        full, compute dtype (2Φ)              all-reduce each bucket (2Φ)       step(), or the last
+                                                                                 backward if sync=True
+1        full, compute dtype (2Φ)              reduce-scatter Φ + all-gather Φ   same; gather in step()
+2        shard, compute dtype (2Φ/N), plus     reduce-scatter Φ per micro-step   every backward;
+         the buckets in flight                 + all-gather Φ                    gather in step()
+=======  ===================================  ================================  ======================
 
 [Note: who pays for gradient accumulation]
 Stages 0 and 1 keep a full local gradient, so non-final micro-steps communicate nothing: the
-gradients accumulate locally and are reduced once, in ``step()``. Stage 2 does not keep a full
+gradients accumulate locally and are reduced once -- in ``step()``, or, when the caller marks
+the last micro-batch with ``engine.backward(loss, sync=True)``, bucket by bucket during that
+backward (DDP's overlap; another backward before ``step()`` is then an error). Stage 2 does not keep a full
 gradient (that is its point), so it reduce-scatters *every* micro-step into a shard-sized
 accumulator: k micro-steps cost k·Φ of reduce-scatter. That is the memory/communication trade
 stage 2 makes; the accumulator is kept in the compute dtype (2Φ/N bytes, DESIGN §4), the same
@@ -44,15 +47,21 @@ from .collectives import Collectives, Pending
 
 
 class Strategy:
+    """Shared machinery: gradient arrival, bucket readiness and in-order launching."""
+
     stage: int = -1
     #: whether ``reduced_grads`` returns shards (norm needs a cross-rank sum) or full gradients
     sharded_grads: bool = True
+    #: stage 2 must communicate every micro-step: it keeps no full gradient between them
+    communicates_every_micro_step: bool = False
 
     def __init__(self, buckets: list[FlatBucket], comm: Collectives, overlap_comm: bool):
         self.buckets = buckets
         self.comm = comm
         self.world_size = comm.world_size
         self.overlap_comm = overlap_comm
+        self._sync = False
+        self._next_launch = 0
         self.allocate_grad_storage()
 
     # -- storage --------------------------------------------------------------------------------
@@ -69,20 +78,84 @@ class Strategy:
             out += [t for t in (b.scratch, b.scratch_out) if t is not None]
         return out
 
+    def _grad_target(self, b: FlatBucket) -> torch.Tensor:
+        """Where arriving gradients of ``b`` are summed during a micro-step."""
+        return b.grad_full
+
     # -- backward -------------------------------------------------------------------------------
-    def begin_micro_step(self) -> None:
-        pass
+    def begin_micro_step(self, sync: bool) -> None:
+        self.drain()
+        if any(b.launched for b in self.buckets):
+            raise RuntimeError(
+                "backward() after a backward(..., sync=True): gradients were already reduced; "
+                "call step() first"
+            )
+        self._sync = sync or self.communicates_every_micro_step
+        self._next_launch = 0
+        for b in self.buckets:
+            b.ready = 0
 
     def on_grad(self, bucket: FlatBucket, pos: int, grad: torch.Tensor) -> None:
+        if bucket.launched:
+            raise RuntimeError(
+                f"gradient for {bucket.spec.slots[pos].name} arrived after bucket {bucket.spec.index} was "
+                "reduced in this backward; call engine.backward() once per micro-batch"
+            )
         lo, hi = bucket.slot_range(pos)
-        bucket.grad_full[lo:hi].add_(grad.reshape(-1))
+        self._grad_target(bucket)[lo:hi].add_(grad.reshape(-1))
+        bucket.ready += 1
+        if self._sync and self.overlap_comm:
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self._next_launch < len(self.buckets):
+            b = self.buckets[self._next_launch]
+            if b.ready < b.expected:
+                return
+            self._launch_next()
+
+    def _launch_next(self) -> None:
+        b = self.buckets[self._next_launch]
+        if self.world_size > 1:
+            self._grad_target(b).div_(self.world_size)
+        b.pending = self._launch(b)
+        b.launched = True
+        self._next_launch += 1
+
+    def _launch_rest(self) -> None:
+        """Launch, in bucket order, every bucket not launched yet (unused parameters, no overlap)."""
+        while self._next_launch < len(self.buckets):
+            self._launch_next()
 
     def end_micro_step(self) -> None:
+        if self._sync:
+            self._launch_rest()
+
+    def drain(self) -> None:
+        """Wait for every bucket in flight and fold its result in."""
+        for b in self.buckets:
+            if b.pending is not None:
+                b.pending.wait()
+                b.pending = None
+                self._finish(b)
+
+    # -- per-stage hooks ------------------------------------------------------------------------
+    def _launch(self, b: FlatBucket) -> Pending:
+        raise NotImplementedError
+
+    def _finish(self, b: FlatBucket) -> None:
         pass
 
     # -- step -----------------------------------------------------------------------------------
     def reduced_grads(self) -> list[torch.Tensor]:
         """Per bucket, this rank's averaged gradient (its shard; the whole bucket at stage 0)."""
+        if not any(b.launched for b in self.buckets):
+            self._next_launch = 0
+            self._launch_rest()
+        self.drain()
+        return [self._reduced(b) for b in self.buckets]
+
+    def _reduced(self, b: FlatBucket) -> torch.Tensor:
         raise NotImplementedError
 
     def publish_params(self) -> None:
@@ -97,11 +170,15 @@ class Strategy:
             p.wait()
 
     def zero_grads(self) -> None:
+        self.drain()
         for b in self.buckets:
             if b.grad_full is not None:
                 b.grad_full.zero_()
             if b.grad_shard is not None:
                 b.grad_shard.zero_()
+            b.scratch = b.scratch_out = None
+            b.launched = False
+            b.ready = 0
             b.micro_steps_reduced = 0
 
 
@@ -111,15 +188,11 @@ class AllReduceStrategy(Strategy):
     stage = 0
     sharded_grads = False
 
-    def reduced_grads(self) -> list[torch.Tensor]:
-        pending: list[Pending] = []
-        for b in self.buckets:
-            if self.world_size > 1:
-                b.grad_full.div_(self.world_size)
-            pending.append(self.comm.all_reduce(b.grad_full, label=f"all_reduce bucket {b.spec.index}"))
-        for p in pending:
-            p.wait()
-        return [b.grad_full for b in self.buckets]
+    def _launch(self, b: FlatBucket) -> Pending:
+        return self.comm.all_reduce(b.grad_full, label=f"all_reduce bucket {b.spec.index}")
+
+    def _reduced(self, b: FlatBucket) -> torch.Tensor:
+        return b.grad_full
 
     def publish_params(self) -> None:
         for b in self.buckets:  # the master is the whole bucket: a local cast, no communication
@@ -132,23 +205,24 @@ class ReduceScatterAtStepStrategy(Strategy):
 
     stage = 1
 
-    def reduced_grads(self) -> list[torch.Tensor]:
-        outs, pending = [], []
-        for b in self.buckets:
-            if self.world_size > 1:
-                b.grad_full.div_(self.world_size)
-            out = torch.empty(b.spec.shard_numel, dtype=b.grad_full.dtype, device=b.grad_full.device)
-            pending.append(self.comm.reduce_scatter(out, b.grad_full, label=f"reduce_scatter bucket {b.spec.index}"))
-            outs.append(out)
-        for p in pending:
-            p.wait()
-        return outs
+    def _launch(self, b: FlatBucket) -> Pending:
+        b.scratch_out = torch.empty(b.spec.shard_numel, dtype=b.grad_full.dtype, device=b.grad_full.device)
+        return self.comm.reduce_scatter(b.scratch_out, b.grad_full, label=f"reduce_scatter bucket {b.spec.index}")
+
+    def _reduced(self, b: FlatBucket) -> torch.Tensor:
+        return b.scratch_out
 
 
 class ReduceScatterInBackwardStrategy(Strategy):
-    """Stage 2: no full gradient kept; each bucket is reduce-scattered as soon as it is full."""
+    """Stage 2: no full gradient kept; each bucket is reduce-scattered as soon as it is full.
+
+    The last buckets of a micro-step stay in flight after backward returns; they are waited
+    for when the next micro-step begins or in ``step()``, so they overlap with what the
+    training loop does in between (the next forward).
+    """
 
     stage = 2
+    communicates_every_micro_step = True
 
     def allocate_grad_storage(self) -> None:
         for b in self.buckets:
@@ -157,61 +231,29 @@ class ReduceScatterInBackwardStrategy(Strategy):
     def grad_tensors(self) -> list[torch.Tensor]:
         return [b.grad_shard for b in self.buckets]
 
-    def begin_micro_step(self) -> None:
-        self._next_launch = 0
-        for b in self.buckets:
-            b.ready = 0
-            b.launched = False
-
-    def _scratch(self, b: FlatBucket) -> torch.Tensor:
+    def _grad_target(self, b: FlatBucket) -> torch.Tensor:
         if b.scratch is None:
             b.scratch = torch.zeros_like(b.flat_param)
         return b.scratch
 
-    def on_grad(self, bucket: FlatBucket, pos: int, grad: torch.Tensor) -> None:
-        if bucket.launched:
-            raise RuntimeError(
-                f"gradient for {bucket.spec.slots[pos].name} arrived after bucket {bucket.spec.index} was "
-                "reduced in this backward; call engine.backward() once per micro-batch"
-            )
-        lo, hi = bucket.slot_range(pos)
-        self._scratch(bucket)[lo:hi].add_(grad.reshape(-1))
-        bucket.ready += 1
-        if self.overlap_comm:
-            self._launch_ready()
-
-    def _launch_ready(self) -> None:
-        while self._next_launch < len(self.buckets):
-            b = self.buckets[self._next_launch]
-            if b.ready < b.expected:
-                return
-            self._launch(b)
-
-    def _launch(self, b: FlatBucket) -> None:
-        scratch = self._scratch(b)
-        if self.world_size > 1:
-            scratch.div_(self.world_size)
+    def _launch(self, b: FlatBucket) -> Pending:
+        scratch = self._grad_target(b)
         if b.micro_steps_reduced == 0:
             out = b.grad_shard  # first micro-step of this step: reduce straight into the accumulator
         else:
             out = b.scratch_out = torch.empty_like(b.grad_shard)
-        b.pending = self.comm.reduce_scatter(out, scratch, label=f"reduce_scatter bucket {b.spec.index}")
-        b.launched = True
-        self._next_launch += 1
+        return self.comm.reduce_scatter(out, scratch, label=f"reduce_scatter bucket {b.spec.index}")
 
-    def end_micro_step(self) -> None:
-        while self._next_launch < len(self.buckets):  # buckets with unused parameters, in order
-            self._launch(self.buckets[self._next_launch])
-        for b in self.buckets:
-            b.pending.wait()
-            b.pending = None
-            if b.scratch_out is not None:
-                b.grad_shard.add_(b.scratch_out)
-                b.scratch_out = None
-            b.scratch = None
-            b.micro_steps_reduced += 1
+    def _finish(self, b: FlatBucket) -> None:
+        if b.scratch_out is not None:
+            b.grad_shard.add_(b.scratch_out)
+            b.scratch_out = None
+        b.scratch = None
+        b.launched = False
+        b.micro_steps_reduced += 1
 
     def reduced_grads(self) -> list[torch.Tensor]:
+        self.drain()  # every micro-step already launched all its buckets
         return [b.grad_shard for b in self.buckets]
 
 

@@ -92,18 +92,27 @@ def reference_run(world_size: int, opt: str, steps: int, micro: int, clip: float
 
 
 def engine_run(rank: int, world_size: int, stage: int, opt: str, steps: int, micro: int, clip: float | None,
-               bucket_mb: float = 0.0002, precision: str = "fp32", seed: int = 0):
-    """One rank's run; returns its full_state_dict and step() infos."""
+               mode: str = "plain", bucket_mb: float = 0.0002, precision: str = "fp32", seed: int = 0):
+    """One rank's run; returns its full_state_dict and step() infos.
+
+    mode: "plain" = engine.backward(loss); "sync" = sync=True on the last micro-batch;
+    "direct" = the user calls loss.backward() themselves; "no_overlap" = overlap_comm=False.
+    """
     model = make_model(seed + rank)  # different on every rank: the engine must broadcast rank 0's
     if rank == 0:
         assert torch.equal(model.emb.weight, make_model(seed).emb.weight)
-    cfg = ZeroConfig(stage=stage, precision=precision, bucket_mb=bucket_mb, grad_clip=clip)
+    cfg = ZeroConfig(stage=stage, precision=precision, bucket_mb=bucket_mb, grad_clip=clip,
+                     overlap_comm=mode != "no_overlap")
     engine = ZeroEngine(model, OPTIMIZERS[opt], cfg)
     infos = []
     for step_batches in make_batches(world_size, steps, micro):
-        for idx, tgt in step_batches:
+        for m, (idx, tgt) in enumerate(step_batches):
             sl = slice(rank * MICRO_B, (rank + 1) * MICRO_B)
-            engine.backward(engine(idx[sl], tgt[sl], uses_extra(rank)))
+            loss = engine(idx[sl], tgt[sl], uses_extra(rank))
+            if mode == "direct":
+                loss.backward()
+            else:
+                engine.backward(loss, sync=mode == "sync" and m == micro - 1)
         infos.append(engine.step())
     return engine.full_state_dict(), infos
 
@@ -115,3 +124,115 @@ def equivalence_world(rank: int, world_size: int, cases: list[tuple]):
 
 def clone_sd(sd):
     return copy.deepcopy(sd)
+
+
+# -- a small GPT for the precision, accounting and checkpoint tests -----------------------------------
+
+GPT_SEQ, GPT_MICRO_B = 32, 4
+
+
+def make_gpt(seed: int = 0, n_layer: int | None = None):
+    from dataclasses import replace
+
+    from workers.models import GPT, PRESETS
+
+    torch.manual_seed(seed)
+    cfg = replace(PRESETS["gpt-nano"], block_size=GPT_SEQ)
+    if n_layer is not None:
+        cfg = replace(cfg, n_layer=n_layer)
+    return GPT(cfg)
+
+
+def gpt_batch(step: int, micro: int, rank: int):
+    """A learnable byte stream: next = 5·x + 3 (mod 256) 70% of the time, noise otherwise."""
+    g = torch.Generator().manual_seed(1_000_003 * step + 1009 * micro + rank)
+    x = torch.empty(GPT_MICRO_B, GPT_SEQ + 1, dtype=torch.long)
+    x[:, 0] = torch.randint(0, 256, (GPT_MICRO_B,), generator=g)
+    noise = torch.randint(0, 256, (GPT_MICRO_B, GPT_SEQ), generator=g)
+    keep = torch.rand(GPT_MICRO_B, GPT_SEQ, generator=g) < 0.7
+    for t in range(GPT_SEQ):
+        x[:, t + 1] = torch.where(keep[:, t], (5 * x[:, t] + 3) % 256, noise[:, t])
+    return x[:, :-1], x[:, 1:]
+
+
+def gpt_engine(rank: int, precision: str, stage: int, seed: int = 0, n_layer: int | None = None, **cfg):
+    model = make_gpt(seed + rank, n_layer)
+    config = ZeroConfig(stage=stage, precision=precision, **{"grad_clip": 1.0, **cfg})
+    return ZeroEngine(model, lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.1), config)
+
+
+def gpt_steps(engine, rank: int, start: int, stop: int, accum: int = 1, overflow: dict | None = None):
+    """Train steps [start, stop); ``overflow[step]`` = ranks whose loss is blown up to inf in fp16."""
+    losses, infos = [], []
+    for step in range(start, stop):
+        total = 0.0
+        for micro in range(accum):
+            x, y = gpt_batch(step, micro, rank)
+            loss = engine(x, y)
+            total += loss.item() / accum
+            if overflow and rank in overflow.get(step, ()):
+                loss = loss * 1e30  # × loss scale -> inf in the fp16 gradients
+            engine.backward(loss / accum)
+        losses.append(total)
+        infos.append(engine.step())
+    return losses, infos
+
+
+def precision_world(rank: int, world_size: int, steps: int, stage: int, overflow: dict):
+    out = {}
+    for precision in ("fp32", "bf16", "fp16"):
+        engine = gpt_engine(rank, precision, stage)
+        out[precision] = gpt_steps(engine, rank, 0, steps)
+    engine = gpt_engine(rank, "fp16", stage, n_layer=1)
+    before = []
+    losses, infos = [], []
+    for step in range(6):
+        before.append(engine.full_state_dict())
+        l, i = gpt_steps(engine, rank, step, step + 1, overflow=overflow)
+        losses += l
+        infos += i
+    before.append(engine.full_state_dict())
+    out["overflow"] = (losses, infos, before)
+    return out
+
+
+def accounting_world(rank: int, world_size: int, stages: list[int], precision: str):
+    """memory() and comm_volume() after one step (1 micro-step) and after a 2-micro-step step."""
+    from workers.models import num_parameters
+
+    out = {}
+    for stage in stages:
+        engine = gpt_engine(rank, precision, stage, bucket_mb=0.5)
+        phi = num_parameters(engine.module)
+        gpt_steps(engine, rank, 0, 1)
+        one = (engine.memory(), engine.comm_volume())
+        gpt_steps(engine, rank, 1, 2, accum=2)
+        two = (engine.memory(), engine.comm_volume())
+        out[stage] = {
+            "phi": phi,
+            "padded": engine.layout.numel,
+            "buckets": len(engine.layout.buckets),
+            "one": one,
+            "two": two,
+        }
+    return out
+
+
+def resume_world(rank: int, world_size: int, cases: list[tuple[int, str]], steps: int = 6, save_after: int = 3):
+    """Train ``steps``; separately, a fresh engine loads the state saved after ``save_after`` steps
+    and trains the rest. Returns both runs' losses and final full state dicts."""
+    out = {}
+    for stage, precision in cases:
+        a = gpt_engine(rank, precision, stage, n_layer=2, bucket_mb=0.25)
+        first, _ = gpt_steps(a, rank, 0, save_after, accum=2)
+        sd = clone_sd(a.state_dict())
+        rest_a, infos_a = gpt_steps(a, rank, save_after, steps, accum=2)
+        b = gpt_engine(rank, precision, stage, seed=1234, n_layer=2, bucket_mb=0.25)
+        b.load_state_dict(sd)
+        rest_b, infos_b = gpt_steps(b, rank, save_after, steps, accum=2)
+        out[(stage, precision)] = {
+            "a": (rest_a, infos_a, a.full_state_dict(), a.state_dict()),
+            "b": (rest_b, infos_b, b.full_state_dict(), b.state_dict()),
+            "saved": sd,
+        }
+    return out

@@ -11,7 +11,15 @@ from .cases import engine_run, equivalence_world, reference_run
 
 STEPS, MICRO, CLIP = 10, 2, 0.5
 CASES = [(stage, "adamw", STEPS, MICRO, CLIP) for stage in (0, 1, 2)] + [
-    (stage, "sgd", STEPS, MICRO, CLIP) for stage in (0, 2)
+    (stage, "sgd", STEPS, MICRO, CLIP) for stage in (0, 1, 2)
+] + [
+    # the other ways to drive backward: DDP-style overlap on the last micro-batch, the user's own
+    # loss.backward() (end of backward found by an autograd callback), stage 2 without overlap
+    (0, "adamw", 4, MICRO, CLIP, "sync"),
+    (1, "adamw", 4, MICRO, CLIP, "sync"),
+    (2, "adamw", 4, MICRO, CLIP, "direct"),
+    (1, "sgd", 4, MICRO, None, "direct"),
+    (2, "sgd", 4, MICRO, CLIP, "no_overlap"),
 ]
 
 
@@ -23,12 +31,12 @@ def assert_matches(full_sd, ref_sd, what):
 
 def check_world(world_size: int, results_per_rank):
     refs = {}
-    for i, (stage, opt, steps, micro, clip) in enumerate(CASES):
+    for i, (stage, opt, steps, micro, clip, *mode) in enumerate(CASES):
         key = (opt, steps, micro, clip)
         if key not in refs:
             refs[key] = reference_run(world_size, opt, steps, micro, clip)
         ref_sd, ref_norms = refs[key]
-        what = f"stage {stage} {opt} world {world_size}"
+        what = f"stage {stage} {opt} {mode} world {world_size}"
         full0, infos0 = results_per_rank[0][i]
         assert_matches(full0, ref_sd, what)
         norms = [info["grad_norm"] for info in infos0]
@@ -42,6 +50,7 @@ def check_world(world_size: int, results_per_rank):
         # semantics the reference checks only implicitly: untouched params keep their init
         init = reference_run(world_size, opt, 0, micro, clip)[0]
         assert torch.equal(full0["unused"], init["unused"]), what
+        assert torch.equal(full0["shift"], init["shift"]), what  # buffers come from rank 0
         assert torch.equal(full0["frozen.weight"], init["frozen.weight"]), what
         assert not torch.equal(full0["extra.weight"], init["extra.weight"]), what
         assert torch.equal(full0["head.weight"], full0["emb.weight"]), what
