@@ -120,8 +120,8 @@ class _Watchdog:
             for token, (label, seq, start) in stuck:
                 reported.add(token)
                 log.warning(
-                    "rank %d blocked %.0fs on collective #%d (%s); other ranks may have issued "
-                    "collectives in a different order or died",
+                    "rank %d has waited %.1fs on collective #%d (%s); another rank may be slow, dead, "
+                    "or issuing collectives in a different order",
                     self.rank, now - start, seq, label,
                 )
 

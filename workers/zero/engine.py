@@ -97,7 +97,8 @@ class ZeroEngine:
         self._frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
         bucket_numel = max(1, config.bucket_bytes // torch.empty((), dtype=self.precision.compute_dtype).element_size())
         self.layout = FlatLayout.build([(n, tuple(p.shape)) for n, p in trainable], self.shard_world, bucket_numel)
-        self.buckets = self._build_buckets([p for _, p in trainable])
+        self._trainable = [p for _, p in trainable]
+        self.buckets = self._build_buckets(self._trainable)
         self._frozen_fp32 = self._sync_frozen_and_buffers()
         self._slot_of = {id(p): slot for (_, p), slot in zip(trainable, self.layout.slots)}
 
@@ -506,6 +507,30 @@ class ZeroEngine:
             self.strategy.publish_params()
         self.strategy.zero_grads()
         self._got_grad = [False] * len(self._got_grad)
+
+    @torch.no_grad()
+    def load_full_state_dict(self, full: dict[str, torch.Tensor]) -> None:
+        """Set parameters (and buffers) from full tensors keyed as ``model.state_dict()``.
+
+        The inverse of ``full_state_dict()``; optimizer state is left as it is. Every rank must
+        call it (stages 1/2 all-gather the result) with the same values.
+        """
+        by_id = {}
+        for key, t in self.module.state_dict(keep_vars=True).items():
+            if key not in full:
+                raise ValueError(f"full state dict lacks {key!r}")
+            by_id.setdefault(id(t), full[key])
+        for piece, view in self._opt_params:
+            src = by_id[id(self._trainable[piece.slot.index])]
+            view.copy_(src.reshape(-1)[piece.param_start : piece.param_end])
+        for _, p in self._frozen:
+            if id(p) in self._frozen_fp32:
+                self._frozen_fp32[id(p)].copy_(by_id[id(p)])
+            p.data.copy_(by_id[id(p)])
+        for b in self.module.buffers():
+            b.copy_(by_id[id(b)])
+        with self._uncounted():
+            self.strategy.publish_params()
 
     def state_dict_meta(self) -> dict[str, Any]:
         """The layout part of ``state_dict()`` without copying any tensor."""

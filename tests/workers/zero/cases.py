@@ -236,3 +236,48 @@ def resume_world(rank: int, world_size: int, cases: list[tuple[int, str]], steps
             "saved": sd,
         }
     return out
+
+
+def collectives_world(rank: int, world_size: int):
+    """Counting of each collective kind, the hang watchdog, and full-state round trips."""
+    import logging
+    import time
+
+    import torch.distributed as dist
+
+    from workers.zero.collectives import Collectives
+
+    out = {}
+    comm = Collectives(dist.group.WORLD, torch.device("cpu"), timeout_s=0.2)
+    x = torch.full((6,), float(rank + 1))
+    comm.all_reduce(x, label="ar").wait()
+    shard = torch.empty(3)
+    comm.reduce_scatter(shard, torch.arange(6.0) * (rank + 1), label="rs").wait()
+    full = torch.zeros(6)
+    full[rank * 3:(rank + 1) * 3] = rank + 1
+    comm.all_gather(full, full[rank * 3:(rank + 1) * 3], label="ag").wait()
+    out["values"] = (x, shard, full)
+    out["counts"] = comm.counter.snapshot()
+
+    records: list[str] = []
+
+    class Grab(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    logger = logging.getLogger("workers.zero.collectives")
+    logger.addHandler(Grab())
+    if rank == 1:
+        time.sleep(1.0)  # rank 0 is left waiting on collective #4
+    comm.all_reduce(torch.ones(2), label="all_reduce bucket 7").wait()
+    out["log"] = records
+
+    # full_state_dict / load_full_state_dict round trip at stage 2, bf16
+    engine = gpt_engine(rank, "bf16", 2, n_layer=1, bucket_mb=0.1)
+    gpt_steps(engine, rank, 0, 2)
+    full_sd = engine.full_state_dict()
+    other = gpt_engine(rank, "bf16", 2, seed=99, n_layer=1, bucket_mb=0.1)
+    other.load_full_state_dict(full_sd)
+    out["roundtrip"] = (full_sd, other.full_state_dict())
+    out["compute_params"] = {k: v.detach().clone() for k, v in other.module.state_dict().items()}
+    return out

@@ -1,0 +1,92 @@
+"""Bad configuration fails early with a ValueError naming the field; the API refuses misuse."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from workers.zero import ZeroConfig, ZeroEngine
+from workers.zero import config as config_mod
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"stage": 7}, "stage"),
+        ({"stage": -1}, "stage"),
+        ({"stage": "2"}, "stage"),
+        ({"stage": True}, "stage"),
+        ({"bucket_mb": -1}, "bucket_mb"),
+        ({"bucket_mb": 0}, "bucket_mb"),
+        ({"bucket_mb": float("nan")}, "bucket_mb"),
+        ({"precision": "fp8"}, "precision"),
+        ({"precision": "bfloat16"}, "precision"),
+        ({"prefetch": -1}, "prefetch"),
+        ({"prefetch": 1.5}, "prefetch"),
+        ({"grad_clip": 0}, "grad_clip"),
+        ({"grad_clip": -1.0}, "grad_clip"),
+        ({"grad_clip": float("inf")}, "grad_clip"),
+        ({"overlap_comm": "yes"}, "overlap_comm"),
+        ({"offload_optimizer": 1}, "offload_optimizer"),
+        ({"initial_loss_scale": 0}, "initial_loss_scale"),
+        ({"loss_scale_growth_interval": 0}, "loss_scale_growth_interval"),
+        ({"wrap": 3}, "wrap"),
+        ({"comm_timeout_s": 0}, "comm_timeout_s"),
+    ],
+)
+def test_bad_values_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        ZeroConfig(**kwargs)
+
+
+def test_good_values():
+    cfg = ZeroConfig(stage=2, precision="bf16", bucket_mb=25, overlap_comm=True, offload_optimizer=False,
+                     prefetch=1, grad_clip=None)
+    assert cfg.compute_dtype == torch.bfloat16
+    assert ZeroConfig.from_dict(cfg.to_dict()) == cfg
+    ZeroConfig(stage=3, wrap=["Block"], grad_clip=1, bucket_mb=0.5)
+    with pytest.raises(ValueError, match="unknown ZeroConfig field"):
+        ZeroConfig.from_dict({"stag": 1})
+
+
+def test_fp16_on_a_cpu_that_cannot_is_a_value_error(monkeypatch):
+    monkeypatch.setattr(config_mod, "dtype_usable", lambda dtype, device="cpu": dtype != torch.float16)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="precision='fp16' is not supported"):
+        ZeroConfig(precision="fp16")
+    ZeroConfig(precision="bf16")
+
+
+def test_the_probe_is_real():
+    assert config_mod.dtype_usable(torch.float32)
+    assert config_mod.dtype_usable(torch.bfloat16, "cpu")  # every CPU build torch 2.x ships
+
+
+def _adamw(ps):
+    return torch.optim.AdamW(ps, lr=1e-3)
+
+
+def test_engine_refuses_what_is_not_built_yet_and_misuse():
+    with pytest.raises(NotImplementedError, match="stage 3"):
+        ZeroEngine(nn.Linear(3, 3), _adamw, ZeroConfig(stage=3))
+    with pytest.raises(NotImplementedError, match="offload"):
+        ZeroEngine(nn.Linear(3, 3), _adamw, ZeroConfig(stage=2, offload_optimizer=True))
+    model = nn.Linear(3, 3)
+    with pytest.raises(TypeError, match="factory"):
+        ZeroEngine(model, torch.optim.AdamW(model.parameters()), ZeroConfig(stage=1))
+    with pytest.raises(ValueError, match="tensors it is given"):
+        ZeroEngine(nn.Linear(3, 3), lambda ps: torch.optim.AdamW(model.parameters()), ZeroConfig(stage=1))
+    with pytest.raises(TypeError, match="ZeroConfig"):
+        ZeroEngine(nn.Linear(3, 3), _adamw, {"stage": 1})
+
+
+def test_second_backward_after_sync_is_an_error():
+    engine = ZeroEngine(nn.Linear(3, 2), _adamw, ZeroConfig(stage=0, precision="fp32"))
+    x = torch.randn(4, 3)
+    engine.backward(engine(x).sum(), sync=True)
+    with pytest.raises(RuntimeError, match="sync=True"):
+        engine.backward(engine(x).sum())
+    engine.step()
+    engine.backward(engine(x).sum())  # fine again after step()
+    engine.step()
