@@ -15,17 +15,21 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query
+from pydantic import StringConstraints
 from fastapi.responses import JSONResponse
 from sqlalchemy import select
 
 from service.api.deps import CurrentUser, SessionDep, VisibleJob
+from service.api.errors import COMMON_ERRORS, error_responses
 from service.dashboard import charts
 from service.dashboard.prediction import predict
+from service.dashboard.schemas import ChartOut, ProgressOut
 from service.models import Checkpoint, Job
 
-router = APIRouter(prefix="/api/v1", tags=["dashboard"])
+router = APIRouter(prefix="/api/v1", tags=["dashboard"], responses=error_responses(*COMMON_ERRORS))
 
 DEFAULT_MAX_POINTS = 1000
+JobId = Annotated[str, StringConstraints(min_length=1, max_length=40, pattern=r"^[A-Za-z0-9._-]+$")]
 
 
 def _world(spec: dict[str, Any]) -> int:
@@ -36,7 +40,8 @@ def _steps(spec: dict[str, Any]) -> int:
     return int((spec.get("train") or {}).get("steps") or 1)
 
 
-@router.get("/jobs/{job_id}/metrics/chart", name="job_metrics_chart", response_class=JSONResponse)
+@router.get("/jobs/{job_id}/metrics/chart", name="job_metrics_chart", response_class=JSONResponse,
+            responses={200: {"model": ChartOut}})
 def job_metrics_chart(
     job: VisibleJob,
     session: SessionDep,
@@ -55,11 +60,11 @@ def job_metrics_chart(
     })
 
 
-@router.get("/dashboard/progress", name="dashboard_progress")
+@router.get("/dashboard/progress", name="dashboard_progress", response_model=ProgressOut)
 def dashboard_progress(
     session: SessionDep,
     user: CurrentUser,
-    job_id: Annotated[list[str], Query(max_length=500)] = [],  # noqa: B006 - FastAPI reads the default
+    job_id: Annotated[list[JobId], Query(max_length=500, description="jobs of one page of the list")] = [],  # noqa: B006
 ) -> dict[str, Any]:
     query = select(Job.id, Job.spec).where(Job.id.in_(job_id[:500]))
     if not user.is_admin:
