@@ -8,7 +8,7 @@ deep inside a collective.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -77,7 +77,6 @@ class ZeroConfig:
     initial_loss_scale: float = 2.0**16
     loss_scale_growth_interval: int = 2000
     comm_timeout_s: float = 300.0
-    extra: dict = field(default_factory=dict)  # forward-compatible, ignored by the engine
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or not isinstance(self.stage, int) or not 0 <= self.stage <= 3:

@@ -104,7 +104,10 @@ class ZeroEngine:
 
         self.strategy: Strategy = make_strategy(config.stage, self.buckets, self.comm, config.overlap_comm)
         self._opt_params = [(piece, view) for b in self.buckets for piece, view in b.master_views]
-        self.optimizer = optimizer([view for _, view in self._opt_params])
+        # A rank whose shards hold only padding (tiny models, many ranks) still needs an
+        # optimizer (torch.optim refuses an empty list): it gets one empty placeholder tensor.
+        self._placeholder = [] if self._opt_params else [torch.zeros(0, device=self.device)]
+        self.optimizer = optimizer([view for _, view in self._opt_params] + self._placeholder)
         self._check_optimizer()
         self.scaler = self.precision.make_scaler(config.initial_loss_scale, config.loss_scale_growth_interval)
 
@@ -172,7 +175,7 @@ class ZeroEngine:
             self.comm.broadcast(t)
 
     def _check_optimizer(self) -> None:
-        mine = {id(v) for _, v in self._opt_params}
+        mine = {id(v) for _, v in self._opt_params} | {id(t) for t in self._placeholder}
         for group in self.optimizer.param_groups:
             for p in group["params"]:
                 if id(p) not in mine:
@@ -428,7 +431,9 @@ class ZeroEngine:
             master          {name: fp32 1-D tensor} = flattened param[a:b] (held pieces only)
             optimizer       optimizer.state_dict(); its param i is optimizer_params[i]
             optimizer_params [name, ...] in optimizer order; state tensors of param i
-                            cover that param's shard_range, flattened
+                            cover that param's shard_range, flattened (empty when this
+                            rank holds only padding: the optimizer then has one empty
+                            placeholder tensor without state)
             loss_scaler     {"scale", "good_steps", "growth_interval"} or None
             frozen          {name: full fp32 tensor} frozen parameters (same on every rank)
             buffers         {name: tensor} module buffers (same on every rank)

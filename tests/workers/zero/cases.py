@@ -280,4 +280,31 @@ def collectives_world(rank: int, world_size: int):
     other.load_full_state_dict(full_sd)
     out["roundtrip"] = (full_sd, other.full_state_dict())
     out["compute_params"] = {k: v.detach().clone() for k, v in other.module.state_dict().items()}
+    out["tiny"] = {stage: tiny_run(rank, world_size, stage) for stage in (0, 1, 2)}
     return out
+
+
+def tiny_run(rank: int, world_size: int, stage: int, steps: int = 3):
+    """One 1-element parameter: at N=2 rank 1's shard is pure padding."""
+    torch.manual_seed(0)
+    model = nn.Linear(1, 1, bias=False)
+    engine = ZeroEngine(model, lambda ps: torch.optim.AdamW(ps, lr=0.1), ZeroConfig(stage=stage, precision="fp32"))
+    g = torch.Generator().manual_seed(5)
+    for _ in range(steps):
+        x = torch.randn(world_size, 1, generator=g)
+        engine.backward(((engine(x[rank:rank + 1]) - 1.0) ** 2).mean())
+        engine.step()
+    return engine.full_state_dict()["weight"], len(engine.state_dict()["optimizer_params"])
+
+
+def tiny_reference(world_size: int, steps: int = 3):
+    torch.manual_seed(0)
+    model = nn.Linear(1, 1, bias=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(5)
+    for _ in range(steps):
+        x = torch.randn(world_size, 1, generator=g)
+        ((model(x) - 1.0) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return model.weight.detach().clone()

@@ -7,7 +7,7 @@ import torch
 
 from workers.zero.testing import spawn_world
 
-from .cases import collectives_world
+from .cases import collectives_world, tiny_reference
 
 
 @pytest.fixture(scope="module")
@@ -43,3 +43,11 @@ def test_full_state_dict_round_trip(world):
             if v.is_floating_point():
                 assert torch.equal(v, saved[k].to(v.dtype)), k
     assert all(torch.equal(world[0]["roundtrip"][0][k], world[1]["roundtrip"][0][k]) for k in world[0]["roundtrip"][0])
+
+
+def test_rank_holding_only_padding(world):
+    ref = tiny_reference(2)
+    for rank, out in enumerate(world):
+        for stage, (weight, n_opt_params) in out["tiny"].items():
+            torch.testing.assert_close(weight, ref, rtol=1e-5, atol=1e-6)
+            assert n_opt_params == (1 if rank == 0 or stage == 0 else 0)
