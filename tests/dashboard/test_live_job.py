@@ -59,3 +59,7 @@ def test_running_job_updates_live_and_cancels(dashboard, page):
     expect(page.locator("#events")).to_contain_text("cancelled_by_user")
     expect(page.get_by_role("button", name="Cancel job")).to_be_hidden()
     assert dashboard.wait_state(mine.job_id, {"CANCELLED"})["state"] == "CANCELLED"
+
+    page.goto(f"{dashboard.url}/jobs/{theirs.job_id}")  # another user's job, by URL
+    expect(page.get_by_role("heading", name="Job not available")).to_be_visible()
+    expect(page.get_by_role("alert")).to_contain_text("not found")

@@ -133,6 +133,11 @@ export async function followEvents(path, { signal, onEvent, onStatus = () => {},
         unauthorized();
         return;
       }
+      // Another 4xx (the job is gone or not ours) will not heal by retrying.
+      if (response.status >= 400 && response.status < 500 && response.status !== 429) {
+        onStatus("stopped");
+        return;
+      }
       if (!response.ok || !response.body) throw new ApiError(response.status, null);
       onStatus("live");
       const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();

@@ -273,7 +273,7 @@ export function jobPage({ jobId, signal }) {
     liveStatus.textContent = "● live";
     followEvents(`${path}/metrics/stream?after_id=${store.lastId}`, {
       signal,
-      onStatus: (s) => (liveStatus.textContent = s === "live" ? "● live" : "○ reconnecting…"),
+      onStatus: (s) => (liveStatus.textContent = { live: "● live", reconnecting: "○ reconnecting…", stopped: "" }[s]),
       onEvent: (ev) => {
         if (ev.event !== "metric") return;
         store.add(JSON.parse(ev.data));
