@@ -181,6 +181,9 @@ class Scheduler:
         elif phase is LaunchPhase.PENDING:
             return bool(status.reason) and note_waiting(session, job, status.reason, status.message)
         elif phase is LaunchPhase.RUNNING:
+            if job.reason == Reason.INSUFFICIENT_RESOURCES:  # the wait is over; say so once
+                note_waiting(session, job, Reason.RESOURCES_ACQUIRED, None)
+                return True
             return self._check_runtime(session, job, state)
         elif phase is LaunchPhase.SUCCEEDED:
             target, reason = S.SUCCEEDED, Reason.DRIVER_EXITED

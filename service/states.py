@@ -46,6 +46,7 @@ class Reason:
     WORKER_FAILED = "worker_failed"
     LAUNCH_FAILED = "launch_failed"
     INSUFFICIENT_RESOURCES = "insufficient_resources"
+    RESOURCES_ACQUIRED = "resources_acquired"
     CANCELLED_BY_USER = "cancelled_by_user"
     MAX_RUNTIME_EXCEEDED = "max_runtime_exceeded"
 
@@ -113,7 +114,11 @@ def transition(
 
 
 def note_waiting(session: Session, job: Job, reason: str, message: str | None) -> bool:
-    """Record why a job waits (once per distinct reason/message, not once per poll)."""
+    """Record why a job waits, or that it stopped waiting, without a state change.
+
+    Written once per distinct reason/message, not once per poll: the event has
+    ``from_state == to_state``.
+    """
     if job.reason == reason and job.message == message:
         return False
     result = session.execute(

@@ -143,7 +143,7 @@ def test_driver_reported_state_is_not_overridden(db):
     assert (job(make_session, job_id).state, job(make_session, job_id).reason) == ("FAILED", "user_code_error")
 
 
-def test_waiting_for_resources_is_recorded_once(db):
+def test_waiting_for_resources_is_recorded_once_and_so_is_its_end(db):
     waiting = LaunchStatus(LaunchPhase.PENDING, "insufficient_resources", "asked 8 CPUs, cluster has 2")
     make_session, scheduler, _, job_id = scheduled_job(db, waiting, state=JobState.STARTING)
     for _ in range(3):
@@ -154,6 +154,14 @@ def test_waiting_for_resources_is_recorded_once(db):
     with make_session() as session:
         reasons = session.execute(select(JobEvent.reason).where(JobEvent.job_id == job_id)).scalars().all()
     assert reasons.count("insufficient_resources") == 1
+
+    scheduler.launcher.phase = LaunchStatus(LaunchPhase.RUNNING)
+    scheduler.run_once()
+    scheduler.run_once()
+    assert job(make_session, job_id).reason == "resources_acquired"
+    with make_session() as session:
+        reasons = session.execute(select(JobEvent.reason).where(JobEvent.job_id == job_id)).scalars().all()
+    assert reasons[-2:] == ["insufficient_resources", "resources_acquired"]
 
 
 def test_cancelling_job_is_stopped_through_the_launcher(db):
