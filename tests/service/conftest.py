@@ -1,4 +1,7 @@
-"""Fixtures of the control-plane tests: specs, the fake driver, users and their clients."""
+"""Fixtures of the control-plane tests: a valid spec to vary, and a live server running the fake driver.
+
+The generic fixtures (fresh PostgreSQL databases, ``make_live_service``) live in tests/conftest.py.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 
 FAKE_DRIVER = str(Path(__file__).with_name("fake_driver.py"))
 
@@ -25,14 +27,10 @@ VALID_SPEC: dict[str, Any] = {
 
 
 def make_spec(**driver_options: Any) -> dict[str, Any]:
+    """A valid spec whose ``model.kwargs`` tell tests/service/fake_driver.py how to behave."""
     spec = copy.deepcopy(VALID_SPEC)
     spec["model"]["kwargs"] = driver_options
     return spec
-
-
-@pytest.fixture
-def spec() -> dict[str, Any]:
-    return make_spec()
 
 
 @pytest.fixture
