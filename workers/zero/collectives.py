@@ -86,21 +86,22 @@ class Pending:
 
 
 class _Watchdog:
-    """Logs collectives a rank has been blocked on for longer than ``timeout_s``."""
+    """Logs collectives a rank has been blocked on for longer than their timeout.
 
-    def __init__(self, timeout_s: float, rank: int):
-        self.timeout_s = timeout_s
-        self.rank = rank
-        self._waiting: dict[int, tuple[str, int, float]] = {}
+    One daemon thread per process, shared by every engine, started on first use.
+    """
+
+    def __init__(self):
+        self._waiting: dict[int, tuple[str, int, int, float, float]] = {}
         self._lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
         self._next = 0
 
-    def enter(self, label: str, seq: int) -> int:
+    def enter(self, label: str, seq: int, rank: int, timeout_s: float) -> int:
         with self._lock:
             token = self._next
             self._next += 1
-            self._waiting[token] = (label, seq, time.monotonic())
+            self._waiting[token] = (label, seq, rank, timeout_s, time.monotonic())
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="zero-comm-watchdog", daemon=True)
                 self._thread.start()
@@ -113,17 +114,23 @@ class _Watchdog:
     def _run(self) -> None:
         reported: set[int] = set()
         while True:
-            time.sleep(min(5.0, self.timeout_s / 4))
+            with self._lock:
+                tick = min([w[3] / 4 for w in self._waiting.values()] + [1.0])
+            time.sleep(max(0.01, tick))
             now = time.monotonic()
             with self._lock:
-                stuck = [(t, v) for t, v in self._waiting.items() if now - v[2] > self.timeout_s and t not in reported]
-            for token, (label, seq, start) in stuck:
+                stuck = [(t, w) for t, w in self._waiting.items() if now - w[4] > w[3] and t not in reported]
+                reported &= set(self._waiting)
+            for token, (label, seq, rank, _, start) in stuck:
                 reported.add(token)
                 log.warning(
                     "rank %d has waited %.1fs on collective #%d (%s); another rank may be slow, dead, "
                     "or issuing collectives in a different order",
-                    self.rank, now - start, seq, label,
+                    rank, now - start, seq, label,
                 )
+
+
+_WATCHDOG = _Watchdog()
 
 
 class Collectives:
@@ -139,7 +146,7 @@ class Collectives:
         self.device = device
         self.counter = CommCounter()
         self.seq = 0
-        self._watchdog = _Watchdog(timeout_s, self.rank)
+        self.timeout_s = timeout_s
         self._cuda = device.type == "cuda" and torch.cuda.is_available()
         self.stream = torch.cuda.Stream(device=device) if self._cuda else None
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
@@ -162,7 +169,7 @@ class Collectives:
         return total
 
     def _timed_wait(self, work, label: str, seq: int) -> None:
-        token = self._watchdog.enter(label, seq)
+        token = _WATCHDOG.enter(label, seq, self.rank, self.timeout_s)
         try:
             if self._cuda:
                 start = torch.cuda.Event(enable_timing=True)
@@ -176,7 +183,7 @@ class Collectives:
                 work.wait()
                 self.counter.exposed_s += time.perf_counter() - t0
         finally:
-            self._watchdog.exit(token)
+            _WATCHDOG.exit(token)
 
     @contextlib.contextmanager
     def _launch_context(self):

@@ -1,0 +1,102 @@
+"""Collectives are issued in bucket order whatever order (or subset) gradients arrive in."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn as nn
+
+from workers.zero.buckets import FlatBucket
+from workers.zero.collectives import Pending
+from workers.zero.flat import FlatLayout
+from workers.zero.stages import make_strategy
+
+
+class RecordingComm:
+    """Stands in for Collectives with world size 2: records what would be launched, in order."""
+
+    world_size = 2
+
+    def __init__(self):
+        self.launched: list[str] = []
+
+    def _record(self, label: str) -> Pending:
+        self.launched.append(label)
+        return Pending(None, label, len(self.launched), self, done=True)
+
+    def all_reduce(self, tensor, label, async_op=True):
+        return self._record(label)
+
+    def reduce_scatter(self, output, input, label, async_op=True):
+        return self._record(label)
+
+    def all_gather(self, output, input, label, async_op=True):
+        return self._record(label)
+
+
+def build(stage: int, n_params: int = 12, bucket_numel: int = 40, overlap: bool = True):
+    shapes = [(f"p{i}", (3 + i % 5, 2)) for i in range(n_params)]
+    layout = FlatLayout.build(shapes, 2, bucket_numel)
+    params = [nn.Parameter(torch.zeros(s)) for _, s in shapes]
+    buckets = []
+    for spec in layout.buckets:
+        flat = torch.zeros(spec.numel)
+        master = flat[: spec.shard_numel]
+        buckets.append(FlatBucket(spec, [params[s.index] for s in spec.slots], flat, master, [], 0))
+    comm = RecordingComm()
+    return make_strategy(stage, buckets, comm, overlap), comm, layout
+
+
+@pytest.mark.parametrize("stage,sync", [(2, False), (0, True), (1, True)])
+@pytest.mark.parametrize("seed", range(5))
+def test_launch_order_is_bucket_order(stage, sync, seed):
+    strategy, comm, layout = build(stage)
+    rng = random.Random(seed)
+    arrivals = [(b, pos) for b in strategy.buckets for pos in range(len(b.spec.slots))]
+    rng.shuffle(arrivals)
+    arrivals = arrivals[: len(arrivals) - rng.randrange(0, 4)]  # some parameters unused on this rank
+    strategy.begin_micro_step(sync)
+    for b, pos in arrivals:
+        strategy.on_grad(b, pos, torch.ones(b.spec.slots[pos].shape))
+    strategy.end_micro_step()
+    kind = "all_reduce" if stage == 0 else "reduce_scatter"
+    assert comm.launched == [f"{kind} bucket {i}" for i in range(len(layout.buckets))]
+    strategy.reduced_grads()
+    assert len(comm.launched) == len(layout.buckets)  # nothing launched twice
+
+
+def test_stage_2_launches_during_backward_as_buckets_fill():
+    strategy, comm, layout = build(2)
+    strategy.begin_micro_step(False)
+    first = strategy.buckets[0]
+    for pos in range(len(first.spec.slots)):
+        assert comm.launched == []
+        strategy.on_grad(first, pos, torch.ones(first.spec.slots[pos].shape))
+    assert comm.launched == ["reduce_scatter bucket 0"]  # overlap: launched before backward ends
+
+
+def test_no_overlap_waits_for_the_end_of_backward():
+    strategy, comm, layout = build(2, overlap=False)
+    strategy.begin_micro_step(False)
+    for b in strategy.buckets:
+        for pos in range(len(b.spec.slots)):
+            strategy.on_grad(b, pos, torch.ones(b.spec.slots[pos].shape))
+    assert comm.launched == []
+    strategy.end_micro_step()
+    assert len(comm.launched) == len(layout.buckets)
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_stages_0_and_1_do_not_communicate_on_non_final_micro_steps(stage):
+    strategy, comm, _ = build(stage)
+    for _ in range(3):
+        strategy.begin_micro_step(False)
+        for b in strategy.buckets:
+            for pos in range(len(b.spec.slots)):
+                strategy.on_grad(b, pos, torch.ones(b.spec.slots[pos].shape))
+        strategy.end_micro_step()
+    assert comm.launched == []
+    strategy.reduced_grads()
+    assert len(comm.launched) == len(strategy.buckets)
