@@ -6,8 +6,9 @@
   stream (``/metrics/stream?after_id=``) continues exactly where the first render stopped.
 * ``GET /api/v1/dashboard/progress?job_id=…`` — latest step and tokens/s of the jobs on one
   page of the jobs list (a job row holds neither).
+* ``GET /api/v1/dashboard/whoami`` — the name and role the token acts as (sign-in check).
 
-Both use the control plane's auth (a user sees only their jobs; admins see all).
+All use the control plane's auth (a user sees only their jobs; admins see all).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from service.api.deps import CurrentUser, SessionDep, VisibleJob
 from service.api.errors import COMMON_ERRORS, error_responses
 from service.dashboard import charts
 from service.dashboard.prediction import predict
-from service.dashboard.schemas import ChartOut, ProgressOut
+from service.dashboard.schemas import ChartOut, ProgressOut, WhoAmI
 from service.models import Checkpoint, Job
 
 router = APIRouter(prefix="/api/v1", tags=["dashboard"], responses=error_responses(*COMMON_ERRORS))
@@ -71,3 +72,9 @@ def dashboard_progress(
         query = query.where(Job.owner == user.name)
     worlds = {row.id: _world(row.spec) for row in session.execute(query)}
     return {"items": charts.progress(session, list(worlds), worlds)}
+
+
+@router.get("/dashboard/whoami", name="dashboard_whoami", response_model=WhoAmI)
+def dashboard_whoami(user: CurrentUser) -> WhoAmI:
+    """Who the token acts as: the page says whose jobs it shows (admins see everyone's)."""
+    return WhoAmI(name=user.name, is_admin=user.is_admin)

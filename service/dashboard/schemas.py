@@ -68,3 +68,8 @@ class JobProgress(BaseModel):
 
 class ProgressOut(BaseModel):
     items: dict[str, JobProgress]
+
+
+class WhoAmI(BaseModel):
+    name: str
+    is_admin: bool

@@ -21,6 +21,7 @@ def test_running_job_updates_live_and_cancels(dashboard, page):
     page.get_by_role("button", name="Sign in").click()
     expect(page.locator("#token-error")).to_contain_text("not accepted")
     sign_in(page, dashboard.url, alice)
+    expect(page.locator("#whoami")).to_have_text("Signed in as alice")
 
     row = page.locator(f"tr[data-job-id='{mine.job_id}']")
     expect(row).to_contain_text("RUNNING")

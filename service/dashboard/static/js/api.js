@@ -6,6 +6,7 @@
  */
 
 const TOKEN_KEY = "zerotrain.token";
+const USER_KEY = "zerotrain.user";
 export const API = "/api/v1";
 
 export const session = {
@@ -15,8 +16,20 @@ export const session = {
   set(token) {
     sessionStorage.setItem(TOKEN_KEY, token);
   },
+  /** {name, is_admin} of the token, for the header; null until known. */
+  get user() {
+    try {
+      return JSON.parse(sessionStorage.getItem(USER_KEY));
+    } catch {
+      return null;
+    }
+  },
+  setUser(user) {
+    sessionStorage.setItem(USER_KEY, JSON.stringify(user));
+  },
   clear() {
     sessionStorage.removeItem(TOKEN_KEY);
+    sessionStorage.removeItem(USER_KEY);
   },
 };
 

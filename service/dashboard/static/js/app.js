@@ -53,7 +53,8 @@ function loginView(message = "") {
     submit.disabled = true;
     session.set(token);
     try {
-      await request("/jobs?limit=1", { signOutOn401: false });
+      const me = await request("/dashboard/whoami", { signOutOn401: false });
+      session.setUser(me);
       render();
     } catch (err) {
       session.clear();
@@ -66,6 +67,20 @@ function loginView(message = "") {
     }
   });
   return { element: h("div", { class: "page login-page" }, h("h1", { text: "Sign in" }), form), title: "Sign in", focus: input };
+}
+
+/** "Signed in as alice" in the header; asks the server once if this tab does not know yet. */
+function showWho() {
+  const me = session.user;
+  if (!session.token) whoami.textContent = "";
+  else if (me) whoami.textContent = `Signed in as ${me.name}${me.is_admin ? " (admin: sees all jobs)" : ""}`;
+  else {
+    whoami.textContent = "Signed in";
+    request("/dashboard/whoami").then((user) => {
+      session.setUser(user);
+      showWho();
+    }, () => {});
+  }
 }
 
 function notFound() {
@@ -85,7 +100,7 @@ function render(message = "") {
   current = new AbortController();
   const signedIn = Boolean(session.token);
   logoutButton.hidden = !signedIn;
-  whoami.textContent = signedIn ? "Signed in" : "";
+  showWho();
   const view = signedIn ? route(current.signal) : loginView(message);
   document.title = `${view.title} · zerotrain`;
   replaceChildren(main, view.element);
