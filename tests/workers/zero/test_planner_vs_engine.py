@@ -108,36 +108,50 @@ def _mmap_large_allocations(monkeypatch):
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
 
 
+def measure_single(rank: int, world_size: int, preset: str, stage: int, precision: str) -> dict:
+    return measure_one(preset, world_size, stage, precision, None)
+
+
+def check(preset: str, rank: int, measured: dict) -> list[str]:
+    """One measurement against its prediction: prints the row, returns what failed."""
+    n, stage, precision = measured["n"], measured["stage"], measured["precision"]
+    pred = predicted(preset, n, stage, precision)
+    states_pred = pred.gpu["params"] + pred.gpu["grads"] + pred.gpu["optimizer"]
+    states_meas = measured["params"] + measured["grads"] + measured["optimizer"]
+    # padding elements, each carrying params + grads + optimizer bytes
+    per_elem = 2 * mm.low_precision_bytes(precision) + mm.optimizer_bytes_per_param(precision)
+    allowed = 0.01 * states_meas + pred.padding_bytes // mm.low_precision_bytes(precision) * per_elem
+    peak_err = mm.compare({"gpu": pred.gpu}, measured)["peak"]["rel_error"]
+    row = {
+        "preset": preset, "n": n, "rank": rank, "stage": stage, "precision": precision,
+        "states_rel_err": (states_pred - states_meas) / states_meas,
+        "peak_pred": pred.gpu["total"], "peak_meas": measured["peak"], "peak_rel_err": peak_err,
+    }
+    failures = []
+    if abs(states_pred - states_meas) > allowed:
+        failures.append(f"model states off: {row}")
+    if abs(peak_err) > 0.15:
+        failures.append(f"peak off by more than 15%: {row}")
+    print("  {preset} N={n} rank {rank} stage {stage} {precision}: states {states_rel_err:+.4%} "
+          "peak {peak_pred:.0f}/{peak_meas:.0f} B {peak_rel_err:+.1%}".format(**row))
+    return failures
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", ["gpt-nano", "gpt-mini"])
 def test_prediction_matches_the_engine(preset):
     per_rank = spawn_world(measure_rank, world_size=WORLD, args=(preset,), timeout_s=300)
-    report, failures = [], []
     configs = len(STAGES) * len(PRECISIONS[preset])
     assert [len(results) for results in per_rank] == [(WORLD - rank) * configs for rank in range(WORLD)]
-    for rank, results in enumerate(per_rank):
-        for measured in results:
-            n, stage, precision = measured["n"], measured["stage"], measured["precision"]
-            pred = predicted(preset, n, stage, precision)
-            errors = mm.compare({"gpu": pred.gpu}, measured)
-            states_pred = pred.gpu["params"] + pred.gpu["grads"] + pred.gpu["optimizer"]
-            states_meas = measured["params"] + measured["grads"] + measured["optimizer"]
-            per_elem = 2 * mm.low_precision_bytes(precision) + mm.optimizer_bytes_per_param(precision)
-            allowed = 0.01 * states_meas + pred.padding_bytes // mm.low_precision_bytes(precision) * per_elem
-            peak_err = errors["peak"]["rel_error"]
-            row = {
-                "preset": preset, "n": n, "rank": rank, "stage": stage, "precision": precision,
-                "states_pred": states_pred, "states_meas": states_meas,
-                "states_rel_err": (states_pred - states_meas) / states_meas,
-                "peak_pred": pred.gpu["total"], "peak_meas": measured["peak"], "peak_rel_err": peak_err,
-            }
-            report.append(row)
-            if abs(states_pred - states_meas) > allowed:
-                failures.append(f"model states off: {row}")
-            if abs(peak_err) > 0.15:
-                failures.append(f"peak off by more than 15%: {row}")
-    print(f"\nplanner vs engine, {preset} (rel. errors: model states, peak):")
-    for row in report:
-        print("  N={n} rank {rank} stage {stage} {precision}: states {states_rel_err:+.4%} "
-              "peak {peak_pred:.0f}/{peak_meas:.0f} B {peak_rel_err:+.1%}".format(**row))
+    print("\nplanner vs engine (relative errors: model states, peak):")
+    failures = [f for rank, results in enumerate(per_rank) for m in results for f in check(preset, rank, m)]
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.slow
+def test_gpt_small_on_one_rank():
+    """2 GB of model states and GPT-2's vocabulary: measured once at N=1 (about 30 s)."""
+    (measured,) = spawn_world(measure_single, world_size=1, args=("gpt-small", 0, "fp32"), timeout_s=300)
+    print()
+    failures = check("gpt-small", 0, measured)
     assert not failures, "\n".join(failures)
