@@ -244,10 +244,12 @@ def backward_buffer_bytes(stage: int, precision: str, phi_padded: int, bucket_mb
 
     Stages 0/1 (``workers/zero/stages.py``): none; autograd's gradient is added into the
     gradient buffer and dropped at once. Stage 2: each bucket's full-size scratch lives from
-    its first gradient until backward ends, so scratch grows while activations shrink: the
-    joint peak is measured by the profile (``ActivationProfile.with_grads_kept``); None here
-    says "use the profile" (without one, the bound p·Φ is used). Stage 3 (not built yet):
-    assumed bucketed, ``bucket_buffer_bytes`` with 2 in flight.
+    its first gradient until the buckets are drained (at the next micro-step's backward or in
+    ``step()``), so scratch grows while activations shrink: the joint peak is measured by the
+    profile (``ActivationProfile.with_grads_kept``); None here says "use the profile" (without
+    one, the bound p·Φ is used). With gradient accumulation the full scratch of one micro-step
+    is still held during the next forward: activations + p·Φ (see ``predict``). Stage 3 (not
+    built yet): assumed bucketed, ``bucket_buffer_bytes`` with 2 in flight.
     """
     _check_stage(stage)
     if stage == 2:
@@ -603,6 +605,7 @@ class PlanInputs:
     prefetch: int = 1
     activation_bytes: int | None = None  # None: not estimated (counted as 0, said so)
     activation_bytes_grads_kept: int | None = None  # ActivationProfile.with_grads_kept
+    accumulation_steps: int = 1  # micro-batches per step and rank
     device: str = "cuda"  # "cuda" adds the CUDA context to the reserve; "cpu" does not
     bandwidth_bytes_per_s: float | None = None
     compute_s: float | None = None
@@ -620,6 +623,7 @@ class PlanInputs:
             "prefetch": self.prefetch,
             "activation_bytes": self.activation_bytes,
             "activation_bytes_grads_kept": self.activation_bytes_grads_kept,
+            "accumulation_steps": self.accumulation_steps,
             "device": self.device,
             "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s,
             "compute_s": self.compute_s,
@@ -678,9 +682,10 @@ def _backward_buffers(inputs: PlanInputs, stage: int, phi_padded: int) -> int:
     fixed = backward_buffer_bytes(stage, inputs.precision, phi_padded, inputs.bucket_mb)
     if fixed is not None:
         return fixed
-    if inputs.activation_bytes is not None and inputs.activation_bytes_grads_kept is not None:
-        return inputs.activation_bytes_grads_kept - inputs.activation_bytes
-    return low_precision_bytes(inputs.precision) * phi_padded  # no profile: the bound
+    full_scratch = low_precision_bytes(inputs.precision) * phi_padded
+    if inputs.accumulation_steps > 1 or inputs.activation_bytes_grads_kept is None:
+        return full_scratch  # held through the next forward, or no profile: the bound
+    return inputs.activation_bytes_grads_kept - (inputs.activation_bytes or 0)
 
 
 def _add_time_model(prediction: StagePrediction, inputs: PlanInputs) -> None:
@@ -862,12 +867,18 @@ def inputs_for_spec(
         prefetch=int(zero.get("prefetch") if zero.get("prefetch") is not None else 1),
         activation_bytes=None if profile is None else profile.activations,
         activation_bytes_grads_kept=None if profile is None else profile.with_grads_kept,
+        accumulation_steps=_accumulation_steps(train, resources),
         device="cuda" if (resources.get("gpus_per_worker") or 0) > 0 else "cpu",
         bandwidth_bytes_per_s=bandwidth_bytes_per_s,
         compute_s=compute_s,
         target_efficiency=target_efficiency,
         reshard_after_forward=bool(zero.get("reshard_after_forward", True)),
     )
+
+
+def _accumulation_steps(train: dict[str, Any], resources: dict[str, Any]) -> int:
+    per_step = int(train.get("micro_batch_size") or 1) * int(resources.get("num_workers") or 1)
+    return max(1, int(train.get("global_batch_size") or per_step) // per_step)
 
 
 def plan_for_spec(

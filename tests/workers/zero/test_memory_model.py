@@ -347,3 +347,13 @@ def test_choice_can_be_limited_to_what_the_engine_runs():
     assert {c["stage"] for c in err.value.detail["candidates"]} == {0, 1, 2}
     spec = _spec()
     assert mm.plan_for_spec(spec, stages=(1, 2)).stage == 1  # no budget: the lowest allowed
+
+
+def test_stage_2_with_accumulation_holds_a_full_scratch_through_the_next_forward():
+    base = dict(shape=mm.ModelShape.from_count(1e6), n_ranks=4, device="cpu", precision="bf16",
+                activation_bytes=100, activation_bytes_grads_kept=150)
+    assert mm.predict(mm.PlanInputs(**base), 2).phases["backward"] == 150
+    assert mm.predict(mm.PlanInputs(**base, accumulation_steps=4), 2).phases["backward"] == 100 + 2 * 1_000_000
+    spec = _spec()
+    spec["train"].update(global_batch_size=16)  # 2 per micro-batch × 2 workers × 4 micro-steps
+    assert mm.inputs_for_spec(spec).accumulation_steps == 4
