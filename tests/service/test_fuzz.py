@@ -11,7 +11,7 @@ from pathlib import Path
 from tests.service.conftest import make_spec
 
 
-def test_generated_requests_never_crash_the_server(make_live_service):
+def test_generated_requests_never_crash_the_server(make_live_service, tmp_path):
     service = make_live_service(scheduler_enabled=False)
     service.client().submit(make_spec())
     result = subprocess.run(
@@ -23,5 +23,6 @@ def test_generated_requests_never_crash_the_server(make_live_service):
          "--phases", "coverage,fuzzing", "--max-examples", "5", "--seed", "1", "--workers", "1",
          "--no-color"],
         capture_output=True, text=True, timeout=300, env={**os.environ, "NO_COLOR": "1"},
+        cwd=tmp_path,  # schemathesis keeps its state in ./.schemathesis
     )
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
