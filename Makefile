@@ -29,8 +29,9 @@ demo: install
 test: install services
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
-bench: install
+bench: install services
 	$(PY) -m benchmarks.engine --json bench-results/engine.json
+	$(PY) -m benchmarks.service --json bench-results/service.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache bench-results
