@@ -48,8 +48,9 @@ class ZeroConfig:
     precision           "fp32" | "bf16" | "fp16": dtype of compute parameters and gradients;
                         master weights and optimizer state are always fp32.
     bucket_mb           size of one communication bucket, in MiB of the compute dtype.
-    overlap_comm        stage 2: launch each bucket's reduce-scatter during backward as soon as
-                        it is full (False: launch them all when backward ends).
+    overlap_comm        launch each bucket's collective during backward as soon as the bucket
+                        is full -- always at stage 2, on ``backward(loss, sync=True)`` at stages
+                        0/1 (False: launch them all, in order, when backward ends).
     offload_optimizer   keep master weights and optimizer state in CPU memory (issue 3).
     prefetch            stage 3: how many units ahead to all-gather parameters (issue 3).
     grad_clip           max global L2 norm of the averaged gradient, or None for no clipping.

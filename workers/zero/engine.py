@@ -100,7 +100,6 @@ class ZeroEngine:
         self._trainable = [p for _, p in trainable]
         self.buckets = self._build_buckets(self._trainable)
         self._frozen_fp32 = self._sync_frozen_and_buffers()
-        self._slot_of = {id(p): slot for (_, p), slot in zip(trainable, self.layout.slots)}
 
         self.strategy: Strategy = make_strategy(config.stage, self.buckets, self.comm, config.overlap_comm)
         self._opt_params = [(piece, view) for b in self.buckets for piece, view in b.master_views]
