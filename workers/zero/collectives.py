@@ -160,6 +160,16 @@ class Collectives:
         self.counter = CommCounter()
         self._events = []
 
+    @contextlib.contextmanager
+    def uncounted(self):
+        """Collectives inside are not part of any step's volume or exposed time (set-up, checkpoints)."""
+        saved = self.counter, self._events
+        self.counter, self._events = CommCounter(), []
+        try:
+            yield
+        finally:
+            self.counter, self._events = saved
+
     def exposed_seconds(self) -> float:
         """Time blocked on collectives since ``reset``; synchronizes pending CUDA timing events."""
         total = self.counter.exposed_s

@@ -30,7 +30,6 @@ micro-steps and ranks.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 from typing import Any, Callable, Optional
@@ -74,6 +73,8 @@ class ZeroEngine:
             raise NotImplementedError("ZeRO stage 3 is not implemented yet (issue 3); use stage 0, 1 or 2")
         if config.offload_optimizer:
             raise NotImplementedError("offload_optimizer is not implemented yet (issue 3)")
+        if config.activation_checkpointing:
+            raise NotImplementedError("activation_checkpointing is not implemented yet (issue 3)")
         if isinstance(optimizer, torch.optim.Optimizer) or not callable(optimizer):
             raise TypeError(
                 "optimizer must be a factory, e.g. lambda params: torch.optim.AdamW(params, lr=1e-3); "
@@ -370,15 +371,6 @@ class ZeroEngine:
                 "total": params + grads + optimizer + buffers}
 
     # -- state -------------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def _uncounted(self):
-        saved = self.comm.counter
-        self.comm.reset()
-        try:
-            yield
-        finally:
-            self.comm.counter = saved
-
     @torch.no_grad()
     def _full_master(self, b: FlatBucket) -> torch.Tensor:
         """The whole bucket's fp32 master values (a collective at stages 1/2 with a separate master)."""
@@ -396,7 +388,7 @@ class ZeroEngine:
 
         A collective at stages 1/2 with bf16/fp16 (all ranks must call it). Tensors are CPU copies.
         """
-        with self._uncounted():
+        with self.comm.uncounted():
             values: dict[int, torch.Tensor] = {}
             for b in self.buckets:
                 full = self._full_master(b)
@@ -507,7 +499,7 @@ class ZeroEngine:
         if self.scaler is not None and sd.get("loss_scaler") is not None:
             self.scaler.load_state_dict(sd["loss_scaler"])
         self._step = int(sd["step"])
-        with self._uncounted():
+        with self.comm.uncounted():
             self.strategy.publish_params()
         self.strategy.zero_grads()
         self._got_grad = [False] * len(self._got_grad)
@@ -533,7 +525,7 @@ class ZeroEngine:
             p.data.copy_(by_id[id(p)])
         for b in self.module.buffers():
             b.copy_(by_id[id(b)])
-        with self._uncounted():
+        with self.comm.uncounted():
             self.strategy.publish_params()
 
     def state_dict_meta(self) -> dict[str, Any]:

@@ -72,6 +72,8 @@ def test_engine_refuses_what_is_not_built_yet_and_misuse():
         ZeroEngine(nn.Linear(3, 3), _adamw, ZeroConfig(stage=3))
     with pytest.raises(NotImplementedError, match="offload"):
         ZeroEngine(nn.Linear(3, 3), _adamw, ZeroConfig(stage=2, offload_optimizer=True))
+    with pytest.raises(NotImplementedError, match="activation_checkpointing"):
+        ZeroEngine(nn.Linear(3, 3), _adamw, ZeroConfig(stage=2, activation_checkpointing=True))
     model = nn.Linear(3, 3)
     with pytest.raises(TypeError, match="factory"):
         ZeroEngine(model, torch.optim.AdamW(model.parameters()), ZeroConfig(stage=1))
