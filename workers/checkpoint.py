@@ -153,6 +153,7 @@ class ControlPlaneRegistry:
 
     def __init__(self, api: Any):
         self.api = api
+        self._warned = False
 
     def register(self, record: dict) -> None:
         response = self.api._with_retries(lambda: self.api.http.post(f"{self.api.base}/worker/checkpoints",
@@ -161,13 +162,20 @@ class ControlPlaneRegistry:
         response.raise_for_status()
 
     def forget(self, step: int) -> None:
+        """Drop the record of a deleted checkpoint: ``DELETE .../worker/checkpoints/{step}``.
+
+        The route answers 204 whether or not the record existed (deletion is idempotent), so a
+        404/405 means a control plane without the route: the record stays listed, said once.
+        """
         response = self.api._with_retries(lambda: self.api.http.delete(f"{self.api.base}/worker/checkpoints/{step}"),
                                           f"forgetting checkpoint step {step}", 60.0)
-        if response.status_code in (404, 405) and "checkpoint" not in response.text.lower():
-            log.warning("the control plane has no endpoint to forget checkpoint records; step %d stays listed", step)
+        if response.status_code in (404, 405):
+            if not self._warned:
+                log.warning("the control plane cannot forget checkpoint records (HTTP %d on DELETE); deleted "
+                            "checkpoints stay listed", response.status_code)
+                self._warned = True
             return
-        if response.status_code != 404:  # already forgotten: deletion is idempotent
-            response.raise_for_status()
+        response.raise_for_status()
 
 
 # ----------------------------------------------------------------------------- the train loop's hook

@@ -79,8 +79,12 @@ class NoCheckpoints:
 
 
 def make_checkpoint_hook(config: dict[str, Any], world: "World", api: WorkerAPI | None) -> CheckpointHook:
-    """The job's checkpoint hook; until the checkpoint module provides one, none."""
-    return NoCheckpoints()
+    """The job's checkpoint hook (``workers.checkpoint``); none when there is nowhere to write."""
+    if not (config.get("storage_uri") or (config["spec"].get("checkpoint") or {}).get("uri")):
+        return NoCheckpoints()
+    from workers.checkpoint import make_checkpoint_hook as checkpoint_hook
+
+    return checkpoint_hook(config, world, api)
 
 
 # ----------------------------------------------------------------------------- who am I
