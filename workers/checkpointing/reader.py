@@ -84,6 +84,13 @@ def check_compatible(manifest: dict[str, Any], meta: dict[str, Any]) -> None:
                          f"different shapes {reshaped[:5]}")
 
 
+def _optimizer_order(meta: dict[str, Any]) -> list[str]:
+    """The engine's optimizer order when its meta does not say it: held pieces by bucket, then offset
+    (``FlatLayout.pieces``). A meta with ``optimizer_params`` is used as is."""
+    return sorted((n for n, e in meta["params"].items() if e["shard_range"] is not None),
+                  key=lambda n: (meta["params"][n]["bucket"], meta["params"][n]["offset"]))
+
+
 def engine_state(checkpoint: Storage, manifest: dict[str, Any], engine: Any) -> tuple[dict[str, Any], LoadReport]:
     """This rank's ``zerotrain.zero/v1`` state dict for ``engine``, read by byte range."""
     meta = engine.state_dict_meta()
@@ -91,8 +98,7 @@ def engine_state(checkpoint: Storage, manifest: dict[str, Any], engine: Any) -> 
     report = LoadReport()
     reader = _RangeReader(checkpoint, report)
     tensors = manifest["tensors"]
-    held = sorted((n for n, e in meta["params"].items() if e["shard_range"] is not None),
-                  key=lambda n: (meta["params"][n]["bucket"], meta["params"][n]["offset"]))
+    held = meta.get("optimizer_params") or _optimizer_order(meta)
     master, opt_state = {}, {}
     for i, name in enumerate(held):
         lo, hi = meta["params"][name]["shard_range"]

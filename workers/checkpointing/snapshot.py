@@ -71,6 +71,8 @@ def _host(t: torch.Tensor) -> torch.Tensor:
 
 def take_snapshot(engine: Any, loader: Any, step: int, rank: int, world_size: int) -> ShardSnapshot:
     """Copy this rank's state to host memory and describe where each piece will lie."""
+    if rank != 0 and rank >= engine.state_dict_meta()["shard_world_size"]:
+        return _replica_snapshot(step, rank, world_size)  # stage 0: rank 0 writes the one copy
     sd = engine.state_dict()  # host copies: training may continue while they upload
     file = shard_name(rank, world_size)
     tensors: dict[str, torch.Tensor] = {}
@@ -106,6 +108,13 @@ def take_snapshot(engine: Any, loader: Any, step: int, rank: int, world_size: in
                          index=index,
                          values=values, rng=rng_state(),
                          common=_common(engine, loader, sd, step, world_size) if rank == 0 else None)
+
+
+def _replica_snapshot(step: int, rank: int, world_size: int) -> ShardSnapshot:
+    """A rank that holds only replicas: an empty shard file, and its RNG state."""
+    index: dict[str, dict] = {"params": {}, "optimizer": {}, "frozen": {}, "buffers": {}}
+    return ShardSnapshot(step=step, rank=rank, world_size=world_size, file=shard_name(rank, world_size), tensors={},
+                         entries={}, index=index, values={}, rng=rng_state())
 
 
 def _common(engine: Any, loader: Any, sd: dict, step: int, world_size: int) -> dict[str, Any]:
