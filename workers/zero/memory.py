@@ -682,10 +682,19 @@ def _backward_buffers(inputs: PlanInputs, stage: int, phi_padded: int) -> int:
     fixed = backward_buffer_bytes(stage, inputs.precision, phi_padded, inputs.bucket_mb)
     if fixed is not None:
         return fixed
-    full_scratch = low_precision_bytes(inputs.precision) * phi_padded
-    if inputs.accumulation_steps > 1 or inputs.activation_bytes_grads_kept is None:
-        return full_scratch  # held through the next forward, or no profile: the bound
-    return inputs.activation_bytes_grads_kept - (inputs.activation_bytes or 0)
+    p = low_precision_bytes(inputs.precision)
+    full_scratch = p * phi_padded
+    if inputs.activation_bytes_grads_kept is None:
+        return full_scratch  # no profile: the bound
+    growing = inputs.activation_bytes_grads_kept - (inputs.activation_bytes or 0)
+    if inputs.accumulation_steps == 1:
+        return growing
+    # Later micro-steps: the previous scratch is held through this forward, and on Gloo (the
+    # CPU backend, no native reduce-scatter: torch all-reduces a copy) so is the copy of each
+    # in-flight bucket -- measured: gpt-mini, N=2, 3 micro-steps, forward peak +2·p·Φ. In
+    # backward each reduce-scatter also needs a shard-sized output before it is accumulated.
+    held = full_scratch * (2 if inputs.device == "cpu" else 1)
+    return max(held, growing + p * shard_numel(phi_padded, inputs.n_ranks))
 
 
 def _add_time_model(prediction: StagePrediction, inputs: PlanInputs) -> None:

@@ -350,10 +350,15 @@ def test_choice_can_be_limited_to_what_the_engine_runs():
 
 
 def test_stage_2_with_accumulation_holds_a_full_scratch_through_the_next_forward():
-    base = dict(shape=mm.ModelShape.from_count(1e6), n_ranks=4, device="cpu", precision="bf16",
+    base = dict(shape=mm.ModelShape.from_count(1e6), n_ranks=4, device="cuda", precision="bf16",
                 activation_bytes=100, activation_bytes_grads_kept=150)
     assert mm.predict(mm.PlanInputs(**base), 2).phases["backward"] == 150
     assert mm.predict(mm.PlanInputs(**base, accumulation_steps=4), 2).phases["backward"] == 100 + 2 * 1_000_000
+    on_gloo = {**base, "device": "cpu"}  # + the copy Gloo's reduce-scatter keeps of each bucket
+    assert mm.predict(mm.PlanInputs(**on_gloo, accumulation_steps=4), 2).phases["backward"] == 100 + 4 * 1_000_000
+    big_profile = {**base, "activation_bytes_grads_kept": 100 + 2 * 1_000_000}  # scratch grows in backward
+    accumulating = mm.predict(mm.PlanInputs(**big_profile, accumulation_steps=4), 2)
+    assert accumulating.phases["backward"] == 100 + 2 * 1_000_000 + 2 * 250_000  # + shard-sized outputs
     spec = _spec()
     spec["train"].update(global_batch_size=16)  # 2 per micro-batch × 2 workers × 4 micro-steps
     assert mm.inputs_for_spec(spec).accumulation_steps == 4

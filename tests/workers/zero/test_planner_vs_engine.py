@@ -41,13 +41,15 @@ PRECISIONS = {"gpt-nano": ("fp32", "bf16"), "gpt-mini": ("bf16",)}
 
 
 WORLD = 3
+ACCUMULATING = ("gpt-mini", 2)  # also measured with 3 micro-steps per step (stage 2, bf16)
 
 
-def _train(engine, vocab: int, steps: int) -> None:
+def _train(engine, vocab: int, steps: int, micro_steps: int = 1) -> None:
     for _ in range(steps):
-        x = torch.randint(0, vocab, (MICRO_BATCH, SEQ_LEN))
-        loss = engine(x, torch.randint(0, vocab, (MICRO_BATCH, SEQ_LEN)))
-        engine.backward(loss)
+        for _ in range(micro_steps):
+            x = torch.randint(0, vocab, (MICRO_BATCH, SEQ_LEN))
+            loss = engine(x, torch.randint(0, vocab, (MICRO_BATCH, SEQ_LEN)))
+            engine.backward(loss)
         engine.step()
 
 
@@ -66,11 +68,13 @@ def measure_rank(rank: int, world_size: int, preset: str) -> list[dict]:
         if rank < n:
             results += [measure_one(preset, n, stage, precision, group)
                         for precision in PRECISIONS[preset] for stage in STAGES]
+            if (preset, n) == ACCUMULATING:  # stage 2 holds a micro-step's scratch into the next
+                results.append(measure_one(preset, n, 2, "bf16", group, micro_steps=3))
         dist.barrier()
     return results
 
 
-def measure_one(preset: str, n: int, stage: int, precision: str, group) -> dict:
+def measure_one(preset: str, n: int, stage: int, precision: str, group, micro_steps: int = 1) -> dict:
     warm = GPT(preset_config(preset, n_layer=1))  # same ops, tiny: warms kernels and arenas
     _train(_engine(warm, stage, precision, group), warm.config.vocab_size, 1)
     del warm
@@ -81,14 +85,15 @@ def measure_one(preset: str, n: int, stage: int, precision: str, group) -> dict:
     model = GPT(PRESETS[preset])
     engine = _engine(model, stage, precision, group)
     meter.reset_peak()
-    _train(engine, model.config.vocab_size, 2)
-    measured = {"n": n, "precision": precision, "stage": stage, "peak": meter.peak_growth(), **engine.memory()}
+    _train(engine, model.config.vocab_size, 2, micro_steps)
+    measured = {"n": n, "precision": precision, "stage": stage, "micro_steps": micro_steps,
+                "peak": meter.peak_growth(), **engine.memory()}
     del engine, model
     gc.collect()
     return measured
 
 
-def predicted(preset: str, n: int, stage: int, precision: str) -> mm.StagePrediction:
+def predicted(preset: str, n: int, stage: int, precision: str, micro_steps: int = 1) -> mm.StagePrediction:
     profile = mm.profile_activations({"preset": preset}, MICRO_BATCH, SEQ_LEN, precision)
     inputs = mm.PlanInputs(
         shape=mm.model_shape({"preset": preset}),
@@ -97,6 +102,7 @@ def predicted(preset: str, n: int, stage: int, precision: str) -> mm.StagePredic
         bucket_mb=BUCKET_MB,
         activation_bytes=profile.activations,
         activation_bytes_grads_kept=profile.with_grads_kept,
+        accumulation_steps=micro_steps,
         device="cpu",
     )
     return mm.predict(inputs, stage)
@@ -115,7 +121,8 @@ def measure_single(rank: int, world_size: int, preset: str, stage: int, precisio
 def check(preset: str, rank: int, measured: dict) -> list[str]:
     """One measurement against its prediction: prints the row, returns what failed."""
     n, stage, precision = measured["n"], measured["stage"], measured["precision"]
-    pred = predicted(preset, n, stage, precision)
+    micro_steps = measured["micro_steps"]
+    pred = predicted(preset, n, stage, precision, micro_steps)
     states_pred = pred.gpu["params"] + pred.gpu["grads"] + pred.gpu["optimizer"]
     states_meas = measured["params"] + measured["grads"] + measured["optimizer"]
     # padding elements, each carrying params + grads + optimizer bytes
@@ -123,7 +130,7 @@ def check(preset: str, rank: int, measured: dict) -> list[str]:
     allowed = 0.01 * states_meas + pred.padding_bytes // mm.low_precision_bytes(precision) * per_elem
     peak_err = mm.compare({"gpu": pred.gpu}, measured)["peak"]["rel_error"]
     row = {
-        "preset": preset, "n": n, "rank": rank, "stage": stage, "precision": precision,
+        "preset": preset, "n": n, "rank": rank, "stage": stage, "precision": precision, "micro": micro_steps,
         "states_rel_err": (states_pred - states_meas) / states_meas,
         "peak_pred": pred.gpu["total"], "peak_meas": measured["peak"], "peak_rel_err": peak_err,
     }
@@ -132,7 +139,7 @@ def check(preset: str, rank: int, measured: dict) -> list[str]:
         failures.append(f"model states off: {row}")
     if abs(peak_err) > 0.15:
         failures.append(f"peak off by more than 15%: {row}")
-    print("  {preset} N={n} rank {rank} stage {stage} {precision}: states {states_rel_err:+.4%} "
+    print("  {preset} N={n} rank {rank} stage {stage} {precision} ×{micro}: states {states_rel_err:+.4%} "
           "peak {peak_pred:.0f}/{peak_meas:.0f} B {peak_rel_err:+.1%}".format(**row))
     return failures
 
@@ -142,7 +149,8 @@ def check(preset: str, rank: int, measured: dict) -> list[str]:
 def test_prediction_matches_the_engine(preset):
     per_rank = spawn_world(measure_rank, world_size=WORLD, args=(preset,), timeout_s=300)
     configs = len(STAGES) * len(PRECISIONS[preset])
-    assert [len(results) for results in per_rank] == [(WORLD - rank) * configs for rank in range(WORLD)]
+    extra = [int(preset == ACCUMULATING[0] and rank < ACCUMULATING[1]) for rank in range(WORLD)]
+    assert [len(results) for results in per_rank] == [(WORLD - rank) * configs + extra[rank] for rank in range(WORLD)]
     print("\nplanner vs engine (relative errors: model states, peak):")
     failures = [f for rank, results in enumerate(per_rank) for m in results for f in check(preset, rank, m)]
     assert not failures, "\n".join(failures)
