@@ -319,8 +319,8 @@ class ModelShape:
 
     @classmethod
     def from_count(cls, phi: float, n_units: int = DEFAULT_UNITS) -> "ModelShape":
-        """A bare parameter count: no structure is known, so assume ``n_units`` equal stage-3
-        units (32 by default: the depth of 7B-class transformers) and equal-sized tensors."""
+        """A bare parameter count: no structure is known, so assume one flat tensor and
+        ``n_units`` equal stage-3 units (32 by default: the depth of 7B-class transformers)."""
         phi = int(phi)
         if phi <= 0:
             raise ValueError("the parameter count must be positive")
@@ -753,8 +753,9 @@ class Plan:
 METHOD = {
     "model_states": "DESIGN §4 per rank; partitioned terms use Φ padded per bucket to a multiple of N",
     "offload": "host keeps fp32 master (4Φ/N), fp32 gradient shard (4Φ/N), Adam moments (8Φ/N)",
-    "buffers": "larger of backward scratch (stage 2: gradients kept per bucket until backward ends, "
-    "profiled; stage 3: 2 buckets of bucket_mb MiB + fp32 copies) and step scratch (fp32 casts of "
+    "buffers": "larger of backward scratch (stage 2: full-size bucket scratch kept until drained, "
+    "profiled jointly with activations; with accumulation held through the next forward, twice on "
+    "Gloo; stage 3: 2 buckets of bucket_mb MiB + fp32 copies) and step scratch (fp32 casts of "
     "reduced gradients, stage-1 shards, CUDA foreach Adam temporaries)",
     "peak": "model states + gathered units + max(activations + backward scratch, step scratch) + reserve",
     "gathered_units": "stage 3: (prefetch+1) × largest unit (a block of the largest ModuleList, or the root)",
@@ -789,6 +790,7 @@ def choose_plan(
     ``NoPlanFits`` with every candidate's numbers when nothing fits.
     """
     candidates = predict_all(inputs, stages, allow_offload)
+    note = "" if inputs.activation_bytes is not None else " (activations not estimated: counted as 0)"
     limit = None if budget_bytes is None else int((1 - margin) * budget_bytes)
     host_limit = None if host_budget_bytes is None else int((1 - margin) * host_budget_bytes)
     for c in candidates:
@@ -804,7 +806,7 @@ def choose_plan(
     if limit is None:
         lowest = min(stages)
         return plan(stage=lowest, offload=False,
-                    reason=f"no memory budget known: stage {lowest}, the least communication")
+                    reason=f"no memory budget known: stage {lowest}, the least communication{note}")
     for c in candidates:
         if c.fits:
             what = f"stage {c.stage}" + (" with optimizer offload" if c.offload else "")
@@ -812,7 +814,7 @@ def choose_plan(
                 f"{what} is the lowest that fits: {c.total / GB:.2f} GB per rank <= "
                 f"{limit / GB:.2f} GB ({1 - margin:.0%} of {budget_bytes / GB:.2f} GB)"
             )
-            return plan(stage=c.stage, offload=c.offload, reason=reason)
+            return plan(stage=c.stage, offload=c.offload, reason=reason + note)
     smallest = min(candidates, key=lambda c: c.total)
     raise NoPlanFits(
         {
