@@ -362,3 +362,28 @@ def test_stage_2_with_accumulation_holds_a_full_scratch_through_the_next_forward
     spec = _spec()
     spec["train"].update(global_batch_size=16)  # 2 per micro-batch × 2 workers × 4 micro-steps
     assert mm.inputs_for_spec(spec).accumulation_steps == 4
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    phi=st.floats(1e6, 1e12),
+    n=st.integers(1, 512),
+    budget_gb=st.floats(1, 200),
+    activation_gb=st.floats(0, 50),
+    precision=st.sampled_from(mm.PRECISIONS),
+)
+def test_the_choice_is_the_first_candidate_that_fits(phi, n, budget_gb, activation_gb, precision):
+    inputs = mm.PlanInputs(shape=mm.ModelShape.from_count(phi), n_ranks=n, precision=precision,
+                           activation_bytes=int(activation_gb * GB))
+    budget = int(budget_gb * GB)
+    usable = int(0.9 * budget)
+    order = mm.predict_all(inputs)
+    try:
+        plan = mm.choose_plan(inputs, budget)
+    except mm.NoPlanFits as err:
+        assert all(c.total > usable for c in order)
+        assert err.detail["usable_bytes"] == usable
+        return
+    chosen = [(c.stage, c.offload) for c in order].index((plan.stage, plan.offload))
+    assert plan.chosen.total <= usable
+    assert all(c.total > usable for c in order[:chosen])
