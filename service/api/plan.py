@@ -121,7 +121,11 @@ def no_plan_response(detail: dict[str, Any]) -> JSONResponse:
     responses={422: {"description": "nothing fits the memory budget; the numbers are under 'plan'"}},
 )
 def post_plan(req: PlanRequest) -> Any:
-    from workers.zero import memory
+    try:
+        from workers.zero import memory
+    except ImportError as exc:  # a control plane installed without the worker extra (torch)
+        message = f"the planner needs the worker extra (torch): {exc}"
+        return JSONResponse({"detail": message, "errors": []}, status_code=503)
 
     try:
         return plan_from_request(req).to_dict()
