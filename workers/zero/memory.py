@@ -306,16 +306,22 @@ DEFAULT_UNITS = 32
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What the planner needs from a model: Φ, parameter sizes in order, stage-3 units."""
+    """What the planner needs from a model: Φ (trainable), sizes in order, stage-3 units.
+
+    Frozen parameters (``requires_grad=False``) get no gradient and no optimizer state; the
+    engine keeps them whole on every rank in the compute dtype (``frozen``).
+    """
 
     phi: int
     param_numels: tuple[int, ...]
     unit_numels: tuple[int, ...]
+    frozen: int = 0
 
     @classmethod
     def of(cls, model: nn.Module) -> "ModelShape":
-        numels = tuple(p.numel() for p in model.parameters())
-        return cls(phi=sum(numels), param_numels=numels, unit_numels=tuple(stage3_units(model)))
+        numels = tuple(p.numel() for p in model.parameters() if p.requires_grad)
+        frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+        return cls(sum(numels), numels, tuple(stage3_units(model)), frozen)
 
     @classmethod
     def from_count(cls, phi: float, n_units: int = DEFAULT_UNITS) -> "ModelShape":
@@ -336,8 +342,7 @@ def stage3_units(model: nn.Module) -> list[int]:
     The root unit holds every parameter outside those children (embeddings, final norm, and
     tied weights, which belong to the unit enclosing both uses); each parameter counts once.
     """
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
-    largest = max(lists, key=lambda m: sum(p.numel() for p in m.parameters()), default=None)
+    largest = largest_module_list(model)
     units: list[int] = []
     seen: set[int] = set()
     if largest is not None:
@@ -347,6 +352,12 @@ def stage3_units(model: nn.Module) -> list[int]:
             units.append(sum(p.numel() for p in own))
     root = sum(p.numel() for p in model.parameters() if id(p) not in seen)
     return [root] + units if root else units
+
+
+def largest_module_list(model: nn.Module) -> nn.ModuleList | None:
+    """The ``ModuleList`` holding the most parameters: its children are the repeated blocks."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    return max(lists, key=lambda m: sum(p.numel() for p in m.parameters()), default=None)
 
 
 def build_on_meta(model_spec: dict[str, Any]) -> nn.Module:
@@ -453,10 +464,9 @@ def checkpoint_units(model: nn.Module) -> None:
 
     from torch.utils.checkpoint import checkpoint
 
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
-    if not lists:
+    largest = largest_module_list(model)
+    if largest is None:
         return
-    largest = max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
     contexts = lambda: (contextlib.nullcontext(), _FlashAttentionOnMeta())  # noqa: E731
     for child in largest:
         child.forward = functools.partial(checkpoint, child.forward, use_reentrant=False, context_fn=contexts)
@@ -615,6 +625,7 @@ class PlanInputs:
     def describe(self) -> dict[str, Any]:
         return {
             "parameters": self.shape.phi,
+            "frozen_parameters": self.shape.frozen,
             "largest_unit": max(self.shape.unit_numels),
             "units": len(self.shape.unit_numels),
             "n_ranks": self.n_ranks,
@@ -641,7 +652,7 @@ def predict(inputs: PlanInputs, stage: int, offload: bool = False) -> StagePredi
     backward = activations + _backward_buffers(inputs, stage, phi_padded)
     step = step_buffer_bytes(stage, precision, phi_padded, n, inputs.device, offload)
     gpu = {
-        "params": states.gpu_params,
+        "params": states.gpu_params + shape.frozen * low_precision_bytes(precision),
         "grads": states.gpu_grads,
         "optimizer": states.gpu_optimizer,
         "gathered_units": gathered_unit_bytes(shape.unit_numels, precision, inputs.prefetch)

@@ -387,3 +387,14 @@ def test_the_choice_is_the_first_candidate_that_fits(phi, n, budget_gb, activati
     chosen = [(c.stage, c.offload) for c in order].index((plan.stage, plan.offload))
     assert plan.chosen.total <= usable
     assert all(c.total > usable for c in order[:chosen])
+
+
+def test_frozen_parameters_are_replicated_without_grads_or_optimizer_state():
+    model = torch.nn.Sequential(torch.nn.Linear(100, 100), torch.nn.Linear(100, 10))
+    model[0].requires_grad_(False)
+    shape = mm.model_shape(model)
+    assert (shape.phi, shape.frozen) == (1010, 10100)
+    inputs = mm.PlanInputs(shape=shape, n_ranks=2, precision="bf16", device="cpu")
+    stage3 = mm.predict(inputs, 3)
+    assert stage3.gpu["params"] == 2 * 505 + 2 * 10100
+    assert stage3.gpu["grads"] == 2 * 505 and stage3.gpu["optimizer"] == 12 * 505
