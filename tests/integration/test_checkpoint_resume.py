@@ -4,7 +4,8 @@ A real local Ray head, a real control plane and PostgreSQL; gpt-nano on 2 worker
 ``checkpoint.every_steps=5``. Once the control plane lists a committed checkpoint, one Ray
 Train worker is killed with SIGKILL. Ray Train restarts the group (attempt 2), which loads the
 latest committed checkpoint: its first step is that checkpoint's step + 1, it runs to the end,
-and no step is lost or duplicated, nor any metric row.
+and no step is lost or duplicated, nor any metric row. Each save's blocking time is its step's
+``checkpoint_blocked_s``.
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ def test_killed_worker_resumes_from_the_latest_checkpoint(make_control_plane):
                                                             for s in range(resumed_from + 1, STEPS + 1)]
         # no lost steps: attempt 1 reached the checkpoint it is resumed from
         assert {m.step for m in first} >= set(range(1, resumed_from + 1))
+        # each save's blocking time is the step's checkpoint_blocked_s metric; other steps block 0
+        assert all(m.checkpoint_blocked_s > 0 for m in second if m.step % EVERY == 0)
+        assert all(m.checkpoint_blocked_s == 0 for m in second if m.step % EVERY)
         rows = Counter((m.attempt, m.rank, m.step) for m in first + second)
         assert max(rows.values()) == 1  # no duplicated metric rows
         assert STEPS in [c.step for c in client.checkpoints(job.id)]  # the final step is checkpointed too
