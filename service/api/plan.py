@@ -3,7 +3,8 @@
 Two ways to ask, so that both a whiteboard question and a job about to be submitted get an
 answer: a bare parameter count (``{"params": 7.5e9, "gpus": 64, ...}``) or a job spec, or
 the part of one that matters (``{"model", "data.seq_len", "train.micro_batch_size", "zero",
-"resources"}``; other JobSpec fields are ignored here, the jobs route validates them). The
+"resources"}``; other JobSpec fields are ignored here, the jobs route validates them). Only
+presets are planned from a spec: a factory would run user code on the server. The
 answer is the plan: the chosen stage, why, and every candidate's terms in bytes. When
 nothing fits, the answer is a 422 that carries the same numbers (``plan``), so the caller
 sees how far off each stage is. Auth is added by whoever mounts the router.
@@ -96,7 +97,7 @@ def plan_from_request(req: PlanRequest) -> "Any":
         if req.precision:
             zero["precision"] = req.precision
         spec = {"model": req.model, "data": req.data, "train": req.train, "zero": zero, "resources": req.resources}
-        return memory.plan_for_spec(spec, **common)
+        return memory.plan_for_spec(spec, allow_factories=False, **common)
     return memory.plan_for_count(
         req.params,
         req.gpus,

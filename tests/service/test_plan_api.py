@@ -163,3 +163,12 @@ def test_cli_plan_nothing_fits_is_a_user_error(capsys):
     with pytest.raises(CliError, match="no ZeRO stage fits"):
         _cli(["plan", "--params", "7.5e9", "--gpus", "2", "--gpu-mem", "8"])
     assert "fits" in capsys.readouterr().out  # the table is still printed
+
+
+def test_factory_models_are_not_run_on_the_server(client, tmp_path):
+    marker = tmp_path / "ran"
+    spec = job_spec("gpt-nano", 1, gpu_memory_gb=80)
+    spec["model"] = {"factory": "os:makedirs", "kwargs": {"name": str(marker)}}  # would create it
+    status, body = post(client, spec)
+    assert status == 422 and "factory" in body["detail"]
+    assert not marker.exists()

@@ -914,6 +914,7 @@ def plan_for_spec(
     stages: Sequence[int] = STAGES,
     allow_offload: bool = True,
     activations_on: str = "meta",
+    allow_factories: bool = True,
 ) -> Plan:
     """What the control plane calls at submit time; the choice matters for ``stage: "auto"``.
 
@@ -925,7 +926,17 @@ def plan_for_spec(
     Raises ``NoPlanFits`` (→ 422) when ``stage`` is "auto" and nothing fits. ``stages`` and
     ``allow_offload`` limit "auto" to what the engine implements; ``activations_on`` is
     "meta" at submit time, a real device ("cuda", "cpu") when a worker re-plans.
+
+    Planning a ``factory`` model imports and calls user code. The control plane must pass
+    ``allow_factories=False`` (a ValueError then says so): a factory path such as
+    ``subprocess:run`` with kwargs would otherwise run on the server. Workers run user code
+    by design and may plan factories.
     """
+    if not allow_factories and (spec.get("model") or {}).get("factory"):
+        raise ValueError(
+            "factory models are not planned here (that would run user code on the control plane); "
+            "the worker plans them at start, or ask POST /plan with 'params'"
+        )
     inputs = inputs_for_spec(spec, activations_on, bandwidth_bytes_per_s, compute_s, target_efficiency)
     resources, zero = spec.get("resources") or {}, spec.get("zero") or {}
     gpu_job = (resources.get("gpus_per_worker") or 0) > 0
