@@ -57,15 +57,39 @@ def ray_storage_path(storage_uri: str) -> str:
     return storage_uri.rstrip("/") + "/ray-train"
 
 
+def resources_per_worker(spec: dict[str, Any]) -> dict[str, float]:
+    resources = spec.get("resources") or {}
+    per_worker = {"CPU": float(resources.get("cpus_per_worker") or 1)}
+    if float(resources.get("gpus_per_worker") or 0):
+        per_worker["GPU"] = float(resources["gpus_per_worker"])
+    return per_worker
+
+
+def wait_for_resources(spec: dict[str, Any], job_id: str) -> None:
+    """Block until the cluster can hold the whole worker group, before Ray Train asks for it.
+
+    The wait is a placement group of the worker group's shape, owned by this driver: while it
+    is pending the launcher reports ``insufficient_resources`` with the numbers, and a cancel
+    (which ends this process) releases it with nothing else to clean up. Ray Train's own
+    controller is only started once the resources exist; a controller killed while waiting for
+    its placement group leaves its detached PlacementGroupCleaner behind in Ray 2.60
+    (ray-project/ray#61689).
+    """
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    workers = int((spec.get("resources") or {}).get("num_workers") or 1)
+    gate = placement_group([resources_per_worker(spec)] * workers, strategy="PACK", name=f"zerotrain-gate-{job_id}")
+    ray.get(gate.ready())
+    remove_placement_group(gate)  # handed over to Ray Train's placement group right away
+
+
 def build_trainer(spec: dict[str, Any], loop_config: dict[str, Any], storage_uri: str, job_id: str):
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     resources = spec.get("resources") or {}
-    gpus = float(resources.get("gpus_per_worker") or 0)
-    per_worker = {"CPU": float(resources.get("cpus_per_worker") or 1)}
-    if gpus:
-        per_worker["GPU"] = gpus
+    per_worker = resources_per_worker(spec)
+    gpus = per_worker.get("GPU", 0.0)
     return TorchTrainer(
         train_loop,
         train_loop_config=loop_config,
@@ -90,8 +114,14 @@ def failure_reason(error: BaseException) -> str:
     return "user_code_error"
 
 
-def _stop_quietly(signum: int, _frame: Any) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
+def _stop_now(signum: int, _frame: Any) -> None:
+    """Cancel: leave at once. Ray kills what this driver owns (the Train controller, and with it
+    the workers) as soon as the driver is gone; a graceful ``fit()`` teardown would only delay it."""
+    log.warning("driver stopped by signal %d (cancel); not reporting a final state", signum)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(128 + signum)
 
 
 def run(job_id: str, api_url: str) -> int:
@@ -103,7 +133,7 @@ def run(job_id: str, api_url: str) -> int:
     worker_spec = api.get_spec()
     spec = worker_spec["spec"]
     storage_uri = os.environ.get("ZEROTRAIN_STORAGE_URI") or worker_spec["storage_uri"]
-    signal.signal(signal.SIGTERM, _stop_quietly)
+    signal.signal(signal.SIGTERM, _stop_now)
     try:
         ray.init(log_to_driver=True)
         counter = AttemptCounter.options(name=counter_name(job_id)).remote()
@@ -112,10 +142,11 @@ def run(job_id: str, api_url: str) -> int:
                        "attempt_counter": counter_name(job_id)}
         log.info("job %s: %d workers, stage %s", job_id, (spec.get("resources") or {}).get("num_workers", 1),
                  (spec.get("zero") or {}).get("stage", "auto"))
+        wait_for_resources(spec, job_id)
         build_trainer(spec, loop_config, storage_uri, job_id).fit()
-        del counter
-    except KeyboardInterrupt:
-        log.warning("job %s: driver stopped (cancel); not reporting a final state", job_id)
+        ray.kill(counter)
+    except KeyboardInterrupt:  # Ctrl-C of a driver run by hand
+        log.warning("job %s: driver interrupted; not reporting a final state", job_id)
         return 130
     except Exception as error:  # noqa: BLE001 - every failure is reported, then re-raised as exit 1
         message = f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=20)}"

@@ -18,8 +18,9 @@ Status mapping (Ray job → ``LaunchPhase``): PENDING → PENDING; RUNNING → R
 job's worker group is waiting for a placement group the cluster cannot give it now: then
 PENDING with reason ``insufficient_resources`` and the numbers (asked vs total/available);
 SUCCEEDED/FAILED/STOPPED → the same; a submission the cluster no longer knows → UNKNOWN.
-Driver logs are copied to storage when a job ends, so ``logs()`` still answers after the
-cluster (e.g. the embedded head) is gone.
+Driver logs are copied to storage (``{storage}/{job_id}/logs/``) once a job has ended — when
+``status()`` or ``logs()`` sees it finished, and for every finished job at ``close()`` — so
+``logs()`` still answers after the cluster (e.g. the embedded head) has forgotten the job.
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ PHASES = {
     "STOPPED": LaunchPhase.STOPPED,
 }
 TERMINAL_PHASES = {LaunchPhase.SUCCEEDED, LaunchPhase.FAILED, LaunchPhase.STOPPED}
+# Named actors that a job may create but that belong to the whole cluster (created once, shared).
+CLUSTER_SINGLETONS = frozenset({"AutoscalingCoordinator"})
 
 
 def _free_port() -> int:
@@ -334,14 +337,14 @@ class RayJobsLauncher:
         log.warning("job %s: Ray processes still alive %.0f s after stop", handle.external_id, timeout_s)
 
     def _live_actors(self, submission_id: str, driver_job: str | None) -> list[dict[str, Any]]:
-        """The job's actors still alive: its Ray job supervisor and what its driver created, except
-        detached cluster singletons (Ray Train's shared ``AutoscalingCoordinator`` is created by
-        the first job and outlives it by design)."""
+        """The job's actors still alive: its Ray job supervisor and everything its driver created
+        (Ray Train's controller, workers and detached placement-group cleaner), except the
+        cluster-wide ``AutoscalingCoordinator`` singleton that the first job creates for all."""
         alive = self._state_api("actors", [("name", "=", f"_ray_internal_job_actor_{submission_id}"),
                                            ("state", "!=", "DEAD")])
         if driver_job:
             owned = self._state_api("actors", [("job_id", "=", driver_job), ("state", "!=", "DEAD")])
-            alive += [actor for actor in owned if not actor.get("is_detached")]
+            alive += [actor for actor in owned if actor.get("name") not in CLUSTER_SINGLETONS]
         return alive
 
     # -- logs -------------------------------------------------------------------------------------
@@ -350,21 +353,41 @@ class RayJobsLauncher:
         return f"{storage.rstrip('/')}/{handle.extra.get('job_id', handle.external_id)}/logs/{handle.external_id}.log"
 
     def _save_logs(self, handle: LaunchHandle) -> None:
+        """Copy a finished job's driver log to storage (once), so it outlives the Ray cluster."""
         if handle.external_id in self._logs_saved:
             return
         import fsspec
 
+        path = self._log_copy_path(handle)
         try:
-            text = self.client.get_job_logs(handle.external_id)
-            with fsspec.open(self._log_copy_path(handle), "w", auto_mkdir=True) as out:
-                out.write(text)
+            fs, fs_path = fsspec.core.url_to_fs(path)
+            if not fs.exists(fs_path):
+                text = self.client.get_job_logs(handle.external_id)
+                fs.makedirs(fs_path.rsplit("/", 1)[0], exist_ok=True)
+                with fs.open(fs_path, "w") as out:
+                    out.write(text)
             self._logs_saved.add(handle.external_id)
         except Exception as error:  # noqa: BLE001 - a missing copy must not break reconciling
             log.warning("could not keep the logs of %s: %s", handle.external_id, error)
 
+    def keep_finished_logs(self) -> None:
+        """Keep the driver logs of every finished zerotrain job the cluster still knows."""
+        try:
+            jobs = self.client.list_jobs()
+        except Exception as error:  # noqa: BLE001
+            log.warning("cannot list Ray jobs to keep their logs: %s", error)
+            return
+        for info in jobs:
+            job_id = (info.metadata or {}).get("zerotrain_job_id")
+            if job_id and info.submission_id and info.status.is_terminal():
+                self._save_logs(LaunchHandle(self.name, info.submission_id,
+                                             {"job_id": job_id, "storage_uri": self.settings.storage_uri}))
+
     def logs(self, handle: LaunchHandle, tail_bytes: int | None = None) -> str:
         try:
             text = self.client.get_job_logs(handle.external_id)
+            if self.client.get_job_status(handle.external_id).is_terminal():
+                self._save_logs(handle)
         except Exception:  # noqa: BLE001 - the cluster forgot the job or is gone: read the kept copy
             import fsspec
 
@@ -378,6 +401,7 @@ class RayJobsLauncher:
         return text
 
     def close(self) -> None:
+        self.keep_finished_logs()  # before an embedded head takes them away
         self.http.close()
         if self.head is not None:
             self.head.stop()

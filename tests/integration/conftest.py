@@ -105,15 +105,18 @@ def make_control_plane(request: pytest.FixtureRequest, tmp_path_factory: pytest.
         root.drop_database(database)
 
 
-def wait_for(condition: Callable[[], Any], timeout_s: float, what: str, poll_s: float = 0.2) -> Any:
-    """Poll ``condition`` until it returns something truthy; fail naming ``what`` after ``timeout_s``."""
+def wait_for(condition: Callable[[], Any], timeout_s: float, what: str, poll_s: float = 0.2,
+             describe: Callable[[], str] | None = None) -> Any:
+    """Poll ``condition`` until it returns something truthy; fail naming ``what`` after ``timeout_s``
+    (and what ``describe()`` says about the state then)."""
     deadline = time.monotonic() + timeout_s
     while True:
         value = condition()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+            detail = f": {describe()}" if describe else ""
+            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}{detail}")
         time.sleep(poll_s)
 
 
@@ -144,13 +147,17 @@ def cmdline(pid: int) -> str:
     return _read(f"/proc/{pid}/cmdline").replace(b"\0", b" ").decode(errors="replace").strip()
 
 
-# Detached, cluster-wide singletons that Ray Train creates from whichever job comes first and
-# that outlive it by design; they are the cluster's, not that job's.
+# A detached, cluster-wide singleton that Ray Train creates from whichever job comes first and
+# that outlives it by design; it is the cluster's, not that job's.
 CLUSTER_SINGLETONS = ("ray::_AutoscalingCoordinatorActor",)
 
 
 def job_owned_processes(job_id: str) -> list[int]:
     return [pid for pid in job_processes(job_id) if not cmdline(pid).startswith(CLUSTER_SINGLETONS)]
+
+
+def describe(pids: list[int]) -> str:
+    return ", ".join(f"{pid} {cmdline(pid)[:60]!r}" for pid in pids) or "none"
 
 
 def train_workers(job_id: str) -> list[int]:
