@@ -76,6 +76,9 @@ class Pending:
     done: bool = False
     tensors: tuple = field(default_factory=tuple)  # kept alive until waited on
 
+    def is_completed(self) -> bool:
+        return self.done or self.work is None or self.work.is_completed()
+
     def wait(self) -> None:
         if self.done:
             return

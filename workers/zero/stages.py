@@ -46,6 +46,10 @@ from .buckets import FlatBucket
 from .collectives import Collectives, Pending
 
 
+#: stage 2: reduce-scatters in flight at once (each holds one bucket-sized scratch)
+MAX_INFLIGHT_BUCKETS = 2
+
+
 class Strategy:
     """Shared machinery: gradient arrival, bucket readiness and in-order launching."""
 
@@ -54,6 +58,8 @@ class Strategy:
     sharded_grads: bool = True
     #: stage 2 must communicate every micro-step: it keeps no full gradient between them
     communicates_every_micro_step: bool = False
+    #: buckets allowed in flight before a launch blocks on the oldest (None: no limit)
+    max_inflight: int | None = None
 
     def __init__(self, buckets: list[FlatBucket], comm: Collectives, overlap_comm: bool):
         self.buckets = buckets
@@ -62,6 +68,7 @@ class Strategy:
         self.overlap_comm = overlap_comm
         self._sync = False
         self._next_launch = 0
+        self._inflight: list[FlatBucket] = []  # launched, not yet folded in, in launch order
         self.allocate_grad_storage()
 
     # -- storage --------------------------------------------------------------------------------
@@ -121,6 +128,23 @@ class Strategy:
         b.pending = self._launch(b)
         b.launched = True
         self._next_launch += 1
+        self._inflight.append(b)
+        self._retire()
+
+    def _retire(self) -> None:
+        """Fold in finished buckets, oldest first; block on the oldest while too many are in flight.
+
+        Waiting never issues a collective, so it cannot disturb the launch order.
+        """
+        while self._inflight:
+            oldest = self._inflight[0]
+            over = self.max_inflight is not None and len(self._inflight) > self.max_inflight
+            if not over and not oldest.pending.is_completed():
+                return
+            self._inflight.pop(0)
+            oldest.pending.wait()
+            oldest.pending = None
+            self._finish(oldest)
 
     def _launch_rest(self) -> None:
         """Launch, in bucket order, every bucket not launched yet (unused parameters, no overlap)."""
@@ -133,11 +157,11 @@ class Strategy:
 
     def drain(self) -> None:
         """Wait for every bucket in flight and fold its result in."""
-        for b in self.buckets:
-            if b.pending is not None:
-                b.pending.wait()
-                b.pending = None
-                self._finish(b)
+        while self._inflight:
+            b = self._inflight.pop(0)
+            b.pending.wait()
+            b.pending = None
+            self._finish(b)
 
     # -- per-stage hooks ------------------------------------------------------------------------
     def _launch(self, b: FlatBucket) -> Pending:
@@ -216,13 +240,17 @@ class ReduceScatterAtStepStrategy(Strategy):
 class ReduceScatterInBackwardStrategy(Strategy):
     """Stage 2: no full gradient kept; each bucket is reduce-scattered as soon as it is full.
 
-    The last buckets of a micro-step stay in flight after backward returns; they are waited
-    for when the next micro-step begins or in ``step()``, so they overlap with what the
-    training loop does in between (the next forward).
+    A bucket's full-size scratch lives from its first gradient until its reduce-scatter is
+    folded into the shard accumulator. Finished buckets are folded in as later ones launch, and
+    at most ``MAX_INFLIGHT_BUCKETS`` stay in flight (a launch beyond that waits for the
+    oldest), so scratch stays at a few buckets however slow the network is. The last buckets
+    of a micro-step stay in flight after backward returns; they are folded in when the next
+    micro-step begins or in ``step()``, overlapping with what the loop does in between.
     """
 
     stage = 2
     communicates_every_micro_step = True
+    max_inflight = MAX_INFLIGHT_BUCKETS
 
     def allocate_grad_storage(self) -> None:
         for b in self.buckets:

@@ -11,7 +11,7 @@ import torch.nn as nn
 from workers.zero.buckets import FlatBucket
 from workers.zero.collectives import Pending
 from workers.zero.flat import FlatLayout
-from workers.zero.stages import make_strategy
+from workers.zero.stages import MAX_INFLIGHT_BUCKETS, make_strategy
 
 
 class RecordingComm:
@@ -36,7 +36,28 @@ class RecordingComm:
         return self._record(label)
 
 
-def build(stage: int, n_params: int = 12, bucket_numel: int = 40, overlap: bool = True):
+class SlowComm(RecordingComm):
+    """Collectives that never finish by themselves: only wait() completes them."""
+
+    class Work:
+        def __init__(self):
+            self.finished = False
+
+        def is_completed(self):
+            return self.finished
+
+        def wait(self):
+            self.finished = True
+
+    def _timed_wait(self, work, label, seq):
+        work.wait()
+
+    def _record(self, label: str) -> Pending:
+        self.launched.append(label)
+        return Pending(self.Work(), label, len(self.launched), self)
+
+
+def build(stage: int, n_params: int = 12, bucket_numel: int = 40, overlap: bool = True, comm=None):
     shapes = [(f"p{i}", (3 + i % 5, 2)) for i in range(n_params)]
     layout = FlatLayout.build(shapes, 2, bucket_numel)
     params = [nn.Parameter(torch.zeros(s)) for _, s in shapes]
@@ -45,7 +66,7 @@ def build(stage: int, n_params: int = 12, bucket_numel: int = 40, overlap: bool 
         flat = torch.zeros(spec.numel)
         master = flat[: spec.shard_numel]
         buckets.append(FlatBucket(spec, [params[s.index] for s in spec.slots], flat, master, [], 0))
-    comm = RecordingComm()
+    comm = comm or RecordingComm()
     return make_strategy(stage, buckets, comm, overlap), comm, layout
 
 
@@ -100,3 +121,21 @@ def test_stages_0_and_1_do_not_communicate_on_non_final_micro_steps(stage):
     assert comm.launched == []
     strategy.reduced_grads()
     assert len(comm.launched) == len(strategy.buckets)
+
+
+def test_stage_2_scratch_stays_bounded_when_the_network_is_slow():
+    """Full-size gradient storage is never kept: a launch beyond 2 in flight waits for the oldest."""
+    strategy, comm, layout = build(2, n_params=30, bucket_numel=20, comm=SlowComm())
+    assert len(layout.buckets) > 6
+    strategy.begin_micro_step(False)
+    most = 0
+    for b in strategy.buckets:
+        for pos in range(len(b.spec.slots)):
+            strategy.on_grad(b, pos, torch.ones(b.spec.slots[pos].shape))
+            most = max(most, sum(x.scratch is not None for x in strategy.buckets))
+    strategy.end_micro_step()
+    assert comm.launched == [f"reduce_scatter bucket {i}" for i in range(len(layout.buckets))]
+    assert most <= MAX_INFLIGHT_BUCKETS + 1  # in flight + the one being filled
+    assert sum(x.scratch is not None for x in strategy.buckets) <= MAX_INFLIGHT_BUCKETS  # tail overlaps
+    strategy.reduced_grads()
+    assert all(x.scratch is None for x in strategy.buckets)
