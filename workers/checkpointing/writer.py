@@ -127,6 +127,13 @@ def _check_tiling(name: str, entry: dict) -> None:
         raise CheckpointError(f"pieces of {name} cover {end} of {n} elements")
 
 
+def _json_scalar(value: Any) -> Any:
+    """One-element tensors in hyper-parameters or optimizer values (a tensor ``lr``) as numbers."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
 class AsyncCheckpointWriter:
     """Uploads one snapshot at a time in a background thread; ``wait()`` joins and re-raises."""
 
@@ -209,7 +216,7 @@ class AsyncCheckpointWriter:
             return {"error": "; ".join(errors)}
         try:
             manifest = merge_manifest(self.job_id, statuses)
-            data = json.dumps(manifest, indent=1).encode()
+            data = json.dumps(manifest, indent=1, default=_json_scalar).encode()
             step_storage.write_atomic(MANIFEST, data)
         except Exception as error:  # noqa: BLE001 - every rank must hear about it
             return {"error": f"writing the manifest failed: {type(error).__name__}: {error}"}
