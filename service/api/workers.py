@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, HTTPException
-from sqlalchemy import select
+from sqlalchemy import delete, select
 from sqlalchemy.dialects import postgresql, sqlite
 
 from service.api.deps import SessionDep, SettingsDep, WorkerJob
@@ -51,3 +51,13 @@ def register_checkpoint(checkpoint: CheckpointIn, job: WorkerJob, session: Sessi
     return session.execute(
         select(Checkpoint).where(Checkpoint.job_id == job.id, Checkpoint.step == checkpoint.step)
     ).scalar_one()
+
+
+@router.delete("/checkpoints/{step}", status_code=204, name="forget_checkpoint")
+def forget_checkpoint(step: int, job: WorkerJob, session: SessionDep) -> None:
+    """Retention removes a checkpoint's objects first, then its record here.
+
+    Idempotent: a record already gone answers 204 too, so a retried deletion succeeds.
+    """
+    session.execute(delete(Checkpoint).where(Checkpoint.job_id == job.id, Checkpoint.step == step))
+    session.commit()

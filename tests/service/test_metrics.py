@@ -100,6 +100,17 @@ def test_checkpoints_are_registered_idempotently(running_job):
     assert service.client().get(job_id).state is JobState.RUNNING
 
 
+def test_retention_forgets_a_checkpoint_record_idempotently(running_job):
+    service, job_id, worker = running_job
+    for step in (10, 20):
+        checkpoint = {"step": step, "uri": f"file:///tmp/{job_id}/checkpoints/step_{step:08d}", "world_size": 2,
+                      "stage": 2, "size_bytes": 1234, "manifest_sha256": "ab" * 32}
+        assert worker.post("/worker/checkpoints", json=checkpoint).status_code == 201
+    assert worker.delete("/worker/checkpoints/10").status_code == 204
+    assert worker.delete("/worker/checkpoints/10").status_code == 204  # already gone: still succeeds
+    assert [c.step for c in service.client().checkpoints(job_id)] == [20]
+
+
 def test_incremental_query_after_an_id_returns_newer_records_in_storage_order(running_job):
     service, job_id, worker = running_job
     post_steps(worker, range(5, 10), ranks=1)
