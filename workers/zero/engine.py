@@ -208,6 +208,12 @@ class ZeroEngine:
         self._begin_micro_step(bool(sync))
         if self.scaler is not None:
             loss = loss * self.scaler.scale
+        if self.strategy.launches_during_backward:
+            reached = _params_reached(loss)
+            for b in self.buckets:
+                for pos, p in enumerate(b.params):
+                    if id(p) not in reached:
+                        self.strategy.mark_absent(b, pos)
         loss.backward()
         if self._micro_open:
             self._end_micro_step()
@@ -543,6 +549,23 @@ class ZeroEngine:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+
+def _params_reached(loss: torch.Tensor) -> set[int]:
+    """ids of the leaf tensors the autograd graph of ``loss`` accumulates gradients into."""
+    found: set[int] = set()
+    seen: set = set()
+    stack = [loss.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        variable = getattr(fn, "variable", None)  # AccumulateGrad nodes
+        if variable is not None:
+            found.add(id(variable))
+        stack.extend(nxt for nxt, _ in fn.next_functions)
+    return found
 
 
 def _to_cpu(obj):

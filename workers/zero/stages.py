@@ -12,15 +12,16 @@ stage    gradient storage per rank             communication per step           
                                                                                  backward if sync=True
 1        full, compute dtype (2Φ)              reduce-scatter Φ + all-gather Φ   same; gather in step()
 2        shard, compute dtype (2Φ/N), plus     reduce-scatter Φ per micro-step   every backward;
-         the buckets in flight                 + all-gather Φ                    gather in step()
+         ≤ 3 bucket-sized scratches during     + all-gather Φ                    gather in step()
+         backward (2 in flight + 1 filling)
 =======  ===================================  ================================  ======================
 
 [Note: who pays for gradient accumulation]
 Stages 0 and 1 keep a full local gradient, so non-final micro-steps communicate nothing: the
 gradients accumulate locally and are reduced once -- in ``step()``, or, when the caller marks
 the last micro-batch with ``engine.backward(loss, sync=True)``, bucket by bucket during that
-backward (DDP's overlap; another backward before ``step()`` is then an error). Stage 2 does not keep a full
-gradient (that is its point), so it reduce-scatters *every* micro-step into a shard-sized
+backward (DDP's overlap; another backward before ``step()`` is then an error). Stage 2 does
+not keep a full gradient (that is its point), so it reduce-scatters *every* micro-step into a shard-sized
 accumulator: k micro-steps cost k·Φ of reduce-scatter. That is the memory/communication trade
 stage 2 makes; the accumulator is kept in the compute dtype (2Φ/N bytes, DESIGN §4), the same
 dtype autograd accumulates full gradients in at stages 0 and 1.
@@ -112,6 +113,23 @@ class Strategy:
         self._grad_target(bucket)[lo:hi].add_(grad.reshape(-1))
         bucket.ready += 1
         if self._sync and self.overlap_comm:
+            self._launch_ready()
+
+    @property
+    def launches_during_backward(self) -> bool:
+        return self._sync and self.overlap_comm
+
+    def mark_absent(self, bucket: FlatBucket, pos: int) -> None:
+        """This parameter will get no gradient in this backward (unreachable from the loss).
+
+        Counting it as arrived keeps its bucket from waiting for the end of backward, which
+        would hold back every later bucket too (launches are in order) -- DDP's
+        ``find_unused_parameters``. Its contribution is the zeros already in the buffer.
+        """
+        bucket.ready += 1
+        if self.launches_during_backward:
+            if self.communicates_every_micro_step:
+                self._grad_target(bucket)  # a zero scratch, for a bucket no gradient touches
             self._launch_ready()
 
     def _launch_ready(self) -> None:

@@ -139,3 +139,39 @@ def test_stage_2_scratch_stays_bounded_when_the_network_is_slow():
     assert sum(x.scratch is not None for x in strategy.buckets) <= MAX_INFLIGHT_BUCKETS  # tail overlaps
     strategy.reduced_grads()
     assert all(x.scratch is None for x in strategy.buckets)
+
+
+def test_params_absent_from_the_graph_do_not_hold_back_later_buckets():
+    strategy, comm, layout = build(2)
+    strategy.begin_micro_step(False)
+    first = strategy.buckets[0]
+    strategy.mark_absent(first, 0)  # e.g. unused on this rank, known before backward runs
+    for b in strategy.buckets[:2]:
+        for pos in range(len(b.spec.slots)):
+            if (b, pos) != (first, 0):
+                strategy.on_grad(b, pos, torch.ones(b.spec.slots[pos].shape))
+    assert comm.launched == ["reduce_scatter bucket 0", "reduce_scatter bucket 1"]
+
+
+def test_engine_marks_unreachable_parameters():
+    from workers.zero import ZeroConfig, ZeroEngine
+
+    class TwoHeads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
+
+        def forward(self, x, use_b):
+            return (self.b(x) if use_b else self.a(x)).sum()
+
+    engine = ZeroEngine(TwoHeads(), lambda ps: torch.optim.SGD(ps, lr=0.1),
+                        ZeroConfig(stage=2, precision="fp32", bucket_mb=12 / 2**20))
+    marked = []
+    original = engine.strategy.mark_absent
+    engine.strategy.mark_absent = lambda b, pos: (marked.append(b.spec.slots[pos].name), original(b, pos))
+    engine.backward(engine(torch.randn(2, 3), use_b=True))
+    assert sorted(marked) == ["a.bias", "a.weight"]
+    before = engine.full_state_dict()
+    engine.step()
+    after = engine.full_state_dict()
+    assert torch.equal(before["a.weight"], after["a.weight"]) and not torch.equal(before["b.weight"], after["b.weight"])
