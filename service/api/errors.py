@@ -48,6 +48,12 @@ def field_name(error: dict[str, Any]) -> str | None:
     return ".".join(loc) or None
 
 
+def field_error(field: str, message: str, error_type: str) -> RequestValidationError:
+    """A 422 for a rule the schema cannot express (it needs the caller or the database),
+    answered in the same shape as every other validation error; ``field`` is dotted."""
+    return RequestValidationError([{"loc": ("body", *field.split(".")), "msg": message, "type": error_type}])
+
+
 def error_body(detail: str, errors: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     return {"detail": detail, "errors": errors or []}
 

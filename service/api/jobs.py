@@ -13,8 +13,9 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from service.api.deps import CurrentUser, LauncherDep, SessionDep, VisibleJob
+from service.api.deps import CurrentUser, LauncherDep, SessionDep, SettingsDep, VisibleJob
 from service.api.errors import error_responses
+from service.api.spec_access import check_spec_access
 from service.auth import Principal
 from service.launchers.base import LaunchHandle
 from service.models import IdempotencyKey, Job, JobEvent, utcnow
@@ -52,7 +53,8 @@ def _replay(session: Session, user: Principal, key: str, request_hash: str) -> J
              responses={200: {"model": JobOut, "description": "replayed: the job this key created"},
                         **error_responses(409)})
 def submit_job(spec: JobSpec, request: Request, response: Response, session: SessionDep,
-               user: CurrentUser, idempotency_key: IdempotencyKeyHeader = None) -> Job:
+               user: CurrentUser, settings: SettingsDep, idempotency_key: IdempotencyKeyHeader = None) -> Job:
+    check_spec_access(spec, user, session, settings)
     spec_json = spec.model_dump(mode="json")
     request_hash = spec_sha256(spec_json)
     if idempotency_key and (earlier := _replay(session, user, idempotency_key, request_hash)):

@@ -16,8 +16,8 @@ from typing import Annotated, Any
 import anyio
 from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import StreamingResponse
-from sqlalchemy import Select, func, select
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy import Select, func, select, text
+from sqlalchemy.dialects import sqlite
 from sqlalchemy.orm import Session
 
 from service.api.deps import SessionDep, VisibleJob, WorkerJob
@@ -44,14 +44,39 @@ def ingest_metrics(batch: MetricBatch, job: WorkerJob, request: Request, session
     if not batch.records:
         return IngestResult(accepted=0, duplicates=0)
     rows = batch.model_dump()["records"]  # one call into pydantic-core, not one per record
-    for row in rows:
-        row["job_id"] = job.id
-    dialect = postgresql if session.get_bind().dialect.name == "postgresql" else sqlite
-    statement = dialect.insert(Metric).on_conflict_do_nothing().returning(Metric.id)
-    accepted = len(session.execute(statement, rows).all())
+    insert_new = _insert_new_postgresql if session.get_bind().dialect.name == "postgresql" else _insert_new_sqlite
+    accepted = insert_new(session, job.id, rows)
     session.commit()
     request.app.state.service_metrics.metric_points.inc(accepted)
     return IngestResult(accepted=accepted, duplicates=len(rows) - accepted)
+
+
+# One statement per batch: each column travels as one array parameter and ``unnest`` turns the
+# arrays back into rows (in order, so ids follow the batch). Measured on 10,000 records: the
+# earlier ``insert().on_conflict_do_nothing().returning()`` took seconds (insertmanyvalues sends
+# 1,000-row statements and reads every id back); this is one round trip and ``rowcount`` is the
+# number of rows inserted, conflicts (re-sent records, also inside one batch) excluded.
+_STORED_COLUMNS = ("attempt", "rank", "step", "time", *METRIC_FIELDS)
+_ARRAY_TYPES = {"attempt": "int4", "rank": "int4", "step": "int4"}
+_QUOTED_COLUMNS = ", ".join('"%s"' % name for name in _STORED_COLUMNS)  # "rank", "time" are keywords
+_PG_INSERT = text(
+    f"INSERT INTO metrics (job_id, {_QUOTED_COLUMNS}) "
+    f"SELECT CAST(:job_id AS text), * FROM unnest("
+    + ", ".join(f"CAST(:{name} AS {_ARRAY_TYPES.get(name, 'float8')}[])" for name in _STORED_COLUMNS)
+    + ") ON CONFLICT DO NOTHING"
+)
+
+
+def _insert_new_postgresql(session: Session, job_id: str, rows: list[dict[str, Any]]) -> int:
+    """Insert ``rows`` for ``job_id`` ignoring ones already stored; return how many were new."""
+    columns = {name: [row[name] for row in rows] for name in _STORED_COLUMNS}
+    return session.execute(_PG_INSERT, {"job_id": job_id, **columns}).rowcount
+
+
+def _insert_new_sqlite(session: Session, job_id: str, rows: list[dict[str, Any]]) -> int:
+    """The embedded database: small batches, so the portable form is fast enough."""
+    statement = sqlite.insert(Metric).on_conflict_do_nothing().returning(Metric.id)
+    return len(session.execute(statement, [{**row, "job_id": job_id} for row in rows]).all())
 
 
 def _filtered(query: Select, job_id: str, rank: int | None, attempt: int | None,

@@ -7,10 +7,11 @@ from sqlalchemy import delete, select
 from sqlalchemy.dialects import postgresql, sqlite
 
 from service.api.deps import SessionDep, SettingsDep, WorkerJob
-from service.api.errors import error_responses
+from service.api.errors import error_responses, field_error
 from service.models import Checkpoint, Job
 from service.schemas import CheckpointIn, CheckpointOut, JobOut, JobState, WorkerSpecOut, WorkerStateIn
 from service.states import IllegalTransition, Reason, transition
+from service.storage_policy import UnsafeUri, check_registered_checkpoint
 
 router = APIRouter(prefix="/jobs/{job_id}/worker", tags=["workers"])
 
@@ -43,7 +44,14 @@ def report_worker_state(report: WorkerStateIn, job: WorkerJob, session: SessionD
 
 
 @router.post("/checkpoints", status_code=201, response_model=CheckpointOut, name="register_checkpoint")
-def register_checkpoint(checkpoint: CheckpointIn, job: WorkerJob, session: SessionDep) -> Checkpoint:
+def register_checkpoint(checkpoint: CheckpointIn, job: WorkerJob, session: SessionDep,
+                        settings: SettingsDep) -> Checkpoint:
+    """Record a committed checkpoint; its URI must lie below this job's own checkpoint prefix,
+    so a job's token cannot make another job's (or user's) data look like its own."""
+    try:
+        check_registered_checkpoint(checkpoint.uri, job.spec, settings.storage_uri, job.id)
+    except UnsafeUri as refused:
+        raise field_error("uri", str(refused), "storage_prefix") from None
     dialect = postgresql if session.get_bind().dialect.name == "postgresql" else sqlite
     session.execute(dialect.insert(Checkpoint).values(job_id=job.id, **checkpoint.model_dump())
                     .on_conflict_do_nothing())

@@ -27,7 +27,7 @@ WORKER_ROUTES = [
 WORKER_BODIES = {
     "/worker/state": {"state": "RUNNING"},
     "/metrics": {"records": [{"attempt": 0, "rank": 0, "step": 0, "loss": 1.0}]},
-    "/worker/checkpoints": {"step": 1, "uri": "file:///tmp/ckpt", "world_size": 1, "stage": 0,
+    "/worker/checkpoints": {"step": 1, "uri": "{storage}/{id}/checkpoints/step_00000001", "world_size": 1, "stage": 0,
                             "size_bytes": 1, "manifest_sha256": "0" * 64},
 }
 
@@ -37,6 +37,8 @@ def call(service, method: str, route: str, job_id: str, token: str | None) -> ht
     path = route.format(id=job_id)
     body = make_spec() if route == "/api/v1/jobs" else next(
         (b for suffix, b in WORKER_BODIES.items() if method == "POST" and path.endswith(suffix)), None)
+    if body and "uri" in body:  # a checkpoint must lie below its own job's prefix
+        body = {**body, "uri": body["uri"].format(storage=service.settings.storage_uri, id=job_id)}
     return httpx.request(method, service.url + path, json=body, headers=headers, timeout=10)
 
 

@@ -91,7 +91,7 @@ def test_database_outage_is_a_503_with_a_clear_body(running_job):
 
 def test_checkpoints_are_registered_idempotently(running_job):
     service, job_id, worker = running_job
-    checkpoint = {"step": 10, "uri": f"file:///tmp/{job_id}/checkpoints/step_00000010", "world_size": 2,
+    checkpoint = {"step": 10, "uri": f"{service.settings.storage_uri}/{job_id}/checkpoints/step_00000010", "world_size": 2,
                   "stage": 2, "size_bytes": 1234, "manifest_sha256": "ab" * 32}
     assert worker.post("/worker/checkpoints", json=checkpoint).status_code == 201
     assert worker.post("/worker/checkpoints", json=checkpoint).status_code == 201
@@ -103,7 +103,7 @@ def test_checkpoints_are_registered_idempotently(running_job):
 def test_retention_forgets_a_checkpoint_record_idempotently(running_job):
     service, job_id, worker = running_job
     for step in (10, 20):
-        checkpoint = {"step": step, "uri": f"file:///tmp/{job_id}/checkpoints/step_{step:08d}", "world_size": 2,
+        checkpoint = {"step": step, "uri": f"{service.settings.storage_uri}/{job_id}/checkpoints/step_{step:08d}", "world_size": 2,
                       "stage": 2, "size_bytes": 1234, "manifest_sha256": "ab" * 32}
         assert worker.post("/worker/checkpoints", json=checkpoint).status_code == 201
     assert worker.delete("/worker/checkpoints/10").status_code == 204
