@@ -147,21 +147,33 @@ def model_state_bytes(
     )
 
 
-def padded_numel(numels: Sequence[int], n_ranks: int, bucket_elems: int | None = None) -> int:
-    """Φ after padding: parameters packed into buckets, each padded to a multiple of N.
+def pack_buckets(numels: Sequence[int], bucket_elems: int | None = None) -> list[list[int]]:
+    """Parameter indices of each bucket, in the engine's bucket order.
 
     Packing follows the engine's flat layout (``workers/zero/flat.py``): reverse registration
     order, a new bucket when the next parameter would overflow ``bucket_elems``, a parameter
-    larger than a bucket alone in its own; ``None`` means one flat buffer. The padding is at
-    most ``n_buckets · (N - 1)`` elements.
+    larger than a bucket alone in its own; ``None`` means one flat buffer.
     """
-    buckets: list[int] = []
-    for numel in reversed(numels):
-        if buckets and (bucket_elems is None or buckets[-1] + numel <= bucket_elems):
-            buckets[-1] += numel
+    buckets: list[list[int]] = []
+    filled = 0
+    for index in reversed(range(len(numels))):
+        if buckets and (bucket_elems is None or filled + numels[index] <= bucket_elems):
+            buckets[-1].append(index)
+            filled += numels[index]
         else:
-            buckets.append(int(numel))
-    return sum(shard_numel(b, n_ranks) * n_ranks for b in buckets)
+            buckets.append([index])
+            filled = numels[index]
+    return buckets
+
+
+def bucket_numels(numels: Sequence[int], n_ranks: int, bucket_elems: int | None = None) -> list[int]:
+    """Padded sizes of the engine's buckets: each bucket padded to a multiple of N."""
+    return [shard_numel(sum(numels[i] for i in b), n_ranks) * n_ranks for b in pack_buckets(numels, bucket_elems)]
+
+
+def padded_numel(numels: Sequence[int], n_ranks: int, bucket_elems: int | None = None) -> int:
+    """Φ after padding (at most ``n_buckets · (N - 1)`` elements more than Φ)."""
+    return sum(bucket_numels(numels, n_ranks, bucket_elems))
 
 
 # --------------------------------------------------------------------------- communication
@@ -239,24 +251,57 @@ def bucket_buffer_bytes(bucket_mb: float, precision: str, phi: int, in_flight: i
     return in_flight * elems * per_elem
 
 
-def backward_buffer_bytes(stage: int, precision: str, phi_padded: int, bucket_mb: float) -> int | None:
+STAGE2_INFLIGHT_BUCKETS = 2  # workers/zero/stages.py MAX_INFLIGHT_BUCKETS (a test keeps them equal)
+
+
+def backward_buffer_bytes(
+    stage: int,
+    precision: str,
+    buckets: Sequence[int],
+    n_ranks: int,
+    bucket_mb: float,
+    device: str = "cuda",
+    accumulation_steps: int = 1,
+) -> int:
     """Communication scratch alive during backward on top of activations, for THIS engine.
 
     Stages 0/1 (``workers/zero/stages.py``): none; autograd's gradient is added into the
-    gradient buffer and dropped at once. Stage 2: each bucket's full-size scratch lives from
-    its first gradient until the buckets are drained (at the next micro-step's backward or in
-    ``step()``), so scratch grows while activations shrink: the joint peak is measured by the
-    profile (``ActivationProfile.with_grads_kept``); None here says "use the profile" (without
-    one, the bound p·Φ is used). With gradient accumulation the full scratch of one micro-step
-    is still held during the next forward: activations + p·Φ (see ``predict``). Stage 3 (not
-    built yet): assumed bucketed, ``bucket_buffer_bytes`` with 2 in flight.
+    gradient buffer and dropped at once. Stage 2: a bucket's full-size scratch (compute
+    dtype) lives from its first gradient until its reduce-scatter is folded in; at most
+    ``STAGE2_INFLIGHT_BUCKETS`` are in flight plus the one filling, so the bound is the
+    largest ``in_flight + 1`` buckets. On Gloo (device "cpu"; no native reduce-scatter, torch
+    all-reduces a copy) each in-flight bucket also holds a full-size copy. From the second
+    micro-step on, each reduce-scatter writes a shard-sized output before accumulating it.
+    The in-flight buckets also outlive backward into the next forward; that is within this
+    bound. A profile replaying the policy (``Stage2Layout``) replaces this bound in
+    ``predict``: scratch grows while activations shrink, so the sum overestimates (+13–24%
+    measured on gpt-nano). Stage 3 (not built yet): assumed bucketed, ``bucket_buffer_bytes``.
     """
     _check_stage(stage)
-    if stage == 2:
-        return None
     if stage == 3:
-        return bucket_buffer_bytes(bucket_mb, precision, phi_padded)
-    return 0
+        return bucket_buffer_bytes(bucket_mb, precision, sum(buckets))
+    if stage != 2:
+        return 0
+    p = low_precision_bytes(precision)
+    largest = sorted(buckets, reverse=True)
+    in_flight = largest[:STAGE2_INFLIGHT_BUCKETS]
+    total = p * sum(largest[: STAGE2_INFLIGHT_BUCKETS + 1])
+    if device == "cpu":
+        total += p * sum(in_flight)
+    if accumulation_steps > 1:
+        total += p * sum(b // n_ranks for b in in_flight)
+    return total
+
+
+def stage2_tail_bytes(
+    precision: str, buckets: Sequence[int], n_ranks: int, device: str, accumulation_steps: int
+) -> int:
+    """What a replayed stage-2 profile of ONE micro-step misses when micro-steps accumulate:
+    each reduce-scatter after the first writes a shard-sized output before accumulating it."""
+    if accumulation_steps == 1:
+        return 0
+    in_flight = sorted(buckets, reverse=True)[:STAGE2_INFLIGHT_BUCKETS]
+    return low_precision_bytes(precision) * sum(b // n_ranks for b in in_flight)
 
 
 def step_buffer_bytes(
@@ -402,13 +447,12 @@ class ActivationTracker(TorchDispatchMode):
         self._live: dict[int, tuple[Any, int]] = {}
         self.current = 0
         self.peak = 0
-        self.retained = 0  # bytes the caller declares kept outside the tracked tensors
-        self.peak_with_retained = 0
+        self.held = 0  # bytes the caller declares held outside the tracked tensors
 
-    def retain(self, nbytes: int) -> None:
-        """Count ``nbytes`` as held from now on (e.g. a gradient copied into a kept buffer)."""
-        self.retained += nbytes
-        self.peak_with_retained = max(self.peak_with_retained, self.current + self.retained)
+    def hold(self, nbytes: int) -> None:
+        """Count ``nbytes`` as allocated (negative: freed) outside the tracked tensors."""
+        self.held += nbytes
+        self.peak = max(self.peak, self.current + self.held)
 
     @staticmethod
     def _key(tensor: torch.Tensor) -> int:
@@ -419,8 +463,7 @@ class ActivationTracker(TorchDispatchMode):
         for tensor in tree_leaves(out):
             if isinstance(tensor, torch.Tensor):
                 self._record(tensor)
-        self.peak = max(self.peak, self.current)
-        self.peak_with_retained = max(self.peak_with_retained, self.current + self.retained)
+        self.peak = max(self.peak, self.current + self.held)
         self._forget_freed()
         return out
 
@@ -472,6 +515,57 @@ def checkpoint_units(model: nn.Module) -> None:
         child.forward = functools.partial(checkpoint, child.forward, use_reentrant=False, context_fn=contexts)
 
 
+@dataclass(frozen=True)
+class Stage2Layout:
+    """What the stage-2 scratch replay needs: N, bucket size, in-flight limit, Gloo's copies."""
+
+    n_ranks: int
+    bucket_elems: int
+    in_flight: int = 2  # STAGE2_INFLIGHT_BUCKETS
+    gloo_copy: bool = False  # Gloo all-reduces a full copy of each in-flight reduce-scatter
+
+
+class _Stage2Scratch:
+    """Replays the engine's stage-2 scratch policy (``workers/zero/stages.py``) on the tracker's
+    timeline: a bucket's full-size scratch appears with its first gradient; a bucket whose
+    gradients all arrived is launched, strictly in bucket order; beyond ``in_flight`` launched
+    buckets the oldest is folded in and freed. (The engine also folds in buckets that finished
+    early; assuming none did makes this an upper bound.) The buckets still in flight when
+    backward ends stay held: the next micro-step's forward sees them."""
+
+    def __init__(self, params: Sequence[torch.Tensor], layout: Stage2Layout, tracker: ActivationTracker):
+        numels = [p.numel() for p in params]
+        self.buckets = pack_buckets(numels, layout.bucket_elems)
+        self.bucket_of = {id(params[i]): b for b, members in enumerate(self.buckets) for i in members}
+        self.nbytes = [shard_numel(sum(numels[i] for i in m), layout.n_ranks) * layout.n_ranks
+                       * params[0].element_size() for m in self.buckets]
+        self.layout, self.tracker = layout, tracker
+        self.ready = [0] * len(self.buckets)
+        self.allocated: set[int] = set()
+        self.in_flight: list[int] = []
+        self.next_launch = 0
+
+    def on_grad(self, param: torch.Tensor) -> None:
+        bucket = self.bucket_of[id(param)]
+        if bucket not in self.allocated:
+            self.allocated.add(bucket)
+            self.tracker.hold(self.nbytes[bucket])
+        self.ready[bucket] += 1
+        while self.next_launch < len(self.buckets) and self.ready[self.next_launch] == len(
+            self.buckets[self.next_launch]
+        ):
+            self._launch(self.next_launch)
+            self.next_launch += 1
+
+    def _launch(self, bucket: int) -> None:
+        self.in_flight.append(bucket)
+        if self.layout.gloo_copy:
+            self.tracker.hold(self.nbytes[bucket])
+        if len(self.in_flight) > self.layout.in_flight:
+            oldest = self.in_flight.pop(0)
+            self.tracker.hold(-self.nbytes[oldest] * (2 if self.layout.gloo_copy else 1))
+
+
 def default_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """The worker's contract for models: ``model(inputs, targets)`` returns the mean loss."""
     return model(*batch)
@@ -484,37 +578,31 @@ def token_batch(
     return inputs, torch.randint(0, vocab_size, (micro_batch, seq_len), device=device)
 
 
-@dataclass(frozen=True)
-class ActivationProfile:
-    """Peaks of one micro-batch's forward + backward, in bytes beyond the parameters.
-
-    ``activations``: gradients dropped as soon as each is accumulated (the engine adds them
-    into its own buffers at stages 0/1): activations, saved tensors, transients and one
-    parameter's gradient at a time. ``with_grads_kept``: the same run, counting every
-    gradient as kept once produced (stage 2's per-bucket scratch until backward ends).
-    """
-
-    activations: int
-    with_grads_kept: int
-
-
-def measure_activations(
+def measure_activation_bytes(
     model: nn.Module,
     batch: Sequence[torch.Tensor],
     loss_fn: Callable[[nn.Module, Any], torch.Tensor] = default_loss,
-) -> ActivationProfile:
-    """Run one forward + backward of ``model`` on ``batch`` under the tracker.
+    stage2: Stage2Layout | None = None,
+) -> int:
+    """Peak bytes of one micro-batch's forward + backward beyond the parameters.
 
-    On CUDA the allocator's own peak (``max_memory_allocated``) is read as well and the larger
-    of it and the tracker's peak is kept (kernels' workspaces are invisible to the tracker).
+    Gradients are dropped as soon as each is accumulated, as the engine adds them into its own
+    buffers: what remains is activations, saved tensors, transients and one parameter's
+    gradient at a time. With ``stage2``, the engine's stage-2 bucket scratch is replayed on the
+    same timeline (``_Stage2Scratch``), giving the joint peak. On CUDA the allocator's own peak
+    (``max_memory_allocated``) is read as well and the larger is kept (kernels' workspaces are
+    invisible to the tracker).
     """
     tracker = ActivationTracker(ignore=[*model.parameters(), *model.buffers(), *batch])
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    scratch = None if stage2 is None else _Stage2Scratch(trainable, stage2, tracker)
 
-    def drop(param: torch.Tensor) -> None:
-        tracker.retain(param.grad.untyped_storage().nbytes())
+    def on_grad(param: torch.Tensor) -> None:
         param.grad = None
+        if scratch is not None:
+            scratch.on_grad(param)
 
-    hooks = [p.register_post_accumulate_grad_hook(drop) for p in model.parameters() if p.requires_grad]
+    hooks = [p.register_post_accumulate_grad_hook(on_grad) for p in trainable]
     device = next(iter(model.parameters())).device
     cuda = device.type == "cuda"
     if cuda:
@@ -527,12 +615,10 @@ def measure_activations(
     finally:
         for hook in hooks:
             hook.remove()
-    peak, kept = tracker.peak, tracker.peak_with_retained
     if cuda:
         torch.cuda.synchronize(device)
-        extra = max(0, torch.cuda.max_memory_allocated(device) - allocated_before - peak)
-        peak, kept = peak + extra, kept + extra
-    return ActivationProfile(peak, max(peak, kept))
+        return max(tracker.peak, torch.cuda.max_memory_allocated(device) - allocated_before + tracker.held)
+    return tracker.peak
 
 
 def profile_activations(
@@ -543,7 +629,8 @@ def profile_activations(
     device: str = "meta",
     vocab_size: int | None = None,
     activation_checkpointing: bool = False,
-) -> ActivationProfile:
+    stage2: Stage2Layout | None = None,
+) -> int:
     """Build the job's model in its training dtype on ``device`` and measure one micro-batch.
 
     ``device="meta"`` (the default at submit time) costs no memory and well under a second
@@ -551,18 +638,25 @@ def profile_activations(
     meta are cached per (model, shape, precision).
     """
     key = json.dumps(model_spec, sort_keys=True)
-    args = (key, micro_batch, seq_len, precision, vocab_size, activation_checkpointing)
+    args = (key, micro_batch, seq_len, precision, vocab_size, activation_checkpointing, stage2)
     return _profile_on_meta(*args) if device == "meta" else _profile(device, *args)
 
 
 @functools.lru_cache(maxsize=64)
-def _profile_on_meta(*args: Any) -> ActivationProfile:
+def _profile_on_meta(*args: Any) -> int:
     return _profile("meta", *args)
 
 
 def _profile(
-    device: str, key: str, micro_batch: int, seq_len: int, precision: str, vocab: int | None, recompute: bool
-) -> ActivationProfile:
+    device: str,
+    key: str,
+    micro_batch: int,
+    seq_len: int,
+    precision: str,
+    vocab: int | None,
+    recompute: bool,
+    stage2: Stage2Layout | None,
+) -> int:
     from workers.models import build_model
 
     with torch.device(device):
@@ -571,7 +665,7 @@ def _profile(
         checkpoint_units(model)
     config = getattr(model, "config", None)
     vocab = vocab or getattr(config, "vocab_size", None) or 256
-    return measure_activations(model, token_batch(micro_batch, seq_len, vocab, device))
+    return measure_activation_bytes(model, token_batch(micro_batch, seq_len, vocab, device), stage2=stage2)
 
 
 # --------------------------------------------------------------------------- prediction
@@ -614,7 +708,7 @@ class PlanInputs:
     bucket_mb: float = 25.0
     prefetch: int = 1
     activation_bytes: int | None = None  # None: not estimated (counted as 0, said so)
-    activation_bytes_grads_kept: int | None = None  # ActivationProfile.with_grads_kept
+    activation_bytes_stage2: int | None = None  # joint peak with the stage-2 scratch replayed
     accumulation_steps: int = 1  # micro-batches per step and rank
     device: str = "cuda"  # "cuda" adds the CUDA context to the reserve; "cpu" does not
     bandwidth_bytes_per_s: float | None = None
@@ -633,7 +727,7 @@ class PlanInputs:
             "bucket_mb": self.bucket_mb,
             "prefetch": self.prefetch,
             "activation_bytes": self.activation_bytes,
-            "activation_bytes_grads_kept": self.activation_bytes_grads_kept,
+            "activation_bytes_stage2": self.activation_bytes_stage2,
             "accumulation_steps": self.accumulation_steps,
             "device": self.device,
             "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s,
@@ -646,10 +740,17 @@ def predict(inputs: PlanInputs, stage: int, offload: bool = False) -> StagePredi
     """Every term of one rank's memory for one (stage, offload), plus communication and time."""
     shape, n, precision = inputs.shape, inputs.n_ranks, inputs.precision
     bucket_elems = bucket_elements(inputs.bucket_mb, precision)
-    phi_padded = padded_numel(shape.param_numels, n, bucket_elems) if stage >= 1 else shape.phi
+    buckets = bucket_numels(shape.param_numels, n if stage >= 1 else 1, bucket_elems)
+    phi_padded = sum(buckets)
     states = model_state_bytes(shape.phi, n, precision, stage, offload, phi_padded)
     activations = inputs.activation_bytes or 0
-    backward = activations + _backward_buffers(inputs, stage, phi_padded)
+    backward = activations + backward_buffer_bytes(
+        stage, precision, buckets, n, inputs.bucket_mb, inputs.device, inputs.accumulation_steps
+    )
+    if stage == 2 and inputs.activation_bytes_stage2 is not None:  # the replayed joint peak
+        backward = inputs.activation_bytes_stage2 + stage2_tail_bytes(
+            precision, buckets, n, inputs.device, inputs.accumulation_steps
+        )
     step = step_buffer_bytes(stage, precision, phi_padded, n, inputs.device, offload)
     gpu = {
         "params": states.gpu_params + shape.frozen * low_precision_bytes(precision),
@@ -687,25 +788,6 @@ def predict(inputs: PlanInputs, stage: int, offload: bool = False) -> StagePredi
     )
     _add_time_model(prediction, inputs)
     return prediction
-
-
-def _backward_buffers(inputs: PlanInputs, stage: int, phi_padded: int) -> int:
-    fixed = backward_buffer_bytes(stage, inputs.precision, phi_padded, inputs.bucket_mb)
-    if fixed is not None:
-        return fixed
-    p = low_precision_bytes(inputs.precision)
-    full_scratch = p * phi_padded
-    if inputs.activation_bytes_grads_kept is None:
-        return full_scratch  # no profile: the bound
-    growing = inputs.activation_bytes_grads_kept - (inputs.activation_bytes or 0)
-    if inputs.accumulation_steps == 1:
-        return growing
-    # Later micro-steps: the previous scratch is held through this forward, and on Gloo (the
-    # CPU backend, no native reduce-scatter: torch all-reduces a copy) so is the copy of each
-    # in-flight bucket -- measured: gpt-mini, N=2, 3 micro-steps, forward peak +2·p·Φ. In
-    # backward each reduce-scatter also needs a shard-sized output before it is accumulated.
-    held = full_scratch * (2 if inputs.device == "cpu" else 1)
-    return max(held, growing + p * shard_numel(phi_padded, inputs.n_ranks))
 
 
 def _add_time_model(prediction: StagePrediction, inputs: PlanInputs) -> None:
@@ -764,10 +846,10 @@ class Plan:
 METHOD = {
     "model_states": "DESIGN §4 per rank; partitioned terms use Φ padded per bucket to a multiple of N",
     "offload": "host keeps fp32 master (4Φ/N), fp32 gradient shard (4Φ/N), Adam moments (8Φ/N)",
-    "buffers": "larger of backward scratch (stage 2: full-size bucket scratch kept until drained, "
-    "profiled jointly with activations; with accumulation held through the next forward, twice on "
-    "Gloo; stage 3: 2 buckets of bucket_mb MiB + fp32 copies) and step scratch (fp32 casts of "
-    "reduced gradients, stage-1 shards, CUDA foreach Adam temporaries)",
+    "buffers": "larger of backward scratch (stage 2: the engine's bucket scratch replayed on the "
+    "profile's timeline, 2 buckets in flight, + Gloo's copies on CPU; bound without a profile: the "
+    "largest 3 buckets; stage 3: 2 buckets of bucket_mb MiB + fp32 copies) and step scratch "
+    "(fp32 casts of reduced gradients, stage-1 shards, CUDA foreach Adam temporaries)",
     "peak": "model states + gathered units + max(activations + backward scratch, step scratch) + reserve",
     "gathered_units": "stage 3: (prefetch+1) × largest unit (a block of the largest ModuleList, or the root)",
     "activations": "peak live tensor bytes over one micro-batch forward+backward (dispatch tracker; "
@@ -869,33 +951,63 @@ def inputs_for_spec(
     data, train = spec.get("data") or {}, spec.get("train") or {}
     zero, resources = spec.get("zero") or {}, spec.get("resources") or {}
     precision = zero.get("precision") or "fp32"  # the JobSpec's default
-    try:
-        profile: ActivationProfile | None = profile_activations(
-            model_spec,
-            micro_batch=int(train.get("micro_batch_size") or 1),
-            seq_len=int(data.get("seq_len") or 256),
-            precision=precision,
-            device=activations_on,
-            vocab_size=data.get("vocab_size"),
-            activation_checkpointing=bool(zero.get("activation_checkpointing")),
-        )
-    except Exception:  # a user model may not run on meta: the plan records None
-        profile = None
+    n_ranks = int(resources.get("num_workers") or 1)
+    bucket_mb = float(zero.get("bucket_mb") or 25)
+    device = "cuda" if (resources.get("gpus_per_worker") or 0) > 0 else "cpu"
+    profiles = measured_activations(
+        model_spec,
+        micro_batch=int(train.get("micro_batch_size") or 1),
+        seq_len=int(data.get("seq_len") or 256),
+        precision=precision,
+        n_ranks=n_ranks,
+        bucket_mb=bucket_mb,
+        device=device,
+        activations_on=activations_on,
+        vocab_size=data.get("vocab_size"),
+        activation_checkpointing=bool(zero.get("activation_checkpointing")),
+    )
     return PlanInputs(
         shape=model_shape(model_spec),
-        n_ranks=int(resources.get("num_workers") or 1),
+        n_ranks=n_ranks,
         precision=precision,
-        bucket_mb=float(zero.get("bucket_mb") or 25),
+        bucket_mb=bucket_mb,
         prefetch=int(zero.get("prefetch") if zero.get("prefetch") is not None else 1),
-        activation_bytes=None if profile is None else profile.activations,
-        activation_bytes_grads_kept=None if profile is None else profile.with_grads_kept,
+        **profiles,
         accumulation_steps=_accumulation_steps(train, resources),
-        device="cuda" if (resources.get("gpus_per_worker") or 0) > 0 else "cpu",
+        device=device,
         bandwidth_bytes_per_s=bandwidth_bytes_per_s,
         compute_s=compute_s,
         target_efficiency=target_efficiency,
         reshard_after_forward=bool(zero.get("reshard_after_forward", True)),
     )
+
+
+def measured_activations(
+    model_spec: dict[str, Any],
+    micro_batch: int,
+    seq_len: int,
+    precision: str,
+    n_ranks: int,
+    bucket_mb: float,
+    device: str,
+    activations_on: str = "meta",
+    **profile_options: Any,
+) -> dict[str, int | None]:
+    """``activation_bytes`` and ``activation_bytes_stage2`` for PlanInputs, profiled on
+    ``activations_on``; ``device`` is where the job runs ("cpu" means Gloo). Both None when the
+    model cannot be profiled that way (a user model that does not run on meta, say)."""
+    layout = Stage2Layout(n_ranks, bucket_elements(bucket_mb, precision), STAGE2_INFLIGHT_BUCKETS, device == "cpu")
+    try:
+        return {
+            "activation_bytes": profile_activations(
+                model_spec, micro_batch, seq_len, precision, activations_on, **profile_options
+            ),
+            "activation_bytes_stage2": profile_activations(
+                model_spec, micro_batch, seq_len, precision, activations_on, stage2=layout, **profile_options
+            ),
+        }
+    except Exception:  # the plan records None and says so
+        return {"activation_bytes": None, "activation_bytes_stage2": None}
 
 
 def _accumulation_steps(train: dict[str, Any], resources: dict[str, Any]) -> int:

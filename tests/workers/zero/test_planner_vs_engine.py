@@ -94,14 +94,12 @@ def measure_one(preset: str, n: int, stage: int, precision: str, group, micro_st
 
 
 def predicted(preset: str, n: int, stage: int, precision: str, micro_steps: int = 1) -> mm.StagePrediction:
-    profile = mm.profile_activations({"preset": preset}, MICRO_BATCH, SEQ_LEN, precision)
     inputs = mm.PlanInputs(
         shape=mm.model_shape({"preset": preset}),
         n_ranks=n,
         precision=precision,
         bucket_mb=BUCKET_MB,
-        activation_bytes=profile.activations,
-        activation_bytes_grads_kept=profile.with_grads_kept,
+        **mm.measured_activations({"preset": preset}, MICRO_BATCH, SEQ_LEN, precision, n, BUCKET_MB, "cpu"),
         accumulation_steps=micro_steps,
         device="cpu",
     )
