@@ -55,3 +55,10 @@ class FlatBucket:
     def slot_range(self, pos: int) -> tuple[int, int]:
         s = self.spec.slots[pos]
         return s.offset, s.offset + s.numel
+
+    def replace_master(self, master: torch.Tensor) -> None:
+        """Hold the fp32 shard in ``master`` (a copy elsewhere: its own storage, or the host)
+        and re-point the optimizer's per-piece views at it. Before the optimizer is built only."""
+        self.master = master
+        self.master_views = [(piece, master[piece.shard_offset : piece.shard_offset + piece.numel])
+                             for piece, _ in self.master_views]

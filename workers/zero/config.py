@@ -51,13 +51,16 @@ class ZeroConfig:
     overlap_comm        launch each bucket's collective during backward as soon as the bucket
                         is full -- always at stage 2, on ``backward(loss, sync=True)`` at stages
                         0/1 (False: launch them all, in order, when backward ends).
-    offload_optimizer   keep master weights and optimizer state in CPU memory (issue 3).
-    prefetch            stage 3: how many units ahead to all-gather parameters (issue 3).
+    offload_optimizer   stages 1-3: keep fp32 master weights and optimizer state in host memory
+                        and run the optimizer step there (``offload.py``).
+    prefetch            stage 3: how many units ahead to all-gather parameters.
     grad_clip           max global L2 norm of the averaged gradient, or None for no clipping.
-    reshard_after_forward  stage 3: free gathered parameters after forward (issue 3).
-    activation_checkpointing  recompute wrapped units in backward (issue 3).
-    wrap                stage 3 unit policy: None (auto: children that are ModuleLists' items),
-                        a list of module class names, or a callable(module) -> bool (issue 3).
+    reshard_after_forward  stage 3: free gathered parameters after each unit's forward and gather
+                        them again for its backward (3Φ per step); False keeps them (2Φ).
+    activation_checkpointing  recompute each unit's activations in backward (every stage).
+    wrap                unit policy (stage 3, activation checkpointing): None (each child of the
+                        largest ModuleList + a root unit), a list of module class names, or a
+                        callable(module) -> bool (``units.py``).
     initial_loss_scale  fp16 only: dynamic loss scale to start from.
     loss_scale_growth_interval  fp16 only: steps without overflow before the scale doubles.
     comm_timeout_s      a rank blocked longer than this on one collective logs which bucket and
@@ -89,6 +92,9 @@ class ZeroConfig:
         for name in ("overlap_comm", "offload_optimizer", "reshard_after_forward", "activation_checkpointing"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.offload_optimizer and self.stage == 0:
+            raise ValueError("offload_optimizer needs stage 1, 2 or 3 (stage 0 keeps the whole optimizer on "
+                             "every rank); got stage=0")
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ValueError(f"prefetch must be an integer >= 0, got {self.prefetch!r}")
         if self.grad_clip is not None and (

@@ -42,8 +42,11 @@ from .buckets import FlatBucket
 from .collectives import Collectives
 from .config import ZeroConfig
 from .flat import FlatLayout
+from .offload import HostOptimizerState
 from .precision import MixedPrecision
+from .stage3 import ParamShardStrategy
 from .stages import Strategy, make_strategy
+from .units import checkpoint_forward, plan_units, unit_modules
 
 log = logging.getLogger(__name__)
 
@@ -69,12 +72,6 @@ class ZeroEngine:
         config = config if config is not None else ZeroConfig()
         if not isinstance(config, ZeroConfig):
             raise TypeError(f"config must be a ZeroConfig, got {type(config).__name__}")
-        if config.stage == 3:
-            raise NotImplementedError("ZeRO stage 3 is not implemented yet (issue 3); use stage 0, 1 or 2")
-        if config.offload_optimizer:
-            raise NotImplementedError("offload_optimizer is not implemented yet (issue 3)")
-        if config.activation_checkpointing:
-            raise NotImplementedError("activation_checkpointing is not implemented yet (issue 3)")
         if isinstance(optimizer, torch.optim.Optimizer) or not callable(optimizer):
             raise TypeError(
                 "optimizer must be a factory, e.g. lambda params: torch.optim.AdamW(params, lr=1e-3); "
@@ -97,16 +94,30 @@ class ZeroEngine:
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self._frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
         bucket_numel = max(1, config.bucket_bytes // torch.empty((), dtype=self.precision.compute_dtype).element_size())
-        self.layout = FlatLayout.build([(n, tuple(p.shape)) for n, p in trainable], self.shard_world, bucket_numel)
+        shapes = [(n, tuple(p.shape)) for n, p in trainable]
+        units = plan_units(model, trainable, config.wrap) if config.stage == 3 else None
+        if units is not None:  # stage 3: one bucket per unit, gathered together
+            self.layout = FlatLayout.from_groups(shapes, [g for g in units.owned if g], self.shard_world)
+        else:
+            self.layout = FlatLayout.build(shapes, self.shard_world, bucket_numel)
         self._trainable = [p for _, p in trainable]
         self.buckets = self._build_buckets(self._trainable)
         self._frozen_fp32 = self._sync_frozen_and_buffers()
+        if config.activation_checkpointing:
+            for _, unit_module in unit_modules(model, config.wrap):
+                checkpoint_forward(unit_module)
 
-        self.strategy: Strategy = make_strategy(config.stage, self.buckets, self.comm, config.overlap_comm)
+        if units is not None:
+            self.strategy: Strategy = ParamShardStrategy(self.buckets, self.comm, config.overlap_comm, units,
+                                                         config.prefetch, config.reshard_after_forward)
+        else:
+            self.strategy = make_strategy(config.stage, self.buckets, self.comm, config.overlap_comm)
+        self.offload = HostOptimizerState(self.buckets, self.device) if config.offload_optimizer else None
         self._opt_params = [(piece, view) for b in self.buckets for piece, view in b.master_views]
         # A rank whose shards hold only padding (tiny models, many ranks) still needs an
         # optimizer (torch.optim refuses an empty list): it gets one empty placeholder tensor.
-        self._placeholder = [] if self._opt_params else [torch.zeros(0, device=self.device)]
+        opt_device = "cpu" if self.offload is not None else self.device
+        self._placeholder = [] if self._opt_params else [torch.zeros(0, device=opt_device)]
         self.optimizer = optimizer([view for _, view in self._opt_params] + self._placeholder)
         self._check_optimizer()
         self.scaler = self.precision.make_scaler(config.initial_loss_scale, config.loss_scale_growth_interval)
@@ -258,6 +269,8 @@ class ZeroEngine:
         self._end_micro_step()
         scale = self.scaler.scale if self.scaler is not None else None
         grads = self.strategy.reduced_grads()
+        if self.offload is not None:  # the optimizer lives on the host: so do its fp32 gradients
+            grads = self.offload.grads_to_host(grads)
         grads32 = []
         for g in grads:
             g32 = g if g.dtype == torch.float32 else g.float()
@@ -265,7 +278,7 @@ class ZeroEngine:
                 g32.mul_(1.0 / scale)
             grads32.append(g32)
 
-        sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        sq = torch.zeros((), dtype=torch.float64, device=grads32[0].device if grads32 else self.device)
         for g32 in grads32:
             sq += torch.linalg.vector_norm(g32).double() ** 2
         control = torch.zeros(1 + len(self._got_grad), dtype=torch.float64, device=self.device)
@@ -280,7 +293,7 @@ class ZeroEngine:
         skipped = self.scaler is not None and not math.isfinite(norm)
         if not skipped:
             if self.config.grad_clip is not None:
-                norm32 = torch.tensor(norm, dtype=torch.float32, device=self.device)
+                norm32 = torch.tensor(norm, dtype=torch.float32, device=sq.device)
                 coef = torch.clamp(self.config.grad_clip / (norm32 + 1e-6), max=1.0)
                 for g32 in grads32:
                     g32.mul_(coef)
@@ -365,27 +378,35 @@ class ZeroEngine:
                 total += storage.nbytes()
             return total
 
-        params = tally([b.flat_param for b in self.buckets] + [p.data for _, p in self._frozen]
+        params = tally(self.strategy.param_tensors() + [p.data for _, p in self._frozen]
                        + list(self._frozen_fp32.values()))
         grads = tally(self.strategy.grad_tensors())
         opt_tensors = [b.master for b in self.buckets]
         for state in self.optimizer.state.values():
             opt_tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
-        optimizer = tally(opt_tensors)
+        if self.offload is not None:  # host memory, reported apart from the device's total
+            host = tally(opt_tensors + self.offload.tensors())
+            optimizer = 0
+        else:
+            optimizer = tally(opt_tensors)
         buffers = tally(self.strategy.scratch_tensors() + list(self.module.buffers()))
-        return {"params": params, "grads": grads, "optimizer": optimizer, "buffers": buffers,
-                "total": params + grads + optimizer + buffers}
+        out = {"params": params, "grads": grads, "optimizer": optimizer, "buffers": buffers,
+               "total": params + grads + optimizer + buffers}
+        if self.offload is not None:
+            out["host"] = host
+        return out
 
     # -- state -------------------------------------------------------------------------------------
     @torch.no_grad()
     def _full_master(self, b: FlatBucket) -> torch.Tensor:
         """The whole bucket's fp32 master values (a collective at stages 1/2 with a separate master)."""
-        if not self.precision.separate_master:
+        if not self.precision.separate_master and self.config.stage < 3:
             return b.flat_param
         if self.shard_world == 1:
             return b.master
         full = torch.empty(b.spec.numel, dtype=torch.float32, device=self.device)
-        self.comm.all_gather(full, b.master, label=f"full_state_dict bucket {b.spec.index}", async_op=False)
+        self.comm.all_gather(full, b.master.to(self.device), label=f"full_state_dict bucket {b.spec.index}",
+                             async_op=False)
         return full
 
     @torch.no_grad()
@@ -543,12 +564,15 @@ class ZeroEngine:
             params[s.name] = {"shape": list(s.shape), "numel": s.numel, "bucket": s.bucket, "offset": s.offset,
                               "shard_range": [piece.param_start, piece.param_end] if piece else None,
                               "shard_offset": piece.shard_offset if piece else None}
-        return {"shard_world_size": self.shard_world, "shard_rank": self.shard_rank, "params": params}
+        return {"shard_world_size": self.shard_world, "shard_rank": self.shard_rank, "params": params,
+                "optimizer_params": [piece.slot.name for piece, _ in self._opt_params]}
 
     def remove_hooks(self) -> None:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        if hasattr(self.strategy, "remove_hooks"):  # stage 3's module hooks
+            self.strategy.remove_hooks()
 
 
 def _params_reached(loss: torch.Tensor) -> set[int]:

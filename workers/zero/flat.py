@@ -109,7 +109,22 @@ class FlatLayout:
             filled += numels[i]
         if current:
             groups.append(current)
+        return cls.from_groups(params, groups, world_size)
 
+    @classmethod
+    def from_groups(
+        cls,
+        params: Sequence[tuple[str, Sequence[int]]],
+        groups: Sequence[Sequence[int]],
+        world_size: int,
+    ) -> "FlatLayout":
+        """One bucket per group of parameter indices (into ``params``), in the order given.
+
+        Stage 3 uses it with one group per unit: a unit's parameters are gathered together.
+        """
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        numels = [_numel(shape) for _, shape in params]
         slots: dict[int, ParamSlot] = {}
         buckets = []
         for b, members in enumerate(groups):

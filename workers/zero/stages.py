@@ -77,6 +77,10 @@ class Strategy:
         for b in self.buckets:
             b.grad_full = torch.zeros_like(b.flat_param)
 
+    def param_tensors(self) -> list[torch.Tensor]:
+        """Compute-dtype parameter storage the stage keeps (stage 3: shards only)."""
+        return [b.flat_param for b in self.buckets]
+
     def grad_tensors(self) -> list[torch.Tensor]:
         return [b.grad_full for b in self.buckets if b.grad_full is not None]
 

@@ -1,0 +1,143 @@
+"""Stage 3, offload and activation checkpointing runs (importable by spawned ranks).
+
+``BlockNet`` is ``cases.ToyNet`` cut into units: a ``ModuleList`` of blocks (the default wrap
+policy makes each one a stage-3 unit) plus a root. It keeps every awkwardness -- an
+embedding tied to the head (root), a weight tied between block 0 and block 2 (so it belongs to
+the root), a frozen layer inside a block and one in the root, a parameter never used inside a
+block, a root layer only some ranks use, sizes that divide neither 2 nor 3 -- and adds a
+forward whose block order changes from step to step (and skips a block on some steps), and
+an evaluation forward between steps that visits the blocks in yet another order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from workers.zero import ZeroConfig, ZeroEngine
+
+try:
+    from .cases import DIM, HID, MICRO_B, OPTIMIZERS, VOCAB, ToyNet, make_batches, uses_extra
+except ImportError:  # a spawned rank loads this file by path (``testing._resolve``): so its sibling
+    import importlib.util
+    import pathlib
+    import sys
+
+    _spec = importlib.util.spec_from_file_location("tests.workers.zero.cases",
+                                                   pathlib.Path(__file__).with_name("cases.py"))
+    _cases = importlib.util.module_from_spec(_spec)
+    sys.modules[_spec.name] = _cases
+    _spec.loader.exec_module(_cases)
+    DIM, HID, MICRO_B, OPTIMIZERS, VOCAB = _cases.DIM, _cases.HID, _cases.MICRO_B, _cases.OPTIMIZERS, _cases.VOCAB
+    ToyNet, make_batches, uses_extra = _cases.ToyNet, _cases.make_batches, _cases.uses_extra
+
+
+class Block(nn.Module):
+    def __init__(self, frozen: bool = False, unused: bool = False):
+        super().__init__()
+        self.fc1 = nn.Linear(DIM, HID)
+        self.fc2 = nn.Linear(HID, DIM)
+        self.frozen = nn.Linear(HID, HID) if frozen else None
+        if frozen:
+            self.frozen.requires_grad_(False)
+        self.unused = nn.Parameter(torch.randn(3)) if unused else None
+
+    def forward(self, x):
+        h = torch.relu(self.fc1(x))
+        if self.frozen is not None:
+            h = torch.tanh(self.frozen(h))
+        return x + self.fc2(h)
+
+
+class BlockNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.frozen = nn.Linear(DIM, DIM)
+        self.frozen.requires_grad_(False)
+        self.blocks = nn.ModuleList([Block(), Block(frozen=True), Block(unused=True), Block()])
+        self.blocks[2].fc1.weight = self.blocks[0].fc1.weight  # tied across two units: the root's
+        self.extra = nn.Linear(DIM, DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.emb.weight
+        self.register_buffer("shift", torch.randn(DIM) * 0.1)
+
+    def forward(self, idx, targets, use_extra: bool, order=(0, 1, 2, 3)):
+        x = torch.tanh(self.frozen(self.emb(idx) + self.shift))
+        for i in order:
+            x = self.blocks[i](x)
+        if use_extra:
+            x = x + self.extra(x)
+        logits = self.head(x)
+        return F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1))
+
+
+def step_order(step: int) -> tuple[int, ...]:
+    """The forward's block order at ``step``: it changes, and block 1 is skipped every third step."""
+    return [(0, 1, 2, 3), (3, 0, 2, 1), (0, 2, 3)][step % 3]
+
+
+EVAL_ORDER = (3, 2, 1, 0)
+
+
+def make(kind: str, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return {"toy": ToyNet, "blocks": BlockNet}[kind]()
+
+
+def forward(model, kind: str, idx, tgt, rank: int, step: int):
+    if kind == "toy":
+        return model(idx, tgt, uses_extra(rank))
+    return model(idx, tgt, uses_extra(rank), step_order(step))
+
+
+def reference(kind: str, world_size: int, opt: str, steps: int, micro: int, clip: float | None):
+    """One process, plain torch.optim, the global batch of every rank at once."""
+    model = make(kind)
+    optimizer = OPTIMIZERS[opt]([p for p in model.parameters() if p.requires_grad])
+    norms = []
+    for step, step_batches in enumerate(make_batches(world_size, steps, micro)):
+        for idx, tgt in step_batches:
+            losses = [forward(model, kind, idx[r * MICRO_B:(r + 1) * MICRO_B], tgt[r * MICRO_B:(r + 1) * MICRO_B], r,
+                              step) for r in range(world_size)]
+            (sum(losses) / world_size).backward()
+        params = [p for p in model.parameters() if p.grad is not None]
+        if clip is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(params, clip)))
+        else:
+            norms.append(float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, norms
+
+
+def run(rank: int, world_size: int, kind: str, cfg: dict, opt: str = "adamw", steps: int = 6, micro: int = 2,
+        clip: float | None = 0.5, direct: bool = False):
+    """One rank's run with ZeroConfig(**cfg); an evaluation forward in another order between steps."""
+    model = make(kind, seed=rank)  # the engine must broadcast rank 0's values
+    engine = ZeroEngine(model, OPTIMIZERS[opt], ZeroConfig(**{"precision": "fp32", "grad_clip": clip, **cfg}))
+    infos, peak = [], 0
+    sl = slice(rank * MICRO_B, (rank + 1) * MICRO_B)
+    for step, step_batches in enumerate(make_batches(world_size, steps, micro)):
+        for idx, tgt in step_batches:
+            loss = forward(engine, kind, idx[sl], tgt[sl], rank, step)
+            loss.backward() if direct else engine.backward(loss)
+        infos.append(engine.step())
+        if kind == "blocks":
+            engine.eval()
+            with torch.no_grad():
+                engine(idx[sl], tgt[sl], uses_extra(rank), EVAL_ORDER)
+            engine.train()
+        peak = max(peak, getattr(engine.strategy, "max_gathered", 0))
+    return engine.full_state_dict(), infos, peak, engine.memory()["buffers"] - _buffer_bytes(engine.module)
+
+
+def _buffer_bytes(model: nn.Module) -> int:
+    return sum(b.numel() * b.element_size() for b in model.buffers())
+
+
+def world(rank: int, world_size: int, cases: list[tuple]):
+    """Several (kind, cfg, opt, steps, micro, clip, direct) runs in one spawned world."""
+    torch.set_num_threads(1)
+    return [run(rank, world_size, *case) for case in cases]
