@@ -141,3 +141,37 @@ def world(rank: int, world_size: int, cases: list[tuple]):
     """Several (kind, cfg, opt, steps, micro, clip, direct) runs in one spawned world."""
     torch.set_num_threads(1)
     return [run(rank, world_size, *case) for case in cases]
+
+
+# -- accounting: issue 3, must-show 2 ----------------------------------------------------------------
+
+
+def accounting_world(rank: int, world_size: int, precision: str = "bf16"):
+    """Stage 3 on the small GPT: memory() mid-forward and after a step, comm per step, both
+    ``reshard_after_forward`` settings, and the per-unit sizes the checks need."""
+    from workers.models import num_parameters
+
+    from .cases import gpt_engine, gpt_steps
+
+    torch.set_num_threads(1)
+    out = {}
+    for reshard in (True, False):
+        engine = gpt_engine(rank, precision, 3, reshard_after_forward=reshard)
+        seen = []
+        block = engine.module.blocks[1]
+        handle = block.register_forward_pre_hook(lambda *_: seen.append(engine.memory()) if not seen else None)
+        _, infos = gpt_steps(engine, rank, 0, 1)
+        handle.remove()
+        mem_step = engine.memory()
+        out[reshard] = {
+            "phi": num_parameters(engine.module),
+            "padded": engine.layout.numel,
+            "units": [(u.name, u.flat.numel() * u.flat.element_size()) for u in engine.strategy.units],
+            "module_buffers": sum(b.numel() * b.element_size() for b in engine.module.buffers()),
+            "mid_forward": seen[0],
+            "after_step": mem_step,
+            "comm": engine.comm_volume(),
+            "info": infos[0],
+            "max_gathered": engine.strategy.max_gathered,
+        }
+    return out
