@@ -45,6 +45,45 @@ class AttemptCounter:
         self.groups += 1
         return self.groups
 
+    def current(self) -> int:
+        return self.groups
+
+
+def _restart_reporter(api_url: str, job_id: str, attempt_base: int, max_failures: int):
+    """A Ray Train callback that reports RESTARTING the moment a worker group fails.
+
+    It runs on the Train controller (an actor of this job, so it has the ingest token in its
+    environment). Without it the control plane would only learn about the restart when the
+    new group's rank 0 starts, tens of seconds later. Failures past ``max_failures`` are left
+    to the driver, which reports FAILED.
+    """
+    from ray.train import UserCallback
+
+    class RestartReporter(UserCallback):
+        def __init__(self) -> None:
+            self.failures = 0
+
+        def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
+            self.failures += 1
+            if self.failures > max_failures:
+                return
+            try:
+                groups = ray.get(ray.get_actor(counter_name(job_id)).current.remote())
+                attempt = attempt_base + groups + 1
+                what = "; ".join(f"rank {rank}: {type(error).__name__}: {str(error).splitlines()[0][:200]}"
+                                 for rank, error in sorted(worker_exceptions.items()))
+                api = WorkerAPI(api_url, job_id, os.environ["ZEROTRAIN_INGEST_TOKEN"])
+                try:
+                    api.post_state("RESTARTING", attempt=attempt, reason="worker_failed",
+                                   message=f"restart {self.failures} of {max_failures} (attempt {attempt}): {what}",
+                                   deadline_s=30)
+                finally:
+                    api.close()
+            except Exception as error:  # noqa: BLE001 - reporting must never break Ray Train's recovery
+                log.warning("could not report RESTARTING: %s", error)
+
+    return RestartReporter()
+
 
 def counter_name(job_id: str) -> str:
     return f"zerotrain-attempts-{job_id}"
@@ -95,8 +134,11 @@ def build_trainer(spec: dict[str, Any], loop_config: dict[str, Any], storage_uri
         train_loop_config=loop_config,
         scaling_config=ScalingConfig(num_workers=int(resources.get("num_workers") or 1), use_gpu=gpus > 0,
                                      resources_per_worker=per_worker),
-        run_config=RunConfig(storage_path=ray_storage_path(storage_uri), name=job_id,
-                             failure_config=FailureConfig(max_failures=int(spec.get("max_failures", 0)))),
+        run_config=RunConfig(
+            storage_path=ray_storage_path(storage_uri), name=job_id,
+            failure_config=FailureConfig(max_failures=int(spec.get("max_failures", 0))),
+            callbacks=[_restart_reporter(loop_config["api_url"], job_id, int(loop_config["attempt_base"]),
+                                         int(spec.get("max_failures", 0)))]),
     )
 
 

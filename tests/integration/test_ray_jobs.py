@@ -156,9 +156,11 @@ def test_killing_a_worker_restarts_the_group_and_the_job_still_succeeds(make_con
         final = client.wait(job.id, timeout=300)
         assert final.state is JobState.SUCCEEDED, explain(client, job.id)
         assert final.attempt == 2
-        transitions = [(e.to_state, e.attempt) for e in client.events(job.id)]
+        events = client.events(job.id)
+        transitions = [(e.to_state, e.attempt) for e in events]
         restart = transitions.index((JobState.RESTARTING, 2))
         assert (JobState.RUNNING, 2) in transitions[restart:], transitions
+        assert events[restart].reason == "worker_failed" and "rank" in events[restart].message
         second = client.metrics(job.id, attempt=2)
         assert sorted((r.rank, r.step) for r in second) == [(k, s) for k in (0, 1) for s in range(1, steps + 1)]
 
