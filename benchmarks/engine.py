@@ -1,0 +1,655 @@
+"""Engine benchmark: zerotrain's ZeRO stages against PyTorch DDP and FSDP2 on the same GPT.
+
+Every row trains the same GPT (same seed, so the same initial weights; the same synthetic
+batches per step and rank) at ``--world-size`` ranks -- Gloo on CPU, NCCL with ``--device cuda``
+-- in a fresh ``torch.multiprocessing`` world of its own, so that one row's memory cannot leak
+into the next row's numbers. Rows:
+
+    ddp            torch DistributedDataParallel, bucket_cap_mb = --bucket-mb,
+                   gradient_as_bucket_view=True (its lower-memory setting); bf16 = torch.autocast
+    fsdp2          torch.distributed.fsdp.fully_shard on each transformer block, then the root
+                   (the documented way); bf16 = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16)
+    zero0 .. zero3 zerotrain ZeroEngine at that stage (bucket_mb = --bucket-mb, prefetch 1)
+    zero3-offload  stage 3 with offload_optimizer=True
+    local          (not in the default rows) the plain model, no communication at all: each rank
+                   trains alone -- the compute-only step time the others can be read against
+
+Columns (step times: per step, the slowest rank; then the median over the measured steps):
+
+    step s         median step time (forward + backward + optimizer step) after --warmup steps
+    tokens/s       world_size x micro_batch x seq_len / median step time
+    vs DDP         step time / DDP's step time
+    state/rank     model-state bytes per rank, measured: zerotrain ``engine.memory()`` params +
+                   grads + optimizer; DDP/FSDP2: the distinct storages of the parameters, their
+                   .grad and every optimizer.state tensor (FSDP2's DTensors by ``.to_local()``),
+                   taken after the last optimizer step, before zero_grad; the largest rank.
+                   Offload rows: device bytes, plus ``memory()["host"]`` shown apart
+    peak/rank      CUDA: ``torch.cuda.max_memory_allocated``. CPU: growth of the resident-set
+                   high-water mark (VmHWM, reset by writing 5 to /proc/self/clear_refs just
+                   before the model is built) over the whole row; the largest rank
+    comm el/step   elements handed to collectives in one step (an all-reduce counts twice its
+                   elements, a reduce-scatter its input, an all-gather its output). zerotrain:
+                   ``engine.comm_volume()["total"]`` (measured); DDP: 2 x trainable elements
+                   (computed: its buckets hold exactly the gradients, unpadded); FSDP2: measured
+                   by a TorchDispatchMode that sums the sizes of the c10d collectives it sees (as
+                   CommDebugMode does) during one extra, untimed step
+    exposed s      zerotrain: median ``step()["comm_exposed_s"]`` (time waiting on collectives
+                   that did not overlap compute); DDP/FSDP2: n/a (not measured)
+
+    python -m benchmarks.engine --json bench-results/engine.json
+    python -m benchmarks.engine --device cuda --precision bf16 --preset gpt-small --seq-len 1024
+
+On CPU the default is fp32: bf16 matmuls on most CPUs are emulated or far slower than fp32, so a
+bf16 CPU row measures the CPU's bf16 kernels, not the engines. The machine this runs on may be
+shared; read the ratios, and rerun with more --steps when they matter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import re
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from dataclasses import asdict, replace
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from workers.models import GPT, PRESETS, GPTConfig, num_parameters
+
+ROWS: dict[str, str] = {
+    "ddp": "PyTorch DDP",
+    "fsdp2": "PyTorch FSDP2",
+    "zero0": "zerotrain stage 0",
+    "zero1": "zerotrain stage 1",
+    "zero2": "zerotrain stage 2",
+    "zero3": "zerotrain stage 3",
+    "zero3-offload": "zerotrain stage 3 + offload",
+    "local": "no communication (local)",
+}
+DEFAULT_ROWS = ["ddp", "fsdp2", "zero0", "zero1", "zero2", "zero3", "zero3-offload"]
+COLUMNS = ["row", "label", "ok", "error", "step_time_s", "tokens_per_s", "ratio_to_ddp",
+           "model_state_bytes", "model_state_source", "peak_bytes", "peak_source",
+           "comm_elements", "comm_source", "comm_exposed_s", "final_loss", "step_times_s", "wall_s"]
+ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "GLOO_SOCKET_IFNAME": "lo"}
+
+
+# -- model and data -------------------------------------------------------------------------------
+def model_config(args: argparse.Namespace) -> GPTConfig:
+    cfg = PRESETS[args.preset]
+    width = args.width or cfg.n_embd
+    heads = cfg.n_head
+    if width % heads:
+        heads = max(1, width // 64)
+        if width % heads:
+            heads = 1
+    return replace(cfg, n_layer=args.layers or cfg.n_layer, n_embd=width, n_head=heads,
+                   block_size=max(cfg.block_size, args.seq_len))
+
+
+def make_batches(count: int, rank: int, b: int, t: int, vocab: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Synthetic next-token data, the same for every row: next = 5x+3 (mod vocab) 70% of the time."""
+    out = []
+    for step in range(count):
+        g = torch.Generator().manual_seed(seed * 7_919 + 1_000_003 * step + rank)
+        x = torch.empty(b, t + 1, dtype=torch.long)
+        x[:, 0] = torch.randint(0, vocab, (b,), generator=g)
+        noise = torch.randint(0, vocab, (b, t), generator=g)
+        keep = torch.rand(b, t, generator=g) < 0.7
+        for i in range(t):
+            x[:, i + 1] = torch.where(keep[:, i], (5 * x[:, i] + 3) % vocab, noise[:, i])
+        out.append((x[:, :-1].contiguous(), x[:, 1:].contiguous()))
+    return out
+
+
+# -- accounting helpers ---------------------------------------------------------------------------
+def _local(t: Any) -> torch.Tensor | None:
+    if not isinstance(t, torch.Tensor):
+        return None
+    to_local = getattr(t, "to_local", None)  # DTensor: this rank's shard
+    return to_local() if callable(to_local) else t
+
+
+def tensor_bytes(groups: dict[str, list[Any]]) -> dict[str, int]:
+    """Bytes of the distinct storages in each group (a storage counted once, in its first group)."""
+    seen: set[int] = set()
+    out: dict[str, int] = {}
+    for name, tensors in groups.items():
+        total = 0
+        for t in tensors:
+            t = _local(t)
+            if t is None:
+                continue
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if storage.nbytes() == 0 or key in seen:
+                continue
+            seen.add(key)
+            total += storage.nbytes()
+        out[name] = total
+    out["total"] = sum(out.values())
+    return out
+
+
+def torch_model_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    params = list(model.parameters())
+    opt = [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    return tensor_bytes({"params": params, "grads": [p.grad for p in params], "optimizer": opt})
+
+
+class CollectiveCounter:
+    """Sum the elements of the c10d collectives dispatched while active (all-reduce counts 2x).
+
+    A TorchDispatchMode, as ``torch.distributed.tensor.debug.CommDebugMode`` is; that mode counts
+    calls only, this one counts elements the way zerotrain's ``comm_volume()`` does.
+    """
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counts: dict[str, int] = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0, "other": 0}
+        self.counts = counts
+
+        def numel(x: Any) -> int:
+            if isinstance(x, torch.Tensor):
+                return x.numel()
+            if isinstance(x, (list, tuple)):
+                return sum(numel(y) for y in x)
+            return 0
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+                name = str(func)
+                if name.startswith("c10d.") or name.startswith("_c10d_functional."):
+                    if "allgather" in name or "all_gather" in name:
+                        counts["all_gather"] += numel(args[0])  # the output
+                    elif "reduce_scatter" in name:
+                        counts["reduce_scatter"] += numel(args[1] if name.startswith("c10d.") else args[0])
+                    elif "allreduce" in name or "all_reduce" in name:
+                        counts["all_reduce"] += 2 * numel(args[0])
+                    elif "barrier" not in name and "broadcast" not in name:
+                        counts["other"] += numel(args[0])
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+
+    @property
+    def total(self) -> int:
+        return self.counts["all_gather"] + self.counts["reduce_scatter"] + self.counts["all_reduce"]
+
+
+def _proc_status(key: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            m = re.search(rf"^{key}:\s+(\d+)\s+kB", f.read(), re.M)
+        return int(m.group(1)) * 1024 if m else None
+    except OSError:
+        return None
+
+
+class PeakMemory:
+    """CUDA: max_memory_allocated. CPU: growth of VmHWM after a reset, else of ru_maxrss."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            self.source = "cuda max_memory_allocated"
+            self.base = 0
+            return
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # resets VmHWM to the current RSS
+            self.base = _proc_status("VmRSS")
+            self.source = "cpu VmHWM growth (reset via /proc/self/clear_refs)"
+        except OSError:
+            self.base = None
+        if self.base is None:
+            import resource
+
+            self.base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            self.source = "cpu ru_maxrss growth (fresh process)"
+
+    def peak(self) -> int:
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        if self.source.startswith("cpu VmHWM"):
+            return max(0, (_proc_status("VmHWM") or 0) - self.base)
+        import resource
+
+        return max(0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - self.base)
+
+
+# -- one row on one rank ---------------------------------------------------------------------------
+class Runner:
+    """fwd + bwd + optimizer step for one system; ``state()`` and ``comm()`` for the columns."""
+
+    exposed_supported = False
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, measure: bool) -> tuple[float, float | None]:
+        raise NotImplementedError
+
+    def comm(self, x: torch.Tensor, y: torch.Tensor) -> tuple[int | None, str]:
+        raise NotImplementedError
+
+
+class TorchRunner(Runner):
+    def __init__(self, kind: str, model: torch.nn.Module, args: dict, device: torch.device):
+        self.kind = kind
+        self.device = device
+        self.autocast = args["precision"] == "bf16" and kind != "fsdp2"
+        self.trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        if kind == "ddp":
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            self.model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                             bucket_cap_mb=args["bucket_mb"], gradient_as_bucket_view=True)
+        elif kind == "fsdp2":
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+            kw = {}
+            if args["precision"] == "bf16":
+                kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+            for block in model.blocks:
+                fully_shard(block, **kw)
+            fully_shard(model, **kw)
+            self.model = model
+        else:  # local: no communication at all
+            self.model = model
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args["lr"], weight_decay=0.1)
+        self.measured: dict[str, int] = {}
+
+    def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.autocast:
+            with torch.autocast(self.device.type, dtype=torch.bfloat16):
+                return self.model(x, y)
+        return self.model(x, y)
+
+    def step(self, x, y, measure):  # noqa: ANN001
+        loss = self._loss(x, y)
+        loss.backward()
+        self.optimizer.step()
+        if measure:
+            self.measured = torch_model_state(self.model, self.optimizer)
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(loss.detach()), None
+
+    def comm(self, x, y):  # noqa: ANN001
+        if self.kind == "ddp":
+            return 2 * self.trainable, "computed: all-reduce of every trainable element, 2x"
+        if self.kind == "local":
+            return 0, "none"
+        counter = CollectiveCounter()
+        with counter.mode:
+            self.step(x, y, measure=False)
+        return counter.total, "measured: c10d collectives seen by a TorchDispatchMode, one extra step"
+
+
+class ZeroRunner(Runner):
+    exposed_supported = True
+
+    def __init__(self, stage: int, offload: bool, model: torch.nn.Module, args: dict):
+        from workers.zero import ZeroConfig, ZeroEngine
+
+        cfg = ZeroConfig(stage=stage, precision=args["precision"], bucket_mb=args["bucket_mb"],
+                         offload_optimizer=offload, prefetch=1, grad_clip=None)
+        lr = args["lr"]
+        self.engine = ZeroEngine(model, lambda ps: torch.optim.AdamW(ps, lr=lr, weight_decay=0.1), cfg)
+        self.measured: dict[str, int] = {}
+        self.buffers = 0
+
+    def step(self, x, y, measure):  # noqa: ANN001
+        loss = self.engine(x, y)
+        self.engine.backward(loss)
+        info = self.engine.step()
+        if measure:
+            mem = self.engine.memory()
+            self.measured = {k: int(mem[k]) for k in ("params", "grads", "optimizer")}
+            self.measured["total"] = sum(self.measured.values())
+            if "host" in mem:  # offload: master weights + optimizer state in host memory
+                self.measured["host"] = int(mem["host"])
+            self.buffers = int(mem.get("buffers", 0))
+        return float(loss.detach()), float(info.get("comm_exposed_s", float("nan")))
+
+    def comm(self, x, y):  # noqa: ANN001
+        return int(self.engine.comm_volume()["total"]), "measured: engine.comm_volume()['total']"
+
+
+def build_runner(row: str, model: torch.nn.Module, args: dict, device: torch.device) -> Runner:
+    if row in ("ddp", "fsdp2", "local"):
+        return TorchRunner(row, model, args, device)
+    if row.startswith("zero"):
+        return ZeroRunner(int(row[4]), row.endswith("-offload"), model, args)
+    raise ValueError(f"unknown row {row!r}")
+
+
+def _describe(exc: BaseException) -> str:
+    """``Type: message (file:line)`` of the innermost frame -- one line for the table."""
+    where = ""
+    tb = traceback.extract_tb(exc.__traceback__)
+    if tb:
+        frame = tb[-1]
+        where = f" ({os.path.relpath(frame.filename) if not frame.filename.startswith('<') else frame.filename}:{frame.lineno})"
+    message = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {message}"[:300] + where
+
+
+def _prewarm(device: torch.device) -> None:
+    """Touch the kernels and libraries every row uses (a 1-block GPT, AdamW, a collective) so the
+    CPU peak measures this row's tensors rather than libtorch pages loaded on first use."""
+    torch.manual_seed(12345)
+    tiny = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32)).to(device)
+    opt = torch.optim.AdamW(tiny.parameters(), lr=1e-3)
+    idx = torch.randint(0, 64, (2, 16), device=device)
+    tiny(idx, idx).backward()
+    opt.step()
+    flat = torch.ones(8, device=device)
+    dist.all_reduce(flat)
+    dist.barrier()
+    del tiny, opt, idx, flat
+
+
+def run_one(row: str, rank: int, args: dict, device: torch.device,
+            batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Any]:
+    """Build and train one row on this rank; the report (or the error) as a dict."""
+    total_steps = args["warmup"] + args["steps"]
+    result: dict[str, Any] = {"rank": rank, "row": row}
+    gc.collect()
+    peak = PeakMemory(device)
+    try:
+        torch.manual_seed(args["seed"])
+        model = GPT(GPTConfig(**args["model"])).to(device)
+        runner = build_runner(row, model, args, device)
+        del model
+    except Exception as exc:  # noqa: BLE001 -- a row that cannot be built is reported, not fatal
+        result["error"] = _describe(exc)  # every rank fails alike here, before any collective
+        return result
+    times, exposed, losses = [], [], []
+    for i in range(total_steps):
+        x, y = batches[i]
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        loss, exp = runner.step(x, y, measure=i == total_steps - 1)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        dt = time.perf_counter() - t0
+        if i >= args["warmup"]:
+            times.append(dt)
+            exposed.append(exp)
+            losses.append(loss)
+    comm, comm_source = runner.comm(*batches[total_steps])
+    result.update(step_times_s=times, exposed_s=exposed, losses=losses, model_state=runner.measured,
+                  buffers=getattr(runner, "buffers", None), peak_bytes=peak.peak(), peak_source=peak.source,
+                  comm_elements=comm, comm_source=comm_source)
+    del runner
+    return result
+
+
+def worker(rank: int, rows: list[str], args: dict, port: int, out_dir: str) -> None:
+    """One rank of one world: runs ``rows`` in order, writes ``{row}.rank{rank}.json`` for each."""
+    os.environ.update(ENV)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    warnings.filterwarnings("ignore")
+    world = args["world_size"]
+    if args["device"] == "cuda":
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=args["timeout"]))
+    total_steps = args["warmup"] + args["steps"]
+    cfg = GPTConfig(**args["model"])
+    batches = make_batches(total_steps + 1, rank, args["micro_batch"], args["seq_len"], cfg.vocab_size, args["seed"])
+    batches = [(x.to(device), y.to(device)) for x, y in batches]
+    _prewarm(device)
+    for row in rows:
+        out = Path(out_dir) / f"{row}.rank{rank}.json"
+        try:
+            result = run_one(row, rank, args, device, batches)
+        except Exception as exc:  # mid-training: the other ranks may be stuck in a collective
+            out.write_text(json.dumps({"rank": rank, "row": row, "error": _describe(exc)}))
+            raise
+        out.write_text(json.dumps(result))
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+# -- driver ----------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_world(rows: list[str], args: dict) -> list[dict[str, Any]]:
+    """Spawn one world of ``world_size`` processes that runs ``rows`` in order; one result each."""
+    world = args["world_size"]
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="zerotrain-engine-bench-") as out_dir:
+        crashed = None
+        context = mp.start_processes(worker, args=(rows, args, free_port(), out_dir), nprocs=world,
+                                     join=False, start_method="spawn")
+        deadline = time.monotonic() + args["row_timeout"] * len(rows)
+        try:
+            while not context.join(timeout=1.0):
+                if time.monotonic() > deadline:
+                    crashed = f"timed out after {args['row_timeout']:.0f} s per row"
+                    break
+        except Exception as exc:  # noqa: BLE001 -- a rank died; its own report says why
+            crashed = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+        finally:
+            for process in context.processes:
+                if process.is_alive():
+                    process.terminate()
+                    process.join(10)
+        reports = {}
+        for row in rows:
+            reports[row] = []
+            for r in range(world):
+                path = Path(out_dir) / f"{row}.rank{r}.json"
+                reports[row].append(json.loads(path.read_text()) if path.exists() else {"rank": r})
+    wall = (time.monotonic() - started) / len(rows)
+    return [aggregate(row, reports[row], args, wall, crashed) for row in rows]
+
+
+def aggregate(row: str, ranks: list[dict[str, Any]], args: dict, wall: float, crashed: str | None) -> dict[str, Any]:
+    world = args["world_size"]
+    result: dict[str, Any] = {c: None for c in COLUMNS}
+    result.update(row=row, label=ROWS[row], ok=False, wall_s=round(wall, 2))
+    errors = [r["error"] for r in ranks if r.get("error")]
+    if errors or any("step_times_s" not in r for r in ranks):
+        result["error"] = errors[0] if errors else (crashed or "no report from a rank")
+        return result
+    steps = len(ranks[0]["step_times_s"])
+    per_step = [max(r["step_times_s"][i] for r in ranks) for i in range(steps)]
+    median = statistics.median(per_step)
+    tokens = world * args["micro_batch"] * args["seq_len"]
+    state = max((r["model_state"] for r in ranks), key=lambda m: m.get("total", 0))
+    exposed = None
+    if all(e is not None for r in ranks for e in r["exposed_s"]):
+        exposed = statistics.median(max(r["exposed_s"][i] for r in ranks) for i in range(steps))
+    result.update(
+        ok=True, step_time_s=median, tokens_per_s=tokens / median, step_times_s=per_step,
+        model_state_bytes=state, model_state_source="engine.memory()" if row.startswith("zero") else
+        "distinct storages of params, .grad, optimizer.state (DTensor.to_local())",
+        peak_bytes=max(r["peak_bytes"] for r in ranks),
+        peak_source=ranks[0]["peak_source"] + ("" if not args["shared_world"] else
+                                               ", rows share one process: freed memory may be reused"),
+        comm_elements=max(r["comm_elements"] for r in ranks), comm_source=ranks[0]["comm_source"],
+        comm_exposed_s=exposed, final_loss=statistics.fmean(r["losses"][-1] for r in ranks),
+    )
+    if row.startswith("zero"):
+        result["engine_buffers_bytes"] = max(r.get("buffers") or 0 for r in ranks)
+    return result
+
+
+def machine_info(device: str) -> dict[str, Any]:
+    info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+            "cpu_count": os.cpu_count(), "processor": platform.processor() or platform.machine(),
+            "device": device, "backend": "nccl" if device == "cuda" else "gloo",
+            "hostname": platform.node()}
+    try:
+        load = os.getloadavg()
+        info["loadavg_at_start"] = [round(v, 2) for v in load]
+    except OSError:
+        pass
+    if device == "cuda" and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["gpu_count"] = torch.cuda.device_count()
+    return info
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    by = {r["row"]: r for r in rows if r["ok"]}
+
+    def ratio(a: str, b: str, key: str) -> float | None:
+        if a not in by or b not in by:
+            return None
+        va = by[a][key]["total"] if key == "model_state_bytes" else by[a][key]
+        vb = by[b][key]["total"] if key == "model_state_bytes" else by[b][key]
+        return va / vb if vb else None
+
+    out: dict[str, Any] = {
+        "stage2_vs_ddp_step_time": ratio("zero2", "ddp", "step_time_s"),
+        "stage3_vs_fsdp2_step_time": ratio("zero3", "fsdp2", "step_time_s"),
+        "stage3_offload_vs_fsdp2_step_time": ratio("zero3-offload", "fsdp2", "step_time_s"),
+    }
+    for z in ("zero0", "zero1", "zero2", "zero3", "zero3-offload"):
+        for peer in ("ddp", "fsdp2"):
+            out[f"{z}_vs_{peer}_model_state"] = ratio(z, peer, "model_state_bytes")
+            out[f"{z}_vs_{peer}_peak"] = ratio(z, peer, "peak_bytes")
+    return out
+
+
+def mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:,.1f} MiB"
+
+
+def print_table(rows: list[dict[str, Any]], summary: dict[str, Any], title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table("system", "step s", "tokens/s", "vs DDP", "state/rank", "peak/rank", "comm el/step",
+                  "exposed s", "loss", title=title)
+    for r in rows:
+        if not r["ok"]:
+            table.add_row(r["label"], "n/a", *["-"] * 7)
+            continue
+        table.add_row(
+            r["label"], f"{r['step_time_s']:.3f}", f"{r['tokens_per_s']:,.0f}",
+            "-" if r["ratio_to_ddp"] is None else f"{r['ratio_to_ddp']:.2f}x",
+            mib(r["model_state_bytes"]["total"]) + (f" +{mib(r['model_state_bytes']['host'])} host"
+                                                    if "host" in r["model_state_bytes"] else ""),
+            mib(r["peak_bytes"]),
+            f"{r['comm_elements']:,}" + ("*" if r["comm_source"].startswith("computed") else ""),
+            "n/a" if r["comm_exposed_s"] is None else f"{r['comm_exposed_s']:.3f}",
+            f"{r['final_loss']:.4f}",
+        )
+    console = Console(width=max(Console().width, 150))
+    console.print(table)
+    for r in rows:
+        if not r["ok"]:
+            console.print(f"{r['label']}: n/a: {r['error']}", highlight=False)
+    console.print("* computed, not measured. state/rank: params+grads+optimizer on the device (offload: "
+                  "+ what sits in host memory -- the same RAM on a CPU-only machine); peak/rank: "
+                  f"{next((r['peak_source'] for r in rows if r['ok']), '-')}.")
+    shown = {k: v for k, v in summary.items() if v is not None and ("step_time" in k or "model_state" in k)}
+    for k, v in shown.items():
+        console.print(f"  {k}: {v:.3f}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                epilog="rows: " + ", ".join(f"{k} ({v})" for k, v in ROWS.items()))
+    p.add_argument("--preset", default="gpt-mini", choices=sorted(PRESETS))
+    p.add_argument("--layers", type=int, help="override the preset's n_layer")
+    p.add_argument("--width", type=int, help="override the preset's n_embd")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--steps", type=int, default=10, help="measured steps per row")
+    p.add_argument("--warmup", type=int, default=3, help="unmeasured steps before them")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--rows", default=",".join(DEFAULT_ROWS),
+                   help=f"comma-separated, from {', '.join(ROWS)} (default: %(default)s)")
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb and zerotrain bucket_mb")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--row-timeout", type=float, default=900.0, help="seconds before a row is abandoned")
+    p.add_argument("--shared-world", action="store_true",
+                   help="run every row in one world (saves start-up; CPU peaks then less honest: "
+                        "memory a row frees may be reused by the next without growing the RSS)")
+    p.add_argument("--json", type=Path, help="also write the results here")
+    args = p.parse_args(argv)
+    args.rows = [r.strip() for r in args.rows.split(",") if r.strip()]
+    unknown = [r for r in args.rows if r not in ROWS]
+    if unknown:
+        p.error(f"unknown row(s) {unknown}; choose from {list(ROWS)}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda, but CUDA is not available")
+    if args.world_size < 1:
+        p.error("--world-size must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ.update(ENV)
+    cfg = model_config(args)
+    with torch.device("meta"):
+        phi = num_parameters(GPT(cfg))
+    settings = {
+        "preset": args.preset, "model": asdict(cfg), "seq_len": args.seq_len, "micro_batch": args.micro_batch,
+        "steps": args.steps, "warmup": args.warmup, "precision": args.precision, "world_size": args.world_size,
+        "device": args.device, "bucket_mb": args.bucket_mb, "lr": args.lr, "seed": args.seed,
+        "timeout": 300, "row_timeout": args.row_timeout, "shared_world": args.shared_world,
+    }
+    if args.shared_world:
+        print(f"[engine bench] {', '.join(ROWS[r] for r in args.rows)} in one world ...", file=sys.stderr, flush=True)
+        rows = run_world(args.rows, settings)
+    else:
+        rows = []
+        for row in args.rows:
+            print(f"[engine bench] {ROWS[row]} ...", file=sys.stderr, flush=True)
+            rows.extend(run_world([row], settings))
+    ddp = next((r for r in rows if r["row"] == "ddp" and r["ok"]), None)
+    for r in rows:
+        if r["ok"] and ddp:
+            r["ratio_to_ddp"] = r["step_time_s"] / ddp["step_time_s"]
+    summary = summarize(rows)
+    title = (f"zerotrain engine vs PyTorch: {args.preset} ({cfg.n_layer}x{cfg.n_embd}, Φ={phi:,}), "
+             f"{args.world_size} ranks on {args.device} ({'nccl' if args.device == 'cuda' else 'gloo'}), "
+             f"{args.precision}, seq {args.seq_len} x micro-batch {args.micro_batch}, "
+             f"median of {args.steps} steps after {args.warmup}")
+    print_table(rows, summary, title)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        report = {"benchmark": "engine", "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                  "machine": machine_info(args.device), "torch": torch.__version__,
+                  "settings": {k: v for k, v in settings.items() if k != "timeout"},
+                  "parameters": phi, "tokens_per_step": args.world_size * args.micro_batch * args.seq_len,
+                  "columns": COLUMNS, "rows": rows, "summary": summary}
+        args.json.write_text(json.dumps(report, indent=2, default=str))
+    return 0 if any(r["ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
