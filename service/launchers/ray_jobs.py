@@ -64,6 +64,10 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _status_name(status: Any) -> str:
+    return str(getattr(status, "value", status))
+
+
 def _fmt(resources: dict[str, float]) -> str:
     return ", ".join(f"{value:g} {name}" for name, value in sorted(resources.items())) or "nothing"
 
@@ -237,16 +241,7 @@ class RayJobsLauncher:
             if "already exists" not in str(error):  # a retried start of the same attempt finds its job
                 raise
         return LaunchHandle(self.name, submission_id, {
-            "address": self.address, "job_id": request.job_id, "storage_uri": request.storage_uri,
-            "asked": self._asked(request.spec)})
-
-    @staticmethod
-    def _asked(spec: dict[str, Any]) -> dict[str, Any]:
-        resources = spec.get("resources") or {}
-        per_worker = {"CPU": float(resources.get("cpus_per_worker") or 1)}
-        if float(resources.get("gpus_per_worker") or 0):
-            per_worker["GPU"] = float(resources["gpus_per_worker"])
-        return {"num_workers": int(resources.get("num_workers") or 1), "per_worker": per_worker}
+            "address": self.address, "job_id": request.job_id, "storage_uri": request.storage_uri})
 
     # -- status -----------------------------------------------------------------------------------
     def status(self, handle: LaunchHandle) -> LaunchStatus:
@@ -257,11 +252,10 @@ class RayJobsLauncher:
                 return LaunchStatus(LaunchPhase.UNKNOWN, "driver_lost",
                                     f"Ray cluster {self.address} does not know {handle.external_id}")
             raise
-        phase = PHASES.get(str(info.status.value if hasattr(info.status, "value") else info.status),
-                           LaunchPhase.UNKNOWN)
+        phase = PHASES.get(_status_name(info.status), LaunchPhase.UNKNOWN)
         if phase is LaunchPhase.RUNNING:
             driver_job = getattr(info.driver_info, "id", None)
-            waiting = driver_job and self._waiting_for_resources(driver_job, handle.extra.get("asked") or {})
+            waiting = driver_job and self._waiting_for_resources(driver_job)
             if waiting:
                 return LaunchStatus(LaunchPhase.PENDING, "insufficient_resources", waiting)
         if phase in TERMINAL_PHASES:
@@ -286,32 +280,36 @@ class RayJobsLauncher:
         response.raise_for_status()
         return response.json()["data"]["clusterStatus"]["loadMetricsReport"]["usage"]
 
-    def _waiting_for_resources(self, driver_job: str, asked: dict[str, Any]) -> str | None:
-        """A sentence with the numbers when this job's worker group waits for resources, else None."""
+    def _waiting_for_resources(self, driver_job: str) -> str | None:
+        """A sentence with the numbers when this job's worker group waits for resources, else None.
+
+        The driver asks for the whole worker group as one placement group (one bundle per
+        worker) before Ray Train starts; while it is pending, its bundles are what was asked.
+        """
         try:
             pending = self._state_api("placement_groups", [("creator_job_id", "=", driver_job),
                                                            ("state", "=", "PENDING")])
         except (httpx.HTTPError, KeyError, ValueError) as error:
             log.warning("cannot list placement groups of %s: %s", driver_job, error)
             return None
-        if not pending:
+        if not pending or not pending[0].get("bundles"):
             return None
+        bundles = [{name: float(amount) for name, amount in (bundle.get("unit_resources") or {}).items()}
+                   for bundle in pending[0]["bundles"]]
         wanted: dict[str, float] = {}
-        for bundle in pending[0].get("bundles") or []:
-            for name, amount in (bundle.get("unit_resources") or {}).items():
-                wanted[name] = wanted.get(name, 0.0) + float(amount)
-        workers = asked.get("num_workers") or len(pending[0].get("bundles") or [])
-        per_worker = asked.get("per_worker") or {}
-        sentence = f"asked {_fmt(wanted)} ({workers} workers × {_fmt(per_worker)})"
+        for bundle in bundles:
+            for name, amount in bundle.items():
+                wanted[name] = wanted.get(name, 0.0) + amount
+        sentence = f"asked {_fmt(wanted)} ({len(bundles)} workers × {_fmt(bundles[0])})"
         try:
             usage = self._cluster_usage()
         except (httpx.HTTPError, KeyError, ValueError):
             return sentence + "; the cluster's free resources are unknown"
-        totals = {name: float(usage.get(name, [0.0, 0.0])[1]) for name in wanted}
-        available = {name: max(0.0, float(usage.get(name, [0.0, 0.0])[1]) - float(usage.get(name, [0.0, 0.0])[0]))
-                     for name in wanted}
-        short = [name for name in wanted if wanted[name] > totals[name]]
-        verdict = ("more than the cluster has in total" if short else "waiting for other jobs to free them")
+        used_total = {name: usage.get(name, [0.0, 0.0]) for name in wanted}
+        totals = {name: float(total) for name, (_, total) in used_total.items()}
+        available = {name: max(0.0, float(total) - float(used)) for name, (used, total) in used_total.items()}
+        verdict = ("more than the cluster has in total" if any(wanted[n] > totals[n] for n in wanted)
+                   else "waiting for other jobs to free them")
         return f"{sentence}; cluster has {_fmt(totals)} in total, {_fmt(available)} available ({verdict})"
 
     # -- cancel -----------------------------------------------------------------------------------
@@ -328,7 +326,7 @@ class RayJobsLauncher:
             try:
                 info = self.client.get_job_info(handle.external_id)
                 driver_job = getattr(info.driver_info, "id", None)
-                stopped = str(getattr(info.status, "value", info.status)) in ("STOPPED", "SUCCEEDED", "FAILED")
+                stopped = PHASES.get(_status_name(info.status)) in TERMINAL_PHASES
                 if stopped and not self._live_actors(handle.external_id, driver_job):
                     return
             except (RuntimeError, httpx.HTTPError, KeyError, ValueError) as error:
