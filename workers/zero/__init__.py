@@ -1,10 +1,11 @@
-"""zerotrain's ZeRO sharding engine (stages 0-2; stage 3 and offload arrive with issue 3).
+"""zerotrain's ZeRO sharding engine (stages 0-3, optimizer offload, activation checkpointing).
 
     from workers.zero import ZeroConfig, ZeroEngine
 
 Modules, in import order: ``config`` (ZeroConfig), ``flat`` (bucket layout), ``collectives``
 (dist wrappers + accounting), ``precision`` (dtypes, loss scaler), ``buckets`` (one bucket's
-tensors), ``stages`` (what each stage communicates), ``engine`` (the facade).
+tensors), ``stages`` (what stages 0-2 communicate), ``units`` (stage-3 units, activation
+checkpointing), ``stage3`` (parameter sharding), ``offload`` (host optimizer), ``engine`` (the facade).
 """
 
 from .config import ZeroConfig

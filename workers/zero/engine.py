@@ -19,7 +19,9 @@ engine.
 5. fp16 and a non-finite norm: skip the step on every rank, back off the scale;
 6. clip with torch's formula ``coef = min(1, max_norm / (norm + 1e-6))``;
 7. hand the optimizer ``grad`` views for used pieces, ``None`` for unused ones; step;
-8. the stage republishes parameters (stage 0: cast; 1/2: all-gather), gradients are zeroed.
+8. the stage republishes parameters (stage 0: cast; 1/2: all-gather; 3: cast into the shard,
+   gathered by the next forward), gradients are zeroed. With ``offload_optimizer`` steps 3-7
+   run on the host (``offload.py``) and step 8 starts with a host-to-device copy.
 
 [Note: unused parameters]
 Semantics are PyTorch's: a parameter no rank produced a gradient for keeps ``grad=None`` in the
@@ -54,7 +56,7 @@ STATE_FORMAT = "zerotrain.zero/v1"
 
 
 class ZeroEngine:
-    """Trains ``model`` with ZeRO stage 0, 1 or 2 over ``process_group`` (default: WORLD).
+    """Trains ``model`` with ZeRO stage 0, 1, 2 or 3 over ``process_group`` (default: WORLD).
 
     ``optimizer`` is a factory ``f(list_of_tensors) -> torch.optim.Optimizer``; it receives 1-D
     fp32 views of this rank's shard, one per parameter piece. Any element-wise optimizer (SGD,
@@ -361,7 +363,10 @@ class ZeroEngine:
         params: compute-dtype flat parameters (+ frozen parameters and their fp32 originals);
         grads: gradient storage (full buckets at stages 0/1, the shard accumulator at stage 2);
         optimizer: fp32 master shard when it is a separate copy + every tensor in the optimizer
-        state; buffers: in-flight communication scratch and the module's registered buffers.
+        state; buffers: in-flight communication scratch, stage 3's gathered units and the
+        module's registered buffers. At stage 3 ``params`` is the shards only. With
+        ``offload_optimizer`` the host's master, optimizer state and fp32 gradient shard are under
+        an extra key ``host``, ``optimizer`` is 0 and ``total`` counts the device only.
         """
         seen: set[int] = set()
 
