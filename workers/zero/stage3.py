@@ -139,6 +139,7 @@ class ParamShardStrategy(ReduceScatterInBackwardStrategy):
                 self.units.append(self._make_unit(len(self.units), name, module, next(by_bucket), u == plan.root))
         self.root_module = plan.modules[plan.root]
         self.max_gathered = 0  # peak of non-root units gathered at once (observation, for tests)
+        self.counts = {"gathers": 0, "prefetches": 0, "stale_freed": 0}  # since construction
         self._fwd_last: list[int] = []  # unit order of the previous forward
         self._fwd_now: list[int] = []
         self._fwd_predict = _OrderPredictor([])
@@ -193,6 +194,7 @@ class ParamShardStrategy(ReduceScatterInBackwardStrategy):
         unit.pending = self.comm.all_gather(unit.flat, unit.shard,
                                             label=f"all_gather unit {unit.index} ({unit.name})")
         unit.state = GATHERING
+        self.counts["gathers"] += 1
         self._observe()
 
     def _unshard(self, unit: Unit) -> None:
@@ -217,17 +219,22 @@ class ParamShardStrategy(ReduceScatterInBackwardStrategy):
         """Free prefetched units that are no longer predicted, gather the ones that are."""
         for u in self.units:
             if u.prefetched and u.index not in upcoming:
-                self._reshard(u)
+                self._free_stale_one(u)
         for i in upcoming:
             u = self.units[i]
             if u.state == FREE:
                 self._launch_gather(u)
+                self.counts["prefetches"] += 1
                 u.prefetched = True
 
     def _free_stale(self) -> None:
         for u in self.units:
             if u.prefetched:
-                self._reshard(u)
+                self._free_stale_one(u)
+
+    def _free_stale_one(self, unit: Unit) -> None:
+        self.counts["stale_freed"] += 1
+        self._reshard(unit)
 
     def _observe(self) -> None:
         alive = sum(1 for u in self.units if u.state != FREE and not u.is_root)

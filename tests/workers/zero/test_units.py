@@ -55,3 +55,26 @@ def test_stage3_holds_only_shards_and_frees_after_use():
     assert all(u.state == "free" for u in engine.strategy.units)
     engine.remove_hooks()
     assert not engine.strategy._handles
+
+
+def test_prefetch_follows_the_learnt_order_and_drops_stale_gathers():
+    torch.manual_seed(0)
+    engine = ZeroEngine(BlockNet(), lambda ps: torch.optim.SGD(ps, lr=1e-2),
+                        ZeroConfig(stage=3, precision="fp32", prefetch=1))
+    counts = engine.strategy.counts
+    idx = torch.randint(0, 11, (2, 5))
+
+    def step(order):
+        engine.backward(engine(idx, idx, True, order))
+        engine.step()
+        return dict(counts)
+
+    first = step((0, 1, 2, 3))  # nothing learnt yet: forward gathers on demand, backward prefetches
+    assert first["prefetches"] == 4 and first["stale_freed"] == 0
+    same = step((0, 1, 2, 3))  # the learnt order: every block gathered ahead in both directions
+    assert same["prefetches"] - first["prefetches"] == 8 and same["stale_freed"] == 0
+    assert same["gathers"] - first["gathers"] == 2 * 5  # 4 blocks + root, forward and backward
+    changed = step((3, 0, 2, 1))  # the prefetched block 0 is not next: freed, not kept
+    assert changed["stale_freed"] > same["stale_freed"]
+    assert all(u.state == "free" for u in engine.strategy.units)
+    assert engine.strategy.max_gathered <= 2
