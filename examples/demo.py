@@ -185,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=8000, help="API port (the next free one if taken)")
     args = parser.parse_args(argv)
 
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` stops it as cleanly as Ctrl-C
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started in the background
     home = (args.home or Path(os.environ.get("ZEROTRAIN_HOME") or "~/.zerotrain")).expanduser().resolve()
     service = Service(home, free_port(args.port))
     started = time.monotonic()
