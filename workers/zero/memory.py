@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -326,12 +326,15 @@ def step_buffer_bytes(
     return total
 
 
-def gathered_unit_bytes(unit_numels: Sequence[int], precision: str, prefetch: int = 1) -> int:
-    """Stage 3: the largest unit gathered ``prefetch + 1`` times (current unit + prefetched)."""
-    if not unit_numels:
-        return 0
-    count = min(prefetch + 1, len(unit_numels))
-    return count * max(unit_numels) * low_precision_bytes(precision)
+def gathered_unit_bytes(
+    root_numel: int, block_numels: Sequence[int], precision: str, prefetch: int = 1, n_ranks: int = 1
+) -> int:
+    """Stage 3, as ``workers/zero/stage3.py`` gathers: the root unit (embeddings, tied head)
+    stays gathered through forward and backward, plus at most ``prefetch + 1`` blocks (the
+    current one and the prefetched), each a padded flat buffer in the compute dtype."""
+    pad = lambda numel: shard_numel(numel, n_ranks) * n_ranks  # noqa: E731
+    blocks = sorted((pad(b) for b in block_numels), reverse=True)[: prefetch + 1]
+    return low_precision_bytes(precision) * ((pad(root_numel) if root_numel else 0) + sum(blocks))
 
 
 CUDA_CONTEXT_BYTES = 512 * MIB  # CUDA context, cuBLAS workspaces: outside the allocator
@@ -353,20 +356,24 @@ DEFAULT_UNITS = 32
 class ModelShape:
     """What the planner needs from a model: Φ (trainable), sizes in order, stage-3 units.
 
-    Frozen parameters (``requires_grad=False``) get no gradient and no optimizer state; the
-    engine keeps them whole on every rank in the compute dtype (``frozen``).
+    Stage-3 units are the blocks (``unit_numels``, in forward order) and a root for every
+    other parameter (``root_numel``). Frozen parameters (``requires_grad=False``) get no
+    gradient and no optimizer state; the engine keeps them whole on every rank in the compute
+    dtype (``frozen``).
     """
 
     phi: int
     param_numels: tuple[int, ...]
     unit_numels: tuple[int, ...]
     frozen: int = 0
+    root_numel: int = 0
 
     @classmethod
     def of(cls, model: nn.Module) -> "ModelShape":
         numels = tuple(p.numel() for p in model.parameters() if p.requires_grad)
         frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
-        return cls(sum(numels), numels, tuple(stage3_units(model)), frozen)
+        root, blocks = stage3_units(model)
+        return cls(sum(numels), numels, tuple(blocks), frozen, root)
 
     @classmethod
     def from_count(cls, phi: float, n_units: int = DEFAULT_UNITS) -> "ModelShape":
@@ -381,22 +388,40 @@ class ModelShape:
         return cls(phi=phi, param_numels=(phi,), unit_numels=units)
 
 
-def stage3_units(model: nn.Module) -> list[int]:
-    """Parameter counts of stage-3 units: each child of the largest ``ModuleList`` + a root unit.
+def unit_buckets(model: nn.Module, params: Sequence[torch.Tensor]) -> list[list[int]]:
+    """Indices into ``params`` of each stage-3 unit in reduce order: blocks last to first,
+    then the root (reduced when backward ends)."""
+    root, blocks = _unit_members(model)
+    index = {id(p): i for i, p in enumerate(params)}
+    ordered = [[index[id(p)] for p in ps if id(p) in index] for ps in reversed(blocks)]
+    ordered.append([index[id(p)] for p in root if id(p) in index])
+    return [b for b in ordered if b]
 
-    The root unit holds every parameter outside those children (embeddings, final norm, and
-    tied weights, which belong to the unit enclosing both uses); each parameter counts once.
-    """
-    largest = largest_module_list(model)
-    units: list[int] = []
-    seen: set[int] = set()
-    if largest is not None:
-        for child in largest:
-            own = [p for p in child.parameters() if id(p) not in seen]
-            seen.update(id(p) for p in own)
-            units.append(sum(p.numel() for p in own))
-    root = sum(p.numel() for p in model.parameters() if id(p) not in seen)
-    return [root] + units if root else units
+
+def _unit_members(model: nn.Module) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
+    """Trainable parameters of the root unit and of each block, as ``workers/zero/units.py``
+    assigns them: a parameter every registration of which lies inside one block belongs to
+    that block; anything else (tied across blocks or to the root) belongs to the root."""
+    blocks = list(largest_module_list(model) or [])
+    block_of = {id(m): k for k, block in enumerate(blocks) for m in block.modules()}
+    holders: dict[int, set[int]] = {}
+    for module in model.modules():
+        for p in module._parameters.values():
+            if p is not None:
+                holders.setdefault(id(p), set()).add(block_of.get(id(module), -1))
+    owner = {pid: next(iter(h)) for pid, h in holders.items() if len(h) == 1}
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    in_blocks = [[p for p in trainable if owner.get(id(p)) == k] for k in range(len(blocks))]
+    root = [p for p in trainable if owner.get(id(p), -1) == -1]
+    return root, in_blocks
+
+
+def stage3_units(model: nn.Module) -> tuple[int, list[int]]:
+    """Trainable parameters of the stage-3 root unit and of each block (child of the largest
+    ``ModuleList``). The root holds every parameter outside the blocks (embeddings, final
+    norm, and tied weights, which belong to the unit enclosing both uses); each counts once."""
+    root, blocks = _unit_members(model)
+    return sum(p.numel() for p in root), [sum(p.numel() for p in ps) for ps in blocks]
 
 
 def largest_module_list(model: nn.Module) -> nn.ModuleList | None:
@@ -523,6 +548,7 @@ class Stage2Layout:
     bucket_elems: int
     in_flight: int = 2  # STAGE2_INFLIGHT_BUCKETS
     gloo_copy: bool = False  # Gloo all-reduces a full copy of each in-flight reduce-scatter
+    per_unit: bool = False  # stage 3: one bucket per unit (blocks last-first, then the root)
 
 
 class _Stage2Scratch:
@@ -533,9 +559,10 @@ class _Stage2Scratch:
     early; assuming none did makes this an upper bound.) The buckets still in flight when
     backward ends stay held: the next micro-step's forward sees them."""
 
-    def __init__(self, params: Sequence[torch.Tensor], layout: Stage2Layout, tracker: ActivationTracker):
+    def __init__(self, model: nn.Module, params: Sequence[torch.Tensor], layout: Stage2Layout,
+                 tracker: ActivationTracker):
         numels = [p.numel() for p in params]
-        self.buckets = pack_buckets(numels, layout.bucket_elems)
+        self.buckets = unit_buckets(model, params) if layout.per_unit else pack_buckets(numels, layout.bucket_elems)
         self.bucket_of = {id(params[i]): b for b, members in enumerate(self.buckets) for i in members}
         self.nbytes = [shard_numel(sum(numels[i] for i in m), layout.n_ranks) * layout.n_ranks
                        * params[0].element_size() for m in self.buckets]
@@ -595,7 +622,7 @@ def measure_activation_bytes(
     """
     tracker = ActivationTracker(ignore=[*model.parameters(), *model.buffers(), *batch])
     trainable = [p for p in model.parameters() if p.requires_grad]
-    scratch = None if stage2 is None else _Stage2Scratch(trainable, stage2, tracker)
+    scratch = None if stage2 is None else _Stage2Scratch(model, trainable, stage2, tracker)
 
     def on_grad(param: torch.Tensor) -> None:
         param.grad = None
@@ -679,6 +706,7 @@ class StagePrediction:
     offload: bool
     n_ranks: int
     precision: str
+    device: str  # "cuda", or "cpu" (Gloo; host and device are the same memory)
     gpu: dict[str, int]
     cpu: dict[str, int]
     padding_bytes: int
@@ -709,6 +737,7 @@ class PlanInputs:
     prefetch: int = 1
     activation_bytes: int | None = None  # None: not estimated (counted as 0, said so)
     activation_bytes_stage2: int | None = None  # joint peak with the stage-2 scratch replayed
+    activation_bytes_stage3: int | None = None  # the same with stage 3's per-unit buckets
     accumulation_steps: int = 1  # micro-batches per step and rank
     device: str = "cuda"  # "cuda" adds the CUDA context to the reserve; "cpu" does not
     bandwidth_bytes_per_s: float | None = None
@@ -720,14 +749,16 @@ class PlanInputs:
         return {
             "parameters": self.shape.phi,
             "frozen_parameters": self.shape.frozen,
-            "largest_unit": max(self.shape.unit_numels),
-            "units": len(self.shape.unit_numels),
+            "root_unit": self.shape.root_numel,
+            "largest_unit": max(self.shape.unit_numels, default=0),
+            "units": len(self.shape.unit_numels) + bool(self.shape.root_numel),
             "n_ranks": self.n_ranks,
             "precision": self.precision,
             "bucket_mb": self.bucket_mb,
             "prefetch": self.prefetch,
             "activation_bytes": self.activation_bytes,
             "activation_bytes_stage2": self.activation_bytes_stage2,
+            "activation_bytes_stage3": self.activation_bytes_stage3,
             "accumulation_steps": self.accumulation_steps,
             "device": self.device,
             "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s,
@@ -740,23 +771,26 @@ def predict(inputs: PlanInputs, stage: int, offload: bool = False) -> StagePredi
     """Every term of one rank's memory for one (stage, offload), plus communication and time."""
     shape, n, precision = inputs.shape, inputs.n_ranks, inputs.precision
     bucket_elems = bucket_elements(inputs.bucket_mb, precision)
-    buckets = bucket_numels(shape.param_numels, n if stage >= 1 else 1, bucket_elems)
+    if stage == 3:  # one bucket per unit (workers/zero/stage3.py)
+        units = [u for u in (*shape.unit_numels, shape.root_numel) if u]
+        buckets = [shard_numel(u, n) * n for u in units]
+    else:
+        buckets = bucket_numels(shape.param_numels, n if stage >= 1 else 1, bucket_elems)
     phi_padded = sum(buckets)
     states = model_state_bytes(shape.phi, n, precision, stage, offload, phi_padded)
     activations = inputs.activation_bytes or 0
     backward = activations + backward_buffer_bytes(
         stage, precision, buckets, n, inputs.bucket_mb, inputs.device, inputs.accumulation_steps
     )
-    if stage == 2 and inputs.activation_bytes_stage2 is not None:  # the replayed joint peak
-        backward = inputs.activation_bytes_stage2 + stage2_tail_bytes(
-            precision, buckets, n, inputs.device, inputs.accumulation_steps
-        )
+    replayed = {2: inputs.activation_bytes_stage2, 3: inputs.activation_bytes_stage3}.get(stage)
+    if replayed is not None:  # the joint peak of activations and the engine's scratch
+        backward = replayed + stage2_tail_bytes(precision, buckets, n, inputs.device, inputs.accumulation_steps)
     step = step_buffer_bytes(stage, precision, phi_padded, n, inputs.device, offload)
     gpu = {
         "params": states.gpu_params + shape.frozen * low_precision_bytes(precision),
         "grads": states.gpu_grads,
         "optimizer": states.gpu_optimizer,
-        "gathered_units": gathered_unit_bytes(shape.unit_numels, precision, inputs.prefetch)
+        "gathered_units": gathered_unit_bytes(shape.root_numel, shape.unit_numels, precision, inputs.prefetch, n)
         if stage == 3
         else 0,
         "activations": activations,
@@ -779,6 +813,7 @@ def predict(inputs: PlanInputs, stage: int, offload: bool = False) -> StagePredi
         offload=offload,
         n_ranks=n,
         precision=precision,
+        device=inputs.device,
         gpu=gpu,
         cpu=cpu,
         padding_bytes=(phi_padded - shape.phi) * low_precision_bytes(precision),
@@ -993,21 +1028,20 @@ def measured_activations(
     activations_on: str = "meta",
     **profile_options: Any,
 ) -> dict[str, int | None]:
-    """``activation_bytes`` and ``activation_bytes_stage2`` for PlanInputs, profiled on
+    """``activation_bytes`` and the stage-2/3 joint peaks for PlanInputs, profiled on
     ``activations_on``; ``device`` is where the job runs ("cpu" means Gloo). Both None when the
     model cannot be profiled that way (a user model that does not run on meta, say)."""
     layout = Stage2Layout(n_ranks, bucket_elements(bucket_mb, precision), STAGE2_INFLIGHT_BUCKETS, device == "cpu")
+    layouts = {"activation_bytes": None, "activation_bytes_stage2": layout,
+               "activation_bytes_stage3": replace(layout, per_unit=True)}
     try:
         return {
-            "activation_bytes": profile_activations(
-                model_spec, micro_batch, seq_len, precision, activations_on, **profile_options
-            ),
-            "activation_bytes_stage2": profile_activations(
-                model_spec, micro_batch, seq_len, precision, activations_on, stage2=layout, **profile_options
-            ),
+            name: profile_activations(model_spec, micro_batch, seq_len, precision, activations_on,
+                                      stage2=scratch, **profile_options)
+            for name, scratch in layouts.items()
         }
     except Exception:  # the plan records None and says so
-        return {"activation_bytes": None, "activation_bytes_stage2": None}
+        return dict.fromkeys(layouts)
 
 
 def _accumulation_steps(train: dict[str, Any], resources: dict[str, Any]) -> int:
@@ -1167,8 +1201,8 @@ def compare(prediction: dict[str, Any], measured: dict[str, Any]) -> dict[str, A
     """Per-term error of a prediction against measurements (pure; the worker calls it at the end).
 
     ``prediction``: a ``Plan.to_dict()`` (its ``chosen`` entry is used) or one candidate's
-    dict. ``measured``: ``engine.memory()`` keys (params, grads, optimizer, buffers, total) and
-    optionally ``peak`` (peak bytes growth of the process: CUDA max allocated, or RSS on CPU).
+    dict. ``measured``: ``engine.memory()`` keys (params, grads, optimizer, buffers, total;
+    ``host`` under offload) and optionally ``peak`` (peak bytes growth of the process: CUDA max allocated, or RSS on CPU).
     Each term: predicted, measured, error_bytes (predicted − measured), rel_error (/ measured).
     Buffers compare with the buffer scratch + gathered units (the engine frees its scratch
     after each step, so a measurement taken between steps sees only module buffers); ``total`` with the model-state + buffer
@@ -1182,7 +1216,12 @@ def compare(prediction: dict[str, Any], measured: dict[str, Any]) -> dict[str, A
         "buffers": gpu["buffers"] + gpu["gathered_units"],
     }
     predicted["total"] = sum(predicted.values())
-    predicted["peak"] = gpu["total"]
+    chosen = prediction.get("chosen") or prediction
+    host = (chosen.get("cpu") or {}).get("total", 0)
+    if chosen.get("offload"):
+        predicted["host"] = host
+    # on a CPU-only machine the "host" terms live in the same memory the peak measures
+    predicted["peak"] = gpu["total"] + (host if chosen.get("device") == "cpu" else 0)
     out = {}
     for term, value in predicted.items():
         if measured.get(term) is None:

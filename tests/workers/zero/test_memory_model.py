@@ -152,12 +152,25 @@ def test_phi_from_preset_factory_and_number():
 def test_stage3_units_are_blocks_plus_a_root_holding_the_tied_embedding():
     cfg = PRESETS["gpt-small"]
     shape = mm.model_shape({"preset": "gpt-small"})
-    assert len(shape.unit_numels) == cfg.n_layer + 1
-    assert sum(shape.unit_numels) == shape.phi
-    root = shape.unit_numels[0]
+    assert len(shape.unit_numels) == cfg.n_layer
+    assert sum(shape.unit_numels) + shape.root_numel == shape.phi
     d = cfg.n_embd
-    assert root == cfg.vocab_size * d + cfg.block_size * d + 2 * d  # wte (= lm_head), wpe, ln_f
-    assert mm.gathered_unit_bytes(shape.unit_numels, "bf16", prefetch=1) == 2 * root * 2
+    assert shape.root_numel == cfg.vocab_size * d + cfg.block_size * d + 2 * d  # wte (= lm_head), wpe, ln_f
+    block = shape.unit_numels[0]
+    # the root stays gathered; with prefetch 1 two blocks are gathered besides it
+    assert mm.gathered_unit_bytes(shape.root_numel, shape.unit_numels, "bf16", prefetch=1) == 2 * (
+        shape.root_numel + 2 * block)
+
+
+def test_stage3_units_match_the_engine():
+    units = pytest.importorskip("workers.zero.units")
+    with torch.device("meta"):
+        model = mm.build_on_meta({"preset": "gpt-mini"})
+    trainable = list(model.named_parameters())
+    plan = units.plan_units(model, trainable)
+    engine_sizes = sorted(sum(trainable[i][1].numel() for i in owned) for owned in plan.owned if owned)
+    root, blocks = mm.stage3_units(model)
+    assert engine_sizes == sorted([root, *blocks])
 
 
 def test_bucket_buffers_never_exceed_the_model():
