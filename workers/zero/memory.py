@@ -17,7 +17,7 @@ Terms of one rank's device memory (each reported separately):
   the host instead (``cpu`` terms);
 * communication/step scratch (``backward_buffer_bytes``, ``step_buffer_bytes`` say what they
   assume about the engine);
-* stage-3 gathered units: ``prefetch + 1`` of the largest unit, in the low precision;
+* stage-3 gathered units: the root unit (kept gathered) and ``prefetch + 1`` blocks;
 * activations: measured by running one micro-batch forward and backward under a tensor
   tracker (``ActivationTracker``), on the meta device by default (no memory, no compute);
 * an allocator reserve (``allocator_reserve_bytes``).
@@ -238,19 +238,6 @@ def bucket_elements(bucket_mb: float, precision: str) -> int:
     return max(1, int(bucket_mb * MIB) // low_precision_bytes(precision))
 
 
-def bucket_buffer_bytes(bucket_mb: float, precision: str, phi: int, in_flight: int = 2) -> int:
-    """Communication buckets held at once by one rank (used for stage 3, see below).
-
-    Assumes: a bucket is ``bucket_mb`` MiB of the low-precision dtype (never more elements
-    than the model has), ``in_flight`` buckets exist at once (2: one being filled while the
-    previous one is reduced), and mixed precision adds an fp32 buffer of the same element
-    count per bucket (the fp32 reduction/accumulation target). fp32 training needs no copy.
-    """
-    elems = min(bucket_elements(bucket_mb, precision), int(phi))
-    per_elem = low_precision_bytes(precision) + (0 if precision == "fp32" else 4)
-    return in_flight * elems * per_elem
-
-
 STAGE2_INFLIGHT_BUCKETS = 2  # workers/zero/stages.py MAX_INFLIGHT_BUCKETS (a test keeps them equal)
 
 
@@ -259,7 +246,6 @@ def backward_buffer_bytes(
     precision: str,
     buckets: Sequence[int],
     n_ranks: int,
-    bucket_mb: float,
     device: str = "cuda",
     accumulation_steps: int = 1,
 ) -> int:
@@ -275,12 +261,11 @@ def backward_buffer_bytes(
     The in-flight buckets also outlive backward into the next forward; that is within this
     bound. A profile replaying the policy (``Stage2Layout``) replaces this bound in
     ``predict``: scratch grows while activations shrink, so the sum overestimates (+13–24%
-    measured on gpt-nano). Stage 3 (not built yet): assumed bucketed, ``bucket_buffer_bytes``.
+    measured on gpt-nano). Stage 3 (``workers/zero/stage3.py``) runs the same machinery with
+    one bucket per unit: pass the padded unit sizes as ``buckets``.
     """
     _check_stage(stage)
-    if stage == 3:
-        return bucket_buffer_bytes(bucket_mb, precision, sum(buckets))
-    if stage != 2:
+    if stage < 2:
         return 0
     p = low_precision_bytes(precision)
     largest = sorted(buckets, reverse=True)
@@ -780,7 +765,7 @@ def predict(inputs: PlanInputs, stage: int, offload: bool = False) -> StagePredi
     states = model_state_bytes(shape.phi, n, precision, stage, offload, phi_padded)
     activations = inputs.activation_bytes or 0
     backward = activations + backward_buffer_bytes(
-        stage, precision, buckets, n, inputs.bucket_mb, inputs.device, inputs.accumulation_steps
+        stage, precision, buckets, n, inputs.device, inputs.accumulation_steps
     )
     replayed = {2: inputs.activation_bytes_stage2, 3: inputs.activation_bytes_stage3}.get(stage)
     if replayed is not None:  # the joint peak of activations and the engine's scratch
@@ -881,12 +866,13 @@ class Plan:
 METHOD = {
     "model_states": "DESIGN §4 per rank; partitioned terms use Φ padded per bucket to a multiple of N",
     "offload": "host keeps fp32 master (4Φ/N), fp32 gradient shard (4Φ/N), Adam moments (8Φ/N)",
-    "buffers": "larger of backward scratch (stage 2: the engine's bucket scratch replayed on the "
-    "profile's timeline, 2 buckets in flight, + Gloo's copies on CPU; bound without a profile: the "
-    "largest 3 buckets; stage 3: 2 buckets of bucket_mb MiB + fp32 copies) and step scratch "
-    "(fp32 casts of reduced gradients, stage-1 shards, CUDA foreach Adam temporaries)",
+    "buffers": "larger of backward scratch (stages 2/3: the engine's bucket -- stage 3: unit -- "
+    "scratch replayed on the profile's timeline, 2 in flight, + Gloo's copies on CPU; bound without "
+    "a profile: the largest 3 buckets) and step scratch (fp32 casts of reduced gradients, stage-1 "
+    "shards, CUDA foreach Adam temporaries)",
     "peak": "model states + gathered units + max(activations + backward scratch, step scratch) + reserve",
-    "gathered_units": "stage 3: (prefetch+1) × largest unit (a block of the largest ModuleList, or the root)",
+    "gathered_units": "stage 3: the root unit (embeddings, tied head; kept gathered) + (prefetch+1) "
+    "× the largest block (children of the largest ModuleList), padded, compute dtype",
     "activations": "peak live tensor bytes over one micro-batch forward+backward (dispatch tracker; "
     "meta device at submit time, SDPA as flash attention)",
     "reserve": "5% of the other terms, + 512 MiB CUDA context on GPUs",
