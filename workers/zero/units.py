@@ -62,23 +62,21 @@ def plan_units(model: nn.Module, trainable: list[tuple[str, nn.Parameter]], wrap
     for u, (_, module) in enumerate(units):
         for _, p in module.named_parameters(remove_duplicate=False):
             owners.setdefault(id(p), set()).add(u)
+    outside = _registered_outside(model, [m for _, m in units])
     root = len(units)
     owned: list[list[int]] = [[] for _ in range(root + 1)]
     for i, (_, p) in enumerate(trainable):
         holders = owners.get(id(p), set())
-        registered_outside = _registered_outside(model, p, [m for _, m in units])
-        u = next(iter(holders)) if len(holders) == 1 and not registered_outside else root
+        u = next(iter(holders)) if len(holders) == 1 and id(p) not in outside else root
         owned[u].append(i)
     return UnitPlan([m for _, m in units] + [model], [n for n, _ in units] + ["<root>"], owned)
 
 
-def _registered_outside(model: nn.Module, param: nn.Parameter, units: list[nn.Module]) -> bool:
-    """Whether some module outside every unit registers ``param`` directly (a tie to the root)."""
+def _registered_outside(model: nn.Module, units: list[nn.Module]) -> set[int]:
+    """ids of parameters some module outside every unit registers directly (ties to the root)."""
     inside = {id(m) for u in units for m in u.modules()}
-    return any(
-        id(m) not in inside and any(p is param for p in m._parameters.values())
-        for m in model.modules()
-    )
+    return {id(p) for m in model.modules() if id(m) not in inside
+            for p in m._parameters.values() if p is not None}
 
 
 def _policy(model: nn.Module, wrap: Any) -> Callable[[nn.Module], bool]:
