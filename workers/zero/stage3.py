@@ -35,7 +35,8 @@ order, as is any unit whose post-backward did not run.
 [Note: order, prefetch and stale prefetches]
 Collectives are issued in the order of the forward (module hooks) and of the autograd graph,
 which is the same on every rank as long as every rank runs the same units in the same order
-in a micro-step -- FSDP's rule too; a branch taken by some ranks only must stay inside one
+in every forward, evaluation forwards included (an evaluation on rank 0 alone would gather
+alone and hang) -- FSDP's rule too; a branch taken by some ranks only must stay inside one
 unit (e.g. the root). The forward prefetch follows the order recorded in the previous
 forward; when the order changes (eval mode, a branch), the prediction stops at the first
 mismatch, and a prefetched unit that is not among the next units predicted at the current
