@@ -362,15 +362,15 @@ class ModelShape:
 
     @classmethod
     def from_count(cls, phi: float, n_units: int = DEFAULT_UNITS) -> "ModelShape":
-        """A bare parameter count: no structure is known, so assume one flat tensor and
-        ``n_units`` equal stage-3 units (32 by default: the depth of 7B-class transformers)."""
+        """A bare parameter count: no structure is known, so assume ``n_units`` equal blocks
+        (32 by default: the depth of 7B-class transformers), each one tensor, and no root."""
         phi = int(phi)
         if phi <= 0:
             raise ValueError("the parameter count must be positive")
         if n_units < 1:
             raise ValueError("the number of units must be >= 1")
-        units = tuple(shard_numel(phi, n_units) for _ in range(n_units))
-        return cls(phi=phi, param_numels=(phi,), unit_numels=units)
+        units = tuple(phi // n_units + (k < phi % n_units) for k in range(n_units))
+        return cls(phi=phi, param_numels=units, unit_numels=units)
 
 
 def unit_buckets(model: nn.Module, params: Sequence[torch.Tensor]) -> list[list[int]]:
