@@ -497,7 +497,35 @@ def aggregate(row: str, ranks: list[dict[str, Any]], args: dict, wall: float, cr
     )
     if row.startswith("zero"):
         result["engine_buffers_bytes"] = max(r.get("buffers") or 0 for r in ranks)
+    if exposed is not None:
+        result["comm_exposed_per_step_s"] = [max(r["exposed_s"][i] for r in ranks) for i in range(steps)]
     return result
+
+
+def merge_repeats(runs: list[dict[str, Any]], args: dict) -> dict[str, Any]:
+    """One row from its repeats: step times pooled (median over all), peaks and state the largest."""
+    good = [r for r in runs if r["ok"]]
+    if len(good) < len(runs) or len(runs) == 1:
+        out = dict(next((r for r in runs if not r["ok"]), runs[0]))
+        if len(runs) > 1:
+            out["repeats"] = len(runs)
+        return out
+    out = dict(good[0])
+    times = [t for r in good for t in r["step_times_s"]]
+    out["step_times_s"] = times
+    out["step_time_s"] = statistics.median(times)
+    out["tokens_per_s"] = args["world_size"] * args["micro_batch"] * args["seq_len"] / out["step_time_s"]
+    out["repeat_step_time_s"] = [r["step_time_s"] for r in good]
+    out["peak_bytes"] = max(r["peak_bytes"] for r in good)
+    out["model_state_bytes"] = max((r["model_state_bytes"] for r in good), key=lambda m: m["total"])
+    out["comm_elements"] = max(r["comm_elements"] for r in good)
+    if all(r.get("comm_exposed_per_step_s") for r in good):
+        pooled = [e for r in good for e in r["comm_exposed_per_step_s"]]
+        out["comm_exposed_per_step_s"] = pooled
+        out["comm_exposed_s"] = statistics.median(pooled)
+    out["wall_s"] = round(sum(r["wall_s"] for r in good), 2)
+    out["repeats"] = len(runs)
+    return out
 
 
 def machine_info(device: str) -> dict[str, Any]:
@@ -570,9 +598,21 @@ def print_table(rows: list[dict[str, Any]], summary: dict[str, Any], title: str)
     console.print("* computed, not measured. state/rank: params+grads+optimizer on the device (offload: "
                   "+ what sits in host memory -- the same RAM on a CPU-only machine); peak/rank: "
                   f"{next((r['peak_source'] for r in rows if r['ok']), '-')}.")
-    shown = {k: v for k, v in summary.items() if v is not None and ("step_time" in k or "model_state" in k)}
-    for k, v in shown.items():
-        console.print(f"  {k}: {v:.3f}")
+    lines = []
+    for key, text in (("stage2_vs_ddp_step_time", "stage 2 / DDP step time"),
+                      ("stage3_vs_fsdp2_step_time", "stage 3 / FSDP2 step time"),
+                      ("stage3_offload_vs_fsdp2_step_time", "stage 3 + offload / FSDP2 step time")):
+        if summary.get(key) is not None:
+            lines.append(f"{text}: {summary[key]:.2f}x")
+    for z in ("zero0", "zero1", "zero2", "zero3", "zero3-offload"):
+        parts = [f"{what} {summary[f'{z}_vs_{peer}_{key}']:.2f}x {name}"
+                 for peer, name in (("ddp", "DDP"), ("fsdp2", "FSDP2"))
+                 for key, what in (("model_state", "state"), ("peak", "peak"))
+                 if summary.get(f"{z}_vs_{peer}_{key}") is not None]
+        if parts:
+            lines.append(f"{ROWS[z]} memory per rank: " + ", ".join(parts))
+    for line in lines:
+        console.print("  " + line, highlight=False)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -594,6 +634,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--row-timeout", type=float, default=900.0, help="seconds before a row is abandoned")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run every row this many times, in rotated order, and pool the measured steps "
+                        "(evens out load that drifts while the rows run one after another)")
     p.add_argument("--shared-world", action="store_true",
                    help="run every row in one world (saves start-up; CPU peaks then less honest: "
                         "memory a row frees may be reused by the next without growing the RSS)")
@@ -605,6 +648,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"unknown row(s) {unknown}; choose from {list(ROWS)}")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda, but CUDA is not available")
+    if args.repeats < 1 or args.steps < 1 or args.warmup < 0:
+        p.error("--repeats and --steps must be >= 1, --warmup >= 0")
     if args.world_size < 1:
         p.error("--world-size must be >= 1")
     return args
@@ -621,15 +666,24 @@ def main(argv: list[str] | None = None) -> int:
         "steps": args.steps, "warmup": args.warmup, "precision": args.precision, "world_size": args.world_size,
         "device": args.device, "bucket_mb": args.bucket_mb, "lr": args.lr, "seed": args.seed,
         "timeout": 300, "row_timeout": args.row_timeout, "shared_world": args.shared_world,
+        "repeats": args.repeats,
     }
-    if args.shared_world:
-        print(f"[engine bench] {', '.join(ROWS[r] for r in args.rows)} in one world ...", file=sys.stderr, flush=True)
-        rows = run_world(args.rows, settings)
-    else:
-        rows = []
-        for row in args.rows:
-            print(f"[engine bench] {ROWS[row]} ...", file=sys.stderr, flush=True)
-            rows.extend(run_world([row], settings))
+    runs: dict[str, list[dict[str, Any]]] = {row: [] for row in args.rows}
+    for rep in range(args.repeats):
+        order = args.rows[rep % len(args.rows):] + args.rows[:rep % len(args.rows)]  # rotate against drift
+        tag = f" (repeat {rep + 1}/{args.repeats})" if args.repeats > 1 else ""
+        if args.shared_world:
+            print(f"[engine bench] {', '.join(ROWS[r] for r in order)} in one world{tag} ...",
+                  file=sys.stderr, flush=True)
+            results = run_world(order, settings)
+        else:
+            results = []
+            for row in order:
+                print(f"[engine bench] {ROWS[row]}{tag} ...", file=sys.stderr, flush=True)
+                results.extend(run_world([row], settings))
+        for result in results:
+            runs[result["row"]].append(result)
+    rows = [merge_repeats(runs[row], settings) for row in args.rows]
     ddp = next((r for r in rows if r["row"] == "ddp" and r["ok"]), None)
     for r in rows:
         if r["ok"] and ddp:
@@ -638,7 +692,8 @@ def main(argv: list[str] | None = None) -> int:
     title = (f"zerotrain engine vs PyTorch: {args.preset} ({cfg.n_layer}x{cfg.n_embd}, Φ={phi:,}), "
              f"{args.world_size} ranks on {args.device} ({'nccl' if args.device == 'cuda' else 'gloo'}), "
              f"{args.precision}, seq {args.seq_len} x micro-batch {args.micro_batch}, "
-             f"median of {args.steps} steps after {args.warmup}")
+             f"median of {args.steps * args.repeats} steps" + (f" ({args.repeats} repeats)" if args.repeats > 1 else "")
+             + f", each run after {args.warmup} warm-up")
     print_table(rows, summary, title)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
