@@ -166,11 +166,10 @@ def resolve_stage(spec: dict[str, Any], device: torch.device) -> int:
 
     if device.type == "cuda":
         budget = {"gpu_memory_bytes": torch.cuda.get_device_properties(device).total_memory}
-    else:
-        import psutil
-
+    else:  # CPU workers of one machine share its memory
         workers = int((spec.get("resources") or {}).get("num_workers") or 1)
-        budget = {"host_memory_bytes": psutil.virtual_memory().total // workers}
+        host_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        budget = {"host_memory_bytes": host_bytes // workers}
     return int(plan_for_spec(spec, **budget).stage)
 
 

@@ -96,3 +96,11 @@ def test_a_refused_start_stops_the_worker():
 
     with pytest.raises(RuntimeError, match="CANCELLING"):
         start_attempt({"attempt_base": 0}, World(0, 1, 0, torch.device("cpu")), Refusing())
+
+
+def test_auto_stage_is_resolved_by_the_planner_with_this_machines_memory():
+    spec = nano_spec(1)
+    spec["zero"] = {"stage": "auto", "precision": "fp32"}
+    assert train.resolve_stage(spec, torch.device("cpu")) in (0, 1, 2, 3)
+    spec["zero"]["stage"] = 1
+    assert train.resolve_stage(spec, torch.device("cpu")) == 1
