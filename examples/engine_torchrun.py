@@ -4,6 +4,7 @@
     .venv/bin/torchrun --standalone --nproc_per_node=2 examples/engine_torchrun.py --stage 2 --precision bf16
     # one process, no process group at all:
     .venv/bin/python examples/engine_torchrun.py --stage 1
+    .venv/bin/torchrun --standalone --nproc_per_node=2 examples/engine_torchrun.py --stage 3 --offload --activation-checkpointing
 
 Every rank trains on its own slice of a synthetic byte stream (a learnable rule plus noise);
 rank 0 prints the loss, the global gradient norm, what the engine holds per rank
@@ -37,6 +38,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--bucket-mb", type=float, default=25.0)
+    p.add_argument("--offload", action="store_true", help="optimizer on the host (stages 1-3)")
+    p.add_argument("--activation-checkpointing", action="store_true")
     return p.parse_args()
 
 
@@ -72,7 +75,8 @@ def main() -> None:
     model = GPT(replace(PRESETS[args.preset], block_size=args.seq_len)).to(device)
     phi = num_parameters(model)
     config = ZeroConfig(stage=args.stage, precision=args.precision, bucket_mb=args.bucket_mb,
-                        grad_clip=args.grad_clip)
+                        grad_clip=args.grad_clip, offload_optimizer=args.offload,
+                        activation_checkpointing=args.activation_checkpointing)
     engine = ZeroEngine(model, lambda ps: torch.optim.AdamW(ps, lr=args.lr, weight_decay=0.1), config)
     say = print if rank == 0 else (lambda *a, **k: None)
     say(f"{args.preset}: Φ={phi:,} parameters, {world} rank(s), stage {args.stage}, {args.precision}, "
@@ -96,12 +100,16 @@ def main() -> None:
     low = 4 if args.precision == "fp32" else 2
     k = 8 if args.precision == "fp32" else 12
     n = world
-    expected = {0: (low, low, k), 1: (low, low, k / n), 2: (low, low / n, k / n)}.get(args.stage)
+    expected = {0: (low, low, k), 1: (low, low, k / n), 2: (low, low / n, k / n),
+                3: (low / n, low / n, k / n)}.get(args.stage)
     say("memory per rank (bytes):  measured  vs  DESIGN §4")
     for key, factor in zip(("params", "grads", "optimizer"), expected or ()):
         say(f"  {key:9s} {mem[key]:>12,}  vs {int(factor * phi):>12,}")
     say(f"  buffers   {mem['buffers']:>12,}\n  total     {mem['total']:>12,}")
-    say(f"communication last step: {comm} (2Φ = {2 * phi:,}; stage 2 pays Φ of reduce-scatter per micro-step)")
+    if "host" in mem:
+        say(f"  host      {mem['host']:>12,}  (offloaded master, optimizer state, fp32 gradient shard)")
+    say(f"communication last step: {comm} (2Φ = {2 * phi:,}; stage 2 pays Φ of reduce-scatter per micro-step, "
+        f"stage 3 3Φ)")
     if dist.is_initialized():
         dist.destroy_process_group()
 
