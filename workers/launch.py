@@ -142,6 +142,12 @@ def build_trainer(spec: dict[str, Any], loop_config: dict[str, Any], storage_uri
     )
 
 
+# Exceptions that mean a worker process or actor was lost, not that the training code raised.
+LOST_WORKER_ERRORS = {"ActorDiedError", "RayActorError", "ActorUnavailableError", "WorkerCrashedError",
+                      "NodeDiedError", "OutOfMemoryError", "NCCLHangError", "WorkerHealthCheckFailedError",
+                      "WorkerHealthCheckTimeoutError", "WorkerGroupStartupFailedError"}
+
+
 def failure_reason(error: BaseException) -> str:
     """Map what ``fit()`` raised to a machine-readable reason."""
     chain, seen = [error], set()
@@ -151,7 +157,11 @@ def failure_reason(error: BaseException) -> str:
     names = {type(e).__name__ for e in chain}
     if "InsufficientClusterResourcesError" in names:
         return "insufficient_resources"
-    if names & {"WorkerGroupError", "ActorDiedError", "RayActorError", "TrainingFailedError"}:
+    failures = getattr(error, "worker_failures", None)  # ray.train.WorkerGroupError
+    if failures:
+        lost = all(type(e).__name__ in LOST_WORKER_ERRORS for e in failures.values())
+        return "worker_failed" if lost else "user_code_error"
+    if names & LOST_WORKER_ERRORS or "ControllerError" in names:
         return "worker_failed"
     return "user_code_error"
 

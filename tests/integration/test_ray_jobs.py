@@ -93,6 +93,16 @@ def test_two_worker_job_succeeds_with_a_metric_row_per_rank_and_step(make_contro
         assert client.logs(job.id) == kept[0].read_text()
 
 
+def test_an_error_in_the_training_code_fails_the_job_with_the_error(make_control_plane):
+    plane = make_control_plane()
+    with plane.client() as client:
+        job = client.submit(nano_job(10, data={"glob": "no-such-dir/*.nothing"}))
+        final = client.wait(job.id, timeout=180)
+    assert final.state is JobState.FAILED
+    assert final.reason == "user_code_error"
+    assert "no-such-dir/*.nothing" in final.message  # the worker's own error, not just "exit code 1"
+
+
 def running_with_metrics(client, job_id: str, min_rows: int = 1, attempt: int = 1):
     """The job once it is RUNNING and has stored ``min_rows`` metric rows of ``attempt``."""
     job = client.get(job_id)
