@@ -151,7 +151,7 @@ def accounting_world(rank: int, world_size: int, precision: str = "bf16"):
     ``reshard_after_forward`` settings, and the per-unit sizes the checks need."""
     from workers.models import num_parameters
 
-    from .cases import gpt_engine, gpt_steps
+    from .cases import gpt_engine, gpt_steps  # in a spawned rank: the module registered above
 
     torch.set_num_threads(1)
     out = {}
@@ -174,4 +174,16 @@ def accounting_world(rank: int, world_size: int, precision: str = "bf16"):
             "info": infos[0],
             "max_gathered": engine.strategy.max_gathered,
         }
+    # fp16 at stage 3 with offload: an overflow on one rank skips that step on every rank
+    engine = gpt_engine(rank, "fp16", 3, n_layer=1, offload_optimizer=True, activation_checkpointing=True)
+    infos, changed = [], []
+    for step in range(6):
+        before = engine.full_state_dict()
+        infos += gpt_steps(engine, rank, step, step + 1, overflow=OVERFLOW)[1]
+        after = engine.full_state_dict()
+        changed.append(not all(torch.equal(before[k], after[k]) for k in before))
+    out["overflow"] = (infos, changed, engine.full_state_dict())
     return out
+
+
+OVERFLOW = {2: (1,), 4: (0, 1)}  # step 2: only rank 1 overflows; step 4: both

@@ -9,6 +9,7 @@ forward, Φ again in backward, reduce-scatter Φ -- and 2Φ when parameters stay
 from __future__ import annotations
 
 import pytest
+import torch
 
 from workers.zero.testing import spawn_world
 
@@ -65,3 +66,16 @@ def test_comm_volume_is_three_phi_padded(world):
             assert comm["all_reduce"] == 0
             assert r["info"]["comm_elements"] == comm["total"]
             assert r["info"]["comm_exposed_s"] > 0  # gathers waited on in forward are exposed on Gloo
+
+
+def test_fp16_overflow_at_stage_3_with_offload_skips_that_step_everywhere(world):
+    from .cases3 import OVERFLOW
+
+    for rank_out in world:
+        infos, changed, _ = rank_out["overflow"]
+        skipped = [i["skipped"] for i in infos]
+        assert skipped == [s in OVERFLOW for s in range(len(infos))]
+        assert [i["loss_scale"] for i in infos] == [2.0**16, 2.0**16, 2.0**16, 2.0**15, 2.0**15, 2.0**14]
+        assert changed == [not s for s in skipped]  # a skipped step leaves every parameter as it was
+    a, b = world[0]["overflow"][2], world[1]["overflow"][2]
+    assert all(torch.equal(a[k], b[k]) for k in a)
