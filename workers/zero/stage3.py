@@ -15,6 +15,8 @@ bucket. Between uses a rank keeps only its shard (compute dtype; for fp32 traini
 
 Per step with ``reshard_after_forward=True``: all-gather Φ in forward, Φ in backward,
 reduce-scatter Φ = 3Φ (padded); without resharding the backward gather is not needed: 2Φ.
+The root is resharded after forward too (FSDP2 keeps its root gathered into the backward,
+saving one gather of the root but holding it across the gap), so a step is exactly 3Φ.
 
 [Note: freeing without breaking autograd]
 Module parameters are views into the unit's flat buffer (as at stages 0-2) and autograd saves
