@@ -284,6 +284,10 @@ class JobOut(OutModel):
     message: str | None = None
     attempt: int = 0
     spec: dict[str, Any]
+    prediction: dict[str, Any] | None = Field(
+        default=None, description="the planner's memory prediction (Plan.to_dict()), made at submit")
+    memory_check: dict[str, Any] | None = Field(
+        default=None, description="per rank: each memory term predicted vs measured at the job's end")
     created_at: datetime
     updated_at: datetime
     started_at: datetime | None = None
@@ -390,6 +394,18 @@ class WorkerSpecOut(BaseModel):
     state: JobState
     spec: JobSpec
     storage_uri: str
+
+
+class MemoryReportIn(BaseModel):
+    """Every rank's measured memory at the end of a job (rank 0 gathers and sends them)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    attempt: int = Field(ge=0, le=MAX_INT32)
+    ranks: list[dict[str, float]] = Field(
+        min_length=1, max_length=4096,
+        description="index = rank: engine.memory() terms (params, grads, optimizer, buffers, total; "
+        "host under offload) and peak (bytes of peak growth)")
 
 
 class WorkerStateIn(BaseModel):

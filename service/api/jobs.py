@@ -15,10 +15,12 @@ from sqlalchemy.orm import Session
 
 from service.api.deps import CurrentUser, LauncherDep, SessionDep, SettingsDep, VisibleJob
 from service.api.errors import error_responses
+from service.api.plan import no_plan_response
 from service.api.spec_access import check_spec_access
 from service.auth import Principal
 from service.launchers.base import LaunchHandle
 from service.models import IdempotencyKey, Job, JobEvent, utcnow
+from service.prediction import NothingFits, plan_at_submit
 from service.schemas import EventList, JobOut, JobPage, JobSpec, JobState
 from service.states import IllegalTransition, Reason, load_job, record_created, transition
 
@@ -51,7 +53,10 @@ def _replay(session: Session, user: Principal, key: str, request_hash: str) -> J
 
 @router.post("", status_code=201, response_model=JobOut, name="submit_job",
              responses={200: {"model": JobOut, "description": "replayed: the job this key created"},
-                        **error_responses(409)})
+                        **error_responses(409)},
+             description="Validates the spec, records the planner's memory prediction and resolves "
+                         "`zero.stage: \"auto\"` to the lowest stage that fits (422 with the numbers "
+                         "when nothing fits).")
 def submit_job(spec: JobSpec, request: Request, response: Response, session: SessionDep,
                user: CurrentUser, settings: SettingsDep, idempotency_key: IdempotencyKeyHeader = None) -> Job:
     check_spec_access(spec, user, session, settings)
@@ -60,9 +65,14 @@ def submit_job(spec: JobSpec, request: Request, response: Response, session: Ses
     if idempotency_key and (earlier := _replay(session, user, idempotency_key, request_hash)):
         response.status_code = 200
         return earlier
+    try:
+        stored_spec, prediction = plan_at_submit(spec_json)
+    except NothingFits as refused:
+        return no_plan_response(refused.detail)
     now = utcnow()
     job = Job(id=new_job_id(), name=spec.name, owner=user.name, state=JobState.QUEUED.value,
-              reason=Reason.SUBMITTED, attempt=0, spec=spec_json, created_at=now, updated_at=now)
+              reason=Reason.SUBMITTED, attempt=0, spec=stored_spec, prediction=prediction,
+              created_at=now, updated_at=now)
     session.add(job)
     session.flush()
     record_created(session, job)

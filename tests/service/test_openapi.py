@@ -18,6 +18,7 @@ CORE_OPERATIONS = {
     ("get", "/api/v1/jobs/{job_id}/worker/spec"): "get_worker_spec",
     ("post", "/api/v1/jobs/{job_id}/worker/state"): "report_worker_state",
     ("post", "/api/v1/jobs/{job_id}/worker/checkpoints"): "register_checkpoint",
+    ("post", "/api/v1/jobs/{job_id}/worker/memory"): "report_worker_memory",
     ("delete", "/api/v1/jobs/{job_id}/worker/checkpoints/{step}"): "forget_checkpoint",
     ("get", "/healthz"): "healthz",
     ("get", "/metrics"): "prometheus_metrics",

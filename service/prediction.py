@@ -1,0 +1,59 @@
+"""The memory planner at submit time: every job records its prediction; "auto" is resolved here.
+
+Why at submit: a job whose model cannot fit must be refused before it waits in a queue (a 422
+with the numbers), and the rule "use the lowest ZeRO stage that fits" needs the prediction
+anyway. The chosen stage (and offload) is written into the stored spec, so the workers, the
+dashboard and the user all see what actually runs; the prediction says that "auto" chose it
+and why (``prediction["requested_stage"]``).
+
+The planner lives with the engine (``workers.zero.memory``, which needs torch); a control plane
+installed without the worker extra, and jobs built by a user factory (never imported on the
+control plane: that would run user code here), get no prediction at submit — the worker then
+plans for itself.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+class NothingFits(ValueError):
+    """Even the highest stage with offload does not fit; ``detail`` holds every candidate's numbers."""
+
+    def __init__(self, detail: dict[str, Any]):
+        super().__init__(detail["message"])
+        self.detail = detail
+
+
+def plan_at_submit(spec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """(the spec to store, the prediction or None). Raises ``NothingFits`` for an "auto" job."""
+    try:
+        from workers.zero import memory
+    except ImportError as missing:  # control plane without torch
+        log.info("no memory prediction at submit: %s", missing)
+        return spec, None
+    try:
+        plan = memory.plan_for_spec(spec, allow_factories=False)
+    except memory.NoPlanFits as refused:
+        raise NothingFits(refused.detail) from None
+    except ValueError as unplannable:  # a user factory: the worker plans it
+        log.info("no memory prediction at submit: %s", unplannable)
+        return spec, None
+    prediction = {**plan.to_dict(), "requested_stage": spec["zero"]["stage"]}
+    if spec["zero"]["stage"] != "auto":
+        return spec, prediction
+    resolved = copy.deepcopy(spec)
+    resolved["zero"]["stage"] = plan.stage
+    resolved["zero"]["offload_optimizer"] = plan.offload
+    return resolved, prediction
+
+
+def check_against_prediction(prediction: dict[str, Any], measured: dict[str, float]) -> dict[str, Any]:
+    """Each term predicted vs measured (``workers.zero.memory.compare``)."""
+    from workers.zero import memory
+
+    return memory.compare(prediction, measured)
