@@ -43,7 +43,7 @@ def _include_optional_routers(app: FastAPI) -> None:
         if importlib.util.find_spec(module_name) is None:
             continue
         app.include_router(importlib.import_module(module_name).router, prefix=API_PREFIX,
-                           dependencies=[Depends(current_user)], responses=error_responses(401, 503))
+                           dependencies=[Depends(current_user)], responses=error_responses(400, 401, 413, 422, 503))
 
 
 def _mount_dashboard(app: FastAPI) -> None:

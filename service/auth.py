@@ -1,14 +1,21 @@
 """Bearer tokens: user API tokens, per-job ingest tokens, and the local admin bootstrap.
 
 Only SHA-256 hashes are stored; a token is checked by hashing what the client sent and looking
-the hash up (no secret ever sits in the database, and no string comparison leaks timing).
+the hash up with an indexed equality query. That is why there is no ``hmac.compare_digest``:
+there is no stored secret to compare against. The database compares hashes, and a timing
+difference there tells an attacker at most how many leading characters the SHA-256 of *their
+own guess* shares with a stored hash -- which, the hash being preimage-resistant, says nothing
+about any token (256 random bits each). Presented tokens are never compared as strings
+(tests/security/test_secrets.py checks it), never logged, and never read from a URL.
 A user token acts as its ``name``: jobs belong to that name, and admins see every job.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
+import stat
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +28,8 @@ from service.models import ApiToken
 USER_TOKEN_PREFIX = "zt_"
 INGEST_TOKEN_PREFIX = "zti_"
 LOCAL_ADMIN_NAME = "admin"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -64,6 +73,7 @@ def ensure_local_admin_token(make_session: sessionmaker[Session], token_file: Pa
     try:
         fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
+        _make_private(token_file)
         token = token_file.read_text().strip()
     else:
         token = new_token()
@@ -71,6 +81,14 @@ def ensure_local_admin_token(make_session: sessionmaker[Session], token_file: Pa
             handle.write(token + "\n")
     if token:
         register_admin_token(make_session, token)
+
+
+def _make_private(path: Path) -> None:
+    """A token file someone loosened (or copied in with a default umask) is made 0600 again."""
+    mode = stat.S_IMODE(path.stat().st_mode)
+    if mode & 0o077:
+        os.chmod(path, 0o600)
+        log.warning("%s was readable by other users (mode %o); it is 0600 now", path, mode)
 
 
 def register_admin_token(make_session: sessionmaker[Session], token: str) -> None:

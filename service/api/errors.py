@@ -12,7 +12,8 @@ from typing import Any
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import DataError, DBAPIError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.schemas import ErrorOut
@@ -77,6 +78,19 @@ async def _database_error(_request: Request, exc: DBAPIError) -> JSONResponse:
     return JSONResponse(error_body("database unavailable; try again shortly"), status_code=503)
 
 
+async def _pool_exhausted(_request: Request, exc: PoolTimeout) -> JSONResponse:
+    log.error("no database connection free: %s", exc)
+    return JSONResponse(error_body("database busy; try again shortly"), status_code=503)
+
+
+async def _data_error(_request: Request, exc: DataError) -> JSONResponse:
+    """The database refused a value (an integer past its column, a NUL byte in text): the
+    request's fault, not an outage, so a 422 rather than the 503 of other database errors."""
+    log.warning("database refused a value: %s", exc.orig if exc.orig is not None else exc)
+    return JSONResponse(error_body("a value in the request cannot be stored (out of range or a NUL "
+                                   "character)"), status_code=422)
+
+
 async def _unexpected_error(_request: Request, exc: Exception) -> JSONResponse:
     log.exception("unhandled error", exc_info=exc)
     return JSONResponse(error_body("internal server error"), status_code=500)
@@ -86,6 +100,8 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(DataError, _data_error)
+    app.add_exception_handler(PoolTimeout, _pool_exhausted)
     app.add_exception_handler(OperationalError, _database_error)
     app.add_exception_handler(DBAPIError, _database_error)
     app.add_exception_handler(Exception, _unexpected_error)

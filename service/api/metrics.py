@@ -11,12 +11,13 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 from typing import Annotated, Any
 
 import anyio
 from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import StreamingResponse
-from sqlalchemy import Select, func, select, text
+from sqlalchemy import Float, Numeric, Select, cast, func, select, text
 from sqlalchemy.dialects import sqlite
 from sqlalchemy.orm import Session
 
@@ -93,6 +94,14 @@ def _filtered(query: Select, job_id: str, rank: int | None, attempt: int | None,
     return query
 
 
+def _mean(column):  # noqa: ANN001, ANN202
+    """AVG in numeric, read back as a Python float. A float8 AVG fails ("value out of range:
+    overflow") once its running sums (PostgreSQL also keeps the sum of squares) pass 1.8e308,
+    which one record above 1e154 is enough for; numeric holds any sum, NaN and infinities, and a
+    mean rounded past the float limit becomes inf in Python instead of an error in SQL."""
+    return func.avg(cast(column, Numeric), type_=Float)
+
+
 def _downsampled(session: Session, job_id: str, max_points: int, **filters: Any) -> list[dict]:
     low, high = session.execute(_filtered(select(func.min(Metric.step), func.max(Metric.step)),
                                           job_id, **filters)).one()
@@ -102,7 +111,7 @@ def _downsampled(session: Session, job_id: str, max_points: int, **filters: Any)
     bucket = ((Metric.step - low) // width).label("bucket")
     columns = [func.max(Metric.attempt).label("attempt"), Metric.rank, func.max(Metric.step).label("step"),
                func.max(Metric.time).label("time"),
-               *(func.avg(getattr(Metric, name)).label(name) for name in METRIC_FIELDS)]
+               *(_mean(getattr(Metric, name)).label(name) for name in METRIC_FIELDS)]
     query = _filtered(select(*columns), job_id, **filters).group_by(Metric.rank, bucket)
     return [dict(row._mapping) for row in session.execute(query.order_by(Metric.rank, bucket))]
 
@@ -144,13 +153,14 @@ def _next_metrics(make_session, job_id: str, after_id: int, rank: int | None) ->
             response_class=StreamingResponse,
             responses={200: {"content": {"text/event-stream": {}},
                              "description": "one `metric` event per record; `end` when the job has ended"}})
-async def stream_metrics(job: VisibleJob, request: Request,
+async def stream_metrics(job: VisibleJob, request: Request, session: SessionDep,
                          after_id: Annotated[int, Query(ge=0, le=MAX_INT64)] = 0,
                          rank: Annotated[int | None, Query(ge=0, le=MAX_INT32)] = None,
                          last_event_id: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
                          ) -> StreamingResponse:
     """Server-sent events of new metric records; ends once the job is terminal and drained."""
-    if last_event_id and last_event_id.isdigit():
+    session.close()  # a stream may last hours: hand the request's connection back to the pool now
+    if last_event_id and re.fullmatch(r"[0-9]{1,18}", last_event_id):  # ASCII digits, within BIGINT
         after_id = max(after_id, int(last_event_id))
     make_session = request.app.state.sessionmaker
     poll_s = request.app.state.settings.sse_poll_s

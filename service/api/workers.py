@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, HTTPException
+from typing import Annotated
+
+from fastapi import APIRouter, HTTPException, Path
 from sqlalchemy import delete, select
 from sqlalchemy.dialects import postgresql, sqlite
 
 from service.api.deps import SessionDep, SettingsDep, WorkerJob
 from service.api.errors import error_responses, field_error
 from service.models import Checkpoint, Job
-from service.schemas import CheckpointIn, CheckpointOut, JobOut, JobState, WorkerSpecOut, WorkerStateIn
+from service.schemas import MAX_INT32, CheckpointIn, CheckpointOut, JobOut, JobState, WorkerSpecOut, WorkerStateIn
 from service.states import IllegalTransition, Reason, transition
 from service.storage_policy import UnsafeUri, check_registered_checkpoint
 
@@ -62,7 +64,7 @@ def register_checkpoint(checkpoint: CheckpointIn, job: WorkerJob, session: Sessi
 
 
 @router.delete("/checkpoints/{step}", status_code=204, name="forget_checkpoint")
-def forget_checkpoint(step: int, job: WorkerJob, session: SessionDep) -> None:
+def forget_checkpoint(step: Annotated[int, Path(ge=0, le=MAX_INT32)], job: WorkerJob, session: SessionDep) -> None:
     """Retention removes a checkpoint's objects first, then its record here.
 
     Idempotent: a record already gone answers 204 too, so a retried deletion succeeds.
