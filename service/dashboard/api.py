@@ -57,7 +57,7 @@ def job_metrics_chart(
         "max_points": max_points,
         **charts.series(session, job.id, _steps(job.spec), _world(job.spec), max_points),
         "memory": charts.latest_memory(session, job.id, _world(job.spec)),
-        "prediction": predict(job.spec, checkpoint_stage),
+        "prediction": predict(job.spec, checkpoint_stage, job.prediction, job.memory_check),
     })
 
 

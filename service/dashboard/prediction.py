@@ -36,8 +36,37 @@ def comm_elements_per_step(phi: int, stage: int) -> int:
     return 3 * phi if stage >= 3 else 2 * phi
 
 
-def predict(spec: dict[str, Any], checkpoint_stage: int | None) -> dict[str, Any]:
-    """The prediction for a job spec, or ``{"reason": ...}`` saying why there is none."""
+def from_planner(planner: dict[str, Any], memory_check: dict[str, Any] | None) -> dict[str, Any]:
+    """The planner's stored prediction (``Job.prediction``) in the shape the job page draws.
+
+    Its chosen candidate's model-state terms (padding included) become the marker; the full
+    predicted peak (activations, buffers, reserve) and, once the job has ended, rank 0's
+    predicted-vs-measured error per term ride along for the memory note.
+    """
+    chosen = planner["chosen"]
+    gpu = chosen["gpu"]
+    terms = {k: gpu[k] for k in ("params", "grads", "optimizer")}
+    check = ((memory_check or {}).get("ranks") or {}).get("0", {}).get("terms")
+    return {
+        "source": "planner",
+        "stage": chosen["stage"],
+        "offload": chosen["offload"],
+        "world": chosen["n_ranks"],
+        "precision": chosen["precision"],
+        **terms,
+        "total": sum(terms.values()),
+        "peak_total": gpu["total"],
+        "comm_elements_per_step": chosen["comm_elements"],
+        "choice": planner.get("reason"),
+        "check": {term: value.get("rel_error") for term, value in check.items()} if check else None,
+    }
+
+
+def predict(spec: dict[str, Any], checkpoint_stage: int | None, planner: dict[str, Any] | None = None,
+            memory_check: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The prediction for a job (the planner's when stored), or ``{"reason": ...}`` saying why there is none."""
+    if planner and planner.get("chosen"):
+        return from_planner(planner, memory_check)
     preset = (spec.get("model") or {}).get("preset")
     phi = PRESET_PARAMETERS.get(preset or "")
     zero = spec.get("zero") or {}

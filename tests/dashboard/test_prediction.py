@@ -38,3 +38,23 @@ def test_predict_resolves_auto_from_checkpoints_and_explains_absence():
     assert predict(spec, 3)["comm_elements_per_step"] == 3 * PRESET_PARAMETERS["gpt-nano"]
     factory = {**spec, "model": {"factory": "pkg.mod:build"}}
     assert "factory" in predict(factory, 2)["reason"]
+
+
+def test_the_planners_stored_prediction_takes_priority_and_carries_the_end_check():
+    torch = pytest.importorskip("torch")  # noqa: F841 - the planner needs it
+    from workers.zero.memory import plan_for_spec
+
+    spec = {"model": {"preset": "gpt-nano"}, "data": {"kind": "synthetic", "vocab_size": 256, "seq_len": 64},
+            "train": {"steps": 10, "global_batch_size": 8, "micro_batch_size": 4},
+            "zero": {"stage": 2, "precision": "bf16"}, "resources": {"num_workers": 2, "gpus_per_worker": 0}}
+    planner = plan_for_spec(spec).to_dict()
+    chosen = planner["chosen"]["gpu"]
+    check = {"ranks": {"0": {"terms": {"params": {"rel_error": 0.0}, "peak": {"rel_error": 0.04}}}}}
+    shown = predict(spec, None, planner, check)
+    assert shown["source"] == "planner" and shown["stage"] == 2
+    assert shown["total"] == chosen["params"] + chosen["grads"] + chosen["optimizer"]
+    assert shown["peak_total"] == chosen["total"]
+    assert shown["check"] == {"params": 0.0, "peak": 0.04}
+    # the formula's numbers for the same job differ only by the padding the planner counts
+    formula = predict(spec, None)
+    assert shown["total"] == pytest.approx(formula["total"], rel=0.01)

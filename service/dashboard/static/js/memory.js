@@ -79,7 +79,17 @@ export class MemoryBars {
       const how = prediction.source === "planner"
         ? "the planner's prediction"
         : `DESIGN §4 with Φ = ${Number(prediction.phi).toLocaleString("en-US")}, N = ${prediction.world}, ${prediction.precision}`;
-      this.note.textContent = `Marker: predicted params + grads + optimizer per rank at stage ${prediction.stage ?? "?"}: ${bytes(prediction.total)} (${how}). Buffers are extra.`;
+      let text = `Marker: predicted params + grads + optimizer per rank at stage ${prediction.stage ?? "?"}: ${bytes(prediction.total)} (${how}). Buffers are extra.`;
+      if (prediction.source === "planner") {
+        text += ` Predicted peak with activations and buffers: ${bytes(prediction.peak_total)}.`;
+        if (prediction.check) {
+          const errors = Object.entries(prediction.check)
+            .filter(([, e]) => Number.isFinite(e))
+            .map(([term, e]) => `${term} ${(e * 100).toFixed(1)}%`);
+          text += ` Prediction error at the end (rank 0): ${errors.join(", ")}.`;
+        }
+      }
+      this.note.textContent = text;
     } else {
       this.note.textContent = `No prediction: ${missing || "not known for this job"}.`;
     }
