@@ -91,6 +91,20 @@ class WorkerAPI:
         return response.json()
 
 
+    def post_memory(self, attempt: int, ranks: list[dict[str, float]], deadline_s: float = 60.0) -> bool:
+        """Every rank's measured memory, for the planner's predicted-vs-measured check.
+
+        Best effort: False (and a log line) when the control plane cannot take it, e.g. 409
+        because the job has no prediction to compare with.
+        """
+        body = {"attempt": attempt, "ranks": ranks}
+        response = self._with_retries(lambda: self.http.post(f"{self.base}/worker/memory", json=body),
+                                      "reporting measured memory", deadline_s)
+        if not response.is_success:
+            log.info("measured memory not recorded (HTTP %d): %s", response.status_code, response.text[:300])
+        return response.is_success
+
+
 # ----------------------------------------------------------------------------- metrics
 
 

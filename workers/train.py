@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from workers.data import ShardedBatchLoader, build_dataset
 from workers.models import build_model, flops_per_token
-from workers.reporting import MetricReporter, StepMeter, WorkerAPI
+from workers.reporting import MetricReporter, StepMeter, WorkerAPI, peak_memory_bytes
 from workers.zero import ZeroConfig, ZeroEngine
 
 log = logging.getLogger(__name__)
@@ -221,6 +221,7 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
     api = WorkerAPI(config["api_url"], config["job_id"], token) if config.get("api_url") and token else None
     attempt = start_attempt(config, world, api)
 
+    baseline_peak = peak_memory_bytes(world.device)  # what the process held before the model
     torch.manual_seed(int(train.get("seed", 0)))
     model = build_model(spec["model"]).to(world.device)
     engine = build_engine(spec, model, world.device)
@@ -274,8 +275,29 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
             api.close()
     if unsent:
         raise RuntimeError(f"{unsent} metric records could not be delivered to the control plane")
+    measured = {**engine.memory(), "peak": peak_memory_bytes(world.device) - baseline_peak}
+    report_measured_memory(config, world, attempt, measured)
     return {"rank": world.rank, "attempt": attempt, "losses": losses, "memory": engine.memory(),
             "comm_volume": engine.comm_volume(), "stage": engine.config.stage}
+
+
+def report_measured_memory(config: dict[str, Any], world: World, attempt: int, measured: dict[str, float]) -> None:
+    """Rank 0 sends every rank's ``engine.memory()`` and peak growth once, at the end of the run,
+    so the control plane can check the planner's prediction term by term."""
+    ranks = [measured]
+    if world.world_size > 1:
+        ranks = [None] * world.world_size
+        dist.all_gather_object(ranks, measured)
+    token = os.environ.get("ZEROTRAIN_INGEST_TOKEN")
+    if world.rank != 0 or not (config.get("api_url") and token):
+        return
+    api = WorkerAPI(config["api_url"], config["job_id"], token)
+    try:
+        api.post_memory(attempt, [{k: float(v) for k, v in r.items()} for r in ranks])
+    except Exception as error:  # noqa: BLE001 - a missing check must not fail a finished training
+        log.warning("could not report measured memory: %s", error)
+    finally:
+        api.close()
 
 
 # ----------------------------------------------------------------------------- without Ray

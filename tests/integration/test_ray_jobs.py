@@ -77,6 +77,12 @@ def test_two_worker_job_succeeds_with_a_metric_row_per_rank_and_step(make_contro
         memory = expected[r.rank]
         assert (r.mem_params_bytes, r.mem_grads_bytes, r.mem_optimizer_bytes, r.mem_buffers_bytes) == \
             (memory["params"], memory["grads"], memory["optimizer"], memory["buffers"])
+    # rank 0 also sent every rank's engine.memory() for the planner's predicted-vs-measured check
+    assert final.memory_check["attempt"] == 1
+    for rank in (0, 1):
+        measured = final.memory_check["ranks"][str(rank)]["measured"]
+        assert {k: measured[k] for k in ("params", "grads", "optimizer")} == \
+            {k: expected[rank][k] for k in ("params", "grads", "optimizer")}
 
     assert [e.to_state for e in events][-2:] == [JobState.RUNNING, JobState.SUCCEEDED]
     assert "workers.launch" in logs and "RayTrainWorker" in logs
