@@ -27,7 +27,10 @@ Columns (step times: per step, the slowest rank; then the median over the measur
                    Offload rows: device bytes, plus ``memory()["host"]`` shown apart
     peak/rank      CUDA: ``torch.cuda.max_memory_allocated``. CPU: growth of the resident-set
                    high-water mark (VmHWM, reset by writing 5 to /proc/self/clear_refs just
-                   before the model is built) over the whole row; the largest rank
+                   before the model is built) over the whole row; the largest rank. It includes
+                   what glibc keeps in per-thread malloc arenas (Gloo's threads allocate the
+                   collectives' buffers), which inflates the sharded rows most; MALLOC_ARENA_MAX=1
+                   in the environment narrows that (a CPU artefact; on GPU the CUDA peak is exact)
     comm el/step   elements handed to collectives in one step (an all-reduce counts twice its
                    elements, a reduce-scatter its input, an all-gather its output). zerotrain:
                    ``engine.comm_volume()["total"]`` (measured); DDP: 2 x trainable elements
