@@ -1,25 +1,36 @@
-"""Control-plane throughput: job submission and metric ingest against a real server on PostgreSQL.
+"""Control-plane load: the highest rate the API holds with p99 under 100 ms, on PostgreSQL.
 
 Starts ``uvicorn service.app:create_app`` as a subprocess (scheduler off, so the numbers are
-the API's) on a fresh PostgreSQL database, drives it over loopback with ``--concurrency``
-client threads for ``--duration`` seconds per phase (or ``--max-requests``), prints a table
-and optionally writes JSON. Everything it creates (server, database, data directory) is
-removed at the end.
+the API's) on a fresh PostgreSQL database and offers it load *open-loop*: requests are
+scheduled at a fixed rate whatever the server does, and each latency is measured from the
+moment the request was due, so a server that falls behind shows it (no coordinated omission).
+The offered rate steps up by ``--factor`` every ``--step-seconds`` until a step fails -- p99
+of ``--p99-ms`` or more, any error, or a run that could not keep up -- and stops by itself.
+A few unmeasured requests warm the server up first (the first submission imports the planner).
 
-    python -m benchmarks.service --concurrency 16 --duration 10 --json bench-results/service.json
+* ``submit``  POST /api/v1/jobs.
+* ``ingest``  ``--ranks`` simulated ranks of one job, each posting one batch per flush
+              interval (1 s) the way ``workers.reporting.MetricReporter`` does; the step raises
+              the records per rank and second, so the rate is reported in metric points/s.
+* ``batch``   one 10,000-record POST (the contract's largest batch), as a latency.
+
+Everything it creates (server, database, data directory) is removed at the end.
+
+    python -m benchmarks.service --json bench-results/service.json
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -34,18 +45,42 @@ SPEC = {
     "train": {"steps": 100, "global_batch_size": 8, "micro_batch_size": 2},
     "resources": {"num_workers": 2},
 }
+FLUSH_INTERVAL_S = 1.0  # workers.reporting.MetricReporter's default
 
 
 @dataclass
-class PhaseResult:
-    name: str
+class Step:
+    """One step of a ramp: what was offered, what came back."""
+
+    phase: str
+    offered_per_s: float  # requests/s
     requests: int
     errors: int
-    seconds: float
-    requests_per_s: float
+    achieved_per_s: float
     p50_ms: float
     p99_ms: float
-    points_per_s: float | None = None
+    server_cpu_ms_per_request: float  # the server process's CPU time: comparable on a busy machine
+    points_per_s: float | None = None  # ingest: metric records stored per second
+    held: bool = False  # no error, kept up, p99 under the limit
+    kept_up: bool = False  # no error, kept up, p99 under ten times the limit: the ramp goes on
+
+
+def judge(step: Step, args: argparse.Namespace) -> Step:
+    keeps_pace = step.errors == 0 and step.achieved_per_s >= 0.9 * step.offered_per_s
+    step.held = keeps_pace and step.p99_ms < args.p99_ms
+    step.kept_up = keeps_pace and step.p99_ms < 10 * args.p99_ms
+    verdict = "held" if step.held else "kept up, p99 over the limit" if step.kept_up else "not kept up: stop"
+    points = f"  {step.points_per_s:10,.0f} points/s" if step.points_per_s is not None else ""
+    print(f"  {step.phase:6s} {step.offered_per_s:7.1f} req/s{points}  p50 {step.p50_ms:7.1f} ms  "
+          f"p99 {step.p99_ms:7.1f} ms  errors {step.errors}  server {step.server_cpu_ms_per_request:5.1f} "
+          f"CPU-ms/req  {verdict}", flush=True)
+    return step
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of ``pid`` so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -55,42 +90,57 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def run_phase(name: str, concurrency: int, duration: float, max_requests: int,
-              request, points_per_request: int = 0) -> PhaseResult:  # noqa: ANN001
-    """Run ``request(worker_index, sequence)`` from ``concurrency`` threads; collect latencies."""
-    latencies: list[float] = []
-    errors = 0
-    lock = threading.Lock()
-    issued = 0
-    deadline = time.monotonic() + duration
+async def open_loop(rate: float, seconds: float, send: Callable[[int], Awaitable[bool]]) -> tuple[list[float], int, float]:
+    """Call ``send(i)`` at ``rate`` per second for ``seconds``; latencies from each due time."""
+    loop = asyncio.get_running_loop()
+    count = max(1, int(rate * seconds))
+    start = loop.time() + 0.05
 
-    def worker(index: int) -> None:
-        nonlocal errors, issued
-        sequence = 0
-        while time.monotonic() < deadline:
-            with lock:
-                if issued >= max_requests:
-                    return
-                issued += 1
-            started = time.perf_counter()
-            ok = request(index, sequence)
-            elapsed = time.perf_counter() - started
-            sequence += 1
-            with lock:
-                latencies.append(elapsed)
-                errors += 0 if ok else 1
+    async def one(index: int) -> tuple[float, bool]:
+        due = start + index / rate
+        await asyncio.sleep(max(0.0, due - loop.time()))
+        try:
+            ok = await send(index)
+        except httpx.HTTPError:
+            ok = False
+        return loop.time() - due, ok
 
-    started = time.monotonic()
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(concurrency)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    seconds = time.monotonic() - started
-    count = len(latencies)
-    return PhaseResult(name, count, errors, seconds, count / seconds, 1000 * percentile(latencies, 0.5),
-                       1000 * percentile(latencies, 0.99),
-                       (count - errors) * points_per_request / seconds if points_per_request else None)
+    results = await asyncio.gather(*(one(i) for i in range(count)))
+    elapsed = loop.time() - start
+    return [latency for latency, _ in results], sum(1 for _, ok in results if not ok), count / elapsed
+
+
+async def measure(phase: str, rate: float, send: Callable[[int], Awaitable[bool]], args: argparse.Namespace,
+                  points_per_request: int = 0) -> Step:
+    cpu_before = cpu_seconds(args.server_pid)
+    latencies, errors, achieved = await open_loop(rate, args.step_seconds, send)
+    cpu_ms = 1000 * (cpu_seconds(args.server_pid) - cpu_before) / len(latencies)
+    points = (len(latencies) - errors) * points_per_request / args.step_seconds if points_per_request else None
+    return judge(Step(phase, rate, len(latencies), errors, achieved, 1000 * percentile(latencies, 0.5),
+                      1000 * percentile(latencies, 0.99), cpu_ms, points), args)
+
+
+async def ramp(phase: str, first_rate: float, args: argparse.Namespace,
+               send: Callable[[int], Awaitable[bool]]) -> list[Step]:
+    """Step the offered request rate up while the server keeps up; every step is returned."""
+    steps: list[Step] = []
+    rate = first_rate
+    while len(steps) < args.max_steps and (not steps or steps[-1].kept_up):
+        steps.append(await measure(phase, rate, send, args))
+        rate *= args.factor
+    return steps
+
+
+def metric_record(rank: int, step: int) -> dict:
+    """The fields ``workers.reporting.StepMeter.record`` fills on a CPU rank."""
+    return {"attempt": 0, "rank": rank, "step": step, "time": time.time(), "loss": 2.5, "lr": 3e-4,
+            "grad_norm": 0.9, "step_time_s": 0.21, "tokens_per_s": 2400.0, "samples_per_s": 37.5, "tflops": 0.009,
+            "mfu": None, "mem_params_bytes": 4.1e6, "mem_grads_bytes": 2.0e6, "mem_optimizer_bytes": 1.2e7,
+            "mem_buffers_bytes": 3.1e6, "mem_peak_bytes": 2.4e8, "comm_bytes": 8.2e6, "comm_exposed_s": 0.03,
+            "checkpoint_blocked_s": 0.0}
+
+
+# ----------------------------------------------------------------------------- the server
 
 
 def start_server(database_url: str, home: Path, port: int) -> subprocess.Popen:
@@ -146,12 +196,77 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+# ----------------------------------------------------------------------------- the phases
+
+
+async def run_phases(base: str, token: str, database_url: str, home: Path, args: argparse.Namespace) -> dict:
+    limits = httpx.Limits(max_connections=args.connections, max_keepalive_connections=args.connections)
+    async with httpx.AsyncClient(base_url=base, timeout=30, limits=limits,
+                                 headers={"Authorization": f"Bearer {token}"}) as user:
+        async def submit(_index: int) -> bool:
+            return (await user.post("/api/v1/jobs", json=SPEC)).status_code == 201
+
+        for _ in range(3):  # warm-up, not measured: the first submit imports the planner (torch)
+            assert await submit(0), "warm-up submission failed"
+        print("submit: POST /api/v1/jobs", flush=True)
+        submit_steps = await ramp("submit", args.submit_start, args, submit)
+
+    (job_id, ingest), = claim_ingest_tokens(database_url, home, 1)
+    next_step = [0] * args.ranks  # per rank: the next step to report, unique across the ramp
+    async with httpx.AsyncClient(base_url=f"{base}/api/v1/jobs/{job_id}", timeout=30, limits=limits,
+                                 headers={"Authorization": f"Bearer {ingest}"}) as worker:
+        def batches_of(records_per_rank_s: float) -> Callable[[int], Awaitable[bool]]:
+            size = max(1, round(records_per_rank_s * FLUSH_INTERVAL_S))
+
+            async def post(index: int) -> bool:
+                rank = index % args.ranks
+                first, next_step[rank] = next_step[rank], next_step[rank] + size
+                body = {"records": [metric_record(rank, step) for step in range(first, first + size)]}
+                response = await worker.post("/metrics", json=body)
+                return response.status_code == 200 and response.json()["accepted"] == size
+            return post
+
+        assert await batches_of(1.0)(0), "warm-up ingest failed"
+        request_rate = args.ranks / FLUSH_INTERVAL_S  # every rank flushes once per interval
+        print(f"ingest: {args.ranks} ranks, one batch per rank every {FLUSH_INTERVAL_S:.0f} s", flush=True)
+        ingest_steps = await ingest_ramp(args, request_rate, batches_of)
+
+        records = [metric_record(0, 10_000_000 + step) for step in range(10_000)]
+        started = time.perf_counter()
+        response = await worker.post("/metrics", json={"records": records})
+        batch_ms = 1000 * (time.perf_counter() - started)
+        assert response.status_code == 200 and response.json()["accepted"] == 10_000, response.text
+        print(f"batch:  one POST of 10,000 records: {batch_ms:.0f} ms", flush=True)
+    return {"submit": submit_steps, "ingest": ingest_steps, "batch_10k_ms": batch_ms}
+
+
+async def ingest_ramp(args: argparse.Namespace, request_rate: float,
+                      batches_of: Callable[[float], Callable[[int], Awaitable[bool]]]) -> list[Step]:
+    """The ingest ramp raises the batch size (records per rank and second), not the request rate."""
+    steps: list[Step] = []
+    per_rank = args.ingest_start
+    while len(steps) < args.max_steps and (not steps or steps[-1].kept_up):
+        size = max(1, round(per_rank * FLUSH_INTERVAL_S))
+        steps.append(await measure("ingest", request_rate, batches_of(per_rank), args, points_per_request=size))
+        per_rank *= args.factor
+    return steps
+
+
+def best(steps: list[Step], held: bool = True) -> Step | None:
+    passing = [step for step in steps if (step.held if held else step.kept_up)]
+    return max(passing, key=lambda step: step.points_per_s or step.offered_per_s, default=None)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--duration", type=float, default=10.0, help="seconds per phase")
-    parser.add_argument("--max-requests", type=int, default=100_000, help="per phase")
-    parser.add_argument("--batch-size", type=int, default=100, help="metric records per ingest request")
+    parser.add_argument("--step-seconds", type=float, default=5.0, help="seconds of load per step")
+    parser.add_argument("--factor", type=float, default=1.5, help="rate multiplier between steps")
+    parser.add_argument("--max-steps", type=int, default=14, help="per phase; the ramp usually stops earlier")
+    parser.add_argument("--p99-ms", type=float, default=100.0, help="a step is held if p99 stays below this")
+    parser.add_argument("--submit-start", type=float, default=2.0, help="first offered submissions/s")
+    parser.add_argument("--ranks", type=int, default=64, help="simulated ranks posting metrics")
+    parser.add_argument("--ingest-start", type=float, default=4.0, help="first records per rank and second")
+    parser.add_argument("--connections", type=int, default=128, help="client connection pool size")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
 
@@ -159,55 +274,46 @@ def main() -> int:
     database_url = f"postgresql+psycopg://postgres@127.0.0.1:5432/{database}"
     admin_sql(f'CREATE DATABASE "{database}"')
     port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    with tempfile.TemporaryDirectory(prefix="zerotrain-bench-") as home_dir:
-        home = Path(home_dir)
-        server = start_server(database_url, home, port)
-        try:
-            token = (home / "token").read_text().strip()
-            clients = [httpx.Client(base_url=base, timeout=30,
-                                    headers={"Authorization": f"Bearer {token}"}) for _ in range(args.concurrency)]
+    try:
+        with tempfile.TemporaryDirectory(prefix="zerotrain-bench-") as home_dir:
+            home = Path(home_dir)
+            server = start_server(database_url, home, port)
+            try:
+                token = (home / "token").read_text().strip()
+                args.server_pid = server.pid
+                results = asyncio.run(run_phases(f"http://127.0.0.1:{port}", token, database_url, home, args))
+            finally:
+                server.terminate()
+                server.wait(30)
+    finally:
+        admin_sql(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
 
-            def submit(index: int, sequence: int) -> bool:
-                return clients[index].post("/api/v1/jobs", json=SPEC).status_code == 201
-
-            submit_result = run_phase("submit", args.concurrency, args.duration, args.max_requests, submit)
-
-            claims = claim_ingest_tokens(database_url, home, args.concurrency)
-            workers = [httpx.Client(base_url=f"{base}/api/v1/jobs/{job_id}", timeout=30,
-                                    headers={"Authorization": f"Bearer {ingest}"}) for job_id, ingest in claims]
-
-            def ingest(index: int, sequence: int) -> bool:
-                first = sequence * args.batch_size
-                records = [{"attempt": 0, "rank": 0, "step": step, "loss": 1.0, "lr": 3e-4,
-                            "tokens_per_s": 1e5, "step_time_s": 0.1, "mem_peak_bytes": 1e9, "time": time.time()}
-                           for step in range(first, first + args.batch_size)]
-                response = workers[index].post("/metrics", json={"records": records})
-                return response.status_code == 200 and response.json()["accepted"] == args.batch_size
-
-            ingest_result = run_phase(f"ingest ({args.batch_size} records)", len(workers), args.duration,
-                                      args.max_requests, ingest, points_per_request=args.batch_size)
-            for client in clients + workers:
-                client.close()
-        finally:
-            server.terminate()
-            server.wait(30)
-            admin_sql(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
-
-    results = [submit_result, ingest_result]
-    table = Table("phase", "requests", "errors", "req/s", "p50 ms", "p99 ms", "points/s",
-                  title=f"zerotrain service on PostgreSQL, {args.concurrency} concurrent clients")
-    for r in results:
-        table.add_row(r.name, str(r.requests), str(r.errors), f"{r.requests_per_s:.0f}", f"{r.p50_ms:.1f}",
-                      f"{r.p99_ms:.1f}", f"{r.points_per_s:,.0f}" if r.points_per_s else "")
+    table = Table("phase", f"held: p99 < {args.p99_ms:.0f} ms", "p50 / p99 ms", "server CPU-ms/req",
+                  "most kept up (p99 < 10x)", "p50 / p99 ms",
+                  title=f"zerotrain control plane on PostgreSQL ({os.cpu_count()} CPUs, "
+                        f"load average {os.getloadavg()[0]:.1f} at the end)")
+    summary = {}
+    for phase, label in (("submit", "submit (req/s)"), ("ingest", f"ingest, {args.ranks} ranks (points/s)")):
+        held, kept = best(results[phase]), best(results[phase], held=False)
+        rate = (lambda s: s.points_per_s) if phase == "ingest" else (lambda s: s.offered_per_s)
+        cells = []
+        for top in (held, kept):
+            cells += [f"{rate(top):,.0f}", f"{top.p50_ms:.0f} / {top.p99_ms:.0f}"] if top else ["none", ""]
+        table.add_row(label, cells[0], cells[1], f"{(held or kept or results[phase][0]).server_cpu_ms_per_request:.1f}",
+                      cells[2], cells[3])
+        summary[phase] = {"held": rate(held) if held else None, "kept_up": rate(kept) if kept else None}
+    table.add_row("one 10,000-record POST", f"{results['batch_10k_ms']:.0f} ms", "", "", "", "")
     Console().print(table)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"concurrency": args.concurrency, "duration_s": args.duration,
-                                         "cpu_count": os.cpu_count(),
-                                         "phases": [asdict(r) for r in results]}, indent=2))
-    return 0 if all(r.errors == 0 for r in results) else 1
-
+        args.json.write_text(json.dumps({
+            "p99_ms_limit": args.p99_ms, "step_seconds": args.step_seconds, "ranks": args.ranks,
+            "cpu_count": os.cpu_count(), "load_average": os.getloadavg()[0],
+            "submit_per_s": summary["submit"], "ingest_points_per_s": summary["ingest"],
+            "batch_10k_ms": results["batch_10k_ms"],
+            "steps": [asdict(step) for step in results["submit"] + results["ingest"]],
+        }, indent=2))
+    return 0
 
 if __name__ == "__main__":
     sys.exit(main())
