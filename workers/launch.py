@@ -166,10 +166,22 @@ def failure_reason(error: BaseException) -> str:
     return "user_code_error"
 
 
-def _stop_now(signum: int, _frame: Any) -> None:
-    """Cancel: leave at once. Ray kills what this driver owns (the Train controller, and with it
-    the workers) as soon as the driver is gone; a graceful ``fit()`` teardown would only delay it."""
-    log.warning("driver stopped by signal %d (cancel); not reporting a final state", signum)
+def _stop_now(signum: int, frame: Any) -> None:
+    """Cancel (SIGTERM from the Ray Jobs API): abort the training run, then leave at once.
+
+    Once ``fit()`` runs, SIGINT belongs to Ray Train: its handler asks the controller to abort,
+    which stops the worker group and the controller's detached placement-group cleaner. We
+    borrow it; killing the driver outright would leave that cleaner behind (it can outlive an
+    ungracefully killed controller in Ray 2.60). Ray kills whatever the driver still owns when
+    it exits; the launcher gives the driver ``RAY_JOB_STOP_WAIT_TIME_S`` for all of this.
+    """
+    log.warning("driver stopped by signal %d (cancel): aborting the run; not reporting a final state", signum)
+    abort_run = signal.getsignal(signal.SIGINT)
+    if callable(abort_run) and abort_run is not signal.default_int_handler:
+        try:
+            abort_run(signal.SIGINT, frame)
+        except BaseException as ended:  # noqa: BLE001 - Ray Train's handler ends with SystemExit
+            log.info("training run aborted (%s)", type(ended).__name__)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

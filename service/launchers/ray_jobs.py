@@ -54,6 +54,7 @@ PHASES = {
     "STOPPED": LaunchPhase.STOPPED,
 }
 TERMINAL_PHASES = {LaunchPhase.SUCCEEDED, LaunchPhase.FAILED, LaunchPhase.STOPPED}
+STOP_GRACE_S = 8  # what a stopped driver gets to abort its run before Ray SIGKILLs it
 # Named actors that a job may create but that belong to the whole cluster (created once, shared).
 CLUSTER_SINGLETONS = frozenset({"AutoscalingCoordinator"})
 
@@ -226,6 +227,8 @@ class RayJobsLauncher:
             "ZEROTRAIN_API_URL": request.api_url,
             "ZEROTRAIN_INGEST_TOKEN": request.ingest_token,
             "ZEROTRAIN_STORAGE_URI": request.storage_uri,
+            # on stop, the driver aborts its Ray Train run before it exits (SIGKILL only after this)
+            "RAY_JOB_STOP_WAIT_TIME_S": str(STOP_GRACE_S),
             **(LOOPBACK_ENV if self.head is not None else {}),
         }
         runtime_env: dict[str, Any] = {"env_vars": env_vars}
@@ -313,7 +316,7 @@ class RayJobsLauncher:
         return f"{sentence}; cluster has {_fmt(totals)} in total, {_fmt(available)} available ({verdict})"
 
     # -- cancel -----------------------------------------------------------------------------------
-    def cancel(self, handle: LaunchHandle, timeout_s: float = 12.0) -> None:
+    def cancel(self, handle: LaunchHandle, timeout_s: float = STOP_GRACE_S + 5.0) -> None:
         """Stop the Ray job and wait (bounded) until its driver and every actor it owned are gone."""
         try:
             self.client.stop_job(handle.external_id)
