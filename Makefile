@@ -12,12 +12,12 @@ export GLOO_SOCKET_IFNAME := lo
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	# torch first, from the 2.13.0 CPU build on disk, so nothing pulls a CUDA build.
 	$(PIP) install --quiet --find-links /opt/wheels "torch==2.13.0"
-	$(PIP) install --quiet --find-links /opt/wheels -e ".[dev]"
+	$(PIP) install --quiet --find-links /opt/wheels -c constraints.txt -e ".[dev]"
 	touch $(STAMP)
 
 services:
