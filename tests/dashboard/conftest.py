@@ -149,7 +149,8 @@ def dashboard(make_live_service, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     handoff = tmp_path / "handoff"
     handoff.mkdir()
     monkeypatch.setenv("ZT_DASHBOARD_TEST_DIR", str(handoff))  # the drivers inherit it
-    board = Dashboard(make_live_service(local_entrypoint=DRIVER), handoff)
+    board = Dashboard(make_live_service(local_entrypoint=DRIVER, storage_uri="file:///var/lib/zerotrain/storage"),
+                      handoff)
     yield board
     # Release every driver still waiting (also those of jobs the browser submitted) and let
     # them report before the server stops, so no driver outlives the test.

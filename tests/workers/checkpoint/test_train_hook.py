@@ -45,7 +45,7 @@ def spec_with(**changes) -> dict:
 def test_restarted_attempt_and_resume_from(make_live_service, tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(REPO)  # spawned ranks inherit sys.path
     storage = f"file://{tmp_path}/storage"
-    service = make_live_service(scheduler_enabled=False)
+    service = make_live_service(scheduler_enabled=False, storage_uri=storage)
     client = service.client()
     job_id = client.submit(spec_with(data={"kwargs": {}})).id
     (_, ingest), = service.app.state.scheduler.claim()
