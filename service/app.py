@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
+import threading
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from fastapi import Depends, FastAPI
 from fastapi.responses import HTMLResponse
 from fastapi.routing import APIRoute
 
-from service import migrate
+from service import migrate, prediction
 from service.api import checkpoints, health, jobs, memory_check, metrics, workers
 from service.api.deps import current_user
 from service.api.errors import COMMON_ERRORS, error_responses, install_error_handlers
@@ -78,6 +79,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             ensure_local_admin_token(make_session, settings.token_file)
         if settings.bootstrap_admin_token is not None:
             register_admin_token(make_session, settings.bootstrap_admin_token.get_secret_value())
+        threading.Thread(target=prediction.warm_up, name="planner-warm-up", daemon=True).start()
         launcher = make_launcher(settings)
         scheduler = Scheduler(make_session, launcher, settings)
         app.state.launcher = launcher

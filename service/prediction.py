@@ -52,6 +52,17 @@ def plan_at_submit(spec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]
     return resolved, prediction
 
 
+def warm_up() -> None:
+    """Import the planner and plan one tiny job, so the first real submission is not the one
+    that pays for importing torch and tracing a model on the meta device (seconds)."""
+    try:
+        plan_at_submit({"model": {"preset": "gpt-nano"}, "data": {"kind": "synthetic", "seq_len": 16},
+                        "train": {"steps": 1, "global_batch_size": 1, "micro_batch_size": 1},
+                        "zero": {"stage": 0, "precision": "fp32"}, "resources": {"num_workers": 1}})
+    except Exception:  # a warm-up must never stop the service; the real submit reports errors
+        log.exception("planner warm-up failed")
+
+
 def check_against_prediction(prediction: dict[str, Any], measured: dict[str, float]) -> dict[str, Any]:
     """Each term predicted vs measured (``workers.zero.memory.compare``)."""
     from workers.zero import memory
