@@ -218,6 +218,17 @@ class ResumeFrom(SpecModel):
         return value
 
 
+class RuntimeSpec(SpecModel):
+    """Code shipped with the job (Ray's ``runtime_env``), for user factories ("pkg.mod:fn").
+
+    Only a remote zip package is accepted: a directory path would be read on the control
+    plane's machine and ship whatever that machine holds to the cluster.
+    """
+
+    working_dir: str | None = Field(default=None, max_length=2048, pattern=r"^(s3|gs|https)://[^\s]+\.zip$",
+                                    description="a zip package of the user's code: s3://, gs:// or https:// URI")
+
+
 class JobSpec(SpecModel):
     """A training job as the user submits it (DESIGN §3)."""
 
@@ -231,6 +242,7 @@ class JobSpec(SpecModel):
     max_failures: int = Field(default=2, ge=0, le=MAX_INT32)
     resume_from: ResumeFrom | None = None
     max_runtime_s: int | None = Field(default=None, ge=1, le=MAX_INT32)
+    runtime: RuntimeSpec | None = None
 
     @model_validator(mode="after")
     def _batch_arithmetic(self) -> "JobSpec":

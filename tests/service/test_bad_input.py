@@ -78,6 +78,7 @@ BAD_SPECS: list[tuple[str, dict]] = [
     ("resume_from.job_id", with_value("resume_from", {"job_id": "no such/id"})),
     ("resume_from.step", with_value("resume_from", {"job_id": "job-1", "step": -3})),
     ("max_runtime_s", with_value("max_runtime_s", 0)),
+    ("runtime.working_dir", with_value("runtime", {"working_dir": "/etc"})),
     ("nmae", with_value("nmae", "typo")),
 ]
 

@@ -44,3 +44,15 @@ def test_preset_contexts_match_the_worker_presets():
 def test_metric_columns_match_the_metric_record():
     assert set(METRIC_FIELDS) | {"attempt", "rank", "step", "time"} == set(MetricRecord.model_fields)
     assert set(Metric.__table__.columns.keys()) == set(MetricRecord.model_fields) | {"id", "job_id"}
+
+
+@pytest.mark.parametrize("uri", ["s3://bucket/code/pkg.zip", "https://example.org/pkg.zip", "gs://b/p.zip"])
+def test_user_code_ships_as_a_remote_zip(uri):
+    spec = JobSpec.model_validate({**VALID_SPEC, "runtime": {"working_dir": uri}})
+    assert spec.model_dump(mode="json")["runtime"] == {"working_dir": uri}
+
+
+@pytest.mark.parametrize("uri", ["/etc", "file:///home/me/code", "s3://bucket/code/", "../x.zip"])
+def test_a_directory_of_the_control_plane_is_never_shipped(uri):
+    with pytest.raises(ValidationError, match="working_dir"):
+        JobSpec.model_validate({**VALID_SPEC, "runtime": {"working_dir": uri}})
