@@ -386,6 +386,7 @@ def run_one(row: str, rank: int, args: dict, device: torch.device,
         x, y = batches[i]
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+        dist.barrier()  # ranks start each step together: the slowest rank's time is the step's
         t0 = time.perf_counter()
         loss, exp = runner.step(x, y, measure=i == total_steps - 1)
         if device.type == "cuda":
@@ -401,6 +402,51 @@ def run_one(row: str, rank: int, args: dict, device: torch.device,
                   comm_elements=comm, comm_source=comm_source)
     del runner
     return result
+
+
+def run_interleaved(rows: list[str], rank: int, args: dict, device: torch.device,
+                    batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, dict[str, Any]]:
+    """Every row built at once; step i runs each row's step i in turn (order rotated each step).
+
+    Load that drifts on a shared machine then hits every row alike, so the step-time ratios are
+    far steadier than with rows run one after another. Peak memory cannot be attributed to a
+    row this way (all are resident together) and is not reported.
+    """
+    total_steps = args["warmup"] + args["steps"]
+    results: dict[str, dict[str, Any]] = {}
+    runners: dict[str, Runner] = {}
+    for row in rows:
+        results[row] = {"rank": rank, "row": row}
+        try:
+            torch.manual_seed(args["seed"])
+            runners[row] = build_runner(row, GPT(GPTConfig(**args["model"])).to(device), args, device)
+        except Exception as exc:  # noqa: BLE001 -- reported, the other rows go on
+            results[row]["error"] = _describe(exc)
+    live = [row for row in rows if row in runners]
+    for row in live:
+        results[row].update(step_times_s=[], exposed_s=[], losses=[])
+    for i in range(total_steps):
+        k = i % max(1, len(live))
+        for row in live[k:] + live[:k]:
+            x, y = batches[i]
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss, exp = runners[row].step(x, y, measure=i == total_steps - 1)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            dt = time.perf_counter() - t0
+            if i >= args["warmup"]:
+                results[row]["step_times_s"].append(dt)
+                results[row]["exposed_s"].append(exp)
+                results[row]["losses"].append(loss)
+    for row in live:
+        comm, comm_source = runners[row].comm(*batches[total_steps])
+        results[row].update(model_state=runners[row].measured, buffers=getattr(runners[row], "buffers", None),
+                            peak_bytes=None, peak_source="n/a: rows interleaved in one process",
+                            comm_elements=comm, comm_source=comm_source)
+    return results
 
 
 def worker(rank: int, rows: list[str], args: dict, port: int, out_dir: str) -> None:
@@ -423,6 +469,19 @@ def worker(rank: int, rows: list[str], args: dict, port: int, out_dir: str) -> N
     batches = make_batches(total_steps + 1, rank, args["micro_batch"], args["seq_len"], cfg.vocab_size, args["seed"])
     batches = [(x.to(device), y.to(device)) for x, y in batches]
     _prewarm(device)
+    if args.get("interleave"):
+        try:
+            results = run_interleaved(rows, rank, args, device, batches)
+        except Exception as exc:
+            for row in rows:
+                (Path(out_dir) / f"{row}.rank{rank}.json").write_text(
+                    json.dumps({"rank": rank, "row": row, "error": _describe(exc)}))
+            raise
+        for row, result in results.items():
+            (Path(out_dir) / f"{row}.rank{rank}.json").write_text(json.dumps(result))
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     for row in rows:
         out = Path(out_dir) / f"{row}.rank{rank}.json"
         try:
@@ -494,8 +553,8 @@ def aggregate(row: str, ranks: list[dict[str, Any]], args: dict, wall: float, cr
         step_times_s=per_step,
         model_state_bytes=state, model_state_source="engine.memory()" if row.startswith("zero") else
         "distinct storages of params, .grad, optimizer.state (DTensor.to_local())",
-        peak_bytes=max(r["peak_bytes"] for r in ranks),
-        peak_source=ranks[0]["peak_source"] + ("" if not args["shared_world"] else
+        peak_bytes=None if any(r["peak_bytes"] is None for r in ranks) else max(r["peak_bytes"] for r in ranks),
+        peak_source=ranks[0]["peak_source"] + ("" if not args["shared_world"] or args.get("interleave") else
                                                ", rows share one process: freed memory may be reused"),
         comm_elements=max(r["comm_elements"] for r in ranks), comm_source=ranks[0]["comm_source"],
         comm_exposed_s=exposed, final_loss=statistics.fmean(r["losses"][-1] for r in ranks),
@@ -522,7 +581,8 @@ def merge_repeats(runs: list[dict[str, Any]], args: dict) -> dict[str, Any]:
     out["best_step_time_s"] = min(times)
     out["tokens_per_s"] = args["world_size"] * args["micro_batch"] * args["seq_len"] / out["step_time_s"]
     out["repeat_step_time_s"] = [r["step_time_s"] for r in good]
-    out["peak_bytes"] = max(r["peak_bytes"] for r in good)
+    peaks = [r["peak_bytes"] for r in good if r["peak_bytes"] is not None]
+    out["peak_bytes"] = max(peaks) if peaks else None
     out["model_state_bytes"] = max((r["model_state_bytes"] for r in good), key=lambda m: m["total"])
     out["comm_elements"] = max(r["comm_elements"] for r in good)
     if all(r.get("comm_exposed_per_step_s") for r in good):
@@ -558,7 +618,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
             return None
         va = by[a][key]["total"] if key == "model_state_bytes" else by[a][key]
         vb = by[b][key]["total"] if key == "model_state_bytes" else by[b][key]
-        return va / vb if vb else None
+        return va / vb if va is not None and vb else None
 
     out: dict[str, Any] = {
         "stage2_vs_ddp_step_time": ratio("zero2", "ddp", "step_time_s"),
@@ -647,12 +707,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=1,
                    help="run every row this many times, in rotated order, and pool the measured steps "
                         "(evens out load that drifts while the rows run one after another)")
+    p.add_argument("--interleave", action="store_true",
+                   help="one world, every row built at once, their steps taken in turn: steadier step-time "
+                        "ratios on a busy machine; no peak memory column (all rows resident together)")
     p.add_argument("--shared-world", action="store_true",
                    help="run every row in one world (saves start-up; CPU peaks then less honest: "
                         "memory a row frees may be reused by the next without growing the RSS)")
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args(argv)
     args.rows = [r.strip() for r in args.rows.split(",") if r.strip()]
+    if len(set(args.rows)) != len(args.rows):
+        p.error("--rows lists a row twice")
     unknown = [r for r in args.rows if r not in ROWS]
     if unknown:
         p.error(f"unknown row(s) {unknown}; choose from {list(ROWS)}")
@@ -676,13 +741,13 @@ def main(argv: list[str] | None = None) -> int:
         "steps": args.steps, "warmup": args.warmup, "precision": args.precision, "world_size": args.world_size,
         "device": args.device, "bucket_mb": args.bucket_mb, "lr": args.lr, "seed": args.seed,
         "timeout": 300, "row_timeout": args.row_timeout, "shared_world": args.shared_world,
-        "repeats": args.repeats,
+        "repeats": args.repeats, "interleave": args.interleave,
     }
     runs: dict[str, list[dict[str, Any]]] = {row: [] for row in args.rows}
     for rep in range(args.repeats):
         order = args.rows[rep % len(args.rows):] + args.rows[:rep % len(args.rows)]  # rotate against drift
         tag = f" (repeat {rep + 1}/{args.repeats})" if args.repeats > 1 else ""
-        if args.shared_world:
+        if args.shared_world or args.interleave:
             print(f"[engine bench] {', '.join(ROWS[r] for r in order)} in one world{tag} ...",
                   file=sys.stderr, flush=True)
             results = run_world(order, settings)
