@@ -152,30 +152,14 @@ class ControlPlaneRegistry:
     """Tells the control plane about committed (and deleted) checkpoints, with the ingest token."""
 
     def __init__(self, api: Any):
-        self.api = api
-        self._warned = False
+        self.api = api  # a workers.reporting.WorkerAPI
 
     def register(self, record: dict) -> None:
-        response = self.api._with_retries(lambda: self.api.http.post(f"{self.api.base}/worker/checkpoints",
-                                                                     json=record),
-                                          f"registering checkpoint step {record['step']}", 120.0)
-        response.raise_for_status()
+        self.api.register_checkpoint(record)
 
     def forget(self, step: int) -> None:
-        """Drop the record of a deleted checkpoint: ``DELETE .../worker/checkpoints/{step}``.
-
-        The route answers 204 whether or not the record existed (deletion is idempotent), so a
-        404/405 means a control plane without the route: the record stays listed, said once.
-        """
-        response = self.api._with_retries(lambda: self.api.http.delete(f"{self.api.base}/worker/checkpoints/{step}"),
-                                          f"forgetting checkpoint step {step}", 60.0)
-        if response.status_code in (404, 405):
-            if not self._warned:
-                log.warning("the control plane cannot forget checkpoint records (HTTP %d on DELETE); deleted "
-                            "checkpoints stay listed", response.status_code)
-                self._warned = True
-            return
-        response.raise_for_status()
+        """Drop the record of a deleted checkpoint (204 also when it is already gone)."""
+        self.api.forget_checkpoint(step).raise_for_status()
 
 
 # ----------------------------------------------------------------------------- the train loop's hook

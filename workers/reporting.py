@@ -72,6 +72,17 @@ class WorkerAPI:
             time.sleep(delay)
             delay = min(delay * 2, 5.0)
 
+    def register_checkpoint(self, record: dict[str, Any], deadline_s: float = 120.0) -> None:
+        """A committed checkpoint (docs/contracts.md); idempotent on (job, step)."""
+        response = self._with_retries(lambda: self.http.post(f"{self.base}/worker/checkpoints", json=record),
+                                      f"registering checkpoint step {record['step']}", deadline_s)
+        response.raise_for_status()
+
+    def forget_checkpoint(self, step: int, deadline_s: float = 60.0) -> httpx.Response:
+        """Drop a deleted checkpoint's record; 204 also when it is already gone."""
+        return self._with_retries(lambda: self.http.delete(f"{self.base}/worker/checkpoints/{step}"),
+                                  f"forgetting checkpoint step {step}", deadline_s)
+
     def get_spec(self, deadline_s: float = 120.0) -> dict[str, Any]:
         """``{"job_id", "attempt", "state", "spec", "storage_uri"}``."""
         response = self._with_retries(lambda: self.http.get(f"{self.base}/worker/spec"), "fetching the job spec",

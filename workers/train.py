@@ -157,11 +157,16 @@ def start_attempt(config: dict[str, Any], world: World, api: WorkerAPI | None) -
 # ----------------------------------------------------------------------------- engine
 
 
-def resolve_stage(spec: dict[str, Any], device: torch.device) -> int:
-    """The spec's stage, or the planner's choice for ``"auto"`` with this machine's memory."""
-    stage = (spec.get("zero") or {}).get("stage", "auto")
+def resolve_stage(spec: dict[str, Any], device: torch.device) -> tuple[int, bool]:
+    """(stage, offload): the spec's, or the planner's choice for ``"auto"`` with this machine's memory.
+
+    The control plane resolves "auto" at submit for presets; it reaches a worker only for user
+    factories, which are planned here (workers run user code by design).
+    """
+    zero = spec.get("zero") or {}
+    stage = zero.get("stage", "auto")
     if stage != "auto":
-        return int(stage)
+        return int(stage), bool(zero.get("offload_optimizer", False))
     from workers.zero.memory import plan_for_spec
 
     if device.type == "cuda":
@@ -170,16 +175,18 @@ def resolve_stage(spec: dict[str, Any], device: torch.device) -> int:
         workers = int((spec.get("resources") or {}).get("num_workers") or 1)
         host_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         budget = {"host_memory_bytes": host_bytes // workers}
-    return int(plan_for_spec(spec, **budget).stage)
+    plan = plan_for_spec(spec, **budget)
+    return int(plan.stage), bool(plan.offload)
 
 
 def build_engine(spec: dict[str, Any], model: torch.nn.Module, device: torch.device) -> ZeroEngine:
     zero, train = spec.get("zero") or {}, spec["train"]
+    stage, offload = resolve_stage(spec, device)
     config = ZeroConfig(
-        stage=resolve_stage(spec, device),
+        stage=stage,
         precision=zero.get("precision", "fp32"),
         bucket_mb=float(zero.get("bucket_mb", 25.0)),
-        offload_optimizer=bool(zero.get("offload_optimizer", False)),
+        offload_optimizer=offload,
         prefetch=int(zero.get("prefetch", 1)),
         grad_clip=train.get("grad_clip"),
         activation_checkpointing=bool(zero.get("activation_checkpointing", False)),
@@ -253,9 +260,11 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
                 group["lr"] = lr
             started = time.perf_counter()
             loss_sum = torch.zeros((), device=world.device)
-            for inputs, targets in loader.next_batch():
+            for micro, (inputs, targets) in enumerate(loader.next_batch()):
                 loss = engine(inputs.to(world.device, non_blocking=True), targets.to(world.device, non_blocking=True))
-                engine.backward(loss / accumulation)  # the engine sums micro-steps, like PyTorch
+                # the engine sums micro-steps, like PyTorch; sync on the last one lets stages 0/1
+                # reduce during that backward instead of after it
+                engine.backward(loss / accumulation, sync=micro == accumulation - 1)
                 loss_sum += loss.detach().float()
             info = engine.step()
             loss_value = float(loss_sum) / accumulation  # .item() waits for the device
