@@ -41,11 +41,15 @@ Columns (step times: per step, the slowest rank; then the median over the measur
                    that did not overlap compute); DDP/FSDP2: n/a (not measured)
 
     python -m benchmarks.engine --json bench-results/engine.json
+    python -m benchmarks.engine --interleave --steps 20   # steadier time ratios on a busy machine
     python -m benchmarks.engine --device cuda --precision bf16 --preset gpt-small --seq-len 1024
 
 On CPU the default is fp32: bf16 matmuls on most CPUs are emulated or far slower than fp32, so a
 bf16 CPU row measures the CPU's bf16 kernels, not the engines. The machine this runs on may be
-shared; read the ratios, and rerun with more --steps when they matter.
+shared; read the ratios, and rerun with more --steps when they matter. Rows run one after
+another see whatever load the machine has at the time; ``--interleave`` builds every row in one
+world and takes their steps in turn, so drifting load hits all rows alike (at the cost of the
+peak-memory column), ``--repeats`` reruns the sequence in rotated order and pools the steps.
 """
 
 from __future__ import annotations
