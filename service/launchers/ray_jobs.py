@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -63,6 +64,13 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def _status_name(status: Any) -> str:
@@ -264,7 +272,12 @@ class RayJobsLauncher:
         if phase in TERMINAL_PHASES:
             self._save_logs(handle)
         if phase is LaunchPhase.FAILED:
-            return LaunchStatus(phase, None, (info.message or "the driver failed")[-2000:])
+            message = (info.message or "the driver failed")[-2000:]
+            killed = re.search(r"exit code (\d+)", info.message or "")
+            if killed and int(killed.group(1)) > 128:  # killed by a signal: it could not report why
+                signame = _signal_name(int(killed.group(1)) - 128)
+                return LaunchStatus(phase, "driver_lost", f"the driver was killed by {signame}; {message}")
+            return LaunchStatus(phase, None, message)
         if phase is LaunchPhase.STOPPED:
             return LaunchStatus(phase, "cancelled_by_user", info.message)
         return LaunchStatus(phase)
