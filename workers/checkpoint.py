@@ -68,6 +68,7 @@ class CheckpointManager:
         self.writer = AsyncCheckpointWriter(self.storage, job_id=job_id, rank=self.rank, world_size=self.world_size,
                                             group=self.group, keep_last=keep_last, register=register, forget=forget)
         self.last_load: Optional[reader.LoadReport] = None
+        self.failed_saves: list[str] = []  # why each save that did not commit failed, in order
 
     # -- saving ------------------------------------------------------------------------------------
     def due(self, step: int) -> bool:
@@ -79,7 +80,11 @@ class CheckpointManager:
         ``wait=True`` also waits for the commit (the last checkpoint of a run).
         """
         started = time.perf_counter()
-        self.writer.wait()
+        try:
+            self.writer.wait()
+        except CheckpointError as error:  # the previous save failed after its retries: training goes on,
+            self.failed_saves.append(str(error))  # the checkpoint before it stays the latest
+            log.error("%s; training continues", error)
         snap = snapshot.take_snapshot(engine, loader, step, self.rank, self.world_size)
         self.writer.submit(snap)
         if wait:

@@ -1,0 +1,119 @@
+"""Fault: the S3 server is unavailable while a checkpoint uploads.
+
+A real moto S3 server (its own, on a free port) that is stopped mid-run and started again;
+the production storage client (s3fs/botocore) speaks to it over HTTP. The upload retries,
+then that checkpoint is reported failed (``CheckpointManager.failed_saves`` and an error log)
+and training continues; the previous checkpoint stays the latest and loads intact, and the
+next checkpoint after the outage commits.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from tests.integration.conftest import wait_for
+from tests.workers.checkpoint.ranks import GLOBAL_BATCH, MICRO, SEQ, VOCAB, make_engine
+from workers.checkpoint import CheckpointManager, checkpoints_uri
+from workers.checkpointing.manifest import committed_steps
+from workers.checkpointing.storage import Storage
+from workers.data import ShardedBatchLoader, SyntheticDataset
+
+pytestmark = pytest.mark.faults
+
+
+class S3Server:
+    def __init__(self) -> None:
+        from moto.server import ThreadedMotoServer
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+        self.up = False
+
+    def start(self) -> None:
+        self.server.start()
+        self.up = True
+
+    def stop(self) -> None:
+        self.server.stop()
+        self.up = False
+
+
+@pytest.fixture
+def s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[S3Server]:
+    import boto3
+
+    server = S3Server()
+    server.start()
+    monkeypatch.setenv("ZEROTRAIN_S3_ENDPOINT_URL", server.url)
+    for name, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                        "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(name, value)
+    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    server.bucket = f"zt-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=server.url, region_name="us-east-1").create_bucket(Bucket=server.bucket)
+    try:
+        yield server
+    finally:
+        if server.up:
+            server.stop()
+
+
+def train(engine, loader, steps: int) -> list[float]:
+    losses = []
+    for _ in range(steps):
+        for x, y in loader.next_batch():
+            loss = engine(x, y) / loader.accumulation_steps
+            engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def test_an_upload_during_an_s3_outage_fails_alone_and_training_continues(s3, caplog):
+    torch.set_num_threads(1)
+    engine = make_engine(2, seed=0)
+    loader = ShardedBatchLoader(SyntheticDataset(VOCAB, SEQ), global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO)
+    uri = checkpoints_uri(f"s3://{s3.bucket}", "s3-outage")
+    manager = CheckpointManager(uri, job_id="s3-outage", keep_last=5)
+    try:
+        train(engine, loader, 1)
+        manager.save(1, engine, loader, wait=True)
+        at_step_1 = {k: v.clone() for k, v in engine.full_state_dict().items()}
+        assert committed_steps(Storage.at(uri)) == [1]
+
+        s3.stop()
+        started = time.monotonic()
+        manager.save(2, engine, loader)  # uploads in the background, into the outage
+        trained = train(engine, loader, 2)  # training goes on meanwhile
+        wait_for(lambda: manager.writer._thread is not None and not manager.writer._thread.is_alive(), 120,
+                 "the upload during the outage to give up")
+        gave_up_after = time.monotonic() - started
+        s3.start()
+
+        assert committed_steps(Storage.at(uri)) == [1], "the failed checkpoint must not be committed"
+        with caplog.at_level(logging.ERROR, logger="workers.checkpoint"):
+            manager.save(4, engine, loader, wait=True)  # reports step 2's failure, then saves step 4
+        trained += train(engine, loader, 1)
+        assert len(manager.failed_saves) == 1 and "step 2 not committed" in manager.failed_saves[0]
+        assert "training continues" in caplog.text and "step 2" in caplog.text
+        assert committed_steps(Storage.at(uri)) == [1, 4]
+        assert len(trained) == 3 and all(loss == loss for loss in trained)
+    finally:
+        manager.close()
+
+    fresh = make_engine(1, seed=3)  # the checkpoint from before the outage is intact
+    CheckpointManager(uri, job_id="s3-outage").load(fresh, step=1)
+    for key, value in at_step_1.items():
+        assert torch.equal(fresh.full_state_dict()[key], value), key
+    print(f"\nS3 outage: upload gave up after {gave_up_after:.1f} s; committed {committed_steps(Storage.at(uri))}")
