@@ -16,7 +16,7 @@ import pytest
 
 from service.schemas import JobState
 from tests.integration.conftest import (ControlPlane, cmdline, describe, job_owned_processes, job_processes,
-                                        make_control_plane, ray_head, wait_for)
+                                        job_processes_but_the_cleaner, make_control_plane, ray_head, wait_for)
 from tests.integration.test_ray_jobs import explain, nano_job, running_with_metrics
 
 pytestmark = [pytest.mark.faults, pytest.mark.ray, pytest.mark.slow]
@@ -29,10 +29,6 @@ def driver_of(job_id: str) -> int | None:
     """The pid of the job's driver (``python -m workers.launch``), if alive."""
     return next((pid for pid in job_processes(job_id)
                  if "python" in cmdline(pid).split(" ", 1)[0] and " workers.launch " in cmdline(pid)), None)
-
-
-def left_behind(job_id: str) -> list[int]:
-    return [pid for pid in job_owned_processes(job_id) if not cmdline(pid).startswith("ray::PlacementGroupCleaner")]
 
 
 def assert_unique(rows) -> list[tuple[int, int, int]]:
@@ -65,8 +61,8 @@ def test_killing_the_driver_fails_the_job_with_a_reason_and_leaves_nothing_behin
             assert steps and steps == list(range(1, len(steps) + 1)), steps
         # Ray Train's own PlacementGroupCleaner may outlive the driver a while on a loaded machine
         # (its job is to free the group after the controller died); everything else must go.
-        wait_for(lambda: not left_behind(job.id), 120, "the job's processes to exit after the driver died",
-                 describe=lambda: describe(left_behind(job.id)))
+        wait_for(lambda: not job_processes_but_the_cleaner(job.id), 120, "the job's processes to exit after the driver died",
+                 describe=lambda: describe(job_processes_but_the_cleaner(job.id)))
     print(f"\ndriver kill: {final.state.value} reason={final.reason} message={final.message[:200]!r} "
           f"rows={len(rows)}")
 

@@ -156,6 +156,16 @@ def job_owned_processes(job_id: str) -> list[int]:
     return [pid for pid in job_processes(job_id) if not cmdline(pid).startswith(CLUSTER_SINGLETONS)]
 
 
+# Ray Train's detached PlacementGroupCleaner frees the worker group's placement group after its
+# controller is gone; it polls the controller at an interval, so it may outlive a stopped job by
+# tens of seconds and then exits by itself (Ray 2.60).
+PG_CLEANER = "ray::PlacementGroupCleaner"
+
+
+def job_processes_but_the_cleaner(job_id: str) -> list[int]:
+    return [pid for pid in job_owned_processes(job_id) if not cmdline(pid).startswith(PG_CLEANER)]
+
+
 def describe(pids: list[int]) -> str:
     return ", ".join(f"{pid} {cmdline(pid)[:60]!r}" for pid in pids) or "none"
 

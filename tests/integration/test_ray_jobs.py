@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from service.schemas import JobState
-from tests.integration.conftest import describe, job_owned_processes, train_workers, wait_for
+from tests.integration.conftest import (describe, job_owned_processes, job_processes_but_the_cleaner, train_workers,
+                                       wait_for)
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -128,8 +129,10 @@ def test_cancel_of_a_running_job_stops_its_ray_processes_within_15_s(make_contro
         final = client.wait(job.id, timeout=15)
         took = time.monotonic() - asked
         assert final.state is JobState.CANCELLED and took < 15, took
-        wait_for(lambda: not job_owned_processes(job.id), asked + 15 - time.monotonic(),
+        wait_for(lambda: not job_processes_but_the_cleaner(job.id), asked + 15 - time.monotonic(),
                  "no process of the job to be left 15 s after the cancel", poll_s=0.1,
+                 describe=lambda: describe(job_processes_but_the_cleaner(job.id)))
+        wait_for(lambda: not job_owned_processes(job.id), 120, "Ray Train's placement-group cleaner to exit",
                  describe=lambda: describe(job_owned_processes(job.id)))
         assert [e.to_state for e in client.events(job.id)][-2:] == [JobState.CANCELLING, JobState.CANCELLED]
 
