@@ -77,6 +77,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from workers.models import GPT, PRESETS, GPTConfig, num_parameters
+from workers.zero.engine import distinct_storage_bytes
 
 ROWS: dict[str, str] = {
     "ddp": "PyTorch DDP",
@@ -136,18 +137,7 @@ def tensor_bytes(groups: dict[str, list[Any]]) -> dict[str, int]:
     seen: set[int] = set()
     out: dict[str, int] = {}
     for name, tensors in groups.items():
-        total = 0
-        for t in tensors:
-            t = _local(t)
-            if t is None:
-                continue
-            storage = t.untyped_storage()
-            key = storage.data_ptr()
-            if storage.nbytes() == 0 or key in seen:
-                continue
-            seen.add(key)
-            total += storage.nbytes()
-        out[name] = total
+        out[name] = distinct_storage_bytes((_local(t) for t in tensors), seen)
     out["total"] = sum(out.values())
     return out
 

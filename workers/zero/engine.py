@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -54,6 +54,25 @@ log = logging.getLogger(__name__)
 
 STATE_FORMAT = "zerotrain.zero/v1"
 
+
+
+def distinct_storage_bytes(tensors: Iterable[Any], seen: set[int]) -> int:
+    """Bytes of the storages behind ``tensors`` not in ``seen`` yet (which it updates).
+
+    Views of one storage, and a storage already counted under another role, count once;
+    non-tensors and empty (freed) storages count nothing.
+    """
+    total = 0
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            continue
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if storage.nbytes() == 0 or key in seen:
+            continue
+        seen.add(key)
+        total += storage.nbytes()
+    return total
 
 class ZeroEngine:
     """Trains ``model`` with ZeRO stage 0, 1, 2 or 3 over ``process_group`` (default: WORLD).
@@ -371,17 +390,7 @@ class ZeroEngine:
         seen: set[int] = set()
 
         def tally(tensors) -> int:
-            total = 0
-            for t in tensors:
-                if t is None or not isinstance(t, torch.Tensor):
-                    continue
-                storage = t.untyped_storage()
-                key = storage.data_ptr()
-                if storage.nbytes() == 0 or key in seen:
-                    continue
-                seen.add(key)
-                total += storage.nbytes()
-            return total
+            return distinct_storage_bytes(tensors, seen)
 
         params = tally(self.strategy.param_tensors() + [p.data for _, p in self._frozen]
                        + list(self._frozen_fp32.values()))
