@@ -18,12 +18,11 @@ import time
 
 import httpx
 import pytest
-from sqlalchemy import create_engine, text
 
 from service.schemas import JobState
 from workers.reporting import MetricReporter, WorkerAPI
 
-from tests.conftest import ADMIN_URL
+from tests.conftest import _admin_execute as admin
 from tests.service.conftest import make_spec
 
 pytestmark = pytest.mark.faults
@@ -32,15 +31,6 @@ OUTAGE_S = 20.0
 RANKS = 2
 STEP_INTERVAL_S = 0.05  # each rank reports a step every 50 ms: about 400 steps during the outage
 DB_UNAVAILABLE = {"detail": "database unavailable; try again shortly", "errors": []}
-
-
-def admin(statement: str) -> None:
-    engine = create_engine(ADMIN_URL, isolation_level="AUTOCOMMIT")
-    try:
-        with engine.connect() as connection:
-            connection.execute(text(statement))
-    finally:
-        engine.dispose()
 
 
 def take_database_away(name: str) -> None:
