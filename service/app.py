@@ -68,7 +68,7 @@ def _mount_dashboard(app: FastAPI) -> None:
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
-    engine = make_engine(settings.database_url)
+    engine = make_engine(settings.database_url, settings)
     make_session = make_sessionmaker(engine)
     service_metrics = ServiceMetrics(make_session)
 

@@ -13,14 +13,22 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
+from service.settings import Settings
+
 
 def is_sqlite(url: str) -> bool:
     return make_url(url).get_backend_name() == "sqlite"
 
 
-def make_engine(url: str) -> Engine:
+def make_engine(url: str, settings: Settings | None = None) -> Engine:
+    """PostgreSQL's connection pool is sized by ``settings.db_*`` (their defaults when None). A
+    request that waits ``db_pool_timeout_s`` for a free connection gets ``sqlalchemy.exc.TimeoutError``,
+    which the API answers with a 503 and ``Retry-After``: a saturated server sheds load quickly
+    instead of queueing it."""
+    pool = settings or Settings.model_construct()  # the defaults, without reading the environment
     if not is_sqlite(url):
-        return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+        return create_engine(url, pool_pre_ping=True, pool_size=pool.db_pool_size,
+                             max_overflow=pool.db_max_overflow, pool_timeout=pool.db_pool_timeout_s)
     database = make_url(url).database
     if database and database != ":memory:":
         Path(database).parent.mkdir(parents=True, exist_ok=True)

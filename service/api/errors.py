@@ -1,7 +1,8 @@
 """One JSON shape for every error: ``{"detail": "...", "errors": [{"field", "message", "type"}]}``.
 
 Validation errors name the field as a dotted path inside the body (``train.micro_batch_size``)
-or as the query/header parameter; the database being down is a 503, not a traceback.
+or as the query/header parameter; the database being down is a 503, not a traceback, and so
+is a saturated connection pool (with ``Retry-After``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from service.schemas import ErrorOut
 
 log = logging.getLogger(__name__)
 _LOCATION_PREFIXES = {"body", "query", "path", "header"}
+POOL_RETRY_AFTER_S = 1  # Retry-After of the 503 for a saturated connection pool
 
 
 ERROR_DESCRIPTIONS = {
@@ -29,7 +31,7 @@ ERROR_DESCRIPTIONS = {
     409: "conflicts with the job's state or an earlier request",
     413: "request body too large",
     422: "invalid request; `errors` names each bad field",
-    503: "database unavailable",
+    503: "database unavailable, or busy (then with Retry-After)",
 }
 COMMON_ERRORS = (400, 401, 404, 413, 422, 503)
 
@@ -79,8 +81,11 @@ async def _database_error(_request: Request, exc: DBAPIError) -> JSONResponse:
 
 
 async def _pool_exhausted(_request: Request, exc: PoolTimeout) -> JSONResponse:
+    """Every pooled connection stayed busy for ``db_pool_timeout_s``: the server is saturated, so it
+    sheds this request at once and says when to come back rather than queueing it longer."""
     log.error("no database connection free: %s", exc)
-    return JSONResponse(error_body("database busy; try again shortly"), status_code=503)
+    return JSONResponse(error_body("database busy; try again shortly"), status_code=503,
+                        headers={"Retry-After": str(POOL_RETRY_AFTER_S)})
 
 
 async def _data_error(_request: Request, exc: DataError) -> JSONResponse:

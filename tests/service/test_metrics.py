@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import httpx
 import pytest
@@ -87,6 +88,19 @@ def test_database_outage_is_a_503_with_a_clear_body(running_job):
     assert response.status_code == 503
     assert response.json() == {"detail": "database unavailable; try again shortly", "errors": []}
     assert httpx.get(f"{service.url}/healthz").status_code == 503
+
+
+def test_exhausted_connection_pool_is_a_quick_503_with_retry_after(make_live_service):
+    service = make_live_service(scheduler_enabled=False, db_pool_size=1, db_max_overflow=0, db_pool_timeout_s=0.2)
+    with service.app.state.engine.connect():  # holds the pool's only connection
+        started = time.monotonic()
+        response = httpx.get(f"{service.url}/api/v1/jobs", headers={"Authorization": f"Bearer {service.admin_token}"})
+        waited = time.monotonic() - started
+    assert response.status_code == 503
+    assert response.json() == {"detail": "database busy; try again shortly", "errors": []}
+    assert response.headers["Retry-After"] == "1"
+    assert waited < 5  # the pool's 0.2 s, not SQLAlchemy's default 30 s
+    assert httpx.get(f"{service.url}/healthz").json() == {"status": "ok", "database": "ok"}  # connection back
 
 
 def test_checkpoints_are_registered_idempotently(running_job):
