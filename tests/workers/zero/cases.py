@@ -71,15 +71,25 @@ OPTIMIZERS = {
 
 def reference_run(world_size: int, opt: str, steps: int, micro: int, clip: float | None, seed: int = 0):
     """Single process, plain model, plain torch.optim, the same global batches."""
-    model = make_model(seed)
+    return reference_train(make_model(seed), lambda model, idx, tgt, rank, step: model(idx, tgt, uses_extra(rank)),
+                           world_size, opt, steps, micro, clip)
+
+
+def reference_train(model: nn.Module, forward, world_size: int, opt: str, steps: int, micro: int,
+                    clip: float | None):
+    """What data parallelism must equal: one process, plain torch.optim, every rank's rows at once.
+
+    ``forward(model, idx, tgt, rank, step)`` is rank ``rank``'s loss on its rows; the loss
+    backpropagated is their mean over ranks. Returns the final state dict and each step's global
+    gradient norm (before clipping). Shared with the stage-3 models (``cases3.reference``), whose
+    forward also depends on the step.
+    """
     optimizer = OPTIMIZERS[opt]([p for p in model.parameters() if p.requires_grad])
     norms = []
-    for step_batches in make_batches(world_size, steps, micro):
+    for step, step_batches in enumerate(make_batches(world_size, steps, micro)):
         for idx, tgt in step_batches:
-            losses = [
-                model(idx[r * MICRO_B:(r + 1) * MICRO_B], tgt[r * MICRO_B:(r + 1) * MICRO_B], uses_extra(r))
-                for r in range(world_size)
-            ]
+            losses = [forward(model, idx[r * MICRO_B:(r + 1) * MICRO_B], tgt[r * MICRO_B:(r + 1) * MICRO_B], r, step)
+                      for r in range(world_size)]
             (sum(losses) / world_size).backward()
         params = [p for p in model.parameters() if p.grad is not None]
         if clip is not None:

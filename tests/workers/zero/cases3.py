@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from workers.zero import ZeroConfig, ZeroEngine
 
 try:
-    from .cases import DIM, HID, MICRO_B, OPTIMIZERS, VOCAB, ToyNet, make_batches, uses_extra
+    from .cases import DIM, HID, MICRO_B, OPTIMIZERS, VOCAB, ToyNet, make_batches, reference_train, uses_extra
 except ImportError:  # a spawned rank loads this file by path (``testing._resolve``): so its sibling
     import importlib.util
     import pathlib
@@ -30,7 +30,8 @@ except ImportError:  # a spawned rank loads this file by path (``testing._resolv
     sys.modules[_spec.name] = _cases
     _spec.loader.exec_module(_cases)
     DIM, HID, MICRO_B, OPTIMIZERS, VOCAB = _cases.DIM, _cases.HID, _cases.MICRO_B, _cases.OPTIMIZERS, _cases.VOCAB
-    ToyNet, make_batches, uses_extra = _cases.ToyNet, _cases.make_batches, _cases.uses_extra
+    ToyNet, make_batches, reference_train, uses_extra = (_cases.ToyNet, _cases.make_batches, _cases.reference_train,
+                                                         _cases.uses_extra)
 
 
 class Block(nn.Module):
@@ -94,22 +95,8 @@ def forward(model, kind: str, idx, tgt, rank: int, step: int):
 
 def reference(kind: str, world_size: int, opt: str, steps: int, micro: int, clip: float | None):
     """One process, plain torch.optim, the global batch of every rank at once."""
-    model = make(kind)
-    optimizer = OPTIMIZERS[opt]([p for p in model.parameters() if p.requires_grad])
-    norms = []
-    for step, step_batches in enumerate(make_batches(world_size, steps, micro)):
-        for idx, tgt in step_batches:
-            losses = [forward(model, kind, idx[r * MICRO_B:(r + 1) * MICRO_B], tgt[r * MICRO_B:(r + 1) * MICRO_B], r,
-                              step) for r in range(world_size)]
-            (sum(losses) / world_size).backward()
-        params = [p for p in model.parameters() if p.grad is not None]
-        if clip is not None:
-            norms.append(float(torch.nn.utils.clip_grad_norm_(params, clip)))
-        else:
-            norms.append(float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}, norms
+    return reference_train(make(kind), lambda model, idx, tgt, rank, step: forward(model, kind, idx, tgt, rank, step),
+                           world_size, opt, steps, micro, clip)
 
 
 def run(rank: int, world_size: int, kind: str, cfg: dict, opt: str = "adamw", steps: int = 6, micro: int = 2,
