@@ -5,8 +5,14 @@ the API's) on a fresh PostgreSQL database and offers it load *open-loop*: reques
 scheduled at a fixed rate whatever the server does, and each latency is measured from the
 moment the request was due, so a server that falls behind shows it (no coordinated omission).
 The offered rate steps up by ``--factor`` every ``--step-seconds`` until a step fails -- p99
-of ``--p99-ms`` or more, any error, or a run that could not keep up -- and stops by itself.
-A few unmeasured requests warm the server up first (the first submission imports the planner).
+of ten times ``--p99-ms`` or more, any error, or a run that could not keep up -- and stops by
+itself. A step is abandoned as soon as it has clearly failed: once one request has been
+outstanding for ten times ``--p99-ms``, no further request is sent, the outstanding ones are
+cancelled and counted as errors (their age so far counts as their latency), and the ramp ends
+there; the table and JSON say at which offered rate the ramp stopped and why. Before the next
+phase the benchmark waits until the server answers /healthz under ``--p99-ms`` again, so a
+backlog left by the abandoned step is not charged to it. A few unmeasured requests warm the
+server up first (the first submission imports the planner).
 
 * ``submit``  POST /api/v1/jobs.
 * ``ingest``  ``--ranks`` simulated ranks of one job, each posting one batch per flush
@@ -46,6 +52,8 @@ SPEC = {
     "resources": {"num_workers": 2},
 }
 FLUSH_INTERVAL_S = 1.0  # workers.reporting.MetricReporter's default
+CANCEL_WAIT_S = 5.0  # an abandoned step awaits its cancelled requests this long at most
+SETTLE_WITHIN_S = 120.0  # between phases, the server must answer /healthz promptly again within this
 
 
 @dataclass
@@ -61,19 +69,36 @@ class Step:
     p99_ms: float
     server_cpu_ms_per_request: float  # the server process's CPU time: comparable on a busy machine
     points_per_s: float | None = None  # ingest: metric records stored per second
+    offered_points_per_s: float | None = None  # ingest: metric records offered per second
+    unfinished: int = 0  # outstanding when the step was abandoned; counted in ``errors``
+    abandoned: bool = False  # a request was outstanding for 10x the limit: the step stopped early
+    seconds: float = 0.0  # from the first due time to the last answer, or to the abandonment
     held: bool = False  # no error, kept up, p99 under the limit
     kept_up: bool = False  # no error, kept up, p99 under ten times the limit: the ramp goes on
+    verdict: str = ""  # held, kept up, or why not
 
 
 def judge(step: Step, args: argparse.Namespace) -> Step:
     keeps_pace = step.errors == 0 and step.achieved_per_s >= 0.9 * step.offered_per_s
     step.held = keeps_pace and step.p99_ms < args.p99_ms
     step.kept_up = keeps_pace and step.p99_ms < 10 * args.p99_ms
-    verdict = "held" if step.held else "kept up, p99 over the limit" if step.kept_up else "not kept up: stop"
+    if step.held:
+        step.verdict = "held"
+    elif step.kept_up:
+        step.verdict = "kept up, p99 over the limit"
+    elif step.abandoned:
+        step.verdict = (f"abandoned after {step.seconds:.1f} s: a request outstanding for "
+                        f"{10 * args.p99_ms:.0f} ms; {step.errors} of {step.requests} failed or unfinished")
+    elif step.errors:
+        step.verdict = f"{step.errors} of {step.requests} requests failed"
+    elif not keeps_pace:
+        step.verdict = f"fell behind: {step.achieved_per_s:.1f} of {step.offered_per_s:.1f} req/s answered"
+    else:
+        step.verdict = f"p99 {step.p99_ms:.0f} ms, over 10x the limit"
     points = f"  {step.points_per_s:10,.0f} points/s" if step.points_per_s is not None else ""
     print(f"  {step.phase:6s} {step.offered_per_s:7.1f} req/s{points}  p50 {step.p50_ms:7.1f} ms  "
           f"p99 {step.p99_ms:7.1f} ms  errors {step.errors}  server {step.server_cpu_ms_per_request:5.1f} "
-          f"CPU-ms/req  {verdict}", flush=True)
+          f"CPU-ms/req  {step.verdict}", flush=True)
     return step
 
 
@@ -90,45 +115,125 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def open_loop(rate: float, seconds: float, send: Callable[[int], Awaitable[bool]]) -> tuple[list[float], int, float]:
-    """Call ``send(i)`` at ``rate`` per second for ``seconds``; latencies from each due time."""
+@dataclass
+class Load:
+    """What one open-loop run got back."""
+
+    latencies: list[float]  # s from each due time: every answer, and the age of every unfinished request
+    failed: int  # answered, but not as expected (or a transport error)
+    unfinished: int  # still outstanding when the run was abandoned
+    seconds: float  # from the first due time to the last answer, or to the abandonment
+    abandoned: bool  # a request was outstanding for ``give_up_s``: nothing more was sent
+
+
+async def open_loop(rate: float, seconds: float, send: Callable[[int], Awaitable[bool]],
+                    give_up_s: float) -> Load:
+    """Call ``send(i)`` at ``rate`` per second for ``seconds``; latencies from each due time.
+
+    As soon as one request has been outstanding for ``give_up_s`` (counted from its due time,
+    so one the client itself sent late counts too) the run is abandoned: nothing more is sent
+    and the requests still outstanding are cancelled, awaited for ``CANCEL_WAIT_S`` at most."""
     loop = asyncio.get_running_loop()
     count = max(1, int(rate * seconds))
     start = loop.time() + 0.05
+    give_up = asyncio.Event()
+    answers: list[tuple[float, bool]] = []
+    unfinished: list[float] = []  # ages of the requests the run gave up on
 
-    async def one(index: int) -> tuple[float, bool]:
-        due = start + index / rate
-        await asyncio.sleep(max(0.0, due - loop.time()))
+    async def one(index: int, due: float) -> None:
         try:
-            ok = await send(index)
+            async with asyncio.timeout_at(due + give_up_s):
+                ok = await send(index)
+        except TimeoutError:  # this request alone fails the step
+            unfinished.append(loop.time() - due)
+            give_up.set()
+            return
+        except asyncio.CancelledError:
+            unfinished.append(loop.time() - due)
+            raise
         except httpx.HTTPError:
             ok = False
-        return loop.time() - due, ok
+        answers.append((loop.time() - due, ok))
 
-    results = await asyncio.gather(*(one(i) for i in range(count)))
-    elapsed = loop.time() - start
-    return [latency for latency, _ in results], sum(1 for _, ok in results if not ok), count / elapsed
+    sent: dict[asyncio.Task, float] = {}  # each request's task and due time
+    given_up = asyncio.ensure_future(give_up.wait())
+    try:
+        for index in range(count):
+            due = start + index / rate
+            if due > loop.time():  # until it is due, or until the run is abandoned
+                await asyncio.wait([given_up], timeout=due - loop.time())
+            if give_up.is_set():
+                break
+            sent[asyncio.create_task(one(index, due))] = due
+        if not give_up.is_set():  # until every request is answered, or the run is abandoned
+            answered = asyncio.ensure_future(asyncio.wait(sent))
+            await asyncio.wait([given_up, answered], return_when=asyncio.FIRST_COMPLETED)
+            answered.cancel()
+        elapsed = loop.time() - start
+        outstanding = {task: due for task, due in sent.items() if not task.done()}
+        for task in outstanding:
+            task.cancel()
+        if outstanding:
+            _, stuck = await asyncio.wait(outstanding, timeout=CANCEL_WAIT_S)
+            unfinished += [loop.time() - outstanding[task] for task in stuck]  # they never got to record it
+    finally:
+        given_up.cancel()
+    return Load([latency for latency, _ in answers] + unfinished, sum(1 for _, ok in answers if not ok),
+                len(unfinished), elapsed, give_up.is_set())
 
 
 async def measure(phase: str, rate: float, send: Callable[[int], Awaitable[bool]], args: argparse.Namespace,
                   points_per_request: int = 0) -> Step:
     cpu_before = cpu_seconds(args.server_pid)
-    latencies, errors, achieved = await open_loop(rate, args.step_seconds, send)
-    cpu_ms = 1000 * (cpu_seconds(args.server_pid) - cpu_before) / len(latencies)
-    points = (len(latencies) - errors) * points_per_request / args.step_seconds if points_per_request else None
-    return judge(Step(phase, rate, len(latencies), errors, achieved, 1000 * percentile(latencies, 0.5),
-                      1000 * percentile(latencies, 0.99), cpu_ms, points), args)
+    load = await open_loop(rate, args.step_seconds, send, give_up_s=10 * args.p99_ms / 1000)
+    sent = len(load.latencies)
+    cpu_ms = 1000 * (cpu_seconds(args.server_pid) - cpu_before) / sent
+    errors = load.failed + load.unfinished
+    loaded_s = load.seconds if load.abandoned else args.step_seconds  # an abandoned step ran shorter
+    points = (sent - errors) * points_per_request / loaded_s if points_per_request else None
+    return judge(Step(phase, rate, sent, errors, (sent - load.unfinished) / load.seconds,
+                      1000 * percentile(load.latencies, 0.5), 1000 * percentile(load.latencies, 0.99), cpu_ms,
+                      points, rate * points_per_request if points_per_request else None, load.unfinished,
+                      load.abandoned, round(load.seconds, 3)), args)
 
 
-async def ramp(phase: str, first_rate: float, args: argparse.Namespace,
-               send: Callable[[int], Awaitable[bool]]) -> list[Step]:
-    """Step the offered request rate up while the server keeps up; every step is returned."""
+async def ramp(first: float, args: argparse.Namespace, measure_at: Callable[[float], Awaitable[Step]]) -> list[Step]:
+    """Step the offered load up from ``first`` by ``--factor`` while the server keeps up; every
+    step is returned, the last one says why the ramp stopped (see ``stop``)."""
     steps: list[Step] = []
-    rate = first_rate
+    level = first
     while len(steps) < args.max_steps and (not steps or steps[-1].kept_up):
-        steps.append(await measure(phase, rate, send, args))
-        rate *= args.factor
+        steps.append(await measure_at(level))
+        level *= args.factor
     return steps
+
+
+def offered(step: Step) -> float:
+    """What the step offered: metric points/s for ingest, requests/s otherwise."""
+    return step.offered_points_per_s if step.offered_points_per_s is not None else step.offered_per_s
+
+
+def stop(steps: list[Step], args: argparse.Namespace) -> dict:
+    """The offered load at which the ramp stopped, and why."""
+    last = steps[-1]
+    because = last.verdict if not last.kept_up else f"--max-steps {args.max_steps} reached, still keeping up"
+    return {"stopped_at": offered(last), "stopped_because": because}
+
+
+async def settle(client: httpx.AsyncClient, url: str, args: argparse.Namespace) -> None:
+    """Wait, one probe at a time, until ``url`` (/healthz) answers within ``--p99-ms`` again: an
+    abandoned step can leave the server working through a backlog the next phase must not pay for."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + SETTLE_WITHIN_S
+    while loop.time() < deadline:
+        probe_started = loop.time()
+        status = (await client.get(url)).status_code
+        if status == 200 and loop.time() - probe_started < args.p99_ms / 1000:
+            return
+        if status not in (200, 503):  # 503: every pooled connection still busy
+            raise SystemExit(f"{url} answered {status} after the ramp")
+    raise SystemExit(f"the server did not answer {url} within {args.p99_ms:.0f} ms again "
+                     f"in {SETTLE_WITHIN_S:.0f} s")
 
 
 def metric_record(rank: int, step: int) -> dict:
@@ -209,15 +314,14 @@ async def run_phases(base: str, token: str, database_url: str, home: Path, args:
         for _ in range(3):  # warm-up, not measured: the first submit imports the planner (torch)
             assert await submit(0), "warm-up submission failed"
         print("submit: POST /api/v1/jobs", flush=True)
-        submit_steps = await ramp("submit", args.submit_start, args, submit)
+        submit_steps = await ramp(args.submit_start, args, lambda rate: measure("submit", rate, submit, args))
+        await settle(user, f"{base}/healthz", args)
 
     (job_id, ingest), = claim_ingest_tokens(database_url, home, 1)
     next_step = [0] * args.ranks  # per rank: the next step to report, unique across the ramp
     async with httpx.AsyncClient(base_url=f"{base}/api/v1/jobs/{job_id}", timeout=30, limits=limits,
                                  headers={"Authorization": f"Bearer {ingest}"}) as worker:
-        def batches_of(records_per_rank_s: float) -> Callable[[int], Awaitable[bool]]:
-            size = max(1, round(records_per_rank_s * FLUSH_INTERVAL_S))
-
+        def batches_of(size: int) -> Callable[[int], Awaitable[bool]]:  # ``size`` records per batch
             async def post(index: int) -> bool:
                 rank = index % args.ranks
                 first, next_step[rank] = next_step[rank], next_step[rank] + size
@@ -226,10 +330,15 @@ async def run_phases(base: str, token: str, database_url: str, home: Path, args:
                 return response.status_code == 200 and response.json()["accepted"] == size
             return post
 
-        assert await batches_of(1.0)(0), "warm-up ingest failed"
+        assert await batches_of(1)(0), "warm-up ingest failed"
         request_rate = args.ranks / FLUSH_INTERVAL_S  # every rank flushes once per interval
         print(f"ingest: {args.ranks} ranks, one batch per rank every {FLUSH_INTERVAL_S:.0f} s", flush=True)
-        ingest_steps = await ingest_ramp(args, request_rate, batches_of)
+
+        async def ingest_at(records_per_rank_s: float) -> Step:  # the batch size grows, not the request rate
+            size = max(1, round(records_per_rank_s * FLUSH_INTERVAL_S))
+            return await measure("ingest", request_rate, batches_of(size), args, points_per_request=size)
+        ingest_steps = await ramp(args.ingest_start, args, ingest_at)
+        await settle(worker, f"{base}/healthz", args)
 
         records = [metric_record(0, 10_000_000 + step) for step in range(10_000)]
         started = time.perf_counter()
@@ -238,18 +347,6 @@ async def run_phases(base: str, token: str, database_url: str, home: Path, args:
         assert response.status_code == 200 and response.json()["accepted"] == 10_000, response.text
         print(f"batch:  one POST of 10,000 records: {batch_ms:.0f} ms", flush=True)
     return {"submit": submit_steps, "ingest": ingest_steps, "batch_10k_ms": batch_ms}
-
-
-async def ingest_ramp(args: argparse.Namespace, request_rate: float,
-                      batches_of: Callable[[float], Callable[[int], Awaitable[bool]]]) -> list[Step]:
-    """The ingest ramp raises the batch size (records per rank and second), not the request rate."""
-    steps: list[Step] = []
-    per_rank = args.ingest_start
-    while len(steps) < args.max_steps and (not steps or steps[-1].kept_up):
-        size = max(1, round(per_rank * FLUSH_INTERVAL_S))
-        steps.append(await measure("ingest", request_rate, batches_of(per_rank), args, points_per_request=size))
-        per_rank *= args.factor
-    return steps
 
 
 def best(steps: list[Step], held: bool = True) -> Step | None:
@@ -289,7 +386,7 @@ def main() -> int:
         admin_sql(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
 
     table = Table("phase", f"held: p99 < {args.p99_ms:.0f} ms", "p50 / p99 ms", "server CPU-ms/req",
-                  "most kept up (p99 < 10x)", "p50 / p99 ms",
+                  "most kept up (p99 < 10x)", "p50 / p99 ms", "ramp stopped at (offered)", "because",
                   title=f"zerotrain control plane on PostgreSQL ({os.cpu_count()} CPUs, "
                         f"load average {os.getloadavg()[0]:.1f} at the end)")
     summary = {}
@@ -299,11 +396,15 @@ def main() -> int:
         cells = []
         for top in (held, kept):
             cells += [f"{rate(top):,.0f}", f"{top.p50_ms:.0f} / {top.p99_ms:.0f}"] if top else ["none", ""]
+        stopped = stop(results[phase], args)
         table.add_row(label, cells[0], cells[1], f"{(held or kept or results[phase][0]).server_cpu_ms_per_request:.1f}",
-                      cells[2], cells[3])
-        summary[phase] = {"held": rate(held) if held else None, "kept_up": rate(kept) if kept else None}
-    table.add_row("one 10,000-record POST", f"{results['batch_10k_ms']:.0f} ms", "", "", "", "")
-    Console().print(table)
+                      cells[2], cells[3], f"{stopped['stopped_at']:,.0f}", stopped["stopped_because"])
+        summary[phase] = {"held": rate(held) if held else None, "kept_up": rate(kept) if kept else None, **stopped}
+    table.add_row("one 10,000-record POST", f"{results['batch_10k_ms']:.0f} ms", "", "", "", "", "", "")
+    console = Console()
+    if not console.is_terminal:  # a log: room for every column rather than 80 characters
+        console.width = max(console.width, 160)
+    console.print(table)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({
