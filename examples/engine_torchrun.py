@@ -6,10 +6,11 @@
     .venv/bin/python examples/engine_torchrun.py --stage 1
     .venv/bin/torchrun --standalone --nproc_per_node=2 examples/engine_torchrun.py --stage 3 --offload --activation-checkpointing
 
-Every rank trains on its own slice of a synthetic byte stream (a learnable rule plus noise);
-rank 0 prints the loss, the global gradient norm, what the engine holds per rank
-(``engine.memory()``) and what it communicated (``engine.comm_volume()``), and at the end
-compares both with the DESIGN §4 formulas.
+Every rank trains on its own slice of a synthetic byte stream (a learnable rule plus noise,
+``byte_stream_batch``: the data the engine tests train on too); rank 0 prints the loss, the
+global gradient norm, what the engine holds per rank (``engine.memory()``) and what it
+communicated (``engine.comm_volume()``), and at the end compares both with the DESIGN §4
+formulas.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch.distributed as dist
 
 from workers.models import GPT, PRESETS, num_parameters
 from workers.zero import ZeroConfig, ZeroEngine
+from workers.zero.testing import byte_stream_batch
 
 
 def parse_args() -> argparse.Namespace:
@@ -41,18 +43,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--offload", action="store_true", help="optimizer on the host (stages 1-3)")
     p.add_argument("--activation-checkpointing", action="store_true")
     return p.parse_args()
-
-
-def batch(step: int, micro: int, rank: int, b: int, t: int, device: torch.device):
-    """next = 5·x + 3 (mod 256) 70% of the time, a random byte otherwise."""
-    g = torch.Generator().manual_seed(1_000_003 * step + 1009 * micro + rank)
-    x = torch.empty(b, t + 1, dtype=torch.long)
-    x[:, 0] = torch.randint(0, 256, (b,), generator=g)
-    noise = torch.randint(0, 256, (b, t), generator=g)
-    keep = torch.rand(b, t, generator=g) < 0.7
-    for i in range(t):
-        x[:, i + 1] = torch.where(keep[:, i], (5 * x[:, i] + 3) % 256, noise[:, i])
-    return x[:, :-1].to(device), x[:, 1:].to(device)
 
 
 def main() -> None:
@@ -86,7 +76,7 @@ def main() -> None:
         t0 = time.perf_counter()
         loss_sum = 0.0
         for micro in range(args.accum):
-            x, y = batch(step, micro, rank, args.micro_batch, args.seq_len, device)
+            x, y = (t.to(device) for t in byte_stream_batch(step, micro, rank, args.micro_batch, args.seq_len))
             loss = engine(x, y) / args.accum
             engine.backward(loss, sync=micro == args.accum - 1)
             loss_sum += loss.item()

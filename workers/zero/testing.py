@@ -6,7 +6,8 @@ Uses ``torch.multiprocessing.spawn``; each rank initialises the default process 
 loopback with Gloo, calls ``fn`` and sends its return value back (``torch.save``/``load``, so
 tensors and dicts travel). One thread per rank: a world is usually oversubscribing the CPUs.
 The function is found again in the child by module name, or by file path when its module is
-not importable there (pytest's importlib mode).
+not importable there (pytest's importlib mode). ``byte_stream_batch`` is data such a run can
+learn from without a data loader.
 """
 
 from __future__ import annotations
@@ -60,6 +61,23 @@ def _entry(rank: int, world_size: int, port: int, target: tuple[str, str, str], 
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def byte_stream_batch(step: int, micro: int, rank: int, batch_size: int, seq_len: int):
+    """A learnable byte stream: next = 5·x + 3 (mod 256) 70% of the time, a random byte otherwise.
+
+    Seeded by (step, micro-batch, rank): every rank draws its own rows, and a run repeats exactly.
+    Returns CPU ``(inputs, targets)``, targets one byte ahead. One definition, so that the data
+    ``examples/engine_torchrun.py`` shows is the data the engine tests check.
+    """
+    g = torch.Generator().manual_seed(1_000_003 * step + 1009 * micro + rank)
+    x = torch.empty(batch_size, seq_len + 1, dtype=torch.long)
+    x[:, 0] = torch.randint(0, 256, (batch_size,), generator=g)
+    noise = torch.randint(0, 256, (batch_size, seq_len), generator=g)
+    keep = torch.rand(batch_size, seq_len, generator=g) < 0.7
+    for i in range(seq_len):
+        x[:, i + 1] = torch.where(keep[:, i], (5 * x[:, i] + 3) % 256, noise[:, i])
+    return x[:, :-1], x[:, 1:]
 
 
 def spawn_world(fn: Callable, world_size: int, args: tuple = (), timeout_s: float = 120.0) -> list[Any]:

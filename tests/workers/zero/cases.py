@@ -9,6 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from workers.zero import ZeroConfig, ZeroEngine
+from workers.zero.testing import byte_stream_batch
 
 VOCAB, DIM, HID, SEQ, MICRO_B = 11, 6, 7, 5, 2
 
@@ -154,15 +155,8 @@ def make_gpt(seed: int = 0, n_layer: int | None = None):
 
 
 def gpt_batch(step: int, micro: int, rank: int):
-    """A learnable byte stream: next = 5·x + 3 (mod 256) 70% of the time, noise otherwise."""
-    g = torch.Generator().manual_seed(1_000_003 * step + 1009 * micro + rank)
-    x = torch.empty(GPT_MICRO_B, GPT_SEQ + 1, dtype=torch.long)
-    x[:, 0] = torch.randint(0, 256, (GPT_MICRO_B,), generator=g)
-    noise = torch.randint(0, 256, (GPT_MICRO_B, GPT_SEQ), generator=g)
-    keep = torch.rand(GPT_MICRO_B, GPT_SEQ, generator=g) < 0.7
-    for t in range(GPT_SEQ):
-        x[:, t + 1] = torch.where(keep[:, t], (5 * x[:, t] + 3) % 256, noise[:, t])
-    return x[:, :-1], x[:, 1:]
+    """The example's learnable byte stream (``examples/engine_torchrun.py``), at the tests' sizes."""
+    return byte_stream_batch(step, micro, rank, GPT_MICRO_B, GPT_SEQ)
 
 
 def gpt_engine(rank: int, precision: str, stage: int, seed: int = 0, n_layer: int | None = None, **cfg):
