@@ -31,8 +31,11 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     source.add_argument("--preset", help="a built-in model (gpt-nano … gpt-1b): Φ and activations from it")
     parser.add_argument("--gpus", type=int, default=1, help="data-parallel ranks N (default 1)")
     parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="bf16")
-    parser.add_argument("--gpu-mem", type=float, help="memory per GPU, GB (decimal); picks the stage")
-    parser.add_argument("--host-mem", type=float, help="host memory per rank for offload, GB")
+    # dest: the names POST /plan uses, which memory.plan_for_question reads
+    parser.add_argument("--gpu-mem", type=float, dest="gpu_mem_gb", metavar="GPU_MEM",
+                        help="memory per GPU, GB (decimal); picks the stage")
+    parser.add_argument("--host-mem", type=float, dest="host_mem_gb", metavar="HOST_MEM",
+                        help="host memory per rank for offload, GB")
     parser.add_argument("--margin", type=float, default=0.10, help="budget fraction kept free (default 0.10)")
     parser.add_argument("--bandwidth-gbps", type=float, help="per-rank link bandwidth, gigabits per second")
     parser.add_argument("--compute-s", type=float, help="compute time of one step, seconds")
@@ -64,14 +67,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace, memory: Any) -> Any:
-    common = dict(
-        gpu_memory_bytes=_gb(args.gpu_mem),
-        margin=args.margin,
-        host_memory_bytes=_gb(args.host_mem),
-        bandwidth_bytes_per_s=None if args.bandwidth_gbps is None else memory.gbps_to_bytes_per_s(args.bandwidth_gbps),
-        compute_s=args.compute_s,
-        target_efficiency=args.target_efficiency,
-    )
+    spec = None
     if args.preset is not None:
         from workers.models import preset_config
 
@@ -84,21 +80,7 @@ def _plan(args: argparse.Namespace, memory: Any) -> Any:
                      "prefetch": args.prefetch},
             "resources": {"num_workers": args.gpus, "gpus_per_worker": 1},
         }
-        return memory.plan_for_spec(spec, **common)
-    return memory.plan_for_count(
-        args.params,
-        args.gpus,
-        precision=args.precision,
-        bucket_mb=args.bucket_mb,
-        prefetch=args.prefetch,
-        activation_bytes=_gb(args.activation_gb),
-        units=args.units,
-        **common,
-    )
-
-
-def _gb(value: float | None) -> int | None:
-    return None if value is None else int(value * GB)
+    return memory.plan_for_question(args, spec)
 
 
 def _cli_error(message: str) -> Exception:

@@ -20,8 +20,6 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 router = APIRouter(tags=["plan"])
 
-GB = 1e9
-
 
 class PlanRequest(BaseModel):
     """Either ``params`` (+ ``gpus``) or ``model`` (+ the job-spec blocks it needs)."""
@@ -76,38 +74,17 @@ class PlanResponse(BaseModel):
     method: dict[str, str]
 
 
-def _gb(value: float | None) -> int | None:
-    return None if value is None else int(value * GB)
-
-
 def plan_from_request(req: PlanRequest) -> "Any":
     """The ``memory.Plan`` a request asks for; raises ``memory.NoPlanFits`` or ``ValueError``."""
     from workers.zero import memory
 
-    common = dict(
-        gpu_memory_bytes=_gb(req.gpu_mem_gb),
-        margin=req.margin,
-        host_memory_bytes=_gb(req.host_mem_gb),
-        bandwidth_bytes_per_s=None if req.bandwidth_gbps is None else memory.gbps_to_bytes_per_s(req.bandwidth_gbps),
-        compute_s=req.compute_s,
-        target_efficiency=req.target_efficiency,
-    )
+    spec = None
     if req.model is not None:
         zero = dict(req.zero or {})
         if req.precision:
             zero["precision"] = req.precision
         spec = {"model": req.model, "data": req.data, "train": req.train, "zero": zero, "resources": req.resources}
-        return memory.plan_for_spec(spec, allow_factories=False, **common)
-    return memory.plan_for_count(
-        req.params,
-        req.gpus,
-        precision=req.precision or "bf16",
-        bucket_mb=req.bucket_mb,
-        prefetch=req.prefetch,
-        activation_bytes=_gb(req.activation_gb),
-        units=req.units,
-        **common,
-    )
+    return memory.plan_for_question(req, spec, allow_factories=False)
 
 
 def no_plan_response(detail: dict[str, Any]) -> JSONResponse:
