@@ -75,6 +75,13 @@ def job(make_session, job_id: str) -> Job:
         return session.execute(select(Job).where(Job.id == job_id)).scalar_one()
 
 
+def move(make_session, job_id: str, state: JobState, reason: str | None = None) -> None:
+    """What the API or the driver does to a job between two scheduler passes: one committed transition."""
+    with make_session() as session:
+        transition(session, job_id, state, reason=reason)
+        session.commit()
+
+
 def test_two_scheduler_loops_never_start_the_same_job_twice(db):
     make_session, settings = db
     ids = add_jobs(make_session, 60)
@@ -114,9 +121,7 @@ def scheduled_job(db, phase: LaunchStatus, state: JobState = JobState.RUNNING):
     scheduler = Scheduler(make_session, launcher, settings)
     scheduler.run_once()
     if state is not JobState.STARTING:
-        with make_session() as session:
-            transition(session, job_id, state)
-            session.commit()
+        move(make_session, job_id, state)
     launcher.phase = phase
     return make_session, scheduler, launcher, job_id
 
@@ -136,9 +141,7 @@ def test_vanished_driver_is_driver_lost(db):
 
 def test_driver_reported_state_is_not_overridden(db):
     make_session, scheduler, _, job_id = scheduled_job(db, LaunchStatus(LaunchPhase.SUCCEEDED))
-    with make_session() as session:
-        transition(session, job_id, JobState.FAILED, reason="user_code_error")
-        session.commit()
+    move(make_session, job_id, JobState.FAILED, reason="user_code_error")
     scheduler.run_once()
     assert (job(make_session, job_id).state, job(make_session, job_id).reason) == ("FAILED", "user_code_error")
 
@@ -166,9 +169,7 @@ def test_waiting_for_resources_is_recorded_once_and_so_is_its_end(db):
 
 def test_cancelling_job_is_stopped_through_the_launcher(db):
     make_session, scheduler, launcher, job_id = scheduled_job(db, LaunchStatus(LaunchPhase.RUNNING))
-    with make_session() as session:
-        transition(session, job_id, JobState.CANCELLING, reason="cancelled_by_user")
-        session.commit()
+    move(make_session, job_id, JobState.CANCELLING, reason="cancelled_by_user")
     scheduler.run_once()
     assert launcher.cancelled == [job_id]
     cancelled = job(make_session, job_id)
