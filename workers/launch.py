@@ -89,11 +89,23 @@ def counter_name(job_id: str) -> str:
     return f"zerotrain-attempts-{job_id}"
 
 
-def ray_storage_path(storage_uri: str) -> str:
-    """Where Ray Train keeps its own run state; beside, not inside, our checkpoint layout."""
+def ray_storage(storage_uri: str) -> tuple[str, Any]:
+    """Where Ray Train keeps its own run state -- beside, not inside, our checkpoint layout --
+    as ``(storage_path, storage_filesystem)`` for its ``RunConfig``.
+
+    An object store goes through our own fsspec filesystem (``workers.checkpointing.storage``),
+    so Ray Train reaches it with the same endpoint and credentials as the checkpoints; left to
+    itself, Ray Train's pyarrow S3 client ignores ``ZEROTRAIN_S3_ENDPOINT_URL`` and looks for
+    the bucket on AWS.
+    """
     if storage_uri.startswith("file://"):
-        return storage_uri[len("file://"):].rstrip("/") + "/ray-train"
-    return storage_uri.rstrip("/") + "/ray-train"
+        return storage_uri[len("file://"):].rstrip("/") + "/ray-train", None
+    from pyarrow.fs import FSSpecHandler, PyFileSystem
+
+    from workers.checkpointing.storage import Storage
+
+    storage = Storage.at(storage_uri.rstrip("/") + "/ray-train")
+    return storage.root, PyFileSystem(FSSpecHandler(storage.fs))
 
 
 def resources_per_worker(spec: dict[str, Any]) -> dict[str, float]:
@@ -129,13 +141,14 @@ def build_trainer(spec: dict[str, Any], loop_config: dict[str, Any], storage_uri
     resources = spec.get("resources") or {}
     per_worker = resources_per_worker(spec)
     gpus = per_worker.get("GPU", 0.0)
+    storage_path, storage_filesystem = ray_storage(storage_uri)
     return TorchTrainer(
         train_loop,
         train_loop_config=loop_config,
         scaling_config=ScalingConfig(num_workers=int(resources.get("num_workers") or 1), use_gpu=gpus > 0,
                                      resources_per_worker=per_worker),
         run_config=RunConfig(
-            storage_path=ray_storage_path(storage_uri), name=job_id,
+            storage_path=storage_path, storage_filesystem=storage_filesystem, name=job_id,
             failure_config=FailureConfig(max_failures=int(spec.get("max_failures", 0))),
             callbacks=[_restart_reporter(loop_config["api_url"], job_id, int(loop_config["attempt_base"]),
                                          int(spec.get("max_failures", 0)))]),
