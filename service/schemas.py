@@ -445,6 +445,15 @@ class CheckpointIn(BaseModel):
         return _storage_uri(value)
 
 
+class CheckpointFailureIn(BaseModel):
+    """A save that every rank gave up on (workers.checkpointing.writer); becomes a job event."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    step: int = Field(ge=0, le=MAX_INT32)
+    error: str = Field(min_length=1, max_length=10_000)
+
+
 class CheckpointOut(OutModel):
     job_id: str
     step: int

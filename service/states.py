@@ -49,6 +49,7 @@ class Reason:
     RESOURCES_ACQUIRED = "resources_acquired"
     CANCELLED_BY_USER = "cancelled_by_user"
     MAX_RUNTIME_EXCEEDED = "max_runtime_exceeded"
+    CHECKPOINT_FAILED = "checkpoint_failed"
 
 
 class JobNotFound(LookupError):
@@ -132,6 +133,25 @@ def note_waiting(session: Session, job: Job, reason: str, message: str | None) -
                          message=message, attempt=job.attempt, created_at=utcnow()))
     session.flush()
     return True
+
+
+def record_notice(session: Session, job: Job, reason: str, message: str) -> JobEvent:
+    """Record something that happened to a job without changing it (a checkpoint that failed).
+
+    The event has ``from_state == to_state``; the same notice for the same attempt is written
+    once, so a worker that retries its report adds nothing.
+    """
+    existing = session.execute(
+        select(JobEvent).where(JobEvent.job_id == job.id, JobEvent.reason == reason,
+                               JobEvent.attempt == job.attempt, JobEvent.message == message)
+    ).scalars().first()
+    if existing is not None:
+        return existing
+    event = JobEvent(job_id=job.id, from_state=job.state, to_state=job.state, reason=reason, message=message,
+                     attempt=job.attempt, created_at=utcnow())
+    session.add(event)
+    session.flush()
+    return event
 
 
 def record_created(session: Session, job: Job) -> None:

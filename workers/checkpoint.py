@@ -52,12 +52,14 @@ class CheckpointManager:
     """Save and load one job's sharded checkpoints from every rank of a process group.
 
     Build it on every rank (it creates a Gloo group for the background commit when a process
-    group is initialised). ``register(record)`` and ``forget(step)`` tell the control plane
-    about committed and deleted checkpoints (rank 0 calls them).
+    group is initialised). ``register(record)``, ``forget(step)`` and ``report_failure(step,
+    error)`` tell the control plane about committed, deleted and failed checkpoints (rank 0
+    calls them). ``upload_attempts`` defaults to ``ZEROTRAIN_CHECKPOINT_UPLOAD_ATTEMPTS`` or 3.
     """
 
     def __init__(self, uri: str, *, job_id: str, every_steps: Optional[int] = None, keep_last: Optional[int] = None,
-                 register: Optional[Callable[[dict], None]] = None, forget: Optional[Callable[[int], None]] = None):
+                 register: Optional[Callable[[dict], None]] = None, forget: Optional[Callable[[int], None]] = None,
+                 report_failure: Optional[Callable[[int, str], None]] = None, upload_attempts: Optional[int] = None):
         self.job_id = job_id
         self.every_steps, self.keep_last = every_steps, keep_last
         distributed = dist.is_available() and dist.is_initialized()
@@ -66,7 +68,8 @@ class CheckpointManager:
         self.group = dist.new_group(backend="gloo") if distributed and self.world_size > 1 else None
         self.storage = Storage.at(uri)
         self.writer = AsyncCheckpointWriter(self.storage, job_id=job_id, rank=self.rank, world_size=self.world_size,
-                                            group=self.group, keep_last=keep_last, register=register, forget=forget)
+                                            group=self.group, keep_last=keep_last, register=register, forget=forget,
+                                            report_failure=report_failure, upload_attempts=upload_attempts)
         self.last_load: Optional[reader.LoadReport] = None
         self.failed_saves: list[str] = []  # why each save that did not commit failed, in order
 
@@ -154,7 +157,7 @@ class CheckpointManager:
 
 
 class ControlPlaneRegistry:
-    """Tells the control plane about committed (and deleted) checkpoints, with the ingest token."""
+    """Tells the control plane about committed, deleted and failed checkpoints, with the ingest token."""
 
     def __init__(self, api: Any):
         self.api = api  # a workers.reporting.WorkerAPI
@@ -165,6 +168,10 @@ class ControlPlaneRegistry:
     def forget(self, step: int) -> None:
         """Drop the record of a deleted checkpoint (204 also when it is already gone)."""
         self.api.forget_checkpoint(step).raise_for_status()
+
+    def failed(self, step: int, error: str) -> None:
+        """A save that was not committed: recorded as a ``checkpoint_failed`` event on the job."""
+        self.api.report_checkpoint_failure(step, error)
 
 
 # ----------------------------------------------------------------------------- the train loop's hook
@@ -205,7 +212,8 @@ def make_checkpoint_hook(config: dict[str, Any], world: Any = None, api: Any = N
     manager = CheckpointManager(checkpoints_uri(root, config["job_id"]), job_id=config["job_id"],
                                 every_steps=int(ckpt.get("every_steps", 50)), keep_last=int(ckpt.get("keep_last", 2)),
                                 register=registry.register if registry else None,
-                                forget=registry.forget if registry else None)
+                                forget=registry.forget if registry else None,
+                                report_failure=registry.failed if registry else None)
     resume = spec.get("resume_from")
     resume_uri = checkpoints_uri(root, resume["job_id"]) if resume else None
     return TrainCheckpointHook(manager, total_steps=int(spec["train"]["steps"]), resume_from=resume,

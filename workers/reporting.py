@@ -83,6 +83,13 @@ class WorkerAPI:
         return self._with_retries(lambda: self.http.delete(f"{self.base}/worker/checkpoints/{step}"),
                                   f"forgetting checkpoint step {step}", deadline_s)
 
+    def report_checkpoint_failure(self, step: int, error: str, deadline_s: float = 60.0) -> None:
+        """A checkpoint that was not committed; idempotent (the same report twice is one event)."""
+        body = {"step": step, "error": error[-10_000:]}
+        response = self._with_retries(lambda: self.http.post(f"{self.base}/worker/checkpoints/failed", json=body),
+                                      f"reporting the failed checkpoint of step {step}", deadline_s)
+        response.raise_for_status()
+
     def get_spec(self, deadline_s: float = 120.0) -> dict[str, Any]:
         """``{"job_id", "attempt", "state", "spec", "storage_uri"}``."""
         response = self._with_retries(lambda: self.http.get(f"{self.base}/worker/spec"), "fetching the job spec",

@@ -10,9 +10,10 @@ from sqlalchemy.dialects import postgresql, sqlite
 
 from service.api.deps import SessionDep, SettingsDep, WorkerJob
 from service.api.errors import error_responses, field_error
-from service.models import Checkpoint, Job
-from service.schemas import MAX_INT32, CheckpointIn, CheckpointOut, JobOut, JobState, WorkerSpecOut, WorkerStateIn
-from service.states import IllegalTransition, Reason, transition
+from service.models import Checkpoint, Job, JobEvent
+from service.schemas import (MAX_INT32, CheckpointFailureIn, CheckpointIn, CheckpointOut, EventOut, JobOut, JobState,
+                             WorkerSpecOut, WorkerStateIn)
+from service.states import IllegalTransition, Reason, record_notice, transition
 from service.storage_policy import UnsafeUri, check_registered_checkpoint
 
 router = APIRouter(prefix="/jobs/{job_id}/worker", tags=["workers"])
@@ -61,6 +62,16 @@ def register_checkpoint(checkpoint: CheckpointIn, job: WorkerJob, session: Sessi
     return session.execute(
         select(Checkpoint).where(Checkpoint.job_id == job.id, Checkpoint.step == checkpoint.step)
     ).scalar_one()
+
+
+@router.post("/checkpoints/failed", status_code=201, response_model=EventOut, name="report_checkpoint_failure")
+def report_checkpoint_failure(failure: CheckpointFailureIn, job: WorkerJob, session: SessionDep) -> JobEvent:
+    """A save the ranks gave up on: a ``checkpoint_failed`` event (the job's state is unchanged;
+    training goes on and the previous checkpoint stays the latest). Idempotent."""
+    event = record_notice(session, job, Reason.CHECKPOINT_FAILED,
+                          f"checkpoint of step {failure.step} not committed: {failure.error}")
+    session.commit()
+    return event
 
 
 @router.delete("/checkpoints/{step}", status_code=204, name="forget_checkpoint")

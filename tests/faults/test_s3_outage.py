@@ -1,10 +1,13 @@
 """Fault: the S3 server is unavailable while a checkpoint uploads.
 
 A real moto S3 server (its own, on a free port) that is stopped mid-run and started again;
-the production storage client (s3fs/botocore) speaks to it over HTTP. The upload retries,
-then that checkpoint is reported failed (``CheckpointManager.failed_saves`` and an error log)
-and training continues; the previous checkpoint stays the latest and loads intact, and the
-next checkpoint after the outage commits.
+the production storage client (s3fs/botocore) speaks to it over HTTP. The upload is tried
+exactly ``upload_attempts`` times, then that checkpoint is reported failed (to the control
+plane's ``report_failure``, in ``CheckpointManager.failed_saves`` and an error log) and
+training continues; no partial shard is left as an object, the previous checkpoint stays the
+latest and loads intact, and the next checkpoint after the outage commits. An outage that
+ends between two attempts costs nothing: the retry commits. (The same fault through a whole
+Ray job and the control plane: ``test_s3_outage_ray.py``.)
 """
 
 from __future__ import annotations
@@ -85,7 +88,10 @@ def test_an_upload_during_an_s3_outage_fails_alone_and_training_continues(s3, ca
     engine = make_engine(2, seed=0)
     loader = ShardedBatchLoader(SyntheticDataset(VOCAB, SEQ), global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO)
     uri = checkpoints_uri(f"s3://{s3.bucket}", "s3-outage")
-    manager = CheckpointManager(uri, job_id="s3-outage", keep_last=5)
+    reported: list[tuple[int, str]] = []
+    manager = CheckpointManager(uri, job_id="s3-outage", keep_last=5, upload_attempts=3,
+                                report_failure=lambda step, error: reported.append((step, error)))
+    caplog.set_level(logging.WARNING, logger="workers.checkpointing.writer")
     try:
         train(engine, loader, 1)
         manager.save(1, engine, loader, wait=True)
@@ -102,6 +108,11 @@ def test_an_upload_during_an_s3_outage_fails_alone_and_training_continues(s3, ca
         s3.start()
 
         assert committed_steps(Storage.at(uri)) == [1], "the failed checkpoint must not be committed"
+        assert Storage.at(uri).list_files("step_00000002") == [], "a partial shard was left as an object"
+        retries = [r for r in caplog.records if "retrying in" in r.getMessage()]
+        assert [r.getMessage().split("(attempt ")[1][:6] for r in retries] == ["1 of 3", "2 of 3"]
+        assert [step for step, _ in reported] == [2], "the control plane hears of the failure at once"
+        assert "gave up after 3 attempts" in reported[0][1], reported
         with caplog.at_level(logging.ERROR, logger="workers.checkpoint"):
             manager.save(4, engine, loader, wait=True)  # reports step 2's failure, then saves step 4
         trained += train(engine, loader, 1)
@@ -117,3 +128,32 @@ def test_an_upload_during_an_s3_outage_fails_alone_and_training_continues(s3, ca
     for key, value in at_step_1.items():
         assert torch.equal(fresh.full_state_dict()[key], value), key
     print(f"\nS3 outage: upload gave up after {gave_up_after:.1f} s; committed {committed_steps(Storage.at(uri))}")
+
+
+def test_an_outage_that_ends_between_attempts_costs_nothing(s3, caplog):
+    torch.set_num_threads(1)
+    engine = make_engine(2, seed=0)
+    loader = ShardedBatchLoader(SyntheticDataset(VOCAB, SEQ), global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO)
+    uri = checkpoints_uri(f"s3://{s3.bucket}", "s3-blip")
+    reported: list[tuple[int, str]] = []
+    manager = CheckpointManager(uri, job_id="s3-blip", upload_attempts=3,
+                                report_failure=lambda step, error: reported.append((step, error)))
+    manager.writer.first_retry_delay_s = 5.0  # room to bring the server back before the second attempt
+    caplog.set_level(logging.WARNING, logger="workers.checkpointing.writer")
+    try:
+        train(engine, loader, 1)
+        s3.stop()
+        manager.save(1, engine, loader)
+        wait_for(lambda: any("attempt 1 of 3" in r.getMessage() for r in caplog.records), 120,
+                 "the first attempt to fail")
+        s3.start()
+        report = manager.wait()
+    finally:
+        manager.close()
+    assert report.committed and report.attempts == 2, report
+    assert reported == [] and manager.failed_saves == []
+    assert committed_steps(Storage.at(uri)) == [1]
+    fresh = make_engine(1, seed=3)
+    CheckpointManager(uri, job_id="s3-blip").load(fresh)
+    for key, value in engine.full_state_dict().items():
+        assert torch.equal(fresh.full_state_dict()[key], value), key

@@ -23,6 +23,12 @@ RAY_CPUS = 2
 
 @pytest.fixture(scope="module")
 def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    yield from running_ray_head(tmp_path_factory)
+
+
+def running_ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """The ``ray_head`` fixture's body: a module that needs a head started in a particular
+    environment overrides ``ray_head`` with its own fixture that sets it up, then yields from this."""
     from service.launchers.ray_jobs import LocalRayHead
 
     os.environ.update({"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "GLOO_SOCKET_IFNAME": "lo"})

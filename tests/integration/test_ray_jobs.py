@@ -31,7 +31,7 @@ def nano_job(steps: int, **overrides) -> dict:
             "resources": {"num_workers": 2, "cpus_per_worker": 1, "gpus_per_worker": 0},
             "max_failures": 0}
     for key, value in overrides.items():
-        spec[key] = {**spec[key], **value} if isinstance(value, dict) else value
+        spec[key] = {**spec.get(key, {}), **value} if isinstance(value, dict) else value
     return spec
 
 

@@ -147,8 +147,9 @@ def test_ingest_tokens_die_with_every_kind_of_job_end(make_live_service):
                    worker.post("/worker/checkpoints", json={
                        "step": 1, "uri": f"{service.settings.storage_uri}/{job_id}/checkpoints/step_00000001",
                        "world_size": 1, "stage": 0, "size_bytes": 1, "manifest_sha256": "0" * 64}),
-                   worker.delete("/worker/checkpoints/1")]
-        assert [a.status_code for a in answers] == [401] * 5, (end, [a.text for a in answers])
+                   worker.delete("/worker/checkpoints/1"),
+                   worker.post("/worker/checkpoints/failed", json={"step": 1, "error": "gave up"})]
+        assert [a.status_code for a in answers] == [401] * 6, (end, [a.text for a in answers])
         with service.app.state.sessionmaker() as session:
             assert session.execute(select(Job.ingest_token_hash).where(Job.id == job_id)).scalar_one() is None
         worker.close()

@@ -23,12 +23,14 @@ WORKER_ROUTES = [
     ("POST", "/api/v1/jobs/{id}/metrics"),
     ("POST", "/api/v1/jobs/{id}/worker/checkpoints"),
     ("DELETE", "/api/v1/jobs/{id}/worker/checkpoints/1"),
+    ("POST", "/api/v1/jobs/{id}/worker/checkpoints/failed"),
 ]
 WORKER_BODIES = {
     "/worker/state": {"state": "RUNNING"},
     "/metrics": {"records": [{"attempt": 0, "rank": 0, "step": 0, "loss": 1.0}]},
     "/worker/checkpoints": {"step": 1, "uri": "{storage}/{id}/checkpoints/step_00000001", "world_size": 1, "stage": 0,
                             "size_bytes": 1, "manifest_sha256": "0" * 64},
+    "/worker/checkpoints/failed": {"step": 1, "error": "gave up after 3 attempts"},
 }
 
 

@@ -114,6 +114,27 @@ def test_checkpoints_are_registered_idempotently(running_job):
     assert service.client().get(job_id).state is JobState.RUNNING
 
 
+def test_a_failed_checkpoint_is_a_job_event_once_and_changes_nothing_else(running_job):
+    service, job_id, worker = running_job
+    failure = {"step": 20, "error": "rank 1 could not write s3://b/x/shard_00001_of_00002.safetensors: "
+                                    "gave up after 3 attempts: EndpointConnectionError: ..."}
+    first = worker.post("/worker/checkpoints/failed", json=failure)
+    again = worker.post("/worker/checkpoints/failed", json=failure)  # a retried report
+    assert first.status_code == again.status_code == 201 and first.json()["id"] == again.json()["id"]
+    events = [e for e in service.client().events(job_id) if e.reason == "checkpoint_failed"]
+    assert len(events) == 1
+    assert (events[0].from_state, events[0].to_state) == (JobState.RUNNING, JobState.RUNNING)
+    assert events[0].message == f"checkpoint of step 20 not committed: {failure['error']}"
+    job = service.client().get(job_id)
+    assert (job.state, job.reason) == (JobState.RUNNING, "driver_started")
+    assert service.client().checkpoints(job_id) == []
+    bad = worker.post("/worker/checkpoints/failed", json={"step": -1, "error": ""})
+    assert bad.status_code == 422 and {e["field"] for e in bad.json()["errors"]} == {"step", "error"}
+    stranger = httpx.post(f"{service.url}/api/v1/jobs/{job_id}/worker/checkpoints/failed", json=failure,
+                          headers={"Authorization": f"Bearer {service.admin_token}"})
+    assert stranger.status_code == 401  # a user token is not the job's ingest token
+
+
 def test_retention_forgets_a_checkpoint_record_idempotently(running_job):
     service, job_id, worker = running_job
     for step in (10, 20):

@@ -20,6 +20,7 @@ CORE_OPERATIONS = {
     ("post", "/api/v1/jobs/{job_id}/worker/checkpoints"): "register_checkpoint",
     ("post", "/api/v1/jobs/{job_id}/worker/memory"): "report_worker_memory",
     ("delete", "/api/v1/jobs/{job_id}/worker/checkpoints/{step}"): "forget_checkpoint",
+    ("post", "/api/v1/jobs/{job_id}/worker/checkpoints/failed"): "report_checkpoint_failure",
     ("get", "/healthz"): "healthz",
     ("get", "/metrics"): "prometheus_metrics",
 }

@@ -12,6 +12,14 @@
 
 A process that dies anywhere before step 3 leaves shards and no manifest: not a checkpoint.
 
+[Note: retries, and who hears about a failure]
+Below us botocore retries each request and s3fs each call; above that, a rank rewrites its
+whole shard from the host copy up to ``upload_attempts`` times (``ZEROTRAIN_CHECKPOINT_
+UPLOAD_ATTEMPTS``, default 3), waiting 1 s, 2 s, ... between attempts, and aborts the
+partial object of an attempt that failed. When a rank gives up, the save is not committed;
+rank 0 tells the control plane at once (``report_failure``: a ``checkpoint_failed`` event on
+the job), and every rank raises ``CheckpointError`` on its next ``wait()``.
+
 [Note: why a second process group]
 The upload runs in a thread while the training loop keeps issuing its own collectives. Two
 threads must never interleave collectives on one group (each rank could order them
@@ -24,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -41,6 +50,19 @@ from .storage import Storage
 log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 8 << 20
+UPLOAD_ATTEMPTS_ENV = "ZEROTRAIN_CHECKPOINT_UPLOAD_ATTEMPTS"
+DEFAULT_UPLOAD_ATTEMPTS = 3
+FIRST_RETRY_DELAY_S = 1.0
+
+
+def upload_attempts_from_env() -> int:
+    """How many times a rank tries to write its shard (``ZEROTRAIN_CHECKPOINT_UPLOAD_ATTEMPTS``)."""
+    raw = os.environ.get(UPLOAD_ATTEMPTS_ENV, "").strip()
+    if not raw:
+        return DEFAULT_UPLOAD_ATTEMPTS
+    if not raw.isdigit() or not 1 <= int(raw) <= 100:
+        raise ValueError(f"{UPLOAD_ATTEMPTS_ENV}={raw!r}: expected a whole number from 1 to 100")
+    return int(raw)
 
 
 class CheckpointError(RuntimeError):
@@ -51,10 +73,11 @@ class CheckpointError(RuntimeError):
 class SaveReport:
     step: int
     shard_bytes: int  # this rank's shard file
-    upload_s: float  # this rank's shard, from first byte to closed
+    upload_s: float  # this rank's shard, from first byte to closed (all attempts)
     committed: bool
     checkpoint_bytes: int = 0  # rank 0: all shards + manifest
     manifest_sha256: str = ""
+    attempts: int = 1  # how many times this rank wrote its shard
 
     @property
     def upload_bytes_per_s(self) -> float:
@@ -68,14 +91,56 @@ def write_shard(step_storage: Storage, snap: ShardSnapshot) -> tuple[int, str]:
     header, offsets = build_header(specs, {"format": "pt", "zerotrain": f"step {snap.step} rank {snap.rank}"})
     for key in names:
         snap.entries[key]["pieces"][0]["offsets"] = list(offsets[key])
-    with step_storage.open_write(snap.file) as sink:
+    sink = step_storage.open_write(snap.file)
+    try:
         out = HashingWriter(sink)
         out.write(header)
         for key in names:
             raw = snap.tensors[key].reshape(-1).view(torch.uint8).numpy()
             for start in range(0, raw.size, CHUNK_BYTES):
                 out.write(raw[start : start + CHUNK_BYTES])
+        sink.close()  # on S3: completes the upload; the object appears only now
+    except BaseException:
+        _abandon(step_storage, sink)
+        raise
     return out.size, out.hexdigest()
+
+
+def _abandon(storage: Storage, sink: Any) -> None:
+    """Drop a half-written shard: abort the multipart upload on an object store (never complete
+    it, not even from ``close()`` or ``__del__``); close a local file, which the next attempt
+    overwrites and no manifest names."""
+    if storage.is_local:
+        sink.close()
+        return
+    try:
+        sink.discard()
+    except Exception:  # noqa: BLE001 - the store may be the thing that is down
+        log.debug("could not discard a partial shard", exc_info=True)
+    finally:
+        sink.closed = True
+
+
+def write_shard_with_retries(step_storage: Storage, snap: ShardSnapshot, attempts: int,
+                             first_delay_s: float = FIRST_RETRY_DELAY_S) -> tuple[int, str, int]:
+    """``write_shard`` up to ``attempts`` times; ``(size, sha256, attempts used)``.
+
+    Raises the last error, its message saying how many attempts were made.
+    """
+    delay = first_delay_s
+    for attempt in range(1, attempts + 1):
+        try:
+            size, sha = write_shard(step_storage, snap)
+            return size, sha, attempt
+        except Exception as error:  # noqa: BLE001 - retried, then reported by the caller
+            if attempt == attempts:
+                raise IOError(f"gave up after {attempts} attempt{'s' if attempts > 1 else ''}: "
+                              f"{type(error).__name__}: {error}") from error
+            log.warning("rank %d: writing %s of step %d failed (attempt %d of %d: %s: %s); retrying in %.1f s",
+                        snap.rank, snap.file, snap.step, attempt, attempts, type(error).__name__, error, delay)
+            time.sleep(delay)
+            delay *= 2
+    raise AssertionError("unreachable")
 
 
 def merge_manifest(job_id: str, statuses: list[dict[str, Any]]) -> dict[str, Any]:
@@ -139,10 +204,15 @@ class AsyncCheckpointWriter:
 
     def __init__(self, checkpoints: Storage, *, job_id: str, rank: int, world_size: int,
                  group: Optional[dist.ProcessGroup], keep_last: Optional[int] = None,
-                 register: Optional[Callable[[dict], None]] = None, forget: Optional[Callable[[int], None]] = None):
+                 register: Optional[Callable[[dict], None]] = None, forget: Optional[Callable[[int], None]] = None,
+                 report_failure: Optional[Callable[[int, str], None]] = None, upload_attempts: Optional[int] = None,
+                 first_retry_delay_s: float = FIRST_RETRY_DELAY_S):
         self.checkpoints = checkpoints
         self.job_id, self.rank, self.world_size, self.group = job_id, rank, world_size, group
         self.keep_last, self.register, self.forget = keep_last, register, forget
+        self.report_failure = report_failure
+        self.upload_attempts = upload_attempts or upload_attempts_from_env()
+        self.first_retry_delay_s = first_retry_delay_s
         self._thread: Optional[threading.Thread] = None
         self._failure: Optional[BaseException] = None
         self.last_report: Optional[SaveReport] = None
@@ -179,22 +249,34 @@ class AsyncCheckpointWriter:
         status: dict[str, Any] = {"rank": self.rank, "file": snap.file, "index": snap.index, "values": snap.values,
                                   "rng": snap.rng, "common": snap.common, "error": None, "size": 0, "sha256": ""}
         started = time.perf_counter()
+        attempts = self.upload_attempts
         try:
-            status["size"], status["sha256"] = write_shard(step_storage, snap)
+            status["size"], status["sha256"], attempts = write_shard_with_retries(
+                step_storage, snap, self.upload_attempts, self.first_retry_delay_s)
         except Exception as error:  # noqa: BLE001 - reported to rank 0, which then does not commit
-            status["error"] = f"rank {self.rank} could not write {step_storage.uri}/{snap.file}: " \
-                              f"{type(error).__name__}: {error}"
+            status["error"] = f"rank {self.rank} could not write {step_storage.uri}/{snap.file}: {error}"
         upload_s = time.perf_counter() - started
         snap.tensors.clear()  # the host copy is no longer needed
         statuses = self._gather(status)
         outcome = self._commit(step_storage, snap.step, statuses) if self.rank == 0 else None
         outcome = self._broadcast(outcome)
         if outcome["error"]:
+            self._report_failure(snap.step, outcome["error"])
             raise CheckpointError(f"checkpoint of step {snap.step} not committed: {outcome['error']}")
-        report = SaveReport(snap.step, status["size"], upload_s, True, outcome["size"], outcome["manifest_sha256"])
+        report = SaveReport(snap.step, status["size"], upload_s, True, outcome["size"], outcome["manifest_sha256"],
+                            attempts=attempts)
         log.info("checkpoint step %d: rank %d uploaded %.1f MB in %.2f s (%.1f MB/s)", snap.step, self.rank,
                  report.shard_bytes / 1e6, upload_s, report.upload_bytes_per_s / 1e6)
         return report
+
+    def _report_failure(self, step: int, error: str) -> None:
+        """Rank 0 tells the control plane now, not at the next save (which may be far off)."""
+        if self.rank != 0 or self.report_failure is None:
+            return
+        try:
+            self.report_failure(step, error)
+        except Exception:  # noqa: BLE001 - the failure is still raised on every rank
+            log.exception("could not report the failed checkpoint of step %d to the control plane", step)
 
     def _gather(self, status: dict) -> list[dict]:
         if self.group is None:
