@@ -8,6 +8,13 @@ Reconciling maps ``LaunchPhase`` onto job states without overriding what the dri
 reported: a job the driver finished is left alone, a job whose driver vanished fails with a
 reason, a job waiting for resources says why (once, not on every poll), and CANCELLING jobs
 are stopped through the launcher and then marked CANCELLED.
+
+[Note: a failed job is stopped too]
+When the launcher itself reports a job FAILED, STOPPED or gone, the job's driver has exited
+but what it started may not have (Ray Train's controller and workers, a half-torn-down
+RayJob). The scheduler then also calls ``launcher.cancel`` -- idempotent in every launcher --
+so nothing of a failed job keeps holding the cluster. That stop runs in its own thread: a
+launcher's bounded wait for the processes to go must not stall reconciling other jobs.
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ from service.states import IllegalTransition, Reason, note_waiting, transition
 log = logging.getLogger(__name__)
 S = JobState
 RECONCILED_STATES = (S.STARTING, S.RUNNING, S.RESTARTING, S.CANCELLING)
+# what the launcher reports when a job ended without the driver saying so
+LOST_PHASES = (LaunchPhase.FAILED, LaunchPhase.STOPPED, LaunchPhase.UNKNOWN)
 
 
 class Scheduler:
@@ -45,6 +54,7 @@ class Scheduler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._cancel_sent: set[str] = set()
+        self._releases: dict[str, threading.Thread] = {}  # job id -> its stop after a failure
 
     # ------------------------------------------------------------------ loop
 
@@ -74,6 +84,8 @@ class Scheduler:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        for release in list(self._releases.values()):
+            release.join(timeout)
 
     # ------------------------------------------------------------------ claim and launch
 
@@ -165,10 +177,28 @@ class Scheduler:
             self._cancel_sent.add(job.id)
         status = self.launcher.status(handle)
         with self.make_session() as session:
-            if self._apply(session, job, state, status):
+            changed = self._apply(session, job, state, status)
+            if changed:
                 session.commit()
         if state is S.CANCELLING and status.phase is not LaunchPhase.RUNNING:
             self._cancel_sent.discard(job.id)
+        if changed and state is not S.CANCELLING and status.phase in LOST_PHASES:
+            self._release(job.id, handle)
+
+    def _release(self, job_id: str, handle: LaunchHandle) -> None:
+        """Stop whatever a failed job's driver left running (see the note above), off the poll loop."""
+        def stop() -> None:
+            try:
+                self.launcher.cancel(handle)
+            except Exception:  # noqa: BLE001 - the job is already FAILED; this is clean-up only
+                log.warning("stopping the remains of failed job %s failed", job_id, exc_info=True)
+            finally:
+                self._releases.pop(job_id, None)
+
+        if job_id not in self._releases:
+            self._releases[job_id] = thread = threading.Thread(target=stop, name=f"zerotrain-release-{job_id}",
+                                                               daemon=True)
+            thread.start()
 
     def _apply(self, session: Session, job: Job, state: JobState, status: LaunchStatus) -> bool:
         """Write what ``status`` implies for a job last seen in ``state``; True if anything changed."""

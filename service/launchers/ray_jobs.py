@@ -248,11 +248,20 @@ class RayJobsLauncher:
                 entrypoint=f"python -m workers.launch --job-id {request.job_id} --api {request.api_url}",
                 submission_id=submission_id, runtime_env=runtime_env,
                 metadata={"zerotrain_job_id": request.job_id, "zerotrain_attempt": str(request.attempt)})
-        except RuntimeError as error:
-            if "already exists" not in str(error):  # a retried start of the same attempt finds its job
+        except Exception as error:
+            if isinstance(error, RuntimeError) and "already exists" in str(error):
+                pass  # a retried start of the same attempt finds its job
+            else:  # the submission may have reached the cluster before the answer was lost
+                self._stop_quietly(submission_id)
                 raise
         return LaunchHandle(self.name, submission_id, {
             "address": self.address, "job_id": request.job_id, "storage_uri": request.storage_uri})
+
+    def _stop_quietly(self, submission_id: str) -> None:
+        try:
+            self.client.stop_job(submission_id)
+        except Exception as error:  # noqa: BLE001 - most often: it never existed
+            log.debug("no submission %s to stop after a failed start: %s", submission_id, error)
 
     # -- status -----------------------------------------------------------------------------------
     def status(self, handle: LaunchHandle) -> LaunchStatus:

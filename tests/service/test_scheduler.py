@@ -126,24 +126,39 @@ def scheduled_job(db, phase: LaunchStatus, state: JobState = JobState.RUNNING):
     return make_session, scheduler, launcher, job_id
 
 
-def test_launcher_failure_of_a_running_job_fails_it_with_a_reason(db):
-    make_session, scheduler, _, job_id = scheduled_job(db, LaunchStatus(LaunchPhase.FAILED))
+def test_launcher_failure_of_a_running_job_fails_it_with_a_reason_and_stops_its_remains(db):
+    make_session, scheduler, launcher, job_id = scheduled_job(db, LaunchStatus(LaunchPhase.FAILED))
     scheduler.run_once()
+    scheduler.stop()  # joins the clean-up it started
     failed = job(make_session, job_id)
     assert (failed.state, failed.reason) == ("FAILED", "worker_failed")
+    assert launcher.cancelled == [job_id], "what the dead driver started must be stopped too"
 
 
-def test_vanished_driver_is_driver_lost(db):
-    make_session, scheduler, _, job_id = scheduled_job(db, LaunchStatus(LaunchPhase.UNKNOWN))
+def test_vanished_driver_is_driver_lost_and_stopped(db):
+    make_session, scheduler, launcher, job_id = scheduled_job(db, LaunchStatus(LaunchPhase.UNKNOWN))
     scheduler.run_once()
+    scheduler.stop()
     assert (job(make_session, job_id).state, job(make_session, job_id).reason) == ("FAILED", "driver_lost")
+    assert launcher.cancelled == [job_id]
+
+
+def test_a_clean_up_that_fails_is_logged_and_the_job_stays_failed(db, caplog):
+    make_session, scheduler, launcher, job_id = scheduled_job(db, LaunchStatus(LaunchPhase.FAILED))
+    launcher.cancel = lambda handle: (_ for _ in ()).throw(RuntimeError("cluster unreachable"))
+    scheduler.run_once()
+    scheduler.stop()
+    assert job(make_session, job_id).state == "FAILED"
+    assert f"stopping the remains of failed job {job_id} failed" in caplog.text
 
 
 def test_driver_reported_state_is_not_overridden(db):
-    make_session, scheduler, _, job_id = scheduled_job(db, LaunchStatus(LaunchPhase.SUCCEEDED))
+    make_session, scheduler, launcher, job_id = scheduled_job(db, LaunchStatus(LaunchPhase.SUCCEEDED))
     move(make_session, job_id, JobState.FAILED, reason="user_code_error")
     scheduler.run_once()
+    scheduler.stop()
     assert (job(make_session, job_id).state, job(make_session, job_id).reason) == ("FAILED", "user_code_error")
+    assert launcher.cancelled == []  # a driver that reported its own end has cleaned up after itself
 
 
 def test_waiting_for_resources_is_recorded_once_and_so_is_its_end(db):
