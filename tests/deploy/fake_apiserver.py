@@ -35,6 +35,11 @@ def status_body(code: int, reason: str, message: str) -> JSONResponse:
                          "message": message, "reason": reason, "code": code}, status_code=code)
 
 
+def _qualified(group: str, resource: str) -> str:
+    """How the API server names a resource in messages: ``rayjobs.ray.io``, or ``secrets`` (core group)."""
+    return f"{resource}.{group}" if group else resource
+
+
 class Refused(Exception):
     def __init__(self, code: int, reason: str, message: str) -> None:
         super().__init__(message)
@@ -98,12 +103,7 @@ class FakeApiServer:
 
         @app.post(rayjobs, status_code=201)
         async def create_rayjob(ns: str, request: Request) -> dict:
-            body = await request.json()
-            self._authorize("create", "ray.io", "rayjobs", ns, body["metadata"]["name"])
-            self._valid(body, crd=True)
-            key = (ns, body["metadata"]["name"])
-            if key in self.rayjobs:
-                raise Refused(409, "AlreadyExists", f'rayjobs.ray.io "{key[1]}" already exists')
+            body, key = await self._new(request, ns, self.rayjobs, "ray.io", "rayjobs", crd=True)
             stored = copy.deepcopy(body)
             stored["metadata"].update(namespace=ns, uid=str(uuid.uuid4()),
                                       creationTimestamp=datetime.now(timezone.utc).isoformat())
@@ -117,22 +117,15 @@ class FakeApiServer:
 
         @app.delete(rayjobs + "/{name}")
         async def delete_rayjob(ns: str, name: str) -> dict:
-            self._authorize("delete", "ray.io", "rayjobs", ns, name)
-            self._existing(self.rayjobs, ns, name, "rayjobs.ray.io")
-            del self.rayjobs[(ns, name)]
+            deleted = self._delete(ns, name, self.rayjobs, "ray.io", "rayjobs")
             self._collect_garbage(ns)
-            return {"kind": "Status", "apiVersion": "v1", "status": "Success"}
+            return deleted
 
         secrets = "/api/v1/namespaces/{ns}/secrets"
 
         @app.post(secrets, status_code=201)
         async def create_secret(ns: str, request: Request) -> dict:
-            body = await request.json()
-            self._authorize("create", "", "secrets", ns, body["metadata"]["name"])
-            self._valid(body, crd=False)
-            key = (ns, body["metadata"]["name"])
-            if key in self.secrets:
-                raise Refused(409, "AlreadyExists", f'secrets "{key[1]}" already exists')
+            body, key = await self._new(request, ns, self.secrets, "", "secrets", crd=False)
             self.secrets[key] = copy.deepcopy(body)
             return self._redacted(body)
 
@@ -155,10 +148,7 @@ class FakeApiServer:
 
         @app.delete(secrets + "/{name}")
         async def delete_secret(ns: str, name: str) -> dict:
-            self._authorize("delete", "", "secrets", ns, name)
-            self._existing(self.secrets, ns, name, "secrets")
-            del self.secrets[(ns, name)]
-            return {"kind": "Status", "apiVersion": "v1", "status": "Success"}
+            return self._delete(ns, name, self.secrets, "", "secrets")
 
         @app.get("/api/v1/namespaces/{ns}/pods")
         async def list_pods(ns: str, labelSelector: str = "") -> dict:  # noqa: N803 - the API's name
@@ -175,6 +165,25 @@ class FakeApiServer:
             return PlainTextResponse(self.pod_logs[name])
 
         return app
+
+    # -- what every create and delete does, in the real server's order --
+
+    async def _new(self, request: Request, ns: str, store: dict, group: str, resource: str,
+                   crd: bool) -> tuple[dict, tuple[str, str]]:
+        """A create's body and key once it is authorised, valid and its name is free (409 otherwise)."""
+        body = await request.json()
+        self._authorize("create", group, resource, ns, body["metadata"]["name"])
+        self._valid(body, crd=crd)
+        key = (ns, body["metadata"]["name"])
+        if key in store:
+            raise Refused(409, "AlreadyExists", f'{_qualified(group, resource)} "{key[1]}" already exists')
+        return body, key
+
+    def _delete(self, ns: str, name: str, store: dict, group: str, resource: str) -> dict:
+        self._authorize("delete", group, resource, ns, name)
+        self._existing(store, ns, name, _qualified(group, resource))
+        del store[(ns, name)]
+        return {"kind": "Status", "apiVersion": "v1", "status": "Success"}
 
     @staticmethod
     def _existing(store: dict, ns: str, name: str, what: str) -> dict:
