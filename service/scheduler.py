@@ -9,12 +9,13 @@ reported: a job the driver finished is left alone, a job whose driver vanished f
 reason, a job waiting for resources says why (once, not on every poll), and CANCELLING jobs
 are stopped through the launcher and then marked CANCELLED.
 
-[Note: a failed job is stopped too]
+[Note: a failed job is released too]
 When the launcher itself reports a job FAILED, STOPPED or gone, the job's driver has exited
-but what it started may not have (Ray Train's controller and workers, a half-torn-down
-RayJob). The scheduler then also calls ``launcher.cancel`` -- idempotent in every launcher --
-so nothing of a failed job keeps holding the cluster. That stop runs in its own thread: a
-launcher's bounded wait for the processes to go must not stall reconciling other jobs.
+but what it started may not have (Ray Train's controller and workers). The scheduler then
+calls ``launcher.release``, which frees what is left and keeps the logs (Ray: stop the job;
+local: end the process group; KubeRay: nothing, KubeRay tears the cluster down itself). That
+runs in its own thread: a launcher's bounded wait for processes to go must not stall
+reconciling other jobs.
 """
 
 from __future__ import annotations
@@ -189,7 +190,7 @@ class Scheduler:
         """Stop whatever a failed job's driver left running (see the note above), off the poll loop."""
         def stop() -> None:
             try:
-                self.launcher.cancel(handle)
+                self.launcher.release(handle)
             except Exception:  # noqa: BLE001 - the job is already FAILED; this is clean-up only
                 log.warning("stopping the remains of failed job %s failed", job_id, exc_info=True)
             finally:

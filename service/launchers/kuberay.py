@@ -544,6 +544,11 @@ class KubeRayLauncher:
                 raise
         self._delete_secret(ns, handle.extra.get("secret") or secret_name(handle.external_id))
 
+    def release(self, handle: LaunchHandle) -> None:
+        """Nothing to do: an ended RayJob keeps its record and logs, ``status`` already deleted
+        its token Secret, and KubeRay removes its cluster itself (``shutdownAfterJobFinishes``,
+        after ``ttlSecondsAfterFinished``). A RayJob that is gone has nothing left to free."""
+
     def logs(self, handle: LaunchHandle, tail_bytes: int | None = None) -> str:
         """The submitter pod's log (it follows the driver's output); else the head pod's."""
         ns = handle.extra.get("namespace", self.options.namespace)

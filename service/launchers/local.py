@@ -108,6 +108,10 @@ class LocalProcessLauncher:
             self._signal(pgid, signal.SIGKILL)
         self._alive(handle)  # reap
 
+    def release(self, handle: LaunchHandle) -> None:
+        """Ends the process group of a driver that is gone (its children with it); the log stays."""
+        self.cancel(handle)
+
     @staticmethod
     def _signal(pgid: int, signum: int) -> None:
         try:

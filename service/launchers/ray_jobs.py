@@ -359,6 +359,11 @@ class RayJobsLauncher:
             time.sleep(0.25)
         log.warning("job %s: Ray processes still alive %.0f s after stop", handle.external_id, timeout_s)
 
+    def release(self, handle: LaunchHandle) -> None:
+        """A Ray job that failed may leave actors its driver started; stopping it ends them.
+        Its logs were saved when the failure was first seen (``status``)."""
+        self.cancel(handle)
+
     def _live_actors(self, submission_id: str, driver_job: str | None) -> list[dict[str, Any]]:
         """The job's actors still alive: its Ray job supervisor and everything its driver created
         (Ray Train's controller, workers and detached placement-group cleaner), except the

@@ -29,6 +29,7 @@ class RecordingLauncher:
         self.lock = threading.Lock()
         self.starts: Counter[str] = Counter()
         self.cancelled: list[str] = []
+        self.released: list[str] = []
         self.phase = LaunchStatus(LaunchPhase.RUNNING)
 
     def start(self, request: LaunchRequest) -> LaunchHandle:
@@ -42,6 +43,9 @@ class RecordingLauncher:
     def cancel(self, handle: LaunchHandle) -> None:
         self.cancelled.append(handle.external_id)
         self.phase = LaunchStatus(LaunchPhase.STOPPED)
+
+    def release(self, handle: LaunchHandle) -> None:
+        self.released.append(handle.external_id)
 
     def logs(self, handle: LaunchHandle, tail_bytes: int | None = None) -> str:
         return ""
@@ -132,7 +136,7 @@ def test_launcher_failure_of_a_running_job_fails_it_with_a_reason_and_stops_its_
     scheduler.stop()  # joins the clean-up it started
     failed = job(make_session, job_id)
     assert (failed.state, failed.reason) == ("FAILED", "worker_failed")
-    assert launcher.cancelled == [job_id], "what the dead driver started must be stopped too"
+    assert launcher.released == [job_id], "what the dead driver started must be stopped too"
 
 
 def test_vanished_driver_is_driver_lost_and_stopped(db):
@@ -140,12 +144,12 @@ def test_vanished_driver_is_driver_lost_and_stopped(db):
     scheduler.run_once()
     scheduler.stop()
     assert (job(make_session, job_id).state, job(make_session, job_id).reason) == ("FAILED", "driver_lost")
-    assert launcher.cancelled == [job_id]
+    assert launcher.released == [job_id]
 
 
 def test_a_clean_up_that_fails_is_logged_and_the_job_stays_failed(db, caplog):
     make_session, scheduler, launcher, job_id = scheduled_job(db, LaunchStatus(LaunchPhase.FAILED))
-    launcher.cancel = lambda handle: (_ for _ in ()).throw(RuntimeError("cluster unreachable"))
+    launcher.release = lambda handle: (_ for _ in ()).throw(RuntimeError("cluster unreachable"))
     scheduler.run_once()
     scheduler.stop()
     assert job(make_session, job_id).state == "FAILED"
@@ -158,7 +162,7 @@ def test_driver_reported_state_is_not_overridden(db):
     scheduler.run_once()
     scheduler.stop()
     assert (job(make_session, job_id).state, job(make_session, job_id).reason) == ("FAILED", "user_code_error")
-    assert launcher.cancelled == []  # a driver that reported its own end has cleaned up after itself
+    assert launcher.released == []  # a driver that reported its own end has cleaned up after itself
 
 
 def test_waiting_for_resources_is_recorded_once_and_so_is_its_end(db):
