@@ -157,3 +157,27 @@ def test_an_outage_that_ends_between_attempts_costs_nothing(s3, caplog):
     CheckpointManager(uri, job_id="s3-blip").load(fresh)
     for key, value in engine.full_state_dict().items():
         assert torch.equal(fresh.full_state_dict()[key], value), key
+
+
+def test_the_last_save_of_a_run_given_up_fails_the_attempt(s3):
+    """The run's final checkpoint is its product: the loop waits for it, and a job must not
+    report success without it (the attempt fails; max_failures may retry it from the latest)."""
+    from workers.checkpoint import CheckpointError, TrainCheckpointHook
+
+    torch.set_num_threads(1)
+    engine = make_engine(2, seed=0)
+    loader = ShardedBatchLoader(SyntheticDataset(VOCAB, SEQ), global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO)
+    uri = checkpoints_uri(f"s3://{s3.bucket}", "s3-last")
+    reported: list[tuple[int, str]] = []
+    hook = TrainCheckpointHook(CheckpointManager(uri, job_id="s3-last", every_steps=100, upload_attempts=1,
+                                                 report_failure=lambda step, error: reported.append((step, error))),
+                               total_steps=2)
+    try:
+        train(engine, loader, 2)
+        s3.stop()
+        assert hook.maybe_save(1, engine, loader) == 0.0  # not due: nothing written, nothing waited for
+        with pytest.raises(CheckpointError, match="step 2 not committed.*gave up after 1 attempt"):
+            hook.maybe_save(2, engine, loader)
+    finally:
+        hook.close()
+    assert [step for step, _ in reported] == [2]
