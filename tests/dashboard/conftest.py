@@ -95,6 +95,9 @@ class Worker:
             "manifest_sha256": f"{step:064x}"}).raise_for_status()
         return uri
 
+    def checkpoint_failed(self, step: int, error: str) -> None:
+        self.http.post("/worker/checkpoints/failed", json={"step": step, "error": error}).raise_for_status()
+
     def state(self, state: str, **extra: Any) -> None:
         self.http.post("/worker/state", json={"state": state, **extra}).raise_for_status()
 

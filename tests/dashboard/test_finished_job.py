@@ -14,6 +14,7 @@ pytestmark = pytest.mark.browser
 def test_finished_job_page_screenshot(dashboard, page):
     job = dashboard.submit(spec("gpt-nano-zero2"))
     job.metrics(training_records(range(1, 131)))
+    job.checkpoint_failed(50, "rank 1 could not write …/shard_00001_of_00002.safetensors: gave up after 3 attempts")
     first_uri = job.checkpoint(100)
     job.state("RESTARTING", reason="worker_failed", attempt=1,
               message="rank 1 exited with SIGKILL; restarting the worker group from step 100")
@@ -36,6 +37,9 @@ def test_finished_job_page_screenshot(dashboard, page):
     expect(timeline.locator("[data-to-state='RESTARTING']")).to_contain_text("worker_failed")
     expect(timeline.locator("[data-to-state='RESTARTING']")).to_contain_text("attempt 1")
     expect(timeline.locator("[data-to-state='SUCCEEDED']")).to_have_count(1)
+    failed_save = timeline.locator("[data-reason='checkpoint_failed']")
+    expect(failed_save).to_have_class("event warning")
+    expect(failed_save).to_contain_text("checkpoint of step 50 not committed")
     expect(page.locator("#checkpoints tbody tr")).to_have_count(2)
     expect(page.locator("#log-tail")).to_contain_text("training finished: SUCCEEDED")
     expect(page.locator("#comm-summary")).to_contain_text("efficiency")

@@ -87,11 +87,19 @@ function metaList(job, prediction) {
   return h("dl", { class: "meta" }, items.map(([k, v]) => [h("dt", { text: k }), h("dd", {}, v)]));
 }
 
+/** Notices a user should not miss although the job carries on (a checkpoint that was not committed). */
+const WARNING_REASONS = new Set(["checkpoint_failed"]);
+
 function eventItem(event) {
   const restart = event.to_state === "RESTARTING" || (event.attempt > 0 && event.to_state === "RUNNING");
+  const warning = WARNING_REASONS.has(event.reason);
   return h(
     "li",
-    { class: `event${restart ? " restart" : ""}`, "data-to-state": event.to_state },
+    {
+      class: `event${restart ? " restart" : ""}${warning ? " warning" : ""}`,
+      "data-to-state": event.to_state,
+      "data-reason": event.reason || "",
+    },
     h("time", { datetime: event.created_at, text: timestamp(event.created_at) }),
     h(
       "div",
