@@ -50,21 +50,27 @@ class S3Server:
         self.server.stop()
         self.up = False
 
+    def environment(self) -> dict[str, str]:
+        """What a process needs to use this server through ``workers.checkpointing.storage``."""
+        return {"ZEROTRAIN_S3_ENDPOINT_URL": self.url, "AWS_ACCESS_KEY_ID": "testing",
+                "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+
+    def create_bucket(self, name: str) -> None:
+        import boto3
+
+        self.bucket = name
+        boto3.client("s3", endpoint_url=self.url, region_name="us-east-1").create_bucket(Bucket=name)
+
 
 @pytest.fixture
 def s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[S3Server]:
-    import boto3
-
     server = S3Server()
     server.start()
-    monkeypatch.setenv("ZEROTRAIN_S3_ENDPOINT_URL", server.url)
-    for name, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                        "AWS_DEFAULT_REGION": "us-east-1"}.items():
+    for name, value in server.environment().items():
         monkeypatch.setenv(name, value)
     for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN"):
         monkeypatch.delenv(name, raising=False)
-    server.bucket = f"zt-{uuid.uuid4().hex[:12]}"
-    boto3.client("s3", endpoint_url=server.url, region_name="us-east-1").create_bucket(Bucket=server.bucket)
+    server.create_bucket(f"zt-{uuid.uuid4().hex[:12]}")
     try:
         yield server
     finally:
@@ -83,14 +89,21 @@ def train(engine, loader, steps: int) -> list[float]:
     return losses
 
 
-def test_an_upload_during_an_s3_outage_fails_alone_and_training_continues(s3, caplog):
+def training(s3: S3Server, job_id: str, **manager_options):
+    """An engine, its loader, and a manager saving to ``job_id``'s checkpoints in the bucket,
+    whose failure reports land in the returned list."""
     torch.set_num_threads(1)
     engine = make_engine(2, seed=0)
     loader = ShardedBatchLoader(SyntheticDataset(VOCAB, SEQ), global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO)
-    uri = checkpoints_uri(f"s3://{s3.bucket}", "s3-outage")
+    uri = checkpoints_uri(f"s3://{s3.bucket}", job_id)
     reported: list[tuple[int, str]] = []
-    manager = CheckpointManager(uri, job_id="s3-outage", keep_last=5, upload_attempts=3,
-                                report_failure=lambda step, error: reported.append((step, error)))
+    manager = CheckpointManager(uri, job_id=job_id, report_failure=lambda step, error: reported.append((step, error)),
+                                **manager_options)
+    return engine, loader, uri, manager, reported
+
+
+def test_an_upload_during_an_s3_outage_fails_alone_and_training_continues(s3, caplog):
+    engine, loader, uri, manager, reported = training(s3, "s3-outage", keep_last=5, upload_attempts=3)
     caplog.set_level(logging.WARNING, logger="workers.checkpointing.writer")
     try:
         train(engine, loader, 1)
@@ -131,13 +144,7 @@ def test_an_upload_during_an_s3_outage_fails_alone_and_training_continues(s3, ca
 
 
 def test_an_outage_that_ends_between_attempts_costs_nothing(s3, caplog):
-    torch.set_num_threads(1)
-    engine = make_engine(2, seed=0)
-    loader = ShardedBatchLoader(SyntheticDataset(VOCAB, SEQ), global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO)
-    uri = checkpoints_uri(f"s3://{s3.bucket}", "s3-blip")
-    reported: list[tuple[int, str]] = []
-    manager = CheckpointManager(uri, job_id="s3-blip", upload_attempts=3,
-                                report_failure=lambda step, error: reported.append((step, error)))
+    engine, loader, uri, manager, reported = training(s3, "s3-blip", upload_attempts=3)
     manager.writer.first_retry_delay_s = 5.0  # room to bring the server back before the second attempt
     caplog.set_level(logging.WARNING, logger="workers.checkpointing.writer")
     try:
@@ -164,14 +171,8 @@ def test_the_last_save_of_a_run_given_up_fails_the_attempt(s3):
     report success without it (the attempt fails; max_failures may retry it from the latest)."""
     from workers.checkpoint import CheckpointError, TrainCheckpointHook
 
-    torch.set_num_threads(1)
-    engine = make_engine(2, seed=0)
-    loader = ShardedBatchLoader(SyntheticDataset(VOCAB, SEQ), global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO)
-    uri = checkpoints_uri(f"s3://{s3.bucket}", "s3-last")
-    reported: list[tuple[int, str]] = []
-    hook = TrainCheckpointHook(CheckpointManager(uri, job_id="s3-last", every_steps=100, upload_attempts=1,
-                                                 report_failure=lambda step, error: reported.append((step, error))),
-                               total_steps=2)
+    engine, loader, _, manager, reported = training(s3, "s3-last", every_steps=100, upload_attempts=1)
+    hook = TrainCheckpointHook(manager, total_steps=2)
     try:
         train(engine, loader, 2)
         s3.stop()

@@ -38,17 +38,12 @@ STEPS, EVERY = 400, 10
 
 @pytest.fixture(scope="module")
 def s3() -> Iterator[S3Server]:
-    import boto3
-
     server = S3Server()
     server.start()
-    server.bucket = "zt-ray-outage"
-    env = {"ZEROTRAIN_S3_ENDPOINT_URL": server.url, "AWS_ACCESS_KEY_ID": "testing",
-           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1", "AWS_MAX_ATTEMPTS": "1",
-           "ZEROTRAIN_CHECKPOINT_UPLOAD_ATTEMPTS": str(UPLOAD_ATTEMPTS)}
+    env = {**server.environment(), "AWS_MAX_ATTEMPTS": "1", "ZEROTRAIN_CHECKPOINT_UPLOAD_ATTEMPTS": str(UPLOAD_ATTEMPTS)}
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
-    boto3.client("s3", endpoint_url=server.url, region_name="us-east-1").create_bucket(Bucket=server.bucket)
+    server.create_bucket("zt-ray-outage")
     try:
         yield server
     finally:
