@@ -46,6 +46,8 @@ ACTIVE_STATES: frozenset[JobState] = frozenset(set(JobState) - TERMINAL_STATES -
 SLUG_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
 FACTORY_PATTERN = r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$"
 STORAGE_SCHEMES = ("file://", "s3://")
+MAX_GLOB_CHARS = 1024
+_GLOB_FORBIDDEN = re.compile(r"[\\\x00-\x1f\x7f]")  # backslashes and control characters
 MAX_INT32 = 2**31 - 1  # integers are stored in 32-bit columns (and read by torch/numpy seeds)
 MAX_INT64 = 2**63 - 1
 
@@ -140,6 +142,22 @@ class DataSpec(SpecModel):
     @classmethod
     def _uri(cls, value: str | None) -> str | None:
         return None if value is None else _storage_uri(value)
+
+    @field_validator("glob")
+    @classmethod
+    def _glob(cls, value: str) -> str:
+        """A pattern relative to ``uri`` that cannot leave it (workers glob ``{uri}/{glob}``)."""
+        if len(value) > MAX_GLOB_CHARS:
+            problem = f"is longer than {MAX_GLOB_CHARS} characters"
+        elif value.startswith("/"):
+            problem = "must be relative to data.uri, not an absolute path"
+        elif (bad := _GLOB_FORBIDDEN.search(value)) is not None:
+            problem = f"must not contain {bad.group()!r} (backslashes and control characters are refused)"
+        elif ".." in value.split("/"):
+            problem = "must not contain a '..' segment (it must stay below data.uri)"
+        else:
+            return value
+        raise PydanticCustomError("glob_pattern", "{problem}", {"problem": problem})
 
     @field_validator("factory")
     @classmethod

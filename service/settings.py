@@ -42,6 +42,10 @@ class Settings(BaseSettings):
     db_pool_size: int = 10  # PostgreSQL connections kept open by each engine
     db_max_overflow: int = 20  # extra connections opened under load, closed when returned
     db_pool_timeout_s: float = 5.0  # a request waits this long for a free connection, then gets a 503
+    # Users may run their own code in the workers (model.factory, data.factory, runtime.working_dir)
+    # and read worker-local files (a file:// data.uri). Workers hold the service's storage
+    # credentials, so a multi-tenant service sets this to false; admins are exempt.
+    allow_user_code: bool = True
 
     @model_validator(mode="after")
     def _fill_from_home(self) -> "Settings":

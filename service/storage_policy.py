@@ -10,6 +10,13 @@ job reads and overwrites, and the control plane must not let it name someone els
   any prefix below the storage root. Anything outside the storage root is refused.
 * a checkpoint a worker registers must lie below its own job's ``{root}/{job_id}/checkpoints``.
 
+``data.uri`` decides what a job reads (every file below it matching ``data.glob``, which the
+schema keeps relative and free of ``..``). A data URI inside the storage root must lie below the
+owner's area (admins: anywhere); one that contains the storage root (an ancestor, whose glob
+could reach into it) is refused too. Other URIs -- public datasets, a laptop's own folders --
+are allowed; a multi-tenant service also refuses ``file://`` data for users
+(``Settings.allow_user_code``, service/api/spec_access.py).
+
 URIs are compared as lists of path segments, never as strings, after refusing everything that
 a file system or object store might read differently from us: ``.``/``..``/empty segments,
 backslashes, percent-escapes (``%2e%2e``), ``?``/``#`` and control characters. Refusing is
@@ -62,8 +69,7 @@ def is_within(uri: str, prefix: str) -> bool:
 def user_prefix(storage_root: str, owner: str) -> str:
     """The area below the storage root that belongs to ``owner``."""
     if not re.match(SLUG_PATTERN, owner):
-        raise UnsafeUri(f"user {owner!r} has no storage area (the name is not a plain path segment); "
-                        f"leave checkpoint.uri null")
+        raise UnsafeUri(f"user {owner!r} has no storage area (the name is not a plain path segment)")
     return f"{storage_root.rstrip('/')}/{USERS_DIR}/{owner}"
 
 
@@ -73,6 +79,19 @@ def check_checkpoint_root(uri: str, storage_root: str, owner: str, *, is_admin: 
     if not is_within(uri, allowed):
         raise UnsafeUri(f"must lie below {allowed} (your storage area; or leave it null for "
                         f"{storage_root.rstrip('/')}/<job id>/checkpoints)")
+
+
+def check_data_uri(uri: str, storage_root: str, owner: str, *, is_admin: bool) -> None:
+    """Refuse a ``data.uri`` that reads from the storage root outside the owner's area."""
+    split_uri(uri)
+    if is_admin:
+        return
+    if is_within(storage_root, uri):
+        raise UnsafeUri(f"must not contain the storage root {storage_root.rstrip('/')} (it holds every "
+                        f"user's data); use {user_prefix(storage_root, owner)} or a dataset outside it")
+    if is_within(uri, storage_root) and not is_within(uri, user_prefix(storage_root, owner)):
+        raise UnsafeUri(f"must lie below {user_prefix(storage_root, owner)} (your storage area) when it "
+                        f"is inside the storage root {storage_root.rstrip('/')}")
 
 
 def job_checkpoints_prefix(spec: dict, storage_root: str, job_id: str) -> str:

@@ -1,7 +1,9 @@
 """What a submitted spec may reach beyond itself: checks that need the caller and the database.
 
 The schema alone cannot tell whose job ``resume_from.job_id`` names or whose storage
-``checkpoint.uri`` points into, so ``submit_job`` runs these before storing anything. A job the
+``checkpoint.uri`` and ``data.uri`` point into, nor whether this service lets the caller run
+their own code in the workers (``Settings.allow_user_code``), so ``submit_job`` runs these
+before storing anything. A job the
 caller cannot see and a job that does not exist get the same answer, so the 422 does not
 confirm that another user's job id exists (the same reason the job routes answer 404).
 """
@@ -16,16 +18,42 @@ from service.auth import Principal
 from service.models import Job
 from service.schemas import JobSpec
 from service.settings import Settings
-from service.storage_policy import UnsafeUri, check_checkpoint_root
+from service.storage_policy import UnsafeUri, check_checkpoint_root, check_data_uri
+
+_NO_USER_CODE = "user code is disabled on this service"
+_NO_LOCAL_FILES = "worker-local files are disabled on this service"
+
+
+def user_code_fields(spec: JobSpec) -> list[tuple[str, str]]:
+    """``(field, message)`` for each part of the spec that runs the user's code in the workers
+    or reads a worker's local files (refused for users when ``allow_user_code`` is false)."""
+    used = [
+        (spec.model.factory, "model.factory", f"{_NO_USER_CODE}; use a built-in model.preset"),
+        (spec.data.factory, "data.factory",
+         f"{_NO_USER_CODE}; use data.kind 'text' with an s3:// data.uri, or 'synthetic'"),
+        (spec.runtime and spec.runtime.working_dir, "runtime.working_dir",
+         f"{_NO_USER_CODE}; leave runtime unset and use a built-in model.preset"),
+        ((spec.data.uri or "").startswith("file://"), "data.uri",
+         f"{_NO_LOCAL_FILES}; use an s3:// dataset"),
+    ]
+    return [(field, message) for value, field, message in used if value]
 
 
 def check_spec_access(spec: JobSpec, user: Principal, session: Session, settings: Settings) -> None:
-    """Raise a 422 naming the field when the spec reaches into storage or jobs not the user's."""
-    if spec.checkpoint.uri is not None:
+    """Raise a 422 naming the field when the spec reaches into storage or jobs not the user's,
+    or runs user code on a service that does not allow it."""
+    if not settings.allow_user_code and not user.is_admin and (refused := user_code_fields(spec)):
+        field, message = refused[0]
+        raise field_error(field, message, "user_code_disabled")
+    storage_checks = [("checkpoint.uri", spec.checkpoint.uri, check_checkpoint_root),
+                      ("data.uri", spec.data.uri, check_data_uri)]
+    for field, uri, check in storage_checks:
+        if uri is None:
+            continue
         try:
-            check_checkpoint_root(spec.checkpoint.uri, settings.storage_uri, user.name, is_admin=user.is_admin)
+            check(uri, settings.storage_uri, user.name, is_admin=user.is_admin)
         except UnsafeUri as refused:
-            raise field_error("checkpoint.uri", str(refused), "storage_prefix") from None
+            raise field_error(field, str(refused), "storage_prefix") from None
     if spec.resume_from is not None:
         job_id = spec.resume_from.job_id
         owner = session.execute(select(Job.owner).where(Job.id == job_id)).scalar_one_or_none()

@@ -4,6 +4,9 @@ The rule (service/storage_policy.py): ``checkpoint.uri`` is null (checkpoints go
 ``{storage}/{job_id}/checkpoints``) or lies below ``{storage}/users/{owner}``; admins may use
 any prefix below the storage root. A checkpoint a worker registers lies below its own job's
 ``{root}/{job_id}/checkpoints``. ``resume_from.job_id`` names a job the submitter can see.
+``data.uri`` inside the storage root (or containing it) lies below the user's area; outside it,
+it is free, and ``data.glob`` cannot leave it. With ``allow_user_code=False`` a user's spec runs
+no code of theirs in the workers and reads no worker-local file; an admin's may.
 """
 
 from __future__ import annotations
@@ -14,8 +17,11 @@ import httpx
 import pytest
 from sqlalchemy import func, select
 
+from pydantic import ValidationError
+
 from service.models import Checkpoint, Job
-from service.storage_policy import UnsafeUri, check_checkpoint_root, check_registered_checkpoint
+from service.schemas import MAX_GLOB_CHARS, DataSpec
+from service.storage_policy import UnsafeUri, check_checkpoint_root, check_data_uri, check_registered_checkpoint
 
 from tests.service.conftest import VALID_SPEC, make_spec
 
@@ -44,12 +50,6 @@ ESCAPES = [
 ]
 
 
-@pytest.mark.parametrize("uri, why", ESCAPES, ids=[why for _, why in ESCAPES])
-def test_a_user_cannot_use_a_checkpoint_root_outside_their_area(uri, why):
-    with pytest.raises(UnsafeUri):
-        check_checkpoint_root(uri, ROOT, "alice", is_admin=False)
-
-
 def test_a_user_may_use_their_own_area_and_an_admin_any_prefix_below_the_root():
     for uri in (f"{ROOT}/users/alice", f"{ROOT}/users/alice/", f"{ROOT}/users/alice/exp-1/run.2"):
         check_checkpoint_root(uri, ROOT, "alice", is_admin=False)
@@ -60,6 +60,77 @@ def test_a_user_may_use_their_own_area_and_an_admin_any_prefix_below_the_root():
             check_checkpoint_root(uri, ROOT, "admin", is_admin=True)
     with pytest.raises(UnsafeUri):  # a user name that is not one plain segment has no area at all
         check_checkpoint_root(f"{ROOT}/users/../x", ROOT, "..", is_admin=False)
+
+
+# data URIs outside the storage root: a checkpoint may not go there, a dataset may come from there
+OUTSIDE_ROOT = ["file:///etc", "file:///srv/zerotrain/storage-other/users/alice",
+                "s3://srv/zerotrain/storage/users/alice"]
+# (data.uri alice may not read, why): every checkpoint escape that is not simply outside the root,
+# and the ancestors of the root (a glob below them reaches every user's data)
+DATA_ESCAPES = [(uri, why) for uri, why in ESCAPES if uri not in OUTSIDE_ROOT] + [
+    ("file:///srv/zerotrain", "the parent of the storage root"),
+    ("file:///srv", "an ancestor of the storage root"),
+    ("file:///", "the file system root"),
+]
+
+REFUSED = [(check_checkpoint_root, uri, why) for uri, why in ESCAPES] + \
+          [(check_data_uri, uri, why) for uri, why in DATA_ESCAPES]
+
+
+@pytest.mark.parametrize("check, uri, why", REFUSED, ids=[f"{check.__name__}: {why}" for check, _, why in REFUSED])
+def test_a_user_cannot_use_a_checkpoint_root_or_read_data_outside_their_area(check, uri, why):
+    with pytest.raises(UnsafeUri):
+        check(uri, ROOT, "alice", is_admin=False)
+
+
+def test_a_user_may_read_their_own_area_and_data_outside_the_root_and_an_admin_anything():
+    for uri in (f"{ROOT}/users/alice", f"{ROOT}/users/alice/", f"{ROOT}/users/alice/corpus/v2",
+                *OUTSIDE_ROOT, "s3://public-datasets/tinyshakespeare"):
+        check_data_uri(uri, ROOT, "alice", is_admin=False)
+    for uri in (f"{ROOT}/users/bob/shared", f"{ROOT}/job-0123456789abcdef", ROOT, "file:///srv"):
+        check_data_uri(uri, ROOT, "admin", is_admin=True)
+    for uri in (f"{ROOT}/../x", f"{ROOT}/%2e%2e", "file://relative/path"):
+        with pytest.raises(UnsafeUri):
+            check_data_uri(uri, ROOT, "admin", is_admin=True)
+    s3_root = "s3://bucket/zerotrain"
+    check_data_uri("s3://bucket/datasets/c4", s3_root, "alice", is_admin=False)
+    for uri in ("s3://bucket", f"{s3_root}/users/bob", f"{s3_root}/job-0123456789abcdef/checkpoints"):
+        with pytest.raises(UnsafeUri):
+            check_data_uri(uri, s3_root, "alice", is_admin=False)
+
+
+# (data.glob, why) -- each would make the workers glob outside data.uri
+GLOB_ESCAPES = [
+    ("/etc/*", "absolute"),
+    ("//etc/*", "absolute, doubled slash"),
+    ("../bob/**", "leading '..'"),
+    ("corpus/../../bob/*", "inner '..'"),
+    ("**/..", "trailing '..'"),
+    ("..", "just '..'"),
+    ("..\\bob\\*", "backslashes"),
+    ("*.txt\x00", "NUL"),
+    ("a\nb", "newline"),
+    ("a\x7fb", "DEL"),
+    ("*" * (MAX_GLOB_CHARS + 1), "too long"),
+]
+GLOBS_ACCEPTED = ["**/*", "*.py", "sub/dir/*.txt", "..hidden/*", "a/.../b", "v1.2/[ab]*.txt?",
+                  "*" * MAX_GLOB_CHARS]
+
+
+def text_data(uri: str = "s3://datasets/corpus", glob: str = "**/*") -> dict:
+    return {"kind": "text", "uri": uri, "glob": glob, "seq_len": 64}
+
+
+@pytest.mark.parametrize("glob, why", GLOB_ESCAPES, ids=[why for _, why in GLOB_ESCAPES])
+def test_a_glob_that_can_leave_the_data_uri_is_refused(glob, why):
+    with pytest.raises(ValidationError) as refused:
+        DataSpec(**text_data(glob=glob))
+    assert [error["loc"] for error in refused.value.errors()] == [("glob",)]
+
+
+@pytest.mark.parametrize("glob", GLOBS_ACCEPTED, ids=lambda glob: glob if len(glob) < 40 else f"{len(glob)} chars")
+def test_a_relative_glob_below_the_data_uri_is_accepted(glob):
+    assert DataSpec(**text_data(glob=glob)).glob == glob
 
 
 def test_a_registered_checkpoint_must_lie_below_its_own_jobs_prefix():
@@ -168,3 +239,54 @@ def test_a_worker_registers_checkpoints_only_below_its_own_jobs_prefix(world):
         assert session.execute(select(func.count()).select_from(Checkpoint)).scalar_one() == 0
     assert register(plain_id, f"{root}/{plain_id}/checkpoints/step_00000001").status_code == 201
     assert register(custom_id, f"{custom}/{custom_id}/checkpoints/step_00000001").status_code == 201
+
+
+def test_data_uri_inside_the_storage_root_must_be_the_users_own_area(world):
+    service, alice, bob = world
+    root = service.settings.storage_uri
+    bobs = bob.submit(make_spec()).id
+    refused = [uri.replace(ROOT, root) for uri, _why in DATA_ESCAPES if uri.startswith(ROOT)]
+    for uri in (*refused, f"{root}/{bobs}/checkpoints", f"{root}/{bobs}", root.rsplit("/", 1)[0]):
+        assert_refused(post_job(alice, spec_with(data=text_data(uri))), "data.uri")
+    for glob, _why in GLOB_ESCAPES:
+        assert_refused(post_job(alice, spec_with(data=text_data(f"{root}/users/alice", glob))), "data.glob")
+    assert job_count(service) == 1  # bob's
+    for uri in (f"{root}/users/alice/corpus", "s3://datasets/corpus", "file:///usr/share/dict"):
+        created = post_job(alice, spec_with(data=text_data(uri, "sub/*.txt")))
+        assert created.status_code == 201, created.text
+        assert created.json()["spec"]["data"]["uri"] == uri
+    admin = service.client()
+    assert post_job(admin, spec_with(data=text_data(f"{root}/users/bob"))).status_code == 201
+    assert job_count(service) == 5
+
+
+def preset_spec(**changes) -> dict:
+    """A spec that runs no user code: a built-in model, synthetic data."""
+    return {**spec_with(**changes), "model": {"preset": "gpt-nano"}}
+
+
+# (field, a spec using it) -- each runs the submitter's code in the workers or reads a worker's files
+USER_CODE = [
+    ("model.factory", spec_with()),
+    ("data.factory", preset_spec(data={"kind": "factory", "factory": "tests.fake:dataset", "seq_len": 64})),
+    ("runtime.working_dir", preset_spec(runtime={"working_dir": "s3://code/alice/pkg.zip"})),
+    ("data.uri", preset_spec(data=text_data("file:///proc/self", "environ"))),
+]
+
+
+def test_without_user_code_a_user_runs_only_presets_on_remote_data_and_an_admin_anything(make_live_service):
+    service = make_live_service(scheduler_enabled=False, allow_user_code=False)
+    alice = service.client(service.create_user("alice"))
+    for field, spec in USER_CODE:
+        refused = post_job(alice, spec)
+        assert_refused(refused, field)
+        assert "disabled on this service" in refused.json()["errors"][0]["message"]
+    assert job_count(service) == 0
+    for spec in (preset_spec(), preset_spec(data=text_data("s3://datasets/corpus"))):
+        created = post_job(alice, spec)
+        assert created.status_code == 201, created.text
+    admin = service.client()
+    for field, spec in USER_CODE:
+        created = post_job(admin, spec)
+        assert created.status_code == 201, (field, created.text)
+    assert job_count(service) == 2 + len(USER_CODE)
