@@ -3,9 +3,9 @@
 The schema alone cannot tell whose job ``resume_from.job_id`` names or whose storage
 ``checkpoint.uri`` and ``data.uri`` point into, nor whether this service lets the caller run
 their own code in the workers (``Settings.allow_user_code``), so ``submit_job`` runs these
-before storing anything. A job the
-caller cannot see and a job that does not exist get the same answer, so the 422 does not
-confirm that another user's job id exists (the same reason the job routes answer 404).
+before storing anything. A job the caller cannot see and a job that does not exist get the
+same answer, so the 422 does not confirm that another user's job id exists (the same reason
+the job routes answer 404).
 """
 
 from __future__ import annotations
