@@ -51,9 +51,13 @@ class S3Server:
         self.up = False
 
     def environment(self) -> dict[str, str]:
-        """What a process needs to use this server through ``workers.checkpointing.storage``."""
+        """What a process needs to use this server through ``workers.checkpointing.storage``.
+
+        botocore's own retries are off (``AWS_MAX_ATTEMPTS=1``): an attempt against a stopped
+        server then fails in about a second, and the retries counted are the product's
+        (``workers.checkpointing.writer``)."""
         return {"ZEROTRAIN_S3_ENDPOINT_URL": self.url, "AWS_ACCESS_KEY_ID": "testing",
-                "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+                "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1", "AWS_MAX_ATTEMPTS": "1"}
 
     def create_bucket(self, name: str) -> None:
         import boto3

@@ -10,8 +10,8 @@ event is seen. The test fails if the job does not succeed in its first attempt, 
 row is missing or stored twice, if a failed step is registered or committed, or if the
 latest checkpoint does not verify.
 
-(botocore's own retries are turned off with ``AWS_MAX_ATTEMPTS=1`` so an attempt against a
-stopped server fails in about a second; the retry count asserted is the product's.)
+(botocore's own retries are off, ``S3Server.environment``: an attempt against a stopped server
+fails in about a second; the retry count asserted is the product's.)
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ STEPS, EVERY = 400, 10
 def s3() -> Iterator[S3Server]:
     server = S3Server()
     server.start()
-    env = {**server.environment(), "AWS_MAX_ATTEMPTS": "1", "ZEROTRAIN_CHECKPOINT_UPLOAD_ATTEMPTS": str(UPLOAD_ATTEMPTS)}
+    env = {**server.environment(), "ZEROTRAIN_CHECKPOINT_UPLOAD_ATTEMPTS": str(UPLOAD_ATTEMPTS)}
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
     server.create_bucket("zt-ray-outage")
