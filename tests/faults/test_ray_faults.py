@@ -17,7 +17,7 @@ import pytest
 from service.schemas import JobState
 from tests.integration.conftest import (ControlPlane, cmdline, describe, job_owned_processes, job_processes,
                                         job_processes_but_the_cleaner, make_control_plane, ray_head, wait_for)
-from tests.integration.test_ray_jobs import explain, nano_job, running_with_metrics
+from tests.integration.test_ray_jobs import explain, nano_job, running_with_metrics, stop_while_training
 
 pytestmark = [pytest.mark.faults, pytest.mark.ray, pytest.mark.slow]
 
@@ -70,23 +70,19 @@ def test_killing_the_driver_fails_the_job_with_a_reason_and_leaves_nothing_behin
 def test_a_killed_and_replaced_control_plane_reattaches_the_running_job(make_control_plane):
     steps = 100
     plane = make_control_plane()
-    client = plane.client()
-    job = client.submit(nano_job(steps))
-    wait_for(lambda: running_with_metrics(client, job.id, min_rows=4), 180, "the job to train")
-    client.close()
-    plane.stop()  # the old control plane (app, scheduler, launcher) is gone
+    job_id = stop_while_training(plane, steps)  # the old control plane (app, scheduler, launcher) is gone
     down = time.time()
     time.sleep(OUTAGE_S)  # the outage itself: the ranks keep training and buffer their metrics
-    assert driver_of(job.id), "the job should still be running when the new control plane starts"
+    assert driver_of(job_id), "the job should still be running when the new control plane starts"
     replacement = ControlPlane(plane.settings).start()  # a NEW app + scheduler on the same DB and Ray head
     up = time.time()
     try:
         with replacement.client() as client:
-            final = client.wait(job.id, timeout=300)
-            assert final.state is JobState.SUCCEEDED, explain(client, job.id)
+            final = client.wait(job_id, timeout=300)
+            assert final.state is JobState.SUCCEEDED, explain(client, job_id)
             assert final.attempt == 1
-            rows = client.metrics(job.id)
-            events = client.events(job.id)
+            rows = client.metrics(job_id)
+            events = client.events(job_id)
     finally:
         replacement.stop()
     keys = assert_unique(rows)
@@ -94,7 +90,7 @@ def test_a_killed_and_replaced_control_plane_reattaches_the_running_job(make_con
     to_states = [e.to_state for e in events]
     assert to_states.count(JobState.STARTING) == 1 and to_states.count(JobState.RUNNING) == 1, to_states
     assert to_states[-1] is JobState.SUCCEEDED
-    assert not job_owned_processes(job.id) or wait_for(lambda: not job_owned_processes(job.id), 30,
+    assert not job_owned_processes(job_id) or wait_for(lambda: not job_owned_processes(job_id), 30,
                                                        "the finished job's processes to exit")
     trained_while_down = [r for r in rows if down < r.time < up]
     assert {r.rank for r in trained_while_down} == {0, 1}, "the outage should fall in the middle of training"

@@ -118,6 +118,16 @@ def running_with_metrics(client, job_id: str, min_rows: int = 1, attempt: int = 
     return job.state is JobState.RUNNING and len(client.metrics(job_id, attempt=attempt)) >= min_rows and job
 
 
+def stop_while_training(plane, steps: int) -> str:
+    """Submit a ``steps``-step nano job, wait until it trains, then stop ``plane`` (app,
+    scheduler, launcher) under it; the job's id. The outage tests start from here."""
+    with plane.client() as client:
+        job = client.submit(nano_job(steps))
+        wait_for(lambda: running_with_metrics(client, job.id, min_rows=4), 180, "the job to train")
+    plane.stop()
+    return job.id
+
+
 def test_cancel_of_a_running_job_stops_its_ray_processes_within_15_s(make_control_plane):
     plane = make_control_plane()
     with plane.client() as client:
@@ -187,18 +197,14 @@ def test_killing_a_worker_restarts_the_group_and_the_job_still_succeeds(make_con
 def test_a_control_plane_down_for_ten_seconds_loses_no_metric_rows(make_control_plane):
     steps = 100
     plane = make_control_plane()
-    client = plane.client()
-    job = client.submit(nano_job(steps))
-    wait_for(lambda: running_with_metrics(client, job.id, min_rows=4), 180, "the job to train")
-    client.close()
-    plane.stop()
+    job_id = stop_while_training(plane, steps)
     down, up = time.time(), time.time() + 10
     time.sleep(10)  # the outage itself: workers keep training and buffering meanwhile
     plane.start()
     with plane.client() as client:
-        final = client.wait(job.id, timeout=300)
-        assert final.state is JobState.SUCCEEDED, explain(client, job.id)
-        rows = client.metrics(job.id)
+        final = client.wait(job_id, timeout=300)
+        assert final.state is JobState.SUCCEEDED, explain(client, job_id)
+        rows = client.metrics(job_id)
     keys = [(r.rank, r.step) for r in rows]
     assert len(keys) == len(set(keys)) == 2 * steps
     assert sorted(keys) == [(k, s) for k in (0, 1) for s in range(1, steps + 1)]
