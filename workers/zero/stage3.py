@@ -333,17 +333,9 @@ class ParamShardStrategy(ReduceScatterInBackwardStrategy):
         unit.reduced = True
         self._reshard(unit)
         if self.overlap_comm:
-            self._launch_unit(unit.bucket)
+            self._launch_bucket(unit.bucket)
         else:
             self._deferred.append(unit)
-
-    def _launch_unit(self, b: FlatBucket) -> None:
-        if self.world_size > 1:
-            self._grad_target(b).div_(self.world_size)  # pre-divide, like every stage
-        b.pending = self._launch(b)
-        b.launched = True
-        self._inflight.append(b)
-        self._retire()
 
     # -- the engine's per-micro-step interface --------------------------------------------------------
     def on_grad(self, bucket: FlatBucket, pos: int, grad: torch.Tensor) -> None:
@@ -353,8 +345,7 @@ class ParamShardStrategy(ReduceScatterInBackwardStrategy):
                 f"gradient for {bucket.spec.slots[pos].name} arrived after unit {unit.index} ({unit.name}) was "
                 "reduce-scattered in this backward; a unit's parameters must not be used outside its forward"
             )
-        lo, hi = bucket.slot_range(pos)
-        self._grad_target(bucket)[lo:hi].add_(grad.reshape(-1))
+        self._accumulate(bucket, pos, grad)
 
     def mark_absent(self, bucket: FlatBucket, pos: int) -> None:
         pass
@@ -365,7 +356,7 @@ class ParamShardStrategy(ReduceScatterInBackwardStrategy):
             if unit.fwd_uses > 0 and not unit.reduced:
                 self._reduce(unit)
         for unit in self._deferred:
-            self._launch_unit(unit.bucket)
+            self._launch_bucket(unit.bucket)
         self._deferred = []
         for unit in self.units:
             self._reshard(unit)

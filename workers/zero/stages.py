@@ -113,11 +113,15 @@ class Strategy:
                 f"gradient for {bucket.spec.slots[pos].name} arrived after bucket {bucket.spec.index} was "
                 "reduced in this backward; call engine.backward() once per micro-batch"
             )
-        lo, hi = bucket.slot_range(pos)
-        self._grad_target(bucket)[lo:hi].add_(grad.reshape(-1))
+        self._accumulate(bucket, pos, grad)
         bucket.ready += 1
         if self._sync and self.overlap_comm:
             self._launch_ready()
+
+    def _accumulate(self, bucket: FlatBucket, pos: int, grad: torch.Tensor) -> None:
+        """Sum one parameter's gradient into its slot of the bucket's gradient target."""
+        lo, hi = bucket.slot_range(pos)
+        self._grad_target(bucket)[lo:hi].add_(grad.reshape(-1))
 
     @property
     def launches_during_backward(self) -> bool:
@@ -145,11 +149,15 @@ class Strategy:
 
     def _launch_next(self) -> None:
         b = self.buckets[self._next_launch]
+        self._next_launch += 1
+        self._launch_bucket(b)
+
+    def _launch_bucket(self, b: FlatBucket) -> None:
+        """Pre-divide ``b``'s gradient, start its collective, and retire what has finished."""
         if self.world_size > 1:
             self._grad_target(b).div_(self.world_size)
         b.pending = self._launch(b)
         b.launched = True
-        self._next_launch += 1
         self._inflight.append(b)
         self._retire()
 
