@@ -17,11 +17,15 @@ existence check invalidates fsspec's cache for that path first.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import uuid
-from typing import IO, Any, Iterable
+from typing import IO, Any, Iterable, Iterator
 
 import fsspec
+
+log = logging.getLogger(__name__)
 
 ENDPOINT_ENV = "ZEROTRAIN_S3_ENDPOINT_URL"
 
@@ -102,12 +106,36 @@ class Storage:
         return int(self.fs.size(self.path(rel)))
 
     # -- writing -----------------------------------------------------------------------------------
-    def open_write(self, rel: str) -> IO[bytes]:
-        """A streamed write; on object stores the object appears only when it is closed."""
+    @contextlib.contextmanager
+    def open_write(self, rel: str) -> Iterator[IO[bytes]]:
+        """A streamed write, as ``with storage.open_write(rel) as sink``.
+
+        On an object store the object appears only when the block ends. If the block (or the
+        final close) raises, the partial upload is aborted -- never completed, not even later by
+        fsspec's ``close()`` or ``__del__``; a local file is closed and left for the next write
+        to replace.
+        """
         path = self.path(rel)
         if self.is_local:
             self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-        return self.fs.open(path, "wb")
+        sink = self.fs.open(path, "wb")
+        try:
+            yield sink
+            sink.close()
+        except BaseException:
+            self._abandon(sink)
+            raise
+
+    def _abandon(self, sink: Any) -> None:
+        if self.is_local:
+            sink.close()
+            return
+        try:
+            sink.discard()  # aborts the multipart upload
+        except Exception:  # noqa: BLE001 - the store may be the thing that is down
+            log.debug("could not discard a partial write to %s", self.uri, exc_info=True)
+        finally:
+            sink.closed = True
 
     def write_atomic(self, rel: str, data: bytes) -> None:
         """Readers see the whole of ``data`` under ``rel`` or nothing (rename locally, one PUT on S3)."""

@@ -91,34 +91,14 @@ def write_shard(step_storage: Storage, snap: ShardSnapshot) -> tuple[int, str]:
     header, offsets = build_header(specs, {"format": "pt", "zerotrain": f"step {snap.step} rank {snap.rank}"})
     for key in names:
         snap.entries[key]["pieces"][0]["offsets"] = list(offsets[key])
-    sink = step_storage.open_write(snap.file)
-    try:
+    with step_storage.open_write(snap.file) as sink:  # a failed write leaves no partial object
         out = HashingWriter(sink)
         out.write(header)
         for key in names:
             raw = snap.tensors[key].reshape(-1).view(torch.uint8).numpy()
             for start in range(0, raw.size, CHUNK_BYTES):
                 out.write(raw[start : start + CHUNK_BYTES])
-        sink.close()  # on S3: completes the upload; the object appears only now
-    except BaseException:
-        _abandon(step_storage, sink)
-        raise
     return out.size, out.hexdigest()
-
-
-def _abandon(storage: Storage, sink: Any) -> None:
-    """Drop a half-written shard: abort the multipart upload on an object store (never complete
-    it, not even from ``close()`` or ``__del__``); close a local file, which the next attempt
-    overwrites and no manifest names."""
-    if storage.is_local:
-        sink.close()
-        return
-    try:
-        sink.discard()
-    except Exception:  # noqa: BLE001 - the store may be the thing that is down
-        log.debug("could not discard a partial shard", exc_info=True)
-    finally:
-        sink.closed = True
 
 
 def write_shard_with_retries(step_storage: Storage, snap: ShardSnapshot, attempts: int,
