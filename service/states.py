@@ -129,9 +129,7 @@ def note_waiting(session: Session, job: Job, reason: str, message: str | None) -
     )
     if result.rowcount != 1:
         return False
-    session.add(JobEvent(job_id=job.id, from_state=job.state, to_state=job.state, reason=reason,
-                         message=message, attempt=job.attempt, created_at=utcnow()))
-    session.flush()
+    _add_notice(session, job, reason, message)
     return True
 
 
@@ -145,8 +143,11 @@ def record_notice(session: Session, job: Job, reason: str, message: str) -> JobE
         select(JobEvent).where(JobEvent.job_id == job.id, JobEvent.reason == reason,
                                JobEvent.attempt == job.attempt, JobEvent.message == message)
     ).scalars().first()
-    if existing is not None:
-        return existing
+    return existing if existing is not None else _add_notice(session, job, reason, message)
+
+
+def _add_notice(session: Session, job: Job, reason: str, message: str | None) -> JobEvent:
+    """The event row of a notice: ``from_state == to_state``, this attempt, now."""
     event = JobEvent(job_id=job.id, from_state=job.state, to_state=job.state, reason=reason, message=message,
                      attempt=job.attempt, created_at=utcnow())
     session.add(event)
