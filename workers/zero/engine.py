@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import math
+import weakref
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -149,8 +150,8 @@ class ZeroEngine:
         self._step = 0
         self._last_comm = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0, "total": 0, "control": 0}
         self._hooks = [
-            p.register_post_accumulate_grad_hook(self._make_hook(b, pos))
-            for b in self.buckets
+            p.register_post_accumulate_grad_hook(self._make_hook(bucket_index, pos))
+            for bucket_index, b in enumerate(self.buckets)
             for pos, p in enumerate(b.params)
         ]
 
@@ -250,20 +251,34 @@ class ZeroEngine:
         if self._micro_open:
             self._end_micro_step()
 
-    def _make_hook(self, bucket: FlatBucket, pos: int):
-        index = bucket.spec.slots[pos].index
+    def _make_hook(self, bucket_index: int, pos: int):
+        """The gradient hook of one parameter.
+
+        Autograd keeps a parameter's post-accumulate hooks in C++, where Python's garbage
+        collector cannot see them: a hook that held the engine (or its bucket, which holds the
+        parameter) would form a cycle the collector never frees, and every engine ever built
+        would live until the process exits -- its flat buffers, optimizer state and process
+        group with it, torn down only during interpreter shutdown. So the hook holds a weak
+        reference and indices; once the engine is gone it does nothing.
+        """
+        engine_ref = weakref.ref(self)
+        index = self.buckets[bucket_index].spec.slots[pos].index
 
         def hook(param: nn.Parameter) -> None:
-            if param.grad is None:
+            engine = engine_ref()
+            if engine is None or param.grad is None:
                 return
-            if not self._micro_open:  # the user called loss.backward() directly
-                self._begin_micro_step()
-                torch.autograd.Variable._execution_engine.queue_callback(self._end_micro_step)
-            self._got_grad[index] = True
-            self.strategy.on_grad(bucket, pos, param.grad)
-            param.grad = None
+            engine._on_grad(engine.buckets[bucket_index], pos, index, param)
 
         return hook
+
+    def _on_grad(self, bucket: FlatBucket, pos: int, index: int, param: nn.Parameter) -> None:
+        if not self._micro_open:  # the user called loss.backward() directly
+            self._begin_micro_step()
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_micro_step)
+        self._got_grad[index] = True
+        self.strategy.on_grad(bucket, pos, param.grad)
+        param.grad = None
 
     def _begin_micro_step(self, sync: bool = False) -> None:
         if self._micro_open:

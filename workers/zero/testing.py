@@ -12,6 +12,8 @@ learn from without a data loader.
 
 from __future__ import annotations
 
+import faulthandler
+import gc
 import importlib
 import importlib.util
 import inspect
@@ -50,6 +52,7 @@ def _resolve(module: str, qualname: str, path: str) -> Callable:
 def _entry(rank: int, world_size: int, port: int, target: tuple[str, str, str], args: tuple, outdir: str,
            timeout_s: float) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    faulthandler.enable()  # a native abort prints every thread's Python stack, not only "terminate called"
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
@@ -60,6 +63,7 @@ def _entry(rank: int, world_size: int, port: int, target: tuple[str, str, str], 
         torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
         dist.barrier()
     finally:
+        gc.collect()  # whatever the run built is freed now, not during interpreter shutdown
         dist.destroy_process_group()
 
 
