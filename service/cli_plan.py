@@ -31,7 +31,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     source.add_argument("--preset", help="a built-in model (gpt-nano … gpt-1b): Φ and activations from it")
     parser.add_argument("--gpus", type=int, default=1, help="data-parallel ranks N (default 1)")
     parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="bf16")
-    # dest: the names POST /plan uses, which memory.plan_for_question reads
+    # dest: the names POST /plan uses, which service.prediction.plan_for_question reads
     parser.add_argument("--gpu-mem", type=float, dest="gpu_mem_gb", metavar="GPU_MEM",
                         help="memory per GPU, GB (decimal); picks the stage")
     parser.add_argument("--host-mem", type=float, dest="host_mem_gb", metavar="HOST_MEM",
@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     from workers.zero import memory
 
     try:
-        plan = _plan(args, memory).to_dict()
+        plan = _plan(args).to_dict()
     except memory.NoPlanFits as exc:
         _print(exc.detail, args, chosen=None)
         raise _cli_error(exc.detail["message"]) from None
@@ -66,7 +66,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plan(args: argparse.Namespace, memory: Any) -> Any:
+def _plan(args: argparse.Namespace) -> Any:
+    from service.prediction import plan_for_question
+
     spec = None
     if args.preset is not None:
         from workers.models import preset_config
@@ -80,7 +82,7 @@ def _plan(args: argparse.Namespace, memory: Any) -> Any:
                      "prefetch": args.prefetch},
             "resources": {"num_workers": args.gpus, "gpus_per_worker": 1},
         }
-    return memory.plan_for_question(args, spec)
+    return plan_for_question(args, spec)
 
 
 def _cli_error(message: str) -> Exception:

@@ -63,6 +63,41 @@ def warm_up() -> None:
         log.exception("planner warm-up failed")
 
 
+def plan_for_question(question: Any, spec: dict[str, Any] | None = None, allow_factories: bool = True) -> Any:
+    """What ``POST /plan`` and ``zerotrain plan`` answer (a ``memory.Plan``): one function, so the two
+    always agree. Raises ``memory.NoPlanFits`` or ``ValueError``.
+
+    ``question`` is the request model or the parsed arguments; both use the same attribute
+    names, in the units people type (decimal GB, Gbit/s). The budget and time model:
+    ``gpu_mem_gb``, ``host_mem_gb``, ``margin``, ``bandwidth_gbps``, ``compute_s``,
+    ``target_efficiency``. With a ``spec`` the model comes from it (``plan_for_spec``); without,
+    from a bare count: ``params``, ``gpus``, ``precision`` (None: bf16), ``bucket_mb``,
+    ``prefetch``, ``activation_gb``, ``units`` (``plan_for_count``).
+    """
+    from workers.zero.memory import gb_to_bytes, gbps_to_bytes_per_s, plan_for_count, plan_for_spec
+
+    common = dict(
+        gpu_memory_bytes=gb_to_bytes(question.gpu_mem_gb),
+        margin=question.margin,
+        host_memory_bytes=gb_to_bytes(question.host_mem_gb),
+        bandwidth_bytes_per_s=None if question.bandwidth_gbps is None else gbps_to_bytes_per_s(question.bandwidth_gbps),
+        compute_s=question.compute_s,
+        target_efficiency=question.target_efficiency,
+    )
+    if spec is not None:
+        return plan_for_spec(spec, allow_factories=allow_factories, **common)
+    return plan_for_count(
+        question.params,
+        question.gpus,
+        precision=question.precision or "bf16",
+        bucket_mb=question.bucket_mb,
+        prefetch=question.prefetch,
+        activation_bytes=gb_to_bytes(question.activation_gb),
+        units=question.units,
+        **common,
+    )
+
+
 def check_against_prediction(prediction: dict[str, Any], measured: dict[str, float]) -> dict[str, Any]:
     """Each term predicted vs measured (``workers.zero.memory.compare``)."""
     from workers.zero import memory

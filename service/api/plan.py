@@ -18,6 +18,8 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from service.prediction import plan_for_question
+
 router = APIRouter(tags=["plan"])
 
 
@@ -76,15 +78,13 @@ class PlanResponse(BaseModel):
 
 def plan_from_request(req: PlanRequest) -> "Any":
     """The ``memory.Plan`` a request asks for; raises ``memory.NoPlanFits`` or ``ValueError``."""
-    from workers.zero import memory
-
     spec = None
     if req.model is not None:
         zero = dict(req.zero or {})
         if req.precision:
             zero["precision"] = req.precision
         spec = {"model": req.model, "data": req.data, "train": req.train, "zero": zero, "resources": req.resources}
-    return memory.plan_for_question(req, spec, allow_factories=False)
+    return plan_for_question(req, spec, allow_factories=False)
 
 
 def no_plan_response(detail: dict[str, Any]) -> JSONResponse:

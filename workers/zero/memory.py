@@ -1120,38 +1120,6 @@ def plan_for_count(
     return choose_plan(inputs, gpu_memory_bytes, margin, host_budget_bytes=host_memory_bytes)
 
 
-def plan_for_question(question: Any, spec: dict[str, Any] | None = None, allow_factories: bool = True) -> Plan:
-    """What ``POST /plan`` and ``zerotrain plan`` answer: one function, so the two always agree.
-
-    ``question`` is the request model or the parsed arguments; both use the same attribute
-    names, in the units people type (decimal GB, Gbit/s). The budget and time model:
-    ``gpu_mem_gb``, ``host_mem_gb``, ``margin``, ``bandwidth_gbps``, ``compute_s``,
-    ``target_efficiency``. With a ``spec`` the model comes from it (``plan_for_spec``); without,
-    from a bare count: ``params``, ``gpus``, ``precision`` (None: bf16), ``bucket_mb``,
-    ``prefetch``, ``activation_gb``, ``units`` (``plan_for_count``).
-    """
-    common = dict(
-        gpu_memory_bytes=gb_to_bytes(question.gpu_mem_gb),
-        margin=question.margin,
-        host_memory_bytes=gb_to_bytes(question.host_mem_gb),
-        bandwidth_bytes_per_s=None if question.bandwidth_gbps is None else gbps_to_bytes_per_s(question.bandwidth_gbps),
-        compute_s=question.compute_s,
-        target_efficiency=question.target_efficiency,
-    )
-    if spec is not None:
-        return plan_for_spec(spec, allow_factories=allow_factories, **common)
-    return plan_for_count(
-        question.params,
-        question.gpus,
-        precision=question.precision or "bf16",
-        bucket_mb=question.bucket_mb,
-        prefetch=question.prefetch,
-        activation_bytes=gb_to_bytes(question.activation_gb),
-        units=question.units,
-        **common,
-    )
-
-
 def fixed_plan(inputs: PlanInputs, stage: int, offload: bool, budget_bytes: int | None, margin: float) -> Plan:
     """The prediction for a stage the user fixed; ``fits`` says whether the budget holds it."""
     candidates = predict_all(inputs)
