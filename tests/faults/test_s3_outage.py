@@ -50,14 +50,19 @@ class S3Server:
         self.server.stop()
         self.up = False
 
-    def environment(self) -> dict[str, str]:
-        """What a process needs to use this server through ``workers.checkpointing.storage``.
+    def use_in(self, env: pytest.MonkeyPatch) -> None:
+        """Point ``workers.checkpointing.storage`` in this process (and the processes it starts)
+        at this server, with test credentials and no AWS profile or session token.
 
         botocore's own retries are off (``AWS_MAX_ATTEMPTS=1``): an attempt against a stopped
         server then fails in about a second, and the retries counted are the product's
         (``workers.checkpointing.writer``)."""
-        return {"ZEROTRAIN_S3_ENDPOINT_URL": self.url, "AWS_ACCESS_KEY_ID": "testing",
-                "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1", "AWS_MAX_ATTEMPTS": "1"}
+        for name, value in {"ZEROTRAIN_S3_ENDPOINT_URL": self.url, "AWS_ACCESS_KEY_ID": "testing",
+                            "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+                            "AWS_MAX_ATTEMPTS": "1"}.items():
+            env.setenv(name, value)
+        for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN"):
+            env.delenv(name, raising=False)
 
     def create_bucket(self, name: str) -> None:
         import boto3
@@ -70,10 +75,7 @@ class S3Server:
 def s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[S3Server]:
     server = S3Server()
     server.start()
-    for name, value in server.environment().items():
-        monkeypatch.setenv(name, value)
-    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN"):
-        monkeypatch.delenv(name, raising=False)
+    server.use_in(monkeypatch)
     server.create_bucket(f"zt-{uuid.uuid4().hex[:12]}")
     try:
         yield server

@@ -10,13 +10,12 @@ event is seen. The test fails if the job does not succeed in its first attempt, 
 row is missing or stored twice, if a failed step is registered or committed, or if the
 latest checkpoint does not verify.
 
-(botocore's own retries are off, ``S3Server.environment``: an attempt against a stopped server
+(botocore's own retries are off, ``S3Server.use_in``: an attempt against a stopped server
 fails in about a second; the retry count asserted is the product's.)
 """
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -40,20 +39,15 @@ STEPS, EVERY = 400, 10
 def s3() -> Iterator[S3Server]:
     server = S3Server()
     server.start()
-    env = {**server.environment(), "ZEROTRAIN_CHECKPOINT_UPLOAD_ATTEMPTS": str(UPLOAD_ATTEMPTS)}
-    saved = {name: os.environ.get(name) for name in env}
-    os.environ.update(env)
-    server.create_bucket("zt-ray-outage")
-    try:
-        yield server
-    finally:
-        if server.up:
-            server.stop()
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    with pytest.MonkeyPatch.context() as env:  # module-scoped: the Ray head below inherits it
+        server.use_in(env)
+        env.setenv("ZEROTRAIN_CHECKPOINT_UPLOAD_ATTEMPTS", str(UPLOAD_ATTEMPTS))
+        server.create_bucket("zt-ray-outage")
+        try:
+            yield server
+        finally:
+            if server.up:
+                server.stop()
 
 
 @pytest.fixture(scope="module")
