@@ -149,7 +149,11 @@ def test_vanished_driver_is_driver_lost_and_stopped(db):
 
 def test_a_clean_up_that_fails_is_logged_and_the_job_stays_failed(db, caplog):
     make_session, scheduler, launcher, job_id = scheduled_job(db, LaunchStatus(LaunchPhase.FAILED))
-    launcher.release = lambda handle: (_ for _ in ()).throw(RuntimeError("cluster unreachable"))
+
+    def unreachable(handle: LaunchHandle) -> None:
+        raise RuntimeError("cluster unreachable")
+
+    launcher.release = unreachable
     scheduler.run_once()
     scheduler.stop()
     assert job(make_session, job_id).state == "FAILED"
