@@ -1,26 +1,38 @@
-"""The wire contract: the job spec (DESIGN §3) and every request/response body of the REST API.
+"""The wire contract: every request/response body of the REST API (the job spec itself is ``contract.spec``).
 
-This module is imported by the SDK, the CLI, the workers and the server, so it depends on
-pydantic alone. Input models are strict and forbid unknown fields: a typo in a spec is a 422
-that names the field, never a silently ignored setting. Output models are lenient so that an
-older client keeps reading a newer server.
+This module is imported by the SDK, the CLI and the server, so it depends on pydantic alone.
+Input models forbid unknown fields: a typo is a 422 that names the field, never a silently
+ignored setting. Output models are lenient so that an older client keeps reading a newer server.
 """
 
 from __future__ import annotations
 
 import enum
-import re
 from datetime import datetime
 from typing import Any, Generic, Literal, TypeVar
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    field_validator,
-    model_validator,
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# The spec lives in contract.spec (the workers read it too); re-exported for the SDK and the API.
+from contract.spec import (  # noqa: F401
+    FACTORY_PATTERN,
+    MAX_GLOB_CHARS,
+    MAX_INT32,
+    MAX_INT64,
+    SLUG_PATTERN,
+    STORAGE_SCHEMES,
+    CheckpointSpec,
+    DataSpec,
+    JobSpec,
+    ModelSpec,
+    ResourcesSpec,
+    ResumeFrom,
+    RuntimeSpec,
+    SpecModel,
+    TrainSpec,
+    ZeroSpec,
+    _storage_uri,
 )
-from pydantic_core import PydanticCustomError
 
 # --------------------------------------------------------------------------- job states
 
@@ -40,263 +52,6 @@ TERMINAL_STATES: frozenset[JobState] = frozenset(
     {JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED}
 )
 ACTIVE_STATES: frozenset[JobState] = frozenset(set(JobState) - TERMINAL_STATES - {JobState.QUEUED})
-
-# --------------------------------------------------------------------------- job spec
-
-SLUG_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
-FACTORY_PATTERN = r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$"
-STORAGE_SCHEMES = ("file://", "s3://")
-MAX_GLOB_CHARS = 1024
-_GLOB_FORBIDDEN = re.compile(r"[\\\x00-\x1f\x7f]")  # backslashes and control characters
-MAX_INT32 = 2**31 - 1  # integers are stored in 32-bit columns (and read by torch/numpy seeds)
-MAX_INT64 = 2**63 - 1
-
-# Longest sequence each built-in preset's position table holds. workers/models.py is the source
-# of truth (it needs torch, which the SDK must not); a test keeps the two equal.
-PRESET_CONTEXT: dict[str, int] = {
-    "gpt-nano": 256,
-    "gpt-mini": 256,
-    "gpt-small": 1024,
-    "gpt-medium": 1024,
-    "gpt-1b": 1024,
-}
-
-
-class SpecModel(BaseModel):
-    """Base of every input model: strict types, unknown fields rejected."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-
-def _storage_uri(value: str) -> str:
-    if not value.startswith(STORAGE_SCHEMES):
-        raise PydanticCustomError(
-            "uri_scheme", "must start with file:// or s3:// (got '{value}')", {"value": value}
-        )
-    return value
-
-
-def _factory_path(value: str) -> str:
-    if not re.match(FACTORY_PATTERN, value):
-        raise PydanticCustomError(
-            "factory_path", "must look like 'package.module:function' (got '{value}')", {"value": value}
-        )
-    return value
-
-
-class ModelSpec(SpecModel):
-    """Either a built-in preset or a user factory ``pkg.mod:fn`` called with ``kwargs``."""
-
-    preset: str | None = None
-    factory: str | None = None
-    kwargs: dict[str, Any] = Field(default_factory=dict)
-
-    @field_validator("preset")
-    @classmethod
-    def _known_preset(cls, value: str | None) -> str | None:
-        if value is not None and value not in PRESET_CONTEXT:
-            raise PydanticCustomError(
-                "unknown_preset",
-                "unknown preset '{value}'; choose one of {known}",
-                {"value": value, "known": ", ".join(PRESET_CONTEXT)},
-            )
-        return value
-
-    @field_validator("factory")
-    @classmethod
-    def _factory(cls, value: str | None) -> str | None:
-        return None if value is None else _factory_path(value)
-
-    @model_validator(mode="after")
-    def _exactly_one(self) -> "ModelSpec":
-        if (self.preset is None) == (self.factory is None):
-            raise PydanticCustomError(
-                "model_choice", "give exactly one of model.preset or model.factory", {"field": "model"}
-            )
-        if self.preset is not None and self.kwargs:
-            raise PydanticCustomError(
-                "model_kwargs", "model.kwargs applies to model.factory only", {"field": "model.kwargs"}
-            )
-        return self
-
-
-class DataSpec(SpecModel):
-    """``text`` (byte-level files under ``uri``), ``synthetic`` tokens, or a user ``factory``."""
-
-    kind: Literal["text", "synthetic", "factory"]
-    uri: str | None = None
-    glob: str = "**/*"
-    seq_len: int | None = Field(default=None, ge=1, le=MAX_INT32)
-    vocab_size: int | None = Field(default=None, ge=2, le=MAX_INT32)
-    factory: str | None = None
-    kwargs: dict[str, Any] = Field(default_factory=dict)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _factory_implies_kind(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "kind" not in data and "factory" in data:
-            return {**data, "kind": "factory"}
-        return data
-
-    @field_validator("uri")
-    @classmethod
-    def _uri(cls, value: str | None) -> str | None:
-        return None if value is None else _storage_uri(value)
-
-    @field_validator("glob")
-    @classmethod
-    def _glob(cls, value: str) -> str:
-        """A pattern relative to ``uri`` that cannot leave it (workers glob ``{uri}/{glob}``)."""
-        if len(value) > MAX_GLOB_CHARS:
-            problem = f"is longer than {MAX_GLOB_CHARS} characters"
-        elif value.startswith("/"):
-            problem = "must be relative to data.uri, not an absolute path"
-        elif (bad := _GLOB_FORBIDDEN.search(value)) is not None:
-            problem = f"must not contain {bad.group()!r} (backslashes and control characters are refused)"
-        elif ".." in value.split("/"):
-            problem = "must not contain a '..' segment (it must stay below data.uri)"
-        else:
-            return value
-        raise PydanticCustomError("glob_pattern", "{problem}", {"problem": problem})
-
-    @field_validator("factory")
-    @classmethod
-    def _factory(cls, value: str | None) -> str | None:
-        return None if value is None else _factory_path(value)
-
-    @model_validator(mode="after")
-    def _fields_of_kind(self) -> "DataSpec":
-        required = {"text": ("uri", "seq_len"), "synthetic": ("seq_len",), "factory": ("factory",)}
-        for name in required[self.kind]:
-            if getattr(self, name) is None:
-                raise PydanticCustomError(
-                    "missing_for_kind",
-                    "data.{name} is required when data.kind is '{kind}'",
-                    {"name": name, "kind": self.kind, "field": f"data.{name}"},
-                )
-        if self.kind != "factory" and self.factory is not None:
-            raise PydanticCustomError(
-                "factory_for_kind",
-                "data.factory is only allowed when data.kind is 'factory'",
-                {"field": "data.factory"},
-            )
-        if self.kind == "synthetic" and self.vocab_size is None:
-            self.vocab_size = 256
-        return self
-
-
-class TrainSpec(SpecModel):
-    steps: int = Field(ge=1, le=MAX_INT32)
-    global_batch_size: int = Field(ge=1, le=MAX_INT32)
-    micro_batch_size: int = Field(ge=1, le=MAX_INT32)
-    lr: float = Field(default=3e-4, gt=0)
-    warmup_steps: int = Field(default=0, ge=0, le=MAX_INT32)
-    weight_decay: float = Field(default=0.0, ge=0)
-    grad_clip: float | None = Field(default=1.0, gt=0)
-    seed: int = Field(default=0, ge=0, le=MAX_INT32)
-
-
-class ZeroSpec(SpecModel):
-    stage: Literal[0, 1, 2, 3, "auto"] = "auto"
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    offload_optimizer: bool = False
-    bucket_mb: float = Field(default=25.0, gt=0)
-    prefetch: int = Field(default=1, ge=0, le=MAX_INT32)
-    activation_checkpointing: bool = False
-    reshard_after_forward: bool = True
-
-
-class ResourcesSpec(SpecModel):
-    num_workers: int = Field(default=1, ge=1, le=MAX_INT32)
-    gpus_per_worker: float = Field(default=0, ge=0)
-    cpus_per_worker: float = Field(default=1, gt=0)
-    gpu_memory_gb: float | None = Field(default=None, gt=0)
-
-
-class CheckpointSpec(SpecModel):
-    every_steps: int = Field(default=50, ge=1, le=MAX_INT32)
-    keep_last: int = Field(default=2, ge=1, le=MAX_INT32)
-    uri: str | None = None
-
-    @field_validator("uri")
-    @classmethod
-    def _uri(cls, value: str | None) -> str | None:
-        return None if value is None else _storage_uri(value)
-
-
-class ResumeFrom(SpecModel):
-    job_id: str = Field(pattern=SLUG_PATTERN)
-    step: int | Literal["latest"] = "latest"
-
-    @field_validator("step")
-    @classmethod
-    def _non_negative(cls, value: int | str) -> int | str:
-        if isinstance(value, int) and value < 0:
-            raise PydanticCustomError("step", "must be >= 0 or 'latest' (got {value})", {"value": value})
-        return value
-
-
-class RuntimeSpec(SpecModel):
-    """Code shipped with the job (Ray's ``runtime_env``), for user factories ("pkg.mod:fn").
-
-    Only a remote zip package is accepted: a directory path would be read on the control
-    plane's machine and ship whatever that machine holds to the cluster.
-    """
-
-    working_dir: str | None = Field(default=None, max_length=2048, pattern=r"^(s3|gs|https)://[^\s]+\.zip$",
-                                    description="a zip package of the user's code: s3://, gs:// or https:// URI")
-
-
-class JobSpec(SpecModel):
-    """A training job as the user submits it (DESIGN §3)."""
-
-    name: str = Field(pattern=SLUG_PATTERN)
-    model: ModelSpec
-    data: DataSpec
-    train: TrainSpec
-    zero: ZeroSpec = Field(default_factory=ZeroSpec)
-    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
-    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
-    max_failures: int = Field(default=2, ge=0, le=MAX_INT32)
-    resume_from: ResumeFrom | None = None
-    max_runtime_s: int | None = Field(default=None, ge=1, le=MAX_INT32)
-    runtime: RuntimeSpec | None = None
-
-    @model_validator(mode="after")
-    def _batch_arithmetic(self) -> "JobSpec":
-        gbs, mbs = self.train.global_batch_size, self.train.micro_batch_size
-        workers = self.resources.num_workers
-        per_step = mbs * workers
-        if gbs % per_step:
-            raise PydanticCustomError(
-                "batch_arithmetic",
-                "train.global_batch_size ({gbs}) must equal train.micro_batch_size ({mbs}) × "
-                "accumulation_steps × resources.num_workers ({workers}) for a whole "
-                "accumulation_steps ≥ 1, i.e. a multiple of {per_step}",
-                {"gbs": gbs, "mbs": mbs, "workers": workers, "per_step": per_step,
-                 "field": "train.global_batch_size"},
-            )
-        context = PRESET_CONTEXT.get(self.model.preset or "")
-        if context is not None and self.data.seq_len is not None and self.data.seq_len > context:
-            raise PydanticCustomError(
-                "seq_len_context",
-                "data.seq_len ({seq_len}) exceeds the context of preset '{preset}' ({context})",
-                {"seq_len": self.data.seq_len, "preset": self.model.preset, "context": context,
-                 "field": "data.seq_len"},
-            )
-        return self
-
-    @property
-    def accumulation_steps(self) -> int:
-        return self.train.global_batch_size // (
-            self.train.micro_batch_size * self.resources.num_workers
-        )
-
-    @property
-    def tokens_per_step(self) -> int | None:
-        seq_len = self.data.seq_len
-        return None if seq_len is None else seq_len * self.train.global_batch_size
-
 
 # --------------------------------------------------------------------------- outputs
 

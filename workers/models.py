@@ -11,34 +11,19 @@ from __future__ import annotations
 
 import importlib
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import replace
 from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from contract.presets import PRESETS, GPTConfig
 
-@dataclass(frozen=True)
-class GPTConfig:
-    vocab_size: int = 256
-    block_size: int = 256  # longest sequence the position table holds
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
-    dropout: float = 0.0
-    bias: bool = True
+__all__ = ["GPT", "GPTConfig", "PRESETS", "build_model", "num_parameters", "preset_config", "resolve_factory"]
 
 
-PRESETS: dict[str, GPTConfig] = {
-    # byte-level vocabularies for the small ones: they train on text as bytes.
-    "gpt-nano": GPTConfig(vocab_size=256, block_size=256, n_layer=5, n_head=4, n_embd=128),
-    "gpt-mini": GPTConfig(vocab_size=256, block_size=256, n_layer=6, n_head=6, n_embd=384),
-    # GPT-2 shapes (vocabulary padded to a multiple of 64) for the large ones.
-    "gpt-small": GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768),
-    "gpt-medium": GPTConfig(vocab_size=50304, block_size=1024, n_layer=24, n_head=16, n_embd=1024),
-    "gpt-1b": GPTConfig(vocab_size=50304, block_size=1024, n_layer=24, n_head=16, n_embd=2048),
-}
+# The presets' names and shapes are contract.presets (the control plane reads them without torch).
 
 
 class CausalSelfAttention(nn.Module):
@@ -167,13 +152,3 @@ def build_model(model_spec: dict[str, Any]) -> nn.Module:
     if model_spec.get("factory"):
         return resolve_factory(model_spec["factory"])(**kwargs)
     raise ValueError("model needs either 'preset' or 'factory'")
-
-
-def preset_summary() -> dict[str, dict[str, Any]]:
-    """Each preset's shape and Φ, computed on the meta device (no memory spent)."""
-    out = {}
-    for name, cfg in PRESETS.items():
-        with torch.device("meta"):
-            phi = num_parameters(GPT(cfg))
-        out[name] = {**asdict(cfg), "parameters": phi}
-    return out

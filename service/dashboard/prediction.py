@@ -1,8 +1,7 @@
 """The predicted model-state bytes per rank that the job page draws beside the measured bars.
 
 DESIGN §4 by arithmetic, for jobs whose Φ is known without building the model: the built-in
-presets (their Φ is fixed; a test keeps this table equal to ``workers.models``, which needs
-torch and so cannot be imported by the control plane). The stage is the spec's, or — when the
+presets (``contract.presets`` computes their Φ from the shape). The stage is the spec's, or — when the
 spec says "auto" — the one the job's checkpoints were written at. Jobs with a user factory get
 no prediction until the planner stores one on the job.
 """
@@ -11,15 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-# Φ of each preset: unique parameters, the tied embedding counted once.
-PRESET_PARAMETERS: dict[str, int] = {
-    "gpt-nano": 1_057_152,
-    "gpt-mini": 10_844_160,
-    "gpt-small": 124_475_904,
-    "gpt-medium": 354_871_296,
-    "gpt-1b": 1_313_722_368,
-}
-
+from contract.presets import PRESETS
 
 def model_state_bytes(phi: int, world: int, stage: int, precision: str) -> dict[str, float]:
     """§4: params / grads / optimizer bytes on one rank (padding aside)."""
@@ -68,7 +59,7 @@ def predict(spec: dict[str, Any], checkpoint_stage: int | None, planner: dict[st
     if planner and planner.get("chosen"):
         return from_planner(planner, memory_check)
     preset = (spec.get("model") or {}).get("preset")
-    phi = PRESET_PARAMETERS.get(preset or "")
+    phi = PRESETS[preset].parameters if preset in PRESETS else None
     zero = spec.get("zero") or {}
     stage = zero.get("stage", "auto")
     if not isinstance(stage, int):

@@ -1,17 +1,11 @@
-"""The dashboard's prediction matches DESIGN §4 and its preset table matches the real models."""
+"""The dashboard's prediction matches DESIGN §4."""
 
 from __future__ import annotations
 
 import pytest
 
-from service.dashboard.prediction import PRESET_PARAMETERS, model_state_bytes, predict
-
-
-def test_preset_parameters_match_the_models():
-    pytest.importorskip("torch")
-    from workers.models import preset_summary
-
-    assert PRESET_PARAMETERS == {name: info["parameters"] for name, info in preset_summary().items()}
+from contract.presets import PRESETS
+from service.dashboard.prediction import model_state_bytes, predict
 
 
 @pytest.mark.parametrize(("stage", "per_phi"), [(0, 16), (1, 4 + 12 / 8), (2, 2 + 14 / 8), (3, 16 / 8)])
@@ -34,8 +28,8 @@ def test_predict_resolves_auto_from_checkpoints_and_explains_absence():
     spec = {"model": {"preset": "gpt-nano"}, "zero": {"stage": "auto", "precision": "bf16"},
             "resources": {"num_workers": 2}}
     assert "auto" in predict(spec, None)["reason"]
-    assert predict(spec, 3)["total"] == pytest.approx(16 * PRESET_PARAMETERS["gpt-nano"] / 2)
-    assert predict(spec, 3)["comm_elements_per_step"] == 3 * PRESET_PARAMETERS["gpt-nano"]
+    assert predict(spec, 3)["total"] == pytest.approx(16 * PRESETS["gpt-nano"].parameters / 2)
+    assert predict(spec, 3)["comm_elements_per_step"] == 3 * PRESETS["gpt-nano"].parameters
     factory = {**spec, "model": {"factory": "pkg.mod:build"}}
     assert "factory" in predict(factory, 2)["reason"]
 

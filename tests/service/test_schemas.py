@@ -6,7 +6,8 @@ import pytest
 from pydantic import ValidationError
 
 from service.models import Metric
-from service.schemas import METRIC_FIELDS, PRESET_CONTEXT, JobSpec, MetricRecord
+from contract.presets import PRESETS
+from service.schemas import METRIC_FIELDS, JobSpec, MetricRecord
 
 from tests.service.conftest import VALID_SPEC
 
@@ -36,9 +37,16 @@ def test_strict_types_refuse_coercion():
         JobSpec.model_validate({**VALID_SPEC, "train": {**VALID_SPEC["train"], "steps": True}})
 
 
-def test_preset_contexts_match_the_worker_presets():
-    models = pytest.importorskip("workers.models")
-    assert PRESET_CONTEXT == {name: cfg.block_size for name, cfg in models.PRESETS.items()}
+def test_preset_parameter_counts_are_those_of_the_built_models():
+    """contract.presets computes Φ by arithmetic; the real GPT built on the meta device agrees."""
+    import torch
+
+    from workers import models
+
+    for name, cfg in PRESETS.items():
+        for variant in (cfg, models.preset_config(name, bias=False)):
+            with torch.device("meta"):
+                assert models.num_parameters(models.GPT(variant)) == variant.parameters, (name, variant)
 
 
 def test_metric_columns_match_the_metric_record():

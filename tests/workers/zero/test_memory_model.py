@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from workers.models import PRESETS, preset_summary
+from workers.models import PRESETS
 from workers.zero import memory as mm
 
 GB = 1e9
@@ -141,9 +141,8 @@ def test_needed_bandwidth_reaches_the_target_efficiency(comm_bytes, n, compute_s
 
 
 def test_phi_from_preset_factory_and_number():
-    summary = preset_summary()
-    for name in PRESETS:
-        assert mm.model_shape({"preset": name}).phi == summary[name]["parameters"]
+    for name, cfg in PRESETS.items():
+        assert mm.model_shape({"preset": name}).phi == cfg.parameters
     linear = {"factory": "torch.nn:Linear", "kwargs": {"in_features": 1000, "out_features": 10}}
     assert mm.model_shape(linear).phi == 10_010
     assert mm.model_shape(7.5e9).phi == 7_500_000_000
