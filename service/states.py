@@ -16,6 +16,7 @@ from typing import Any
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
+from contract.reasons import Reason  # noqa: F401  (re-exported: the service reads it from here)
 from service.models import Job, JobEvent, utcnow
 from service.schemas import TERMINAL_STATES, JobState
 
@@ -32,24 +33,6 @@ ALLOWED: dict[JobState, frozenset[JobState]] = {
     S.FAILED: frozenset(),
     S.CANCELLED: frozenset(),
 }
-
-
-class Reason:
-    """Machine-readable reasons recorded on jobs and events."""
-
-    SUBMITTED = "submitted"
-    CLAIMED = "claimed"
-    DRIVER_STARTED = "driver_started"
-    DRIVER_REPORTED = "driver_reported"
-    DRIVER_EXITED = "driver_exited"
-    DRIVER_LOST = "driver_lost"
-    WORKER_FAILED = "worker_failed"
-    LAUNCH_FAILED = "launch_failed"
-    INSUFFICIENT_RESOURCES = "insufficient_resources"
-    RESOURCES_ACQUIRED = "resources_acquired"
-    CANCELLED_BY_USER = "cancelled_by_user"
-    MAX_RUNTIME_EXCEEDED = "max_runtime_exceeded"
-    CHECKPOINT_FAILED = "checkpoint_failed"
 
 
 class JobNotFound(LookupError):

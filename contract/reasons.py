@@ -1,0 +1,27 @@
+"""Machine-readable reasons recorded on jobs and events: one list, read by the state machine,
+every launcher and the workers' driver (which reports how its workers ended).
+
+A reason is a short lowercase string stored in ``jobs.reason`` / ``job_events.reason`` and
+shown to users; a client may branch on it, so the strings are part of docs/contracts.md.
+"""
+
+from __future__ import annotations
+
+
+class Reason:
+    """Why a job moved (or, for notices, why an event was written)."""
+
+    SUBMITTED = "submitted"
+    CLAIMED = "claimed"
+    DRIVER_STARTED = "driver_started"
+    DRIVER_REPORTED = "driver_reported"
+    DRIVER_EXITED = "driver_exited"
+    DRIVER_LOST = "driver_lost"
+    WORKER_FAILED = "worker_failed"
+    USER_CODE_ERROR = "user_code_error"
+    LAUNCH_FAILED = "launch_failed"
+    INSUFFICIENT_RESOURCES = "insufficient_resources"
+    RESOURCES_ACQUIRED = "resources_acquired"
+    CANCELLED_BY_USER = "cancelled_by_user"
+    MAX_RUNTIME_EXCEEDED = "max_runtime_exceeded"
+    CHECKPOINT_FAILED = "checkpoint_failed"
