@@ -9,10 +9,11 @@ ignored setting. Depends on pydantic alone (the SDK imports it).
 
 from __future__ import annotations
 
+import math
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from contract.presets import PRESETS
@@ -26,6 +27,44 @@ MAX_GLOB_CHARS = 1024
 _GLOB_FORBIDDEN = re.compile(r"[\\\x00-\x1f\x7f]")  # backslashes and control characters
 MAX_INT32 = 2**31 - 1  # integers are stored in 32-bit columns (and read by torch/numpy seeds)
 MAX_INT64 = 2**63 - 1
+MAX_JSON_DEPTH = 32  # dicts/lists inside one another in a free-form block (kwargs)
+MAX_JSON_VALUES = 10_000  # values (containers and scalars) in one free-form block
+
+def _bounded_json(value: dict[str, Any]) -> dict[str, Any]:
+    """Free-form JSON (a factory's ``kwargs``) that can be stored and served back.
+
+    [Note: why bound it at validation] Whatever is accepted here is stored and later serialized
+    into every list page that shows the job; pydantic refuses to serialize deeper than ~255
+    levels, PostgreSQL refuses NaN/Infinity in JSON, and a huge block costs every reader. A
+    value refused now is one 422 naming the field; a value refused later is a page that 500s
+    for everyone who can see the job. Checked iteratively: a hostile depth cannot exhaust the
+    Python stack here.
+    """
+    pending: list[tuple[Any, int]] = [(value, 1)]
+    seen = 0
+    while pending:
+        node, depth = pending.pop()
+        seen += 1
+        if seen > MAX_JSON_VALUES:
+            raise PydanticCustomError("json_too_large", "holds more than {limit} values", {"limit": MAX_JSON_VALUES})
+        if isinstance(node, (dict, list)):
+            if depth > MAX_JSON_DEPTH:
+                raise PydanticCustomError(
+                    "json_too_deep", "is nested deeper than {limit} levels", {"limit": MAX_JSON_DEPTH})
+            children = node.values() if isinstance(node, dict) else node
+            pending.extend((child, depth + 1) for child in children)
+        elif isinstance(node, float) and not math.isfinite(node):
+            raise PydanticCustomError(
+                "json_not_finite", "holds a non-finite number ({value}); JSON has none", {"value": repr(node)})
+        elif not isinstance(node, (str, int, bool, type(None))):
+            raise PydanticCustomError(
+                "json_value", "holds a {kind}, which is not a JSON value", {"kind": type(node).__name__})
+    return value
+
+
+BoundedJson = Annotated[dict[str, Any], AfterValidator(_bounded_json)]
+"""A factory's keyword arguments: any JSON object within ``MAX_JSON_DEPTH`` / ``MAX_JSON_VALUES``."""
+
 
 class SpecModel(BaseModel):
     """Base of every input model: strict types, unknown fields rejected."""
@@ -54,7 +93,7 @@ class ModelSpec(SpecModel):
 
     preset: str | None = None
     factory: str | None = None
-    kwargs: dict[str, Any] = Field(default_factory=dict)
+    kwargs: BoundedJson = Field(default_factory=dict)
 
     @field_validator("preset")
     @classmethod
@@ -94,7 +133,7 @@ class DataSpec(SpecModel):
     seq_len: int | None = Field(default=None, ge=1, le=MAX_INT32)
     vocab_size: int | None = Field(default=None, ge=2, le=MAX_INT32)
     factory: str | None = None
-    kwargs: dict[str, Any] = Field(default_factory=dict)
+    kwargs: BoundedJson = Field(default_factory=dict)
 
     @model_validator(mode="before")
     @classmethod

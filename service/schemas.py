@@ -102,7 +102,17 @@ class Page(BaseModel, Generic[T]):
     next_cursor: str | None = None
 
 
-JobPage = Page[JobOut]
+class UnreadableJob(BaseModel):
+    """A stored job the server cannot show (e.g. written before today's input limits)."""
+
+    id: str
+    error: str
+
+
+class JobPage(Page[JobOut]):
+    """One page of jobs; a row that cannot be shown is named in ``unreadable``, never a 500 for the page."""
+
+    unreadable: list[UnreadableJob] = Field(default_factory=list)
 
 
 class EventList(BaseModel):

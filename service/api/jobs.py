@@ -8,7 +8,7 @@ import uuid
 from typing import Annotated
 
 from fastapi import APIRouter, Header, HTTPException, Query, Request, Response
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -110,12 +110,37 @@ def list_jobs(session: SessionDep, user: CurrentUser,
         query = query.where(Job.pk < int(cursor))
     jobs = list(session.execute(query).scalars())
     next_cursor = str(jobs[limit - 1].pk) if len(jobs) > limit else None
-    return JobPage(items=[JobOut.model_validate(job) for job in jobs[:limit]], next_cursor=next_cursor)
+    items, unreadable = [], []
+    for job in jobs[:limit]:
+        try:
+            items.append(job_json(job))
+        except UnshowableJob as error:
+            unreadable.append({"id": job.id, "error": str(error)})
+    # [Note: one serialization per row] Each row is serialized on its own, so that one row
+    # that cannot be (nested too deep, non-finite numbers written before today's limits) is
+    # named in `unreadable` instead of failing the page for everyone who can see it.
+    body = (b'{"items":[' + b",".join(items) + b'],"next_cursor":' + json.dumps(next_cursor).encode()
+            + b',"unreadable":' + json.dumps(unreadable).encode() + b"}")
+    return Response(body, media_type="application/json")
+
+
+class UnshowableJob(ValueError):
+    """A stored job row that does not serialize as ``JobOut``."""
+
+
+def job_json(job: Job) -> bytes:
+    try:
+        return JobOut.model_validate(job).model_dump_json().encode()
+    except (ValueError, RecursionError) as error:  # pydantic's ValidationError/serialization errors are ValueErrors
+        raise UnshowableJob(f"job {job.id}'s stored record cannot be shown: {str(error).splitlines()[0]}") from None
 
 
 @router.get("/{job_id}", response_model=JobOut, name="get_job")
-def get_job(job: VisibleJob) -> Job:
-    return job
+def get_job(job: VisibleJob) -> Response:
+    try:
+        return Response(job_json(job), media_type="application/json")
+    except UnshowableJob as error:
+        return JSONResponse({"detail": str(error), "errors": []}, status_code=500)
 
 
 @router.post("/{job_id}/cancel", response_model=JobOut, name="cancel_job", responses=error_responses(409))
