@@ -18,7 +18,7 @@ from fastapi import Depends, FastAPI
 from fastapi.responses import HTMLResponse
 from fastapi.routing import APIRoute
 
-from service import migrate, prediction
+from service import log_redaction, migrate, prediction
 from service.api import checkpoints, health, jobs, memory_check, metrics, workers
 from service.api.deps import current_user
 from service.api.errors import COMMON_ERRORS, error_responses, install_error_handlers
@@ -68,6 +68,7 @@ def _mount_dashboard(app: FastAPI) -> None:
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
+    log_redaction.install()
     engine = make_engine(settings.database_url, settings)
     make_session = make_sessionmaker(engine)
     service_metrics = ServiceMetrics(make_session)
