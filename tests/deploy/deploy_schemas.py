@@ -25,9 +25,17 @@ CRD_FILES = {"RayCluster": "ray.io_rayclusters.yaml", "RayJob": "ray.io_rayjobs.
 DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
 
-def crd_dir() -> Path | None:
+# KubeRay's own CRDs (v1.5, Apache-2.0), kept beside the tests so that every run validates
+# RayCluster/RayJob against them; KUBERAY_CRD_DIR points at another copy (e.g. a newer KubeRay).
+VENDORED_CRDS = Path(__file__).with_name("kuberay-crds")
+
+
+def crd_dir() -> Path:
     value = os.environ.get("KUBERAY_CRD_DIR")
-    return Path(value) if value and Path(value).is_dir() else None
+    directory = Path(value) if value else VENDORED_CRDS
+    if not (directory / CRD_FILES["RayJob"]).is_file():
+        raise LookupError(f"no KubeRay CRDs in {directory} (KUBERAY_CRD_DIR={value!r})")
+    return directory
 
 
 def validate_core(obj: dict[str, Any]) -> None:
@@ -58,8 +66,6 @@ def _strict(schema: Any) -> Any:
 @lru_cache(maxsize=None)
 def crd_validator(kind: str, version: str = "v1") -> jsonschema.Validator:
     directory = crd_dir()
-    if directory is None:
-        raise LookupError("KUBERAY_CRD_DIR is not set")
     crd = yaml.safe_load((directory / CRD_FILES[kind]).read_text())
     (served,) = [v for v in crd["spec"]["versions"] if v["name"] == version]
     schema = _strict(copy.deepcopy(served["schema"]["openAPIV3Schema"]))
