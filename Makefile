@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
-# Loopback only: Ray keeps 127.0.0.1 and Gloo stays on lo (see DESIGN §5).
+# Loopback only: Ray keeps 127.0.0.1 and Gloo stays on lo (docs/design.md, "Real components").
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export GLOO_SOCKET_IFNAME := lo
 

@@ -9,7 +9,7 @@
 Every rank trains on its own slice of a synthetic byte stream (a learnable rule plus noise,
 ``byte_stream_batch``: the data the engine tests train on too); rank 0 prints the loss, the
 global gradient norm, what the engine holds per rank (``engine.memory()``) and what it
-communicated (``engine.comm_volume()``), and at the end compares both with the DESIGN §4
+communicated (``engine.comm_volume()``), and at the end compares both with the the model-state table (docs/design.md)
 formulas.
 """
 
@@ -92,7 +92,7 @@ def main() -> None:
     n = world
     expected = {0: (low, low, k), 1: (low, low, k / n), 2: (low, low / n, k / n),
                 3: (low / n, low / n, k / n)}.get(args.stage)
-    say("memory per rank (bytes):  measured  vs  DESIGN §4")
+    say("memory per rank (bytes):  measured  vs  the model-state table (docs/design.md)")
     for key, factor in zip(("params", "grads", "optimizer"), expected or ()):
         say(f"  {key:9s} {mem[key]:>12,}  vs {int(factor * phi):>12,}")
     say(f"  buffers   {mem['buffers']:>12,}\n  total     {mem['total']:>12,}")

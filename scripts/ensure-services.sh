@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Starts or installs what the test suite talks to when it is missing: PostgreSQL on
-# 127.0.0.1:5432 and Debian's Chromium for the browser tests (DESIGN §5). Idempotent.
+# 127.0.0.1:5432 and Debian's Chromium for the browser tests (docs/design.md). Idempotent.
 set -euo pipefail
 
 if ! pg_isready -q -h 127.0.0.1 -p 5432 2>/dev/null; then

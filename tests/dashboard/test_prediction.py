@@ -1,4 +1,4 @@
-"""The dashboard's prediction matches DESIGN §4."""
+"""The dashboard's prediction matches the model-state table (docs/design.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Must-show 3: at N=2 with bf16, memory() and comm_volume() match DESIGN §4."""
+"""Must-show 3: at N=2 with bf16, memory() and comm_volume() match the model-state table (docs/design.md)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ def world():
     return spawn_world(accounting_world, N, args=([0, 1, 2], "bf16"))
 
 
-# DESIGN §4, bf16 + Adam: (params, grads, optimizer) bytes per rank as multiples of Φ
+# the model-state table (docs/design.md), bf16 + Adam: (params, grads, optimizer) bytes per rank as multiples of Φ
 TABLE = {0: (2, 2, 12), 1: (2, 2, 12 / N), 2: (2, 2 / N, 12 / N)}
 
 

@@ -1,4 +1,4 @@
-"""Issue 3, must-show 2: at N=2 with bf16, stage 3's memory() and comm_volume() match DESIGN §4.
+"""Issue 3, must-show 2: at N=2 with bf16, stage 3's memory() and comm_volume() match the model-state table (docs/design.md).
 
 params + grads + optimizer = 2Φ/N + 2Φ/N + 12Φ/N = 16Φ/N (within 1% plus padding); the units
 gathered during forward are reported under ``buffers`` and nothing stays gathered after a step;
