@@ -19,7 +19,7 @@ from fastapi.responses import HTMLResponse
 from fastapi.routing import APIRoute
 
 from service import log_redaction, migrate, prediction
-from service.api import checkpoints, health, jobs, memory_check, metrics, workers
+from service.api import checkpoints, health, jobs, memory_check, metrics, tokens, workers
 from service.api.deps import current_user
 from service.api.errors import COMMON_ERRORS, error_responses, install_error_handlers
 from service.auth import ensure_local_admin_token, register_admin_token
@@ -105,7 +105,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.wake_scheduler = None
 
     install_error_handlers(app)
-    for router in (jobs.router, metrics.router, workers.router, memory_check.router, checkpoints.router):
+    for router in (jobs.router, metrics.router, workers.router, memory_check.router, checkpoints.router,
+                   tokens.router):
         app.include_router(router, prefix=API_PREFIX, responses=error_responses(*COMMON_ERRORS))
     _include_optional_routers(app)
     app.include_router(health.router, responses=error_responses(503))

@@ -8,6 +8,10 @@ own guess* shares with a stored hash -- which, the hash being preimage-resistant
 about any token (256 random bits each). Presented tokens are never compared as strings
 (tests/security/test_secrets.py checks it), never logged, and never read from a URL.
 A user token acts as its ``name``: jobs belong to that name, and admins see every job.
+
+Lifecycle: a token may carry an expiry (``expires_at``) and can be revoked; either makes it
+invalid at once. ``last_used_at`` is written at most once a minute per token, so that a busy
+client does not turn every request into a database write.
 """
 
 from __future__ import annotations
@@ -18,16 +22,19 @@ import os
 import stat
 import secrets
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from pathlib import Path
 
-from sqlalchemy import select
+from sqlalchemy import or_, select, update
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from service.models import ApiToken
+from service.models import ApiToken, utcnow
 
 USER_TOKEN_PREFIX = "zt_"
 INGEST_TOKEN_PREFIX = "zti_"
 LOCAL_ADMIN_NAME = "admin"
+LAST_USED_RESOLUTION = timedelta(minutes=1)
 
 log = logging.getLogger(__name__)
 
@@ -49,18 +56,57 @@ def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
-def create_api_token(session: Session, name: str, *, is_admin: bool = False) -> str:
+def create_api_token(session: Session, name: str, *, is_admin: bool = False,
+                     expires_at: datetime | None = None) -> str:
     """Store a new token for ``name`` and return it; this is the only time it is visible."""
     token = new_token()
-    session.add(ApiToken(name=name, token_hash=hash_token(token), is_admin=is_admin))
+    session.add(ApiToken(name=name, token_hash=hash_token(token), is_admin=is_admin, expires_at=expires_at))
     return token
 
 
 def authenticate(session: Session, token: str) -> Principal | None:
+    """The principal of a valid token (not revoked, not expired), or None."""
+    now = utcnow()
     row = session.execute(
-        select(ApiToken).where(ApiToken.token_hash == hash_token(token), ApiToken.revoked_at.is_(None))
+        select(ApiToken).where(ApiToken.token_hash == hash_token(token), ApiToken.revoked_at.is_(None),
+                               or_(ApiToken.expires_at.is_(None), ApiToken.expires_at > now))
     ).scalar_one_or_none()
-    return None if row is None else Principal(row.name, row.is_admin)
+    if row is None:
+        return None
+    principal = Principal(row.name, row.is_admin)
+    if row.last_used_at is None or now - row.last_used_at >= LAST_USED_RESOLUTION:
+        _record_use(session, row.id, now)
+    return principal
+
+
+def _record_use(session: Session, token_id: int, now: datetime) -> None:
+    """Best effort: a database that refuses the write must not refuse the request."""
+    try:
+        session.execute(update(ApiToken).where(ApiToken.id == token_id).values(last_used_at=now))
+        session.commit()
+    except SQLAlchemyError:
+        session.rollback()
+        log.warning("could not record the use of token %s", token_id, exc_info=True)
+
+
+def list_tokens(session: Session, name: str | None = None) -> list[ApiToken]:
+    """Every token (or ``name``'s), newest first; revoked and expired ones included, marked by their times."""
+    query = select(ApiToken).order_by(ApiToken.id.desc())
+    if name is not None:
+        query = query.where(ApiToken.name == name)
+    return list(session.execute(query).scalars())
+
+
+def revoke_token(session: Session, token_id: int, *, name: str | None = None) -> ApiToken | None:
+    """Revoke one token (only ``name``'s when given); the row, or None if there is no such token.
+    Revoking a revoked token keeps its first revocation time. The caller commits."""
+    query = select(ApiToken).where(ApiToken.id == token_id)
+    if name is not None:
+        query = query.where(ApiToken.name == name)
+    row = session.execute(query).scalar_one_or_none()
+    if row is not None and row.revoked_at is None:
+        row.revoked_at = utcnow()
+    return row
 
 
 def ensure_local_admin_token(make_session: sessionmaker[Session], token_file: Path) -> None:

@@ -147,6 +147,8 @@ class ApiToken(Base):
     is_admin: Mapped[bool] = mapped_column(Boolean, default=False)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime)  # None: never expires
+    last_used_at: Mapped[datetime | None] = mapped_column(UTCDateTime)  # to the minute (auth.LAST_USED_RESOLUTION)
 
 
 class IdempotencyKey(Base):

@@ -252,6 +252,40 @@ class CheckpointList(BaseModel):
     items: list[CheckpointOut]
 
 
+# --------------------------------------------------------------------------- API tokens
+
+
+class TokenCreateIn(BaseModel):
+    """A new API token. Users create tokens for themselves; admins for anyone, admin or not."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str | None = Field(default=None, pattern=SLUG_PATTERN, max_length=100,
+                             description="the user the token acts as (default: the caller)")
+    is_admin: bool = False
+    expires_in_days: float | None = Field(default=None, gt=0, le=3650, description="None: never expires")
+
+
+class TokenOut(OutModel):
+    """A token's record; the token itself is shown only once, when it is created."""
+
+    id: int
+    name: str
+    is_admin: bool
+    created_at: datetime
+    expires_at: datetime | None = None
+    last_used_at: datetime | None = None
+    revoked_at: datetime | None = None
+
+
+class TokenCreated(TokenOut):
+    token: str = Field(description="the secret; store it now, it is never shown again")
+
+
+class TokenList(BaseModel):
+    items: list[TokenOut]
+
+
 class ErrorDetail(BaseModel):
     field: str | None = None
     message: str
