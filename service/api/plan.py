@@ -26,16 +26,19 @@ router = APIRouter(tags=["plan"])
 class PlanRequest(BaseModel):
     """Either ``params`` (+ ``gpus``) or ``model`` (+ the job-spec blocks it needs)."""
 
-    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+    # [Note: bounded questions] Every number is finite and bounded: Infinity or 1e400 used to
+    # answer 500, and the planner's work grows with `units` and `gpus` (3,000,000 units took
+    # 20 s of server CPU). The bounds are far beyond any real cluster.
+    model_config = ConfigDict(extra="ignore", protected_namespaces=(), allow_inf_nan=False)
 
     # a bare count
-    params: float | None = Field(default=None, gt=0, description="Φ, number of parameters")
-    gpus: int = Field(default=1, ge=1, description="data-parallel ranks (with params)")
+    params: float | None = Field(default=None, gt=0, le=1e15, description="Φ, number of parameters")
+    gpus: int = Field(default=1, ge=1, le=1_000_000, description="data-parallel ranks (with params)")
     precision: Literal["fp32", "bf16", "fp16"] | None = Field(
         default=None, description="default: zero.precision of the spec, else bf16"
     )
-    activation_gb: float | None = Field(default=None, ge=0, description="activations per rank, GB (with params)")
-    units: int = Field(default=32, ge=1, description="stage-3 units assumed for a bare count")
+    activation_gb: float | None = Field(default=None, ge=0, le=1e6, description="activations per rank, GB (with params)")
+    units: int = Field(default=32, ge=1, le=10_000, description="stage-3 units assumed for a bare count")
     # a job spec (or its relevant part)
     model: dict[str, Any] | None = None
     data: dict[str, Any] | None = None
@@ -43,14 +46,14 @@ class PlanRequest(BaseModel):
     zero: dict[str, Any] | None = None
     resources: dict[str, Any] | None = None
     # budget and time model (both ways)
-    gpu_mem_gb: float | None = Field(default=None, gt=0, description="memory per GPU (or per CPU worker), GB")
-    host_mem_gb: float | None = Field(default=None, gt=0, description="host memory per rank for offload, GB")
+    gpu_mem_gb: float | None = Field(default=None, gt=0, le=1e6, description="memory per GPU (or per CPU worker), GB")
+    host_mem_gb: float | None = Field(default=None, gt=0, le=1e7, description="host memory per rank for offload, GB")
     margin: float = Field(default=0.10, ge=0, lt=1, description="fraction of the budget kept free")
-    bandwidth_gbps: float | None = Field(default=None, gt=0, description="per-rank link, gigabits/s")
-    compute_s: float | None = Field(default=None, gt=0, description="compute time of one step, s")
+    bandwidth_gbps: float | None = Field(default=None, gt=0, le=1e6, description="per-rank link, gigabits/s")
+    compute_s: float | None = Field(default=None, gt=0, le=1e6, description="compute time of one step, s")
     target_efficiency: float = Field(default=0.75, gt=0, lt=1)
-    bucket_mb: float = Field(default=25.0, gt=0)
-    prefetch: int = Field(default=1, ge=0)
+    bucket_mb: float = Field(default=25.0, gt=0, le=1e6)
+    prefetch: int = Field(default=1, ge=0, le=1000)
 
     @model_validator(mode="after")
     def _one_way(self) -> "PlanRequest":
