@@ -1,0 +1,59 @@
+"""The admission policy on numbers alone: gang, submission order, per-user limits, bounded drivers."""
+
+from __future__ import annotations
+
+from service.admission import Candidate, Capacity, Demand, Limits, decide, refusal_at_submit
+
+
+def job(job_id: str, workers: int = 2, owner: str = "alice", cpus: float = 1, gpus: float = 0) -> Candidate:
+    return Candidate(job_id, owner, Demand.of(workers, cpus, gpus))
+
+
+def test_jobs_start_in_submission_order_while_their_whole_gang_fits():
+    queued = [job(f"j{i}") for i in range(5)]
+    decision = decide(queued, [], Capacity(cpus=5), Limits())
+    assert decision.start == ["j0", "j1"]  # 2 + 2 CPUs; j2 would need 6 of 5
+    assert "needs 2 workers = 2 CPUs" in decision.waiting["j2"] and "free now 1 CPUs of 5 CPUs" in decision.waiting["j2"]
+    assert decision.waiting["j3"].startswith("waiting behind job j2")
+
+
+def test_running_jobs_hold_their_resources():
+    decision = decide([job("new")], [job("old", workers=2)], Capacity(cpus=3), Limits())
+    assert decision.start == [] and "lacks 2 CPUs (has 1)" in decision.waiting["new"]
+    assert decide([job("new")], [], Capacity(cpus=3), Limits()).start == ["new"]
+
+
+def test_no_backfill_past_a_job_that_does_not_fit():
+    queued = [job("big", workers=4), job("small", workers=1)]
+    decision = decide(queued, [job("r", workers=2)], Capacity(cpus=4), Limits())
+    assert decision.start == [] and set(decision.waiting) == {"big", "small"}
+
+
+def test_a_users_own_limit_does_not_stall_other_users():
+    queued = [job("a2", owner="alice"), job("b1", owner="bob")]
+    limits = Limits(max_running_jobs_per_user=1)
+    decision = decide(queued, [job("a1", owner="alice")], Capacity(cpus=8), limits)
+    assert decision.start == ["b1"]
+    assert "alice runs 1 jobs, at most 1 per user" in decision.waiting["a2"]
+    workers = decide([job("a", workers=3), job("b", owner="bob")], [], Capacity(cpus=8),
+                     Limits(max_running_workers_per_user=2))
+    assert workers.start == ["b"] and "needs 3, at most 2 per user" in workers.waiting["a"]
+
+
+def test_the_service_bounds_how_many_drivers_run():
+    decision = decide([job(f"j{i}", workers=1) for i in range(4)], [], Capacity(cpus=100), Limits(max_running_jobs=3))
+    assert decision.start == ["j0", "j1", "j2"] and "at most 3" in decision.waiting["j3"]
+
+
+def test_gpus_count_and_an_unknown_capacity_admits_within_the_limits():
+    gpu_job = job("g", workers=2, gpus=1)
+    assert decide([gpu_job], [], Capacity(cpus=8, gpus=1), Limits()).start == []
+    assert decide([gpu_job], [], Capacity(cpus=8, gpus=2), Limits()).start == ["g"]
+    assert decide([job(f"j{i}", workers=1000) for i in range(3)], [], Capacity(), Limits(max_running_jobs=2)).start == ["j0", "j1"]
+
+
+def test_a_job_larger_than_the_cluster_or_the_maximum_is_refused_at_submit():
+    huge = Demand.of(1_000_000, 1, 0)
+    assert "more than the whole cluster has (2 CPUs)" in refusal_at_submit(huge, Capacity(cpus=2), None)
+    assert "maximum of 256 workers per job" in refusal_at_submit(huge, Capacity(), 256)
+    assert refusal_at_submit(Demand.of(2, 1, 0), Capacity(cpus=2), 256) is None
