@@ -1,0 +1,58 @@
+"""Bounds on long-lived event streams, so that streams cannot slow anyone's other requests.
+
+Finding: 200 open metric streams slowed another user's ``GET /jobs`` to 15 s. Each stream
+polls the database from a worker thread; they shared the thread pool (and so the database
+connections) that every ordinary request runs in, and there was no bound on how many a user
+could open. Now:
+
+- each user holds at most ``max_per_user`` open streams; one more is refused with 429;
+- every stream's database poll runs under one small ``CapacityLimiter`` of its own
+  (``poll_threads``), so all streams together use at most that many threads and database
+  connections, whatever their number; ordinary requests keep the default pool.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import anyio
+from fastapi import HTTPException
+
+
+class StreamSlots:
+    def __init__(self, max_per_user: int, poll_threads: int):
+        self.max_per_user = max_per_user
+        self.poll_threads = poll_threads
+        self._limiter: anyio.CapacityLimiter | None = None
+        self._open: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def limiter(self) -> anyio.CapacityLimiter:
+        """Created on first use, inside the server's event loop (anyio binds it there)."""
+        if self._limiter is None:
+            self._limiter = anyio.CapacityLimiter(self.poll_threads)
+        return self._limiter
+
+    def open_count(self, user: str) -> int:
+        with self._lock:
+            return self._open.get(user, 0)
+
+    @contextmanager
+    def hold(self, user: str) -> Iterator[None]:
+        """One of ``user``'s slots for as long as the stream is open; 429 when all are taken."""
+        with self._lock:
+            if self._open.get(user, 0) >= self.max_per_user:
+                raise HTTPException(429, f"{user} already has {self.max_per_user} open event streams "
+                                         f"(ZEROTRAIN_MAX_STREAMS_PER_USER); close one first",
+                                    headers={"Retry-After": "5"})
+            self._open[user] = self._open.get(user, 0) + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._open[user] -= 1
+                if not self._open[user]:
+                    del self._open[user]
