@@ -32,6 +32,7 @@ from service.settings import Settings
 
 log = logging.getLogger(__name__)
 API_PREFIX = "/api/v1"
+WARM_UP_JOIN_S = 60.0  # longest shutdown waits for the planner warm-up
 OPTIONAL_ROUTERS = ("service.api.plan",)  # written alongside; included when present
 
 
@@ -80,7 +81,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             ensure_local_admin_token(make_session, settings.token_file)
         if settings.bootstrap_admin_token is not None:
             register_admin_token(make_session, settings.bootstrap_admin_token.get_secret_value())
-        threading.Thread(target=prediction.warm_up, name="planner-warm-up", daemon=True).start()
+        # [Note: the warm-up is joined] It imports torch and traces a model (seconds). A daemon
+        # thread still inside torch when the interpreter exits kills the process with SIGABRT
+        # ("terminate called without an active exception"), so shutdown waits for it.
+        warm_up = threading.Thread(target=prediction.warm_up, name="planner-warm-up", daemon=True)
+        warm_up.start()
         launcher = make_launcher(settings)
         scheduler = Scheduler(make_session, launcher, settings)
         app.state.launcher = launcher
@@ -94,6 +99,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             scheduler.stop()
             launcher.close()
             engine.dispose()
+            warm_up.join(WARM_UP_JOIN_S)
 
     app = FastAPI(title="zerotrain", version="0.1.0", lifespan=lifespan,
                   generate_unique_id_function=_operation_id,
