@@ -29,7 +29,7 @@ from rich.table import Column, Table
 from service.client import Client, ZerotrainError
 from service.schemas import JobOut, JobState
 
-PLUGIN_MODULES = ("service.cli_plan", "service.cli_ckpt")
+PLUGIN_MODULES = ("service.cli.plan", "service.cli.ckpt")
 USER_ERROR_EXIT = 2
 
 out = Console()
