@@ -1,5 +1,5 @@
-"""The ``zerotrain`` command (console script ``zerotrain = "service.cli:main"``)."""
+"""The ``zerotrain`` command (console script ``zerotrain = "service.cli:main"``); see ``main.py``."""
 
-from service.cli.main import CliError, main
+from service.cli.main import main
 
-__all__ = ["CliError", "main"]
+__all__ = ["main"]
