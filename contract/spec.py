@@ -252,7 +252,7 @@ class RuntimeSpec(SpecModel):
 
 
 class JobSpec(SpecModel):
-    """A training job as the user submits it (DESIGN §3)."""
+    """A training job as the user submits it."""
 
     name: str = Field(pattern=SLUG_PATTERN)
     model: ModelSpec

@@ -9,7 +9,7 @@
 Every rank trains on its own slice of a synthetic byte stream (a learnable rule plus noise,
 ``byte_stream_batch``: the data the engine tests train on too); rank 0 prints the loss, the
 global gradient norm, what the engine holds per rank (``engine.memory()``) and what it
-communicated (``engine.comm_volume()``), and at the end compares both with the the model-state table (docs/design.md)
+communicated (``engine.comm_volume()``), and at the end compares both with the model-state table (docs/design.md)
 formulas.
 """
 

@@ -7,19 +7,15 @@ starts the scheduler thread; shutdown stops them in reverse order.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import logging
 import threading
 from contextlib import asynccontextmanager
-from pathlib import Path
 
 from fastapi import Depends, FastAPI
-from fastapi.responses import HTMLResponse
 from fastapi.routing import APIRoute
 
-from service import log_redaction, migrate, prediction
-from service.api import checkpoints, health, jobs, memory_check, metrics, tokens, workers
+from service import dashboard, log_redaction, migrate, prediction
+from service.api import checkpoints, health, jobs, memory_check, metrics, plan, tokens, workers
 from service.api.deps import current_user
 from service.api.errors import COMMON_ERRORS, error_responses, install_error_handlers
 from service.auth import ensure_local_admin_token, register_admin_token
@@ -33,38 +29,10 @@ from service.settings import Settings
 log = logging.getLogger(__name__)
 API_PREFIX = "/api/v1"
 WARM_UP_JOIN_S = 60.0  # longest shutdown waits for the planner warm-up
-OPTIONAL_ROUTERS = ("service.api.plan",)  # written alongside; included when present
 
 
 def _operation_id(route: APIRoute) -> str:
     return route.name
-
-
-def _include_optional_routers(app: FastAPI) -> None:
-    for module_name in OPTIONAL_ROUTERS:
-        if importlib.util.find_spec(module_name) is None:
-            continue
-        app.include_router(importlib.import_module(module_name).router, prefix=API_PREFIX,
-                           dependencies=[Depends(current_user)], responses=error_responses(400, 401, 413, 422, 503))
-
-
-def _mount_dashboard(app: FastAPI) -> None:
-    """The dashboard's own router when it exists, else its static files, else a placeholder."""
-    if importlib.util.find_spec("service.dashboard") is not None:
-        dashboard = importlib.import_module("service.dashboard")
-        if hasattr(dashboard, "router"):
-            app.include_router(dashboard.router)
-            return
-    static = Path(__file__).parent / "dashboard" / "static"
-    if (static / "index.html").exists():
-        from fastapi.staticfiles import StaticFiles
-
-        app.mount("/", StaticFiles(directory=static, html=True), name="dashboard")
-        return
-
-    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
-    def dashboard_placeholder() -> str:
-        return "<!doctype html><title>zerotrain</title><p>zerotrain is running. API: <a href='/docs'>/docs</a></p>"
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -114,9 +82,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     for router in (jobs.router, metrics.router, workers.router, memory_check.router, checkpoints.router,
                    tokens.router):
         app.include_router(router, prefix=API_PREFIX, responses=error_responses(*COMMON_ERRORS))
-    _include_optional_routers(app)
+    # the plan router declares no auth of its own (it is the planner over HTTP): it is added here
+    app.include_router(plan.router, prefix=API_PREFIX, dependencies=[Depends(current_user)],
+                       responses=error_responses(400, 401, 413, 422, 503))
     app.include_router(health.router, responses=error_responses(503))
-    _mount_dashboard(app)
+    app.include_router(dashboard.router)  # no prefix: the dashboard's router carries its own paths
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(RequestMetrics, metrics=service_metrics, templates=RouteTemplates(app))
     return app

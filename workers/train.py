@@ -59,7 +59,7 @@ def lr_at(step: int, *, lr: float, warmup_steps: int, total_steps: int, min_rati
 
 
 class CheckpointHook(Protocol):
-    """Where checkpointing plugs into the loop (filled in by the checkpoint issue)."""
+    """Where checkpointing plugs into the loop (``workers.checkpoint.TrainCheckpointHook``)."""
 
     def maybe_resume(self, engine: ZeroEngine, loader: ShardedBatchLoader) -> int:
         """Restore the latest checkpoint, if any; return the number of completed steps."""

@@ -127,7 +127,7 @@ def test_unknown_preset_is_422_naming_it(client):
 def _cli(argv: list[str]):
     import argparse
 
-    from service import cli_plan
+    from service.cli import plan as cli_plan
 
     parser = argparse.ArgumentParser(prog="zerotrain")
     cli_plan.register(parser.add_subparsers(dest="command"))
@@ -158,7 +158,7 @@ def test_cli_plan_json_matches_the_api(client, capsys):
 
 
 def test_cli_plan_nothing_fits_is_a_user_error(capsys):
-    from service.cli import CliError
+    from service.cli.errors import CliError
 
     with pytest.raises(CliError, match="no ZeRO stage fits"):
         _cli(["plan", "--params", "7.5e9", "--gpus", "2", "--gpu-mem", "8"])

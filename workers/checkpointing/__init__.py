@@ -5,7 +5,7 @@ Torch-free (the CLI's ``verify``/``consolidate``/``list`` import only these):
 ``storage``      one fsspec filesystem behind a URI (``file://``, ``s3://`` + endpoint override),
                  ranged reads, streamed writes, atomic small writes, idempotent deletion
 ``stfile``       the safetensors file format: dtypes, header, incremental writing
-``manifest``     the checkpoint layout (DESIGN §3): directory names, the manifest, what is committed
+``manifest``     the checkpoint layout: directory names, the manifest, what is committed
 ``verify``       every file against the manifest's sizes and sha256
 ``consolidate``  one ordinary weights file, streamed chunk by chunk in bounded memory
 ``retention``    ``keep_last``: decommit, delete objects, then forget the record

@@ -1,4 +1,4 @@
-"""The checkpoint layout (DESIGN §3) and its manifest: what a committed checkpoint is.
+"""The checkpoint layout and its manifest: what a committed checkpoint is.
 
     {storage}/{job_id}/checkpoints/step_{step:08d}/shard_{rank:05d}_of_{world:05d}.safetensors
     {storage}/{job_id}/checkpoints/step_{step:08d}/manifest.json      <- written last

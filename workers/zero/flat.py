@@ -8,7 +8,7 @@ same one without talking, and a checkpoint can record it and another world size 
 Parameters are packed in *reverse* registration order, like DDP: backward produces gradients
 roughly from the last layer to the first, so bucket 0 fills first and collectives can start
 while the rest of backward runs. Order is only a performance hint; correctness never depends
-on it because a bucket is launched only after every earlier bucket was (see ``grads.py``).
+on it because a bucket is launched only after every earlier bucket was (see ``stages.py``).
 
 [Note: padding]
 Each bucket's flat length is rounded up to a multiple of the shard world size so that rank r

@@ -318,5 +318,5 @@ class ReduceScatterInBackwardStrategy(Strategy):
 def make_strategy(stage: int, buckets: list[FlatBucket], comm: Collectives, overlap_comm: bool) -> Strategy:
     classes = {0: AllReduceStrategy, 1: ReduceScatterAtStepStrategy, 2: ReduceScatterInBackwardStrategy}
     if stage not in classes:
-        raise NotImplementedError(f"stage {stage} is not implemented yet (stage 3 arrives with issue 3)")
+        raise NotImplementedError(f"stage {stage} has no gradient strategy here (stage 3: stage3.ParamShardStrategy)")
     return classes[stage](buckets, comm, overlap_comm)

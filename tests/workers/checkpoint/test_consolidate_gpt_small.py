@@ -30,7 +30,7 @@ from workers.zero import ZeroConfig, ZeroEngine
 from workers.zero.testing import spawn_world
 
 TIME = shutil.which("time") or "/usr/bin/time"
-BASELINE = "import service.cli, service.cli_ckpt, workers.checkpointing.consolidate, numpy, fsspec"
+BASELINE = "import service.cli, service.cli.ckpt, workers.checkpointing.consolidate, numpy, fsspec"
 
 
 def save_gpt_small(rank: int, world_size: int, root: str, reference: str) -> dict:

@@ -16,6 +16,8 @@ import argparse
 import json
 from typing import Any
 
+from service.cli.errors import CliError
+
 GB = 1e9
 
 
@@ -59,9 +61,9 @@ def run(args: argparse.Namespace) -> int:
         plan = _plan(args).to_dict()
     except memory.NoPlanFits as exc:
         _print(exc.detail, args, chosen=None)
-        raise _cli_error(exc.detail["message"]) from None
+        raise CliError(exc.detail["message"]) from None
     except ValueError as exc:
-        raise _cli_error(str(exc)) from None
+        raise CliError(str(exc)) from None
     _print(plan, args, chosen=(plan["stage"], plan["offload_optimizer"]))
     return 0
 
@@ -83,12 +85,6 @@ def _plan(args: argparse.Namespace) -> Any:
             "resources": {"num_workers": args.gpus, "gpus_per_worker": 1},
         }
     return plan_for_question(args, spec)
-
-
-def _cli_error(message: str) -> Exception:
-    from service.cli import CliError
-
-    return CliError(message)
 
 
 def _print(plan: dict[str, Any], args: argparse.Namespace, chosen: tuple[int, bool] | None) -> None:

@@ -16,10 +16,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from rich.console import Console
 from rich.table import Column, Table
 
-out = Console()
+from service.cli.errors import CliError
+from service.cli.output import out
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
@@ -49,9 +49,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         return handler(args)
     except CheckpointNotFound as missing:
-        raise _cli_error(str(missing)) from None
+        raise CliError(str(missing)) from None
     except (FileNotFoundError, PermissionError, ValueError) as problem:
-        raise _cli_error(f"{type(problem).__name__}: {problem}") from None
+        raise CliError(f"{type(problem).__name__}: {problem}") from None
 
 
 def _list(args: argparse.Namespace) -> int:
@@ -63,7 +63,7 @@ def _list(args: argparse.Namespace) -> int:
         where = where.child("checkpoints")
     steps = committed_steps(where)
     if not steps:
-        raise _cli_error(f"no committed checkpoint under {args.uri}")
+        raise CliError(f"no committed checkpoint under {args.uri}")
     table = Table("step", "world", "stage", "precision", "size", "created (UTC)", Column("uri", overflow="fold"))
     for step in steps:
         checkpoint = where.child(step_dir(step))
@@ -100,9 +100,3 @@ def _consolidate(args: argparse.Namespace) -> int:
 
 def _mb(n: int) -> str:
     return f"{n / 1e6:.1f} MB"
-
-
-def _cli_error(message: str) -> Exception:
-    from service.cli import CliError
-
-    return CliError(message)

@@ -1,0 +1,164 @@
+"""Client-side commands: ``submit``, ``jobs``, ``show``, ``cancel``, ``logs``, ``events``.
+
+They talk to a running server through the SDK (``service.client.Client``, which picks up
+``ZEROTRAIN_URL``/``ZEROTRAIN_TOKEN`` or the local defaults). ``submit --follow`` shows live
+progress until the job ends and exits 0 only if it succeeded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+from rich.table import Column, Table
+
+from service.cli.errors import CliError
+from service.cli.output import out
+from service.client import Client, ZerotrainError
+from service.schemas import JobOut, JobState
+
+
+def register(commands: Any) -> None:
+    """Add the job commands to an argparse ``subparsers`` object."""
+
+    def add(name: str, handler: Callable[[argparse.Namespace], int], help_text: str) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, help=help_text, description=help_text)
+        sub.set_defaults(func=handler)
+        return sub
+
+    submit = add("submit", cmd_submit, "submit a job spec (YAML or JSON)")
+    submit.add_argument("file")
+    submit.add_argument("--follow", "-f", action="store_true", help="show live progress until it ends")
+    submit.add_argument("--idempotency-key")
+    jobs = add("jobs", cmd_jobs, "list jobs, newest first")
+    jobs.add_argument("--state", type=str.upper, choices=[state.value for state in JobState])
+    jobs.add_argument("--limit", type=int, default=50)
+    for name, handler, help_text in (("show", cmd_show, "show a job, its spec and events"),
+                                     ("cancel", cmd_cancel, "cancel a job"),
+                                     ("events", cmd_events, "list a job's state transitions")):
+        add(name, handler, help_text).add_argument("job_id")
+    logs = add("logs", cmd_logs, "print a job's driver log")
+    logs.add_argument("job_id")
+    logs.add_argument("--tail", type=int, help="only the last N bytes")
+
+
+def load_spec_file(path: str) -> dict[str, Any]:
+    """The job spec object in a YAML or JSON file (by suffix); a bad file is a ``CliError``."""
+    file = Path(path)
+    try:
+        text = file.read_text()
+    except OSError as error:
+        raise CliError(f"cannot read {path}: {error.strerror}") from None
+    try:
+        data = json.loads(text) if file.suffix == ".json" else yaml.safe_load(text)
+    except (ValueError, yaml.YAMLError) as error:
+        raise CliError(f"{path} is not valid {'JSON' if file.suffix == '.json' else 'YAML'}: "
+                       f"{str(error).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise CliError(f"{path} must hold a job spec object, not {type(data).__name__}")
+    return data
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    spec = load_spec_file(args.file)
+    client = Client()
+    job = client.submit(spec, idempotency_key=args.idempotency_key)
+    out.print(f"submitted [bold]{job.id}[/] ({job.name}), {job.state.value}")
+    if not args.follow:
+        return 0
+    return follow(client, job)
+
+
+def follow(client: Client, job: JobOut) -> int:
+    """Live progress until the job ends; exit status 0 only if it succeeded."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    steps = int(job.spec["train"]["steps"])
+    columns = (TextColumn("[bold]{task.fields[state]:<10}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
+               TimeElapsedColumn())
+    with Progress(*columns, console=out) as progress:
+        task = progress.add_task(job.name, total=steps, state=job.state.value, loss="-", tps="-")
+        done = threading.Event()
+
+        def watch_state() -> None:
+            while not done.wait(1.0):
+                try:
+                    progress.update(task, state=client.get(job.id).state.value)
+                except ZerotrainError:
+                    pass
+
+        watcher = threading.Thread(target=watch_state, daemon=True)
+        watcher.start()
+        try:
+            for point in client.stream_metrics(job.id, rank=0):
+                fields: dict[str, Any] = {"completed": min(point.step + 1, steps)}
+                if point.loss is not None:
+                    fields["loss"] = f"{point.loss:.4f}"
+                if point.tokens_per_s is not None:
+                    fields["tps"] = f"{point.tokens_per_s:,.0f}"
+                progress.update(task, **fields)
+        finally:
+            done.set()
+        final = client.wait(job.id, timeout=60)
+        progress.update(task, state=final.state.value)
+    colour = "green" if final.state is JobState.SUCCEEDED else "red"
+    detail = f" ({final.reason}{': ' + final.message if final.message else ''})" if final.reason else ""
+    out.print(f"[{colour}]{final.id} {final.state.value}[/]{detail}")
+    return 0 if final.state is JobState.SUCCEEDED else 1
+
+
+def cmd_jobs(args: argparse.Namespace) -> int:
+    page = Client().list(state=args.state, limit=args.limit)
+    out.print(_job_table(page.items))
+    if page.next_cursor:
+        out.print(f"[dim]more jobs exist; showing the newest {args.limit}[/]")
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    client = Client()
+    job = client.get(args.job_id)
+    out.print(_job_table([job]))
+    out.print_json(json.dumps(job.spec))
+    _print_events(client, job.id)
+    return 0
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    job = Client().cancel(args.job_id)
+    out.print(f"{job.id} {job.state.value}")
+    return 0
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    sys.stdout.write(Client().logs(args.job_id, tail_bytes=args.tail))
+    return 0
+
+
+def cmd_events(args: argparse.Namespace) -> int:
+    _print_events(Client(), args.job_id)
+    return 0
+
+
+def _job_table(jobs: list[JobOut]) -> Table:
+    table = Table(Column("id", no_wrap=True), "name", "owner", Column("state", no_wrap=True), "reason", "created")
+    for job in jobs:
+        table.add_row(job.id, job.name, job.owner, job.state.value, job.reason or "",
+                      job.created_at.strftime("%Y-%m-%d %H:%M:%S"))
+    return table
+
+
+def _print_events(client: Client, job_id: str) -> None:
+    table = Table("time", "from", "to", "reason", "message")
+    for event in client.events(job_id):
+        table.add_row(event.created_at.strftime("%H:%M:%S.%f")[:-3],
+                      event.from_state.value if event.from_state else "", event.to_state.value,
+                      event.reason or "", event.message or "")
+    out.print(table)

@@ -1,0 +1,110 @@
+"""Server-side commands: ``serve``, ``scheduler``, ``db upgrade``, ``token create``.
+
+They run on the machine that hosts the service and read its settings (``ZEROTRAIN_*``,
+``service.settings``) and database directly; no server needs to be up. The heavy imports
+(uvicorn, SQLAlchemy, the launchers) happen inside the handlers so that the client-side
+commands and ``--help`` stay quick.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from service.cli.output import err, out
+
+
+def register(commands: Any) -> None:
+    """Add the server-side commands to an argparse ``subparsers`` object."""
+    serve_help = "run the API server (and its scheduler)"
+    serve = commands.add_parser("serve", help=serve_help, description=serve_help)
+    serve.add_argument("--host")
+    serve.add_argument("--port", type=int)
+    serve.set_defaults(func=cmd_serve)
+    scheduler_help = "run only the scheduler loop"
+    commands.add_parser("scheduler", help=scheduler_help, description=scheduler_help).set_defaults(func=cmd_scheduler)
+
+    db = commands.add_parser("db", help="database migrations")
+    db_commands = db.add_subparsers(dest="db_command", required=True, metavar="COMMAND")
+    upgrade = db_commands.add_parser("upgrade", help="migrate the database to the latest schema")
+    upgrade.add_argument("revision", nargs="?", default="head")
+    upgrade.set_defaults(func=cmd_db_upgrade)
+
+    token = commands.add_parser("token", help="API tokens")
+    token_commands = token.add_subparsers(dest="token_command", required=True, metavar="COMMAND")
+    create = token_commands.add_parser("create", help="create a token for NAME (printed once)")
+    create.add_argument("name")
+    create.add_argument("--admin", action="store_true", help="the token sees every user's jobs")
+    create.set_defaults(func=cmd_token_create)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from service.app import create_app
+
+    settings = _settings(host=args.host, port=args.port)
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
+    return 0
+
+
+def cmd_scheduler(args: argparse.Namespace) -> int:
+    from service import migrate
+    from service.db import make_engine, make_sessionmaker
+    from service.launchers import make_launcher
+    from service.scheduler import Scheduler
+
+    settings = _settings()
+    migrate.upgrade(settings.database_url)
+    engine = make_engine(settings.database_url)
+    launcher = make_launcher(settings)
+    scheduler = Scheduler(make_sessionmaker(engine), launcher, settings)
+    out.print(f"scheduler {scheduler.identity} polling {_safe_url(settings.database_url)}")
+    try:
+        scheduler.run_forever()
+    finally:
+        launcher.close()
+        engine.dispose()
+    return 0
+
+
+def cmd_db_upgrade(args: argparse.Namespace) -> int:
+    from service import migrate
+
+    settings = _settings()
+    migrate.upgrade(settings.database_url, args.revision)
+    out.print(f"database {_safe_url(settings.database_url)} is at revision "
+              f"{migrate.current_revision(settings.database_url)}")
+    return 0
+
+
+def cmd_token_create(args: argparse.Namespace) -> int:
+    from service import migrate
+    from service.auth import create_api_token
+    from service.db import make_engine, make_sessionmaker
+
+    settings = _settings()
+    migrate.upgrade(settings.database_url)
+    engine = make_engine(settings.database_url)
+    try:
+        with make_sessionmaker(engine)() as session:
+            token = create_api_token(session, args.name, is_admin=args.admin)
+            session.commit()
+    finally:
+        engine.dispose()
+    err.print(f"token for {args.name!r}{' (admin)' if args.admin else ''}; it is shown only once:")
+    print(token)
+    return 0
+
+
+def _settings(**overrides: Any):
+    """The service's settings, with the command-line values that were given."""
+    from service.settings import Settings
+
+    return Settings(**{key: value for key, value in overrides.items() if value is not None})
+
+
+def _safe_url(url: str) -> str:
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).render_as_string(hide_password=True)
