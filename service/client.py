@@ -32,6 +32,9 @@ from service.schemas import (
     JobState,
     MetricList,
     MetricPoint,
+    TokenCreated,
+    TokenList,
+    TokenOut,
 )
 
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -189,6 +192,21 @@ class Client:
 
     def checkpoints(self, job_id: str) -> list[CheckpointOut]:
         return CheckpointList.model_validate(self._api("GET", f"/jobs/{job_id}/checkpoints")).items
+
+    # ------------------------------------------------------------------ API tokens
+
+    def create_token(self, name: str | None = None, *, is_admin: bool = False,
+                     expires_in_days: float | None = None) -> TokenCreated:
+        """A new token (yours by default); ``.token`` is the secret, shown this once."""
+        body = {"name": name, "is_admin": is_admin, "expires_in_days": expires_in_days}
+        return TokenCreated.model_validate(self._api("POST", "/tokens", json=body))
+
+    def tokens(self, name: str | None = None) -> list[TokenOut]:
+        params = {"name": name} if name else {}
+        return TokenList.model_validate(self._api("GET", "/tokens", params=params)).items
+
+    def revoke_token(self, token_id: int) -> TokenOut:
+        return TokenOut.model_validate(self._api("DELETE", f"/tokens/{token_id}"))
 
     def wait(self, job_id: str, timeout: float | None = None, poll: float = 0.5) -> JobOut:
         """Poll until the job is terminal; ``WaitTimeout`` after ``timeout`` seconds."""

@@ -1,4 +1,5 @@
-"""Server-side commands: ``serve``, ``scheduler``, ``db upgrade``, ``token create``.
+"""Server-side commands: ``serve``, ``scheduler``, ``db upgrade``, ``token create``
+(``token list`` and ``token revoke`` go through the API: ``service.cli.tokens``).
 
 They run on the machine that hosts the service and read its settings (``ZEROTRAIN_*``,
 ``service.settings``) and database directly; no server needs to be up. The heavy imports
@@ -9,8 +10,11 @@ commands and ``--help`` stay quick.
 from __future__ import annotations
 
 import argparse
+from datetime import timedelta
 from typing import Any
 
+from service.cli import tokens
+from service.cli.errors import CliError
 from service.cli.output import err, out
 
 
@@ -35,7 +39,9 @@ def register(commands: Any) -> None:
     create = token_commands.add_parser("create", help="create a token for NAME (printed once)")
     create.add_argument("name")
     create.add_argument("--admin", action="store_true", help="the token sees every user's jobs")
+    create.add_argument("--expires-days", type=float, metavar="DAYS", help="the token stops working after DAYS")
     create.set_defaults(func=cmd_token_create)
+    tokens.register(token_commands)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -82,13 +88,17 @@ def cmd_token_create(args: argparse.Namespace) -> int:
     from service import migrate
     from service.auth import create_api_token
     from service.db import make_engine, make_sessionmaker
+    from service.models import utcnow
 
+    if args.expires_days is not None and not 0 < args.expires_days <= 3650:
+        raise CliError(f"--expires-days must be in (0, 3650], got {args.expires_days:g}")
+    expires_at = None if args.expires_days is None else utcnow() + timedelta(days=args.expires_days)
     settings = _settings()
     migrate.upgrade(settings.database_url)
     engine = make_engine(settings.database_url)
     try:
         with make_sessionmaker(engine)() as session:
-            token = create_api_token(session, args.name, is_admin=args.admin)
+            token = create_api_token(session, args.name, is_admin=args.admin, expires_at=expires_at)
             session.commit()
     finally:
         engine.dispose()
