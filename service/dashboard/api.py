@@ -21,7 +21,7 @@ from pydantic import StringConstraints
 from fastapi.responses import JSONResponse
 from sqlalchemy import select
 
-from contract.metrics import aggregation, chart_list
+from contract.metrics import THROUGHPUT, aggregation, chart_list
 from service.api.deps import CurrentUser, SessionDep, VisibleJob
 from service.api.errors import COMMON_ERRORS, error_responses
 from service.dashboard import charts
@@ -61,6 +61,7 @@ def job_metrics_chart(
         **charts.series(session, job.id, _steps(job.spec), _world(job.spec), max_points),
         "charts": CHART_LIST,
         "aggregation": AGGREGATION,
+        "throughput_field": THROUGHPUT,
         "memory": charts.latest_memory(session, job.id, _world(job.spec)),
         "prediction": predict(job.spec, checkpoint_stage, job.prediction, job.memory_check),
     })

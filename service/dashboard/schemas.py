@@ -75,6 +75,7 @@ class ChartOut(BaseModel):
     aggregation: dict[str, Literal["mean", "total"]] = Field(
         description="per field of `series`: how ranks combine into a point (`mean`, or `total`: "
         "the ranks' mean × the world size); the page combines live records the same way")
+    throughput_field: str = Field(description="the field of `series` that progress lines show as the job's speed")
     memory: list[RankMemory]
     prediction: Prediction
 
