@@ -26,6 +26,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from contract.metrics import METRICS
+
 BigId = BigInteger().with_variant(Integer, "sqlite")  # SQLite autoincrements INTEGER keys only
 
 
@@ -90,7 +92,19 @@ class JobEvent(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 
-class Metric(Base):
+_COLUMN_TYPES = {float: Float, int: BigInteger}
+
+
+def _metric_columns() -> type:
+    """A mixin with one nullable column per row of ``contract.metrics.METRICS``, in table order
+    after the bookkeeping columns (the migration spells them out; a test compares the two)."""
+    return type("_MetricColumns", (), {
+        field.name: mapped_column(_COLUMN_TYPES[field.type], nullable=True, sort_order=index)
+        for index, field in enumerate(METRICS, start=1)
+    })
+
+
+class Metric(_metric_columns(), Base):
     __tablename__ = "metrics"
     __table_args__ = (
         UniqueConstraint("job_id", "attempt", "rank", "step", name="uq_metrics_job_attempt_rank_step"),
@@ -104,23 +118,7 @@ class Metric(Base):
     rank: Mapped[int] = mapped_column(Integer)
     step: Mapped[int] = mapped_column(Integer)
     time: Mapped[float | None] = mapped_column(Float)
-    # the DESIGN §3 metrics (schemas.METRIC_FIELDS; a test keeps both lists equal)
-    loss: Mapped[float | None] = mapped_column(Float)
-    lr: Mapped[float | None] = mapped_column(Float)
-    grad_norm: Mapped[float | None] = mapped_column(Float)
-    step_time_s: Mapped[float | None] = mapped_column(Float)
-    tokens_per_s: Mapped[float | None] = mapped_column(Float)
-    samples_per_s: Mapped[float | None] = mapped_column(Float)
-    tflops: Mapped[float | None] = mapped_column(Float)
-    mfu: Mapped[float | None] = mapped_column(Float)
-    mem_params_bytes: Mapped[float | None] = mapped_column(Float)
-    mem_grads_bytes: Mapped[float | None] = mapped_column(Float)
-    mem_optimizer_bytes: Mapped[float | None] = mapped_column(Float)
-    mem_buffers_bytes: Mapped[float | None] = mapped_column(Float)
-    mem_peak_bytes: Mapped[float | None] = mapped_column(Float)
-    comm_bytes: Mapped[float | None] = mapped_column(Float)
-    comm_exposed_s: Mapped[float | None] = mapped_column(Float)
-    checkpoint_blocked_s: Mapped[float | None] = mapped_column(Float)
+    # then one nullable column per row of the metric table (_metric_columns)
 
 
 class Checkpoint(Base):

@@ -11,7 +11,9 @@ import enum
 from datetime import datetime
 from typing import Any, Generic, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
+
+from contract.metrics import METRIC_FIELDS, METRICS  # noqa: F401  (METRIC_FIELDS: re-exported)
 
 # The spec lives in contract.spec (the workers read it too); re-exported for the SDK and the API.
 from contract.spec import (  # noqa: F401
@@ -121,39 +123,19 @@ class EventList(BaseModel):
 
 # --------------------------------------------------------------------------- metrics
 
-METRIC_FIELDS: tuple[str, ...] = (
-    "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "samples_per_s", "tflops", "mfu",
-    "mem_params_bytes", "mem_grads_bytes", "mem_optimizer_bytes", "mem_buffers_bytes",
-    "mem_peak_bytes", "comm_bytes", "comm_exposed_s", "checkpoint_blocked_s",
-)
 MAX_METRIC_BATCH = 10_000
 
-
-class MetricRecord(BaseModel):
-    """One rank's numbers for one step (docs/contracts.md). Numbers may be ints or floats."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    attempt: int = Field(ge=0, le=MAX_INT32)
-    rank: int = Field(ge=0, le=MAX_INT32)
-    step: int = Field(ge=0, le=MAX_INT32)
-    time: float | None = None
-    loss: float | None = None
-    lr: float | None = None
-    grad_norm: float | None = None
-    step_time_s: float | None = None
-    tokens_per_s: float | None = None
-    samples_per_s: float | None = None
-    tflops: float | None = None
-    mfu: float | None = None
-    mem_params_bytes: float | None = None
-    mem_grads_bytes: float | None = None
-    mem_optimizer_bytes: float | None = None
-    mem_buffers_bytes: float | None = None
-    mem_peak_bytes: float | None = None
-    comm_bytes: float | None = None
-    comm_exposed_s: float | None = None
-    checkpoint_blocked_s: float | None = None
+# One optional field per row of the metric table; the names, order and types are the table's.
+MetricRecord = create_model(
+    "MetricRecord",
+    __config__=ConfigDict(extra="forbid"),
+    __doc__="One rank's numbers for one step (docs/contracts.md). Numbers may be ints or floats.",
+    attempt=(int, Field(ge=0, le=MAX_INT32)),
+    rank=(int, Field(ge=0, le=MAX_INT32)),
+    step=(int, Field(ge=0, le=MAX_INT32)),
+    time=(float | None, None),
+    **{field.name: (field.type | None, None) for field in METRICS},
+)
 
 
 class MetricBatch(BaseModel):

@@ -4,10 +4,11 @@ Three parts, used by ``workers.train`` and ``workers.launch``:
 
 ``WorkerAPI``       the job's worker endpoints (docs/contracts.md) over HTTP with the ingest
                     token, retrying what is safe to retry (every worker call is idempotent).
-``StepMeter``       turns one step's observations into a DESIGN §3 metric record, the way
-                    torchtitan's metrics component does: tokens/s, TFLOPs from FLOPs per
-                    token, MFU only when the device's peak is known, memory from
-                    ``engine.memory()`` plus the process peak, communication bytes.
+``StepMeter``       turns one step's observations into a metric record, the way
+                    torchtitan's metrics component does: the fields and how each is derived
+                    (tokens/s, TFLOPs from FLOPs per token, MFU only when the device's peak
+                    is known, memory from ``engine.memory()`` plus the process peak,
+                    communication bytes) are the metric table's (``contract.metrics``).
 ``MetricReporter``  a per-rank buffer flushed by a background thread about once a second.
                     A failed POST keeps its batch and retries with backoff, so a control plane
                     that is down for a while loses nothing; the server ignores re-sent
@@ -28,6 +29,8 @@ from collections import deque
 from typing import Any, Callable, Iterable
 
 import httpx
+
+from contract.metrics import StepObservation, record_values
 
 log = logging.getLogger(__name__)
 
@@ -157,11 +160,11 @@ def peak_memory_bytes(device: Any) -> int:
 
 
 class StepMeter:
-    """Builds one rank's metric record for a step (fields of DESIGN §3 / docs/contracts.md).
+    """Builds one rank's metric record for a step: every field of the metric table
+    (``contract.metrics``), measured by the table's own rules from this step's observations.
 
-    Throughput numbers are this rank's own: ``tokens_per_s`` counts the tokens this rank
-    processed (its slice of the global batch), ``tflops`` is what this rank achieved, ``mfu``
-    is that over the device peak. ``loss`` is this rank's mean over its micro-batches.
+    Throughput numbers are this rank's own (its slice of the global batch, what it achieved;
+    MFU only over a known device peak); the loss is this rank's mean over its micro-batches.
     """
 
     def __init__(self, *, rank: int, attempt: int, flops_per_token: float, comm_element_bytes: int,
@@ -175,22 +178,15 @@ class StepMeter:
     def record(self, *, step: int, loss: float, lr: float, step_time_s: float, samples: int, tokens: int,
                info: dict[str, Any], memory: dict[str, int], comm_volume: dict[str, int],
                checkpoint_blocked_s: float = 0.0) -> dict[str, Any]:
-        tokens_per_s = tokens / step_time_s if step_time_s > 0 else 0.0
-        achieved = self.flops_per_token * tokens_per_s
-        return {
-            "attempt": self.attempt, "rank": self.rank, "step": step, "time": time.time(),
-            "loss": loss, "lr": lr, "grad_norm": _finite_or_none(info.get("grad_norm")),
-            "step_time_s": step_time_s, "tokens_per_s": tokens_per_s,
-            "samples_per_s": samples / step_time_s if step_time_s > 0 else 0.0,
-            "tflops": achieved / 1e12,
-            "mfu": achieved / self.peak if self.peak else None,
-            "mem_params_bytes": memory["params"], "mem_grads_bytes": memory["grads"],
-            "mem_optimizer_bytes": memory["optimizer"], "mem_buffers_bytes": memory["buffers"],
-            "mem_peak_bytes": peak_memory_bytes(self.device),
-            "comm_bytes": comm_volume.get("total", 0) * self.comm_element_bytes,
-            "comm_exposed_s": info.get("comm_exposed_s"),
-            "checkpoint_blocked_s": checkpoint_blocked_s,
-        }
+        observation = StepObservation(
+            loss=loss, lr=lr, grad_norm=_finite_or_none(info.get("grad_norm")), step_time_s=step_time_s,
+            samples=samples, tokens=tokens, flops_per_token=self.flops_per_token, peak_flops=self.peak,
+            memory=memory, peak_memory_bytes=peak_memory_bytes(self.device),
+            comm_bytes=comm_volume.get("total", 0) * self.comm_element_bytes,
+            comm_exposed_s=info.get("comm_exposed_s"), checkpoint_blocked_s=checkpoint_blocked_s,
+        )
+        return {"attempt": self.attempt, "rank": self.rank, "step": step, "time": time.time(),
+                **record_values(observation)}
 
 
 def _finite_or_none(value: Any) -> float | None:

@@ -3,7 +3,7 @@
 Ingest relies on the unique (job, attempt, rank, step) key with ``ON CONFLICT DO NOTHING``, so
 a batch re-sent after a timeout is counted as duplicates and changes nothing. Queries can be
 downsampled server-side (``max_points``): steps are cut into equal buckets and each bucket
-becomes one point per rank holding the mean of every metric.
+becomes one point per rank holding the mean of every metric (overflow-safe: ``service.metric_sql``).
 """
 
 from __future__ import annotations
@@ -17,11 +17,12 @@ from typing import Annotated, Any
 import anyio
 from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import StreamingResponse
-from sqlalchemy import Float, Numeric, Select, cast, func, select, text
+from sqlalchemy import Select, func, select, text
 from sqlalchemy.dialects import sqlite
 from sqlalchemy.orm import Session
 
 from service.api.deps import SessionDep, VisibleJob, WorkerJob
+from service.metric_sql import Averaging, execute_overflow_safe
 from service.models import Job, Metric
 from service.schemas import (
     MAX_INT32,
@@ -105,14 +106,6 @@ def _filtered(query: Select, job_id: str, rank: int | None, attempt: int | None,
     return query
 
 
-def _mean(column):  # noqa: ANN001, ANN202
-    """AVG in numeric, read back as a Python float. A float8 AVG fails ("value out of range:
-    overflow") once its running sums (PostgreSQL also keeps the sum of squares) pass 1.8e308,
-    which one record above 1e154 is enough for; numeric holds any sum, NaN and infinities, and a
-    mean rounded past the float limit becomes inf in Python instead of an error in SQL."""
-    return func.avg(cast(column, Numeric), type_=Float)
-
-
 def _downsampled(session: Session, job_id: str, max_points: int, **filters: Any) -> list[dict]:
     low, high = session.execute(_filtered(select(func.min(Metric.step), func.max(Metric.step)),
                                           job_id, **filters)).one()
@@ -120,11 +113,14 @@ def _downsampled(session: Session, job_id: str, max_points: int, **filters: Any)
         return []
     width = max(1, math.ceil((high - low + 1) / max_points))
     bucket = ((Metric.step - low) // width).label("bucket")
-    columns = [func.max(Metric.attempt).label("attempt"), Metric.rank, func.max(Metric.step).label("step"),
-               func.max(Metric.time).label("time"),
-               *(_mean(getattr(Metric, name)).label(name) for name in METRIC_FIELDS)]
-    query = _filtered(select(*columns), job_id, **filters).group_by(Metric.rank, bucket)
-    return [dict(row._mapping) for row in session.execute(query.order_by(Metric.rank, bucket))]
+
+    def query(averaging: Averaging) -> Select:
+        columns = [func.max(Metric.attempt).label("attempt"), Metric.rank, func.max(Metric.step).label("step"),
+                   func.max(Metric.time).label("time"),
+                   *(averaging.mean(getattr(Metric, name)).label(name) for name in METRIC_FIELDS)]
+        return _filtered(select(*columns), job_id, **filters).group_by(Metric.rank, bucket).order_by(Metric.rank, bucket)
+
+    return [dict(row._mapping) for row in execute_overflow_safe(session, query)]
 
 
 @router.get("/{job_id}/metrics", response_model=MetricList, name="list_metrics")

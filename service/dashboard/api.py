@@ -1,7 +1,8 @@
 """REST endpoints the dashboard needs beyond the control plane's resources.
 
 * ``GET /api/v1/jobs/{id}/metrics/chart`` — everything the job page draws from metrics, in one
-  answer: per-step series downsampled in SQL (``charts.series``), each rank's latest memory,
+  answer: per-step series downsampled in SQL (``charts.series``), the list of charts to draw
+  from them and how each field combines ranks (the metric table's), each rank's latest memory,
   the predicted bytes for the job's stage, and the id of the newest record so that the live
   stream (``/metrics/stream?after_id=``) continues exactly where the first render stopped.
 * ``GET /api/v1/dashboard/progress?job_id=…`` — latest step and tokens/s of the jobs on one
@@ -20,6 +21,7 @@ from pydantic import StringConstraints
 from fastapi.responses import JSONResponse
 from sqlalchemy import select
 
+from contract.metrics import THROUGHPUT, aggregation, chart_list
 from service.api.deps import CurrentUser, SessionDep, VisibleJob
 from service.api.errors import COMMON_ERRORS, error_responses
 from service.dashboard import charts
@@ -30,6 +32,7 @@ from service.models import Checkpoint, Job
 router = APIRouter(prefix="/api/v1", tags=["dashboard"], responses=error_responses(*COMMON_ERRORS))
 
 DEFAULT_MAX_POINTS = 1000
+CHART_LIST, AGGREGATION = chart_list(), aggregation()  # the same for every job
 JobId = Annotated[str, StringConstraints(min_length=1, max_length=40, pattern=r"^[A-Za-z0-9._-]+$")]
 
 
@@ -56,6 +59,9 @@ def job_metrics_chart(
         "job_id": job.id,
         "max_points": max_points,
         **charts.series(session, job.id, _steps(job.spec), _world(job.spec), max_points),
+        "charts": CHART_LIST,
+        "aggregation": AGGREGATION,
+        "throughput_field": THROUGHPUT,
         "memory": charts.latest_memory(session, job.id, _world(job.spec)),
         "prediction": predict(job.spec, checkpoint_stage, job.prediction, job.memory_check),
     })

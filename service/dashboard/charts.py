@@ -6,10 +6,11 @@ A job may hold 100,000+ metric records (steps × ranks × attempts); the page dr
 * steps are cut into equal buckets of ``ceil(spec steps / max_points)`` steps (the job's
   spec bounds the step range, so no extra pass is needed to find it); each bucket becomes
   one point at its last step;
-* a point is the mean over the bucket's records of loss, MFU, step time, exposed
-  communication time and communicated bytes per rank; throughput (tokens/s, TFLOPs — each
-  rank reports its own) is that mean times the job's world size, i.e. the job's total, and a
-  step whose ranks are still arriving does not dip;
+* a point holds the fields the metric table charts (``contract.metrics.CHARTED_FIELDS``): the
+  mean over the bucket's records, times the job's world size for the fields each rank
+  reports its own share of (``Across.TOTAL``: tokens/s, TFLOPs), i.e. the job's total, so a
+  step whose ranks are still arriving does not dip; the means are overflow-safe
+  (``service.metric_sql``) and a mean past the float limit is served as null;
 * after a restart two attempts may hold the same steps; only then (a bucket mixes attempts)
   a second, slower query keeps each step's latest attempt before bucketing.
 
@@ -25,28 +26,26 @@ from typing import Any
 from sqlalchemy import Select, and_, func, select, text
 from sqlalchemy.orm import Session
 
+from contract.metrics import CHARTED_FIELDS, MEMORY_FIELDS, THROUGHPUT
+from service.metric_sql import Averaging, execute_overflow_safe
 from service.models import Metric
-
-MEMORY_FIELDS = ("mem_params_bytes", "mem_grads_bytes", "mem_optimizer_bytes", "mem_buffers_bytes", "mem_peak_bytes")
-# Only what the page draws: every extra column costs an aggregate over every record.
-MEAN_FIELDS = ("loss", "mfu", "comm_bytes", "step_time_s", "comm_exposed_s")
-SUMMED_FIELDS = ("tokens_per_s", "tflops")
-SERIES_FIELDS = (*MEAN_FIELDS, *SUMMED_FIELDS)
 
 
 def _short(value: Any) -> float | None:
-    """Seven significant digits: a chart cannot show more, and the answer halves in size."""
-    return None if value is None else float(f"{float(value):.7g}")
+    """Seven significant digits: a chart cannot show more, and the answer halves in size.
+    NaN and infinities (a total past the float limit) are not JSON: they become null."""
+    return None if value is None or not math.isfinite(value) else float(f"{float(value):.7g}")
 
 
-def _bucketed(source: Any, width: int, world: int, extra: tuple = ()) -> Select:
-    """One row per bucket of ``width`` steps over ``source`` (the metrics table or a subquery)."""
+def _bucketed(averaging: Averaging, source: Any, width: int, world: int, extra: tuple = ()) -> Select:
+    """One row per bucket of ``width`` steps over ``source`` (the metrics table or a subquery).
+    Only the charted fields: every extra column costs an aggregate over every record."""
     bucket = (source.c.step // width).label("bucket")  # `//`: integer division on every dialect
     return (
         select(
             func.max(source.c.step).label("step"),
-            *(func.avg(source.c[name]).label(name) for name in MEAN_FIELDS),
-            *((func.avg(source.c[name]) * world).label(name) for name in SUMMED_FIELDS),
+            *(averaging.across_ranks(field, source.c[field.name], world).label(field.name)
+              for field in CHARTED_FIELDS),
             *extra,
         )
         .group_by(bucket)
@@ -75,15 +74,17 @@ def series(session: Session, job_id: str, steps: int, world: int, max_points: in
         func.count().label("records"), func.max(table.c.id).label("last_id"),
         func.min(table.c.attempt).label("min_attempt"), func.max(table.c.attempt).label("max_attempt"),
     )
-    rows = session.execute(_bucketed(table, width, world, bookkeeping).where(table.c.job_id == job_id)).all()
+    rows = execute_overflow_safe(
+        session, lambda averaging: _bucketed(averaging, table, width, world, bookkeeping).where(table.c.job_id == job_id))
     records = sum(row.records for row in rows)
     last_id = max((row.last_id for row in rows), default=0)
     latest_attempt = max((row.max_attempt for row in rows), default=None)
     if any(row.min_attempt != row.max_attempt for row in rows):
-        rows = session.execute(_bucketed(_latest_attempt_per_step(job_id), width, world)).all()
+        latest = _latest_attempt_per_step(job_id)
+        rows = execute_overflow_safe(session, lambda averaging: _bucketed(averaging, latest, width, world))
     columns: dict[str, list] = {"step": [row.step for row in rows]}
-    for name in SERIES_FIELDS:
-        columns[name] = [_short(row._mapping[name]) for row in rows]
+    for field in CHARTED_FIELDS:
+        columns[field.name] = [_short(row._mapping[field.name]) for row in rows]
     return {
         "records": records,
         "last_id": last_id,
@@ -118,7 +119,8 @@ def latest_memory(session: Session, job_id: str, world: int) -> list[dict[str, A
 
 
 def progress(session: Session, job_ids: list[str], worlds: dict[str, int]) -> dict[str, dict[str, Any]]:
-    """For the jobs list: each job's latest step and its throughput at that step."""
+    """For the jobs list: each job's latest step and its throughput (the job's total) at that step;
+    a total past the float limit is None."""
     if not job_ids:
         return {}
     top = (
@@ -127,14 +129,19 @@ def progress(session: Session, job_ids: list[str], worlds: dict[str, int]) -> di
         .group_by(Metric.job_id)
         .subquery("top")
     )
-    query = (
-        select(Metric.job_id, Metric.attempt, Metric.step, func.avg(Metric.tokens_per_s).label("tokens_per_s"))
-        .join(top, and_(Metric.job_id == top.c.job_id, Metric.step == top.c.step))
-        .group_by(Metric.job_id, Metric.attempt, Metric.step)
-        .order_by(Metric.job_id, Metric.attempt)
-    )
+
+    def query(averaging: Averaging) -> Select:  # the ranks' mean; × world below (an Across.TOTAL field)
+        return (
+            select(Metric.job_id, Metric.attempt, Metric.step,
+                   averaging.mean(getattr(Metric, THROUGHPUT)).label("speed"))
+            .join(top, and_(Metric.job_id == top.c.job_id, Metric.step == top.c.step))
+            .group_by(Metric.job_id, Metric.attempt, Metric.step)
+            .order_by(Metric.job_id, Metric.attempt)
+        )
+
     out: dict[str, dict[str, Any]] = {}
-    for row in session.execute(query):  # ordered by attempt: the latest attempt wins
-        tps = None if row.tokens_per_s is None else float(row.tokens_per_s) * worlds.get(row.job_id, 1)
-        out[row.job_id] = {"step": row.step, "attempt": row.attempt, "tokens_per_s": tps}
+    for row in execute_overflow_safe(session, query):  # ordered by attempt: the latest attempt wins
+        speed = None if row.speed is None else float(row.speed) * worlds.get(row.job_id, 1)
+        out[row.job_id] = {"step": row.step, "attempt": row.attempt,
+                           THROUGHPUT: speed if speed is None or math.isfinite(speed) else None}
     return out

@@ -1,35 +1,50 @@
 """Response shapes of the dashboard's endpoints (documentation for OpenAPI and clients).
 
-The chart endpoint answers with a plain JSONResponse for speed; these models describe it.
+The chart endpoint answers with a plain JSONResponse for speed; these models describe it. The
+metric fields in them come from the metric table (``contract.metrics``).
 """
 
 from __future__ import annotations
 
-from pydantic import BaseModel
+from typing import Literal
+
+from pydantic import BaseModel, Field, create_model
+
+from contract.metrics import CHARTED_FIELDS, MEMORY_FIELDS, THROUGHPUT
+
+ChartSeries = create_model(
+    "ChartSeries",
+    __doc__="Columns of equal length: one entry per point (a bucket of ``bucket_steps`` steps).",
+    step=list[int],
+    **{field.name: list[float | None] for field in CHARTED_FIELDS},
+)
+
+RankMemory = create_model(
+    "RankMemory",
+    rank=int,
+    attempt=int,
+    step=int,
+    **{name: (float | None, None) for name in MEMORY_FIELDS},
+)
 
 
-class ChartSeries(BaseModel):
-    """Columns of equal length: one entry per point (a bucket of ``bucket_steps`` steps)."""
-
-    step: list[int]
-    loss: list[float | None]
-    mfu: list[float | None]
-    comm_bytes: list[float | None]
-    step_time_s: list[float | None]
-    comm_exposed_s: list[float | None]
-    tokens_per_s: list[float | None]
-    tflops: list[float | None]
+class SeriesSpec(BaseModel):
+    key: str = Field(description="the metric field (a key of `series`)")
+    label: str
+    unit: str = Field(description='the field\'s unit: "" for a plain number, "1" for a fraction')
+    format: Literal["number", "compact", "percent", "seconds"]
+    axis: Literal["left", "right"]
 
 
-class RankMemory(BaseModel):
-    rank: int
-    attempt: int
-    step: int
-    mem_params_bytes: float | None = None
-    mem_grads_bytes: float | None = None
-    mem_optimizer_bytes: float | None = None
-    mem_buffers_bytes: float | None = None
-    mem_peak_bytes: float | None = None
+class ChartSpec(BaseModel):
+    """One chart of the job page, from the metric table (contract.metrics.CHARTS)."""
+
+    id: str = Field(description="the figure's element id is chart-{id}")
+    title: str
+    section: Literal["training", "communication"]
+    zero_based: bool
+    description: str
+    series: list[SeriesSpec]
 
 
 class Prediction(BaseModel):
@@ -56,18 +71,27 @@ class ChartOut(BaseModel):
     latest_attempt: int | None
     bucket_steps: int
     series: ChartSeries
+    charts: list[ChartSpec] = Field(description="the charts the page draws from `series`, in page order")
+    aggregation: dict[str, Literal["mean", "total"]] = Field(
+        description="per field of `series`: how ranks combine into a point (`mean`, or `total`: "
+        "the ranks' mean × the world size); the page combines live records the same way")
+    throughput_field: str = Field(description="the field of `series` that progress lines show as the job's speed")
     memory: list[RankMemory]
     prediction: Prediction
 
 
-class JobProgress(BaseModel):
-    step: int
-    attempt: int
-    tokens_per_s: float | None
+JobProgress = create_model(
+    "JobProgress",
+    step=int,
+    attempt=int,
+    **{THROUGHPUT: float | None},  # the job's total over ranks
+)
 
 
 class ProgressOut(BaseModel):
     items: dict[str, JobProgress]
+    throughput_field: str = Field(default=THROUGHPUT, description="the field of each item holding the "
+                                  "job's speed (its total over ranks at the latest step)")
 
 
 class WhoAmI(BaseModel):

@@ -44,6 +44,24 @@ def test_metric_values_at_the_float_limits_are_stored_and_averaged(job):
     assert first_two["loss"] is None or math.isinf(first_two["loss"]) or first_two["loss"] == pytest.approx(HUGE)
 
 
+def test_dashboard_aggregates_of_two_ranks_at_the_float_limit_are_served(job):
+    """Two ranks each reporting 1.7e308 tokens/s: their float8 sum overflows. The chart and the
+    jobs list's progress answer 200 (the job's total, past the float limit, reads as null)."""
+    service, worker, user = job
+    records = [{"attempt": 0, "rank": rank, "step": step, "loss": 1.0, "tokens_per_s": 1.7e308, "tflops": 1.7e308}
+               for step in range(3) for rank in range(2)]
+    worker.post("/metrics", json={"records": records}).raise_for_status()
+    chart = user.get("/metrics/chart")
+    assert chart.status_code == 200, chart.text
+    series = chart.json()["series"]
+    assert series["step"] and set(series["loss"]) == {1.0}
+    assert set(series["tokens_per_s"]) == set(series["tflops"]) == {None}
+    job_id = user.base_url.path.rstrip("/").rsplit("/", 1)[-1]
+    progress = user.get(f"{service.url}/api/v1/dashboard/progress", params={"job_id": job_id})
+    assert progress.status_code == 200, progress.text
+    assert progress.json()["items"][job_id] == {"step": 2, "attempt": 0, "tokens_per_s": None}
+
+
 def test_out_of_range_path_integers_and_nul_characters_are_4xx(job):
     _, worker, user = job
     assert worker.delete(f"/worker/checkpoints/{2**31}").status_code == 422

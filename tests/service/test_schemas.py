@@ -54,6 +54,21 @@ def test_metric_columns_match_the_metric_record():
     assert set(Metric.__table__.columns.keys()) == set(MetricRecord.model_fields) | {"id", "job_id"}
 
 
+def test_the_charts_combine_ranks_as_before_the_table():
+    """Means over ranks, and the job's total (mean × world) for what each rank reports its own of."""
+    from contract.metrics import aggregation, chart_list
+    from service.dashboard.schemas import ChartSeries
+
+    assert aggregation() == {"loss": "mean", "step_time_s": "mean", "tokens_per_s": "total", "tflops": "total",
+                             "mfu": "mean", "comm_bytes": "mean", "comm_exposed_s": "mean"}
+    assert set(ChartSeries.model_fields) == {"step", *aggregation()}
+    charts = chart_list()
+    assert [chart["id"] for chart in charts] == ["loss", "throughput", "compute", "exposed"]
+    assert {key for chart in charts for key in (s["key"] for s in chart["series"])} <= set(aggregation())
+    exposed = next(chart for chart in charts if chart["id"] == "exposed")
+    assert [s["key"] for s in exposed["series"]] == ["comm_exposed_s", "step_time_s"]
+
+
 @pytest.mark.parametrize("uri", ["s3://bucket/code/pkg.zip", "https://example.org/pkg.zip", "gs://b/p.zip"])
 def test_user_code_ships_as_a_remote_zip(uri):
     spec = JobSpec.model_validate({**VALID_SPEC, "runtime": {"working_dir": uri}})

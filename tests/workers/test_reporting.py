@@ -10,6 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
+from service.schemas import MetricRecord
 from workers.reporting import MetricReporter, StepMeter, WorkerAPI
 
 
@@ -180,3 +181,5 @@ def test_step_meter_derives_throughput_and_bytes():
             rec["mem_buffers_bytes"]) == (10, 20, 30, 4)
     assert rec["mem_peak_bytes"] > 1 << 20
     assert rec["comm_bytes"] == 1000 and (rec["attempt"], rec["rank"], rec["step"]) == (2, 1, 3)
+    assert list(rec) == list(MetricRecord.model_fields)  # every field of the metric table, no other
+    MetricRecord.model_validate(rec)

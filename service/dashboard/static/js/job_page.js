@@ -25,46 +25,46 @@ function elementBytes(precision) {
   return precision === "fp32" ? 4 : 2;
 }
 
-function buildCharts(job) {
-  return {
-    loss: new LineChart({ id: "chart-loss", title: "Loss", series: [{ key: "loss", label: "loss" }] }),
-    throughput: new LineChart({
-      id: "chart-throughput",
-      zeroBased: true,
-      title: "Throughput",
-      series: [{ key: "tokens_per_s", label: "tokens/s (all ranks)", format: compact }],
-    }),
-    compute: new LineChart({
-      id: "chart-compute",
-      zeroBased: true,
-      title: "TFLOPs and MFU",
-      series: [
-        { key: "tflops", label: "TFLOPs (all ranks)" },
-        { key: "mfu", label: "MFU", axis: "right", format: percent },
-      ],
-      description: "MFU is reported on GPUs only.",
-    }),
-    comm: new LineChart({
-      id: "chart-comm",
-      zeroBased: true,
-      title: "Communication per step (elements per rank)",
-      series: [
-        { key: "comm_elements", label: "measured", format: compact },
-        { key: "expected_comm", label: "§4 expectation", format: compact },
-      ],
-      description: `Bytes each rank passed to collectives in a step, divided by ${elementBytes((job.spec.zero || {}).precision)} bytes per element.`,
-    }),
-    exposed: new LineChart({
-      id: "chart-exposed",
-      zeroBased: true,
-      title: "Exposed communication time per step",
-      series: [
-        { key: "comm_exposed_s", label: "exposed communication", format: seconds },
-        { key: "step_time_s", label: "step time", format: seconds },
-      ],
-      description: "Communication the computation did not hide, mean over ranks. Efficiency = 1 − exposed / step time.",
-    }),
-  };
+const FORMATS = { number, compact, percent, seconds };
+
+function lineChart(spec) {
+  return new LineChart({
+    id: `chart-${spec.id}`,
+    title: spec.title,
+    zeroBased: spec.zero_based,
+    description: spec.description,
+    series: spec.series.map((s) => ({ key: s.key, label: s.label, axis: s.axis, format: FORMATS[s.format] || number })),
+  });
+}
+
+/**
+ * The charts of the chart answer's list (the metric table's, contract/metrics.py), by section,
+ * plus the page's own communication chart: comm_bytes per element against the prediction.
+ */
+function buildCharts(job, chartList) {
+  const comm = new LineChart({
+    id: "chart-comm",
+    zeroBased: true,
+    title: "Communication per step (elements per rank)",
+    series: [
+      { key: "comm_elements", label: "measured", format: compact },
+      { key: "expected_comm", label: "§4 expectation", format: compact },
+    ],
+    description: `Bytes each rank passed to collectives in a step, divided by ${elementBytes((job.spec.zero || {}).precision)} bytes per element.`,
+  });
+  const inSection = (section) => chartList.filter((c) => c.section === section).map(lineChart);
+  return { training: inSection("training"), communication: [comm, ...inSection("communication")] };
+}
+
+/** The series spec of the job's speed (the field the progress line shows), if it is charted. */
+function speedSeries(chart) {
+  for (const c of chart.charts || []) for (const s of c.series) if (s.key === chart.throughput_field) return s;
+  return null;
+}
+
+function speedText(point, series) {
+  if (!series) return "";
+  return ` · ${(FORMATS[series.format] || number)(point[series.key])} ${series.unit}`;
 }
 
 function metaList(job, prediction) {
@@ -191,6 +191,7 @@ export function jobPage({ jobId, signal }) {
 
   let job = null;
   let charts = null;
+  let speed = null;
   let prediction = null;
   let predictionMissing = null;
   let store = null;
@@ -219,12 +220,12 @@ export function jobPage({ jobId, signal }) {
       p.comm_elements = Number.isFinite(p.comm_bytes) ? p.comm_bytes / elems : null;
       p.expected_comm = expected && Number.isFinite(p.comm_bytes) ? expected : null;
     }
-    for (const chart of Object.values(charts)) chart.setData(points);
+    for (const chart of [...charts.training, ...charts.communication]) chart.setData(points);
     memory.update(store.memoryRanks(), prediction, predictionMissing);
     const last = points[points.length - 1];
     const steps = (job.spec.train || {}).steps;
     progressText.textContent = last
-      ? `Step ${last.step} of ${steps ?? "?"} · ${compact(last.tokens_per_s)} tokens/s · loss ${number(last.loss)}`
+      ? `Step ${last.step} of ${steps ?? "?"}${speedText(last, speed)} · loss ${number(last.loss)}`
       : `Step 0 of ${steps ?? "?"} · no metrics yet`;
     element.dataset.lastStep = last ? String(last.step) : "";
     if (last && Number.isFinite(last.comm_exposed_s) && Number.isFinite(last.step_time_s) && last.step_time_s > 0) {
@@ -331,9 +332,10 @@ export function jobPage({ jobId, signal }) {
     store = new SeriesStore({ world: (first.spec.resources || {}).num_workers || 1, maxPoints: MAX_POINTS });
     store.load(chart);
     renderSide(side);
-    charts = buildCharts(first);
-    replaceChildren(chartsSlot, charts.loss.element, charts.throughput.element, charts.compute.element);
-    replaceChildren(commSlot, charts.comm.element, charts.exposed.element);
+    charts = buildCharts(first, chart.charts || []);
+    speed = speedSeries(chart);
+    replaceChildren(chartsSlot, ...charts.training.map((c) => c.element));
+    replaceChildren(commSlot, ...charts.communication.map((c) => c.element));
     renderMetrics();
     // Wait for the charts' frame so the measurement covers drawing, not just fetching.
     await new Promise((resolve) => requestAnimationFrame(() => requestAnimationFrame(resolve)));

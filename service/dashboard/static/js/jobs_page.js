@@ -87,7 +87,7 @@ export function jobsPage({ navigate, signal }) {
     await load();
   }
 
-  function row(job, progress) {
+  function row(job, progress, speedField) {
     const spec = job.spec || {};
     const steps = spec.train && spec.train.steps;
     const done = progress ? progress.step : null;
@@ -112,7 +112,7 @@ export function jobsPage({ navigate, signal }) {
         steps ? h("progress", { max: steps, value: Math.min(done ?? 0, steps), "aria-label": `${job.name} progress` }) : null,
         h("span", { text: ` ${done ?? 0} / ${steps ?? "?"}` }),
       ),
-      h("td", { class: "num", text: progress && progress.tokens_per_s !== null ? compact(progress.tokens_per_s) : "–" }),
+      h("td", { class: "num", text: progress && Number.isFinite(progress[speedField]) ? compact(progress[speedField]) : "–" }),
       h("td", { text: age(job.created_at) }),
       h("td", {}, cancelButton),
     );
@@ -146,11 +146,12 @@ export function jobsPage({ navigate, signal }) {
     try {
       const page = await request(`/jobs?${query}`, { signal: controller.signal });
       const ids = page.items.map((j) => `job_id=${encodeURIComponent(j.id)}`).join("&");
-      const progress = ids ? (await request(`/dashboard/progress?${ids}`, { signal: controller.signal })).items : {};
+      const answer = ids ? await request(`/dashboard/progress?${ids}`, { signal: controller.signal }) : { items: {} };
+      const progress = answer.items; // the field holding the speed is named by the answer (the metric table's)
       replaceKeepingFocus(
         tbody,
         page.items.length
-          ? page.items.map((job) => row(job, progress[job.id]))
+          ? page.items.map((job) => row(job, progress[job.id], answer.throughput_field))
           : h("tr", {}, h("td", { colspan: 11, class: "muted", text: state.filter ? `No ${state.filter} jobs.` : "No jobs yet. Submit one above." })),
       );
       renderPager(page.next_cursor, page.items.length);

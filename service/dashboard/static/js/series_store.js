@@ -1,36 +1,19 @@
 /**
  * The job page's chart data: the server's downsampled points for the history, then live
  * records from the stream combined per step exactly as the server combines them (see
- * service/dashboard/charts.py): means over ranks, and mean × world size for throughput
- * (each rank reports its own). A restart repeats steps with a newer attempt;
- * its records replace what was drawn from that step on. The number of points stays bounded:
- * when it doubles past the limit, neighbouring points are merged pairwise.
+ * service/dashboard/charts.py). Which fields there are and how each combines ranks comes with
+ * the chart answer (`aggregation`, from the metric table, contract/metrics.py): `mean` over
+ * ranks, or `total`, the mean × world size (each rank reports its own share). A restart
+ * repeats steps with a newer attempt; its records replace what was drawn from that step on.
+ * The number of points stays bounded: when it doubles past the limit, neighbouring points
+ * are merged pairwise.
  */
 
-const MEAN = ["loss", "mfu", "comm_bytes", "step_time_s", "comm_exposed_s"];
-const SUMMED = ["tokens_per_s", "tflops"];
-export const SERIES_FIELDS = [...MEAN, ...SUMMED];
 const OPEN_STEPS = 32; // steps whose ranks may still be arriving
 
 function mean(values) {
   const xs = values.filter(Number.isFinite);
   return xs.length ? xs.reduce((a, b) => a + b, 0) / xs.length : null;
-}
-
-function combine(step, records, world) {
-  const point = { step };
-  for (const f of MEAN) point[f] = mean(records.map((r) => r[f]));
-  for (const f of SUMMED) {
-    const m = mean(records.map((r) => r[f]));
-    point[f] = m === null ? null : m * world;
-  }
-  return point;
-}
-
-function mergePair(a, b) {
-  const point = { step: b.step };
-  for (const f of SERIES_FIELDS) point[f] = mean([a[f], b[f]]);
-  return point;
 }
 
 export class SeriesStore {
@@ -43,14 +26,16 @@ export class SeriesStore {
     this.finalAttempt = -1;
     this.memory = new Map(); // rank -> latest record with memory numbers
     this.memoryAttempt = -1;
+    this.aggregation = {}; // field -> "mean" | "total"
   }
 
   /** The server's answer of GET /jobs/{id}/metrics/chart. */
   load(chart) {
     const s = chart.series;
+    this.aggregation = chart.aggregation || {};
     this.final = s.step.map((step, i) => {
       const point = { step };
-      for (const f of SERIES_FIELDS) point[f] = s[f] ? s[f][i] : null;
+      for (const f of this.fields()) point[f] = s[f] ? s[f][i] : null;
       return point;
     });
     this.lastId = chart.last_id || 0;
@@ -82,6 +67,25 @@ export class SeriesStore {
     this.closeOldSteps();
   }
 
+  fields() {
+    return Object.keys(this.aggregation);
+  }
+
+  combine(step, records) {
+    const point = { step };
+    for (const [f, across] of Object.entries(this.aggregation)) {
+      const m = mean(records.map((r) => r[f]));
+      point[f] = m !== null && across === "total" ? m * this.world : m;
+    }
+    return point;
+  }
+
+  mergePair(a, b) {
+    const point = { step: b.step };
+    for (const f of this.fields()) point[f] = mean([a[f], b[f]]);
+    return point;
+  }
+
   addMemory(record) {
     if (!Number.isFinite(record.mem_params_bytes)) return;
     if (record.attempt > this.memoryAttempt) {
@@ -97,20 +101,20 @@ export class SeriesStore {
     if (this.open.size <= OPEN_STEPS) return;
     const steps = [...this.open.keys()].sort((a, b) => a - b);
     for (const step of steps.slice(0, steps.length - OPEN_STEPS)) {
-      this.final.push(combine(step, [...this.open.get(step).byRank.values()], this.world));
+      this.final.push(this.combine(step, [...this.open.get(step).byRank.values()]));
       this.open.delete(step);
     }
     this.final.sort((a, b) => a.step - b.step);
     if (this.final.length > 2 * this.maxPoints) {
       const merged = [];
-      for (let i = 0; i + 1 < this.final.length; i += 2) merged.push(mergePair(this.final[i], this.final[i + 1]));
+      for (let i = 0; i + 1 < this.final.length; i += 2) merged.push(this.mergePair(this.final[i], this.final[i + 1]));
       if (this.final.length % 2) merged.push(this.final[this.final.length - 1]);
       this.final = merged;
     }
   }
 
   points() {
-    const open = [...this.open.entries()].sort((a, b) => a[0] - b[0]).map(([step, e]) => combine(step, [...e.byRank.values()], this.world));
+    const open = [...this.open.entries()].sort((a, b) => a[0] - b[0]).map(([step, e]) => this.combine(step, [...e.byRank.values()]));
     return this.final.concat(open);
   }
 

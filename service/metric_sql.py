@@ -1,0 +1,65 @@
+"""Means over metric columns that a value at the float limit cannot break.
+
+Both readers of aggregated metrics use this: the downsampled ``GET /metrics`` (a mean per rank
+and bucket of steps) and the dashboard's charts and progress (a mean over ranks, times the
+world size for the fields the table marks ``Across.TOTAL``).
+
+[Note: float8 first, numeric when it overflows]
+PostgreSQL's float8 ``AVG`` fails ("value out of range: overflow", a DataError the API answers
+with 422) once a running sum passes 1.8e308 — it keeps the sum of squares too, so one value
+above 1e154 is enough — and ``AVG(..) * world`` fails the same way. ``AVG`` in numeric holds
+any sum, NaN and infinities (a mean past the float limit reads back as inf), but costs about
+six times as much: 540 ms against 90 ms for the job page's seven series over 100,000 records
+on a busy core, more than its first render may take. So a query runs in float8 inside a
+savepoint, and only when that overflows (SQLSTATE 22003) again in numeric. SQLite's ``AVG``
+never raises (an overflowing sum is inf), so there the float8 form is the only one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from sqlalchemy import Float, Numeric, cast, func
+from sqlalchemy.engine import Row
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.orm import Session
+from sqlalchemy.sql import ColumnElement, Executable
+
+from contract.metrics import Across, MetricField
+
+NUMERIC_VALUE_OUT_OF_RANGE = "22003"
+
+
+@dataclass(frozen=True)
+class Averaging:
+    """How a query's means are computed: float8 (fast) or numeric (overflow-proof)."""
+
+    exact: bool
+
+    def mean(self, column: Any) -> ColumnElement:
+        if self.exact:
+            return func.avg(cast(column, Numeric), type_=Float)  # read back as a Python float
+        return func.avg(column, type_=Float)
+
+    def across_ranks(self, field: MetricField, column: Any, world: int) -> ColumnElement:
+        """One chart point from every rank's ``column``: the mean, or the job's total."""
+        mean = self.mean(column)
+        return mean * world if field.across is Across.TOTAL else mean
+
+
+FLOAT8 = Averaging(exact=False)
+NUMERIC = Averaging(exact=True)
+
+
+def execute_overflow_safe(session: Session, statement_for: Callable[[Averaging], Executable]) -> list[Row]:
+    """Rows of ``statement_for(FLOAT8)``, or of ``statement_for(NUMERIC)`` if float8 overflowed."""
+    if session.get_bind().dialect.name != "postgresql":
+        return session.execute(statement_for(FLOAT8)).all()
+    try:
+        with session.begin_nested():  # an error aborts only the savepoint, not the transaction
+            return session.execute(statement_for(FLOAT8)).all()
+    except DBAPIError as error:
+        if getattr(error.orig, "sqlstate", None) != NUMERIC_VALUE_OUT_OF_RANGE:
+            raise
+    return session.execute(statement_for(NUMERIC)).all()
