@@ -25,6 +25,7 @@ from service.limits import BodySizeLimit
 from service.observability import RequestMetrics, RouteTemplates, ServiceMetrics
 from service.scheduler import Scheduler
 from service.settings import Settings
+from service.stream_slots import StreamSlots
 
 log = logging.getLogger(__name__)
 API_PREFIX = "/api/v1"
@@ -77,6 +78,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.sessionmaker = make_session
     app.state.service_metrics = service_metrics
     app.state.wake_scheduler = None
+    app.state.stream_slots = StreamSlots(settings.max_streams_per_user, settings.stream_poll_threads)
 
     install_error_handlers(app)
     for router in (jobs.router, metrics.router, workers.router, memory_check.router, checkpoints.router,

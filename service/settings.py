@@ -39,6 +39,8 @@ class Settings(BaseSettings):
     bootstrap_admin: bool = True  # create the local admin token file on first start
     bootstrap_admin_token: SecretStr | None = None  # an admin token to accept from the start (deployments)
     sse_poll_s: float = 0.25
+    max_streams_per_user: int = Field(default=300, ge=1)  # open event streams one user may hold
+    stream_poll_threads: int = Field(default=4, ge=1)  # threads (and DB connections) all streams share
     db_pool_size: int = 10  # PostgreSQL connections kept open by each engine
     db_max_overflow: int = 20  # extra connections opened under load, closed when returned
     db_pool_timeout_s: float = 5.0  # a request waits this long for a free connection, then gets a 503

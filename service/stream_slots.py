@@ -14,8 +14,7 @@ could open. Now:
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 import anyio
 from fastapi import HTTPException
@@ -40,19 +39,30 @@ class StreamSlots:
         with self._lock:
             return self._open.get(user, 0)
 
-    @contextmanager
-    def hold(self, user: str) -> Iterator[None]:
-        """One of ``user``'s slots for as long as the stream is open; 429 when all are taken."""
+    def take(self, user: str) -> Callable[[], None]:
+        """Take one of ``user``'s slots; returns the (idempotent) release. 429 when all are taken.
+
+        A release function rather than a context manager: the slot is taken in the request
+        handler (so the refusal is a plain 429) but held by the response's body generator,
+        which may never start (the client left) — both the generator's ``finally`` and the
+        response's background task call it, and only the first call counts.
+        """
         with self._lock:
             if self._open.get(user, 0) >= self.max_per_user:
                 raise HTTPException(429, f"{user} already has {self.max_per_user} open event streams "
                                          f"(ZEROTRAIN_MAX_STREAMS_PER_USER); close one first",
                                     headers={"Retry-After": "5"})
             self._open[user] = self._open.get(user, 0) + 1
-        try:
-            yield
-        finally:
+        released = False
+
+        def release() -> None:
+            nonlocal released
             with self._lock:
+                if released:
+                    return
+                released = True
                 self._open[user] -= 1
                 if not self._open[user]:
                     del self._open[user]
+
+        return release

@@ -17,11 +17,12 @@ from typing import Annotated, Any
 import anyio
 from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import StreamingResponse
+from starlette.background import BackgroundTask
 from sqlalchemy import Select, func, select, text
 from sqlalchemy.dialects import sqlite
 from sqlalchemy.orm import Session
 
-from service.api.deps import SessionDep, VisibleJob, WorkerJob
+from service.api.deps import CurrentUser, SessionDep, VisibleJob, WorkerJob
 from service.metric_sql import Averaging, execute_overflow_safe
 from service.models import Job, Metric
 from service.schemas import (
@@ -39,6 +40,7 @@ from service.schemas import (
 
 router = APIRouter(prefix="/jobs", tags=["metrics"])
 
+IDLE_POLL_S = 2.0  # longest wait between polls of a stream that receives nothing
 STREAM_BATCH = 1000
 
 
@@ -160,7 +162,7 @@ def _next_metrics(make_session, job_id: str, after_id: int, rank: int | None) ->
             response_class=StreamingResponse,
             responses={200: {"content": {"text/event-stream": {}},
                              "description": "one `metric` event per record; `end` when the job has ended"}})
-async def stream_metrics(job: VisibleJob, request: Request, session: SessionDep,
+async def stream_metrics(job: VisibleJob, user: CurrentUser, request: Request, session: SessionDep,
                          after_id: Annotated[int, Query(ge=0, le=MAX_INT64)] = 0,
                          rank: Annotated[int | None, Query(ge=0, le=MAX_INT32)] = None,
                          last_event_id: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
@@ -171,21 +173,31 @@ async def stream_metrics(job: VisibleJob, request: Request, session: SessionDep,
         after_id = max(after_id, int(last_event_id))
     make_session = request.app.state.sessionmaker
     poll_s = request.app.state.settings.sse_poll_s
+    slots = request.app.state.stream_slots
+    release = slots.take(user.name)  # 429 past the user's bound (service.stream_slots)
     job_id = job.id
 
     async def events():
-        cursor = after_id
-        yield "retry: 1000\n\n"
-        while not await request.is_disconnected():
-            points, ended = await anyio.to_thread.run_sync(_next_metrics, make_session, job_id, cursor, rank)
-            for point in points:
-                cursor = point.id
-                yield f"id: {point.id}\nevent: metric\ndata: {point.model_dump_json(exclude_none=True)}\n\n"
-            if ended and len(points) < STREAM_BATCH:
-                yield f"event: end\ndata: {json.dumps({'job_id': job_id})}\n\n"
-                return
-            if not points:
-                await asyncio.sleep(poll_s)
+        cursor, wait = after_id, poll_s
+        try:
+            yield "retry: 1000\n\n"
+            while not await request.is_disconnected():
+                points, ended = await anyio.to_thread.run_sync(
+                    _next_metrics, make_session, job_id, cursor, rank, limiter=slots.limiter)
+                for point in points:
+                    cursor = point.id
+                    yield f"id: {point.id}\nevent: metric\ndata: {point.model_dump_json(exclude_none=True)}\n\n"
+                if ended and len(points) < STREAM_BATCH:
+                    yield f"event: end\ndata: {json.dumps({'job_id': job_id})}\n\n"
+                    return
+                # [Note: idle streams poll less] A stream with nothing new backs off (×2 up to
+                # IDLE_POLL_S) and returns to poll_s as soon as records arrive: hundreds of
+                # idle streams must not turn into thousands of queries a second.
+                wait = poll_s if points else min(wait * 2, max(poll_s, IDLE_POLL_S))
+                if not points:
+                    await asyncio.sleep(wait)
+        finally:
+            release()
 
-    return StreamingResponse(events(), media_type="text/event-stream",
+    return StreamingResponse(events(), media_type="text/event-stream", background=BackgroundTask(release),
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
