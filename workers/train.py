@@ -12,7 +12,7 @@ a Gloo world of local processes, without Ray, for tests and quick experiments.
     api_url        where the control plane is; None: no state reports, no metric push
     attempt_base   the job's attempt before this run; worker group k of the run is
                    attempt ``attempt_base + k`` (k counted by ``attempt_counter``)
-    attempt_counter  name of the driver's ``AttemptCounter`` actor (Ray only)
+    attempt_counter  name of the driver's attempt counter (``workers.runtime.ray_train``; Ray only)
     metrics_path   optional: also append every record to ``{metrics_path}.rank{r}.jsonl``
     storage_uri    the storage root (checkpoints go under ``{storage}/{job_id}/checkpoints``)
 
@@ -128,9 +128,9 @@ def _worker_group_number(config: dict[str, Any]) -> int:
     name = config.get("attempt_counter")
     if not name:
         return 1
-    import ray
+    from workers.runtime.ray_train import next_worker_group
 
-    return int(ray.get(ray.get_actor(name).next_group.remote()))
+    return next_worker_group(name)
 
 
 def start_attempt(config: dict[str, Any], world: World, api: WorkerAPI | None) -> int:
