@@ -8,10 +8,10 @@
 Like torchtitan's checkpoint manager, public ``save``/``load`` wrap private steps that live
 in ``workers.checkpointing`` (snapshot -> background writer -> commit; manifest -> resharding
 reader). ``TrainCheckpointHook`` adapts it to ``workers.train.CheckpointHook``; build it with
-``make_checkpoint_hook(config, world, api)``.
+``make_checkpoint_hook(spec, job_id=..., storage_uri=..., api=...)`` from the typed job spec.
 
 Where checkpoints go: ``{root}/{job_id}/checkpoints/step_{N:08d}/`` with ``root`` the job's
-``checkpoint.uri`` when set, else the service's storage root (``config["storage_uri"]``).
+``checkpoint.uri`` when set, else the service's storage root (the loop's ``storage_uri``).
 S3 settings come from the environment (``workers.checkpointing.storage``).
 
 [Note: what blocks the loop]
@@ -36,6 +36,7 @@ from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
+from contract.spec import JobSpec, ResumeFrom
 from workers.checkpointing import reader, snapshot
 from workers.checkpointing.manifest import (CheckpointNotFound, checkpoints_uri, committed_steps, find_checkpoint,
                                             read_manifest)
@@ -180,7 +181,7 @@ class ControlPlaneRegistry:
 class TrainCheckpointHook:
     """``workers.train.CheckpointHook`` over a ``CheckpointManager``."""
 
-    def __init__(self, manager: CheckpointManager, *, total_steps: int, resume_from: Optional[dict] = None,
+    def __init__(self, manager: CheckpointManager, *, total_steps: int, resume_from: Optional[ResumeFrom] = None,
                  resume_uri: Optional[str] = None):
         self.manager = manager
         self.total_steps = total_steps
@@ -190,7 +191,7 @@ class TrainCheckpointHook:
         if self.manager.committed_steps():
             return self.manager.load(engine, loader)  # a restarted attempt of this job
         if self.resume_from:
-            return self.manager.load(engine, loader, step=self.resume_from.get("step", "latest"), uri=self.resume_uri)
+            return self.manager.load(engine, loader, step=self.resume_from.step, uri=self.resume_uri)
         return 0
 
     def maybe_save(self, step: int, engine: Any, loader: Any) -> float:
@@ -203,18 +204,17 @@ class TrainCheckpointHook:
         self.manager.close()
 
 
-def make_checkpoint_hook(config: dict[str, Any], world: Any = None, api: Any = None) -> TrainCheckpointHook:
-    """The hook for one job's train loop, from the loop's ``config`` (see ``workers.train``)."""
-    spec = config["spec"]
-    ckpt = spec.get("checkpoint") or {}
-    root = ckpt.get("uri") or config["storage_uri"]
+def make_checkpoint_hook(spec: JobSpec, *, job_id: str, storage_uri: Optional[str],
+                         api: Any = None) -> TrainCheckpointHook:
+    """The hook for one job's train loop: its ``checkpoint`` block, under ``checkpoint.uri`` or else
+    the service's ``storage_uri``; ``api`` (a ``WorkerAPI``) registers what is saved."""
+    root = spec.checkpoint.uri or storage_uri
     registry = ControlPlaneRegistry(api) if api is not None else None
-    manager = CheckpointManager(checkpoints_uri(root, config["job_id"]), job_id=config["job_id"],
-                                every_steps=int(ckpt.get("every_steps", 50)), keep_last=int(ckpt.get("keep_last", 2)),
+    manager = CheckpointManager(checkpoints_uri(root, job_id), job_id=job_id,
+                                every_steps=spec.checkpoint.every_steps, keep_last=spec.checkpoint.keep_last,
                                 register=registry.register if registry else None,
                                 forget=registry.forget if registry else None,
                                 report_failure=registry.failed if registry else None)
-    resume = spec.get("resume_from")
-    resume_uri = checkpoints_uri(root, resume["job_id"]) if resume else None
-    return TrainCheckpointHook(manager, total_steps=int(spec["train"]["steps"]), resume_from=resume,
-                               resume_uri=resume_uri)
+    resume = spec.resume_from
+    resume_uri = checkpoints_uri(root, resume.job_id) if resume else None
+    return TrainCheckpointHook(manager, total_steps=spec.train.steps, resume_from=resume, resume_uri=resume_uri)

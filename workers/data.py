@@ -10,7 +10,7 @@ rank's micro-batches, so
 - a checkpoint saves ``position`` and a resumed job continues with the very next sample:
   nothing skipped, nothing seen twice — at any world size, since the split is recomputed.
 
-Three sources (the job spec's ``data`` block):
+Three sources (the job spec's ``data`` block, a ``contract.spec.DataSpec``):
 
 ``synthetic``  tokens from a seeded sparse Markov chain (each token has four possible
                successors), so a model can learn it: loss falls from ln(vocab) toward ln(4).
@@ -32,6 +32,7 @@ from typing import Any, Protocol, Sequence
 
 import torch
 
+from contract.spec import DataSpec
 from workers.models import resolve_factory
 
 Sample = tuple[torch.Tensor, torch.Tensor]  # (input ids [seq_len], target ids [seq_len])
@@ -165,17 +166,13 @@ class FactoryDataset:
         return _split(torch.as_tensor(item))
 
 
-def build_dataset(data_spec: dict[str, Any], seed: int = 0) -> IndexedDataset:
-    """The dataset a job spec's ``data`` block names."""
-    kind = data_spec.get("kind") or ("factory" if data_spec.get("factory") else None)
-    if kind == "synthetic":
-        return SyntheticDataset(int(data_spec.get("vocab_size") or 256), int(data_spec["seq_len"]), seed)
-    if kind == "text":
-        return TextFilesDataset(data_spec["uri"], data_spec.get("glob") or "**/*", int(data_spec["seq_len"]), seed)
-    if kind == "factory":
-        built = resolve_factory(data_spec["factory"])(**(data_spec.get("kwargs") or {}))
-        return FactoryDataset(built, seed)
-    raise ValueError(f"data.kind must be 'synthetic', 'text' or 'factory', got {kind!r}")
+def build_dataset(data: DataSpec, seed: int = 0) -> IndexedDataset:
+    """The dataset a job spec's ``data`` block names (its defaults, e.g. ``vocab_size``, are the spec's)."""
+    if data.kind == "synthetic":
+        return SyntheticDataset(data.vocab_size, data.seq_len, seed)
+    if data.kind == "text":
+        return TextFilesDataset(data.uri, data.glob, data.seq_len, seed)
+    return FactoryDataset(resolve_factory(data.factory)(**data.kwargs), seed)
 
 
 # ----------------------------------------------------------------------------- the loader

@@ -1,7 +1,8 @@
 """Built-in GPT presets and user model factories.
 
 Jobs name a model either by preset (``{"preset": "gpt-mini"}``) or by a factory
-(``{"factory": "pkg.mod:fn", "kwargs": {...}}``). The GPT here is a plain GPT-2 style decoder
+(``{"factory": "pkg.mod:fn", "kwargs": {...}}``): the job spec's ``model`` block, a
+``contract.spec.ModelSpec``. The GPT here is a plain GPT-2 style decoder
 (learned positions, pre-LayerNorm blocks in a ``ModuleList`` named ``blocks``, tied input and
 output embeddings) so that the ZeRO engine, the planner and the benchmarks all see the same
 shapes real users train: a tied parameter, many equal transformer blocks, a large embedding.
@@ -12,13 +13,14 @@ from __future__ import annotations
 import importlib
 import math
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from contract.presets import PRESETS, GPTConfig
+from contract.spec import ModelSpec
 
 __all__ = ["GPT", "GPTConfig", "PRESETS", "build_model", "num_parameters", "preset_config", "resolve_factory"]
 
@@ -144,11 +146,15 @@ def preset_config(name: str, **overrides: Any) -> GPTConfig:
     return replace(PRESETS[name], **overrides)
 
 
-def build_model(model_spec: dict[str, Any]) -> nn.Module:
-    """Build the model a job spec's ``model`` block names (on the current default device)."""
-    kwargs = dict(model_spec.get("kwargs") or {})
-    if model_spec.get("preset"):
-        return GPT(preset_config(model_spec["preset"], **kwargs))
-    if model_spec.get("factory"):
-        return resolve_factory(model_spec["factory"])(**kwargs)
-    raise ValueError("model needs either 'preset' or 'factory'")
+def build_model(model_spec: ModelSpec | Mapping[str, Any]) -> nn.Module:
+    """Build the model a job spec's ``model`` block names (on the current default device).
+
+    [Note: a plain mapping is validated here]
+    The training loop passes the typed ``spec.model``. The planner also builds models from a
+    model block it keeps as JSON (its cache key), so a mapping is accepted and validated into a
+    ``ModelSpec`` first -- the same rules, and the same defaults, as every other reader.
+    """
+    model = ModelSpec.model_validate(model_spec)  # an instance comes back as it is
+    if model.preset is not None:
+        return GPT(preset_config(model.preset))
+    return resolve_factory(model.factory)(**model.kwargs)

@@ -4,14 +4,15 @@
 group is already up there), and ``run_local(config, world_size)`` runs the very same loop on
 a Gloo world of local processes, without Ray, for tests and quick experiments.
 
-``config`` (plain JSON, it travels through Ray):
+``config`` (plain JSON, it travels through the runtime to every rank):
 
-    spec           the JobSpec as JSON (DESIGN §3)
+    spec           the job spec as JSON; each rank validates it into ``contract.spec.JobSpec``
+                   on arrival and reads attributes from then on (every default is the spec's)
     job_id         the job's id
     api_url        where the control plane is; None: no state reports, no metric push
     attempt_base   the job's attempt before this run; worker group k of the run is
                    attempt ``attempt_base + k`` (k counted by ``attempt_counter``)
-    attempt_counter  name of the driver's ``AttemptCounter`` actor (Ray only)
+    attempt_counter  name of the driver's attempt counter (``workers.runtime.ray_train``; Ray only)
     metrics_path   optional: also append every record to ``{metrics_path}.rank{r}.jsonl``
     storage_uri    the storage root (checkpoints go under ``{storage}/{job_id}/checkpoints``)
 
@@ -33,6 +34,8 @@ from typing import Any, Callable, Protocol
 import torch
 import torch.distributed as dist
 
+from contract.reasons import Reason
+from contract.spec import JobSpec
 from workers.data import ShardedBatchLoader, build_dataset
 from workers.models import build_model, flops_per_token
 from workers.reporting import MetricReporter, StepMeter, WorkerAPI, peak_memory_bytes
@@ -59,7 +62,8 @@ def lr_at(step: int, *, lr: float, warmup_steps: int, total_steps: int, min_rati
 
 
 class CheckpointHook(Protocol):
-    """Where checkpointing plugs into the loop (``workers.checkpoint.TrainCheckpointHook``)."""
+    """Where checkpointing plugs into the loop: ``workers.checkpoint.TrainCheckpointHook``, or
+    ``NoCheckpoints`` for a job with nowhere to write."""
 
     def maybe_resume(self, engine: ZeroEngine, loader: ShardedBatchLoader) -> int:
         """Restore the latest checkpoint, if any; return the number of completed steps."""
@@ -78,13 +82,14 @@ class NoCheckpoints:
         return 0.0
 
 
-def make_checkpoint_hook(config: dict[str, Any], world: "World", api: WorkerAPI | None) -> CheckpointHook:
+def make_checkpoint_hook(spec: JobSpec, config: dict[str, Any], api: WorkerAPI | None) -> CheckpointHook:
     """The job's checkpoint hook (``workers.checkpoint``); none when there is nowhere to write."""
-    if not (config.get("storage_uri") or (config["spec"].get("checkpoint") or {}).get("uri")):
+    storage_uri = config.get("storage_uri")
+    if not (storage_uri or spec.checkpoint.uri):
         return NoCheckpoints()
     from workers.checkpoint import make_checkpoint_hook as checkpoint_hook
 
-    return checkpoint_hook(config, world, api)
+    return checkpoint_hook(spec, job_id=config["job_id"], storage_uri=storage_uri, api=api)
 
 
 # ----------------------------------------------------------------------------- who am I
@@ -123,9 +128,9 @@ def _worker_group_number(config: dict[str, Any]) -> int:
     name = config.get("attempt_counter")
     if not name:
         return 1
-    import ray
+    from workers.runtime.ray_train import next_worker_group
 
-    return int(ray.get(ray.get_actor(name).next_group.remote()))
+    return next_worker_group(name)
 
 
 def start_attempt(config: dict[str, Any], world: World, api: WorkerAPI | None) -> int:
@@ -142,7 +147,7 @@ def start_attempt(config: dict[str, Any], world: World, api: WorkerAPI | None) -
         if api is not None:
             try:
                 if group > 1:
-                    api.post_state("RESTARTING", attempt=attempt, reason="worker_failed",
+                    api.post_state("RESTARTING", attempt=attempt, reason=Reason.WORKER_FAILED,
                                    message=f"Ray Train restarted the worker group (attempt {attempt})")
                 api.post_state("RUNNING", attempt=attempt,
                                message=f"{world.world_size} workers training (attempt {attempt})")
@@ -157,46 +162,43 @@ def start_attempt(config: dict[str, Any], world: World, api: WorkerAPI | None) -
 # ----------------------------------------------------------------------------- engine
 
 
-def resolve_stage(spec: dict[str, Any], device: torch.device) -> tuple[int, bool]:
+def resolve_stage(spec: JobSpec, device: torch.device) -> tuple[int, bool]:
     """(stage, offload): the spec's, or the planner's choice for ``"auto"`` with this machine's memory.
 
     The control plane resolves "auto" at submit for presets; it reaches a worker only for user
     factories, which are planned here (workers run user code by design).
     """
-    zero = spec.get("zero") or {}
-    stage = zero.get("stage", "auto")
-    if stage != "auto":
-        return int(stage), bool(zero.get("offload_optimizer", False))
+    if spec.zero.stage != "auto":
+        return spec.zero.stage, spec.zero.offload_optimizer
     from workers.zero.memory import plan_for_spec
 
     if device.type == "cuda":
         budget = {"gpu_memory_bytes": torch.cuda.get_device_properties(device).total_memory}
     else:  # CPU workers of one machine share its memory
-        workers = int((spec.get("resources") or {}).get("num_workers") or 1)
         host_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        budget = {"host_memory_bytes": host_bytes // workers}
+        budget = {"host_memory_bytes": host_bytes // spec.resources.num_workers}
     plan = plan_for_spec(spec, **budget)
     return int(plan.stage), bool(plan.offload)
 
 
-def build_engine(spec: dict[str, Any], model: torch.nn.Module, device: torch.device) -> ZeroEngine:
-    zero, train = spec.get("zero") or {}, spec["train"]
+def build_engine(spec: JobSpec, model: torch.nn.Module, device: torch.device) -> ZeroEngine:
+    """The job's ``ZeroEngine``: the spec's ``zero`` block (stage resolved here) and its AdamW."""
+    zero, train = spec.zero, spec.train
     stage, offload = resolve_stage(spec, device)
     config = ZeroConfig(
         stage=stage,
-        precision=zero.get("precision", "fp32"),
-        bucket_mb=float(zero.get("bucket_mb", 25.0)),
+        precision=zero.precision,
+        bucket_mb=zero.bucket_mb,
         offload_optimizer=offload,
-        prefetch=int(zero.get("prefetch", 1)),
-        grad_clip=train.get("grad_clip"),
-        activation_checkpointing=bool(zero.get("activation_checkpointing", False)),
-        reshard_after_forward=bool(zero.get("reshard_after_forward", True)),
+        prefetch=zero.prefetch,
+        grad_clip=train.grad_clip,
+        activation_checkpointing=zero.activation_checkpointing,
+        reshard_after_forward=zero.reshard_after_forward,
     )
     # One decay for every parameter: the engine hands the optimizer flat 1-D shard views, so
     # a shape-based "no decay for biases and norms" split is not available here.
     make_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] = lambda params: torch.optim.AdamW(
-        params, lr=float(train.get("lr", 3e-4)), betas=(0.9, 0.95),
-        weight_decay=float(train.get("weight_decay", 0.0)))
+        params, lr=train.lr, betas=(0.9, 0.95), weight_decay=train.weight_decay)
     return ZeroEngine(model, optimizer=make_optimizer, config=config)
 
 
@@ -220,24 +222,22 @@ class JsonlSink:
 
 def train_loop(config: dict[str, Any]) -> dict[str, Any]:
     """Train the job's model for ``train.steps`` steps on this rank; return a short summary."""
-    spec = config["spec"]
-    train, data = spec["train"], spec["data"]
-    resources = spec.get("resources") or {}
-    world = World.current(use_gpu=float(resources.get("gpus_per_worker") or 0) > 0)
+    spec = JobSpec.model_validate(config["spec"])  # this rank's boundary: attributes from here on
+    train, data = spec.train, spec.data
+    world = World.current(use_gpu=spec.resources.gpus_per_worker > 0)
     token = os.environ.get("ZEROTRAIN_INGEST_TOKEN")
     api = WorkerAPI(config["api_url"], config["job_id"], token) if config.get("api_url") and token else None
     attempt = start_attempt(config, world, api)
 
     baseline_peak = peak_memory_bytes(world.device)  # what the process held before the model
-    torch.manual_seed(int(train.get("seed", 0)))
-    model = build_model(spec["model"]).to(world.device)
+    torch.manual_seed(train.seed)
+    model = build_model(spec.model).to(world.device)
     engine = build_engine(spec, model, world.device)
-    torch.manual_seed(int(train.get("seed", 0)) + world.rank)  # dropout differs per rank
-    loader = ShardedBatchLoader(build_dataset(data, seed=int(train.get("seed", 0))),
-                                global_batch_size=int(train["global_batch_size"]),
-                                micro_batch_size=int(train["micro_batch_size"]),
+    torch.manual_seed(train.seed + world.rank)  # dropout differs per rank
+    loader = ShardedBatchLoader(build_dataset(data, seed=train.seed),
+                                global_batch_size=train.global_batch_size, micro_batch_size=train.micro_batch_size,
                                 rank=world.rank, world_size=world.world_size)
-    seq_len = int(data.get("seq_len") or getattr(getattr(model, "config", None), "block_size", 0))
+    seq_len = int(data.seq_len or getattr(getattr(model, "config", None), "block_size", 0))
     meter = StepMeter(rank=world.rank, attempt=attempt,
                       flops_per_token=flops_per_token(model, seq_len),
                       comm_element_bytes=engine.precision.compute_dtype.itemsize, device=world.device)
@@ -246,16 +246,15 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
         sinks.append(MetricReporter(api.post_metrics))
     if config.get("metrics_path"):
         sinks.append(JsonlSink(f"{config['metrics_path']}.rank{world.rank}.jsonl"))
-    checkpoints = make_checkpoint_hook(config, world, api)
+    checkpoints = make_checkpoint_hook(spec, config, api)
 
-    total_steps = int(train["steps"])
+    total_steps = train.steps
     step = checkpoints.maybe_resume(engine, loader)
     accumulation = loader.accumulation_steps
     losses: list[float] = []
     try:
         while step < total_steps:
-            lr = lr_at(step, lr=float(train.get("lr", 3e-4)), warmup_steps=int(train.get("warmup_steps", 0)),
-                       total_steps=total_steps)
+            lr = lr_at(step, lr=train.lr, warmup_steps=train.warmup_steps, total_steps=total_steps)
             for group in engine.optimizer.param_groups:
                 group["lr"] = lr
             started = time.perf_counter()

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from contract.spec import DataSpec
 from workers.data import ShardedBatchLoader, SyntheticDataset, TextFilesDataset, build_dataset
 
 GBS, MBS, WORLD = 12, 2, 3  # accumulation 2
@@ -65,7 +66,7 @@ def test_resume_at_another_world_size_keeps_the_global_sequence():
 
 def test_text_files_from_the_standard_library(tmp_path: Path):
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    spec = {"kind": "text", "uri": stdlib.as_uri(), "glob": "*.py", "seq_len": 64}
+    spec = DataSpec(kind="text", uri=stdlib.as_uri(), glob="*.py", seq_len=64)
     a, b = build_dataset(spec, seed=3), build_dataset(spec, seed=3)
     x, y = a.sample(7)
     assert x.shape == (64,) and x.dtype == torch.long and torch.equal(x[1:], y[:-1])
@@ -96,8 +97,9 @@ def test_factory_dataset_walks_a_seeded_permutation(tmp_path: Path, monkeypatch)
     module = tmp_path / "zt_userdata.py"
     module.write_text("import torch\ndef build(n):\n    return [torch.arange(i, i + 5) for i in range(n)]\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    dataset = build_dataset({"kind": "factory", "factory": "zt_userdata:build", "kwargs": {"n": 6}}, seed=0)
+    spec = DataSpec(factory="zt_userdata:build", kwargs={"n": 6})  # kind "factory" is implied
+    dataset = build_dataset(spec, seed=0)
     first_epoch = sorted(int(dataset.sample(i)[0][0]) for i in range(6))
     assert first_epoch == list(range(6))  # each item once per epoch
-    again = build_dataset({"kind": "factory", "factory": "zt_userdata:build", "kwargs": {"n": 6}}, seed=0)
+    again = build_dataset(spec, seed=0)
     assert [int(again.sample(i)[0][0]) for i in range(12)] == [int(dataset.sample(i)[0][0]) for i in range(12)]

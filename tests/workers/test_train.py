@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from contract.spec import JobSpec
 from workers import train
 from workers.reporting import JobNotActive
 from workers.train import World, lr_at, run_local, start_attempt
@@ -101,8 +102,8 @@ def test_a_refused_start_stops_the_worker():
 def test_auto_stage_is_resolved_by_the_planner_with_this_machines_memory():
     spec = nano_spec(1)
     spec["zero"] = {"stage": "auto", "precision": "fp32"}
-    stage, offload = train.resolve_stage(spec, torch.device("cpu"))
+    stage, offload = train.resolve_stage(JobSpec.model_validate(spec), torch.device("cpu"))
     assert stage in (0, 1, 2, 3) and (stage > 0 or not offload)  # the engine refuses offload at stage 0
     spec["zero"]["stage"] = 1
     spec["zero"]["offload_optimizer"] = True
-    assert train.resolve_stage(spec, torch.device("cpu")) == (1, True)
+    assert train.resolve_stage(JobSpec.model_validate(spec), torch.device("cpu")) == (1, True)

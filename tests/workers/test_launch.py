@@ -1,0 +1,109 @@
+"""The driver without a cluster: a stand-in ``Runtime`` and control plane show what the driver
+itself owns (validating the spec once, the loop's config, the final report and exit code), and
+the Ray Train runtime's pure parts (reasons, per-worker resources) are checked directly."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from contract.reasons import Reason
+from contract.spec import JobSpec
+from workers import launch
+from workers.runtime import ray_train
+
+STORED_SPEC = {"name": "driver", "model": {"preset": "gpt-nano"}, "data": {"kind": "synthetic", "seq_len": 8},
+               "train": {"steps": 1, "global_batch_size": 4, "micro_batch_size": 2},
+               "resources": {"num_workers": 2}}
+
+
+class FakeAPI:
+    posts: list[tuple[str, str | None]] = []
+
+    def __init__(self, api_url: str, job_id: str, token: str):
+        self.job_id = job_id
+
+    def get_spec(self) -> dict:
+        return {"job_id": self.job_id, "attempt": 3, "state": "STARTING", "spec": STORED_SPEC,
+                "storage_uri": "file:///tmp/zt-storage"}
+
+    def post_state(self, state: str, *, reason: str | None = None, **kw) -> dict:
+        FakeAPI.posts.append((state, reason))
+        return {}
+
+
+class RecordingRuntime:
+    def __init__(self, error: Exception | None = None):
+        self.error, self.calls = error, []
+
+    def fit(self, spec: JobSpec, loop_config: dict) -> None:
+        self.calls.append((spec, loop_config))
+        if self.error is not None:
+            raise self.error
+
+    def failure_reason(self, error: BaseException) -> str:
+        return Reason.WORKER_FAILED
+
+
+@pytest.fixture
+def driver(monkeypatch):
+    monkeypatch.setenv("ZEROTRAIN_INGEST_TOKEN", "token")
+    monkeypatch.delenv("ZEROTRAIN_STORAGE_URI", raising=False)
+    monkeypatch.setattr(launch, "WorkerAPI", FakeAPI)
+    FakeAPI.posts = []
+    previous = signal.getsignal(signal.SIGTERM)  # the driver installs its cancel handler
+    yield launch
+    signal.signal(signal.SIGTERM, previous)
+
+
+def test_the_driver_validates_the_spec_once_and_hands_the_runtime_both_forms(driver):
+    runtime = RecordingRuntime()
+    assert driver.run("job-1", "http://127.0.0.1:1", runtime) == 0
+    (spec, loop_config), = runtime.calls
+    assert isinstance(spec, JobSpec) and spec.max_failures == JobSpec.model_fields["max_failures"].default
+    assert loop_config == {"spec": spec.model_dump(mode="json"), "job_id": "job-1", "api_url": "http://127.0.0.1:1",
+                           "storage_uri": "file:///tmp/zt-storage", "attempt_base": 3}
+    assert JobSpec.model_validate(loop_config["spec"]) == spec  # what each rank validates again
+    assert FakeAPI.posts == [("SUCCEEDED", None)]
+
+
+def test_a_failed_run_is_reported_with_the_runtimes_reason(driver):
+    assert driver.run("job-1", "http://127.0.0.1:1", RecordingRuntime(RuntimeError("boom"))) == 1
+    assert FakeAPI.posts == [("FAILED", Reason.WORKER_FAILED)]
+
+
+def test_without_the_ingest_token_the_driver_stops_before_anything(driver, monkeypatch):
+    monkeypatch.delenv("ZEROTRAIN_INGEST_TOKEN")
+    runtime = RecordingRuntime()
+    assert driver.run("job-1", "http://127.0.0.1:1", runtime) == 2
+    assert runtime.calls == [] and FakeAPI.posts == []
+
+
+def _named(name: str, base: type = Exception) -> type:
+    return type(name, (base,), {})
+
+
+def test_ray_train_reads_what_fit_raised_as_a_reason():
+    assert ray_train.failure_reason(ValueError("user bug")) == Reason.USER_CODE_ERROR
+    wrapped = RuntimeError("fit failed")
+    wrapped.__cause__ = _named("InsufficientClusterResourcesError")("no room")
+    assert ray_train.failure_reason(wrapped) == Reason.INSUFFICIENT_RESOURCES
+
+    def group_error(*errors: Exception) -> Exception:
+        error = _named("WorkerGroupError")("a worker group failed")
+        error.worker_failures = dict(enumerate(errors))
+        return error
+
+    lost = _named("ActorDiedError")
+    assert ray_train.failure_reason(group_error(lost(), lost())) == Reason.WORKER_FAILED
+    assert ray_train.failure_reason(group_error(lost(), KeyError("x"))) == Reason.USER_CODE_ERROR
+    assert ray_train.failure_reason(_named("ControllerError")()) == Reason.WORKER_FAILED
+
+
+def test_ray_train_asks_for_gpus_only_when_the_spec_has_them():
+    cpu_only = JobSpec.model_validate(STORED_SPEC)
+    assert ray_train.resources_per_worker(cpu_only) == {"CPU": cpu_only.resources.cpus_per_worker}
+    gpus = JobSpec.model_validate({**STORED_SPEC, "resources": {"num_workers": 2, "gpus_per_worker": 1,
+                                                                "cpus_per_worker": 4}})
+    assert ray_train.resources_per_worker(gpus) == {"CPU": 4.0, "GPU": 1.0}

@@ -1,0 +1,34 @@
+"""The seam between a job's driver and the system that runs the job's ranks.
+
+``workers.launch`` is the same whatever runs the ranks: it fetches and validates the spec,
+reports to the control plane, and turns the outcome into a final state and an exit code. What
+differs from one runtime to the next -- how ``resources.num_workers`` ranks of
+``workers.train.train_loop`` are placed and started, how a replaced worker group learns it is
+not the first, which exceptions mean a lost worker rather than failing user code -- sits
+behind ``Runtime``. Ray Train's is ``workers.runtime.ray_train``; another runtime is one more
+module with these two methods.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from contract.spec import JobSpec
+
+
+class Runtime(Protocol):
+    """Runs every rank of one job and says what its failure means."""
+
+    def fit(self, spec: JobSpec, loop_config: dict[str, Any]) -> None:
+        """Run ``train_loop(loop_config)`` on each of ``spec.resources.num_workers`` ranks and
+        return when all have finished; raise when the run fails for good (a runtime that
+        restarts worker groups does so at most ``spec.max_failures`` times first).
+
+        ``loop_config`` is the runtime-independent part of ``workers.train``'s config; a runtime
+        may add its own entries (Ray Train adds ``attempt_counter``).
+        """
+        ...
+
+    def failure_reason(self, error: BaseException) -> str:
+        """The ``contract.reasons.Reason`` for what ``fit`` raised."""
+        ...

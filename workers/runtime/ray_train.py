@@ -1,0 +1,205 @@
+"""The Ray Train runtime: ``TorchTrainer(train_loop)`` with one Ray Train worker per rank.
+
+Everything the driver needs to know about Ray lives here: waiting for the worker group's
+resources, building the ``TorchTrainer`` (its ``ScalingConfig``, ``RunConfig`` and storage),
+the attempt counter a restarted worker group asks for its number, the callback that reports
+RESTARTING the moment a group fails, and reading what ``fit()`` raised as a reason. The
+driver (``workers.launch``) only sees ``RayTrainRuntime``, a ``workers.runtime.Runtime``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import ray
+
+from contract.reasons import Reason
+from contract.spec import JobSpec
+from workers.reporting import WorkerAPI
+from workers.train import train_loop
+
+log = logging.getLogger("zerotrain.launch")
+
+
+# ----------------------------------------------------------------------------- attempts
+
+
+@ray.remote(num_cpus=0)
+class AttemptCounter:
+    """Counts the worker groups of this run; rank 0 of each group asks it for its number.
+
+    Owned by the driver, so it lives exactly as long as the run: Ray Train restarts worker
+    groups inside one ``fit()``, and this is how a new group learns it is not the first.
+    """
+
+    def __init__(self) -> None:
+        self.groups = 0
+
+    def next_group(self) -> int:
+        self.groups += 1
+        return self.groups
+
+    def current(self) -> int:
+        return self.groups
+
+
+def counter_name(job_id: str) -> str:
+    return f"zerotrain-attempts-{job_id}"
+
+
+def next_worker_group(name: str) -> int:
+    """From rank 0 of a worker group: this group's number in the run (1, 2 after a restart, ...)."""
+    return int(ray.get(ray.get_actor(name).next_group.remote()))
+
+
+def _restart_reporter(api_url: str, job_id: str, attempt_base: int, max_failures: int):
+    """A Ray Train callback that reports RESTARTING the moment a worker group fails.
+
+    It runs on the Train controller (an actor of this job, so it has the ingest token in its
+    environment). Without it the control plane would only learn about the restart when the
+    new group's rank 0 starts, tens of seconds later. Failures past ``max_failures`` are left
+    to the driver, which reports FAILED.
+    """
+    from ray.train import UserCallback
+
+    class RestartReporter(UserCallback):
+        def __init__(self) -> None:
+            self.failures = 0
+
+        def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
+            self.failures += 1
+            if self.failures > max_failures:
+                return
+            try:
+                groups = ray.get(ray.get_actor(counter_name(job_id)).current.remote())
+                attempt = attempt_base + groups + 1
+                what = "; ".join(f"rank {rank}: {type(error).__name__}: {str(error).splitlines()[0][:200]}"
+                                 for rank, error in sorted(worker_exceptions.items()))
+                api = WorkerAPI(api_url, job_id, os.environ["ZEROTRAIN_INGEST_TOKEN"])
+                try:
+                    api.post_state("RESTARTING", attempt=attempt, reason=Reason.WORKER_FAILED,
+                                   message=f"restart {self.failures} of {max_failures} (attempt {attempt}): {what}",
+                                   deadline_s=30)
+                finally:
+                    api.close()
+            except Exception as error:  # noqa: BLE001 - reporting must never break Ray Train's recovery
+                log.warning("could not report RESTARTING: %s", error)
+
+    return RestartReporter()
+
+
+# ----------------------------------------------------------------------------- the trainer
+
+
+def ray_storage(storage_uri: str) -> tuple[str, Any]:
+    """Where Ray Train keeps its own run state -- beside, not inside, our checkpoint layout --
+    as ``(storage_path, storage_filesystem)`` for its ``RunConfig``.
+
+    An object store goes through our own fsspec filesystem (``workers.checkpointing.storage``),
+    so Ray Train reaches it with the same endpoint and credentials as the checkpoints; left to
+    itself, Ray Train's pyarrow S3 client ignores ``ZEROTRAIN_S3_ENDPOINT_URL`` and looks for
+    the bucket on AWS.
+    """
+    if storage_uri.startswith("file://"):
+        return storage_uri[len("file://"):].rstrip("/") + "/ray-train", None
+    from pyarrow.fs import FSSpecHandler, PyFileSystem
+
+    from workers.checkpointing.storage import Storage
+
+    storage = Storage.at(storage_uri.rstrip("/") + "/ray-train")
+    return storage.root, PyFileSystem(FSSpecHandler(storage.fs))
+
+
+def resources_per_worker(spec: JobSpec) -> dict[str, float]:
+    """One rank's Ray resources: its CPUs, and its GPUs when it has any."""
+    per_worker = {"CPU": spec.resources.cpus_per_worker}
+    if spec.resources.gpus_per_worker:
+        per_worker["GPU"] = spec.resources.gpus_per_worker
+    return per_worker
+
+
+def wait_for_resources(spec: JobSpec, job_id: str) -> None:
+    """Block until the cluster can hold the whole worker group, before Ray Train asks for it.
+
+    The wait is a placement group of the worker group's shape, owned by this driver: while it
+    is pending the launcher reports ``insufficient_resources`` with the numbers, and a cancel
+    (which ends this process) releases it with nothing else to clean up. Ray Train's own
+    controller is only started once the resources exist; a controller killed while waiting for
+    its placement group leaves its detached PlacementGroupCleaner behind in Ray 2.60
+    (ray-project/ray#61689).
+    """
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    gate = placement_group([resources_per_worker(spec)] * spec.resources.num_workers, strategy="PACK",
+                           name=f"zerotrain-gate-{job_id}")
+    ray.get(gate.ready())
+    remove_placement_group(gate)  # handed over to Ray Train's placement group right away
+
+
+def build_trainer(spec: JobSpec, loop_config: dict[str, Any]):
+    """The job's ``TorchTrainer``: ``train_loop(loop_config)`` on each worker, Ray Train restarting
+    a failed worker group up to ``spec.max_failures`` times."""
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    job_id = loop_config["job_id"]
+    per_worker = resources_per_worker(spec)
+    storage_path, storage_filesystem = ray_storage(loop_config["storage_uri"])
+    return TorchTrainer(
+        train_loop,
+        train_loop_config=loop_config,
+        scaling_config=ScalingConfig(num_workers=spec.resources.num_workers, use_gpu="GPU" in per_worker,
+                                     resources_per_worker=per_worker),
+        run_config=RunConfig(
+            storage_path=storage_path, storage_filesystem=storage_filesystem, name=job_id,
+            failure_config=FailureConfig(max_failures=spec.max_failures),
+            callbacks=[_restart_reporter(loop_config["api_url"], job_id, int(loop_config["attempt_base"]),
+                                         spec.max_failures)]),
+    )
+
+
+# ----------------------------------------------------------------------------- failures
+
+
+# Exceptions that mean a worker process or actor was lost, not that the training code raised.
+LOST_WORKER_ERRORS = {"ActorDiedError", "RayActorError", "ActorUnavailableError", "WorkerCrashedError",
+                      "NodeDiedError", "OutOfMemoryError", "NCCLHangError", "WorkerHealthCheckFailedError",
+                      "WorkerHealthCheckTimeoutError", "WorkerGroupStartupFailedError"}
+
+
+def failure_reason(error: BaseException) -> str:
+    """Map what ``fit()`` raised to a machine-readable reason."""
+    chain, seen = [error], set()
+    while chain[-1].__cause__ is not None and id(chain[-1]) not in seen:
+        seen.add(id(chain[-1]))
+        chain.append(chain[-1].__cause__)
+    names = {type(e).__name__ for e in chain}
+    if "InsufficientClusterResourcesError" in names:
+        return Reason.INSUFFICIENT_RESOURCES
+    failures = getattr(error, "worker_failures", None)  # ray.train.WorkerGroupError
+    if failures:
+        lost = all(type(e).__name__ in LOST_WORKER_ERRORS for e in failures.values())
+        return Reason.WORKER_FAILED if lost else Reason.USER_CODE_ERROR
+    if names & LOST_WORKER_ERRORS or "ControllerError" in names:
+        return Reason.WORKER_FAILED
+    return Reason.USER_CODE_ERROR
+
+
+# ----------------------------------------------------------------------------- the runtime
+
+
+class RayTrainRuntime:
+    """``workers.runtime.Runtime`` on the Ray cluster this driver was submitted to."""
+
+    def fit(self, spec: JobSpec, loop_config: dict[str, Any]) -> None:
+        job_id = loop_config["job_id"]
+        ray.init(log_to_driver=True)
+        counter = AttemptCounter.options(name=counter_name(job_id)).remote()
+        wait_for_resources(spec, job_id)
+        build_trainer(spec, {**loop_config, "attempt_counter": counter_name(job_id)}).fit()
+        ray.kill(counter)
+
+    def failure_reason(self, error: BaseException) -> str:
+        return failure_reason(error)
