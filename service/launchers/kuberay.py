@@ -13,6 +13,9 @@ Two pure functions carry the logic and are tested without a cluster:
   (KubeRay's view: cluster lifecycle and submission) and ``status.jobStatus`` (Ray's view of
   the driver).
 
+The Ray containers' env is the job half of a driver's environment
+(``service.launchers.driver.job_environment``); the image supplies the rest, the
+``storage_secret`` the object-store keys, and nothing of the control plane's own is copied.
 The ingest token never appears in the RayJob: it lives in a per-job Secret and reaches the
 driver as ``ZEROTRAIN_INGEST_TOKEN`` through ``valueFrom.secretKeyRef`` on the Ray containers,
 so it is neither on a command line nor readable by whoever may only read RayJobs. The Secret
@@ -28,11 +31,14 @@ import math
 import os
 import re
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from typing import Any
 
+from contract.reasons import Reason
+from contract.spec import ResourcesSpec
 from service.launchers.base import LaunchHandle, LaunchPhase, LaunchRequest, LaunchStatus
+from service.launchers.driver import INGEST_TOKEN_ENV, driver_command, job_environment
 
 log = logging.getLogger(__name__)
 
@@ -44,14 +50,6 @@ MERGE_PATCH = "application/merge-patch+json"
 LABEL_JOB_ID = "zerotrain.io/job-id"
 LABEL_ATTEMPT = "zerotrain.io/attempt"
 ANNOTATION_JOB_ID = "zerotrain.io/job-id"
-
-# Reasons recorded on jobs; the same strings as ``service.states.Reason``.
-INSUFFICIENT_RESOURCES = "insufficient_resources"
-DRIVER_EXITED = "driver_exited"
-DRIVER_LOST = "driver_lost"
-LAUNCH_FAILED = "launch_failed"
-MAX_RUNTIME_EXCEEDED = "max_runtime_exceeded"
-CANCELLED_BY_USER = "cancelled_by_user"
 
 # KubeRay derives the RayCluster name (RayJob name + 6 characters) and the head Service name
 # from the RayJob name, and refuses RayJob names longer than 47 characters.
@@ -169,23 +167,12 @@ def job_labels(request: LaunchRequest) -> dict[str, str]:
 # --- the RayJob body ---------------------------------------------------------------------
 
 
-def entrypoint(job_id: str, api_url: str) -> str:
-    """The driver's command line; secrets never go here (the submitter logs it)."""
-    return f"python -m workers.launch --job-id {shlex.quote(job_id)} --api {shlex.quote(api_url)}"
-
-
-def _driver_env(request: LaunchRequest, opts: KubeRayOptions, secret: str) -> list[dict[str, Any]]:
-    """Environment of every Ray container: the driver and the Ray Train workers inherit it."""
-    api_url = request.api_url or opts.api_url
-    storage = request.storage_uri or opts.storage_uri
-    return [
-        {"name": "ZEROTRAIN_JOB_ID", "value": request.job_id},
-        {"name": "ZEROTRAIN_API_URL", "value": api_url},
-        {"name": "ZEROTRAIN_STORAGE_URI", "value": storage},
-        {"name": "ZEROTRAIN_ATTEMPT", "value": str(request.attempt)},
-        {"name": "ZEROTRAIN_INGEST_TOKEN",
-         "valueFrom": {"secretKeyRef": {"name": secret, "key": TOKEN_KEY}}},
-    ]
+def _driver_env(request: LaunchRequest, secret: str) -> list[dict[str, Any]]:
+    """Environment of every Ray container (the driver and the Ray Train workers inherit it):
+    the job's variables, the ingest token as a reference to its Secret."""
+    return [{"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": TOKEN_KEY}}}
+            if name == INGEST_TOKEN_ENV else {"name": name, "value": value}
+            for name, value in job_environment(request).items()]
 
 
 def _container_security() -> dict[str, Any]:
@@ -238,14 +225,14 @@ def _quantity(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else str(value)
 
 
-def worker_gpus(resources: dict[str, Any]) -> int:
+def worker_gpus(resources: ResourcesSpec) -> int:
     """Whole GPUs per pod: Kubernetes cannot hand out a fraction (0.5 still takes one)."""
-    return math.ceil(float(resources.get("gpus_per_worker") or 0))
+    return math.ceil(resources.gpus_per_worker)
 
 
-def worker_resources(resources: dict[str, Any], opts: KubeRayOptions) -> dict[str, Any]:
+def worker_resources(resources: ResourcesSpec, opts: KubeRayOptions) -> dict[str, Any]:
     """Requests = limits (KubeRay's advice: Ray reads its CPU/GPU counts from the limits)."""
-    cpus = float(resources.get("cpus_per_worker") or 1)
+    cpus = float(resources.cpus_per_worker)
     gpus = worker_gpus(resources)
     memory_gb = max(2, int(cpus * opts.worker_memory_gb_per_cpu + gpus * opts.worker_memory_gb_per_gpu))
     amounts: dict[str, str] = {"cpu": _quantity(cpus), "memory": f"{memory_gb}Gi"}
@@ -257,11 +244,13 @@ def worker_resources(resources: dict[str, Any], opts: KubeRayOptions) -> dict[st
 def build_rayjob(request: LaunchRequest, settings: Any) -> dict[str, Any]:
     """The RayJob for one job attempt: a per-attempt Ray cluster sized from the job spec."""
     opts = settings if isinstance(settings, KubeRayOptions) else KubeRayOptions.from_settings(settings)
+    request = replace(request, api_url=request.api_url or opts.api_url,
+                      storage_uri=request.storage_uri or opts.storage_uri)
     name = rayjob_name(request.job_id, request.attempt)
     labels = job_labels(request)
-    env = _driver_env(request, opts, secret_name(name))
-    resources = dict(request.spec.get("resources") or {})
-    num_workers = int(resources.get("num_workers") or 1)
+    env = _driver_env(request, secret_name(name))
+    resources = request.spec.resources
+    num_workers = resources.num_workers
     gpus = worker_gpus(resources)
     head_amounts = {"cpu": opts.head_cpu, "memory": opts.head_memory}
 
@@ -286,7 +275,7 @@ def build_rayjob(request: LaunchRequest, settings: Any) -> dict[str, Any]:
     submitter["spec"]["restartPolicy"] = "Never"  # KubeRay fills in the `ray job submit` command
 
     spec: dict[str, Any] = {
-        "entrypoint": entrypoint(request.job_id, request.api_url or opts.api_url),
+        "entrypoint": shlex.join(driver_command(request)),  # never a secret: the submitter logs it
         "submissionMode": "K8sJobMode",
         "shutdownAfterJobFinishes": True,
         "ttlSecondsAfterFinished": opts.ttl_seconds,
@@ -313,12 +302,11 @@ def build_rayjob(request: LaunchRequest, settings: Any) -> dict[str, Any]:
             }],
         },
     }
-    working_dir = (request.spec.get("runtime") or {}).get("working_dir")
+    working_dir = request.spec.runtime.working_dir if request.spec.runtime else None
     if working_dir:  # user factories shipped with the job; on Kubernetes a remote URI (s3://…zip)
         spec["runtimeEnvYAML"] = json.dumps({"working_dir": working_dir})  # JSON is YAML
-    max_runtime = request.spec.get("max_runtime_s")
-    if max_runtime:
-        spec["activeDeadlineSeconds"] = max(1, int(max_runtime))
+    if request.spec.max_runtime_s:
+        spec["activeDeadlineSeconds"] = request.spec.max_runtime_s
     return {
         "apiVersion": API_VERSION,
         "kind": "RayJob",
@@ -361,20 +349,20 @@ def _from_job_status(job_status: str, message: str | None) -> LaunchStatus | Non
     if job_status == "SUCCEEDED":
         return LaunchStatus(LaunchPhase.SUCCEEDED)
     if job_status == "FAILED":
-        return LaunchStatus(LaunchPhase.FAILED, DRIVER_EXITED, message or "the driver exited with an error")
+        return LaunchStatus(LaunchPhase.FAILED, Reason.DRIVER_EXITED, message or "the driver exited with an error")
     if job_status == "STOPPED":
-        return LaunchStatus(LaunchPhase.STOPPED, CANCELLED_BY_USER, message or "the Ray job was stopped")
+        return LaunchStatus(LaunchPhase.STOPPED, Reason.CANCELLED_BY_USER, message or "the Ray job was stopped")
     return None
 
 
 _FAILED_REASONS = {
-    "DeadlineExceeded": MAX_RUNTIME_EXCEEDED,
-    "SubmissionFailed": LAUNCH_FAILED,
-    "ValidationFailed": LAUNCH_FAILED,
-    "AppFailed": DRIVER_EXITED,
-    "JobDeploymentStatusTransitionGracePeriodExceeded": DRIVER_LOST,
+    "DeadlineExceeded": Reason.MAX_RUNTIME_EXCEEDED,
+    "SubmissionFailed": Reason.LAUNCH_FAILED,
+    "ValidationFailed": Reason.LAUNCH_FAILED,
+    "AppFailed": Reason.DRIVER_EXITED,
+    "JobDeploymentStatusTransitionGracePeriodExceeded": Reason.DRIVER_LOST,
     # Only when preRunningDeadlineSeconds is set: the cluster never became ready in time.
-    "PreRunningDeadlineExceeded": INSUFFICIENT_RESOURCES,
+    "PreRunningDeadlineExceeded": Reason.INSUFFICIENT_RESOURCES,
 }
 
 
@@ -400,21 +388,22 @@ def map_status(
         mapped = _from_job_status(job_status, message)
         if mapped is not None and mapped.phase != LaunchPhase.RUNNING:
             return mapped
-        return LaunchStatus(LaunchPhase.FAILED, DRIVER_LOST,
+        return LaunchStatus(LaunchPhase.FAILED, Reason.DRIVER_LOST,
                             message or f"RayJob completed without a final Ray job status ({job_status or 'none'})")
     if deployment == "Failed":
         if job_status == "SUCCEEDED":  # e.g. the deadline hit while the cluster was shutting down
             return LaunchStatus(LaunchPhase.SUCCEEDED)
-        reason = _FAILED_REASONS.get(kuberay_reason, DRIVER_EXITED if job_status == "FAILED" else DRIVER_LOST)
+        unexplained = Reason.DRIVER_EXITED if job_status == "FAILED" else Reason.DRIVER_LOST
+        reason = _FAILED_REASONS.get(kuberay_reason, unexplained)
         return LaunchStatus(LaunchPhase.FAILED, reason,
                             message or f"RayJob failed ({kuberay_reason or 'no reason given'})")
     if deployment == "ValidationFailed":
-        return LaunchStatus(LaunchPhase.FAILED, LAUNCH_FAILED,
+        return LaunchStatus(LaunchPhase.FAILED, Reason.LAUNCH_FAILED,
                             message or "KubeRay rejected the RayJob spec")
     if deployment in ("Suspended", "Suspending"):
         # zerotrain never suspends its RayJobs: a queueing admission controller (Kueue) does,
         # until quota frees up.
-        return LaunchStatus(LaunchPhase.PENDING, INSUFFICIENT_RESOURCES,
+        return LaunchStatus(LaunchPhase.PENDING, Reason.INSUFFICIENT_RESOURCES,
                             message or f"RayJob {deployment.lower()}: queued until the cluster has quota for it")
     if deployment == "Retrying":
         return LaunchStatus(LaunchPhase.PENDING, None, message or "KubeRay is retrying with a new Ray cluster")
@@ -427,7 +416,7 @@ def map_status(
         if waited > pending_timeout_s:
             state = (status.get("rayClusterStatus") or {}).get("state") or "not ready"
             return LaunchStatus(
-                LaunchPhase.PENDING, INSUFFICIENT_RESOURCES,
+                LaunchPhase.PENDING, Reason.INSUFFICIENT_RESOURCES,
                 f"{cluster} still not ready after {int(waited)} s (state: {state}); its pods are "
                 "probably waiting for CPUs, memory or GPUs")
         return LaunchStatus(LaunchPhase.PENDING, None, f"starting {cluster}")
@@ -518,7 +507,7 @@ class KubeRayLauncher:
                 GROUP, VERSION, ns, PLURAL, handle.external_id))
         except Exception as exc:
             if _is_status(exc, 404):
-                return LaunchStatus(LaunchPhase.UNKNOWN, DRIVER_LOST,
+                return LaunchStatus(LaunchPhase.UNKNOWN, Reason.DRIVER_LOST,
                                     f"RayJob {ns}/{handle.external_id} no longer exists")
             raise
         rayjob_status = obj.get("status") or {}
@@ -530,7 +519,7 @@ class KubeRayLauncher:
         if mapped.phase == LaunchPhase.PENDING and mapped.reason is None:
             why = self._unschedulable(ns, rayjob_status.get("rayClusterName"))
             if why:
-                return LaunchStatus(LaunchPhase.PENDING, INSUFFICIENT_RESOURCES, why)
+                return LaunchStatus(LaunchPhase.PENDING, Reason.INSUFFICIENT_RESOURCES, why)
         return mapped
 
     def cancel(self, handle: LaunchHandle) -> None:

@@ -11,6 +11,7 @@ import pytest
 import yaml
 from kubernetes.client import ApiClient, Configuration
 
+from contract.spec import JobSpec
 from deploy_render import DEPLOY
 from fake_apiserver import FakeApiServer, ServerThread
 from service.launchers import kuberay
@@ -56,7 +57,8 @@ def http_launcher(url: str) -> kuberay.KubeRayLauncher:
 
 
 def launch_request() -> LaunchRequest:
-    return LaunchRequest("job-http-1", 1, SPEC, "http://zerotrain:8000", TOKEN, "s3://zerotrain/checkpoints")
+    return LaunchRequest("job-http-1", 1, JobSpec.model_validate(SPEC), "http://zerotrain:8000", TOKEN,
+                         "s3://zerotrain/checkpoints")
 
 
 def test_launcher_lifecycle_over_http_needs_exactly_the_role(start_apiserver):
@@ -105,7 +107,8 @@ def test_finished_job_loses_its_token_and_garbage_collection_follows_the_owner(s
     rayjob["status"] = {"jobDeploymentStatus": "Complete", "jobStatus": "SUCCEEDED"}
     assert launcher.status(handle).phase is LaunchPhase.SUCCEEDED
     assert fake.secrets == {}
-    second = launcher.start(LaunchRequest("job-http-2", 1, SPEC, "http://zerotrain:8000", TOKEN, "s3://z/c"))
+    second = launcher.start(LaunchRequest("job-http-2", 1, JobSpec.model_validate(SPEC), "http://zerotrain:8000",
+                                          TOKEN, "s3://z/c"))
     assert len(fake.secrets) == 1
     del fake.rayjobs[("zerotrain", second.external_id)]  # e.g. `kubectl delete rayjob`
     fake._collect_garbage("zerotrain")
@@ -162,7 +165,8 @@ def test_control_plane_runs_jobs_as_rayjobs(kubeconfig, make_live_service):
     job = client.submit(SPEC)
     rayjob = wait_for(lambda: next(iter(fake.rayjobs.values()), None))
     assert rayjob["metadata"]["labels"][kuberay.LABEL_JOB_ID] == kuberay.label_value(job.id)
-    assert rayjob["spec"]["entrypoint"] == kuberay.entrypoint(job.id, service.settings.api_url)
+    assert rayjob["spec"]["entrypoint"] == \
+        f"python -m workers.launch --job-id {job.id} --api {service.settings.api_url}"
     assert rayjob["spec"]["activeDeadlineSeconds"] == 600
     (secret,) = fake.secrets.values()
     assert secret["stringData"][kuberay.TOKEN_KEY] not in str(rayjob)
