@@ -29,12 +29,14 @@ from datetime import timedelta
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
+from contract.reasons import Reason
+from contract.spec import JobSpec
 from service.auth import INGEST_TOKEN_PREFIX, hash_token, new_token
 from service.launchers.base import Launcher, LaunchHandle, LaunchPhase, LaunchRequest, LaunchStatus
 from service.models import Job, utcnow
 from service.schemas import JobState
 from service.settings import Settings
-from service.states import IllegalTransition, Reason, note_waiting, transition
+from service.states import IllegalTransition, note_waiting, transition
 
 log = logging.getLogger(__name__)
 S = JobState
@@ -113,10 +115,10 @@ class Scheduler:
     def launch(self, job_id: str, ingest_token: str) -> None:
         with self.make_session() as session:
             job = session.execute(select(Job).where(Job.id == job_id)).scalar_one()
-            request = LaunchRequest(job_id=job.id, attempt=job.attempt, spec=job.spec,
+        try:
+            request = LaunchRequest(job_id=job.id, attempt=job.attempt, spec=JobSpec.model_validate(job.spec),
                                     api_url=self.settings.api_url, ingest_token=ingest_token,
                                     storage_uri=self.settings.storage_uri)
-        try:
             handle = self.launcher.start(request)
         except Exception as error:
             log.exception("launcher failed to start %s", job_id)
@@ -231,8 +233,10 @@ class Scheduler:
         return True
 
     def _check_runtime(self, session: Session, job: Job, state: JobState) -> bool:
-        limit = job.spec.get("max_runtime_s")
-        if not limit or job.started_at is None or state is not S.RUNNING:
+        if job.started_at is None or state is not S.RUNNING:
+            return False
+        limit = JobSpec.model_validate(job.spec).max_runtime_s
+        if not limit:
             return False
         if utcnow() - job.started_at < timedelta(seconds=limit):
             return False

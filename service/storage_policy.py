@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import re
 
+from contract.spec import JobSpec
 from service.schemas import SLUG_PATTERN
 
 USERS_DIR = "users"
@@ -94,13 +95,13 @@ def check_data_uri(uri: str, storage_root: str, owner: str, *, is_admin: bool) -
                         f"is inside the storage root {storage_root.rstrip('/')}")
 
 
-def job_checkpoints_prefix(spec: dict, storage_root: str, job_id: str) -> str:
+def job_checkpoints_prefix(spec: JobSpec, storage_root: str, job_id: str) -> str:
     """Where the workers of ``job_id`` keep checkpoints (as ``workers.checkpoint`` builds it)."""
-    root = (spec.get("checkpoint") or {}).get("uri") or storage_root
+    root = spec.checkpoint.uri or storage_root
     return f"{root.rstrip('/')}/{job_id}/checkpoints"
 
 
-def check_registered_checkpoint(uri: str, spec: dict, storage_root: str, job_id: str) -> None:
+def check_registered_checkpoint(uri: str, spec: JobSpec, storage_root: str, job_id: str) -> None:
     """Refuse a checkpoint record that points outside its own job's checkpoint prefix."""
     prefix = job_checkpoints_prefix(spec, storage_root, job_id)
     if not is_within(uri, prefix) or split_uri(uri) == split_uri(prefix):

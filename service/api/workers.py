@@ -8,6 +8,7 @@ from fastapi import APIRouter, HTTPException, Path
 from sqlalchemy import delete, select
 from sqlalchemy.dialects import postgresql, sqlite
 
+from contract.spec import JobSpec
 from service.api.deps import SessionDep, SettingsDep, WorkerJob
 from service.api.errors import error_responses, field_error
 from service.models import Checkpoint, Job, JobEvent
@@ -52,7 +53,7 @@ def register_checkpoint(checkpoint: CheckpointIn, job: WorkerJob, session: Sessi
     """Record a committed checkpoint; its URI must lie below this job's own checkpoint prefix,
     so a job's token cannot make another job's (or user's) data look like its own."""
     try:
-        check_registered_checkpoint(checkpoint.uri, job.spec, settings.storage_uri, job.id)
+        check_registered_checkpoint(checkpoint.uri, JobSpec.model_validate(job.spec), settings.storage_uri, job.id)
     except UnsafeUri as refused:
         raise field_error("uri", str(refused), "storage_prefix") from None
     dialect = postgresql if session.get_bind().dialect.name == "postgresql" else sqlite

@@ -12,6 +12,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from contract.spec import JobSpec
+
 
 class LaunchPhase(str, enum.Enum):
     """What the launcher observes; the scheduler maps it onto job states."""
@@ -30,7 +32,7 @@ class LaunchRequest:
 
     job_id: str
     attempt: int
-    spec: dict[str, Any]  # the validated JobSpec as JSON
+    spec: JobSpec  # the job's stored spec, validated again (``JobSpec.model_validate(job.spec)``)
     api_url: str  # where the driver reaches the control plane
     ingest_token: str  # secret: pass through the environment only, never argv
     storage_uri: str
@@ -55,7 +57,7 @@ class LaunchHandle:
 @dataclass(frozen=True)
 class LaunchStatus:
     phase: LaunchPhase
-    reason: str | None = None  # machine-readable, e.g. "insufficient_resources"
+    reason: str | None = None  # machine-readable: a ``contract.reasons.Reason``
     message: str | None = None  # human-readable detail, e.g. "asked 8 CPUs, cluster has 2"
 
 

@@ -3,7 +3,9 @@
 The driver runs under a tiny ``sh`` wrapper in its own process group; the wrapper records the
 exit code in ``{log}.exit`` so that a control plane restarted in between still learns how the
 job ended. The handle holds the pid and the process start time (from ``/proc``), so a reused
-pid is never mistaken for the driver. The ingest token travels only in the environment.
+pid is never mistaken for the driver. The driver's command and environment come from
+``service.launchers.driver``: the allow-listed environment, never the control plane's own, with
+the ingest token in it and never on the command line.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ import sys
 import time
 from pathlib import Path
 
+from contract.reasons import Reason
 from service.launchers.base import LaunchHandle, LaunchPhase, LaunchRequest, LaunchStatus
+from service.launchers.driver import driver_command, driver_environment
 from service.settings import Settings
 
 # Runs "$@", then writes its exit code atomically next to the log and exits with it.
@@ -43,26 +47,16 @@ class LocalProcessLauncher:
         self.cancel_grace_s = settings.cancel_grace_s
         self._children: dict[int, subprocess.Popen] = {}
 
-    def _command(self, request: LaunchRequest) -> list[str]:
-        target = ([self.entrypoint] if self.entrypoint.endswith(".py") else ["-m", self.entrypoint])
-        return [sys.executable, *target, "--job-id", request.job_id, "--api", request.api_url]
-
     def start(self, request: LaunchRequest) -> LaunchHandle:
         self.logs_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.logs_dir / f"{request.job_id}.log"
         exit_path = Path(f"{log_path}.exit")
         for stale in (exit_path, Path(f"{log_path}.cancelled")):
             stale.unlink(missing_ok=True)
-        env = {
-            **os.environ,
-            "ZEROTRAIN_JOB_ID": request.job_id,
-            "ZEROTRAIN_API_URL": request.api_url,
-            "ZEROTRAIN_INGEST_TOKEN": request.ingest_token,
-            "ZEROTRAIN_STORAGE_URI": request.storage_uri,
-            "ZT_EXIT_FILE": str(exit_path),
-        }
+        env = {**driver_environment(request), "ZT_EXIT_FILE": str(exit_path)}
+        command = driver_command(request, python=sys.executable, entrypoint=self.entrypoint)
         with open(log_path, "ab") as log:
-            child = subprocess.Popen(["sh", "-c", _WRAPPER, "sh", *self._command(request)],
+            child = subprocess.Popen(["sh", "-c", _WRAPPER, "sh", *command],
                                      stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                      env=env, start_new_session=True)
         self._children[child.pid] = child
@@ -87,13 +81,13 @@ class LocalProcessLauncher:
             code = int(exit_file.read_text().strip() or "1")
             if code == 0:
                 return LaunchStatus(LaunchPhase.SUCCEEDED)
-            return LaunchStatus(LaunchPhase.FAILED, "worker_failed",
+            return LaunchStatus(LaunchPhase.FAILED, Reason.WORKER_FAILED,
                                 f"driver exited with code {code}; see the job's logs")
         if alive:
             return LaunchStatus(LaunchPhase.RUNNING)
         if Path(f"{log_path}.cancelled").exists():
-            return LaunchStatus(LaunchPhase.STOPPED, "cancelled_by_user")
-        return LaunchStatus(LaunchPhase.FAILED, "driver_lost", "driver process is gone without an exit code")
+            return LaunchStatus(LaunchPhase.STOPPED, Reason.CANCELLED_BY_USER)
+        return LaunchStatus(LaunchPhase.FAILED, Reason.DRIVER_LOST, "driver process is gone without an exit code")
 
     def cancel(self, handle: LaunchHandle) -> None:
         Path(f"{handle.extra['log_path']}.cancelled").touch()

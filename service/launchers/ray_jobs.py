@@ -11,7 +11,12 @@ random token in its environment (never a file under the user's home, so two serv
 one machine do not share one), and every request here carries it explicitly. The head's
 processes, and so the drivers and workers, inherit it from that environment.
 
-Loopback only (DESIGN §5): the head binds 127.0.0.1 with ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``
+The head's environment is otherwise the allow-listed host half of a driver's environment
+(``service.launchers.driver.host_environment``), never the control plane's whole one: its
+raylets start every driver and worker from it, so whatever it held, every job's code could
+read. Each job's own variables (its id, ingest token, ...) travel in its ``runtime_env``.
+
+Loopback only: the head binds 127.0.0.1 with ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``
 (otherwise Ray swaps in the machine's interface address) and ``GLOO_SOCKET_IFNAME=lo``.
 
 Status mapping (Ray job → ``LaunchPhase``): PENDING → PENDING; RUNNING → RUNNING, unless the
@@ -29,6 +34,7 @@ import logging
 import os
 import re
 import secrets
+import shlex
 import shutil
 import signal
 import socket
@@ -41,12 +47,13 @@ from typing import Any
 
 import httpx
 
+from contract.reasons import Reason
 from service.launchers.base import LaunchHandle, LaunchPhase, LaunchRequest, LaunchStatus
+from service.launchers.driver import LOOPBACK_ENV, driver_command, host_environment, job_environment
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
 
-LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "GLOO_SOCKET_IFNAME": "lo"}
 PHASES = {
     "PENDING": LaunchPhase.PENDING,
     "RUNNING": LaunchPhase.RUNNING,
@@ -111,8 +118,9 @@ class LocalRayHead:
         return {"Authorization": f"Bearer {self.token}"}
 
     def environment(self) -> dict[str, str]:
-        """What the head, and every driver and worker it starts, runs with."""
-        env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN_PATH")}
+        """What the head, and every driver and worker it starts, runs with: the host half of a
+        driver's environment (allow-listed from ours) and the head's own Ray settings."""
+        env = host_environment()
         venv_bin = os.path.dirname(sys.executable)  # so that the entrypoint's `python` is this one
         env.update(LOOPBACK_ENV, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=self.token, RAY_USAGE_STATS_ENABLED="0",
                    RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0",  # no drain wait on stop: nothing to hand over
@@ -231,21 +239,18 @@ class RayJobsLauncher:
     def start(self, request: LaunchRequest) -> LaunchHandle:
         submission_id = f"zerotrain-{request.job_id}-a{request.attempt}"
         env_vars = {
-            "ZEROTRAIN_JOB_ID": request.job_id,
-            "ZEROTRAIN_API_URL": request.api_url,
-            "ZEROTRAIN_INGEST_TOKEN": request.ingest_token,
-            "ZEROTRAIN_STORAGE_URI": request.storage_uri,
+            **job_environment(request),
             # on stop, the driver aborts its Ray Train run before it exits (SIGKILL only after this)
             "RAY_JOB_STOP_WAIT_TIME_S": str(STOP_GRACE_S),
             **(LOOPBACK_ENV if self.head is not None else {}),
         }
         runtime_env: dict[str, Any] = {"env_vars": env_vars}
-        working_dir = (request.spec.get("runtime") or {}).get("working_dir")
+        working_dir = request.spec.runtime.working_dir if request.spec.runtime else None
         if working_dir:  # user factories shipped with the job (a local dir or a remote zip URI)
             runtime_env["working_dir"] = working_dir
         try:
             self.client.submit_job(
-                entrypoint=f"python -m workers.launch --job-id {request.job_id} --api {request.api_url}",
+                entrypoint=shlex.join(driver_command(request)),
                 submission_id=submission_id, runtime_env=runtime_env,
                 metadata={"zerotrain_job_id": request.job_id, "zerotrain_attempt": str(request.attempt)})
         except Exception as error:
@@ -269,7 +274,7 @@ class RayJobsLauncher:
             info = self.client.get_job_info(handle.external_id)
         except RuntimeError as error:
             if "404" in str(error) or "does not exist" in str(error):
-                return LaunchStatus(LaunchPhase.UNKNOWN, "driver_lost",
+                return LaunchStatus(LaunchPhase.UNKNOWN, Reason.DRIVER_LOST,
                                     f"Ray cluster {self.address} does not know {handle.external_id}")
             raise
         phase = PHASES.get(_status_name(info.status), LaunchPhase.UNKNOWN)
@@ -277,7 +282,7 @@ class RayJobsLauncher:
             driver_job = getattr(info.driver_info, "id", None)
             waiting = driver_job and self._waiting_for_resources(driver_job)
             if waiting:
-                return LaunchStatus(LaunchPhase.PENDING, "insufficient_resources", waiting)
+                return LaunchStatus(LaunchPhase.PENDING, Reason.INSUFFICIENT_RESOURCES, waiting)
         if phase in TERMINAL_PHASES:
             self._save_logs(handle)
         if phase is LaunchPhase.FAILED:
@@ -285,10 +290,10 @@ class RayJobsLauncher:
             killed = re.search(r"exit code (\d+)", info.message or "")
             if killed and int(killed.group(1)) > 128:  # killed by a signal: it could not report why
                 signame = _signal_name(int(killed.group(1)) - 128)
-                return LaunchStatus(phase, "driver_lost", f"the driver was killed by {signame}; {message}")
+                return LaunchStatus(phase, Reason.DRIVER_LOST, f"the driver was killed by {signame}; {message}")
             return LaunchStatus(phase, None, message)
         if phase is LaunchPhase.STOPPED:
-            return LaunchStatus(phase, "cancelled_by_user", info.message)
+            return LaunchStatus(phase, Reason.CANCELLED_BY_USER, info.message)
         return LaunchStatus(phase)
 
     def _state_api(self, resource: str, filters: list[tuple[str, str, str]]) -> list[dict[str, Any]]:

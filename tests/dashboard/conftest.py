@@ -148,11 +148,14 @@ class Dashboard:
 
 
 @pytest.fixture
-def dashboard(make_live_service, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Dashboard]:
+def dashboard(make_live_service, tmp_path: Path) -> Iterator[Dashboard]:
     handoff = tmp_path / "handoff"
     handoff.mkdir()
-    monkeypatch.setenv("ZT_DASHBOARD_TEST_DIR", str(handoff))  # the drivers inherit it
-    board = Dashboard(make_live_service(local_entrypoint=DRIVER, storage_uri="file:///var/lib/zerotrain/storage"),
+    # A driver gets an allow-listed environment, not ours: a script of this test hands it the folder.
+    driver = tmp_path / "driver.py"
+    driver.write_text(f"import os, runpy\nos.environ['ZT_DASHBOARD_TEST_DIR'] = {str(handoff)!r}\n"
+                      f"runpy.run_path({DRIVER!r}, run_name='__main__')\n")
+    board = Dashboard(make_live_service(local_entrypoint=str(driver), storage_uri="file:///var/lib/zerotrain/storage"),
                       handoff)
     yield board
     # Release every driver still waiting (also those of jobs the browser submitted) and let

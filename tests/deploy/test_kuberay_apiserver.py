@@ -3,6 +3,7 @@ that enforces the shipped Role; then the whole control plane running jobs throug
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -11,6 +12,7 @@ import pytest
 import yaml
 from kubernetes.client import ApiClient, Configuration
 
+from contract.spec import JobSpec
 from deploy_render import DEPLOY
 from fake_apiserver import FakeApiServer, ServerThread
 from service.launchers import kuberay
@@ -56,7 +58,8 @@ def http_launcher(url: str) -> kuberay.KubeRayLauncher:
 
 
 def launch_request() -> LaunchRequest:
-    return LaunchRequest("job-http-1", 1, SPEC, "http://zerotrain:8000", TOKEN, "s3://zerotrain/checkpoints")
+    return LaunchRequest("job-http-1", 1, JobSpec.model_validate(SPEC), "http://zerotrain:8000", TOKEN,
+                         "s3://zerotrain/checkpoints")
 
 
 def test_launcher_lifecycle_over_http_needs_exactly_the_role(start_apiserver):
@@ -105,7 +108,8 @@ def test_finished_job_loses_its_token_and_garbage_collection_follows_the_owner(s
     rayjob["status"] = {"jobDeploymentStatus": "Complete", "jobStatus": "SUCCEEDED"}
     assert launcher.status(handle).phase is LaunchPhase.SUCCEEDED
     assert fake.secrets == {}
-    second = launcher.start(LaunchRequest("job-http-2", 1, SPEC, "http://zerotrain:8000", TOKEN, "s3://z/c"))
+    second = launcher.start(LaunchRequest("job-http-2", 1, JobSpec.model_validate(SPEC), "http://zerotrain:8000",
+                                          TOKEN, "s3://z/c"))
     assert len(fake.secrets) == 1
     del fake.rayjobs[("zerotrain", second.external_id)]  # e.g. `kubectl delete rayjob`
     fake._collect_garbage("zerotrain")
@@ -162,7 +166,8 @@ def test_control_plane_runs_jobs_as_rayjobs(kubeconfig, make_live_service):
     job = client.submit(SPEC)
     rayjob = wait_for(lambda: next(iter(fake.rayjobs.values()), None))
     assert rayjob["metadata"]["labels"][kuberay.LABEL_JOB_ID] == kuberay.label_value(job.id)
-    assert rayjob["spec"]["entrypoint"] == kuberay.entrypoint(job.id, service.settings.api_url)
+    assert rayjob["spec"]["entrypoint"] == \
+        f"python -m workers.launch --job-id {job.id} --api {service.settings.api_url}"
     assert rayjob["spec"]["activeDeadlineSeconds"] == 600
     (secret,) = fake.secrets.values()
     assert secret["stringData"][kuberay.TOKEN_KEY] not in str(rayjob)
@@ -179,3 +184,36 @@ def test_control_plane_runs_jobs_as_rayjobs(kubeconfig, make_live_service):
     assert client.wait(second.id, timeout=20).state.value == "CANCELLED"
     assert len(fake.rayjobs) == 1, "the cancelled job's RayJob is deleted"
     assert len(fake.secrets) == 0, "no token outlives its job"
+
+
+def test_a_rayjob_carries_none_of_the_control_planes_secrets(kubeconfig, make_live_service, monkeypatch):
+    """A control plane whose environment and settings hold its database URL, the bootstrap admin
+    token, a Ray token and the object-store secret key: the RayJob and the token Secret it sends
+    to the API server hold none of them. The Ray containers' env is the job's own variables;
+    the object-store keys reach the pods only by reference (``envFrom`` the storage Secret)."""
+    fake = kubeconfig
+    secrets = {"ZEROTRAIN_DATABASE_URL": "postgresql+psycopg://zerotrain:db-pass-8e2a@db:5432/zerotrain",
+               "RAY_AUTH_TOKEN": "ray-token-of-the-services-cluster-5c71",
+               "AWS_SECRET_ACCESS_KEY": "storage-secret-key-0d93b4"}
+    for name, value in secrets.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("ZEROTRAIN_KUBERAY_STORAGE_SECRET", "zerotrain-storage")
+    service = make_live_service(launcher="kuberay", bootstrap_admin_token="zt_bootstrap_admin_6f0e2c9a4b")
+    secrets.update(settings_database_url=service.settings.database_url,
+                   bootstrap_admin_token="zt_bootstrap_admin_6f0e2c9a4b", admin_token=service.admin_token)
+
+    job = service.client().submit(SPEC)
+    rayjob = wait_for(lambda: next(iter(fake.rayjobs.values()), None))
+    (secret,) = fake.secrets.values()
+    sent = json.dumps(rayjob) + json.dumps(secret)
+    for name, value in secrets.items():
+        assert value not in sent, f"the control plane's {name} was sent to the API server"
+    cluster = rayjob["spec"]["rayClusterSpec"]
+    for template in [cluster["headGroupSpec"]["template"], *(g["template"] for g in cluster["workerGroupSpecs"])]:
+        (container,) = template["spec"]["containers"]
+        assert {e["name"] for e in container["env"]} == {
+            "ZEROTRAIN_JOB_ID", "ZEROTRAIN_ATTEMPT", "ZEROTRAIN_API_URL", "ZEROTRAIN_INGEST_TOKEN",
+            "ZEROTRAIN_STORAGE_URI"}, container["name"]
+        assert container["envFrom"] == [{"secretRef": {"name": "zerotrain-storage", "optional": True}}]
+    assert set(secret["stringData"]) == {kuberay.TOKEN_KEY}
+    service.client().cancel(job.id)

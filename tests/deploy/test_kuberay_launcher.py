@@ -16,6 +16,8 @@ from hypothesis import given, settings as hsettings, strategies as st
 
 import deploy_schemas
 from kube_fakes import FakeCoreV1Api, FakeCustomObjectsApi, api_error
+from contract.reasons import Reason
+from contract.spec import JobSpec
 from service.launchers import kuberay
 from service.launchers.base import Launcher, LaunchHandle, LaunchPhase, LaunchRequest
 
@@ -30,15 +32,17 @@ SETTINGS = SimpleNamespace(kuberay_namespace="zerotrain", kuberay_image="registr
 
 
 def request(job_id="0193a5c2-7d1e-7b9a-8c3f-2e4d6a8b0c1d", attempt=1, **resources) -> LaunchRequest:
-    spec = {"name": "sample", "model": {"preset": "gpt-mini"},
-            "resources": {"num_workers": 2, "gpus_per_worker": 0, "cpus_per_worker": 2, **resources}}
+    spec = JobSpec.model_validate({
+        "name": "sample", "model": {"preset": "gpt-mini"}, "data": {"kind": "synthetic", "seq_len": 64},
+        "train": {"steps": 10, "global_batch_size": 8, "micro_batch_size": 1},
+        "resources": {"num_workers": 2, "gpus_per_worker": 0, "cpus_per_worker": 2, **resources}})
     return LaunchRequest(job_id=job_id, attempt=attempt, spec=spec, api_url="http://zerotrain:8000",
                          ingest_token=TOKEN, storage_uri="s3://zerotrain/checkpoints")
 
 
 def gpu_request(max_runtime_s=7200) -> LaunchRequest:
     base = request(num_workers=4, gpus_per_worker=2, cpus_per_worker=8)
-    spec = {**base.spec, "max_runtime_s": max_runtime_s}
+    spec = base.spec.model_copy(update={"max_runtime_s": max_runtime_s})
     return LaunchRequest(base.job_id, 3, spec, base.api_url, TOKEN, base.storage_uri)
 
 
@@ -78,7 +82,7 @@ def test_rayjob_pods_validate_as_kubernetes_pods(make):
 
 
 def test_rayjob_is_sized_from_the_job_and_cleans_up_after_itself():
-    rayjob = kuberay.build_rayjob(gpu_request(max_runtime_s=5400.5), SETTINGS)
+    rayjob = kuberay.build_rayjob(gpu_request(max_runtime_s=5400), SETTINGS)
     spec = rayjob["spec"]
     assert spec["shutdownAfterJobFinishes"] is True
     assert spec["ttlSecondsAfterFinished"] == 600
@@ -110,7 +114,8 @@ def test_fractional_resources_round_to_what_kubernetes_can_give(need_crds):
 
 def test_user_code_travels_as_a_ray_runtime_env():
     base = request()
-    spec = {**base.spec, "runtime": {"working_dir": "s3://zerotrain/code/mypkg.zip"}}
+    spec = JobSpec.model_validate({**base.spec.model_dump(mode="json"),
+                                   "runtime": {"working_dir": "s3://zerotrain/code/mypkg.zip"}})
     rayjob = kuberay.build_rayjob(LaunchRequest(base.job_id, 1, spec, base.api_url, TOKEN, base.storage_uri),
                                   SETTINGS)
     assert yaml.safe_load(rayjob["spec"]["runtimeEnvYAML"]) == {"working_dir": "s3://zerotrain/code/mypkg.zip"}
@@ -293,7 +298,7 @@ def test_status_explains_unschedulable_pods_at_once(cluster):
     ]
     got = cluster.launcher.status(handle)
     assert got.phase == LaunchPhase.PENDING
-    assert got.reason == kuberay.INSUFFICIENT_RESOURCES
+    assert got.reason == Reason.INSUFFICIENT_RESOURCES
     assert got.message == f"zt-c1-workers-abcde: {why}"
 
 

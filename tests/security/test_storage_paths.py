@@ -20,7 +20,7 @@ from sqlalchemy import func, select
 from pydantic import ValidationError
 
 from service.models import Checkpoint, Job
-from service.schemas import MAX_GLOB_CHARS, DataSpec
+from service.schemas import MAX_GLOB_CHARS, DataSpec, JobSpec
 from service.storage_policy import UnsafeUri, check_checkpoint_root, check_data_uri, check_registered_checkpoint
 
 from tests.service.conftest import VALID_SPEC, make_spec
@@ -134,14 +134,14 @@ def test_a_relative_glob_below_the_data_uri_is_accepted(glob):
 
 
 def test_a_registered_checkpoint_must_lie_below_its_own_jobs_prefix():
-    spec = {"checkpoint": {"uri": None}}
+    spec = JobSpec.model_validate(make_spec())
     mine = f"{ROOT}/job-a/checkpoints"
     check_registered_checkpoint(f"{mine}/step_00000010", spec, ROOT, "job-a")
     for uri in (f"{ROOT}/job-b/checkpoints/step_00000010", f"{mine}/../../job-b/checkpoints/step_1",
                 f"{mine}/%2e%2e/x", mine, ROOT, f"{ROOT}/job-a", "file:///tmp/job-a/checkpoints/step_1"):
         with pytest.raises(UnsafeUri):
             check_registered_checkpoint(uri, spec, ROOT, "job-a")
-    custom = {"checkpoint": {"uri": f"{ROOT}/users/alice/exp"}}
+    custom = JobSpec.model_validate({**make_spec(), "checkpoint": {"uri": f"{ROOT}/users/alice/exp"}})
     check_registered_checkpoint(f"{ROOT}/users/alice/exp/job-a/checkpoints/step_1", custom, ROOT, "job-a")
     with pytest.raises(UnsafeUri):
         check_registered_checkpoint(f"{mine}/step_1", custom, ROOT, "job-a")

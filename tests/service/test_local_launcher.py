@@ -10,9 +10,11 @@ from dataclasses import replace
 
 import pytest
 
+from contract.spec import JobSpec
 from service.launchers.base import LaunchHandle, LaunchPhase, LaunchRequest
 from service.launchers.local import LocalProcessLauncher, process_start_time
 from service.settings import Settings
+from tests.service.conftest import make_spec
 
 DRIVER = """
 import os, sys, time
@@ -33,7 +35,8 @@ def launcher(tmp_path):
 
 
 def request(mode: str) -> LaunchRequest:
-    return LaunchRequest(job_id=f"job-{mode}", attempt=0, spec={}, api_url="http://127.0.0.1:1",
+    return LaunchRequest(job_id=f"job-{mode}", attempt=0, spec=JobSpec.model_validate(make_spec()),
+                         api_url="http://127.0.0.1:1",
                          ingest_token="zti_secret", storage_uri="file:///tmp/storage")
 
 

@@ -1,0 +1,107 @@
+"""How a job's driver is started, for every launcher: its command line and its environment.
+
+Why one module: the driver's environment is a security boundary. A job's own code (a
+``model.factory``, a ``data.factory``, a ``runtime.working_dir`` package) runs in the driver's
+and the workers' processes and can read every variable they were given, so a job gets an
+allow-list: what it needs and nothing else. The control plane's own secrets -- its database URL,
+the bootstrap admin token, the Ray token it holds for a cluster, the Kubernetes config, any
+other ``ZEROTRAIN_*`` setting -- never reach a job, because nothing copies a variable that is
+not named here. Each launcher used to build this itself; now every launcher calls
+``driver_environment`` (or the two halves it joins, below) and ``driver_command``.
+
+[Note: two halves of a driver's environment]
+``job_environment(request)`` is what this job is told: its id, attempt, API URL, ingest token
+and storage URI (the variables ``workers.launch`` and ``workers.train`` read). It travels with
+the job: the local launcher's child environment, the Ray job's ``runtime_env.env_vars``, the
+KubeRay pods' container env (the ingest token by Secret reference there).
+``host_environment()`` is what any process needs from the machine it runs on, copied from the
+control plane's own environment through ``HOST_VARIABLES``/``HOST_PREFIXES``: where programs,
+modules and libraries are, home and locale, the loopback and collective-communication knobs,
+and the object-store endpoint and credentials the workers use (``workers.checkpointing.storage``
+and botocore read them). Only what runs on this machine takes it: the local launcher's driver,
+and the Ray head the Ray launcher starts (its raylets spawn the drivers and the workers from
+its environment). A remote Ray cluster's nodes and a Kubernetes pod have their own.
+
+[Note: what a job's code can still reach]
+The storage credentials are the control plane's own, one set for every job, unless the
+deployment gives the Ray nodes (or the ``storage_secret`` of the KubeRay launcher) keys scoped
+to less; so a job's code can read and write everything those keys can. On a Ray cluster
+shared by several jobs, a job's code also holds that cluster's Ray token (Ray hands it to every
+process it starts), with which it can read other jobs' ``runtime_env`` through the Jobs API --
+their ingest tokens included. docs/contracts.md and deploy/README.md say the same.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+
+from service.launchers.base import LaunchRequest
+
+DRIVER_MODULE = "workers.launch"
+
+# What a job is told (read by workers/launch.py and workers/train.py).
+JOB_ID_ENV = "ZEROTRAIN_JOB_ID"
+ATTEMPT_ENV = "ZEROTRAIN_ATTEMPT"
+API_URL_ENV = "ZEROTRAIN_API_URL"
+INGEST_TOKEN_ENV = "ZEROTRAIN_INGEST_TOKEN"  # secret: environment only, never argv
+STORAGE_URI_ENV = "ZEROTRAIN_STORAGE_URI"
+
+# Ray and Gloo on loopback: Ray keeps 127.0.0.1 instead of swapping in the machine's address,
+# and Gloo's sockets use the loopback interface.
+LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "GLOO_SOCKET_IFNAME": "lo"}
+
+# What a process needs from the machine it runs on; copied from the control plane's environment
+# when set there, and nothing else is.
+HOST_VARIABLES = frozenset({
+    # the process runs: programs, modules and libraries, whose home, which locale and time zone
+    "PATH", "PYTHONPATH", "PYTHONHOME", "PYTHONUNBUFFERED", "VIRTUAL_ENV", "LD_LIBRARY_PATH",
+    "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR",
+    # loopback, devices and threads for Ray, Gloo and torch
+    *LOOPBACK_ENV, "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS",
+    # the object store as the workers reach it (endpoint; botocore's AWS_* below)
+    "ZEROTRAIN_S3_ENDPOINT_URL",
+    # the workers' own knobs
+    "ZEROTRAIN_CHECKPOINT_UPLOAD_ATTEMPTS",
+})
+HOST_PREFIXES = (
+    "LC_",  # locale categories
+    "AWS_",  # botocore's settings: the storage credentials, region, retries, profile
+    "NCCL_",  # NCCL's network and debugging knobs on GPU nodes
+)
+_HOST_NAME = re.compile("|".join(re.escape(prefix) for prefix in HOST_PREFIXES))
+
+
+def is_host_variable(name: str) -> bool:
+    return name in HOST_VARIABLES or _HOST_NAME.match(name) is not None
+
+
+def host_environment(source: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The allow-listed part of ``source`` (the control plane's environment by default)."""
+    source = os.environ if source is None else source
+    return {name: value for name, value in source.items() if is_host_variable(name)}
+
+
+def job_environment(request: LaunchRequest) -> dict[str, str]:
+    """What one job attempt is told; the ingest token is under ``INGEST_TOKEN_ENV``."""
+    return {
+        JOB_ID_ENV: request.job_id,
+        ATTEMPT_ENV: str(request.attempt),
+        API_URL_ENV: request.api_url,
+        INGEST_TOKEN_ENV: request.ingest_token,
+        STORAGE_URI_ENV: request.storage_uri,
+    }
+
+
+def driver_environment(request: LaunchRequest, source: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The whole environment of a driver started on this machine: the host half, then the job's."""
+    return {**host_environment(source), **job_environment(request)}
+
+
+def driver_command(request: LaunchRequest, *, python: str = "python", entrypoint: str = DRIVER_MODULE) -> list[str]:
+    """The driver's argv: ``python -m workers.launch --job-id ID --api URL`` (or a script path
+    ending in ``.py`` instead of the module). Never a secret: launchers log and show it. Where a
+    launcher needs one string (Ray's entrypoint), it is ``shlex.join`` of this."""
+    target = [entrypoint] if entrypoint.endswith(".py") else ["-m", entrypoint]
+    return [python, *target, "--job-id", request.job_id, "--api", request.api_url]
