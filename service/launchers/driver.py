@@ -73,14 +73,27 @@ HOST_PREFIXES = (
 _HOST_NAME = re.compile("|".join(re.escape(prefix) for prefix in HOST_PREFIXES))
 
 
-def is_host_variable(name: str) -> bool:
-    return name in HOST_VARIABLES or _HOST_NAME.match(name) is not None
+# An operator's own additions to the allow-list: a comma-separated list of variable names
+# (e.g. HF_TOKEN, HTTPS_PROXY). The service's settings and Ray's token are never passed on.
+PASSTHROUGH_ENV = "ZEROTRAIN_JOB_ENV_PASSTHROUGH"
+NEVER_PASSED = re.compile(r"ZEROTRAIN_|RAY_AUTH_TOKEN|RAY_ADDRESS$|KUBECONFIG$")
+
+
+def passthrough_names(source: Mapping[str, str]) -> frozenset[str]:
+    names = {name.strip() for name in source.get(PASSTHROUGH_ENV, "").split(",") if name.strip()}
+    return frozenset(name for name in names if not NEVER_PASSED.match(name))
+
+
+def is_host_variable(name: str, passthrough: frozenset[str] = frozenset()) -> bool:
+    return name in HOST_VARIABLES or name in passthrough or _HOST_NAME.match(name) is not None
 
 
 def host_environment(source: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The allow-listed part of ``source`` (the control plane's environment by default)."""
+    """The allow-listed part of ``source`` (the control plane's environment by default), plus
+    the names the operator listed in ``ZEROTRAIN_JOB_ENV_PASSTHROUGH``."""
     source = os.environ if source is None else source
-    return {name: value for name, value in source.items() if is_host_variable(name)}
+    passthrough = passthrough_names(source)
+    return {name: value for name, value in source.items() if is_host_variable(name, passthrough)}
 
 
 def job_environment(request: LaunchRequest) -> dict[str, str]:

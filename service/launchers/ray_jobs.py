@@ -91,6 +91,17 @@ def _fmt(resources: dict[str, float]) -> str:
 # ----------------------------------------------------------------------------- the embedded head
 
 
+RAY_LOCAL_CLUSTER_CONFIG = "cluster_name: zerotrain-local\nprovider:\n  type: local\n"
+
+
+def quiet_ray_home(home: Path) -> str:
+    """A HOME for a Ray head whose ``ray_bootstrap_config.yaml`` says the cluster is local, so
+    that Ray never probes cloud-metadata addresses (see ``LocalRayHead.environment``)."""
+    home.mkdir(parents=True, exist_ok=True)
+    (home / "ray_bootstrap_config.yaml").write_text(RAY_LOCAL_CLUSTER_CONFIG)
+    return str(home)
+
+
 class LocalRayHead:
     """A single-node Ray cluster this process starts (``ray start --head --block``) and owns.
 
@@ -119,10 +130,20 @@ class LocalRayHead:
 
     def environment(self) -> dict[str, str]:
         """What the head, and every driver and worker it starts, runs with: the host half of a
-        driver's environment (allow-listed from ours) and the head's own Ray settings."""
+        driver's environment (allow-listed from ours) and the head's own Ray settings.
+
+        [Note: the head's HOME holds a local cluster config]
+        Ray's dashboard reads ``~/ray_bootstrap_config.yaml`` at start (usage_stats_head) and,
+        when there is none, asks the cloud-metadata services which cloud it runs on: HTTP to
+        169.254.169.254 and a DNS lookup of metadata.google.internal -- with usage stats off
+        too. Nothing the project starts may leave loopback, so the head runs with a HOME of
+        its own that holds a config saying ``provider: {type: local}``; jobs get the real HOME
+        back through their ``runtime_env`` (``RayJobsLauncher.start``).
+        """
         env = host_environment()
         venv_bin = os.path.dirname(sys.executable)  # so that the entrypoint's `python` is this one
-        env.update(LOOPBACK_ENV, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=self.token, RAY_USAGE_STATS_ENABLED="0",
+        env.update(LOOPBACK_ENV, HOME=quiet_ray_home(Path(self.temp_dir) / "home"),
+                   RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=self.token, RAY_USAGE_STATS_ENABLED="0",
                    RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0",  # no drain wait on stop: nothing to hand over
                    PATH=f"{venv_bin}{os.pathsep}{env.get('PATH', '')}")
         return env
@@ -243,6 +264,8 @@ class RayJobsLauncher:
             # on stop, the driver aborts its Ray Train run before it exits (SIGKILL only after this)
             "RAY_JOB_STOP_WAIT_TIME_S": str(STOP_GRACE_S),
             **(LOOPBACK_ENV if self.head is not None else {}),
+            # the embedded head runs with a HOME of its own (LocalRayHead.environment): jobs get ours
+            **({"HOME": os.environ["HOME"]} if self.head is not None and "HOME" in os.environ else {}),
         }
         runtime_env: dict[str, Any] = {"env_vars": env_vars}
         working_dir = request.spec.runtime.working_dir if request.spec.runtime else None
