@@ -22,6 +22,8 @@ class Reason:
     LAUNCH_FAILED = "launch_failed"
     INSUFFICIENT_RESOURCES = "insufficient_resources"
     RESOURCES_ACQUIRED = "resources_acquired"
+    USER_LIMIT = "user_limit"  # queued: its owner's running-jobs or running-workers limit is reached
+    SERVICE_LIMIT = "service_limit"  # queued: the service runs as many jobs as it allows
     CANCELLED_BY_USER = "cancelled_by_user"
     MAX_RUNTIME_EXCEEDED = "max_runtime_exceeded"
     CHECKPOINT_FAILED = "checkpoint_failed"

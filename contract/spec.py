@@ -56,7 +56,7 @@ def _bounded_json(value: dict[str, Any]) -> dict[str, Any]:
         elif isinstance(node, float) and not math.isfinite(node):
             raise PydanticCustomError(
                 "json_not_finite", "holds a non-finite number ({value}); JSON has none", {"value": repr(node)})
-        elif not isinstance(node, (str, int, bool, type(None))):
+        elif not isinstance(node, (str, int, float, bool, type(None))):
             raise PydanticCustomError(
                 "json_value", "holds a {kind}, which is not a JSON value", {"kind": type(node).__name__})
     return value

@@ -25,6 +25,12 @@ numbers alone (no database, no launcher: unit-testable), and the scheduler acts 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from contract.reasons import Reason
+
+if TYPE_CHECKING:
+    from contract.spec import JobSpec
 
 
 @dataclass(frozen=True)
@@ -81,10 +87,16 @@ class Candidate:
     demand: Demand
 
 
+@dataclass(frozen=True)
+class Waiting:
+    reason: str  # a contract.reasons.Reason
+    message: str  # why, with the numbers
+
+
 @dataclass
 class Decision:
     start: list[str] = field(default_factory=list)
-    waiting: dict[str, str] = field(default_factory=dict)  # job id → why it waits, with the numbers
+    waiting: dict[str, Waiting] = field(default_factory=dict)
 
 
 def decide(queued: list[Candidate], running: list[Candidate], capacity: Capacity, limits: Limits) -> Decision:
@@ -97,26 +109,29 @@ def decide(queued: list[Candidate], running: list[Candidate], capacity: Capacity
         jobs_of[job.owner] = jobs_of.get(job.owner, 0) + 1
         workers_of[job.owner] = workers_of.get(job.owner, 0) + job.demand.workers
     running_count = len(running)
-    blocked: str | None = None  # set once a job does not fit: every later job waits behind it
+    blocked: Waiting | None = None  # set once a job does not fit: every later job waits behind it
     for job in queued:
         if blocked is not None:
             decision.waiting[job.job_id] = blocked
             continue
         own = _own_limit(job, jobs_of, workers_of, limits)
         if own is not None:
-            decision.waiting[job.job_id] = own
+            decision.waiting[job.job_id] = Waiting(Reason.USER_LIMIT, own)
             continue
         if limits.max_running_jobs is not None and running_count >= limits.max_running_jobs:
-            blocked = f"waiting for a slot: {running_count} jobs run, the service runs at most {limits.max_running_jobs}"
+            blocked = Waiting(Reason.SERVICE_LIMIT, f"waiting for a slot: the service runs at most "
+                                                    f"{limits.max_running_jobs} jobs at once (ZEROTRAIN_MAX_RUNNING_JOBS)")
             decision.waiting[job.job_id] = blocked
             continue
         lacking = capacity.minus(used).shortfall(job.demand)
         if lacking is not None:
             free = capacity.minus(used)
-            decision.waiting[job.job_id] = (
+            decision.waiting[job.job_id] = Waiting(Reason.INSUFFICIENT_RESOURCES, (
                 f"waiting for resources: needs {_fmt(job.demand)}; free now {_fmt_capacity(free)} of "
-                f"{_fmt_capacity(capacity)} (lacks {lacking})")
-            blocked = f"waiting behind job {job.job_id}, which was submitted earlier and does not fit yet"
+                f"{_fmt_capacity(capacity)} (lacks {lacking})"))
+            # stable wording (no ids, no numbers): one notice per queued job, not one per poll
+            blocked = Waiting(Reason.INSUFFICIENT_RESOURCES,
+                              "waiting in submission order behind an earlier job that does not fit yet")
             continue
         decision.start.append(job.job_id)
         used = used + job.demand
@@ -136,6 +151,18 @@ def _own_limit(job: Candidate, jobs_of: dict[str, int], workers_of: dict[str, in
         return (f"waiting: {job.owner} runs {workers} workers and this job needs {job.demand.workers}, at most "
                 f"{limits.max_running_workers_per_user} per user (ZEROTRAIN_MAX_RUNNING_WORKERS_PER_USER)")
     return None
+
+
+def demand_of(spec: "JobSpec") -> Demand:
+    resources = spec.resources
+    return Demand.of(resources.num_workers, resources.cpus_per_worker, resources.gpus_per_worker)
+
+
+def limits_from(settings: Any) -> Limits:
+    """The limits a ``service.settings.Settings`` sets."""
+    return Limits(max_running_jobs=settings.max_running_jobs,
+                  max_running_jobs_per_user=settings.max_running_jobs_per_user,
+                  max_running_workers_per_user=settings.max_running_workers_per_user)
 
 
 def refusal_at_submit(demand: Demand, capacity: Capacity, max_workers_per_job: int | None) -> str | None:

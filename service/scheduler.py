@@ -26,11 +26,12 @@ import threading
 import uuid
 from datetime import timedelta
 
-from sqlalchemy import select
+from sqlalchemy import select, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from contract.reasons import Reason
 from contract.spec import JobSpec
+from service import admission
 from service.auth import INGEST_TOKEN_PREFIX, hash_token, new_token
 from service.launchers.base import Launcher, LaunchHandle, LaunchPhase, LaunchRequest, LaunchStatus
 from service.models import Job, utcnow
@@ -41,6 +42,9 @@ from service.states import IllegalTransition, note_waiting, transition
 log = logging.getLogger(__name__)
 S = JobState
 RECONCILED_STATES = (S.STARTING, S.RUNNING, S.RESTARTING, S.CANCELLING)
+HOLDING_STATES = RECONCILED_STATES  # a job in these holds its workers (and a driver) for admission
+ADMISSION_SCAN = 500  # queued jobs considered per pass, oldest first
+ADMISSION_LOCK_KEY = 0x7A657472  # pg_advisory_xact_lock key of the admission decision
 # what the launcher reports when a job ended without the driver saying so
 LOST_PHASES = (LaunchPhase.FAILED, LaunchPhase.STOPPED, LaunchPhase.UNKNOWN)
 
@@ -58,6 +62,7 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._cancel_sent: set[str] = set()
         self._releases: dict[str, threading.Thread] = {}  # job id -> its stop after a failure
+        self.limits = admission.limits_from(settings)
 
     # ------------------------------------------------------------------ loop
 
@@ -93,14 +98,34 @@ class Scheduler:
     # ------------------------------------------------------------------ claim and launch
 
     def claim(self) -> list[tuple[str, str]]:
-        """Move up to ``claim_batch`` QUEUED jobs to STARTING; return their ids and ingest tokens."""
+        """Move the QUEUED jobs admission lets start (at most ``claim_batch``) to STARTING;
+        return their ids and ingest tokens. The others get a notice saying why they wait.
+
+        [Note: one admitter at a time] On PostgreSQL the decision is taken under a
+        transaction-scoped advisory lock, so two control planes cannot both admit into the
+        same free capacity; the QUEUED rows are still locked with SKIP LOCKED against
+        cancels. SQLite has one writer anyway.
+        """
         claimed: list[tuple[str, str]] = []
         with self.make_session() as session:
-            candidates = session.execute(
-                select(Job.id).where(Job.state == S.QUEUED.value).order_by(Job.pk)
-                .limit(self.claim_batch).with_for_update(skip_locked=True)
+            if session.get_bind().dialect.name == "postgresql":
+                session.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": ADMISSION_LOCK_KEY})
+            queued = session.execute(
+                select(Job).where(Job.state == S.QUEUED.value).order_by(Job.pk)
+                .limit(ADMISSION_SCAN).with_for_update(skip_locked=True)
             ).scalars().all()
-            for job_id in candidates:
+            if not queued:
+                return claimed
+            running = session.execute(
+                select(Job.id, Job.owner, Job.spec).where(Job.state.in_([state.value for state in HOLDING_STATES]))
+            ).all()
+            decision = admission.decide([_candidate(job.id, job.owner, job.spec) for job in queued],
+                                        [_candidate(*row) for row in running], self.launcher.capacity(), self.limits)
+            for job in queued:
+                waiting = decision.waiting.get(job.id)
+                if waiting is not None:
+                    note_waiting(session, job, waiting.reason, waiting.message)
+            for job_id in decision.start[:self.claim_batch]:
                 token = new_token(INGEST_TOKEN_PREFIX)
                 try:
                     transition(session, job_id, S.STARTING, reason=Reason.CLAIMED,
@@ -246,3 +271,12 @@ class Scheduler:
         except IllegalTransition:
             return False
         return True
+
+
+def _candidate(job_id: str, owner: str, spec: dict) -> admission.Candidate:
+    """A job's gang as admission sees it. A stored spec that no longer validates demands
+    nothing here: it is admitted, and its launch fails it with the validation error."""
+    try:
+        return admission.Candidate(job_id, owner, admission.demand_of(JobSpec.model_validate(spec)))
+    except ValueError:
+        return admission.Candidate(job_id, owner, admission.NOTHING)

@@ -48,6 +48,13 @@ class Settings(BaseSettings):
     # and read worker-local files (a file:// data.uri). Workers hold the service's storage
     # credentials, so a multi-tenant service sets this to false; admins are exempt.
     allow_user_code: bool = True
+    # Admission (service.admission): what may run at once, and what one user may hold.
+    max_running_jobs: int | None = Field(default=16, ge=1)  # drivers alive at once, service-wide
+    max_running_jobs_per_user: int | None = Field(default=None, ge=1)
+    max_running_workers_per_user: int | None = Field(default=None, ge=1)
+    max_workers_per_job: int = Field(default=4096, ge=1)  # larger jobs are refused at submit
+    max_queued_jobs_per_user: int | None = Field(default=1000, ge=1)  # more are refused (429) at submit
+    local_capacity_cpus: float | None = Field(default=None, gt=0)  # the local launcher's CPUs for jobs
 
     @model_validator(mode="after")
     def _fill_from_home(self) -> "Settings":

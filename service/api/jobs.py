@@ -9,19 +9,21 @@ from typing import Annotated
 
 from fastapi import APIRouter, Header, HTTPException, Query, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from service import admission
 from service.api.deps import CurrentUser, LauncherDep, SessionDep, SettingsDep, VisibleJob
-from service.api.errors import error_responses
+from service.api.errors import error_responses, field_error
 from service.api.plan import no_plan_response
 from service.api.spec_access import check_spec_access
 from service.auth import Principal
-from service.launchers.base import LaunchHandle
+from service.launchers.base import LaunchHandle, Launcher
 from service.models import IdempotencyKey, Job, JobEvent, utcnow
 from service.prediction import NothingFits, plan_at_submit
 from service.schemas import EventList, JobOut, JobPage, JobSpec, JobState
+from service.settings import Settings
 from service.states import IllegalTransition, Reason, load_job, record_created, transition
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
@@ -57,9 +59,10 @@ def _replay(session: Session, user: Principal, key: str, request_hash: str) -> J
              description="Validates the spec, records the planner's memory prediction and resolves "
                          "`zero.stage: \"auto\"` to the lowest stage that fits (422 with the numbers "
                          "when nothing fits).")
-def submit_job(spec: JobSpec, request: Request, response: Response, session: SessionDep,
+def submit_job(spec: JobSpec, request: Request, response: Response, session: SessionDep, launcher: LauncherDep,
                user: CurrentUser, settings: SettingsDep, idempotency_key: IdempotencyKeyHeader = None) -> Job:
     check_spec_access(spec, user, session, settings)
+    check_admissible(spec, user, session, settings, launcher)
     spec_json = spec.model_dump(mode="json")
     request_hash = spec_sha256(spec_json)
     if idempotency_key and (earlier := _replay(session, user, idempotency_key, request_hash)):
@@ -92,6 +95,23 @@ def submit_job(spec: JobSpec, request: Request, response: Response, session: Ses
     if wake:
         wake()
     return job
+
+
+def check_admissible(spec: JobSpec, user: Principal, session: Session, settings: Settings, launcher: Launcher) -> None:
+    """Refuse now what could never start (422 with the numbers) or what exceeds the user's
+    queue (429), instead of queueing it: a 1,000,000-worker job used to be accepted, grew the
+    driver and Ray's GCS to 3 GB each and took the API down with it."""
+    refusal = admission.refusal_at_submit(admission.demand_of(spec), launcher.capacity(), settings.max_workers_per_job)
+    if refusal is not None:
+        raise field_error("resources.num_workers", refusal, "not_admissible")
+    limit = settings.max_queued_jobs_per_user
+    if limit is not None:
+        queued = session.execute(select(func.count()).select_from(Job)
+                                 .where(Job.owner == user.name, Job.state == JobState.QUEUED.value)).scalar_one()
+        if queued >= limit:
+            raise HTTPException(429, f"{user.name} already has {queued} queued jobs, at most {limit} "
+                                     f"(ZEROTRAIN_MAX_QUEUED_JOBS_PER_USER); wait for some to start",
+                                headers={"Retry-After": "30"})
 
 
 @router.get("", response_model=JobPage, name="list_jobs")

@@ -12,6 +12,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from service.admission import Capacity
+
 from contract.spec import JobSpec
 
 
@@ -78,5 +80,10 @@ class Launcher(Protocol):
         ...
 
     def logs(self, handle: LaunchHandle, tail_bytes: int | None = None) -> str: ...
+
+    def capacity(self) -> Capacity:
+        """The cluster's total CPUs/GPUs that jobs share (``Capacity()`` when it cannot tell);
+        the scheduler admits queued jobs against it (``service.admission``)."""
+        ...
 
     def close(self) -> None: ...

@@ -21,6 +21,7 @@ import os
 from typing import Any
 
 from contract.reasons import Reason
+from service.admission import Capacity
 from service.launchers.base import LaunchHandle, LaunchPhase, LaunchRequest, LaunchStatus
 from service.launchers.kuberay_rayjob import (
     ANNOTATION_JOB_ID, API_VERSION, GROUP, LABEL_ATTEMPT, LABEL_JOB_ID, MAX_NAME_LEN, PLURAL, TOKEN_KEY, VERSION,
@@ -161,6 +162,10 @@ class KubeRayLauncher:
             data = text.encode()
             text = data[len(data) - tail_bytes:].decode(errors="replace") if tail_bytes < len(data) else text
         return text
+
+    def capacity(self) -> Capacity:
+        """Unknown: every job brings its own RayCluster; Kubernetes decides where it fits."""
+        return Capacity()
 
     def close(self) -> None:
         if self._owns_client and self._api_client is not None:

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from contract.reasons import Reason
+from service.admission import Capacity
 from service.launchers.base import LaunchHandle, LaunchPhase, LaunchRequest, LaunchStatus
 from service.launchers.driver import driver_command, driver_environment
 from service.settings import Settings
@@ -45,6 +46,7 @@ class LocalProcessLauncher:
         self.entrypoint = settings.local_entrypoint
         self.logs_dir = settings.logs_dir
         self.cancel_grace_s = settings.cancel_grace_s
+        self.capacity_cpus = settings.local_capacity_cpus
         self._children: dict[int, subprocess.Popen] = {}
 
     def start(self, request: LaunchRequest) -> LaunchHandle:
@@ -121,6 +123,10 @@ class LocalProcessLauncher:
             if tail_bytes is not None:
                 log.seek(max(0, path.stat().st_size - tail_bytes))
             return log.read().decode(errors="replace")
+
+    def capacity(self) -> Capacity:
+        """What ``ZEROTRAIN_LOCAL_CAPACITY_CPUS`` says this machine lends jobs (unset: no bound)."""
+        return Capacity(cpus=self.capacity_cpus)
 
     def close(self) -> None:
         """Drivers keep running when the control plane stops; only reap what already exited."""

@@ -48,6 +48,7 @@ from typing import Any
 import httpx
 
 from contract.reasons import Reason
+from service.admission import Capacity
 from service.launchers.base import LaunchHandle, LaunchPhase, LaunchRequest, LaunchStatus
 from service.launchers.driver import LOOPBACK_ENV, driver_command, host_environment, job_environment
 from service.settings import Settings
@@ -100,6 +101,9 @@ def quiet_ray_home(home: Path) -> str:
     home.mkdir(parents=True, exist_ok=True)
     (home / "ray_bootstrap_config.yaml").write_text(RAY_LOCAL_CLUSTER_CONFIG)
     return str(home)
+
+
+CAPACITY_TTL_S = 5.0  # how long a read of the cluster's resources is reused
 
 
 class LocalRayHead:
@@ -251,6 +255,7 @@ class RayJobsLauncher:
         self.client = JobSubmissionClient(self.address, headers=headers)
         self.http = httpx.Client(base_url=self.address, headers=headers, timeout=10)
         self._logs_saved: set[str] = set()
+        self._capacity: tuple[float, Capacity] | None = None  # (when read, what)
 
     @property
     def dashboard_url(self) -> str:
@@ -455,6 +460,21 @@ class RayJobsLauncher:
         if tail_bytes is not None:
             text = text.encode()[-tail_bytes:].decode(errors="replace")
         return text
+
+    def capacity(self) -> Capacity:
+        """The cluster's total CPUs and GPUs from its load report, cached for CAPACITY_TTL_S;
+        unknown when the cluster does not answer (admission then applies only the limits)."""
+        now = time.monotonic()
+        if self._capacity is None or now - self._capacity[0] > CAPACITY_TTL_S:
+            try:
+                usage = self._cluster_usage()
+                known = Capacity(cpus=float(usage.get("CPU", [0.0, 0.0])[1]),
+                                 gpus=float(usage.get("GPU", [0.0, 0.0])[1]))
+            except (httpx.HTTPError, KeyError, ValueError, TypeError, IndexError) as error:
+                log.warning("cannot read the Ray cluster's resources: %s", error)
+                return self._capacity[1] if self._capacity else Capacity()
+            self._capacity = (now, known)
+        return self._capacity[1]
 
     def close(self) -> None:
         self.keep_finished_logs()  # before an embedded head takes them away

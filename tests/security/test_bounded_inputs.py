@@ -54,10 +54,11 @@ def test_deeply_nested_kwargs_are_refused_and_the_list_stays_served(service, blo
 def test_kwargs_at_the_depth_limit_are_accepted_and_round_trip(service):
     admin = _admin(service)
     spec = make_spec()
-    spec["model"]["kwargs"] = nested(MAX_JSON_DEPTH)
+    spec["model"]["kwargs"] = {**nested(MAX_JSON_DEPTH), "lr": 0.5, "sizes": [1, 2.5, None, True, "x"]}
     job = admin.post("/jobs", json=spec)
     assert job.status_code == 201, job.text
-    assert admin.get(f"/jobs/{job.json()['id']}").json()["spec"]["model"]["kwargs"] == nested(MAX_JSON_DEPTH)
+    stored = admin.get(f"/jobs/{job.json()['id']}").json()["spec"]["model"]["kwargs"]
+    assert stored == {**nested(MAX_JSON_DEPTH), "lr": 0.5, "sizes": [1, 2.5, None, True, "x"]}
 
 
 @pytest.mark.parametrize("kwargs", [

@@ -13,13 +13,15 @@ def test_jobs_start_in_submission_order_while_their_whole_gang_fits():
     queued = [job(f"j{i}") for i in range(5)]
     decision = decide(queued, [], Capacity(cpus=5), Limits())
     assert decision.start == ["j0", "j1"]  # 2 + 2 CPUs; j2 would need 6 of 5
-    assert "needs 2 workers = 2 CPUs" in decision.waiting["j2"] and "free now 1 CPUs of 5 CPUs" in decision.waiting["j2"]
-    assert decision.waiting["j3"].startswith("waiting behind job j2")
+    j2, j3 = decision.waiting["j2"], decision.waiting["j3"]
+    assert "needs 2 workers = 2 CPUs" in j2.message and "free now 1 CPUs of 5 CPUs" in j2.message
+    assert j2.reason == j3.reason == "insufficient_resources"
+    assert j3.message == "waiting in submission order behind an earlier job that does not fit yet"
 
 
 def test_running_jobs_hold_their_resources():
     decision = decide([job("new")], [job("old", workers=2)], Capacity(cpus=3), Limits())
-    assert decision.start == [] and "lacks 2 CPUs (has 1)" in decision.waiting["new"]
+    assert decision.start == [] and "lacks 2 CPUs (has 1)" in decision.waiting["new"].message
     assert decide([job("new")], [], Capacity(cpus=3), Limits()).start == ["new"]
 
 
@@ -34,15 +36,17 @@ def test_a_users_own_limit_does_not_stall_other_users():
     limits = Limits(max_running_jobs_per_user=1)
     decision = decide(queued, [job("a1", owner="alice")], Capacity(cpus=8), limits)
     assert decision.start == ["b1"]
-    assert "alice runs 1 jobs, at most 1 per user" in decision.waiting["a2"]
+    assert "alice runs 1 jobs, at most 1 per user" in decision.waiting["a2"].message
+    assert decision.waiting["a2"].reason == "user_limit"
     workers = decide([job("a", workers=3), job("b", owner="bob")], [], Capacity(cpus=8),
                      Limits(max_running_workers_per_user=2))
-    assert workers.start == ["b"] and "needs 3, at most 2 per user" in workers.waiting["a"]
+    assert workers.start == ["b"] and "needs 3, at most 2 per user" in workers.waiting["a"].message
 
 
 def test_the_service_bounds_how_many_drivers_run():
     decision = decide([job(f"j{i}", workers=1) for i in range(4)], [], Capacity(cpus=100), Limits(max_running_jobs=3))
-    assert decision.start == ["j0", "j1", "j2"] and "at most 3" in decision.waiting["j3"]
+    assert decision.start == ["j0", "j1", "j2"] and "at most 3 jobs" in decision.waiting["j3"].message
+    assert decision.waiting["j3"].reason == "service_limit"
 
 
 def test_gpus_count_and_an_unknown_capacity_admits_within_the_limits():

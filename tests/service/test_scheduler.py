@@ -17,6 +17,7 @@ from service.schemas import JobState
 from service.settings import Settings
 from service.states import transition
 
+from service.admission import Capacity
 from tests.service.conftest import make_spec
 
 
@@ -31,6 +32,7 @@ class RecordingLauncher:
         self.cancelled: list[str] = []
         self.released: list[str] = []
         self.phase = LaunchStatus(LaunchPhase.RUNNING)
+        self.cluster = Capacity()  # unknown unless a test sets it
 
     def start(self, request: LaunchRequest) -> LaunchHandle:
         with self.lock:
@@ -49,6 +51,9 @@ class RecordingLauncher:
 
     def logs(self, handle: LaunchHandle, tail_bytes: int | None = None) -> str:
         return ""
+
+    def capacity(self) -> Capacity:
+        return self.cluster
 
     def close(self) -> None:
         pass
@@ -88,6 +93,7 @@ def move(make_session, job_id: str, state: JobState, reason: str | None = None) 
 
 def test_two_scheduler_loops_never_start_the_same_job_twice(db):
     make_session, settings = db
+    settings = settings.model_copy(update={"max_running_jobs": None})  # all 60 may run at once
     ids = add_jobs(make_session, 60)
     launcher = RecordingLauncher()
     schedulers = [Scheduler(make_session, launcher, settings, claim_batch=3) for _ in range(2)]
@@ -251,3 +257,24 @@ def test_claim_abandoned_before_launch_fails_after_the_launch_timeout(db):
     scheduler.reconcile()
     failed = job(make_session, job_id)
     assert (failed.state, failed.reason) == ("FAILED", "launch_failed")
+
+
+def test_admission_starts_jobs_in_order_as_capacity_frees_and_says_why_the_rest_wait(db):
+    make_session, settings = db
+    ids = add_jobs(make_session, 4)  # 2 workers × 1 CPU each (make_spec)
+    launcher = RecordingLauncher()
+    launcher.cluster = Capacity(cpus=2)
+    scheduler = Scheduler(make_session, launcher, settings)
+    assert [job_id for job_id, _ in scheduler.claim()] == ["job-0000"]
+    assert scheduler.claim() == []  # job-0000 holds both CPUs while it is STARTING
+    first_waiting = job(make_session, "job-0001")
+    assert first_waiting.reason == "insufficient_resources" and "free now 0 CPUs of 2 CPUs" in first_waiting.message
+    assert "behind an earlier job" in job(make_session, "job-0002").message
+    move(make_session, "job-0000", JobState.RUNNING)
+    move(make_session, "job-0000", JobState.SUCCEEDED)
+    assert [job_id for job_id, _ in scheduler.claim()] == ["job-0001"]
+    with make_session() as session:  # one notice per distinct reason, not one per pass
+        notices = session.execute(select(JobEvent).where(JobEvent.job_id == "job-0003",
+                                                         JobEvent.from_state == JobEvent.to_state)).scalars().all()
+    assert len(notices) == 1
+    assert ids[:2] == ["job-0000", "job-0001"]
