@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic_core import PydanticCustomError
 
 from contract.presets import PRESETS
+from contract.zero_math import PRECISIONS, STAGES
 
 # --------------------------------------------------------------------------- job spec
 
@@ -162,8 +163,8 @@ class TrainSpec(SpecModel):
 
 
 class ZeroSpec(SpecModel):
-    stage: Literal[0, 1, 2, 3, "auto"] = "auto"
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    stage: Literal[STAGES + ("auto",)] = "auto"
+    precision: Literal[PRECISIONS] = "fp32"
     offload_optimizer: bool = False
     bucket_mb: float = Field(default=25.0, gt=0)
     prefetch: int = Field(default=1, ge=0, le=MAX_INT32)
