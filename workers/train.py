@@ -33,6 +33,7 @@ from typing import Any, Callable, Protocol
 import torch
 import torch.distributed as dist
 
+from contract.spec import JobSpec
 from workers.data import ShardedBatchLoader, build_dataset
 from workers.models import build_model, flops_per_token
 from workers.reporting import MetricReporter, StepMeter, WorkerAPI, peak_memory_bytes
@@ -167,7 +168,7 @@ def resolve_stage(spec: dict[str, Any], device: torch.device) -> tuple[int, bool
     stage = zero.get("stage", "auto")
     if stage != "auto":
         return int(stage), bool(zero.get("offload_optimizer", False))
-    from workers.zero.memory import plan_for_spec
+    from workers.planning import plan_for_spec
 
     if device.type == "cuda":
         budget = {"gpu_memory_bytes": torch.cuda.get_device_properties(device).total_memory}
@@ -175,7 +176,7 @@ def resolve_stage(spec: dict[str, Any], device: torch.device) -> tuple[int, bool
         workers = int((spec.get("resources") or {}).get("num_workers") or 1)
         host_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         budget = {"host_memory_bytes": host_bytes // workers}
-    plan = plan_for_spec(spec, **budget)
+    plan = plan_for_spec(JobSpec.model_validate(spec), **budget)
     return int(plan.stage), bool(plan.offload)
 
 
