@@ -17,6 +17,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 from pydantic_core import PydanticCustomError
 
 from contract.presets import PRESETS
+from contract.zero_math import PRECISIONS, STAGES
 
 # --------------------------------------------------------------------------- job spec
 
@@ -201,8 +202,8 @@ class TrainSpec(SpecModel):
 
 
 class ZeroSpec(SpecModel):
-    stage: Literal[0, 1, 2, 3, "auto"] = "auto"
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    stage: Literal[STAGES + ("auto",)] = "auto"
+    precision: Literal[PRECISIONS] = "fp32"
     offload_optimizer: bool = False
     bucket_mb: float = Field(default=25.0, gt=0)
     prefetch: int = Field(default=1, ge=0, le=MAX_INT32)

@@ -9,8 +9,8 @@
 Every rank trains on its own slice of a synthetic byte stream (a learnable rule plus noise,
 ``byte_stream_batch``: the data the engine tests train on too); rank 0 prints the loss, the
 global gradient norm, what the engine holds per rank (``engine.memory()``) and what it
-communicated (``engine.comm_volume()``), and at the end compares both with the model-state table (docs/design.md)
-formulas.
+communicated (``engine.comm_volume()``), and at the end compares both with the ZeRO
+formulas (``contract.zero_math``).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
+from contract.zero_math import model_state_bytes
 from workers.models import GPT, PRESETS, num_parameters
 from workers.zero import ZeroConfig, ZeroEngine
 from workers.zero.testing import byte_stream_batch
@@ -87,14 +88,11 @@ def main() -> None:
                 f"  exposed {info['comm_exposed_s'] * 1e3:.1f} ms  {time.perf_counter() - t0:.2f}s")
 
     mem, comm = engine.memory(), engine.comm_volume()
-    low = 4 if args.precision == "fp32" else 2
-    k = 8 if args.precision == "fp32" else 12
-    n = world
-    expected = {0: (low, low, k), 1: (low, low, k / n), 2: (low, low / n, k / n),
-                3: (low / n, low / n, k / n)}.get(args.stage)
-    say("memory per rank (bytes):  measured  vs  the model-state table (docs/design.md)")
-    for key, factor in zip(("params", "grads", "optimizer"), expected or ()):
-        say(f"  {key:9s} {mem[key]:>12,}  vs {int(factor * phi):>12,}")
+    states = model_state_bytes(phi, world, args.precision, args.stage)
+    expected = (states.gpu_params, states.gpu_grads, states.gpu_optimizer)
+    say("memory per rank (bytes):  measured  vs  the ZeRO formula")
+    for key, predicted in zip(("params", "grads", "optimizer"), expected):
+        say(f"  {key:9s} {mem[key]:>12,}  vs {predicted:>12,}")
     say(f"  buffers   {mem['buffers']:>12,}\n  total     {mem['total']:>12,}")
     if "host" in mem:
         say(f"  host      {mem['host']:>12,}  (offloaded master, optimizer state, fp32 gradient shard)")

@@ -6,10 +6,10 @@ anyway. The chosen stage (and offload) is written into the stored spec, so the w
 dashboard and the user all see what actually runs; the prediction says that "auto" chose it
 and why (``prediction["requested_stage"]``).
 
-The planner lives with the engine (``workers.zero.memory``, which needs torch); a control plane
-installed without the worker extra, and jobs built by a user factory (never imported on the
-control plane: that would run user code here), get no prediction at submit — the worker then
-plans for itself.
+The planner lives with the engine (``workers.zero.planner``, read a job spec by
+``workers.planning``; both need torch); a control plane installed without the worker extra,
+and jobs built by a user factory (never imported on the control plane: that would run user
+code here), get no prediction at submit — the worker then plans for itself.
 """
 
 from __future__ import annotations
@@ -18,7 +18,12 @@ import copy
 import logging
 from typing import Any
 
+from contract.spec import JobSpec
+from contract.zero_math import gb_to_bytes, gbps_to_bytes_per_s
+
 log = logging.getLogger(__name__)
+
+QUESTION_SEQ_LEN = 256  # a plan question without data.seq_len: the planner's long-standing default
 
 
 class NothingFits(ValueError):
@@ -32,13 +37,14 @@ class NothingFits(ValueError):
 def plan_at_submit(spec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """(the spec to store, the prediction or None). Raises ``NothingFits`` for an "auto" job."""
     try:
-        from workers.zero import memory
+        from workers.planning import plan_for_spec
+        from workers.zero.planner import NoPlanFits
     except ImportError as missing:  # control plane without torch
         log.info("no memory prediction at submit: %s", missing)
         return spec, None
     try:
-        plan = memory.plan_for_spec(spec, allow_factories=False)
-    except memory.NoPlanFits as refused:
+        plan = plan_for_spec(JobSpec.model_validate(spec), allow_factories=False)
+    except NoPlanFits as refused:
         raise NothingFits(refused.detail) from None
     except ValueError as unplannable:  # a user factory: the worker plans it
         log.info("no memory prediction at submit: %s", unplannable)
@@ -56,7 +62,8 @@ def warm_up() -> None:
     """Import the planner and plan one tiny job, so the first real submission is not the one
     that pays for importing torch and tracing a model on the meta device (seconds)."""
     try:
-        plan_at_submit({"model": {"preset": "gpt-nano"}, "data": {"kind": "synthetic", "seq_len": 16},
+        plan_at_submit({"name": "planner-warm-up", "model": {"preset": "gpt-nano"},
+                        "data": {"kind": "synthetic", "seq_len": 16},
                         "train": {"steps": 1, "global_batch_size": 1, "micro_batch_size": 1},
                         "zero": {"stage": 0, "precision": "fp32"}, "resources": {"num_workers": 1}})
     except Exception:  # a warm-up must never stop the service; the real submit reports errors
@@ -64,17 +71,19 @@ def warm_up() -> None:
 
 
 def plan_for_question(question: Any, spec: dict[str, Any] | None = None, allow_factories: bool = True) -> Any:
-    """What ``POST /plan`` and ``zerotrain plan`` answer (a ``memory.Plan``): one function, so the two
-    always agree. Raises ``memory.NoPlanFits`` or ``ValueError``.
+    """What ``POST /plan`` and ``zerotrain plan`` answer (a ``planner.Plan``): one function, so the two
+    always agree. Raises ``planner.NoPlanFits`` or ``ValueError`` (an invalid spec included).
 
     ``question`` is the request model or the parsed arguments; both use the same attribute
     names, in the units people type (decimal GB, Gbit/s). The budget and time model:
     ``gpu_mem_gb``, ``host_mem_gb``, ``margin``, ``bandwidth_gbps``, ``compute_s``,
-    ``target_efficiency``. With a ``spec`` the model comes from it (``plan_for_spec``); without,
+    ``target_efficiency``. With a ``spec`` (a whole job spec or the part of one a plan needs,
+    ``question_spec``) the model comes from it (``plan_for_spec``); without,
     from a bare count: ``params``, ``gpus``, ``precision`` (None: bf16), ``bucket_mb``,
     ``prefetch``, ``activation_gb``, ``units`` (``plan_for_count``).
     """
-    from workers.zero.memory import gb_to_bytes, gbps_to_bytes_per_s, plan_for_count, plan_for_spec
+    from workers.planning import plan_for_spec
+    from workers.zero.planner import plan_for_count
 
     common = dict(
         gpu_memory_bytes=gb_to_bytes(question.gpu_mem_gb),
@@ -85,7 +94,7 @@ def plan_for_question(question: Any, spec: dict[str, Any] | None = None, allow_f
         target_efficiency=question.target_efficiency,
     )
     if spec is not None:
-        return plan_for_spec(spec, allow_factories=allow_factories, **common)
+        return plan_for_spec(question_spec(spec), allow_factories=allow_factories, **common)
     return plan_for_count(
         question.params,
         question.gpus,
@@ -98,8 +107,28 @@ def plan_for_question(question: Any, spec: dict[str, Any] | None = None, allow_f
     )
 
 
-def check_against_prediction(prediction: dict[str, Any], measured: dict[str, float]) -> dict[str, Any]:
-    """Each term predicted vs measured (``workers.zero.memory.compare``)."""
-    from workers.zero import memory
+def question_spec(spec: dict[str, Any]) -> JobSpec:
+    """A plan question's spec as a ``JobSpec``: what a plan does not depend on may be left out.
 
-    return memory.compare(prediction, measured)
+    A question may give only the blocks that matter (``model``, ``data.seq_len``,
+    ``train.micro_batch_size``, ``zero``, ``resources``); the rest gets placeholders that
+    change no prediction (a name, one step, synthetic data, one micro-step per step). A whole
+    job spec is validated as given.
+    """
+    resources = spec.get("resources") or {}
+    data = dict(spec.get("data") or {})
+    if "kind" not in data and "factory" not in data:
+        data["kind"] = "synthetic"
+    if data.get("kind") == "synthetic":
+        data.setdefault("seq_len", QUESTION_SEQ_LEN)
+    train = {"steps": 1, "micro_batch_size": 1, **(spec.get("train") or {})}
+    train.setdefault("global_batch_size", train["micro_batch_size"] * (resources.get("num_workers") or 1))
+    return JobSpec.model_validate({**spec, "name": spec.get("name") or "plan", "data": data, "train": train,
+                                   "zero": spec.get("zero") or {}, "resources": resources})
+
+
+def check_against_prediction(prediction: dict[str, Any], measured: dict[str, float]) -> dict[str, Any]:
+    """Each term predicted vs measured (``workers.zero.planner.compare``)."""
+    from workers.zero.planner import compare
+
+    return compare(prediction, measured)

@@ -170,7 +170,7 @@ def resolve_stage(spec: JobSpec, device: torch.device) -> tuple[int, bool]:
     """
     if spec.zero.stage != "auto":
         return spec.zero.stage, spec.zero.offload_optimizer
-    from workers.zero.memory import plan_for_spec
+    from workers.planning import plan_for_spec
 
     if device.type == "cuda":
         budget = {"gpu_memory_bytes": torch.cuda.get_device_properties(device).total_memory}

@@ -2,7 +2,7 @@
 
 The worker route (ingest token) that closes the planner's loop: a prediction nobody checks
 drifts. Rank 0 gathers every rank's measurement and sends them in one report, so the job row
-is written once. The comparison itself is the planner's (``workers.zero.memory.compare``).
+is written once. The comparison itself is the planner's (``workers.zero.planner.compare``).
 """
 
 from __future__ import annotations

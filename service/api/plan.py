@@ -18,6 +18,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from contract.zero_math import PRECISIONS
 from service.prediction import plan_for_question
 
 router = APIRouter(tags=["plan"])
@@ -34,7 +35,7 @@ class PlanRequest(BaseModel):
     # a bare count
     params: float | None = Field(default=None, gt=0, le=1e15, description="Φ, number of parameters")
     gpus: int = Field(default=1, ge=1, le=1_000_000, description="data-parallel ranks (with params)")
-    precision: Literal["fp32", "bf16", "fp16"] | None = Field(
+    precision: Literal[PRECISIONS] | None = Field(
         default=None, description="default: zero.precision of the spec, else bf16"
     )
     activation_gb: float | None = Field(default=None, ge=0, le=1e6, description="activations per rank, GB (with params)")
@@ -63,7 +64,7 @@ class PlanRequest(BaseModel):
 
 
 class PlanResponse(BaseModel):
-    """``memory.Plan.to_dict()``: bytes per rank for every candidate; ``chosen`` is the pick."""
+    """``planner.Plan.to_dict()``: bytes per rank for every candidate; ``chosen`` is the pick."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -80,7 +81,7 @@ class PlanResponse(BaseModel):
 
 
 def plan_from_request(req: PlanRequest) -> "Any":
-    """The ``memory.Plan`` a request asks for; raises ``memory.NoPlanFits`` or ``ValueError``."""
+    """The ``planner.Plan`` a request asks for; raises ``planner.NoPlanFits`` or ``ValueError``."""
     spec = None
     if req.model is not None:
         zero = dict(req.zero or {})
@@ -103,14 +104,14 @@ def no_plan_response(detail: dict[str, Any]) -> JSONResponse:
 )
 def post_plan(req: PlanRequest) -> Any:
     try:
-        from workers.zero import memory
+        from workers.zero.planner import NoPlanFits
     except ImportError as exc:  # a control plane installed without the worker extra (torch)
         message = f"the planner needs the worker extra (torch): {exc}"
         return JSONResponse({"detail": message, "errors": []}, status_code=503)
 
     try:
         return plan_from_request(req).to_dict()
-    except memory.NoPlanFits as exc:
+    except NoPlanFits as exc:
         return no_plan_response(exc.detail)
     except ValueError as exc:  # unknown preset, unimportable factory, ...
         return JSONResponse({"detail": str(exc), "errors": [{"field": "model", "message": str(exc),

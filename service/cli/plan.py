@@ -6,7 +6,7 @@
 One row per candidate (stages 0–3, then 1–3 with the optimizer offloaded): GB per GPU by term,
 host GB under offload, communication per step, and with a bandwidth and a compute time the
 efficiency and the bandwidth a target efficiency needs. The chosen row is marked. No server
-is involved: the planner runs here (``workers.zero.memory``; a preset's activations are
+is involved: the planner runs here (``workers.zero.planner``; a preset's activations are
 profiled on the meta device, so even gpt-1b costs no memory). ``--json`` prints the plan.
 """
 
@@ -55,11 +55,11 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Compute and print the plan; nothing fitting is a user-facing error (exit status 2)."""
-    from workers.zero import memory
+    from workers.zero.planner import NoPlanFits
 
     try:
         plan = _plan(args).to_dict()
-    except memory.NoPlanFits as exc:
+    except NoPlanFits as exc:
         _print(exc.detail, args, chosen=None)
         raise CliError(exc.detail["message"]) from None
     except ValueError as exc:

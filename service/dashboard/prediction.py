@@ -1,30 +1,30 @@
 """The predicted model-state bytes per rank that the job page draws beside the measured bars.
 
-DESIGN §4 by arithmetic, for jobs whose Φ is known without building the model: the built-in
-presets (``contract.presets`` computes their Φ from the shape). The stage is the spec's, or — when the
-spec says "auto" — the one the job's checkpoints were written at. Jobs with a user factory get
-no prediction until the planner stores one on the job.
+The ZeRO formula by arithmetic (``contract.zero_math``, torch-free), for jobs whose Φ is known
+without building the model: the built-in presets (``contract.presets`` computes their Φ from
+the shape). The stage is the spec's, or — when the spec says "auto" — the one the job's
+checkpoints were written at. Jobs with a user factory get no prediction until the planner
+stores one on the job.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from contract import zero_math
 from contract.presets import PRESETS
 
-def model_state_bytes(phi: int, world: int, stage: int, precision: str) -> dict[str, float]:
-    """§4: params / grads / optimizer bytes on one rank (padding aside)."""
-    low = 4 if precision == "fp32" else 2  # bytes of a param or grad element
-    k = 8 if precision == "fp32" else 12  # optimizer bytes per parameter (fp32 has no master copy)
-    params = low * phi / (world if stage >= 3 else 1)
-    grads = low * phi / (world if stage >= 2 else 1)
-    optimizer = k * phi / (world if stage >= 1 else 1)
-    return {"params": params, "grads": grads, "optimizer": optimizer, "total": params + grads + optimizer}
+
+def model_state_bytes(phi: int, world: int, stage: int, precision: str) -> dict[str, int]:
+    """Params / grads / optimizer bytes on one rank (padding aside), as the job page draws them."""
+    states = zero_math.model_state_bytes(phi, world, precision, stage)
+    return {"params": states.gpu_params, "grads": states.gpu_grads, "optimizer": states.gpu_optimizer,
+            "total": states.gpu_total}
 
 
 def comm_elements_per_step(phi: int, stage: int) -> int:
-    """§4: 2Φ for stages 0–2 (an all-reduce counts twice), 3Φ for stage 3."""
-    return 3 * phi if stage >= 3 else 2 * phi
+    """Elements one rank communicates per step: 2Φ for stages 0–2, 3Φ for stage 3."""
+    return zero_math.comm_elements(phi, stage)
 
 
 def from_planner(planner: dict[str, Any], memory_check: dict[str, Any] | None) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""The dashboard's prediction matches the model-state table (docs/design.md)."""
+"""The dashboard's prediction: the design table's numbers, in the shape the job page draws."""
 
 from __future__ import annotations
 
@@ -36,12 +36,14 @@ def test_predict_resolves_auto_from_checkpoints_and_explains_absence():
 
 def test_the_planners_stored_prediction_takes_priority_and_carries_the_end_check():
     torch = pytest.importorskip("torch")  # noqa: F841 - the planner needs it
-    from workers.zero.memory import plan_for_spec
+    from contract.spec import JobSpec
+    from workers.planning import plan_for_spec
 
-    spec = {"model": {"preset": "gpt-nano"}, "data": {"kind": "synthetic", "vocab_size": 256, "seq_len": 64},
+    spec = {"name": "shown", "model": {"preset": "gpt-nano"},
+            "data": {"kind": "synthetic", "vocab_size": 256, "seq_len": 64},
             "train": {"steps": 10, "global_batch_size": 8, "micro_batch_size": 4},
             "zero": {"stage": 2, "precision": "bf16"}, "resources": {"num_workers": 2, "gpus_per_worker": 0}}
-    planner = plan_for_spec(spec).to_dict()
+    planner = plan_for_spec(JobSpec.model_validate(spec)).to_dict()
     chosen = planner["chosen"]["gpu"]
     check = {"ranks": {"0": {"terms": {"params": {"rel_error": 0.0}, "peak": {"rel_error": 0.04}}}}}
     shown = predict(spec, None, planner, check)

@@ -13,11 +13,18 @@ from typing import Any, Callable, Optional
 
 import torch
 
-PRECISIONS: dict[str, torch.dtype] = {
-    "fp32": torch.float32,
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-}
+from contract.zero_math import PRECISION_TRAITS, STAGES, StageTraits, stage_traits
+
+#: the compute dtype of each precision the contract lists (one list of names, there)
+PRECISIONS: dict[str, torch.dtype] = {name: getattr(torch, t.torch_dtype) for name, t in PRECISION_TRAITS.items()}
+
+
+def elements_per_bucket(bucket_mb: float, element_bytes: int) -> int:
+    """Elements in one communication bucket: ``bucket_mb`` MiB of an ``element_bytes`` dtype.
+
+    The engine sizes its buckets with it; the planner predicts the same layout with it.
+    """
+    return max(1, max(1, int(bucket_mb * 2**20)) // element_bytes)
 
 
 def dtype_usable(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
@@ -83,7 +90,7 @@ class ZeroConfig:
     comm_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
-        if isinstance(self.stage, bool) or not isinstance(self.stage, int) or not 0 <= self.stage <= 3:
+        if isinstance(self.stage, bool) or not isinstance(self.stage, int) or self.stage not in STAGES:
             raise ValueError(f"stage must be an integer 0, 1, 2 or 3, got {self.stage!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {self.precision!r}")
@@ -92,7 +99,7 @@ class ZeroConfig:
         for name in ("overlap_comm", "offload_optimizer", "reshard_after_forward", "activation_checkpointing"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if self.offload_optimizer and self.stage == 0:
+        if self.offload_optimizer and not stage_traits(self.stage).shards_optimizer:
             raise ValueError("offload_optimizer needs stage 1, 2 or 3 (stage 0 keeps the whole optimizer on "
                              "every rank); got stage=0")
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
@@ -130,6 +137,16 @@ class ZeroConfig:
     @property
     def bucket_bytes(self) -> int:
         return max(1, int(self.bucket_mb * 2**20))
+
+    @property
+    def bucket_numel(self) -> int:
+        """Elements of the compute dtype in one bucket."""
+        return elements_per_bucket(self.bucket_mb, torch.empty((), dtype=self.compute_dtype).element_size())
+
+    @property
+    def traits(self) -> StageTraits:
+        """What this stage shards and communicates (``contract.zero_math.StageTraits``)."""
+        return stage_traits(self.stage)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -47,7 +47,6 @@ from .config import ZeroConfig
 from .flat import FlatLayout
 from .offload import HostOptimizerState
 from .precision import MixedPrecision
-from .stage3 import ParamShardStrategy
 from .stages import Strategy, make_strategy
 from .units import checkpoint_forward, plan_units, unit_modules
 
@@ -109,19 +108,19 @@ class ZeroEngine:
         self.precision.check_device(self.device)
         self.comm = Collectives(process_group, self.device, config.comm_timeout_s)
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
-        # Stage 0 does not shard: its "shard" is the whole bucket on every rank.
-        self.shard_world = 1 if config.stage == 0 else self.world_size
-        self.shard_rank = 0 if config.stage == 0 else self.rank
+        traits = config.traits
+        # A stage that shards nothing (0): its "shard" is the whole bucket on every rank.
+        self.shard_world = traits.shard_world(self.world_size)
+        self.shard_rank = self.rank if traits.shards_optimizer else 0
 
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self._frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
-        bucket_numel = max(1, config.bucket_bytes // torch.empty((), dtype=self.precision.compute_dtype).element_size())
         shapes = [(n, tuple(p.shape)) for n, p in trainable]
-        units = plan_units(model, trainable, config.wrap) if config.stage == 3 else None
-        if units is not None:  # stage 3: one bucket per unit, gathered together
-            self.layout = FlatLayout.from_groups(shapes, [g for g in units.owned if g], self.shard_world)
+        units = plan_units(model, trainable, config.wrap) if traits.shards_parameters else None
+        if units is not None:  # parameters sharded: one bucket per unit, gathered together
+            self.layout = FlatLayout.from_groups(shapes, units.groups, self.shard_world)
         else:
-            self.layout = FlatLayout.build(shapes, self.shard_world, bucket_numel)
+            self.layout = FlatLayout.build(shapes, self.shard_world, config.bucket_numel)
         self._trainable = [p for _, p in trainable]
         self.buckets = self._build_buckets(self._trainable)
         self._frozen_fp32 = self._sync_frozen_and_buffers()
@@ -129,11 +128,8 @@ class ZeroEngine:
             for _, unit_module in unit_modules(model, config.wrap):
                 checkpoint_forward(unit_module)
 
-        if units is not None:
-            self.strategy: Strategy = ParamShardStrategy(self.buckets, self.comm, config.overlap_comm, units,
-                                                         config.prefetch, config.reshard_after_forward)
-        else:
-            self.strategy = make_strategy(config.stage, self.buckets, self.comm, config.overlap_comm)
+        self.strategy: Strategy = make_strategy(config.stage, self.buckets, self.comm, config.overlap_comm, units,
+                                                config.prefetch, config.reshard_after_forward)
         self.offload = HostOptimizerState(self.buckets, self.device) if config.offload_optimizer else None
         self._opt_params = [(piece, view) for b in self.buckets for piece, view in b.master_views]
         # A rank whose shards hold only padding (tiny models, many ranks) still needs an
@@ -429,7 +425,7 @@ class ZeroEngine:
     @torch.no_grad()
     def _full_master(self, b: FlatBucket) -> torch.Tensor:
         """The whole bucket's fp32 master values (a collective at stages 1/2 with a separate master)."""
-        if not self.precision.separate_master and self.config.stage < 3:
+        if not self.precision.separate_master and not self.config.traits.shards_parameters:
             return b.flat_param
         if self.shard_world == 1:
             return b.master

@@ -22,6 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
+from contract.zero_math import shard_numel
+
 
 @dataclass(frozen=True)
 class ParamSlot:
@@ -136,7 +138,7 @@ class FlatLayout:
                 slots[i] = slot
                 bucket_slots.append(slot)
                 offset += numels[i]
-            padded = -(-max(offset, 1) // world_size) * world_size
+            padded = shard_numel(max(offset, 1), world_size) * world_size
             buckets.append(Bucket(b, tuple(bucket_slots), padded, world_size))
         return cls(tuple(buckets), tuple(slots[i] for i in range(len(params))), world_size)
 

@@ -56,6 +56,8 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from contract.zero_math import STAGE_TRAITS
+
 from .buckets import FlatBucket
 from .collectives import Collectives, Pending
 from .stages import ReduceScatterInBackwardStrategy
@@ -127,7 +129,7 @@ class _OrderPredictor:
 class ParamShardStrategy(ReduceScatterInBackwardStrategy):
     """Stage 3: stage 2's gradient path, launched per unit, plus parameter gathering."""
 
-    stage = 3
+    traits = STAGE_TRAITS[3]
     launches_during_backward = False  # units launch from their post-backward, never by bucket readiness
 
     def __init__(self, buckets: list[FlatBucket], comm: Collectives, overlap_comm: bool, plan: UnitPlan,

@@ -41,10 +41,17 @@ in range; the result is the mean over ranks of each rank's summed micro-step gra
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+from contract.zero_math import STAGE_TRAITS, StageTraits, stage_traits
 
 from .buckets import FlatBucket
 from .collectives import Collectives, Pending
+
+if TYPE_CHECKING:
+    from .units import UnitPlan
 
 
 #: stage 2: reduce-scatters in flight at once (each holds one bucket-sized scratch)
@@ -54,13 +61,24 @@ MAX_INFLIGHT_BUCKETS = 2
 class Strategy:
     """Shared machinery: gradient arrival, bucket readiness and in-order launching."""
 
-    stage: int = -1
-    #: whether ``reduced_grads`` returns shards (norm needs a cross-rank sum) or full gradients
-    sharded_grads: bool = True
-    #: stage 2 must communicate every micro-step: it keeps no full gradient between them
-    communicates_every_micro_step: bool = False
+    #: what the stage shards and communicates (``contract.zero_math``)
+    traits: StageTraits
     #: buckets allowed in flight before a launch blocks on the oldest (None: no limit)
     max_inflight: int | None = None
+
+    @property
+    def stage(self) -> int:
+        return self.traits.stage
+
+    @property
+    def sharded_grads(self) -> bool:
+        """Whether ``reduced_grads`` returns shards (norm needs a cross-rank sum) or full gradients."""
+        return self.traits.shards_optimizer
+
+    @property
+    def communicates_every_micro_step(self) -> bool:
+        """Stages that shard gradients keep no full gradient between micro-steps: they reduce each one."""
+        return self.traits.shards_gradients
 
     def __init__(self, buckets: list[FlatBucket], comm: Collectives, overlap_comm: bool):
         self.buckets = buckets
@@ -239,8 +257,7 @@ class Strategy:
 class AllReduceStrategy(Strategy):
     """Stage 0, a DDP equivalent: every rank keeps and updates everything."""
 
-    stage = 0
-    sharded_grads = False
+    traits = STAGE_TRAITS[0]
 
     def _launch(self, b: FlatBucket) -> Pending:
         return self.comm.all_reduce(b.grad_full, label=f"all_reduce bucket {b.spec.index}")
@@ -257,7 +274,7 @@ class AllReduceStrategy(Strategy):
 class ReduceScatterAtStepStrategy(Strategy):
     """Stage 1: full local gradients; reduce-scatter them into the shard once per step."""
 
-    stage = 1
+    traits = STAGE_TRAITS[1]
 
     def _launch(self, b: FlatBucket) -> Pending:
         b.scratch_out = torch.empty(b.spec.shard_numel, dtype=b.grad_full.dtype, device=b.grad_full.device)
@@ -278,8 +295,7 @@ class ReduceScatterInBackwardStrategy(Strategy):
     micro-step begins or in ``step()``, overlapping with what the loop does in between.
     """
 
-    stage = 2
-    communicates_every_micro_step = True
+    traits = STAGE_TRAITS[2]
     max_inflight = MAX_INFLIGHT_BUCKETS
 
     def allocate_grad_storage(self) -> None:
@@ -315,8 +331,30 @@ class ReduceScatterInBackwardStrategy(Strategy):
         return [b.grad_shard for b in self.buckets]
 
 
-def make_strategy(stage: int, buckets: list[FlatBucket], comm: Collectives, overlap_comm: bool) -> Strategy:
-    classes = {0: AllReduceStrategy, 1: ReduceScatterAtStepStrategy, 2: ReduceScatterInBackwardStrategy}
-    if stage not in classes:
-        raise NotImplementedError(f"stage {stage} has no gradient strategy here (stage 3: stage3.ParamShardStrategy)")
-    return classes[stage](buckets, comm, overlap_comm)
+def make_strategy(
+    stage: int,
+    buckets: list[FlatBucket],
+    comm: Collectives,
+    overlap_comm: bool,
+    units: "UnitPlan | None" = None,
+    prefetch: int = 1,
+    reshard_after_forward: bool = True,
+) -> Strategy:
+    """The strategy that runs ``stage`` over ``buckets``, chosen by what the stage shards.
+
+    A stage that shards parameters (3) needs the unit plan its buckets were built from (one
+    bucket per non-empty unit), the prefetch depth and whether to reshard after forward.
+    """
+    traits = stage_traits(stage)
+    if traits.shards_parameters:
+        if units is None:
+            raise ValueError(f"stage {stage} shards parameters: it needs the unit plan (units.plan_units)")
+        # stage3 builds on this module's stage-2 strategy, so it is imported when first needed
+        from .stage3 import ParamShardStrategy
+
+        return ParamShardStrategy(buckets, comm, overlap_comm, units, prefetch, reshard_after_forward)
+    if traits.shards_gradients:
+        return ReduceScatterInBackwardStrategy(buckets, comm, overlap_comm)
+    if traits.reduces_at_step:
+        return ReduceScatterAtStepStrategy(buckets, comm, overlap_comm)
+    return AllReduceStrategy(buckets, comm, overlap_comm)

@@ -3,7 +3,7 @@
 A unit is a module whose parameters are gathered together at stage 3 (FSDP's "wrapped
 module") and whose forward is recomputed in backward under activation checkpointing. The
 default is what transformers look like: each child of the model's largest ``ModuleList``
-(the blocks, ``memory.largest_module_list`` -- the planner predicts with the same rule), plus
+(the blocks, ``largest_module_list``; the planner predicts with these same functions), plus
 a *root* unit for every parameter outside them (embeddings, final norm, head). ``wrap``
 chooses other modules: a list of class names, or a predicate ``f(module) -> bool``; only the
 outermost match counts (a matching module inside another unit stays part of that unit).
@@ -25,8 +25,6 @@ from typing import Any, Callable, Optional
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from .memory import largest_module_list
-
 
 @dataclass
 class UnitPlan:
@@ -39,6 +37,17 @@ class UnitPlan:
     @property
     def root(self) -> int:
         return len(self.modules) - 1
+
+    @property
+    def groups(self) -> list[list[int]]:
+        """The owned indices of every unit that owns any, in unit order (root last): one bucket each."""
+        return [g for g in self.owned if g]
+
+
+def largest_module_list(model: nn.Module) -> nn.ModuleList | None:
+    """The ``ModuleList`` holding the most parameters: its children are the repeated blocks."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    return max(lists, key=lambda m: sum(p.numel() for p in m.parameters()), default=None)
 
 
 def unit_modules(model: nn.Module, wrap: Any = None) -> list[tuple[str, nn.Module]]:

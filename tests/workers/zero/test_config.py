@@ -88,3 +88,16 @@ def test_second_backward_after_sync_is_an_error():
     engine.step()
     engine.backward(engine(x).sum())  # fine again after step()
     engine.step()
+
+
+def test_precisions_are_the_contracts_with_the_element_sizes_it_states():
+    from contract.zero_math import PRECISION_TRAITS
+
+    assert tuple(config_mod.PRECISIONS) == tuple(PRECISION_TRAITS)
+    for name, dtype in config_mod.PRECISIONS.items():
+        assert torch.empty((), dtype=dtype).element_size() == PRECISION_TRAITS[name].element_bytes
+
+
+def test_bucket_numel_is_bucket_mb_of_the_compute_dtype():
+    assert ZeroConfig(precision="fp32", bucket_mb=1).bucket_numel == 2**20 // 4
+    assert config_mod.elements_per_bucket(1e-9, 4) == 1  # never an empty bucket

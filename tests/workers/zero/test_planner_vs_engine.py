@@ -11,7 +11,7 @@ Stages 0–3 on gpt-nano (fp32, bf16) and gpt-mini (bf16); also stage 2 with 3 m
 (gpt-mini, N=2), stages 2 and 3 with the optimizer offloaded (gpt-nano, bf16), and gpt-small
 at N=1 (fp32, stage 0).
 
-How the peak is measured, per rank (``memory.PeakMemoryMeter``): a throwaway tiny model trains
+How the peak is measured, per rank (``planner.PeakMemoryMeter``): a throwaway tiny model trains
 one step first (kernels, Gloo and allocator arenas are process constants, not the job's
 memory); the meter starts (RSS); the job's model and engine are built; the kernel's peak-RSS
 mark is reset and two steps run; growth = VmHWM − RSS before the model. glibc is told to serve
@@ -33,8 +33,18 @@ import torch.distributed as dist
 
 pytest.importorskip("workers.zero.engine")
 
+from contract.spec import ModelSpec  # noqa: E402
+from contract.zero_math import low_precision_bytes, optimizer_bytes_per_param  # noqa: E402
 from workers.models import GPT, PRESETS, preset_config  # noqa: E402
-from workers.zero import memory as mm  # noqa: E402
+from workers.planning import measured_activations  # noqa: E402
+from workers.zero.planner import (  # noqa: E402
+    PeakMemoryMeter,
+    PlanInputs,
+    StagePrediction,
+    compare,
+    model_shape,
+    predict,
+)
 from workers.zero.testing import spawn_world  # noqa: E402
 
 MICRO_BATCH, SEQ_LEN, BUCKET_MB = 4, 128, 1.0
@@ -87,7 +97,7 @@ def measure_one(preset: str, n: int, stage: int, precision: str, group, micro_st
     _train(_engine(warm, stage, precision, group, offload), warm.config.vocab_size, 1)
     del warm
     gc.collect()
-    meter = mm.PeakMemoryMeter("cpu")
+    meter = PeakMemoryMeter("cpu")
     meter.start()
     torch.manual_seed(0)
     model = GPT(PRESETS[preset])
@@ -102,17 +112,17 @@ def measure_one(preset: str, n: int, stage: int, precision: str, group, micro_st
 
 
 def predicted(preset: str, n: int, stage: int, precision: str, micro_steps: int = 1,
-              offload: bool = False) -> mm.StagePrediction:
-    inputs = mm.PlanInputs(
-        shape=mm.model_shape({"preset": preset}),
+              offload: bool = False) -> StagePrediction:
+    inputs = PlanInputs(
+        shape=model_shape({"preset": preset}),
         n_ranks=n,
         precision=precision,
         bucket_mb=BUCKET_MB,
-        **mm.measured_activations({"preset": preset}, MICRO_BATCH, SEQ_LEN, precision, n, BUCKET_MB, "cpu"),
+        **measured_activations(ModelSpec(preset=preset), MICRO_BATCH, SEQ_LEN, precision, n, BUCKET_MB, "cpu"),
         accumulation_steps=micro_steps,
         device="cpu",
     )
-    return mm.predict(inputs, stage, offload)
+    return predict(inputs, stage, offload)
 
 
 @pytest.fixture(autouse=True)
@@ -134,9 +144,9 @@ def check(preset: str, rank: int, measured: dict) -> list[str]:
     states_meas = measured["params"] + measured["grads"] + measured["optimizer"] + measured.get("host", 0)
     states_pred += pred.cpu["total"]
     # padding elements, each carrying params + grads + optimizer bytes
-    per_elem = 2 * mm.low_precision_bytes(precision) + mm.optimizer_bytes_per_param(precision)
-    allowed = 0.01 * states_meas + pred.padding_bytes // mm.low_precision_bytes(precision) * per_elem
-    peak = mm.compare(pred.to_dict(), measured)["peak"]  # + host terms under offload: same RAM here
+    per_elem = 2 * low_precision_bytes(precision) + optimizer_bytes_per_param(precision)
+    allowed = 0.01 * states_meas + pred.padding_bytes // low_precision_bytes(precision) * per_elem
+    peak = compare(pred.to_dict(), measured)["peak"]  # + host terms under offload: same RAM here
     row = {
         "preset": preset, "n": n, "rank": rank, "stage": f"{stage}{'+offload' if offload else ''}",
         "precision": precision, "micro": micro_steps,

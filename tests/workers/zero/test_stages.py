@@ -11,7 +11,13 @@ import torch.nn as nn
 from workers.zero.buckets import FlatBucket
 from workers.zero.collectives import Pending
 from workers.zero.flat import FlatLayout
-from workers.zero.stages import MAX_INFLIGHT_BUCKETS, make_strategy
+from workers.zero.stages import (
+    MAX_INFLIGHT_BUCKETS,
+    AllReduceStrategy,
+    ReduceScatterAtStepStrategy,
+    ReduceScatterInBackwardStrategy,
+    make_strategy,
+)
 
 
 class RecordingComm:
@@ -175,3 +181,13 @@ def test_engine_marks_unreachable_parameters():
     engine.step()
     after = engine.full_state_dict()
     assert torch.equal(before["a.weight"], after["a.weight"]) and not torch.equal(before["b.weight"], after["b.weight"])
+
+
+def test_make_strategy_picks_by_what_the_stage_shards():
+    expected = {0: AllReduceStrategy, 1: ReduceScatterAtStepStrategy, 2: ReduceScatterInBackwardStrategy}
+    for stage, cls in expected.items():
+        strategy, _, _ = build(stage)
+        assert type(strategy) is cls and strategy.stage == stage
+        assert strategy.sharded_grads == (stage > 0) and strategy.communicates_every_micro_step == (stage == 2)
+    with pytest.raises(ValueError, match="unit plan"):
+        build(3)  # stage 3 shards parameters: without the units its buckets came from it cannot run

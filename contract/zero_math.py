@@ -1,0 +1,239 @@
+"""What each ZeRO stage shards and communicates, and the arithmetic that follows from it.
+
+The engine (``workers/zero``), the memory planner (``workers/zero/planner``) and the dashboard
+(``service/dashboard/prediction.py``, no torch) all need the same facts: which of optimizer
+state, gradients and parameters a stage partitions over the N ranks, how gradients are
+reduced, how many elements a step communicates, and what that costs in bytes and time. They
+are written once here, torch-free, as a table of stage traits and formulas that ask the
+traits rather than compare stage numbers.
+
+Units: bytes and elements everywhere; GB means decimal GB (1e9), MiB 2**20; bandwidth in
+bytes per second (``gbps_to_bytes_per_s`` converts link rates in gigabits).
+
+[Note: model states per rank]
+With mixed precision and Adam a parameter costs 2 bytes (compute copy) + 2 (gradient) + K =
+12 (fp32 master + m + v); fp32 training has no separate master: 4 + 4 + 8. A stage divides
+by N exactly the terms it shards: stage 0 16Φ, 1 4Φ + 12Φ/N, 2 2Φ + 14Φ/N, 3 16Φ/N (bf16).
+Shards round up to whole elements, and the engine pads every bucket to a multiple of N, so
+the formulas take the padded Φ when it is known.
+
+[Note: communication per step]
+An all-reduce counts twice its elements (it is a reduce-scatter plus an all-gather), so
+stages 0–2 move 2Φ per step whether they all-reduce or reduce-scatter and all-gather. Stage 3
+gathers the parameters in forward and again in backward and reduce-scatters the gradients:
+3Φ, or 2Φ when parameters stay gathered from forward into backward
+(``reshard_after_forward=False``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+GB = 1e9
+MIB = 2**20
+
+DEFAULT_TARGET_EFFICIENCY = 0.75
+
+
+# --------------------------------------------------------------------------- stages
+
+
+@dataclass(frozen=True)
+class StageTraits:
+    """What one ZeRO stage partitions over the ranks and how it communicates."""
+
+    stage: int
+    shards_optimizer: bool  # fp32 master + optimizer state: 1/N per rank
+    shards_gradients: bool  # reduced gradient kept as a shard; no full gradient between micro-steps
+    shards_parameters: bool  # compute parameters kept as shards, gathered one unit at a time
+    gradient_collective: Literal["all_reduce", "reduce_scatter"]
+    comm_phi: int  # elements communicated per step, in units of Φ
+    comm_phi_kept_gathered: int  # the same with reshard_after_forward=False
+
+    def comm_phi_per_step(self, reshard_after_forward: bool = True) -> int:
+        return self.comm_phi if reshard_after_forward else self.comm_phi_kept_gathered
+
+    def shard_world(self, n_ranks: int) -> int:
+        """Ranks the flat buffers are split over: N, or 1 for a stage that shards nothing."""
+        return n_ranks if self.shards_optimizer else 1
+
+    @property
+    def reduces_at_step(self) -> bool:
+        """A full local gradient reduce-scattered once per step into a shard-sized output (stage 1)."""
+        return self.gradient_collective == "reduce_scatter" and not self.shards_gradients
+
+
+STAGE_TRAITS: dict[int, StageTraits] = {
+    0: StageTraits(0, False, False, False, "all_reduce", comm_phi=2, comm_phi_kept_gathered=2),
+    1: StageTraits(1, True, False, False, "reduce_scatter", comm_phi=2, comm_phi_kept_gathered=2),
+    2: StageTraits(2, True, True, False, "reduce_scatter", comm_phi=2, comm_phi_kept_gathered=2),
+    3: StageTraits(3, True, True, True, "reduce_scatter", comm_phi=3, comm_phi_kept_gathered=2),
+}
+STAGES: tuple[int, ...] = tuple(STAGE_TRAITS)
+
+
+def stage_traits(stage: int) -> StageTraits:
+    """The traits of ``stage``; a ``ValueError`` names the stages there are."""
+    if isinstance(stage, bool) or stage not in STAGE_TRAITS:
+        raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
+    return STAGE_TRAITS[stage]
+
+
+# --------------------------------------------------------------------------- precision
+
+
+@dataclass(frozen=True)
+class PrecisionTraits:
+    """One training precision: its compute dtype and what an element costs."""
+
+    torch_dtype: str  # name of the compute dtype in ``torch`` (the engine maps it)
+    element_bytes: int  # a parameter or gradient element as the engine keeps and communicates it
+    optimizer_bytes: int  # K: Adam state per parameter (+ the fp32 master under mixed precision)
+
+
+PRECISION_TRAITS: dict[str, PrecisionTraits] = {
+    "fp32": PrecisionTraits("float32", element_bytes=4, optimizer_bytes=8),  # m + v
+    "bf16": PrecisionTraits("bfloat16", element_bytes=2, optimizer_bytes=12),  # master + m + v
+    "fp16": PrecisionTraits("float16", element_bytes=2, optimizer_bytes=12),
+}
+PRECISIONS: tuple[str, ...] = tuple(PRECISION_TRAITS)
+
+
+def precision_traits(precision: str) -> PrecisionTraits:
+    if precision not in PRECISION_TRAITS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    return PRECISION_TRAITS[precision]
+
+
+def low_precision_bytes(precision: str) -> int:
+    """Bytes of one parameter or gradient element as the engine keeps and communicates it."""
+    return precision_traits(precision).element_bytes
+
+
+def optimizer_bytes_per_param(precision: str) -> int:
+    """K: Adam state per parameter; mixed precision adds the fp32 master copy (4 + 4 + 4)."""
+    return precision_traits(precision).optimizer_bytes
+
+
+# --------------------------------------------------------------------------- model states
+
+
+@dataclass(frozen=True)
+class ModelStateBytes:
+    """Bytes of model states on one rank: on the device (``gpu_*``) and on the host (``cpu_*``).
+
+    ``gpu_*`` is what ``engine.memory()`` reports as params/grads/optimizer (the engine's
+    "device" is the CPU itself in a Gloo run). Under offload the host keeps the fp32 master
+    shard (``cpu_params``), a pinned fp32 gradient shard the host optimizer reads
+    (``cpu_grads``) and Adam's moments (``cpu_optimizer``).
+    """
+
+    gpu_params: int
+    gpu_grads: int
+    gpu_optimizer: int
+    cpu_params: int = 0
+    cpu_grads: int = 0
+    cpu_optimizer: int = 0
+
+    @property
+    def gpu_total(self) -> int:
+        return self.gpu_params + self.gpu_grads + self.gpu_optimizer
+
+    @property
+    def cpu_total(self) -> int:
+        return self.cpu_params + self.cpu_grads + self.cpu_optimizer
+
+
+def shard_numel(phi: int, n_ranks: int) -> int:
+    """Elements of one rank's shard: the flat buffer split evenly (rounded up) over N ranks."""
+    if n_ranks < 1:
+        raise ValueError(f"number of ranks must be >= 1, got {n_ranks}")
+    return -(-int(phi) // n_ranks)
+
+
+def model_state_bytes(
+    phi: int,
+    n_ranks: int,
+    precision: str = "bf16",
+    stage: int = 0,
+    offload: bool = False,
+    phi_padded: int | None = None,
+) -> ModelStateBytes:
+    """Model states of one rank (see the note on model states): each term whole or a shard.
+
+    ``phi_padded`` is the flat size after the engine pads buckets to a multiple of N: the
+    engine's flat buffers hold the padding, so every term uses it.
+    """
+    precision_traits(precision)
+    traits = stage_traits(stage)
+    phi = int(phi if phi_padded is None else phi_padded)
+    shard = shard_numel(phi, n_ranks)
+    p = low_precision_bytes(precision)
+    k = optimizer_bytes_per_param(precision)
+    param_elems = shard if traits.shards_parameters else phi
+    grad_elems = shard if traits.shards_gradients else phi
+    optim_elems = shard if traits.shards_optimizer else phi
+    if not offload:
+        return ModelStateBytes(p * param_elems, p * grad_elems, k * optim_elems)
+    # The host optimizer updates the fp32 master shard with an fp32 gradient shard; for fp32
+    # training the "master" is the host copy of the weights the device also holds.
+    return ModelStateBytes(
+        gpu_params=p * param_elems,
+        gpu_grads=p * grad_elems,
+        gpu_optimizer=0,
+        cpu_params=4 * optim_elems,
+        cpu_grads=4 * optim_elems,
+        cpu_optimizer=8 * optim_elems,
+    )
+
+
+# --------------------------------------------------------------------------- communication
+
+
+def comm_elements(phi: int, stage: int, reshard_after_forward: bool = True) -> int:
+    """Elements each rank communicates per step (see the note on communication)."""
+    return stage_traits(stage).comm_phi_per_step(reshard_after_forward) * int(phi)
+
+
+def gbps_to_bytes_per_s(gbps: float) -> float:
+    """A link rate in gigabits per second (what NICs are sold by) as bytes per second."""
+    return gbps * 1e9 / 8
+
+
+def bytes_per_s_to_gbps(bytes_per_s: float) -> float:
+    return bytes_per_s * 8 / 1e9
+
+
+def gb_to_bytes(gb: float | None) -> int | None:
+    """Decimal GB (what people type for memory) as bytes; ``None`` (not given) stays ``None``."""
+    return None if gb is None else int(gb * GB)
+
+
+def ring_factor(n_ranks: int) -> float:
+    """Ring collectives move (N-1)/N of the collective's size over each rank's link."""
+    return (n_ranks - 1) / n_ranks
+
+
+def comm_time_s(comm_bytes: float, n_ranks: int, bandwidth_bytes_per_s: float) -> float:
+    """Time of one step's collectives on a ring with the given per-rank link bandwidth."""
+    if bandwidth_bytes_per_s <= 0:
+        raise ValueError("bandwidth must be positive")
+    return comm_bytes * ring_factor(n_ranks) / bandwidth_bytes_per_s
+
+
+def efficiency(compute_s: float, comm_s: float) -> float:
+    """T_compute / (T_compute + T_comm): communication counted as fully exposed (no overlap)."""
+    return compute_s / (compute_s + comm_s) if compute_s + comm_s > 0 else 1.0
+
+
+def bandwidth_for_efficiency(
+    comm_bytes: float, n_ranks: int, compute_s: float, target: float = DEFAULT_TARGET_EFFICIENCY
+) -> float:
+    """Bytes per second a rank's link needs so that ``efficiency`` reaches ``target``."""
+    if not 0 < target < 1:
+        raise ValueError("target efficiency must lie strictly between 0 and 1")
+    if compute_s <= 0:
+        raise ValueError("compute time must be positive")
+    allowed_comm_s = compute_s * (1 - target) / target
+    return comm_bytes * ring_factor(n_ranks) / allowed_comm_s

@@ -1,0 +1,144 @@
+"""A job spec as the memory planner's question: what the control plane asks at submit, a worker at start.
+
+The planner (``workers.zero.planner``) takes numbers and shapes; this module reads them off
+the typed ``contract.spec.JobSpec`` (its defaults, its accumulation steps), so the engine
+package knows nothing about job specs. Callers holding a dict validate it first
+(``JobSpec.model_validate``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Sequence
+
+from contract.spec import JobSpec, ModelSpec
+from contract.zero_math import DEFAULT_TARGET_EFFICIENCY, GB, STAGES
+from workers.zero.planner import DEFAULT_MARGIN, Plan, PlanInputs, choose_plan, fixed_plan, model_shape
+from workers.zero.planner.activations import Stage2Layout, profile_activations
+from workers.zero.planner.shape import bucket_elements
+
+DEFAULT_SEQ_LEN = 256  # a factory data set may leave data.seq_len unset
+
+
+def model_block(model: ModelSpec) -> dict[str, Any]:
+    """The ``model`` block as ``workers.models.build_model`` reads it (and the planner's caches key it)."""
+    return model.model_dump()
+
+
+def inputs_for_spec(
+    spec: JobSpec,
+    activations_on: str = "meta",
+    bandwidth_bytes_per_s: float | None = None,
+    compute_s: float | None = None,
+    target_efficiency: float = DEFAULT_TARGET_EFFICIENCY,
+) -> PlanInputs:
+    """PlanInputs for a job: Φ and activations from the real model.
+
+    N is ``resources.num_workers`` (one data-parallel rank per worker). Activations are
+    profiled on ``activations_on`` (meta by default: the control plane has no GPU to spare);
+    if the model cannot run that way the term is left out and the plan says so (None).
+    """
+    zero, resources = spec.zero, spec.resources
+    device = "cuda" if resources.gpus_per_worker > 0 else "cpu"
+    profiles = measured_activations(
+        spec.model,
+        micro_batch=spec.train.micro_batch_size,
+        seq_len=spec.data.seq_len or DEFAULT_SEQ_LEN,
+        precision=zero.precision,
+        n_ranks=resources.num_workers,
+        bucket_mb=zero.bucket_mb,
+        device=device,
+        activations_on=activations_on,
+        vocab_size=spec.data.vocab_size,
+        activation_checkpointing=zero.activation_checkpointing,
+    )
+    return PlanInputs(
+        shape=model_shape(model_block(spec.model)),
+        n_ranks=resources.num_workers,
+        precision=zero.precision,
+        bucket_mb=zero.bucket_mb,
+        prefetch=zero.prefetch,
+        **profiles,
+        accumulation_steps=spec.accumulation_steps,
+        device=device,
+        bandwidth_bytes_per_s=bandwidth_bytes_per_s,
+        compute_s=compute_s,
+        target_efficiency=target_efficiency,
+        reshard_after_forward=zero.reshard_after_forward,
+    )
+
+
+def measured_activations(
+    model: ModelSpec,
+    micro_batch: int,
+    seq_len: int,
+    precision: str,
+    n_ranks: int,
+    bucket_mb: float,
+    device: str,
+    activations_on: str = "meta",
+    **profile_options: Any,
+) -> dict[str, int | None]:
+    """``activation_bytes`` and the stage-2/3 joint peaks for PlanInputs, profiled on
+    ``activations_on``; ``device`` is where the job runs ("cpu" means Gloo). All None when the
+    model cannot be profiled that way (a user model that does not run on meta, say)."""
+    layout = Stage2Layout(n_ranks, bucket_elements(bucket_mb, precision), gloo_copy=device == "cpu")
+    layouts = {"activation_bytes": None, "activation_bytes_stage2": layout,
+               "activation_bytes_stage3": replace(layout, per_unit=True)}
+    block = model_block(model)
+    try:
+        return {
+            name: profile_activations(block, micro_batch, seq_len, precision, activations_on,
+                                      stage2=scratch, **profile_options)
+            for name, scratch in layouts.items()
+        }
+    except Exception:  # the plan records None and says so
+        return dict.fromkeys(layouts)
+
+
+def plan_for_spec(
+    spec: JobSpec,
+    gpu_memory_bytes: int | None = None,
+    margin: float = DEFAULT_MARGIN,
+    host_memory_bytes: int | None = None,
+    bandwidth_bytes_per_s: float | None = None,
+    compute_s: float | None = None,
+    target_efficiency: float = DEFAULT_TARGET_EFFICIENCY,
+    stages: Sequence[int] = STAGES,
+    allow_offload: bool = True,
+    activations_on: str = "meta",
+    allow_factories: bool = True,
+) -> Plan:
+    """What the control plane calls at submit time; the choice matters for ``stage: "auto"``.
+
+    Budget: ``gpu_memory_bytes`` (what the cluster reports) or else
+    ``resources.gpu_memory_gb``. CPU jobs (``gpus_per_worker == 0``) are budgeted by
+    ``host_memory_bytes`` per worker when the caller knows it; with no budget at all the plan
+    is stage 0 and its reason says that no budget was known. A fixed stage in the spec is
+    kept (its prediction is still recorded); ``offload_optimizer: true`` is kept likewise.
+    Raises ``NoPlanFits`` (→ 422) when ``stage`` is "auto" and nothing fits. ``stages`` and
+    ``allow_offload`` limit "auto" to what the engine implements; ``activations_on`` is
+    "meta" at submit time, a real device ("cuda", "cpu") when a worker re-plans.
+
+    Planning a ``factory`` model imports and calls user code. The control plane must pass
+    ``allow_factories=False`` (a ValueError then says so): a factory path such as
+    ``subprocess:run`` with kwargs would otherwise run on the server. Workers run user code
+    by design and may plan factories.
+    """
+    if not allow_factories and spec.model.factory:
+        raise ValueError(
+            "factory models are not planned here (that would run user code on the control plane); "
+            "the worker plans them at start, or ask POST /plan with 'params'"
+        )
+    inputs = inputs_for_spec(spec, activations_on, bandwidth_bytes_per_s, compute_s, target_efficiency)
+    resources, zero = spec.resources, spec.zero
+    gpu_job = resources.gpus_per_worker > 0
+    budget = gpu_memory_bytes
+    if budget is None and gpu_job and resources.gpu_memory_gb:
+        budget = int(resources.gpu_memory_gb * GB)
+    if budget is None and not gpu_job:
+        budget = host_memory_bytes
+    if zero.stage == "auto":
+        host_budget = host_memory_bytes if gpu_job else None
+        return choose_plan(inputs, budget, margin, host_budget, allow_offload, stages)
+    return fixed_plan(inputs, zero.stage, zero.offload_optimizer, budget, margin)

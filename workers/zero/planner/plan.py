@@ -1,0 +1,381 @@
+"""Predict every rank's memory for each (stage, offload) and choose the lowest stage that fits.
+
+DeepSpeed and FSDP leave "use the lowest ZeRO stage that fits" to the user, and estimators
+that count only model states miss activations, buffers and the allocator. ``predict`` adds
+each term separately, so that a prediction can be checked term by term against what the
+engine reports (``engine.memory()``) and what the process really used (``check.py``), and
+``choose_plan`` turns the rule into a choice. Reading a job spec into ``PlanInputs`` is the
+workers' job (``workers/planning.py``); everything here takes plain numbers and shapes.
+
+Terms of one rank's device memory (each reported separately):
+
+* model states: parameters, gradients, optimizer state, partitioned as the stage's traits say
+  (``contract.zero_math``); under optimizer offload the fp32 master, the moments and an fp32
+  gradient shard live on the host instead (``cpu`` terms);
+* communication/step scratch (``buffers.py``);
+* stage-3 gathered units: the root unit (kept gathered) and ``prefetch + 1`` blocks;
+* activations, measured (``activations.py``);
+* an allocator reserve (``buffers.allocator_reserve_bytes``).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import asdict, dataclass, field
+from typing import Any, Sequence
+
+from contract.zero_math import (
+    DEFAULT_TARGET_EFFICIENCY,
+    GB,
+    STAGES,
+    bandwidth_for_efficiency,
+    comm_elements,
+    comm_time_s,
+    efficiency,
+    low_precision_bytes,
+    model_state_bytes,
+    stage_traits,
+)
+
+from .buffers import (
+    allocator_reserve_bytes,
+    backward_buffer_bytes,
+    gathered_unit_bytes,
+    stage2_tail_bytes,
+    step_buffer_bytes,
+)
+from .shape import DEFAULT_UNITS, ModelShape, bucket_elements, bucket_numels
+
+DEFAULT_MARGIN = 0.10  # a plan fits when its total is at most (1 - margin) of the budget
+
+
+@dataclass
+class StagePrediction:
+    """One candidate (stage, offload): every term in bytes, communication and time."""
+
+    stage: int
+    offload: bool
+    n_ranks: int
+    precision: str
+    device: str  # "cuda", or "cpu" (Gloo; host and device are the same memory)
+    gpu: dict[str, int]
+    cpu: dict[str, int]
+    padding_bytes: int
+    phases: dict[str, int]  # peak bytes of the backward phase and the step phase (not overlapping)
+    comm_elements: int
+    comm_bytes: int
+    comm_time_s: float | None = None
+    efficiency: float | None = None
+    bandwidth_needed_bytes_per_s: float | None = None
+    fits: bool | None = None
+
+    @property
+    def total(self) -> int:
+        return self.gpu["total"]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """Everything a prediction depends on besides the stage."""
+
+    shape: ModelShape
+    n_ranks: int
+    precision: str = "bf16"
+    bucket_mb: float = 25.0
+    prefetch: int = 1
+    activation_bytes: int | None = None  # None: not estimated (counted as 0, said so)
+    activation_bytes_stage2: int | None = None  # joint peak with the stage-2 scratch replayed
+    activation_bytes_stage3: int | None = None  # the same with stage 3's per-unit buckets
+    accumulation_steps: int = 1  # micro-batches per step and rank
+    device: str = "cuda"  # "cuda" adds the CUDA context to the reserve; "cpu" does not
+    bandwidth_bytes_per_s: float | None = None
+    compute_s: float | None = None
+    target_efficiency: float = DEFAULT_TARGET_EFFICIENCY
+    reshard_after_forward: bool = True
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "parameters": self.shape.phi,
+            "frozen_parameters": self.shape.frozen,
+            "root_unit": self.shape.root_numel,
+            "largest_unit": max(self.shape.unit_numels, default=0),
+            "units": len(self.shape.unit_numels) + bool(self.shape.root_numel),
+            "n_ranks": self.n_ranks,
+            "precision": self.precision,
+            "bucket_mb": self.bucket_mb,
+            "prefetch": self.prefetch,
+            "activation_bytes": self.activation_bytes,
+            "activation_bytes_stage2": self.activation_bytes_stage2,
+            "activation_bytes_stage3": self.activation_bytes_stage3,
+            "accumulation_steps": self.accumulation_steps,
+            "device": self.device,
+            "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s,
+            "compute_s": self.compute_s,
+            "target_efficiency": self.target_efficiency,
+        }
+
+
+def predict(inputs: PlanInputs, stage: int, offload: bool = False) -> StagePrediction:
+    """Every term of one rank's memory for one (stage, offload), plus communication and time."""
+    shape, n, precision = inputs.shape, inputs.n_ranks, inputs.precision
+    traits = stage_traits(stage)
+    if traits.shards_parameters:  # one bucket per unit (workers/zero/stage3.py)
+        buckets = shape.unit_bucket_numels(n)
+    else:
+        buckets = bucket_numels(shape.param_numels, traits.shard_world(n), bucket_elements(inputs.bucket_mb, precision))
+    phi_padded = sum(buckets)
+    states = model_state_bytes(shape.phi, n, precision, stage, offload, phi_padded)
+    activations = inputs.activation_bytes or 0
+    backward = activations + backward_buffer_bytes(
+        stage, precision, buckets, n, inputs.device, inputs.accumulation_steps
+    )
+    replayed = _replayed_activations(inputs, stage)
+    if replayed is not None:  # the joint peak of activations and the engine's scratch
+        backward = replayed + stage2_tail_bytes(precision, buckets, n, inputs.device, inputs.accumulation_steps)
+    step = step_buffer_bytes(stage, precision, phi_padded, n, inputs.device, offload)
+    gpu = {
+        "params": states.gpu_params + shape.frozen * low_precision_bytes(precision),
+        "grads": states.gpu_grads,
+        "optimizer": states.gpu_optimizer,
+        "gathered_units": gathered_unit_bytes(shape.root_numel, shape.unit_numels, precision, inputs.prefetch, n)
+        if traits.shards_parameters
+        else 0,
+        "activations": activations,
+        "buffers": max(backward - activations, step),
+    }
+    # Backward (activations + its scratch) and step (its scratch) do not overlap in time.
+    peak_phase = max(backward, step)
+    subtotal = states.gpu_total + gpu["gathered_units"] + peak_phase
+    gpu["reserve"] = allocator_reserve_bytes(subtotal, inputs.device)
+    gpu["total"] = subtotal + gpu["reserve"]
+    cpu = {
+        "params": states.cpu_params,
+        "grads": states.cpu_grads,
+        "optimizer": states.cpu_optimizer,
+        "total": states.cpu_total,
+    }
+    elements = comm_elements(shape.phi, stage, inputs.reshard_after_forward)
+    prediction = StagePrediction(
+        stage=stage,
+        offload=offload,
+        n_ranks=n,
+        precision=precision,
+        device=inputs.device,
+        gpu=gpu,
+        cpu=cpu,
+        padding_bytes=(phi_padded - shape.phi) * low_precision_bytes(precision),
+        phases={"backward": backward, "step": step},
+        comm_elements=elements,
+        comm_bytes=elements * low_precision_bytes(precision),
+    )
+    _add_time_model(prediction, inputs)
+    return prediction
+
+
+def _replayed_activations(inputs: PlanInputs, stage: int) -> int | None:
+    """The profile with the engine's gradient scratch replayed, for a stage that shards
+    gradients: per bucket (stage 2) or per unit (stage 3); None when there is none."""
+    traits = stage_traits(stage)
+    if not traits.shards_gradients:
+        return None
+    return inputs.activation_bytes_stage3 if traits.shards_parameters else inputs.activation_bytes_stage2
+
+
+def _add_time_model(prediction: StagePrediction, inputs: PlanInputs) -> None:
+    n, comm_bytes = inputs.n_ranks, prediction.comm_bytes
+    if inputs.compute_s and n > 1:
+        prediction.bandwidth_needed_bytes_per_s = bandwidth_for_efficiency(
+            comm_bytes, n, inputs.compute_s, inputs.target_efficiency
+        )
+    if inputs.bandwidth_bytes_per_s:
+        prediction.comm_time_s = comm_time_s(comm_bytes, n, inputs.bandwidth_bytes_per_s)
+        if inputs.compute_s:
+            prediction.efficiency = efficiency(inputs.compute_s, prediction.comm_time_s)
+
+
+def predict_all(inputs: PlanInputs, stages: Sequence[int] = STAGES, offload: bool = True) -> list[StagePrediction]:
+    """Stages 0–3 without offload, then the stages that shard the optimizer (1–3) with it
+    offloaded: the planner's order."""
+    plain = [predict(inputs, stage) for stage in stages]
+    offloadable = [stage for stage in stages if stage_traits(stage).shards_optimizer] if offload else []
+    return plain + [predict(inputs, stage, offload=True) for stage in offloadable]
+
+
+# --------------------------------------------------------------------------- choice
+
+
+@dataclass
+class Plan:
+    """The chosen (stage, offload), why, and every candidate's full prediction (JSON-able)."""
+
+    stage: int
+    offload: bool
+    reason: str
+    budget_bytes: int | None
+    host_budget_bytes: int | None
+    margin: float
+    inputs: dict[str, Any]
+    candidates: list[StagePrediction] = field(default_factory=list)
+
+    @property
+    def chosen(self) -> StagePrediction:
+        return next(c for c in self.candidates if (c.stage, c.offload) == (self.stage, self.offload))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "stage": self.stage,
+            "offload_optimizer": self.offload,
+            "reason": self.reason,
+            "budget_bytes": self.budget_bytes,
+            "host_budget_bytes": self.host_budget_bytes,
+            "margin": self.margin,
+            "inputs": self.inputs,
+            "chosen": self.chosen.to_dict(),
+            "candidates": [c.to_dict() for c in self.candidates],
+            "method": METHOD,
+        }
+
+
+METHOD = {
+    "model_states": "per rank, each term whole or sharded as the stage's traits say; partitioned terms use Φ "
+    "padded per bucket to a multiple of N",
+    "offload": "host keeps fp32 master (4Φ/N), fp32 gradient shard (4Φ/N), Adam moments (8Φ/N)",
+    "buffers": "larger of backward scratch (stages 2/3: the engine's bucket -- stage 3: unit -- "
+    "scratch replayed on the profile's timeline, 2 in flight, + Gloo's copies on CPU; bound without "
+    "a profile: the largest 3 buckets) and step scratch (fp32 casts of reduced gradients, stage-1 "
+    "shards, CUDA foreach Adam temporaries)",
+    "peak": "model states + gathered units + max(activations + backward scratch, step scratch) + reserve",
+    "gathered_units": "stage 3: the root unit (embeddings, tied head; kept gathered) + (prefetch+1) "
+    "× the largest block (children of the largest ModuleList), padded, compute dtype",
+    "activations": "peak live tensor bytes over one micro-batch forward+backward (dispatch tracker; "
+    "meta device at submit time, SDPA as flash attention)",
+    "reserve": "5% of the other terms, + 512 MiB CUDA context on GPUs",
+    "comm_time": "ring collectives: bytes × (N-1)/N / link bandwidth; fully exposed (no overlap)",
+    "fits": "total <= (1 - margin) × budget; offload also needs host_total <= (1 - margin) × host budget",
+}
+
+
+class NoPlanFits(ValueError):
+    """Nothing fits the budget; ``detail`` holds the numbers (the API answers 422 with it)."""
+
+    def __init__(self, detail: dict[str, Any]):
+        super().__init__(detail["message"])
+        self.detail = detail
+
+
+def choose_plan(
+    inputs: PlanInputs,
+    budget_bytes: int | None,
+    margin: float = DEFAULT_MARGIN,
+    host_budget_bytes: int | None = None,
+    allow_offload: bool = True,
+    stages: Sequence[int] = STAGES,
+) -> Plan:
+    """The lowest stage whose total fits ``(1 - margin) × budget``; then offload (stages 1–3).
+
+    ``stages``/``allow_offload`` restrict the candidates to what the engine can run. With no
+    budget known, stage 0 (least communication) is chosen and the reason says so. Raises
+    ``NoPlanFits`` with every candidate's numbers when nothing fits.
+    """
+    candidates = predict_all(inputs, stages, allow_offload)
+    note = "" if inputs.activation_bytes is not None else " (activations not estimated: counted as 0)"
+    limit = None if budget_bytes is None else int((1 - margin) * budget_bytes)
+    host_limit = None if host_budget_bytes is None else int((1 - margin) * host_budget_bytes)
+    for c in candidates:
+        c.fits = None if limit is None else c.total <= limit and _host_fits(c, host_limit)
+    plan = functools.partial(
+        Plan,
+        budget_bytes=budget_bytes,
+        host_budget_bytes=host_budget_bytes,
+        margin=margin,
+        inputs=inputs.describe(),
+        candidates=candidates,
+    )
+    if limit is None:
+        lowest = min(stages)
+        return plan(stage=lowest, offload=False,
+                    reason=f"no memory budget known: stage {lowest}, the least communication{note}")
+    for c in candidates:
+        if c.fits:
+            what = f"stage {c.stage}" + (" with optimizer offload" if c.offload else "")
+            reason = (
+                f"{what} is the lowest that fits: {c.total / GB:.2f} GB per rank <= "
+                f"{limit / GB:.2f} GB ({1 - margin:.0%} of {budget_bytes / GB:.2f} GB)"
+            )
+            return plan(stage=c.stage, offload=c.offload, reason=reason + note)
+    smallest = min(candidates, key=lambda c: c.total)
+    raise NoPlanFits(
+        {
+            "message": (
+                f"no ZeRO stage fits: the smallest plan (stage {smallest.stage}"
+                f"{' + offload' if smallest.offload else ''}) needs {smallest.total / GB:.2f} GB "
+                f"per rank, the budget allows {limit / GB:.2f} GB ({1 - margin:.0%} of "
+                f"{budget_bytes / GB:.2f} GB)"
+            ),
+            "budget_bytes": budget_bytes,
+            "usable_bytes": limit,
+            "host_budget_bytes": host_budget_bytes,
+            "margin": margin,
+            "inputs": inputs.describe(),
+            "candidates": [c.to_dict() for c in candidates],
+        }
+    )
+
+
+def _host_fits(candidate: StagePrediction, host_limit: int | None) -> bool:
+    return host_limit is None or candidate.cpu["total"] <= host_limit
+
+
+def plan_for_count(
+    params: float,
+    gpus: int,
+    precision: str = "bf16",
+    gpu_memory_bytes: int | None = None,
+    margin: float = DEFAULT_MARGIN,
+    host_memory_bytes: int | None = None,
+    bandwidth_bytes_per_s: float | None = None,
+    compute_s: float | None = None,
+    target_efficiency: float = DEFAULT_TARGET_EFFICIENCY,
+    bucket_mb: float = 25.0,
+    prefetch: int = 1,
+    activation_bytes: int | None = None,
+    units: int = DEFAULT_UNITS,
+) -> Plan:
+    """The whiteboard question: Φ parameters on ``gpus`` GPUs, activations given or left out."""
+    inputs = PlanInputs(
+        shape=ModelShape.from_count(params, units),
+        n_ranks=gpus,
+        precision=precision,
+        bucket_mb=bucket_mb,
+        prefetch=prefetch,
+        activation_bytes=activation_bytes,
+        device="cuda",
+        bandwidth_bytes_per_s=bandwidth_bytes_per_s,
+        compute_s=compute_s,
+        target_efficiency=target_efficiency,
+    )
+    return choose_plan(inputs, gpu_memory_bytes, margin, host_budget_bytes=host_memory_bytes)
+
+
+def fixed_plan(inputs: PlanInputs, stage: int, offload: bool, budget_bytes: int | None, margin: float) -> Plan:
+    """The prediction for a stage the user fixed; ``fits`` says whether the budget holds it."""
+    candidates = predict_all(inputs)
+    if not any((c.stage, c.offload) == (stage, offload) for c in candidates):
+        candidates.append(predict(inputs, stage, offload))
+    limit = None if budget_bytes is None else int((1 - margin) * budget_bytes)
+    for c in candidates:
+        c.fits = None if limit is None else c.total <= limit
+    return Plan(
+        stage=stage,
+        offload=offload,
+        reason=f"stage {stage}{' with optimizer offload' if offload else ''} fixed by the job spec",
+        budget_bytes=budget_bytes,
+        host_budget_bytes=None,
+        margin=margin,
+        inputs=inputs.describe(),
+        candidates=candidates,
+    )
+

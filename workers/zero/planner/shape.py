@@ -1,0 +1,142 @@
+"""What the planner needs to know about a model, worked out by the engine's own layout rules.
+
+A prediction is only as good as its agreement with what the engine will allocate, so nothing
+here re-states an engine rule: the buckets come from ``FlatLayout.build`` (the layout the
+engine builds, padding included), the stage-3 units from ``plan_units`` (the engine's unit
+policy and ownership rule), bucket sizes from ``config.elements_per_bucket``. The model is
+built on the meta device (shapes only: no memory, no init compute) so the control plane can
+plan a preset without spending memory on it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.nn as nn
+
+from contract.zero_math import low_precision_bytes
+
+from ..config import elements_per_bucket
+from ..flat import FlatLayout
+from ..units import plan_units
+
+DEFAULT_UNITS = 32
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the planner needs from a model: Φ (trainable), sizes in order, stage-3 units.
+
+    Stage-3 units are the blocks (``unit_numels``, in forward order) and a root for every
+    other parameter (``root_numel``). Frozen parameters (``requires_grad=False``) get no
+    gradient and no optimizer state; the engine keeps them whole on every rank in the compute
+    dtype (``frozen``).
+    """
+
+    phi: int
+    param_numels: tuple[int, ...]
+    unit_numels: tuple[int, ...]
+    frozen: int = 0
+    root_numel: int = 0
+
+    @classmethod
+    def of(cls, model: nn.Module) -> "ModelShape":
+        numels = tuple(p.numel() for p in model.parameters() if p.requires_grad)
+        frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+        root, blocks = stage3_units(model)
+        return cls(sum(numels), numels, tuple(blocks), frozen, root)
+
+    @classmethod
+    def from_count(cls, phi: float, n_units: int = DEFAULT_UNITS) -> "ModelShape":
+        """A bare parameter count: no structure is known, so assume ``n_units`` equal blocks
+        (32 by default: the depth of 7B-class transformers), each one tensor, and no root."""
+        phi = int(phi)
+        if phi <= 0:
+            raise ValueError("the parameter count must be positive")
+        if n_units < 1:
+            raise ValueError("the number of units must be >= 1")
+        units = tuple(phi // n_units + (k < phi % n_units) for k in range(n_units))
+        return cls(phi=phi, param_numels=units, unit_numels=units)
+
+    def unit_bucket_numels(self, n_ranks: int) -> list[int]:
+        """Stage 3's padded buckets: one per non-empty unit (blocks, then the root), as the engine
+        lays them out (``FlatLayout.from_groups``)."""
+        units = [u for u in (*self.unit_numels, self.root_numel) if u]
+        return [b.numel for b in FlatLayout.from_groups(_as_shapes(units), [[i] for i in range(len(units))],
+                                                         n_ranks).buckets]
+
+
+def bucket_elements(bucket_mb: float, precision: str) -> int:
+    """Elements in one communication bucket: ``bucket_mb`` MiB of the low-precision dtype."""
+    return elements_per_bucket(bucket_mb, low_precision_bytes(precision))
+
+
+def bucket_layout(numels: Sequence[int], n_ranks: int, bucket_elems: int | None = None) -> FlatLayout:
+    """The engine's bucket layout of parameters of these sizes (registration order); ``None``
+    means one flat buffer."""
+    limit = max(1, sum(numels)) if bucket_elems is None else bucket_elems
+    return FlatLayout.build(_as_shapes(numels), n_ranks, limit)
+
+
+def bucket_numels(numels: Sequence[int], n_ranks: int, bucket_elems: int | None = None) -> list[int]:
+    """Padded sizes of the engine's buckets: each bucket padded to a multiple of N."""
+    return [b.numel for b in bucket_layout(numels, n_ranks, bucket_elems).buckets]
+
+
+def padded_numel(numels: Sequence[int], n_ranks: int, bucket_elems: int | None = None) -> int:
+    """Φ after padding (at most ``n_buckets · (N - 1)`` elements more than Φ)."""
+    return bucket_layout(numels, n_ranks, bucket_elems).numel
+
+
+def _as_shapes(numels: Sequence[int]) -> list[tuple[str, tuple[int]]]:
+    """Sizes as the ``(name, shape)`` pairs the layout takes: only the element count matters."""
+    return [(str(i), (int(n),)) for i, n in enumerate(numels)]
+
+
+def trainable_named(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The parameters the engine lays out, in its order (``named_parameters``, tied once)."""
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def unit_buckets(model: nn.Module) -> list[list[int]]:
+    """Indices into the trainable parameters of each stage-3 unit in reduce order: blocks last
+    to first, then the root (reduced when backward ends)."""
+    owned = plan_units(model, trainable_named(model)).owned
+    return [g for g in (*reversed(owned[:-1]), owned[-1]) if g]
+
+
+def stage3_units(model: nn.Module) -> tuple[int, list[int]]:
+    """Trainable parameters of the stage-3 root unit and of each block (the engine's
+    ``plan_units``: children of the largest ``ModuleList``). The root holds every parameter
+    outside the blocks (embeddings, final norm, and tied weights, which belong to the unit
+    enclosing both uses); each counts once."""
+    trainable = trainable_named(model)
+    owned = plan_units(model, trainable).owned
+    sizes = [sum(trainable[i][1].numel() for i in group) for group in owned]
+    return sizes[-1], sizes[:-1]
+
+
+def build_on_meta(model_spec: dict[str, Any]) -> nn.Module:
+    """Instantiate a job's model on the meta device: shapes only, no memory, no init compute."""
+    from workers.models import build_model
+
+    with torch.device("meta"):
+        return build_model(model_spec)
+
+
+def model_shape(model: "nn.Module | dict[str, Any] | int | float") -> ModelShape:
+    """Φ and structure from a module, a job's ``model`` block (preset or factory), or a number."""
+    if isinstance(model, nn.Module):
+        return ModelShape.of(model)
+    if isinstance(model, dict):
+        return _shape_of_spec(json.dumps(model, sort_keys=True))
+    return ModelShape.from_count(model)
+
+
+@functools.lru_cache(maxsize=64)
+def _shape_of_spec(model_spec_json: str) -> ModelShape:
+    return ModelShape.of(build_on_meta(json.loads(model_spec_json)))
