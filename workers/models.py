@@ -1,6 +1,6 @@
 """Built-in GPT presets and user model factories.
 
-Jobs name a model either by preset (``{"preset": "gpt-mini"}``) or by a factory
+Jobs name a model either by preset (``{"preset": NAME}``, ``contract.presets``) or by a factory
 (``{"factory": "pkg.mod:fn", "kwargs": {...}}``): the job spec's ``model`` block, a
 ``contract.spec.ModelSpec``. The GPT here is a plain GPT-2 style decoder
 (learned positions, pre-LayerNorm blocks in a ``ModuleList`` named ``blocks``, tied input and

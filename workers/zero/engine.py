@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from . import engine_state
 from .buckets import FlatBucket
 from .collectives import Collectives
 from .config import ZeroConfig
@@ -52,7 +53,6 @@ from .units import checkpoint_forward, plan_units, unit_modules
 
 log = logging.getLogger(__name__)
 
-STATE_FORMAT = "zerotrain.zero/v1"
 
 
 
@@ -421,176 +421,26 @@ class ZeroEngine:
             out["host"] = host
         return out
 
-    # -- state -------------------------------------------------------------------------------------
-    @torch.no_grad()
-    def _full_master(self, b: FlatBucket) -> torch.Tensor:
-        """The whole bucket's fp32 master values (a collective at stages 1/2 with a separate master)."""
-        if not self.precision.separate_master and not self.config.traits.shards_parameters:
-            return b.flat_param
-        if self.shard_world == 1:
-            return b.master
-        full = torch.empty(b.spec.numel, dtype=torch.float32, device=self.device)
-        self.comm.all_gather(full, b.master.to(self.device), label=f"full_state_dict bucket {b.spec.index}",
-                             async_op=False)
-        return full
-
-    @torch.no_grad()
+    # -- state (engine_state.py) ---------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full fp32 parameters and buffers, keys as ``model.state_dict()``, identical on every rank.
-
-        A collective at stages 1/2 with bf16/fp16 (all ranks must call it). Tensors are CPU copies.
-        """
-        with self.comm.uncounted():
-            values: dict[int, torch.Tensor] = {}
-            for b in self.buckets:
-                full = self._full_master(b)
-                for s, p in zip(b.spec.slots, b.params):
-                    values[id(p)] = full[s.offset : s.offset + s.numel].view(s.shape).to("cpu", copy=True)
-        out = {}
-        for key, t in self.module.state_dict(keep_vars=True).items():
-            if id(t) in values:
-                out[key] = values[id(t)].clone()  # tied weights: one copy per key, no shared storage
-            elif id(t) in self._frozen_fp32:
-                out[key] = self._frozen_fp32[id(t)].to("cpu", copy=True)
-            else:
-                out[key] = t.detach().to("cpu", copy=True)
-        return out
+        """Full fp32 parameters and buffers keyed as ``model.state_dict()`` (``engine_state``)."""
+        return engine_state.full_state_dict(self)
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's shard: enough to continue bit-identically, or to reshard elsewhere.
+        """This rank's shard, enough to continue bit-identically (format: ``engine_state``)."""
+        return engine_state.state_dict(self)
 
-        Format ``zerotrain.zero/v1`` (all tensors are CPU copies)::
-
-            format          "zerotrain.zero/v1"
-            stage, precision, world_size, rank      of the run that saved it
-            shard_world_size, shard_rank            how the optimizer state is split
-                                                    (1/0 at stage 0: every rank holds everything)
-            step            optimizer steps taken (skipped fp16 steps included)
-            layout          FlatLayout.describe(shard_rank): buckets (numel, shard_numel,
-                            shard_range, param names) and params (shape, numel, bucket, offset)
-            params          {name: {"shape", "numel", "bucket", "offset",
-                                    "shard_range": [a, b] | None,   # elements [a, b) of the
-                                    "shard_offset": int | None}}    # flattened param held here
-            master          {name: fp32 1-D tensor} = flattened param[a:b] (held pieces only)
-            optimizer       optimizer.state_dict(); its param i is optimizer_params[i]
-            optimizer_params [name, ...] in optimizer order; state tensors of param i
-                            cover that param's shard_range, flattened (empty when this
-                            rank holds only padding: the optimizer then has one empty
-                            placeholder tensor without state)
-            loss_scaler     {"scale", "good_steps", "growth_interval"} or None
-            frozen          {name: full fp32 tensor} frozen parameters (same on every rank)
-            buffers         {name: tensor} module buffers (same on every rank)
-            config          ZeroConfig.to_dict()
-        """
-        params, master = {}, {}
-        held = {piece.slot.name: (piece, view) for piece, view in self._opt_params}
-        for s in self.layout.slots:
-            piece_view = held.get(s.name)
-            entry = {"shape": list(s.shape), "numel": s.numel, "bucket": s.bucket, "offset": s.offset,
-                     "shard_range": None, "shard_offset": None}
-            if piece_view is not None:
-                piece, view = piece_view
-                entry["shard_range"] = [piece.param_start, piece.param_end]
-                entry["shard_offset"] = piece.shard_offset
-                master[s.name] = view.detach().to("cpu", copy=True)
-            params[s.name] = entry
-        frozen = {}
-        for n, p in self._frozen:
-            frozen[n] = self._frozen_fp32.get(id(p), p.data).to("cpu", copy=True)
-        return {
-            "format": STATE_FORMAT,
-            "stage": self.config.stage,
-            "precision": self.config.precision,
-            "world_size": self.world_size,
-            "rank": self.rank,
-            "shard_world_size": self.shard_world,
-            "shard_rank": self.shard_rank,
-            "step": self._step,
-            "layout": self.layout.describe(self.shard_rank),
-            "params": params,
-            "master": master,
-            "optimizer": _to_cpu(self.optimizer.state_dict()),
-            "optimizer_params": [piece.slot.name for piece, _ in self._opt_params],
-            "loss_scaler": self.scaler.state_dict() if self.scaler is not None else None,
-            "frozen": frozen,
-            "buffers": {n: b.detach().to("cpu", copy=True) for n, b in self.module.named_buffers()},
-            "config": self.config.to_dict(),
-        }
-
-    @torch.no_grad()
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        """Load a ``state_dict()`` saved by a run with the same stage, world size and layout.
+        """Load a ``state_dict()`` of a run with the same stage, world size and layout."""
+        engine_state.load_state_dict(self, sd)
 
-        Another world size or stage needs resharding first (``workers.checkpoint``).
-        """
-        if sd.get("format") != STATE_FORMAT:
-            raise ValueError(f"not an engine state dict (format {sd.get('format')!r}, want {STATE_FORMAT!r})")
-        mine = self.state_dict_meta()
-        for key in ("shard_world_size", "shard_rank"):
-            if sd[key] != mine[key]:
-                raise ValueError(
-                    f"state dict was saved with {key}={sd[key]}, this engine has {mine[key]}; "
-                    "reshard it with workers.checkpoint first"
-                )
-        if sd["params"] != mine["params"]:
-            raise ValueError("state dict parameter layout (names, shapes or shard ranges) differs from this "
-                             "engine's (bucket_mb or model changed?); reshard it with workers.checkpoint first")
-        if sd["optimizer_params"] != [piece.slot.name for piece, _ in self._opt_params]:
-            raise ValueError("state dict optimizer parameter order differs from this engine's")
-        for piece, view in self._opt_params:
-            view.copy_(sd["master"][piece.slot.name])
-        self.optimizer.load_state_dict(sd["optimizer"])
-        for n, p in self._frozen:
-            src = sd["frozen"][n]
-            if id(p) in self._frozen_fp32:
-                self._frozen_fp32[id(p)].copy_(src)
-            p.data.copy_(src)
-        bufs = dict(self.module.named_buffers())
-        for n, t in sd["buffers"].items():
-            bufs[n].copy_(t)
-        if self.scaler is not None and sd.get("loss_scaler") is not None:
-            self.scaler.load_state_dict(sd["loss_scaler"])
-        self._step = int(sd["step"])
-        with self.comm.uncounted():
-            self.strategy.publish_params()
-        self.strategy.zero_grads()
-        self._got_grad = [False] * len(self._got_grad)
-
-    @torch.no_grad()
     def load_full_state_dict(self, full: dict[str, torch.Tensor]) -> None:
-        """Set parameters (and buffers) from full tensors keyed as ``model.state_dict()``.
-
-        The inverse of ``full_state_dict()``; optimizer state is left as it is. Every rank must
-        call it (stages 1/2 all-gather the result) with the same values.
-        """
-        by_id = {}
-        for key, t in self.module.state_dict(keep_vars=True).items():
-            if key not in full:
-                raise ValueError(f"full state dict lacks {key!r}")
-            by_id.setdefault(id(t), full[key])
-        for piece, view in self._opt_params:
-            src = by_id[id(self._trainable[piece.slot.index])]
-            view.copy_(src.reshape(-1)[piece.param_start : piece.param_end])
-        for _, p in self._frozen:
-            if id(p) in self._frozen_fp32:
-                self._frozen_fp32[id(p)].copy_(by_id[id(p)])
-            p.data.copy_(by_id[id(p)])
-        for b in self.module.buffers():
-            b.copy_(by_id[id(b)])
-        with self.comm.uncounted():
-            self.strategy.publish_params()
+        """Set parameters (and buffers) from full tensors keyed as ``model.state_dict()``."""
+        engine_state.load_full_state_dict(self, full)
 
     def state_dict_meta(self) -> dict[str, Any]:
         """The layout part of ``state_dict()`` without copying any tensor."""
-        held = {piece.slot.name: piece for piece, _ in self._opt_params}
-        params = {}
-        for s in self.layout.slots:
-            piece = held.get(s.name)
-            params[s.name] = {"shape": list(s.shape), "numel": s.numel, "bucket": s.bucket, "offset": s.offset,
-                              "shard_range": [piece.param_start, piece.param_end] if piece else None,
-                              "shard_offset": piece.shard_offset if piece else None}
-        return {"shard_world_size": self.shard_world, "shard_rank": self.shard_rank, "params": params,
-                "optimizer_params": [piece.slot.name for piece, _ in self._opt_params]}
+        return engine_state.state_dict_meta(self)
 
     def remove_hooks(self) -> None:
         for h in self._hooks:
@@ -615,15 +465,3 @@ def _params_reached(loss: torch.Tensor) -> set[int]:
             found.add(id(variable))
         stack.extend(nxt for nxt, _ in fn.next_functions)
     return found
-
-
-def _to_cpu(obj):
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_to_cpu(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_to_cpu(v) for v in obj)
-    return obj

@@ -1,0 +1,203 @@
+"""A ``ZeroEngine``'s state: its shard as a resumable state dict, and full tensors in and out.
+
+Kept apart from the engine because it is a format, not training: ``workers.checkpoint``
+writes and reshards what ``state_dict`` returns, and the format (``STATE_FORMAT``) must stay
+readable across engine changes. Every function takes the engine and reads its layout
+(``engine.layout``), its optimizer pieces (``engine._opt_params``) and its strategy.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .buckets import FlatBucket
+
+if TYPE_CHECKING:
+    from .engine import ZeroEngine
+
+STATE_FORMAT = "zerotrain.zero/v1"
+
+
+@torch.no_grad()
+def full_master(engine: "ZeroEngine", b: FlatBucket) -> torch.Tensor:
+    """The whole bucket's fp32 master values (a collective at stages 1/2 with a separate master)."""
+    if not engine.precision.separate_master and not engine.config.traits.shards_parameters:
+        return b.flat_param
+    if engine.shard_world == 1:
+        return b.master
+    full = torch.empty(b.spec.numel, dtype=torch.float32, device=engine.device)
+    engine.comm.all_gather(full, b.master.to(engine.device), label=f"full_state_dict bucket {b.spec.index}",
+                         async_op=False)
+    return full
+
+@torch.no_grad()
+def full_state_dict(engine: "ZeroEngine") -> dict[str, torch.Tensor]:
+    """Full fp32 parameters and buffers, keys as ``model.state_dict()``, identical on every rank.
+
+    A collective at stages 1/2 with bf16/fp16 (all ranks must call it). Tensors are CPU copies.
+    """
+    with engine.comm.uncounted():
+        values: dict[int, torch.Tensor] = {}
+        for b in engine.buckets:
+            full = full_master(engine, b)
+            for s, p in zip(b.spec.slots, b.params):
+                values[id(p)] = full[s.offset : s.offset + s.numel].view(s.shape).to("cpu", copy=True)
+    out = {}
+    for key, t in engine.module.state_dict(keep_vars=True).items():
+        if id(t) in values:
+            out[key] = values[id(t)].clone()  # tied weights: one copy per key, no shared storage
+        elif id(t) in engine._frozen_fp32:
+            out[key] = engine._frozen_fp32[id(t)].to("cpu", copy=True)
+        else:
+            out[key] = t.detach().to("cpu", copy=True)
+    return out
+
+def state_dict(engine: "ZeroEngine") -> dict[str, Any]:
+    """This rank's shard: enough to continue bit-identically, or to reshard elsewhere.
+
+    Format ``zerotrain.zero/v1`` (``STATE_FORMAT``; all tensors are CPU copies)::
+
+        format          "zerotrain.zero/v1"
+        stage, precision, world_size, rank      of the run that saved it
+        shard_world_size, shard_rank            how the optimizer state is split
+                                                (1/0 at stage 0: every rank holds everything)
+        step            optimizer steps taken (skipped fp16 steps included)
+        layout          FlatLayout.describe(shard_rank): buckets (numel, shard_numel,
+                        shard_range, param names) and params (shape, numel, bucket, offset)
+        params          {name: {"shape", "numel", "bucket", "offset",
+                                "shard_range": [a, b] | None,   # elements [a, b) of the
+                                "shard_offset": int | None}}    # flattened param held here
+        master          {name: fp32 1-D tensor} = flattened param[a:b] (held pieces only)
+        optimizer       optimizer.state_dict(); its param i is optimizer_params[i]
+        optimizer_params [name, ...] in optimizer order; state tensors of param i
+                        cover that param's shard_range, flattened (empty when this
+                        rank holds only padding: the optimizer then has one empty
+                        placeholder tensor without state)
+        loss_scaler     {"scale", "good_steps", "growth_interval"} or None
+        frozen          {name: full fp32 tensor} frozen parameters (same on every rank)
+        buffers         {name: tensor} module buffers (same on every rank)
+        config          ZeroConfig.to_dict()
+    """
+    params, master = {}, {}
+    held = {piece.slot.name: (piece, view) for piece, view in engine._opt_params}
+    for s in engine.layout.slots:
+        piece_view = held.get(s.name)
+        entry = {"shape": list(s.shape), "numel": s.numel, "bucket": s.bucket, "offset": s.offset,
+                 "shard_range": None, "shard_offset": None}
+        if piece_view is not None:
+            piece, view = piece_view
+            entry["shard_range"] = [piece.param_start, piece.param_end]
+            entry["shard_offset"] = piece.shard_offset
+            master[s.name] = view.detach().to("cpu", copy=True)
+        params[s.name] = entry
+    frozen = {}
+    for n, p in engine._frozen:
+        frozen[n] = engine._frozen_fp32.get(id(p), p.data).to("cpu", copy=True)
+    return {
+        "format": STATE_FORMAT,
+        "stage": engine.config.stage,
+        "precision": engine.config.precision,
+        "world_size": engine.world_size,
+        "rank": engine.rank,
+        "shard_world_size": engine.shard_world,
+        "shard_rank": engine.shard_rank,
+        "step": engine._step,
+        "layout": engine.layout.describe(engine.shard_rank),
+        "params": params,
+        "master": master,
+        "optimizer": _to_cpu(engine.optimizer.state_dict()),
+        "optimizer_params": [piece.slot.name for piece, _ in engine._opt_params],
+        "loss_scaler": engine.scaler.state_dict() if engine.scaler is not None else None,
+        "frozen": frozen,
+        "buffers": {n: b.detach().to("cpu", copy=True) for n, b in engine.module.named_buffers()},
+        "config": engine.config.to_dict(),
+    }
+
+@torch.no_grad()
+def load_state_dict(engine: "ZeroEngine", sd: dict[str, Any]) -> None:
+    """Load a ``state_dict()`` saved by a run with the same stage, world size and layout.
+
+    Another world size or stage needs resharding first (``workers.checkpoint``).
+    """
+    if sd.get("format") != STATE_FORMAT:
+        raise ValueError(f"not an engine state dict (format {sd.get('format')!r}, want {STATE_FORMAT!r})")
+    mine = state_dict_meta(engine)
+    for key in ("shard_world_size", "shard_rank"):
+        if sd[key] != mine[key]:
+            raise ValueError(
+                f"state dict was saved with {key}={sd[key]}, this engine has {mine[key]}; "
+                "reshard it with workers.checkpoint first"
+            )
+    if sd["params"] != mine["params"]:
+        raise ValueError("state dict parameter layout (names, shapes or shard ranges) differs from this "
+                         "engine's (bucket_mb or model changed?); reshard it with workers.checkpoint first")
+    if sd["optimizer_params"] != [piece.slot.name for piece, _ in engine._opt_params]:
+        raise ValueError("state dict optimizer parameter order differs from this engine's")
+    for piece, view in engine._opt_params:
+        view.copy_(sd["master"][piece.slot.name])
+    engine.optimizer.load_state_dict(sd["optimizer"])
+    for n, p in engine._frozen:
+        src = sd["frozen"][n]
+        if id(p) in engine._frozen_fp32:
+            engine._frozen_fp32[id(p)].copy_(src)
+        p.data.copy_(src)
+    bufs = dict(engine.module.named_buffers())
+    for n, t in sd["buffers"].items():
+        bufs[n].copy_(t)
+    if engine.scaler is not None and sd.get("loss_scaler") is not None:
+        engine.scaler.load_state_dict(sd["loss_scaler"])
+    engine._step = int(sd["step"])
+    with engine.comm.uncounted():
+        engine.strategy.publish_params()
+    engine.strategy.zero_grads()
+    engine._got_grad = [False] * len(engine._got_grad)
+
+@torch.no_grad()
+def load_full_state_dict(engine: "ZeroEngine", full: dict[str, torch.Tensor]) -> None:
+    """Set parameters (and buffers) from full tensors keyed as ``model.state_dict()``.
+
+    The inverse of ``full_state_dict()``; optimizer state is left as it is. Every rank must
+    call it (stages 1/2 all-gather the result) with the same values.
+    """
+    by_id = {}
+    for key, t in engine.module.state_dict(keep_vars=True).items():
+        if key not in full:
+            raise ValueError(f"full state dict lacks {key!r}")
+        by_id.setdefault(id(t), full[key])
+    for piece, view in engine._opt_params:
+        src = by_id[id(engine._trainable[piece.slot.index])]
+        view.copy_(src.reshape(-1)[piece.param_start : piece.param_end])
+    for _, p in engine._frozen:
+        if id(p) in engine._frozen_fp32:
+            engine._frozen_fp32[id(p)].copy_(by_id[id(p)])
+        p.data.copy_(by_id[id(p)])
+    for b in engine.module.buffers():
+        b.copy_(by_id[id(b)])
+    with engine.comm.uncounted():
+        engine.strategy.publish_params()
+
+def state_dict_meta(engine: "ZeroEngine") -> dict[str, Any]:
+    """The layout part of ``state_dict()`` without copying any tensor."""
+    held = {piece.slot.name: piece for piece, _ in engine._opt_params}
+    params = {}
+    for s in engine.layout.slots:
+        piece = held.get(s.name)
+        params[s.name] = {"shape": list(s.shape), "numel": s.numel, "bucket": s.bucket, "offset": s.offset,
+                          "shard_range": [piece.param_start, piece.param_end] if piece else None,
+                          "shard_offset": piece.shard_offset if piece else None}
+    return {"shard_world_size": engine.shard_world, "shard_rank": engine.shard_rank, "params": params,
+            "optimizer_params": [piece.slot.name for piece, _ in engine._opt_params]}
+
+
+def _to_cpu(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to_cpu(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_to_cpu(v) for v in obj)
+    return obj
