@@ -22,10 +22,11 @@ from fastapi.responses import JSONResponse
 from sqlalchemy import select
 
 from contract.metrics import THROUGHPUT, aggregation, chart_list
+from contract.spec import JobSpec
 from service.api.deps import CurrentUser, SessionDep, VisibleJob
 from service.api.errors import COMMON_ERRORS, error_responses
 from service.dashboard import charts
-from service.dashboard.prediction import predict
+from service.dashboard.prediction import predict, stored_spec
 from service.dashboard.schemas import ChartOut, ProgressOut, WhoAmI
 from service.models import Checkpoint, Job
 
@@ -36,12 +37,12 @@ CHART_LIST, AGGREGATION = chart_list(), aggregation()  # the same for every job
 JobId = Annotated[str, StringConstraints(min_length=1, max_length=40, pattern=r"^[A-Za-z0-9._-]+$")]
 
 
-def _world(spec: dict[str, Any]) -> int:
-    return int((spec.get("resources") or {}).get("num_workers") or 1)
+def _world(spec: JobSpec | None) -> int:
+    return 1 if spec is None else spec.resources.num_workers
 
 
-def _steps(spec: dict[str, Any]) -> int:
-    return int((spec.get("train") or {}).get("steps") or 1)
+def _steps(spec: JobSpec | None) -> int:
+    return 1 if spec is None else spec.train.steps
 
 
 @router.get("/jobs/{job_id}/metrics/chart", name="job_metrics_chart", response_class=JSONResponse,
@@ -55,15 +56,16 @@ def job_metrics_chart(
     checkpoint_stage = session.execute(
         select(Checkpoint.stage).where(Checkpoint.job_id == job.id).order_by(Checkpoint.step.desc()).limit(1)
     ).scalar()
+    spec = stored_spec(job.spec)
     return JSONResponse({
         "job_id": job.id,
         "max_points": max_points,
-        **charts.series(session, job.id, _steps(job.spec), _world(job.spec), max_points),
+        **charts.series(session, job.id, _steps(spec), _world(spec), max_points),
         "charts": CHART_LIST,
         "aggregation": AGGREGATION,
         "throughput_field": THROUGHPUT,
-        "memory": charts.latest_memory(session, job.id, _world(job.spec)),
-        "prediction": predict(job.spec, checkpoint_stage, job.prediction, job.memory_check),
+        "memory": charts.latest_memory(session, job.id, _world(spec)),
+        "prediction": predict(spec, checkpoint_stage, job.prediction, job.memory_check),
     })
 
 
@@ -76,7 +78,7 @@ def dashboard_progress(
     query = select(Job.id, Job.spec).where(Job.id.in_(job_id[:500]))
     if not user.is_admin:
         query = query.where(Job.owner == user.name)
-    worlds = {row.id: _world(row.spec) for row in session.execute(query)}
+    worlds = {row.id: _world(stored_spec(row.spec)) for row in session.execute(query)}
     return {"items": charts.progress(session, list(worlds), worlds)}
 
 

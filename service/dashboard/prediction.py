@@ -13,6 +13,7 @@ from typing import Any
 
 from contract import zero_math
 from contract.presets import PRESETS
+from contract.spec import JobSpec
 
 
 def model_state_bytes(phi: int, world: int, stage: int, precision: str) -> dict[str, int]:
@@ -53,23 +54,24 @@ def from_planner(planner: dict[str, Any], memory_check: dict[str, Any] | None) -
     }
 
 
-def predict(spec: dict[str, Any], checkpoint_stage: int | None, planner: dict[str, Any] | None = None,
+def predict(spec: JobSpec | None, checkpoint_stage: int | None, planner: dict[str, Any] | None = None,
             memory_check: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The prediction for a job (the planner's when stored), or ``{"reason": ...}`` saying why there is none."""
+    """The prediction for a job (the planner's when stored), or ``{"reason": ...}`` saying why there is none.
+
+    ``spec`` is the job's stored spec, typed (``stored_spec``); None for a row that no longer
+    validates, which gets a reason instead of breaking the page.
+    """
     if planner and planner.get("chosen"):
         return from_planner(planner, memory_check)
-    preset = (spec.get("model") or {}).get("preset")
-    phi = PRESETS[preset].parameters if preset in PRESETS else None
-    zero = spec.get("zero") or {}
-    stage = zero.get("stage", "auto")
-    if not isinstance(stage, int):
-        stage = checkpoint_stage
-    if phi is None:
+    if spec is None:
+        return {"reason": "the job's stored spec does not validate under this version of the service"}
+    preset = PRESETS.get(spec.model.preset or "")
+    stage = spec.zero.stage if isinstance(spec.zero.stage, int) else checkpoint_stage
+    if preset is None:
         return {"reason": "the model is a user factory: its size is known once the planner stores a prediction"}
     if stage is None:
         return {"reason": "the stage is 'auto' and not resolved yet (no checkpoint records it)"}
-    world = int((spec.get("resources") or {}).get("num_workers") or 1)
-    precision = zero.get("precision") or "fp32"
+    phi, world, precision = preset.parameters, spec.resources.num_workers, spec.zero.precision
     return {
         "source": "formula",
         "phi": phi,
@@ -79,3 +81,11 @@ def predict(spec: dict[str, Any], checkpoint_stage: int | None, planner: dict[st
         **model_state_bytes(phi, world, stage, precision),
         "comm_elements_per_step": comm_elements_per_step(phi, stage),
     }
+
+
+def stored_spec(spec_json: dict[str, Any]) -> JobSpec | None:
+    """A job row's spec, typed; None when it no longer validates (a page shows that row anyway)."""
+    try:
+        return JobSpec.model_validate(spec_json)
+    except ValueError:
+        return None

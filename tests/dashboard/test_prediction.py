@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from contract.presets import PRESETS
-from service.dashboard.prediction import model_state_bytes, predict
+from contract.spec import JobSpec
+from service.dashboard.prediction import model_state_bytes, predict, stored_spec
 
 
 @pytest.mark.parametrize(("stage", "per_phi"), [(0, 16), (1, 4 + 12 / 8), (2, 2 + 14 / 8), (3, 16 / 8)])
@@ -24,14 +25,21 @@ def test_fp32_uses_4_byte_params_and_8_bytes_of_adam_state():
     assert model_state_bytes(100, 1, 0, "fp32")["total"] == 16 * 100
 
 
+def _spec(**blocks) -> JobSpec:
+    return JobSpec.model_validate({"name": "p", "model": {"preset": "gpt-nano"},
+                                   "data": {"kind": "synthetic", "seq_len": 64},
+                                   "train": {"steps": 1, "global_batch_size": 2, "micro_batch_size": 1},
+                                   "zero": {"stage": "auto", "precision": "bf16"},
+                                   "resources": {"num_workers": 2}, **blocks})
+
+
 def test_predict_resolves_auto_from_checkpoints_and_explains_absence():
-    spec = {"model": {"preset": "gpt-nano"}, "zero": {"stage": "auto", "precision": "bf16"},
-            "resources": {"num_workers": 2}}
+    spec = _spec()
     assert "auto" in predict(spec, None)["reason"]
     assert predict(spec, 3)["total"] == pytest.approx(16 * PRESETS["gpt-nano"].parameters / 2)
     assert predict(spec, 3)["comm_elements_per_step"] == 3 * PRESETS["gpt-nano"].parameters
-    factory = {**spec, "model": {"factory": "pkg.mod:build"}}
-    assert "factory" in predict(factory, 2)["reason"]
+    assert "factory" in predict(_spec(model={"factory": "pkg.mod:build"}), 2)["reason"]
+    assert "does not validate" in predict(stored_spec({"name": "old", "model": {}}), 2)["reason"]
 
 
 def test_the_planners_stored_prediction_takes_priority_and_carries_the_end_check():
@@ -46,11 +54,11 @@ def test_the_planners_stored_prediction_takes_priority_and_carries_the_end_check
     planner = plan_for_spec(JobSpec.model_validate(spec)).to_dict()
     chosen = planner["chosen"]["gpu"]
     check = {"ranks": {"0": {"terms": {"params": {"rel_error": 0.0}, "peak": {"rel_error": 0.04}}}}}
-    shown = predict(spec, None, planner, check)
+    shown = predict(JobSpec.model_validate(spec), None, planner, check)
     assert shown["source"] == "planner" and shown["stage"] == 2
     assert shown["total"] == chosen["params"] + chosen["grads"] + chosen["optimizer"]
     assert shown["peak_total"] == chosen["total"]
     assert shown["check"] == {"params": 0.0, "peak": 0.04}
     # the formula's numbers for the same job differ only by the padding the planner counts
-    formula = predict(spec, None)
+    formula = predict(JobSpec.model_validate(spec), None)
     assert shown["total"] == pytest.approx(formula["total"], rel=0.01)
