@@ -76,10 +76,9 @@ def run(job_id: str, api_url: str, runtime: Runtime | None = None) -> int:
         log.warning("job %s: driver interrupted; not reporting a final state", job_id)
         return 130
     except Exception as error:  # noqa: BLE001 - every failure is reported, then re-raised as exit 1
-        message = f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=20)}"
-        log.error("job %s failed: %s", job_id, message)
+        log.error("job %s failed: %s: %s\n%s", job_id, type(error).__name__, error, traceback.format_exc(limit=20))
         try:
-            api.post_state("FAILED", reason=runtime.failure_reason(error), message=message)
+            api.post_state("FAILED", reason=runtime.failure_reason(error), message=runtime.failure_summary(error))
         except (JobNotActive, ConnectionError) as refused:
             log.warning("could not report FAILED: %s", refused)
         return 1

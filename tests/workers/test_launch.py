@@ -45,6 +45,9 @@ class RecordingRuntime:
     def failure_reason(self, error: BaseException) -> str:
         return Reason.WORKER_FAILED
 
+    def failure_summary(self, error: BaseException) -> str:
+        return f"summary of {type(error).__name__}"
+
 
 @pytest.fixture
 def driver(monkeypatch):
@@ -107,3 +110,47 @@ def test_ray_train_asks_for_gpus_only_when_the_spec_has_them():
     gpus = JobSpec.model_validate({**STORED_SPEC, "resources": {"num_workers": 2, "gpus_per_worker": 1,
                                                                 "cpus_per_worker": 4}})
     assert ray_train.resources_per_worker(gpus) == {"CPU": 4.0, "GPU": 1.0}
+
+
+OOM_TEXT = ("Task was killed due to the node running low on memory.\nMemory on the node (IP: 127.0.0.1, ID: ab12) "
+            "where the task (actor ID: cd34, name=RayTrainWorker.__init__, pid=4242, memory used=3.10GB) was "
+            "running was 22.45GB / 23.43GB (0.958173), which exceeds the memory usage threshold of 0.95. Ray killed "
+            "this worker (ID: ef56) because it was the most recently scheduled task.\nTop 10 memory users:\n"
+            "PID\tMEM(GB)\tCOMMAND\n4242\t3.10\tray::RayTrainWorker\n777\t2.00\tpython other_users_secret_job.py")
+
+
+def test_a_memory_monitor_kill_is_one_line_without_other_processes():
+    from ray.exceptions import OutOfMemoryError
+    from ray.train import WorkerGroupError
+
+    error = WorkerGroupError("Training failed", {1: OutOfMemoryError(OOM_TEXT), 0: ValueError("unrelated")})
+    summary = ray_train.failure_summary(error)
+    assert "\n" not in summary and "memory monitor: the node was at 96% of 23.4 GB" in summary
+    assert "other_users_secret_job" not in summary and "4242" not in summary
+
+
+def test_a_user_error_is_summarized_as_its_innermost_type_and_first_line():
+    from ray.train import WorkerGroupError
+
+    try:
+        try:
+            raise KeyError("no column 'text' in the dataset")
+        except KeyError as inner:
+            raise RuntimeError("data factory failed\n  at line 3") from inner
+    except RuntimeError as outer:
+        error = WorkerGroupError("Training failed\nlong remote traceback ...", {0: outer})
+    assert ray_train.failure_summary(error) == "KeyError: \"no column 'text' in the dataset\""
+    assert ray_train.failure_summary(ValueError("x" * 1000)).endswith("…")
+
+
+def test_the_driver_reports_the_runtimes_summary_not_the_traceback(driver):
+    messages = []
+
+    class Recording(FakeAPI):
+        def post_state(self, state: str, *, reason: str | None = None, message: str | None = None, **kw) -> dict:
+            messages.append(message)
+            return {}
+
+    driver.WorkerAPI = Recording
+    assert driver.run("job-1", "http://127.0.0.1:1", RecordingRuntime(MemoryError("boom"))) == 1
+    assert messages == ["summary of MemoryError"]

@@ -6,7 +6,7 @@ differs from one runtime to the next -- how ``resources.num_workers`` ranks of
 ``workers.train.train_loop`` are placed and started, how a replaced worker group learns it is
 not the first, which exceptions mean a lost worker rather than failing user code -- sits
 behind ``Runtime``. Ray Train's is ``workers.runtime.ray_train``; another runtime is one more
-module with these two methods.
+module with these three methods.
 """
 
 from __future__ import annotations
@@ -31,4 +31,9 @@ class Runtime(Protocol):
 
     def failure_reason(self, error: BaseException) -> str:
         """The ``contract.reasons.Reason`` for what ``fit`` raised."""
+        ...
+
+    def failure_summary(self, error: BaseException) -> str:
+        """One line a user can act on for what ``fit`` raised (the job's message). Never other
+        processes' details: the full text goes to the driver's log, which the job's owner reads."""
         ...

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from typing import Any
 
 import ray
@@ -187,6 +188,60 @@ def failure_reason(error: BaseException) -> str:
     return Reason.USER_CODE_ERROR
 
 
+# Ray's memory monitor: "... was running was 21.95GB / 23.43GB (0.936812), which exceeds ..."
+_OOM_USAGE = re.compile(r"was ([0-9.]+)GB / ([0-9.]+)GB \(([0-9.]+)\)")
+SUMMARY_CHARS = 300
+
+
+def _chain(error: BaseException) -> list[BaseException]:
+    """``error``, what it wraps (``__cause__``, Ray's ``RayTaskError.cause``) and, for a worker
+    group that failed, each rank's error (lowest rank first)."""
+    out: list[BaseException] = []
+    pending = [error]
+    while pending:
+        current = pending.pop(0)
+        if current is None or any(current is seen for seen in out):
+            continue
+        out.append(current)
+        failures = getattr(current, "worker_failures", None)
+        if isinstance(failures, dict):
+            pending += [failures[rank] for rank in sorted(failures)]
+        pending += [current.__cause__, getattr(current, "cause", None)]
+    return [e for e in out if isinstance(e, BaseException)]
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[0] if lines else ""
+
+
+def failure_summary(error: BaseException) -> str:
+    """One readable line for a failed run.
+
+    [Note: what the user sees, what stays in the log]
+    Ray's errors carry whole remote tracebacks and, for the memory monitor, a table of the
+    node's top memory users -- other jobs' command lines among them. The job's message gets
+    one line: for a worker killed by the memory monitor, how full the node was and what to
+    change; otherwise the innermost error of the lowest failing rank (type and first line).
+    """
+    chain = _chain(error)
+    for current in chain:
+        text = str(current)
+        if type(current).__name__ == "OutOfMemoryError" or "running low on memory" in text:
+            usage = _OOM_USAGE.search(text)
+            where = (f"the node was at {float(usage.group(3)):.0%} of {float(usage.group(2)):.1f} GB"
+                     if usage else "the node ran low on memory")
+            return (f"a worker was killed by Ray's memory monitor: {where}; give workers more memory, "
+                    f"lower train.micro_batch_size or use a higher zero.stage (the full report is in the job's logs)")
+    innermost = chain[-1]
+    for current in reversed(chain):  # the deepest error that is not Ray's wrapper around another
+        if type(current).__name__ not in ("WorkerGroupError", "RayTaskError", "TrainingFailedError"):
+            innermost = current
+            break
+    line = f"{type(innermost).__name__}: {_first_line(innermost)}".rstrip(": ")
+    return line if len(line) <= SUMMARY_CHARS else line[: SUMMARY_CHARS - 1] + "…"
+
+
 # ----------------------------------------------------------------------------- the runtime
 
 
@@ -203,3 +258,6 @@ class RayTrainRuntime:
 
     def failure_reason(self, error: BaseException) -> str:
         return failure_reason(error)
+
+    def failure_summary(self, error: BaseException) -> str:
+        return failure_summary(error)
