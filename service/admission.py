@@ -158,6 +158,12 @@ def demand_of(spec: "JobSpec") -> Demand:
     return Demand.of(resources.num_workers, resources.cpus_per_worker, resources.gpus_per_worker)
 
 
+def cluster_capacity(launcher: Any, settings: Any) -> Capacity:
+    """What admission may count on: the launcher's capacity, or unknown on a cluster that
+    autoscales (``ZEROTRAIN_CLUSTER_AUTOSCALES``): its totals today say nothing of tomorrow's."""
+    return Capacity() if settings.cluster_autoscales else launcher.capacity()
+
+
 def limits_from(settings: Any) -> Limits:
     """The limits a ``service.settings.Settings`` sets."""
     return Limits(max_running_jobs=settings.max_running_jobs,

@@ -120,7 +120,7 @@ class Scheduler:
                 select(Job.id, Job.owner, Job.spec).where(Job.state.in_([state.value for state in HOLDING_STATES]))
             ).all()
             decision = admission.decide([_candidate(job.id, job.owner, job.spec) for job in queued],
-                                        [_candidate(*row) for row in running], self.launcher.capacity(), self.limits)
+                                        [_candidate(*row) for row in running], admission.cluster_capacity(self.launcher, self.settings), self.limits)
             for job in queued:
                 waiting = decision.waiting.get(job.id)
                 if waiting is not None:

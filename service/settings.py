@@ -55,6 +55,9 @@ class Settings(BaseSettings):
     max_workers_per_job: int = Field(default=4096, ge=1)  # larger jobs are refused at submit
     max_queued_jobs_per_user: int | None = Field(default=1000, ge=1)  # more are refused (429) at submit
     local_capacity_cpus: float | None = Field(default=None, gt=0)  # the local launcher's CPUs for jobs
+    # An autoscaling cluster grows when jobs ask for more than it has: its current totals are
+    # then no bound, and admission applies only the limits above (Ray says what a job waits for).
+    cluster_autoscales: bool = False
 
     @model_validator(mode="after")
     def _fill_from_home(self) -> "Settings":

@@ -27,10 +27,12 @@ POOL_RETRY_AFTER_S = 1  # Retry-After of the 503 for a saturated connection pool
 ERROR_DESCRIPTIONS = {
     400: "the body could not be read (e.g. not UTF-8)",
     401: "missing, invalid or revoked bearer token",
+    403: "not allowed for this caller (e.g. a non-admin asking for another user's token)",
     404: "no such job (or not yours)",
     409: "conflicts with the job's state or an earlier request",
     413: "request body too large",
     422: "invalid request; `errors` names each bad field",
+    429: "a per-user limit is reached (queued jobs, open event streams); with Retry-After",
     503: "database unavailable, or busy (then with Retry-After)",
 }
 COMMON_ERRORS = (400, 401, 404, 413, 422, 503)

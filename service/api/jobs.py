@@ -55,7 +55,7 @@ def _replay(session: Session, user: Principal, key: str, request_hash: str) -> J
 
 @router.post("", status_code=201, response_model=JobOut, name="submit_job",
              responses={200: {"model": JobOut, "description": "replayed: the job this key created"},
-                        **error_responses(409)},
+                        **error_responses(409, 429)},
              description="Validates the spec, records the planner's memory prediction and resolves "
                          "`zero.stage: \"auto\"` to the lowest stage that fits (422 with the numbers "
                          "when nothing fits).")
@@ -101,7 +101,8 @@ def check_admissible(spec: JobSpec, user: Principal, session: Session, settings:
     """Refuse now what could never start (422 with the numbers) or what exceeds the user's
     queue (429), instead of queueing it: a 1,000,000-worker job used to be accepted, grew the
     driver and Ray's GCS to 3 GB each and took the API down with it."""
-    refusal = admission.refusal_at_submit(admission.demand_of(spec), launcher.capacity(), settings.max_workers_per_job)
+    refusal = admission.refusal_at_submit(admission.demand_of(spec), admission.cluster_capacity(launcher, settings),
+                                          settings.max_workers_per_job)
     if refusal is not None:
         raise field_error("resources.num_workers", refusal, "not_admissible")
     limit = settings.max_queued_jobs_per_user

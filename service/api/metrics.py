@@ -23,6 +23,7 @@ from sqlalchemy.dialects import sqlite
 from sqlalchemy.orm import Session
 
 from service.api.deps import CurrentUser, SessionDep, VisibleJob, WorkerJob
+from service.api.errors import error_responses
 from service.metric_sql import Averaging, execute_overflow_safe
 from service.models import Job, Metric
 from service.schemas import (
@@ -161,7 +162,8 @@ def _next_metrics(make_session, job_id: str, after_id: int, rank: int | None) ->
 @router.get("/{job_id}/metrics/stream", name="stream_metrics",
             response_class=StreamingResponse,
             responses={200: {"content": {"text/event-stream": {}},
-                             "description": "one `metric` event per record; `end` when the job has ended"}})
+                             "description": "one `metric` event per record; `end` when the job has ended"},
+                       **error_responses(429)})
 async def stream_metrics(job: VisibleJob, user: CurrentUser, request: Request, session: SessionDep,
                          after_id: Annotated[int, Query(ge=0, le=MAX_INT64)] = 0,
                          rank: Annotated[int | None, Query(ge=0, le=MAX_INT32)] = None,

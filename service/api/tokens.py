@@ -14,6 +14,7 @@ from fastapi import APIRouter, HTTPException, Path, Query
 from sqlalchemy import select
 
 from service.api.deps import CurrentUser, SessionDep
+from service.api.errors import error_responses
 from service.auth import create_api_token, hash_token, list_tokens, revoke_token
 from service.models import ApiToken, utcnow
 from service.schemas import SLUG_PATTERN, TokenCreated, TokenCreateIn, TokenList, TokenOut
@@ -22,7 +23,7 @@ router = APIRouter(prefix="/tokens", tags=["tokens"])
 TokenId = Annotated[int, Path(ge=1, le=2**63 - 1)]
 
 
-@router.post("", status_code=201, response_model=TokenCreated, name="create_token")
+@router.post("", status_code=201, response_model=TokenCreated, name="create_token", responses=error_responses(403))
 def create_token(body: TokenCreateIn, session: SessionDep, user: CurrentUser) -> TokenCreated:
     name = body.name or user.name
     if not user.is_admin and (name != user.name or body.is_admin):

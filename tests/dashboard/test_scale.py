@@ -118,7 +118,7 @@ def _from_the_list(browser, dashboard, job_id: str) -> float:
 
 
 def test_jobs_list_with_1000_jobs(make_live_service, page):
-    service = make_live_service(scheduler_enabled=False)  # they stay QUEUED: nothing launches
+    service = make_live_service(scheduler_enabled=False, max_queued_jobs_per_user=None)  # they stay QUEUED
     headers = {"Authorization": f"Bearer {service.admin_token}"}
     with httpx.Client(base_url=f"{service.url}/api/v1", headers=headers, timeout=30) as http:
         def submit(i: int) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from service.client import ValidationFailed
 from service.schemas import JobState
 from tests.integration.conftest import (describe, job_owned_processes, job_processes_but_the_cleaner, train_workers,
                                        wait_for)
@@ -147,8 +148,20 @@ def test_cancel_of_a_running_job_stops_its_ray_processes_within_15_s(make_contro
         assert [e.to_state for e in client.events(job.id)][-2:] == [JobState.CANCELLING, JobState.CANCELLED]
 
 
+def test_jobs_larger_than_a_fixed_cluster_are_refused_at_submit_with_the_numbers(make_control_plane):
+    plane = make_control_plane()  # the module's head: 2 CPUs, no GPU, no autoscaling
+    with plane.client() as client:
+        for resources, fragment in (({"num_workers": 2, "cpus_per_worker": 2}, "lacks 4 CPUs (has 2)"),
+                                    ({"num_workers": 2, "gpus_per_worker": 1}, "lacks 2 GPUs (has 0)")):
+            with pytest.raises(ValidationFailed) as refused:
+                client.submit(nano_job(10, resources=resources))
+            assert refused.value.status == 422 and fragment in str(refused.value), str(refused.value)
+            assert refused.value.errors[0]["field"] == "resources.num_workers"
+        assert client.list().items == []  # nothing was stored
+
+
 def test_jobs_asking_more_cpus_or_gpus_than_the_cluster_has_say_so_with_the_numbers(make_control_plane):
-    plane = make_control_plane()
+    plane = make_control_plane(cluster_autoscales=True)  # today's totals are no bound: Ray says what it waits for
     with plane.client() as client:
         cpu_job = client.submit(nano_job(10, resources={"num_workers": 2, "cpus_per_worker": 2}))
         gpu_job = client.submit(nano_job(10, resources={"num_workers": 2, "gpus_per_worker": 1}))
