@@ -95,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--api", default=os.environ.get("ZEROTRAIN_API_URL"), required="ZEROTRAIN_API_URL" not in os.environ)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request is noise in a job's log
     return run(args.job_id, args.api)
 
 

@@ -220,8 +220,30 @@ class JsonlSink:
         return 0
 
 
+PROGRESS_LINES = 20  # rank 0 prints about this many progress lines per run, plus the first and last step
+
+
+def shows_progress(step: int, total_steps: int) -> bool:
+    return step in (1, total_steps) or step % max(1, total_steps // PROGRESS_LINES) == 0
+
+
+def progress_line(record: dict[str, Any], total_steps: int, world_size: int) -> str:
+    """One readable line of the job's log (rank 0): what ``zerotrain logs`` and the dashboard show.
+    Throughput is the job's (this rank's share times the world size, as the dashboard counts it)."""
+    parts = [f"step {record['step']}/{total_steps}", f"loss {record['loss']:.4f}"]
+    if record.get("lr") is not None:
+        parts.append(f"lr {record['lr']:.2e}")
+    if record.get("step_time_s") is not None:
+        parts.append(f"{record['step_time_s']:.2f} s/step")
+    if record.get("tokens_per_s") is not None:
+        parts.append(f"{record['tokens_per_s'] * world_size:,.0f} tokens/s")
+    return "  ".join(parts)
+
+
 def train_loop(config: dict[str, Any]) -> dict[str, Any]:
     """Train the job's model for ``train.steps`` steps on this rank; return a short summary."""
+    # The reporter's HTTP client logs every request at INFO: the job's log is for training.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     spec = JobSpec.model_validate(config["spec"])  # this rank's boundary: attributes from here on
     train, data = spec.train, spec.data
     world = World.current(use_gpu=spec.resources.gpus_per_worker > 0)
@@ -277,6 +299,8 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
             losses.append(loss_value)
             for sink in sinks:
                 sink.report(record)
+            if world.rank == 0 and shows_progress(step, total_steps):
+                print(progress_line(record, total_steps, world.world_size), flush=True)
     finally:
         unsent = sum(sink.close(timeout_s=120.0) for sink in sinks)
         if api is not None:

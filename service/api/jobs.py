@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import uuid
 from typing import Annotated
 
@@ -206,4 +207,13 @@ def get_job_logs(job: VisibleJob, launcher: LauncherDep,
     if handle.launcher != launcher.name:
         raise HTTPException(409, f"job {job.id} ran on the {handle.launcher!r} launcher; "
                                  f"this server uses {launcher.name!r} and cannot read its logs")
-    return PlainTextResponse(launcher.logs(handle, tail_bytes))
+    return PlainTextResponse(strip_terminal_codes(launcher.logs(handle, tail_bytes)))
+
+
+# Ray colours its worker prefixes ("\x1b[36m(RayTrainWorker pid=…)\x1b[0m"): a terminal's
+# business, raw escape codes in `zerotrain logs` and the dashboard's log panel.
+_TERMINAL_CODES = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def strip_terminal_codes(text: str) -> str:
+    return _TERMINAL_CODES.sub("", text)

@@ -107,3 +107,13 @@ def test_auto_stage_is_resolved_by_the_planner_with_this_machines_memory():
     spec["zero"]["stage"] = 1
     spec["zero"]["offload_optimizer"] = True
     assert train.resolve_stage(JobSpec.model_validate(spec), torch.device("cpu")) == (1, True)
+
+
+def test_rank_zero_prints_a_readable_progress_line_about_twenty_times():
+    from workers.train import progress_line, shows_progress
+
+    shown = [step for step in range(1, 201) if shows_progress(step, 200)]
+    assert shown[0] == 1 and shown[-1] == 200 and 20 <= len(shown) <= 22
+    record = {"step": 10, "loss": 2.314159, "lr": 3e-4, "step_time_s": 1.234, "tokens_per_s": 6000.0}
+    assert progress_line(record, 200, 2) == "step 10/200  loss 2.3142  lr 3.00e-04  1.23 s/step  12,000 tokens/s"
+    assert progress_line({"step": 1, "loss": 5.0}, 3, 1) == "step 1/3  loss 5.0000"
