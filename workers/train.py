@@ -34,6 +34,7 @@ from typing import Any, Callable, Protocol
 import torch
 import torch.distributed as dist
 
+from contract.metrics import THROUGHPUT
 from contract.reasons import Reason
 from contract.spec import JobSpec
 from workers.data import ShardedBatchLoader, build_dataset
@@ -235,8 +236,8 @@ def progress_line(record: dict[str, Any], total_steps: int, world_size: int) -> 
         parts.append(f"lr {record['lr']:.2e}")
     if record.get("step_time_s") is not None:
         parts.append(f"{record['step_time_s']:.2f} s/step")
-    if record.get("tokens_per_s") is not None:
-        parts.append(f"{record['tokens_per_s'] * world_size:,.0f} tokens/s")
+    if record.get(THROUGHPUT) is not None:
+        parts.append(f"{record[THROUGHPUT] * world_size:,.0f} tokens/s")
     return "  ".join(parts)
 
 

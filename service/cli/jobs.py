@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 from rich.table import Column, Table
 
+from contract.metrics import THROUGHPUT
 from service.cli.errors import CliError
 from service.cli.output import out
 from service.client import Client, ZerotrainError
@@ -101,8 +102,9 @@ def follow(client: Client, job: JobOut) -> int:
                 fields: dict[str, Any] = {"completed": min(point.step + 1, steps)}
                 if point.loss is not None:
                     fields["loss"] = f"{point.loss:.4f}"
-                if point.tokens_per_s is not None:
-                    fields["tps"] = f"{point.tokens_per_s:,.0f}"
+                throughput = getattr(point, THROUGHPUT)
+                if throughput is not None:
+                    fields["tps"] = f"{throughput:,.0f}"
                 progress.update(task, **fields)
         finally:
             done.set()
