@@ -54,6 +54,7 @@ class Settings(BaseSettings):
     max_running_workers_per_user: int | None = Field(default=None, ge=1)
     max_workers_per_job: int = Field(default=4096, ge=1)  # larger jobs are refused at submit
     max_queued_jobs_per_user: int | None = Field(default=1000, ge=1)  # more are refused (429) at submit
+    max_spec_bytes: int = Field(default=256 * 1024, ge=1024)  # a stored spec's JSON; larger is a 422
     local_capacity_cpus: float | None = Field(default=None, gt=0)  # the local launcher's CPUs for jobs
     # An autoscaling cluster grows when jobs ask for more than it has: its current totals are
     # then no bound, and admission applies only the limits above (Ray says what a job waits for).

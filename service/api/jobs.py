@@ -65,6 +65,11 @@ def submit_job(spec: JobSpec, request: Request, response: Response, session: Ses
     check_spec_access(spec, user, session, settings)
     check_admissible(spec, user, session, settings, launcher)
     spec_json = spec.model_dump(mode="json")
+    if (size := len(json.dumps(spec_json))) > settings.max_spec_bytes:
+        raise field_error("model.kwargs" if len(json.dumps(spec.model.kwargs)) > len(json.dumps(spec.data.kwargs))
+                          else "data.kwargs",
+                          f"the spec is {size} bytes of JSON, more than this service stores "
+                          f"({settings.max_spec_bytes}, ZEROTRAIN_MAX_SPEC_BYTES)", "spec_too_large")
     request_hash = spec_sha256(spec_json)
     if idempotency_key and (earlier := _replay(session, user, idempotency_key, request_hash)):
         response.status_code = 200

@@ -95,3 +95,14 @@ def test_a_stored_row_that_cannot_be_shown_does_not_break_the_list(service):
     detail = admin.get(f"/jobs/{bad}")
     assert detail.status_code == 500 and "cannot be shown" in detail.json()["detail"], detail.text
     assert admin.get(f"/jobs/{good}").status_code == 200
+
+
+def test_a_spec_larger_than_the_service_stores_is_refused_naming_the_block(make_live_service):
+    service = make_live_service(scheduler_enabled=False, max_spec_bytes=4096)
+    spec = make_spec()
+    spec["model"]["kwargs"] = {"vocabulary": ["token"] * 2000}  # ~20 KB, well within the value limits
+    answer = _admin(service).post("/jobs", json=spec)
+    assert answer.status_code == 422, answer.text
+    error = answer.json()["errors"][0]
+    assert error["field"] == "model.kwargs" and "ZEROTRAIN_MAX_SPEC_BYTES" in error["message"]
+    assert _admin(service).get("/jobs").json()["items"] == []
