@@ -106,6 +106,19 @@ def quiet_ray_home(home: Path) -> str:
 CAPACITY_TTL_S = 5.0  # how long a read of the cluster's resources is reused
 
 
+def capacity_from_usage(usage: dict[str, list[float]]) -> Capacity:
+    """The totals of Ray's load report (``{resource: [used, total]}``).
+
+    [Note: zero CPUs means "not known yet"] Right after a head starts, and on a cluster that
+    autoscales from zero, the report has no CPU total (or 0): bounding admission by it would
+    refuse every job. Then the capacity is unknown; GPUs count only once CPUs are reported.
+    """
+    cpus = float((usage.get("CPU") or [0.0, 0.0])[1])
+    if cpus <= 0:
+        return Capacity()
+    return Capacity(cpus=cpus, gpus=float((usage.get("GPU") or [0.0, 0.0])[1]))
+
+
 class LocalRayHead:
     """A single-node Ray cluster this process starts (``ray start --head --block``) and owns.
 
@@ -467,12 +480,12 @@ class RayJobsLauncher:
         now = time.monotonic()
         if self._capacity is None or now - self._capacity[0] > CAPACITY_TTL_S:
             try:
-                usage = self._cluster_usage()
-                known = Capacity(cpus=float(usage.get("CPU", [0.0, 0.0])[1]),
-                                 gpus=float(usage.get("GPU", [0.0, 0.0])[1]))
+                known = capacity_from_usage(self._cluster_usage())
             except (httpx.HTTPError, KeyError, ValueError, TypeError, IndexError) as error:
                 log.warning("cannot read the Ray cluster's resources: %s", error)
                 return self._capacity[1] if self._capacity else Capacity()
+            if known.cpus is None:  # not reporting yet: ask again next time, bound nothing meanwhile
+                return Capacity()
             self._capacity = (now, known)
         return self._capacity[1]
 

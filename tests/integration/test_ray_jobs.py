@@ -12,6 +12,7 @@ import sysconfig
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from service.client import ValidationFailed
@@ -148,7 +149,16 @@ def test_cancel_of_a_running_job_stops_its_ray_processes_within_15_s(make_contro
         assert [e.to_state for e in client.events(job.id)][-2:] == [JobState.CANCELLING, JobState.CANCELLED]
 
 
-def test_jobs_larger_than_a_fixed_cluster_are_refused_at_submit_with_the_numbers(make_control_plane):
+def _head_reports_cpus(head) -> bool:
+    from service.launchers.ray_jobs import capacity_from_usage
+
+    answer = httpx.get(f"{head.dashboard_url}/api/cluster_status", headers=head.auth_headers, timeout=10)
+    usage = answer.json()["data"]["clusterStatus"]["loadMetricsReport"]["usage"] if answer.is_success else {}
+    return capacity_from_usage(usage).cpus is not None
+
+
+def test_jobs_larger_than_a_fixed_cluster_are_refused_at_submit_with_the_numbers(make_control_plane, ray_head):
+    wait_for(lambda: _head_reports_cpus(ray_head), 60, "the Ray head to report its CPUs")
     plane = make_control_plane()  # the module's head: 2 CPUs, no GPU, no autoscaling
     with plane.client() as client:
         for resources, fragment in (({"num_workers": 2, "cpus_per_worker": 2}, "lacks 4 CPUs (has 2)"),

@@ -61,3 +61,12 @@ def test_a_job_larger_than_the_cluster_or_the_maximum_is_refused_at_submit():
     assert "more than the whole cluster has (2 CPUs)" in refusal_at_submit(huge, Capacity(cpus=2), None)
     assert "maximum of 256 workers per job" in refusal_at_submit(huge, Capacity(), 256)
     assert refusal_at_submit(Demand.of(2, 1, 0), Capacity(cpus=2), 256) is None
+
+
+def test_a_ray_cluster_that_reports_no_cpus_yet_bounds_nothing():
+    from service.launchers.ray_jobs import capacity_from_usage
+
+    assert capacity_from_usage({}) == Capacity()
+    assert capacity_from_usage({"CPU": [0.0, 0.0], "GPU": [0.0, 0.0]}) == Capacity()
+    assert capacity_from_usage({"CPU": [1.0, 2.0]}) == Capacity(cpus=2.0, gpus=0.0)
+    assert capacity_from_usage({"CPU": [0.0, 8.0], "GPU": [1.0, 2.0]}) == Capacity(cpus=8.0, gpus=2.0)
