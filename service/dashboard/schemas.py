@@ -48,7 +48,7 @@ class ChartSpec(BaseModel):
 
 
 class Prediction(BaseModel):
-    """DESIGN §4 model-state bytes per rank, or only ``reason`` saying why there is none."""
+    """Model-state bytes per rank (contract.zero_math; docs/design.md), or only ``reason`` saying why there is none."""
 
     reason: str | None = None
     source: str | None = None

@@ -23,7 +23,7 @@ the last micro-batch with ``engine.backward(loss, sync=True)``, bucket by bucket
 backward (DDP's overlap; another backward before ``step()`` is then an error). Stage 2 does
 not keep a full gradient (that is its point), so it reduce-scatters *every* micro-step into a shard-sized
 accumulator: k micro-steps cost k·Φ of reduce-scatter. That is the memory/communication trade
-stage 2 makes; the accumulator is kept in the compute dtype (2Φ/N bytes, DESIGN §4), the same
+stage 2 makes; the accumulator is kept in the compute dtype (2Φ/N bytes; docs/design.md, "The math"), the same
 dtype autograd accumulates full gradients in at stages 0 and 1.
 
 [Note: deterministic collective order]

@@ -78,7 +78,7 @@ export class MemoryBars {
     if (prediction) {
       const how = prediction.source === "planner"
         ? "the planner's prediction"
-        : `DESIGN §4 with Φ = ${Number(prediction.phi).toLocaleString("en-US")}, N = ${prediction.world}, ${prediction.precision}`;
+        : `the ZeRO model-state formula with Φ = ${Number(prediction.phi).toLocaleString("en-US")}, N = ${prediction.world}, ${prediction.precision}`;
       let text = `Marker: predicted params + grads + optimizer per rank at stage ${prediction.stage ?? "?"}: ${bytes(prediction.total)} (${how}). Buffers are extra.`;
       if (prediction.source === "planner") {
         text += ` Predicted peak with activations and buffers: ${bytes(prediction.peak_total)}.`;
