@@ -267,6 +267,17 @@ class Collectives:
         if self._cuda:
             torch.cuda.current_stream(self.device).synchronize()
 
+    def control_broadcast(self, tensor: torch.Tensor, label: str, elements: int) -> None:
+        """A small synchronous broadcast from rank 0 (module buffers): ``elements`` under ``control``."""
+        seq = self._next_seq()
+        if not self.distributed:
+            return
+        self.counter.control += elements
+        work = dist.broadcast(tensor, src=dist.get_global_rank(self.group, 0), group=self.group, async_op=True)
+        self._timed_wait(work, label, seq)
+        if self._cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """Set-up traffic (initial parameters, buffers); not part of any step's volume."""
         if not self.distributed:

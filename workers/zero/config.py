@@ -68,6 +68,15 @@ class ZeroConfig:
     wrap                unit policy (stage 3, activation checkpointing): None (each child of the
                         largest ModuleList + a root unit), a list of module class names, or a
                         callable(module) -> bool (``units.py``).
+    broadcast_buffers   after every forward through the engine that runs with grad enabled,
+                        rank 0's module buffers (BatchNorm running statistics, ...) are
+                        broadcast to every rank, in one message: each forward reads what it
+                        reads under torch DDP's default, and buffers are identical on every
+                        rank afterwards. False: each rank keeps its own (as DDP with
+                        ``broadcast_buffers=False``); construction broadcasts them either way.
+    sync_batchnorm      every BatchNorm computes its batch statistics over all ranks in
+                        training mode (SyncBatchNorm, on any backend; ``sync_batchnorm.py``).
+                        A ``torch.nn.SyncBatchNorm`` in the model is synchronized either way.
     initial_loss_scale  fp16 only: dynamic loss scale to start from.
     loss_scale_growth_interval  fp16 only: steps without overflow before the scale doubles.
     comm_timeout_s      a rank blocked longer than this on one collective logs which bucket and
@@ -85,6 +94,8 @@ class ZeroConfig:
     reshard_after_forward: bool = True
     activation_checkpointing: bool = False
     wrap: Any = None
+    broadcast_buffers: bool = True
+    sync_batchnorm: bool = False
     initial_loss_scale: float = 2.0**16
     loss_scale_growth_interval: int = 2000
     comm_timeout_s: float = 300.0
@@ -96,7 +107,8 @@ class ZeroConfig:
             raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {self.precision!r}")
         if not _is_real(self.bucket_mb) or not self.bucket_mb > 0 or math.isinf(self.bucket_mb):
             raise ValueError(f"bucket_mb must be a positive number of MiB, got {self.bucket_mb!r}")
-        for name in ("overlap_comm", "offload_optimizer", "reshard_after_forward", "activation_checkpointing"):
+        for name in ("overlap_comm", "offload_optimizer", "reshard_after_forward", "activation_checkpointing",
+                     "broadcast_buffers", "sync_batchnorm"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.offload_optimizer and not stage_traits(self.stage).shards_optimizer:

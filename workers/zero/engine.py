@@ -46,6 +46,7 @@ from .buckets import FlatBucket
 from .collectives import Collectives
 from .config import ZeroConfig
 from .flat import FlatLayout
+from .module_buffers import ModuleBuffers
 from .offload import HostOptimizerState
 from .precision import MixedPrecision
 from .stages import Strategy, make_strategy
@@ -123,7 +124,9 @@ class ZeroEngine:
             self.layout = FlatLayout.build(shapes, self.shard_world, config.bucket_numel)
         self._trainable = [p for _, p in trainable]
         self.buckets = self._build_buckets(self._trainable)
-        self._frozen_fp32 = self._sync_frozen_and_buffers()
+        self._frozen_fp32 = self._sync_frozen()
+        self.module_buffers = ModuleBuffers(model, self.comm, self.precision.compute_dtype, config.broadcast_buffers,
+                                            config.sync_batchnorm)
         if config.activation_checkpointing:
             for _, unit_module in unit_modules(model, config.wrap):
                 checkpoint_forward(unit_module)
@@ -179,8 +182,9 @@ class ZeroEngine:
             out.append(FlatBucket(spec, members, flat, master, views, self.shard_rank))
         return out
 
-    def _sync_frozen_and_buffers(self) -> dict[int, torch.Tensor]:
-        """Broadcast frozen parameters and buffers from rank 0; cast frozen ones to compute dtype.
+    def _sync_frozen(self) -> dict[int, torch.Tensor]:
+        """Broadcast frozen parameters from rank 0; cast them to compute dtype (buffers:
+        ``module_buffers.py``).
 
         Returns the fp32 originals of frozen parameters that were cast (for full_state_dict).
         """
@@ -191,8 +195,6 @@ class ZeroEngine:
                 if p.is_floating_point() and p.dtype != self.precision.compute_dtype:
                     originals[id(p)] = p.data.clone()
                     p.data = p.data.to(self.precision.compute_dtype)
-            for _, buf in self.module.named_buffers():
-                self._broadcast_any(buf)
         return originals
 
     def _broadcast_any(self, t: torch.Tensor) -> None:
@@ -218,7 +220,11 @@ class ZeroEngine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*self.precision.cast_inputs(args), **self.precision.cast_inputs(kwargs))
+        """The module's forward on inputs cast to the compute dtype; then, if grad is enabled,
+        rank 0's buffers to every rank (``broadcast_buffers``, ``module_buffers.py``)."""
+        out = self.module(*self.precision.cast_inputs(args), **self.precision.cast_inputs(kwargs))
+        self.module_buffers.after_forward()
+        return out
 
     def train(self, mode: bool = True) -> "ZeroEngine":
         self.module.train(mode)
@@ -394,9 +400,10 @@ class ZeroEngine:
         grads: gradient storage (full buckets at stages 0/1, the shard accumulator at stage 2);
         optimizer: fp32 master shard when it is a separate copy + every tensor in the optimizer
         state; buffers: in-flight communication scratch, stage 3's gathered units and the
-        module's registered buffers. At stage 3 ``params`` is the shards only. With
-        ``offload_optimizer`` the host's master, optimizer state and fp32 gradient shard are under
-        an extra key ``host``, ``optimizer`` is 0 and ``total`` counts the device only.
+        module's registered buffers (and the originals of cast ones). At stage 3 ``params`` is the
+        shards only. With ``offload_optimizer`` the host's master, optimizer state and fp32
+        gradient shard are under an extra key ``host``, ``optimizer`` is 0 and ``total`` counts
+        the device only.
         """
         seen: set[int] = set()
 
@@ -414,7 +421,7 @@ class ZeroEngine:
             optimizer = 0
         else:
             optimizer = tally(opt_tensors)
-        buffers = tally(self.strategy.scratch_tensors() + list(self.module.buffers()))
+        buffers = tally(self.strategy.scratch_tensors() + list(self.module_buffers.tensors()))
         out = {"params": params, "grads": grads, "optimizer": optimizer, "buffers": buffers,
                "total": params + grads + optimizer + buffers}
         if self.offload is not None:

@@ -37,6 +37,8 @@ def full_state_dict(engine: "ZeroEngine") -> dict[str, torch.Tensor]:
     """Full fp32 parameters and buffers, keys as ``model.state_dict()``, identical on every rank.
 
     A collective at stages 1/2 with bf16/fp16 (all ranks must call it). Tensors are CPU copies.
+    Buffers are this rank's, in their original dtype (``ModuleBuffers.export``): with
+    ``broadcast_buffers`` every rank holds rank 0's once a forward has ended.
     """
     with engine.comm.uncounted():
         values: dict[int, torch.Tensor] = {}
@@ -45,11 +47,14 @@ def full_state_dict(engine: "ZeroEngine") -> dict[str, torch.Tensor]:
             for s, p in zip(b.spec.slots, b.params):
                 values[id(p)] = full[s.offset : s.offset + s.numel].view(s.shape).to("cpu", copy=True)
     out = {}
+    buffer_ids = {id(b) for b in engine.module.buffers()}
     for key, t in engine.module.state_dict(keep_vars=True).items():
         if id(t) in values:
             out[key] = values[id(t)].clone()  # tied weights: one copy per key, no shared storage
         elif id(t) in engine._frozen_fp32:
             out[key] = engine._frozen_fp32[id(t)].to("cpu", copy=True)
+        elif id(t) in buffer_ids:
+            out[key] = engine.module_buffers.export(t)
         else:
             out[key] = t.detach().to("cpu", copy=True)
     return out
@@ -77,7 +82,9 @@ def state_dict(engine: "ZeroEngine") -> dict[str, Any]:
                         placeholder tensor without state)
         loss_scaler     {"scale", "good_steps", "growth_interval"} or None
         frozen          {name: full fp32 tensor} frozen parameters (same on every rank)
-        buffers         {name: tensor} module buffers (same on every rank)
+        buffers         {name: tensor} module buffers, original dtype: this rank's, which
+                        with broadcast_buffers are rank 0's once a forward has ended (the
+                        checkpoint writer stores rank 0's)
         config          ZeroConfig.to_dict()
     """
     params, master = {}, {}
@@ -111,7 +118,7 @@ def state_dict(engine: "ZeroEngine") -> dict[str, Any]:
         "optimizer_params": [piece.slot.name for piece, _ in engine._opt_params],
         "loss_scaler": engine.scaler.state_dict() if engine.scaler is not None else None,
         "frozen": frozen,
-        "buffers": {n: b.detach().to("cpu", copy=True) for n, b in engine.module.named_buffers()},
+        "buffers": {n: engine.module_buffers.export(b) for n, b in engine.module.named_buffers()},
         "config": engine.config.to_dict(),
     }
 
@@ -145,7 +152,7 @@ def load_state_dict(engine: "ZeroEngine", sd: dict[str, Any]) -> None:
         p.data.copy_(src)
     bufs = dict(engine.module.named_buffers())
     for n, t in sd["buffers"].items():
-        bufs[n].copy_(t)
+        engine.module_buffers.load(bufs[n], t)
     if engine.scaler is not None and sd.get("loss_scaler") is not None:
         engine.scaler.load_state_dict(sd["loss_scaler"])
     engine._step = int(sd["step"])
@@ -174,7 +181,7 @@ def load_full_state_dict(engine: "ZeroEngine", full: dict[str, torch.Tensor]) ->
             engine._frozen_fp32[id(p)].copy_(by_id[id(p)])
         p.data.copy_(by_id[id(p)])
     for b in engine.module.buffers():
-        b.copy_(by_id[id(b)])
+        engine.module_buffers.load(b, by_id[id(b)])
     with engine.comm.uncounted():
         engine.strategy.publish_params()
 
