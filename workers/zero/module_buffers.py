@@ -33,10 +33,11 @@ engine's compute-dtype buckets, so BatchNorm keeps its running statistics in fp3
 accumulation of small momentum updates, what ``full_state_dict`` returns) and its forward
 hands the kernel an fp32 cast of its weight and bias (differentiable: the gradient reaches the
 bf16 parameter). ``num_batches_tracked`` stays long. Every other floating buffer of a module
-that owns floating parameters is cast to the compute dtype, as the module's forward expects
-(an added bias, a scale); its original is kept and is what the state dicts return while the
-buffer is unchanged (a changed one is returned upcast). Buffers of modules without
-parameters (rotary tables, ...) keep their dtype: such modules chose it.
+that holds floating parameters (itself or in its children) is cast to the compute dtype, as
+the module's forward expects (an added shift, a scale), like FSDP1's ``buffer_dtype``; its
+original is kept and is what the state dicts return while the buffer is unchanged (a changed
+one is returned upcast). Buffers of parameter-less modules (rotary tables, ...) keep their
+dtype: such modules chose it, and cast what they use themselves.
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ class ModuleBuffers:
         if dtype == torch.float32:
             return
         for m in self.module.modules():
-            if isinstance(m, _BatchNorm) or not any(p.is_floating_point() for p in m.parameters(recurse=False)):
+            if isinstance(m, _BatchNorm) or not any(p.is_floating_point() for p in m.parameters()):
                 continue
             for b in m._buffers.values():
                 if b is None or not b.is_floating_point() or b.dtype == dtype or id(b) in self.originals:

@@ -235,3 +235,43 @@ def test_sync_batchnorm_matches_batchnorm_over_the_global_batch(world, case):
         assert set(full) == set(ref)
         for key, value in ref.items():
             torch.testing.assert_close(full[key], value, **tol, msg=f"{case} {key}")
+
+
+class ShiftNet(nn.Module):
+    """A buffer the forward adds (cast with its module) and a parameter-less module's (kept)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+        self.register_buffer("shift", torch.randn(3) / 3)
+        self.table = nn.Module()
+        self.table.register_buffer("freq", torch.randn(3) / 7)
+
+    def forward(self, x):
+        return self.fc(x + self.shift) * self.table.freq.to(x.dtype)
+
+
+def test_bf16_buffers_follow_their_module_and_state_dicts_keep_fp32():
+    from workers.zero import ZeroConfig, ZeroEngine
+
+    torch.manual_seed(0)
+    model = ShiftNet()
+    shift, freq = model.shift.clone(), model.table.freq.clone()
+    engine = ZeroEngine(model, optimizer, ZeroConfig(stage=0, precision="bf16"))
+    engine.backward(engine(torch.randn(4, 3)).float().square().mean())  # a fp32 shift made the input fp32
+    engine.step()
+    assert model.shift.dtype == torch.bfloat16 and model.table.freq.dtype == torch.float32
+    full = engine.full_state_dict()
+    assert torch.equal(full["shift"], shift) and torch.equal(full["table.freq"], freq)
+    assert torch.equal(engine.state_dict()["buffers"]["shift"], shift)
+    engine.load_full_state_dict({**full, "shift": shift + 1})
+    assert torch.equal(engine.full_state_dict()["shift"], shift + 1)
+
+
+@pytest.mark.parametrize("field", ["broadcast_buffers", "sync_batchnorm"])
+def test_config_fields_are_booleans(field):
+    from workers.zero import ZeroConfig
+
+    assert ZeroConfig().broadcast_buffers is True and ZeroConfig().sync_batchnorm is False
+    with pytest.raises(ValueError, match=field):
+        ZeroConfig(**{field: "yes"})
