@@ -39,12 +39,55 @@ Collectives are issued in the order of the forward (module hooks) and of the aut
 which is the same on every rank as long as every rank runs the same units in the same order
 in every forward, evaluation forwards included (an evaluation on rank 0 alone would gather
 alone and hang) -- FSDP's rule too; a branch taken by some ranks only must stay inside one
-unit (e.g. the root). The forward prefetch follows the order recorded in the previous
+unit (e.g. the root), else the divergence check below raises. The forward prefetch follows the order recorded in the previous
 forward; when the order changes (eval mode, a branch), the prediction stops at the first
 mismatch, and a prefetched unit that is not among the next units predicted at the current
 unit -- or that is still unused when the forward or backward ends -- is freed (after its
 gather completes). At most ``prefetch + 1`` non-root units are gathered at any time when
-``reshard_after_forward=True``; ``max_gathered`` records the peak.
+``reshard_after_forward=True`` (plus units held for a use outside, below); ``max_gathered``
+records the peak.
+
+[Note: divergence check]
+Ranks that run different units at the same point (rank 0 ``linears[0]``, rank 1 ``linears[1]``)
+issue gathers that match in count and size, so the collectives "succeed" and every rank trains
+on a mix of both units' shards. So every gather is preceded, on the same stream and group, by
+an all-gather of a 6-element int64 tag (``collectives.tagged_all_gather``): the step, the
+gather's number in the step, the unit, and the reduce-scatters issued so far in the step (count,
+last unit, an order-sensitive digest). After the collective every rank holds every rank's tag,
+so every rank finds the same first disagreement and raises the same error, naming the unit each
+rank wanted -- after waiting for everything it has in flight, so no collective is left
+half-issued. Tags are compared in issue order (``_Ledger.check``), so an unchecked stale
+prefetch is checked by the next wait. The backward's reduce-scatters are covered by the digest
+in the next gather's tag and by one tag-only gather when backward ends, checked by the next
+micro-step or by ``step()`` before the optimizer sees a gradient. Cost: one extra small
+collective per gather (launched with it, waited with it) and one per micro-step, counted under
+``control``; the step's volume stays 3Φ. A CPU rank checks each tag when its gather is waited;
+a CUDA rank would have to synchronize to read one, so it checks them all in ``step()`` (one
+synchronization, which ``step()``'s norm message makes anyway) -- still before any update.
+Units of different sizes gathered at the same point are not caught before the gather runs
+(the tag travels with it, not ahead of it, to keep the prefetch overlap): Gloo aborts the
+process on such a gather (SIGABRT), NCCL hangs or fails; silent only when the sizes agree,
+which is what the tag catches.
+
+[Note: parameters used outside their unit]
+A unit is freed after its forward, so a parameter used later outside it -- a module that
+returns its own bias for the caller to add, ``F.linear(x, blocks[0].fc.weight)`` in the root's
+forward -- would read freed storage (a segfault, or "setStorage ... storage of size 0"), also in
+backward through what autograd saved. Two uses are detected, DeepSpeed's two ways:
+* a read: every module registering a unit's parameter gets ``_WatchedParameters`` as its
+  ``_parameters``, through which ``module.weight`` goes; during a forward, a read of a unit's
+  parameter while that unit's forward is not running (DeepSpeed's ``ZeROOrderedDict`` and
+  ``register_external_parameter``, done for the user);
+* a return: a unit's forward output that is a view of its flat buffer (the "dangling
+  parameter" DeepSpeed registers with the enclosing module in its post-forward hook).
+Either way the unit is gathered (if it is not) and *held*: it stays gathered until backward
+ends -- its storage is what the outside use and autograd read -- and is reduce-scattered when
+backward ends, since gradients may reach it from outside its own backward. In a forward without
+grad it is held until that forward ends. Every rank runs the same forward, so the extra gather
+happens at the same point on every rank (and is tag-checked like any other). The cost is
+memory: a held unit is gathered for the whole forward and backward, like the root. A parameter
+reached any other way (a reference kept in a plain Python list) is not seen; list it under a
+module outside the units instead (it then belongs to the root), or choose units with ``wrap``.
 """
 
 from __future__ import annotations
@@ -467,7 +510,7 @@ class ParamShardStrategy(ReduceScatterInBackwardStrategy):
         if not unit.is_root and unit.state != FREE:
             storage = unit.flat.untyped_storage().data_ptr()
             for t in tensors:  # a parameter (or a view of one) returned: it is used after this forward
-                if t.untyped_storage().data_ptr() == storage:
+                if t.layout == torch.strided and t.untyped_storage().data_ptr() == storage:
                     self._hold(unit, self._param_name(unit, t), "returned from its forward")
         if torch.is_grad_enabled():
             self._post_forward_order.append(unit.index)

@@ -215,3 +215,25 @@ def test_parameters_used_outside_their_unit_train_like_one_process():
             for k, v in refs[kind].items():
                 torch.testing.assert_close(full[k], v, rtol=1e-5, atol=1e-6,
                                            msg=lambda m: f"{what} rank {rank} {k}: {m}")
+
+
+def test_tags_name_what_differs():
+    """The tag comparison on its own (no world): it sees a reduce-scatter order that differs even
+    when count and last unit agree (the digest), and ranks that gathered different numbers of units."""
+    from workers.zero.stage3 import _Ledger
+
+    names = ["blocks.0", "blocks.1", "blocks.2"]
+    a, b = _Ledger(names, torch.device("cpu")), _Ledger(names, torch.device("cpu"))
+    for unit in (0, 1, 2):
+        a.reduce_scattered(unit)
+    for unit in (1, 0, 2):
+        b.reduce_scattered(unit)
+    same = a._compare([a.tag(-1).tolist(), a.tag(-1).tolist()])
+    assert same is None
+    msg = a._compare([a.tag(-1).tolist(), b.tag(-1).tolist()])
+    assert msg.startswith("stage 3: ranks reduce-scattered different units"), msg
+    assert "rank 0 3, the last blocks.2" in msg and "rank 1 3, the last blocks.2" in msg, msg
+    a.next_gather(0)
+    msg = a._compare([a.tag(-1).tolist(), b.tag(-1).tolist()])
+    assert "different numbers of units: rank 0 at gather #1 of step 1" in msg, msg
+    assert "rank 1 at gather #0 of step 1" in msg, msg
