@@ -458,11 +458,16 @@ class ParamShardStrategy(ReduceScatterInBackwardStrategy):
         self._hold(unit, self._param_name(unit, value), f"read by {user}'s forward")
 
     @staticmethod
-    def _param_name(unit: Unit, value: Any) -> str:
+    def _param_name(unit: Unit, value: torch.Tensor) -> str:
+        """The name of the parameter ``value`` is (or is a view into, by its offset in the flat buffer)."""
         for slot, p in zip(unit.bucket.spec.slots, unit.bucket.params):
             if p is value:
                 return slot.name
-        return "a parameter"
+        offset = (value.data_ptr() - unit.flat.data_ptr()) // unit.flat.element_size()
+        for slot in unit.bucket.spec.slots:
+            if slot.offset <= offset < slot.offset + slot.numel:
+                return slot.name
+        return f"a view of {unit.name}'s parameters"
 
     def _hold(self, unit: Unit, param: str, how: str) -> None:
         """Keep ``unit`` gathered until this forward's backward ends (its forward's, without grad)."""
