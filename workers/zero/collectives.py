@@ -287,3 +287,47 @@ class Collectives:
     def barrier(self) -> None:
         if self.distributed:
             dist.barrier(group=self.group)
+
+
+class _Both:
+    """Two works waited on as one (a tag gather and the gather it describes)."""
+
+    def __init__(self, first, second):
+        self.first, self.second = first, second
+
+    def wait(self) -> None:
+        self.first.wait()
+        self.second.wait()
+
+    def is_completed(self) -> bool:
+        return self.first.is_completed() and self.second.is_completed()
+
+
+def tagged_all_gather(comm: Collectives, output: Optional[torch.Tensor], input: Optional[torch.Tensor],
+                      tag: torch.Tensor, label: str) -> tuple[Pending, torch.Tensor]:
+    """``comm.all_gather(output, input)`` preceded by an all-gather of the small int64 ``tag``.
+
+    Returns the pending pair and a ``(world_size, len(tag))`` tensor that holds every rank's tag
+    once the pending is waited on: the caller checks that the ranks gathered the same thing (stage
+    3's divergence check). Both are launched back to back on the same stream and group, so the
+    k-th tag always describes the k-th gather on every rank. With ``output=None`` only the tag
+    travels. The tag's elements are counted under ``control`` (not ``total``); without a process
+    group the tag is this rank's alone.
+    """
+    tags = torch.empty(comm.world_size, tag.numel(), dtype=tag.dtype, device=tag.device)
+    if not comm.distributed:
+        tags[0].copy_(tag)
+        if output is None:
+            return Pending(None, label, comm._next_seq(), comm, done=True), tags
+        return comm.all_gather(output, input, label), tags
+    comm.counter.control += tags.numel()
+    if output is None:
+        seq = comm._next_seq()
+    with comm._launch_context():
+        tag_work = _all_gather(tags.view(-1), tag, group=comm.group, async_op=True)
+    if output is None:
+        return Pending(tag_work, label, seq, comm, tensors=(tags, tag)), tags
+    pending = comm.all_gather(output, input, label)
+    pending.work = _Both(tag_work, pending.work)
+    pending.tensors = pending.tensors + (tags, tag)
+    return pending, tags

@@ -39,17 +39,62 @@ Collectives are issued in the order of the forward (module hooks) and of the aut
 which is the same on every rank as long as every rank runs the same units in the same order
 in every forward, evaluation forwards included (an evaluation on rank 0 alone would gather
 alone and hang) -- FSDP's rule too; a branch taken by some ranks only must stay inside one
-unit (e.g. the root). The forward prefetch follows the order recorded in the previous
+unit (e.g. the root), else the divergence check below raises. The forward prefetch follows the order recorded in the previous
 forward; when the order changes (eval mode, a branch), the prediction stops at the first
 mismatch, and a prefetched unit that is not among the next units predicted at the current
 unit -- or that is still unused when the forward or backward ends -- is freed (after its
 gather completes). At most ``prefetch + 1`` non-root units are gathered at any time when
-``reshard_after_forward=True``; ``max_gathered`` records the peak.
+``reshard_after_forward=True`` (plus units held for a use outside, below); ``max_gathered``
+records the peak.
+
+[Note: divergence check]
+Ranks that run different units at the same point (rank 0 ``linears[0]``, rank 1 ``linears[1]``)
+issue gathers that match in count and size, so the collectives "succeed" and every rank trains
+on a mix of both units' shards. So every gather is preceded, on the same stream and group, by
+an all-gather of a 6-element int64 tag (``collectives.tagged_all_gather``): the step, the
+gather's number in the step, the unit, and the reduce-scatters issued so far in the step (count,
+last unit, an order-sensitive digest). After the collective every rank holds every rank's tag,
+so every rank finds the same first disagreement and raises the same error, naming the unit each
+rank wanted -- after waiting for everything it has in flight, so no collective is left
+half-issued. Tags are compared in issue order (``_Ledger.check``), so an unchecked stale
+prefetch is checked by the next wait. The backward's reduce-scatters are covered by the digest
+in the next gather's tag and by one tag-only gather when backward ends, checked by the next
+micro-step or by ``step()`` before the optimizer sees a gradient. Cost: one extra small
+collective per gather (launched with it, waited with it) and one per micro-step, counted under
+``control``; the step's volume stays 3Φ. A CPU rank checks each tag when its gather is waited;
+a CUDA rank would have to synchronize to read one, so it checks them all in ``step()`` (one
+synchronization, which ``step()``'s norm message makes anyway) -- still before any update.
+Units of different sizes gathered at the same point are not caught before the gather runs
+(the tag travels with it, not ahead of it, to keep the prefetch overlap): Gloo aborts the
+process on such a gather (SIGABRT), NCCL hangs or fails; silent only when the sizes agree,
+which is what the tag catches.
+
+[Note: parameters used outside their unit]
+A unit is freed after its forward, so a parameter used later outside it -- a module that
+returns its own bias for the caller to add, ``F.linear(x, blocks[0].fc.weight)`` in the root's
+forward -- would read freed storage (a segfault, or "setStorage ... storage of size 0"), also in
+backward through what autograd saved. Two uses are detected, DeepSpeed's two ways:
+* a read: every module registering a unit's parameter gets ``_WatchedParameters`` as its
+  ``_parameters``, through which ``module.weight`` goes; during a forward, a read of a unit's
+  parameter while that unit's forward is not running (DeepSpeed's ``ZeROOrderedDict`` and
+  ``register_external_parameter``, done for the user);
+* a return: a unit's forward output that is a view of its flat buffer (the "dangling
+  parameter" DeepSpeed registers with the enclosing module in its post-forward hook).
+Either way the unit is gathered (if it is not) and *held*: it stays gathered until backward
+ends -- its storage is what the outside use and autograd read -- and is reduce-scattered when
+backward ends, since gradients may reach it from outside its own backward. In a forward without
+grad it is held until that forward ends. Every rank runs the same forward, so the extra gather
+happens at the same point on every rank (and is tag-checked like any other). The cost is
+memory: a held unit is gathered for the whole forward and backward, like the root. A parameter
+reached any other way (a reference kept in a plain Python list) is not seen; list it under a
+module outside the units instead (it then belongs to the root), or choose units with ``wrap``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+import weakref
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -59,9 +104,11 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from contract.zero_math import STAGE_TRAITS
 
 from .buckets import FlatBucket
-from .collectives import Collectives, Pending
+from .collectives import Collectives, Pending, tagged_all_gather
 from .stages import ReduceScatterInBackwardStrategy
 from .units import UnitPlan
+
+log = logging.getLogger(__name__)
 
 FREE, GATHERING, GATHERED = "free", "gathering", "gathered"
 
@@ -83,6 +130,10 @@ class Unit:
     post_at_end: bool = False  # some use had no input requiring grad: reduce when backward ends
     pre_backward_done: bool = False
     reduced: bool = False
+    # a parameter of this unit is used outside its forward: stay gathered until the end of the
+    # forward ("forward", no grad) or of the backward ("backward"); see the note on outside uses
+    held: Optional[str] = None
+    warned: set = field(default_factory=set)  # parameter names already reported as used outside
 
     @property
     def flat(self) -> torch.Tensor:
@@ -126,6 +177,113 @@ class _OrderPredictor:
         return out
 
 
+_RULE = (" -- every rank must run the same units in the same order, evaluation forwards included "
+         "(docs/engine.md, \"Stage 3\"); this engine cannot continue")
+
+#: how many gathers a CUDA rank lets go unchecked before it synchronizes to check them
+MAX_UNCHECKED = 256
+
+
+class _Ledger:
+    """What this rank gathered and reduce-scattered, in order: the tags of the divergence check.
+
+    A tag is ``[step, gather number in the step, unit, reduce-scatters so far in the step, the
+    last one's unit, an order-sensitive digest of them all]`` (see the note on divergence).
+    """
+
+    def __init__(self, names: list[str], device: torch.device):
+        self.names = names
+        self.device = device
+        self.defer = device.type == "cuda"  # reading a tag on the host would synchronize: check at step()
+        self.step, self.gathers = 1, 0
+        self.rs_count, self.rs_last, self.rs_digest = 0, -1, 0
+        self.unchecked: list[tuple[Pending, torch.Tensor]] = []  # issue order
+
+    def tag(self, unit: int) -> torch.Tensor:
+        return torch.tensor([self.step, self.gathers, unit, self.rs_count, self.rs_last, self.rs_digest],
+                            dtype=torch.int64, device=self.device)
+
+    def next_gather(self, unit: int) -> torch.Tensor:
+        self.gathers += 1
+        return self.tag(unit)
+
+    def reduce_scattered(self, unit: int) -> None:
+        self.rs_count += 1
+        self.rs_last = unit
+        self.rs_digest = (self.rs_digest * 1_000_003 + unit + 1) % (1 << 61)
+
+    def next_step(self) -> None:
+        self.step += 1
+        self.gathers = self.rs_count = self.rs_digest = 0
+        self.rs_last = -1
+
+    def check(self, upto: Optional[Pending] = None) -> Optional[str]:
+        """The first disagreement among the tags issued up to ``upto`` (every one if None), if any.
+
+        Tags are compared in issue order, so every rank reports the same (first) disagreement
+        however its waits were ordered. A CUDA rank checks only when asked for every tag
+        (``upto=None``: ``step()``, or too many unchecked), since reading one synchronizes.
+        """
+        if upto is not None:
+            if self.defer and len(self.unchecked) < MAX_UNCHECKED:
+                return None
+            if not self.defer and not any(p is upto for p, _ in self.unchecked):
+                return None  # checked already, with an earlier one
+        n = len(self.unchecked) if upto is None or self.defer else \
+            next(i for i, (p, _) in enumerate(self.unchecked) if p is upto) + 1
+        batch, self.unchecked = self.unchecked[:n], self.unchecked[n:]
+        for p, _ in batch:
+            p.wait()
+        if self.defer and batch:
+            torch.cuda.current_stream(self.device).synchronize()
+        for _, tags in batch:
+            msg = self._compare(tags.tolist())
+            if msg is not None:
+                return msg
+        return None
+
+    def _name(self, unit: int) -> str:
+        return self.names[unit] if 0 <= unit < len(self.names) else "no unit"
+
+    def _compare(self, rows: list[list[int]]) -> Optional[str]:
+        if all(r == rows[0] for r in rows):
+            return None
+        step, gather = rows[0][0], rows[0][1]
+        if any(r[0] != step or r[1] != gather for r in rows):
+            at = ", ".join(f"rank {i} at gather #{r[1]} of step {r[0]} ({self._name(r[2])})" for i, r in enumerate(rows))
+            return f"stage 3: ranks gathered different numbers of units: {at}" + _RULE
+        if any(r[2] != rows[0][2] for r in rows):
+            wants = ", ".join(f"rank {i} wanted {self._name(r[2])}" for i, r in enumerate(rows))
+            return f"stage 3: ranks gathered different units at gather #{gather} of step {step}: {wants}" + _RULE
+        did = ", ".join(f"rank {i} {r[3]}, the last {self._name(r[4])}" for i, r in enumerate(rows))
+        return (f"stage 3: ranks reduce-scattered different units (by gather #{gather} of step {step}; "
+                f"reduce-scatters so far: {did})" + _RULE)
+
+
+class _WatchedParameters(dict):
+    """A module's ``_parameters`` that tells stage 3 when a unit's parameter is read.
+
+    ``nn.Module.__getattr__`` reads parameters through ``_parameters[name]``: this is the one
+    place every ``module.weight`` goes through (DeepSpeed's ``ZeROOrderedDict``). Pickled and
+    copied as a plain dict; ``remove_hooks`` puts the plain dict back.
+    """
+
+    def __init__(self, params: dict, strategy: "ParamShardStrategy", module: nn.Module):
+        super().__init__(params)
+        self._strategy = weakref.ref(strategy)
+        self._module = weakref.ref(module)
+
+    def __getitem__(self, name: str):
+        value = super().__getitem__(name)
+        strategy = self._strategy()
+        if strategy is not None and strategy._in_forward:
+            strategy._on_param_read(self._module(), name, value)
+        return value
+
+    def __reduce_ex__(self, protocol):
+        return dict, (dict(self),)
+
+
 class ParamShardStrategy(ReduceScatterInBackwardStrategy):
     """Stage 3: stage 2's gradient path, launched per unit, plus parameter gathering."""
 
@@ -151,7 +309,13 @@ class ParamShardStrategy(ReduceScatterInBackwardStrategy):
         self._post_forward_order: list[int] = []  # units whose forward ran with grad, this micro-step
         self._bwd_predict: Optional[_OrderPredictor] = None
         self._deferred: list[Unit] = []  # overlap_comm=False: reduce-scatters launched at the end
+        self._ledger = _Ledger([u.name for u in self.units], comm.device)
+        self._rs_check: Optional[Pending] = None  # the end-of-backward tag, checked before the next use
+        self._in_forward = False  # between the root's pre- and post-forward hooks
+        self._active: list[int] = []  # non-root units whose forward is running
+        self._owner: dict[int, Unit] = {id(p): u for u in self.units if not u.is_root for p in u.bucket.params}
         self._handles = self._install_hooks()
+        self._watched = self._watch_parameters()
 
     # -- set-up -----------------------------------------------------------------------------------
     @staticmethod
@@ -179,10 +343,26 @@ class ParamShardStrategy(ReduceScatterInBackwardStrategy):
         handles.append(self.root_module.register_forward_hook(self._hook_root_post(root)))
         return handles
 
+    def _watch_parameters(self) -> list[nn.Module]:
+        """Swap in ``_WatchedParameters`` on every module registering a non-root unit's parameter."""
+        watched = []
+        for unit in self.units:
+            if unit.is_root:
+                continue
+            for m in unit.module.modules():
+                if any(id(p) in self._owner for p in m._parameters.values() if p is not None) \
+                        and not isinstance(m._parameters, _WatchedParameters):
+                    m._parameters = _WatchedParameters(m._parameters, self, m)
+                    watched.append(m)
+        return watched
+
     def remove_hooks(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles = []
+        for m in self._watched:
+            m._parameters = dict(m._parameters)
+        self._watched = []
 
     # -- storage accounting -------------------------------------------------------------------------
     def param_tensors(self) -> list[torch.Tensor]:
@@ -196,8 +376,9 @@ class ParamShardStrategy(ReduceScatterInBackwardStrategy):
         storage = unit.flat.untyped_storage()
         if storage.nbytes() == 0:
             storage.resize_(unit.flat.numel() * unit.flat.element_size())
-        unit.pending = self.comm.all_gather(unit.flat, unit.shard,
-                                            label=f"all_gather unit {unit.index} ({unit.name})")
+        unit.pending, tags = tagged_all_gather(self.comm, unit.flat, unit.shard, self._ledger.next_gather(unit.index),
+                                               label=f"all_gather unit {unit.index} ({unit.name})")
+        self._ledger.unchecked.append((unit.pending, tags))
         unit.state = GATHERING
         self.counts["gathers"] += 1
         self._observe()
@@ -206,12 +387,16 @@ class ParamShardStrategy(ReduceScatterInBackwardStrategy):
         if unit.state == FREE:
             self._launch_gather(unit)
         if unit.state == GATHERING:
-            unit.pending.wait()
-            unit.pending = None
+            pending, unit.pending = unit.pending, None
+            pending.wait()
             unit.state = GATHERED
+            self._verify(pending)
         unit.prefetched = False
 
-    def _reshard(self, unit: Unit) -> None:
+    def _reshard(self, unit: Unit, force: bool = False) -> None:
+        """Free ``unit``'s gathered parameters, unless a use outside its unit holds them (``force``: anyway)."""
+        if unit.held is not None and not force:
+            return
         if unit.state == GATHERING:
             unit.pending.wait()  # never free a buffer a collective is writing into
             unit.pending = None
@@ -241,6 +426,62 @@ class ParamShardStrategy(ReduceScatterInBackwardStrategy):
         self.counts["stale_freed"] += 1
         self._reshard(unit)
 
+    # -- divergence check (see the note) ----------------------------------------------------------------
+    def _verify(self, upto: Optional[Pending] = None) -> None:
+        """Raise on every rank if the tags gathered so far (up to ``upto``) disagree."""
+        msg = self._ledger.check(upto)
+        if msg is None:
+            return
+        for u in self.units:  # every rank stops at the same collective: leave nothing in flight
+            self._reshard(u, force=True)
+            u.held = None
+        self.drain()
+        if self._rs_check is not None:
+            self._rs_check.wait()
+            self._rs_check = None
+        self._ledger.unchecked = []
+        self._in_forward = False
+        raise RuntimeError(msg)
+
+    def _check_reduce_scatters(self) -> None:
+        """The end-of-backward tag (the reduce-scatter order) must agree before gradients are used."""
+        if self._rs_check is not None:
+            self._rs_check = None
+            self._verify()
+
+    # -- parameters used outside their unit (see the note) ----------------------------------------------
+    def _on_param_read(self, module: nn.Module, name: str, value: Any) -> None:
+        unit = self._owner.get(id(value))
+        if unit is None or unit.index in self._active:
+            return
+        user = self.units[self._active[-1]].name if self._active else "the root"
+        self._hold(unit, self._param_name(unit, value), f"read by {user}'s forward")
+
+    @staticmethod
+    def _param_name(unit: Unit, value: torch.Tensor) -> str:
+        """The name of the parameter ``value`` is (or is a view into, by its offset in the flat buffer)."""
+        for slot, p in zip(unit.bucket.spec.slots, unit.bucket.params):
+            if p is value:
+                return slot.name
+        offset = (value.data_ptr() - unit.flat.data_ptr()) // unit.flat.element_size()
+        for slot in unit.bucket.spec.slots:
+            if slot.offset <= offset < slot.offset + slot.numel:
+                return slot.name
+        return f"a view of {unit.name}'s parameters"
+
+    def _hold(self, unit: Unit, param: str, how: str) -> None:
+        """Keep ``unit`` gathered until this forward's backward ends (its forward's, without grad)."""
+        if param not in unit.warned:
+            unit.warned.add(param)
+            log.info("stage 3: %s (unit %s) is %s, outside its unit: the unit stays gathered until the end of "
+                     "the %s", param, unit.name, how, "backward" if torch.is_grad_enabled() else "forward")
+        self._unshard(unit)
+        if torch.is_grad_enabled():
+            unit.held = "backward"
+            unit.post_at_end = True  # gradients may arrive from outside its backward: reduce when backward ends
+        elif unit.held is None:
+            unit.held = "forward"
+
     def _observe(self) -> None:
         alive = sum(1 for u in self.units if u.state != FREE and not u.is_root)
         self.max_gathered = max(self.max_gathered, alive)
@@ -248,6 +489,8 @@ class ParamShardStrategy(ReduceScatterInBackwardStrategy):
     # -- forward hooks --------------------------------------------------------------------------------
     def _pre_forward(self, unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         self._fwd_now.append(unit.index)
+        if not unit.is_root:
+            self._active.append(unit.index)
         self._unshard(unit)
         self._prefetch(self._fwd_predict.after(unit.index, self.prefetch))
         if not torch.is_grad_enabled():
@@ -266,11 +509,19 @@ class ParamShardStrategy(ReduceScatterInBackwardStrategy):
         return tree_unflatten(flat, spec)
 
     def _post_forward(self, unit: Unit, output: Any) -> None:
+        if not unit.is_root and self._active and self._active[-1] == unit.index:
+            self._active.pop()
+        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
+        if not unit.is_root and unit.state != FREE:
+            storage = unit.flat.untyped_storage().data_ptr()
+            for t in tensors:  # a parameter (or a view of one) returned: it is used after this forward
+                if t.layout == torch.strided and t.untyped_storage().data_ptr() == storage:
+                    self._hold(unit, self._param_name(unit, t), "returned from its forward")
         if torch.is_grad_enabled():
             self._post_forward_order.append(unit.index)
             hook = self._make_pre_backward(unit)
-            for t in tree_flatten(output)[0]:
-                if isinstance(t, torch.Tensor) and t.requires_grad:
+            for t in tensors:
+                if t.requires_grad and t.grad_fn is not None:  # never a hook on a parameter itself: it would stay
                     t.register_hook(hook)
             if not self.reshard_after_forward:
                 return
@@ -290,6 +541,7 @@ class ParamShardStrategy(ReduceScatterInBackwardStrategy):
         def hook(module, args, kwargs):
             self._fwd_predict = _OrderPredictor(self._fwd_last)
             self._fwd_now = []
+            self._in_forward, self._active = True, []
             if root is None:
                 return None
             return self._pre_forward(root, args, kwargs)
@@ -299,6 +551,11 @@ class ParamShardStrategy(ReduceScatterInBackwardStrategy):
         def hook(module, args, output):
             if root is not None:
                 self._post_forward(root, output)
+            self._in_forward = False
+            for u in self.units:
+                if u.held == "forward":  # read outside its unit by a forward without grad
+                    u.held = None
+                    self._reshard(u)
             self._free_stale()
             self._fwd_last = self._fwd_now
         return hook
@@ -333,11 +590,16 @@ class ParamShardStrategy(ReduceScatterInBackwardStrategy):
         if unit.reduced:
             return
         unit.reduced = True
+        unit.held = None
         self._reshard(unit)
         if self.overlap_comm:
             self._launch_bucket(unit.bucket)
         else:
             self._deferred.append(unit)
+
+    def _launch_bucket(self, b: FlatBucket) -> None:
+        self._ledger.reduce_scattered(b.spec.index)
+        super()._launch_bucket(b)
 
     # -- the engine's per-micro-step interface --------------------------------------------------------
     def on_grad(self, bucket: FlatBucket, pos: int, grad: torch.Tensor) -> None:
@@ -352,20 +614,41 @@ class ParamShardStrategy(ReduceScatterInBackwardStrategy):
     def mark_absent(self, bucket: FlatBucket, pos: int) -> None:
         pass
 
+    def begin_micro_step(self, sync: bool) -> None:
+        self._check_reduce_scatters()
+        super().begin_micro_step(sync)
+
     def end_micro_step(self) -> None:
-        """Backward ended: reduce what did not reduce itself (in unit order), free everything."""
+        """Backward ended: reduce what did not reduce itself (in unit order), free everything.
+
+        Then the reduce-scatter order is tagged (one small gather, checked before the gradients
+        or the parameters are used again: the next forward with grad, micro-step or ``step()``).
+        """
         for unit in self.units:
-            if unit.fwd_uses > 0 and not unit.reduced:
+            if (unit.fwd_uses > 0 or unit.held == "backward") and not unit.reduced:
                 self._reduce(unit)
         for unit in self._deferred:
             self._launch_bucket(unit.bucket)
         self._deferred = []
         for unit in self.units:
-            self._reshard(unit)
+            self._reshard(unit, force=True)
+            unit.held = None
             unit.fwd_uses = unit.posts_pending = 0
             unit.post_at_end = unit.pre_backward_done = unit.reduced = False
         self._post_forward_order = []
         self._bwd_predict = None
+        self._in_forward, self._active = False, []
+        if self._rs_check is None:
+            self._rs_check, tags = tagged_all_gather(self.comm, None, None, self._ledger.tag(-1),
+                                                     label="stage 3 reduce-scatter order tag")
+            self._ledger.unchecked.append((self._rs_check, tags))
+
+    def reduced_grads(self) -> list[torch.Tensor]:
+        self._rs_check = None
+        self._verify()  # every tag of this step, before the optimizer sees a gradient (CUDA: here only)
+        out = super().reduced_grads()
+        self._ledger.next_step()
+        return out
 
     def publish_params(self) -> None:
         """The updated master becomes the compute shard; the next forward gathers it (no collective here)."""
