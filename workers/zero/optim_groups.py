@@ -109,14 +109,15 @@ def _matches(piece: NamedPiece, rule: Rule) -> bool:
 
 def param_groups(pieces: Sequence[NamedPiece], *, weight_decay: float = 0.0,
                  no_decay: Iterable[Rule] = DEFAULT_NO_DECAY,
-                 lr_scale: Optional[Mapping[str, float]] = None) -> list[dict[str, Any]]:
+                 lr_scale: Optional[Mapping[str, float]] = None, lr: Optional[float] = None) -> list[dict[str, Any]]:
     """torch param-group dicts over the pieces' tensors.
 
     ``no_decay``: rules (``fnmatch`` patterns of parameter names, case-sensitive, or predicates
     on a ``NamedPiece``); a piece any rule matches gets ``weight_decay=0.0``, the others
     ``weight_decay``. Default: ``below_2d`` (every parameter with fewer than 2 dimensions).
     ``lr_scale``: ``{pattern: factor}``, the first matching pattern wins (else 1.0); stored as the
-    group's ``"lr_scale"`` for the training loop's schedule (``group["lr"] = lr * lr_scale``).
+    group's ``"lr_scale"``, and with ``lr`` given the group's ``"lr"`` is ``lr * lr_scale``. A
+    schedule that sets ``group["lr"]`` must multiply by it too (``workers.train`` does).
 
     One group per distinct (decay, scale) in order of first appearance; a group no piece falls in
     is left out. Pieces come in the same order on every rank, so the groups do too.
@@ -128,7 +129,7 @@ def param_groups(pieces: Sequence[NamedPiece], *, weight_decay: float = 0.0,
         decayed = not any(_matches(piece, rule) for rule in rules)
         scale = next((float(f) for pattern, f in scales if fnmatch.fnmatchcase(piece.name, pattern)), 1.0)
         group = groups.setdefault((decayed, scale), {"params": [], "weight_decay": weight_decay if decayed else 0.0,
-                                                     "lr_scale": scale})
+                                                     "lr_scale": scale, **({} if lr is None else {"lr": lr * scale})})
         group["params"].append(piece.tensor)
     return list(groups.values())
 
