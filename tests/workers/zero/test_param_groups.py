@@ -257,7 +257,7 @@ def test_the_optimizer_must_hold_each_view_once_and_nothing_else():
     cfg = ZeroConfig(stage=0)
     with pytest.raises(ValueError, match="leaves out"):
         ZeroEngine(make_model(), named_factory(lambda ps: torch.optim.SGD([p.tensor for p in ps[1:]], lr=0.1)), cfg)
-    with pytest.raises(ValueError, match="twice"):
+    with pytest.raises(ValueError, match="twice"), pytest.warns(UserWarning, match="duplicate"):  # torch only warns
         ZeroEngine(make_model(), lambda ps: torch.optim.SGD(ps + ps[:1], lr=0.1), cfg)
     with pytest.raises(ValueError, match="tensors it is given"):
         ZeroEngine(make_model(), named_factory(lambda ps: torch.optim.SGD(model.parameters(), lr=0.1)), cfg)
@@ -267,3 +267,25 @@ def test_the_optimizer_must_hold_each_view_once_and_nothing_else():
     engine = ZeroEngine(make_model(), lambda ps: torch.optim.SGD([{"params": ps[:2], "lr": 0.5},
                                                                   {"params": ps[2:]}], lr=0.1), cfg)
     assert [g["lr"] for g in engine.optimizer.param_groups] == [0.5, 0.1]
+
+
+def test_resharding_matches_groups_by_member_name():
+    """``reader.restore_group_hyperparameters``: the checkpoint's group a group continues is found by
+    its members' names; a changed grouping keeps the job's values; an old checkpoint goes by position."""
+    from workers.checkpointing.reader import restore_group_hyperparameters as restore
+
+    saved = [{"lr": 1.0, "weight_decay": 0.1, "param_names": ["a", "b"]},
+             {"lr": 2.0, "weight_decay": 0.0, "param_names": ["c"]}]
+
+    def live(*members):
+        return [{"lr": 9.0, "weight_decay": 9.0, "params": list(range(len(m))), "param_names": list(m)}
+                for m in members]
+
+    got = restore(saved, live(["c"], ["b", "a"]))  # another order, and this rank holds other pieces
+    assert [(g["lr"], g["weight_decay"], g["param_names"]) for g in got] == [(2.0, 0.0, ["c"]), (1.0, 0.1, ["b", "a"])]
+    assert restore(saved, live(["a"], []))[1]["lr"] == 2.0  # a group without members here: the one left over
+    for changed in (live(["a", "c"], ["b"]), live(["a"], ["b"], ["c"])):  # merged / split groups
+        assert {g["lr"] for g in restore(saved, changed)} == {9.0}
+    old = [{k: v for k, v in g.items() if k != "param_names"} for g in saved]
+    assert [g["lr"] for g in restore(old, live(["x"], ["y"]))] == [1.0, 2.0]
+    assert [g["lr"] for g in restore(old, live(["x"]))] == [9.0]
