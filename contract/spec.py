@@ -190,7 +190,51 @@ class DataSpec(SpecModel):
         return self
 
 
+OPTIMIZERS = ("adamw", "adam", "sgd")
+"""``train.optimizer``: torch.optim's element-wise optimizers the engine is tested with."""
+SHAPE_AWARE_OPTIMIZERS = {
+    "muon": "orthogonalizes each 2-D update matrix",
+    "adafactor": "factors the second moment of each matrix into row and column statistics",
+    "shampoo": "preconditions each matrix by its row and column covariances",
+    "soap": "preconditions each matrix by its row and column covariances",
+}
+"""Refused by name: each looks at a parameter's shape, which the ZeRO engine's flat 1-D shards do
+not have, so running it sharded would silently be another optimizer."""
+ADAM_BETAS = (0.9, 0.95)  # adam/adamw without train.betas (what every job got before the field)
+ADAM_EPS = 1e-8
+SCHEDULES = ("cosine", "linear", "constant")
+MIN_LR_RATIO = 0.1  # cosine and linear decay to this fraction of the peak LR
+MAX_NO_DECAY_PATTERNS = 64
+MAX_PATTERN_CHARS = 256
+
+
+def _train_error(field: str, message: str, **ctx: Any) -> PydanticCustomError:
+    return PydanticCustomError("train_optimizer", message, {**ctx, "field": f"train.{field}"})
+
+
 class TrainSpec(SpecModel):
+    """The optimization: steps and batch, the optimizer and its groups, the LR schedule.
+
+    [Note: optimizer, weight decay, schedule]
+    ``optimizer`` is one of ``OPTIMIZERS`` (torch.optim's AdamW, Adam, SGD); ``betas``/``eps``
+    apply to adam/adamw (default ``ADAM_BETAS``, ``ADAM_EPS``), ``momentum``/``nesterov`` to sgd
+    (default 0 / false); an option given for the other kind is a 422 naming it. Shape-aware
+    optimizers (``SHAPE_AWARE_OPTIMIZERS``) are refused with the reason.
+
+    ``weight_decay`` applies to every parameter except those with fewer than two dimensions
+    (biases, LayerNorm/RMSNorm gains; ``no_decay_1d``, default true) and those whose name (as in
+    ``model.named_parameters()``) matches one of the ``no_decay`` ``fnmatch`` patterns
+    (e.g. ``"*wte*"``). This is nanoGPT's rule, and HF Trainer's in effect: decaying a norm's
+    gain or a bias pulls it towards 0, which nothing in the model asks for. Embeddings stay
+    decayed by default, as in nanoGPT and HF Trainer: in the tied GPT presets the embedding is
+    also the output projection, a matrix like any other. Before these fields weight decay went
+    to every parameter; with the default ``weight_decay`` (0.0) nothing changes.
+
+    ``schedule``: after ``warmup_steps`` of linear warmup, ``cosine`` (the default, as before)
+    and ``linear`` decay to ``MIN_LR_RATIO`` of ``lr`` at the last step; ``constant`` stays at
+    ``lr``.
+    """
+
     steps: int = Field(ge=1, le=MAX_INT32)
     global_batch_size: int = Field(ge=1, le=MAX_INT32)
     micro_batch_size: int = Field(ge=1, le=MAX_INT32)
@@ -199,6 +243,66 @@ class TrainSpec(SpecModel):
     weight_decay: float = Field(default=0.0, ge=0)
     grad_clip: float | None = Field(default=1.0, gt=0)
     seed: int = Field(default=0, ge=0, le=MAX_INT32)
+    optimizer: str = "adamw"
+    betas: list[float] | None = Field(default=None, min_length=2, max_length=2)
+    eps: float | None = Field(default=None, gt=0)
+    momentum: float | None = Field(default=None, ge=0, lt=1)
+    nesterov: bool = False
+    no_decay: list[str] = Field(default_factory=list, max_length=MAX_NO_DECAY_PATTERNS)
+    no_decay_1d: bool = True
+    schedule: Literal[SCHEDULES] = "cosine"
+
+    @field_validator("optimizer")
+    @classmethod
+    def _known_optimizer(cls, value: str) -> str:
+        if value in OPTIMIZERS:
+            return value
+        if value.lower() in SHAPE_AWARE_OPTIMIZERS:
+            raise PydanticCustomError(
+                "shape_aware_optimizer",
+                "'{value}' is not supported: it {why}, and the ZeRO engine hands the optimizer flat 1-D "
+                "shards, so it would silently become another optimizer; choose one of {known}",
+                {"value": value, "why": SHAPE_AWARE_OPTIMIZERS[value.lower()], "known": ", ".join(OPTIMIZERS)})
+        raise PydanticCustomError("unknown_optimizer", "unknown optimizer '{value}'; choose one of {known}",
+                                  {"value": value, "known": ", ".join(OPTIMIZERS)})
+
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, value: list[float] | None) -> list[float] | None:
+        if value is not None and not all(0 <= b < 1 for b in value):
+            raise PydanticCustomError("betas", "each beta must be in [0, 1) (got {value})", {"value": value})
+        return value
+
+    @field_validator("no_decay")
+    @classmethod
+    def _patterns(cls, value: list[str]) -> list[str]:
+        for pattern in value:
+            if not pattern or len(pattern) > MAX_PATTERN_CHARS or _GLOB_FORBIDDEN.search(pattern):
+                raise PydanticCustomError(
+                    "name_pattern", "each pattern must be 1 to {limit} characters without control characters or "
+                    "backslashes (got '{value}')", {"limit": MAX_PATTERN_CHARS, "value": pattern})
+        return value
+
+    @model_validator(mode="after")
+    def _options_of_optimizer(self) -> "TrainSpec":
+        adam = self.optimizer in ("adam", "adamw")
+        for name in ("betas", "eps"):
+            if getattr(self, name) is not None and not adam:
+                raise _train_error(name, "train.{name} applies to adam and adamw, not to '{optimizer}'",
+                                   name=name, optimizer=self.optimizer)
+        for name, given in (("momentum", self.momentum is not None), ("nesterov", self.nesterov)):
+            if given and self.optimizer != "sgd":
+                raise _train_error(name, "train.{name} applies to sgd, not to '{optimizer}'",
+                                   name=name, optimizer=self.optimizer)
+        if self.nesterov and not self.momentum:
+            raise _train_error("nesterov", "train.nesterov needs train.momentum > 0")
+        return self
+
+    def optimizer_options(self) -> dict[str, Any]:
+        """The torch optimizer's keyword arguments besides ``lr`` and ``weight_decay``, defaults filled."""
+        if self.optimizer == "sgd":
+            return {"momentum": self.momentum or 0.0, "nesterov": self.nesterov}
+        return {"betas": tuple(self.betas or ADAM_BETAS), "eps": ADAM_EPS if self.eps is None else self.eps}
 
 
 class ZeroSpec(SpecModel):

@@ -36,27 +36,33 @@ import torch.distributed as dist
 
 from contract.metrics import THROUGHPUT
 from contract.reasons import Reason
-from contract.spec import JobSpec
+from contract.spec import MIN_LR_RATIO, JobSpec, TrainSpec
 from workers.data import ShardedBatchLoader, build_dataset
 from workers.models import build_model, flops_per_token
 from workers.reporting import MetricReporter, StepMeter, WorkerAPI, peak_memory_bytes
 from workers.zero import ZeroConfig, ZeroEngine
+from workers.zero.optim_groups import NamedFactory, below_2d, named_factory, param_groups
 
 log = logging.getLogger(__name__)
-
-MIN_LR_RATIO = 0.1  # cosine decays to this fraction of the peak LR
-
 
 # ----------------------------------------------------------------------------- schedule
 
 
-def lr_at(step: int, *, lr: float, warmup_steps: int, total_steps: int, min_ratio: float = MIN_LR_RATIO) -> float:
-    """LR for 0-based ``step``: linear warmup to ``lr``, then cosine down to ``min_ratio·lr``."""
+def lr_at(step: int, *, lr: float, warmup_steps: int, total_steps: int, schedule: str = "cosine",
+          min_ratio: float = MIN_LR_RATIO) -> float:
+    """LR for 0-based ``step``: linear warmup to ``lr``, then ``schedule`` (``train.schedule``):
+    ``cosine`` or ``linear`` down to ``min_ratio·lr`` at the last step, or ``constant``."""
     if warmup_steps and step < warmup_steps:
         return lr * (step + 1) / warmup_steps
     decay_steps = max(1, total_steps - warmup_steps)
     progress = min(1.0, (step - warmup_steps) / decay_steps)
-    return lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+    if schedule == "constant":
+        return lr
+    if schedule == "linear":
+        return lr * (min_ratio + (1 - min_ratio) * (1 - progress))
+    if schedule == "cosine":
+        return lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+    raise ValueError(f"schedule must be cosine, linear or constant, got {schedule!r}")
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -183,7 +189,7 @@ def resolve_stage(spec: JobSpec, device: torch.device) -> tuple[int, bool]:
 
 
 def build_engine(spec: JobSpec, model: torch.nn.Module, device: torch.device) -> ZeroEngine:
-    """The job's ``ZeroEngine``: the spec's ``zero`` block (stage resolved here) and its AdamW."""
+    """The job's ``ZeroEngine``: the spec's ``zero`` block (stage resolved here) and its optimizer."""
     zero, train = spec.zero, spec.train
     stage, offload = resolve_stage(spec, device)
     config = ZeroConfig(
@@ -196,11 +202,21 @@ def build_engine(spec: JobSpec, model: torch.nn.Module, device: torch.device) ->
         activation_checkpointing=zero.activation_checkpointing,
         reshard_after_forward=zero.reshard_after_forward,
     )
-    # One decay for every parameter: the engine hands the optimizer flat 1-D shard views, so
-    # a shape-based "no decay for biases and norms" split is not available here.
-    make_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] = lambda params: torch.optim.AdamW(
-        params, lr=train.lr, betas=(0.9, 0.95), weight_decay=train.weight_decay)
-    return ZeroEngine(model, optimizer=make_optimizer, config=config)
+    return ZeroEngine(model, optimizer=optimizer_factory(train), config=config)
+
+
+TORCH_OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
+    "adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+
+
+def optimizer_factory(train: TrainSpec) -> NamedFactory:
+    """The spec's optimizer over named pieces: ``train.weight_decay`` in one group, ``weight_decay=0``
+    for parameters with ndim < 2 (``train.no_decay_1d``) or a name matching ``train.no_decay``."""
+    optimizer = TORCH_OPTIMIZERS[train.optimizer]
+    rules = ([below_2d] if train.no_decay_1d else []) + list(train.no_decay)
+    options = train.optimizer_options()
+    return named_factory(lambda pieces: optimizer(param_groups(pieces, weight_decay=train.weight_decay,
+                                                               no_decay=rules), lr=train.lr, **options))
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -277,9 +293,10 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
     losses: list[float] = []
     try:
         while step < total_steps:
-            lr = lr_at(step, lr=train.lr, warmup_steps=train.warmup_steps, total_steps=total_steps)
+            lr = lr_at(step, lr=train.lr, warmup_steps=train.warmup_steps, total_steps=total_steps,
+                       schedule=train.schedule)
             for group in engine.optimizer.param_groups:
-                group["lr"] = lr
+                group["lr"] = lr * group.get("lr_scale", 1.0)
             started = time.perf_counter()
             loss_sum = torch.zeros((), device=world.device)
             for micro, (inputs, targets) in enumerate(loader.next_batch()):
@@ -311,7 +328,8 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
     measured = {**engine.memory(), "peak": peak_memory_bytes(world.device) - baseline_peak}
     report_measured_memory(config, world, attempt, measured)
     return {"rank": world.rank, "attempt": attempt, "losses": losses, "memory": engine.memory(),
-            "comm_volume": engine.comm_volume(), "stage": engine.config.stage}
+            "comm_volume": engine.comm_volume(), "stage": engine.config.stage,
+            "group_lrs": [group["lr"] for group in engine.optimizer.param_groups]}
 
 
 def report_measured_memory(config: dict[str, Any], world: World, attempt: int, measured: dict[str, float]) -> None:

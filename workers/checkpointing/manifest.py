@@ -15,7 +15,8 @@ Manifest (``format: "zerotrain.checkpoint/v1"``, JSON)::
     tensors             {"params":  {name: ENTRY},   fp32 master weights, keys as named_parameters
                          "optimizer": {name: {state key: ENTRY}},
                          "frozen":  {name: ENTRY}, "buffers": {name: ENTRY}}
-    optimizer           {"param_groups": [hyper-parameters without "params"],
+    optimizer           {"param_groups": [hyper-parameters without "params", and
+                                          "param_names": the group's members by name],
                          "values": {name: {state key: JSON value}}}  non-tensor optimizer state
     model_state_dict    [[key, "params"|"frozen"|"buffers", name], ...] in model.state_dict()
                         order; a tied weight appears under each of its keys, with one name

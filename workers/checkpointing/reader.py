@@ -16,6 +16,7 @@ loads and saves through this unchanged.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,7 @@ from .snapshot import TORCH_DTYPE
 from .storage import Storage
 
 READ_BATCH_BYTES = 64 << 20
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -91,6 +93,45 @@ def _optimizer_order(meta: dict[str, Any]) -> list[str]:
                   key=lambda n: (meta["params"][n]["bucket"], meta["params"][n]["offset"]))
 
 
+def restore_group_hyperparameters(saved: list[dict[str, Any]], groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The engine's param ``groups`` (``state_dict_meta()``'s) with the checkpoint's hyperparameters.
+
+    [Note: which saved group a group continues]
+    Membership is by parameter name, so it survives another layout: a group continues the
+    saved group its members were in (``param_names``). If the groups correspond one to one,
+    each takes its saved group's hyperparameters (lr, weight_decay, betas, lr_scale, ...), as
+    ``optimizer.load_state_dict`` would at the same layout. If the grouping rule changed (a
+    group mixes members of two saved groups, or two groups split one), no saved group
+    describes a group, so every group keeps the hyperparameters the job's factory gave it
+    (the per-parameter state is restored either way). A checkpoint without names (written
+    before groups had them) is matched by position when the counts agree, as before.
+    """
+    owner: dict[str, int] = {}
+    for j, group in enumerate(saved):
+        for name in group.get("param_names") or []:
+            owner.setdefault(name, j)
+    sources: list[Any] = []
+    for group in groups:
+        found = {owner[n] for n in group.get("param_names") or [] if n in owner}
+        sources.append(found.pop() if len(found) == 1 else (None if not found else "mixed"))
+    named = [s for s in sources if s is not None]
+    if owner and named and "mixed" not in named and len(set(named)) == len(named):
+        pairs = list(zip(groups, sources))
+        if any(s is None for s in sources):  # groups without members here: the saved groups left over, in order
+            left = iter(j for j in range(len(saved)) if j not in named)
+            pairs = [(g, s if s is not None else next(left, None)) for g, s in pairs]
+    elif not owner and len(saved) == len(groups):
+        pairs = list(zip(groups, range(len(saved))))
+    else:
+        if saved:
+            log.warning("the optimizer's param groups differ from the checkpoint's; they keep the job's "
+                        "hyperparameters")
+        pairs = [(g, None) for g in groups]
+    return [{**g, **({k: v for k, v in saved[j].items() if k not in ("params", "param_names")} if j is not None
+                     else {}), "params": g["params"], "param_names": g.get("param_names", [])}
+            for g, j in pairs]
+
+
 def engine_state(checkpoint: Storage, manifest: dict[str, Any], engine: Any) -> tuple[dict[str, Any], LoadReport]:
     """This rank's ``zerotrain.zero/v1`` state dict for ``engine``, read by byte range."""
     meta = engine.state_dict_meta()
@@ -112,11 +153,7 @@ def engine_state(checkpoint: Storage, manifest: dict[str, Any], engine: Any) -> 
     buffers = {n: reader.whole(e) for n, e in tensors["buffers"].items()}
     reader.flush()
 
-    groups = engine.optimizer.state_dict()["param_groups"]
-    saved_groups = manifest["optimizer"]["param_groups"]
-    if len(saved_groups) == len(groups):
-        groups = [{**g, **{k: v for k, v in s.items() if k != "params"}, "params": g["params"]}
-                  for g, s in zip(groups, saved_groups)]
+    groups = restore_group_hyperparameters(manifest["optimizer"]["param_groups"], meta["param_groups"])
     sd = {
         "format": manifest["engine_format"],
         "shard_world_size": meta["shard_world_size"], "shard_rank": meta["shard_rank"],

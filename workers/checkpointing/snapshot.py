@@ -9,6 +9,8 @@ master pieces and optimizer state covering each parameter's ``shard_range``) int
   the ranks' pieces);
 - rank 0 only: what is the same on every rank (step, stage, hyper-parameters, the
   ``model.state_dict()`` key map, data position, loss scaler);
+- the names of the parameters in each optimizer param group, as this rank sees them (rank 0
+  merges them into each group's ``param_names``: membership by name survives resharding);
 - this rank's RNG states.
 
 [Note: who writes what]
@@ -51,6 +53,7 @@ class ShardSnapshot:
     values: dict[str, dict[str, Any]]  # non-tensor optimizer state
     rng: dict[str, Any]
     common: Optional[dict[str, Any]] = None  # rank 0 only
+    group_names: list[list[str]] = field(default_factory=list)  # this rank's members of each param group
     nbytes: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -107,7 +110,8 @@ def take_snapshot(engine: Any, loader: Any, step: int, rank: int, world_size: in
     return ShardSnapshot(step=step, rank=rank, world_size=world_size, file=file, tensors=tensors, entries=entries,
                          index=index,
                          values=values, rng=rng_state(),
-                         common=_common(engine, loader, sd, step, world_size) if rank == 0 else None)
+                         common=_common(engine, loader, sd, step, world_size) if rank == 0 else None,
+                         group_names=[list(g.get("param_names", [])) for g in sd["optimizer"]["param_groups"]])
 
 
 def _replica_snapshot(step: int, rank: int, world_size: int) -> ShardSnapshot:

@@ -145,6 +145,7 @@ def merge_manifest(job_id: str, statuses: list[dict[str, Any]]) -> dict[str, Any
                 merge(tensors["optimizer"].setdefault(name, {}), key, entry)
         for name, kv in status["values"].items():
             values.setdefault(name, {}).update(kv)
+    param_groups = _merge_group_names(common["optimizer"]["param_groups"], statuses)
     entries = list(tensors["params"].items()) + [(f"{n}/{k}", e) for n, s in tensors["optimizer"].items()
                                                   for k, e in s.items()]
     for name, entry in entries:
@@ -154,9 +155,24 @@ def merge_manifest(job_id: str, statuses: list[dict[str, Any]]) -> dict[str, Any
         "format": FORMAT, "job_id": job_id, **{k: v for k, v in common.items() if k != "optimizer"},
         "files": {s["file"]: {"size": s["size"], "sha256": s["sha256"]} for s in statuses},
         "tensors": tensors,
-        "optimizer": {"param_groups": common["optimizer"]["param_groups"], "values": values},
+        "optimizer": {"param_groups": param_groups, "values": values},
         "rng": [s["rng"] for s in statuses],
     }
+
+
+def _merge_group_names(groups: list[dict], statuses: list[dict[str, Any]]) -> list[dict]:
+    """Each param group's ``param_names``: the union of what every rank's group holds, in rank order.
+
+    With a plain factory a rank knows only the pieces it holds; the union names every member."""
+    merged = []
+    for j, group in enumerate(groups):
+        names: dict[str, None] = dict.fromkeys(group.get("param_names", []))
+        for status in statuses:
+            rank_groups = status.get("group_names") or []
+            if j < len(rank_groups):
+                names.update(dict.fromkeys(rank_groups[j]))
+        merged.append({**group, "param_names": list(names)})
+    return merged
 
 
 def _check_tiling(name: str, entry: dict) -> None:
@@ -227,7 +243,7 @@ class AsyncCheckpointWriter:
     def _save(self, snap: ShardSnapshot) -> SaveReport:
         step_storage = self.checkpoints.child(step_dir(snap.step))
         status: dict[str, Any] = {"rank": self.rank, "file": snap.file, "index": snap.index, "values": snap.values,
-                                  "rng": snap.rng, "common": snap.common, "error": None, "size": 0, "sha256": ""}
+                                  "group_names": snap.group_names, "rng": snap.rng, "common": snap.common, "error": None, "size": 0, "sha256": ""}
         started = time.perf_counter()
         attempts = self.upload_attempts
         try:

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import engine_state
+from . import engine_state, optim_groups
 from .buckets import FlatBucket
 from .collectives import Collectives
 from .config import ZeroConfig
@@ -79,7 +79,10 @@ class ZeroEngine:
     """Trains ``model`` with ZeRO stage 0, 1, 2 or 3 over ``process_group`` (default: WORLD).
 
     ``optimizer`` is a factory ``f(list_of_tensors) -> torch.optim.Optimizer``; it receives 1-D
-    fp32 views of this rank's shard, one per parameter piece. Any element-wise optimizer (SGD,
+    fp32 views of this rank's shard, one per parameter piece. Wrapped in
+    ``optim_groups.named_factory`` it receives ``NamedPiece``s instead (name, full shape, view)
+    and may build param groups (``optim_groups.param_groups``). Either way the optimizer must
+    hold every view exactly once, in any partition into groups. Any element-wise optimizer (SGD,
     Adam, AdamW, Adagrad, RMSprop, ...) behaves exactly as on the unsharded model; optimizers
     that look at a parameter's shape (Muon, Adafactor) are not supported.
     """
@@ -135,11 +138,13 @@ class ZeroEngine:
                                                 config.prefetch, config.reshard_after_forward)
         self.offload = HostOptimizerState(self.buckets, self.device) if config.offload_optimizer else None
         self._opt_params = [(piece, view) for b in self.buckets for piece, view in b.master_views]
-        # A rank whose shards hold only padding (tiny models, many ranks) still needs an
-        # optimizer (torch.optim refuses an empty list): it gets one empty placeholder tensor.
+        # The factory's two forms, the placeholder of a rank holding only padding and the empty
+        # stand-ins of a named factory: optim_groups.build. _placeholder: every tensor the
+        # optimizer may hold that is not a view of the shard.
         opt_device = "cpu" if self.offload is not None else self.device
-        self._placeholder = [] if self._opt_params else [torch.zeros(0, device=opt_device)]
-        self.optimizer = optimizer([view for _, view in self._opt_params] + self._placeholder)
+        held = [(piece.slot.name, view) for piece, view in self._opt_params]
+        self.optimizer, self._placeholder, self._opt_names = optim_groups.build(
+            optimizer, held, self.layout.slots, opt_device)
         self._check_optimizer()
         self.scaler = self.precision.make_scaler(config.initial_loss_scale, config.loss_scale_growth_interval)
 
@@ -206,14 +211,9 @@ class ZeroEngine:
             self.comm.broadcast(t)
 
     def _check_optimizer(self) -> None:
-        mine = {id(v) for _, v in self._opt_params} | {id(t) for t in self._placeholder}
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                if id(p) not in mine:
-                    raise ValueError(
-                        "the optimizer factory must build the optimizer over the tensors it is given "
-                        "(the engine's fp32 shard), not over model.parameters()"
-                    )
+        """Every view once, nothing foreign (``optim_groups.check``)."""
+        optim_groups.check(self.optimizer, [(piece.slot.name, view) for piece, view in self._opt_params],
+                           self._placeholder)
 
     # -- forward / backward ------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

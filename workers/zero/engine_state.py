@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from . import optim_groups
 from .buckets import FlatBucket
 
 if TYPE_CHECKING:
@@ -75,11 +76,14 @@ def state_dict(engine: "ZeroEngine") -> dict[str, Any]:
                                 "shard_range": [a, b] | None,   # elements [a, b) of the
                                 "shard_offset": int | None}}    # flattened param held here
         master          {name: fp32 1-D tensor} = flattened param[a:b] (held pieces only)
-        optimizer       optimizer.state_dict(); its param i is optimizer_params[i]
-        optimizer_params [name, ...] in optimizer order; state tensors of param i
-                        cover that param's shard_range, flattened (empty when this
-                        rank holds only padding: the optimizer then has one empty
-                        placeholder tensor without state)
+        optimizer       optimizer.state_dict() renumbered (optim_groups.export_state):
+                        its param i is optimizer_params[i], whatever order the factory's
+                        groups have; each of its param_groups holds the hyperparameters,
+                        "params" (indices of held pieces) and "param_names" (every
+                        member's name, held here or not)
+        optimizer_params [name, ...] the held pieces in layout order; state tensors of
+                        param i cover that param's shard_range, flattened (empty when this
+                        rank holds only padding)
         loss_scaler     {"scale", "good_steps", "growth_interval"} or None
         frozen          {name: full fp32 tensor} frozen parameters (same on every rank)
         buffers         {name: tensor} module buffers, original dtype: this rank's, which
@@ -114,7 +118,7 @@ def state_dict(engine: "ZeroEngine") -> dict[str, Any]:
         "layout": engine.layout.describe(engine.shard_rank),
         "params": params,
         "master": master,
-        "optimizer": _to_cpu(engine.optimizer.state_dict()),
+        "optimizer": _to_cpu(optim_groups.export_state(engine.optimizer, _views(engine), engine._opt_names)),
         "optimizer_params": [piece.slot.name for piece, _ in engine._opt_params],
         "loss_scaler": engine.scaler.state_dict() if engine.scaler is not None else None,
         "frozen": frozen,
@@ -144,7 +148,7 @@ def load_state_dict(engine: "ZeroEngine", sd: dict[str, Any]) -> None:
         raise ValueError("state dict optimizer parameter order differs from this engine's")
     for piece, view in engine._opt_params:
         view.copy_(sd["master"][piece.slot.name])
-    engine.optimizer.load_state_dict(sd["optimizer"])
+    optim_groups.import_state(engine.optimizer, _views(engine), engine._opt_names, sd["optimizer"])
     for n, p in engine._frozen:
         src = sd["frozen"][n]
         if id(p) in engine._frozen_fp32:
@@ -186,7 +190,8 @@ def load_full_state_dict(engine: "ZeroEngine", full: dict[str, torch.Tensor]) ->
         engine.strategy.publish_params()
 
 def state_dict_meta(engine: "ZeroEngine") -> dict[str, Any]:
-    """The layout part of ``state_dict()`` without copying any tensor."""
+    """The layout part of ``state_dict()`` without copying any tensor, and the optimizer's param
+    groups (hyperparameters, held ``params`` and ``param_names``) in the state dict's numbering."""
     held = {piece.slot.name: piece for piece, _ in engine._opt_params}
     params = {}
     for s in engine.layout.slots:
@@ -195,7 +200,13 @@ def state_dict_meta(engine: "ZeroEngine") -> dict[str, Any]:
                           "shard_range": [piece.param_start, piece.param_end] if piece else None,
                           "shard_offset": piece.shard_offset if piece else None}
     return {"shard_world_size": engine.shard_world, "shard_rank": engine.shard_rank, "params": params,
-            "optimizer_params": [piece.slot.name for piece, _ in engine._opt_params]}
+            "optimizer_params": [piece.slot.name for piece, _ in engine._opt_params],
+            "param_groups": optim_groups.export_groups(engine.optimizer, _views(engine), engine._opt_names)}
+
+
+def _views(engine: "ZeroEngine") -> list[torch.Tensor]:
+    """The optimizer's tensors in ``optimizer_params`` order."""
+    return [view for _, view in engine._opt_params]
 
 
 def _to_cpu(obj):
