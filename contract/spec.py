@@ -313,6 +313,11 @@ class ZeroSpec(SpecModel):
     prefetch: int = Field(default=1, ge=0, le=MAX_INT32)
     activation_checkpointing: bool = False
     reshard_after_forward: bool = True
+    # rank 0's buffers (BatchNorm running statistics) to every rank after each training forward,
+    # as DDP does; false: each rank keeps its own (workers/zero/module_buffers.py)
+    broadcast_buffers: bool = True
+    # BatchNorm statistics over every rank's rows (workers/zero/sync_batchnorm.py)
+    sync_batchnorm: bool = False
 
 
 class ResourcesSpec(SpecModel):

@@ -201,6 +201,8 @@ def build_engine(spec: JobSpec, model: torch.nn.Module, device: torch.device) ->
         grad_clip=train.grad_clip,
         activation_checkpointing=zero.activation_checkpointing,
         reshard_after_forward=zero.reshard_after_forward,
+        broadcast_buffers=zero.broadcast_buffers,
+        sync_batchnorm=zero.sync_batchnorm,
     )
     return ZeroEngine(model, optimizer=optimizer_factory(train), config=config)
 

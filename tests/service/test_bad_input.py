@@ -75,6 +75,8 @@ BAD_SPECS: list[tuple[str, dict]] = [
     ("zero.prefetch", with_value("zero.prefetch", -1)),
     ("zero.activation_checkpointing", with_value("zero.activation_checkpointing", "no")),
     ("zero.reshard_after_forward", with_value("zero.reshard_after_forward", 1)),
+    ("zero.broadcast_buffers", with_value("zero.broadcast_buffers", "sometimes")),
+    ("zero.sync_batchnorm", with_value("zero.sync_batchnorm", 2)),
     ("resources.num_workers", with_value("resources.num_workers", 0)),
     ("resources.gpus_per_worker", with_value("resources.gpus_per_worker", -1)),
     ("resources.cpus_per_worker", with_value("resources.cpus_per_worker", 0)),
