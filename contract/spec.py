@@ -17,7 +17,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 from pydantic_core import PydanticCustomError
 
 from contract.presets import PRESETS
-from contract.zero_math import PRECISIONS, STAGES
+from contract.zero_math import OPTIMIZER_STATE_TENSORS, PRECISIONS, STAGES
 
 # --------------------------------------------------------------------------- job spec
 
@@ -190,7 +190,7 @@ class DataSpec(SpecModel):
         return self
 
 
-OPTIMIZERS = ("adamw", "adam", "sgd")
+OPTIMIZERS = tuple(OPTIMIZER_STATE_TENSORS)  # ("adamw", "adam", "sgd")
 """``train.optimizer``: torch.optim's element-wise optimizers the engine is tested with."""
 SHAPE_AWARE_OPTIMIZERS = {
     "muon": "orthogonalizes each 2-D update matrix",

@@ -15,7 +15,9 @@ With mixed precision and Adam a parameter costs 2 bytes (compute copy) + 2 (grad
 12 (fp32 master + m + v); fp32 training has no separate master: 4 + 4 + 8. A stage divides
 by N exactly the terms it shards: stage 0 16Φ, 1 4Φ + 12Φ/N, 2 2Φ + 14Φ/N, 3 16Φ/N (bf16).
 Shards round up to whole elements, and the engine pads every bucket to a multiple of N, so
-the formulas take the padded Φ when it is known.
+the formulas take the padded Φ when it is known. Other optimizers change K by their fp32
+state tensors per parameter (``optimizer_state_tensors``): SGD with momentum holds one, plain
+SGD none, so K is 4 + 4 (bf16 master + momentum) or 4 + 0, and fp32 SGD's K is 4 or 0.
 
 [Note: communication per step]
 An all-reduce counts twice its elements (it is a reduce-scatter plus an all-gather), so
@@ -89,13 +91,13 @@ class PrecisionTraits:
 
     torch_dtype: str  # name of the compute dtype in ``torch`` (the engine maps it)
     element_bytes: int  # a parameter or gradient element as the engine keeps and communicates it
-    optimizer_bytes: int  # K: Adam state per parameter (+ the fp32 master under mixed precision)
+    master_bytes: int  # the fp32 master copy per parameter: 0 when compute is fp32 (it is the master)
 
 
 PRECISION_TRAITS: dict[str, PrecisionTraits] = {
-    "fp32": PrecisionTraits("float32", element_bytes=4, optimizer_bytes=8),  # m + v
-    "bf16": PrecisionTraits("bfloat16", element_bytes=2, optimizer_bytes=12),  # master + m + v
-    "fp16": PrecisionTraits("float16", element_bytes=2, optimizer_bytes=12),
+    "fp32": PrecisionTraits("float32", element_bytes=4, master_bytes=0),
+    "bf16": PrecisionTraits("bfloat16", element_bytes=2, master_bytes=4),
+    "fp16": PrecisionTraits("float16", element_bytes=2, master_bytes=4),
 }
 PRECISIONS: tuple[str, ...] = tuple(PRECISION_TRAITS)
 
@@ -111,9 +113,24 @@ def low_precision_bytes(precision: str) -> int:
     return precision_traits(precision).element_bytes
 
 
-def optimizer_bytes_per_param(precision: str) -> int:
-    """K: Adam state per parameter; mixed precision adds the fp32 master copy (4 + 4 + 4)."""
-    return precision_traits(precision).optimizer_bytes
+#: fp32 state tensors torch.optim keeps per parameter (``train.optimizer``): Adam's m and v;
+#: SGD's momentum buffer, which it allocates only with momentum > 0 (``optimizer_state_tensors``)
+OPTIMIZER_STATE_TENSORS: dict[str, int] = {"adamw": 2, "adam": 2, "sgd": 1}
+ADAM_STATE_TENSORS = OPTIMIZER_STATE_TENSORS["adamw"]
+
+
+def optimizer_state_tensors(optimizer: str = "adamw", momentum: float | None = None) -> int:
+    """fp32 state tensors per parameter of ``optimizer``; plain SGD (no momentum) keeps none."""
+    if optimizer not in OPTIMIZER_STATE_TENSORS:
+        raise ValueError(f"optimizer must be one of {tuple(OPTIMIZER_STATE_TENSORS)}, got {optimizer!r}")
+    if optimizer == "sgd" and not momentum:
+        return 0
+    return OPTIMIZER_STATE_TENSORS[optimizer]
+
+
+def optimizer_bytes_per_param(precision: str, state_tensors: int = ADAM_STATE_TENSORS) -> int:
+    """K: optimizer state per parameter (Adam: m + v); mixed precision adds the fp32 master copy."""
+    return precision_traits(precision).master_bytes + 4 * state_tensors
 
 
 # --------------------------------------------------------------------------- model states
@@ -159,18 +176,20 @@ def model_state_bytes(
     stage: int = 0,
     offload: bool = False,
     phi_padded: int | None = None,
+    optimizer_states: int = ADAM_STATE_TENSORS,
 ) -> ModelStateBytes:
     """Model states of one rank (see the note on model states): each term whole or a shard.
 
     ``phi_padded`` is the flat size after the engine pads buckets to a multiple of N: the
-    engine's flat buffers hold the padding, so every term uses it.
+    engine's flat buffers hold the padding, so every term uses it. ``optimizer_states`` is the
+    optimizer's fp32 state tensors per parameter (``optimizer_state_tensors``; Adam's 2).
     """
     precision_traits(precision)
     traits = stage_traits(stage)
     phi = int(phi if phi_padded is None else phi_padded)
     shard = shard_numel(phi, n_ranks)
     p = low_precision_bytes(precision)
-    k = optimizer_bytes_per_param(precision)
+    k = optimizer_bytes_per_param(precision, optimizer_states)
     param_elems = shard if traits.shards_parameters else phi
     grad_elems = shard if traits.shards_gradients else phi
     optim_elems = shard if traits.shards_optimizer else phi
@@ -184,7 +203,7 @@ def model_state_bytes(
         gpu_optimizer=0,
         cpu_params=4 * optim_elems,
         cpu_grads=4 * optim_elems,
-        cpu_optimizer=8 * optim_elems,
+        cpu_optimizer=4 * optimizer_states * optim_elems,
     )
 
 

@@ -12,7 +12,7 @@ from dataclasses import replace
 from typing import Any, Sequence
 
 from contract.spec import JobSpec, ModelSpec
-from contract.zero_math import DEFAULT_TARGET_EFFICIENCY, GB, STAGES
+from contract.zero_math import DEFAULT_TARGET_EFFICIENCY, GB, STAGES, optimizer_state_tensors
 from workers.zero.planner import DEFAULT_MARGIN, Plan, PlanInputs, choose_plan, fixed_plan, model_shape
 from workers.zero.planner.activations import Stage2Layout, profile_activations
 from workers.zero.planner.shape import bucket_elements
@@ -65,6 +65,7 @@ def inputs_for_spec(
         compute_s=compute_s,
         target_efficiency=target_efficiency,
         reshard_after_forward=zero.reshard_after_forward,
+        optimizer_states=optimizer_state_tensors(spec.train.optimizer, spec.train.momentum),
     )
 
 

@@ -16,9 +16,10 @@ from contract.presets import PRESETS
 from contract.spec import JobSpec
 
 
-def model_state_bytes(phi: int, world: int, stage: int, precision: str) -> dict[str, int]:
+def model_state_bytes(phi: int, world: int, stage: int, precision: str,
+                      optimizer_states: int = zero_math.ADAM_STATE_TENSORS) -> dict[str, int]:
     """Params / grads / optimizer bytes on one rank (padding aside), as the job page draws them."""
-    states = zero_math.model_state_bytes(phi, world, precision, stage)
+    states = zero_math.model_state_bytes(phi, world, precision, stage, optimizer_states=optimizer_states)
     return {"params": states.gpu_params, "grads": states.gpu_grads, "optimizer": states.gpu_optimizer,
             "total": states.gpu_total}
 
@@ -78,7 +79,8 @@ def predict(spec: JobSpec | None, checkpoint_stage: int | None, planner: dict[st
         "stage": stage,
         "world": world,
         "precision": precision,
-        **model_state_bytes(phi, world, stage, precision),
+        **model_state_bytes(phi, world, stage, precision,
+                            zero_math.optimizer_state_tensors(spec.train.optimizer, spec.train.momentum)),
         "comm_elements_per_step": comm_elements_per_step(phi, stage),
     }
 

@@ -90,3 +90,27 @@ def test_the_loop_follows_the_linear_schedule_on_every_group(tmp_path: Path):
         assert [r["lr"] for r in records] == pytest.approx(want)
         assert all(torch.isfinite(torch.tensor(summary["losses"])))
         assert summary["group_lrs"] == pytest.approx([want[-1]] * 2)
+
+
+@pytest.mark.parametrize("optimizer, extra", [("adamw", {}), ("sgd", {"momentum": 0.9}), ("sgd", {})])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_planner_predicts_the_optimizer_memory_the_engine_holds(optimizer, extra, precision):
+    """Plain SGD keeps no state and SGD with momentum one buffer, not Adam's two: a plan that
+    assumed Adam for every job over-predicted their memory (and flagged the job's measurement)."""
+    from workers.planning import plan_for_spec
+
+    raw = nano_spec(1, optimizer=optimizer, **extra)
+    raw["zero"] = {"stage": 0, "precision": precision}
+    raw["resources"] = {"num_workers": 1}
+    spec = JobSpec.model_validate(raw)
+    torch.manual_seed(0)
+    engine = build_engine(spec, build_model(spec.model), torch.device("cpu"))
+    x = torch.randint(0, 256, (2, 16))
+    engine.backward(engine(x, x))
+    engine.step()  # optimizers allocate their state on the first step
+    plan = plan_for_spec(spec, stages=(0,), allow_offload=False)
+    held = engine.memory()["optimizer"]
+    # Adam also keeps a scalar step count per parameter, which the planner leaves out
+    step_counts = sum(state["step"].nbytes for state in engine.optimizer.state.values() if "step" in state)
+    assert plan.chosen.gpu["optimizer"] == held - step_counts, (optimizer, extra, precision)
+    engine.remove_hooks()

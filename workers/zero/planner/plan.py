@@ -95,6 +95,7 @@ class PlanInputs:
     compute_s: float | None = None
     target_efficiency: float = DEFAULT_TARGET_EFFICIENCY
     reshard_after_forward: bool = True
+    optimizer_states: int = 2  # fp32 optimizer state tensors per parameter (Adam: m, v)
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -127,7 +128,7 @@ def predict(inputs: PlanInputs, stage: int, offload: bool = False) -> StagePredi
     else:
         buckets = bucket_numels(shape.param_numels, traits.shard_world(n), bucket_elements(inputs.bucket_mb, precision))
     phi_padded = sum(buckets)
-    states = model_state_bytes(shape.phi, n, precision, stage, offload, phi_padded)
+    states = model_state_bytes(shape.phi, n, precision, stage, offload, phi_padded, inputs.optimizer_states)
     activations = inputs.activation_bytes or 0
     backward = activations + backward_buffer_bytes(
         stage, precision, buckets, n, inputs.device, inputs.accumulation_steps
