@@ -65,8 +65,8 @@ class ZeroConfig:
     reshard_after_forward  stage 3: free gathered parameters after each unit's forward and gather
                         them again for its backward (3Φ per step); False keeps them (2Φ).
     activation_checkpointing  recompute each unit's activations in backward (every stage).
-    wrap                unit policy (stage 3, activation checkpointing): None (each child of the
-                        largest ModuleList + a root unit), a list of module class names, or a
+    wrap                unit policy (stage 3, activation checkpointing): None (the blocks of every
+                        ModuleList + a root unit), a list of module class names, or a
                         callable(module) -> bool (``units.py``).
     broadcast_buffers   after every forward through the engine that runs with grad enabled,
                         rank 0's module buffers (BatchNorm running statistics, ...) are

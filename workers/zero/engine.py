@@ -121,6 +121,8 @@ class ZeroEngine:
         self._frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
         shapes = [(n, tuple(p.shape)) for n, p in trainable]
         units = plan_units(model, trainable, config.wrap) if traits.shards_parameters else None
+        if units is not None:
+            log.info("stage %d units: %s", config.stage, units.describe())
         if units is not None:  # parameters sharded: one bucket per unit, gathered together
             self.layout = FlatLayout.from_groups(shapes, units.groups, self.shard_world)
         else:

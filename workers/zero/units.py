@@ -2,11 +2,24 @@
 
 A unit is a module whose parameters are gathered together at stage 3 (FSDP's "wrapped
 module") and whose forward is recomputed in backward under activation checkpointing. The
-default is what transformers look like: each child of the model's largest ``ModuleList``
-(the blocks, ``largest_module_list``; the planner predicts with these same functions), plus
-a *root* unit for every parameter outside them (embeddings, final norm, head). ``wrap``
-chooses other modules: a list of class names, or a predicate ``f(module) -> bool``; only the
-outermost match counts (a matching module inside another unit stays part of that unit).
+default is what transformers look like (see the note on the default rule): the blocks, i.e.
+the children of every ``ModuleList`` that holds parameters, plus a *root* unit for every
+parameter outside them (embeddings, final norm, head). ``wrap`` chooses other modules: a list
+of class names, or a predicate ``f(module) -> bool``; only the outermost match counts (a
+matching module inside another unit stays part of that unit). The planner predicts with these
+same functions.
+
+[Note: the default rule]
+Every ``ModuleList`` not inside a unit already chosen contributes each child that holds
+parameters (frozen ones included: a unit owning no trainable parameter simply has no bucket);
+``named_modules`` order, outermost first. So an encoder-decoder (T5: ``encoder.block`` and
+``decoder.block``) is split on both sides, and a list nested inside a block -- T5's
+``block[i].layer``, a mixture-of-experts layer's ``experts`` -- stays inside the block's unit:
+that matters, because at stage 3 a unit is gathered collectively and the experts a rank runs
+depend on its data, so an expert that were a unit of its own would be gathered by some ranks
+only. A model whose only ``ModuleList`` holds such data-dependent children (experts outside any
+block list) must pass ``wrap``. The rule was "the largest ``ModuleList`` only" before issue 15,
+which left T5's whole encoder (or decoder) in the root.
 
 [Note: which unit owns a parameter]
 A parameter belongs to the unit that encloses every module registering it. One registered
@@ -19,7 +32,7 @@ they are replicated on every rank as at stages 0-2.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch.nn as nn
@@ -33,6 +46,8 @@ class UnitPlan:
     modules: list[nn.Module]  # non-root units in model.named_modules() order, then the root
     names: list[str]
     owned: list[list[int]]  # indices into the trainable-parameter list, registration order
+    param_names: list[str] = field(default_factory=list)  # of the trainable parameters, for describe()
+    param_numels: list[int] = field(default_factory=list)
 
     @property
     def root(self) -> int:
@@ -43,11 +58,35 @@ class UnitPlan:
         """The owned indices of every unit that owns any, in unit order (root last): one bucket each."""
         return [g for g in self.owned if g]
 
+    def describe(self, limit: int = 6) -> str:
+        """One line for the log: the units, and what the root holds (parameters and elements).
 
-def largest_module_list(model: nn.Module) -> nn.ModuleList | None:
-    """The ``ModuleList`` holding the most parameters: its children are the repeated blocks."""
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
-    return max(lists, key=lambda m: sum(p.numel() for p in m.parameters()), default=None)
+        The root is gathered for the whole forward and backward, so a large root is what to
+        look at when stage 3 saves less memory than expected (an unsplit encoder, a big tie).
+        """
+        def numel(indices: list[int]) -> int:
+            return sum(self.param_numels[i] for i in indices)
+
+        total = sum(self.param_numels)
+        units = [(n, numel(o)) for n, o in zip(self.names[:-1], self.owned[:-1]) if o]
+        shown = ", ".join(f"{n} ({k:,})" for n, k in units[:limit])
+        if len(units) > limit:
+            shown += f", ... {units[-1][0]} ({units[-1][1]:,})"
+        root = self.owned[self.root]
+        root_numel = numel(root)
+        share = f" ({100 * root_numel / total:.0f}%)" if total else ""
+        names = ", ".join(self.param_names[i] for i in root[:limit]) + (", ..." if len(root) > limit else "")
+        return (f"{len(units)} units + root [{shown}]; root: {len(root)} parameters, "
+                f"{root_numel:,} of {total:,} elements{share}" + (f" [{names}]" if root else ""))
+
+
+def block_members(model: nn.Module) -> set[int]:
+    """ids of the default rule's candidates: every ``ModuleList``'s children that hold parameters.
+
+    Nesting is resolved by ``unit_modules`` (outermost first), see the note on the default rule.
+    """
+    return {id(child) for m in model.modules() if isinstance(m, nn.ModuleList)
+            for child in m if next(child.parameters(), None) is not None}
 
 
 def unit_modules(model: nn.Module, wrap: Any = None) -> list[tuple[str, nn.Module]]:
@@ -78,7 +117,8 @@ def plan_units(model: nn.Module, trainable: list[tuple[str, nn.Parameter]], wrap
         holders = owners.get(id(p), set())
         u = next(iter(holders)) if len(holders) == 1 and id(p) not in outside else root
         owned[u].append(i)
-    return UnitPlan([m for _, m in units] + [model], [n for n, _ in units] + ["<root>"], owned)
+    return UnitPlan([m for _, m in units] + [model], [n for n, _ in units] + ["<root>"], owned,
+                    [n for n, _ in trainable], [p.numel() for _, p in trainable])
 
 
 def _registered_outside(model: nn.Module, units: list[nn.Module]) -> set[int]:
@@ -90,8 +130,7 @@ def _registered_outside(model: nn.Module, units: list[nn.Module]) -> set[int]:
 
 def _policy(model: nn.Module, wrap: Any) -> Callable[[nn.Module], bool]:
     if wrap is None:
-        blocks = largest_module_list(model)
-        members = {id(m) for m in blocks} if blocks is not None else set()
+        members = block_members(model)
         return lambda m: id(m) in members
     if callable(wrap):
         return wrap

@@ -78,3 +78,67 @@ def test_prefetch_follows_the_learnt_order_and_drops_stale_gathers():
     assert changed["stale_freed"] > same["stale_freed"]
     assert all(u.state == "free" for u in engine.strategy.units)
     assert engine.strategy.max_gathered <= 2
+
+
+class _Expert(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+class _MoEBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(4)
+        self.experts = nn.ModuleList([_Expert() for _ in range(3)])  # a list INSIDE a block
+
+
+class _Stack(nn.Module):
+    def __init__(self, moe: bool):
+        super().__init__()
+        self.block = nn.ModuleList([_MoEBlock() if moe else _Expert() for _ in range(2)])
+        self.acts = nn.ModuleList([nn.ReLU(), nn.GELU()])  # no parameters: no units
+        self.final = nn.LayerNorm(4)
+
+
+class _EncoderDecoder(nn.Module):
+    """T5's layout: two stacks, each with its own block list, and a shared embedding in the root."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared = nn.Embedding(7, 4)
+        self.encoder = _Stack(moe=False)
+        self.decoder = _Stack(moe=True)
+        self.decoder.block[1].requires_grad_(False)  # a frozen block is a unit that owns nothing
+
+
+def test_default_units_split_every_block_list_and_keep_nested_lists_inside():
+    owned = _owned_names(_EncoderDecoder())
+    assert list(owned) == ["encoder.block.0", "encoder.block.1", "decoder.block.0", "decoder.block.1", "<root>"]
+    # the experts list nested in decoder.block.0 stays inside that unit (only outermost matches)
+    assert owned["decoder.block.0"] == sorted(["decoder.block.0.norm.weight", "decoder.block.0.norm.bias"] + [
+        f"decoder.block.0.experts.{i}.fc.{w}" for i in range(3) for w in ("weight", "bias")])
+    assert owned["decoder.block.1"] == []
+    assert owned["<root>"] == sorted(["shared.weight", "encoder.final.weight", "encoder.final.bias",
+                                      "decoder.final.weight", "decoder.final.bias"])
+    # wrap still overrides the default: class names, or a predicate
+    assert [n for n, _ in unit_modules(_EncoderDecoder(), ["_Expert"])] == [
+        "encoder.block.0", "encoder.block.1", "decoder.block.0.experts.0", "decoder.block.0.experts.1",
+        "decoder.block.0.experts.2", "decoder.block.1.experts.0", "decoder.block.1.experts.1",
+        "decoder.block.1.experts.2"]
+    assert [n for n, _ in unit_modules(_EncoderDecoder(), lambda m: isinstance(m, _Stack))] == ["encoder", "decoder"]
+
+
+def test_the_engine_logs_its_unit_plan_once(caplog):
+    model = _EncoderDecoder()
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    line = plan_units(model, trainable).describe(limit=2)
+    assert line == ("3 units + root [encoder.block.0 (20), encoder.block.1 (20), ... decoder.block.0 (68)]; "
+                    "root: 5 parameters, 44 of 152 elements (29%) [shared.weight, encoder.final.weight, ...]")
+    with caplog.at_level("INFO", logger="workers.zero.engine"):
+        ZeroEngine(make("blocks"), lambda ps: torch.optim.SGD(ps, lr=1e-2), ZeroConfig(stage=3, precision="fp32"))
+    lines = [r.getMessage() for r in caplog.records if "units" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith("stage 3 units: 4 units + root [blocks.0 (")

@@ -250,7 +250,7 @@ METHOD = {
     "shards, CUDA foreach Adam temporaries)",
     "peak": "model states + gathered units + max(activations + backward scratch, step scratch) + reserve",
     "gathered_units": "stage 3: the root unit (embeddings, tied head; kept gathered) + (prefetch+1) "
-    "× the largest block (children of the largest ModuleList), padded, compute dtype",
+    "× the largest block (a child of a ModuleList), padded, compute dtype",
     "activations": "peak live tensor bytes over one micro-batch forward+backward (dispatch tracker; "
     "meta device at submit time, SDPA as flash attention)",
     "reserve": "5% of the other terms, + 512 MiB CUDA context on GPUs",

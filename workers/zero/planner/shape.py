@@ -111,7 +111,7 @@ def unit_buckets(model: nn.Module) -> list[list[int]]:
 
 def stage3_units(model: nn.Module) -> tuple[int, list[int]]:
     """Trainable parameters of the stage-3 root unit and of each block (the engine's
-    ``plan_units``: children of the largest ``ModuleList``). The root holds every parameter
+    ``plan_units``: the blocks of every ``ModuleList``). The root holds every parameter
     outside the blocks (embeddings, final norm, and tied weights, which belong to the unit
     enclosing both uses); each counts once."""
     trainable = trainable_named(model)
