@@ -470,9 +470,9 @@ class ZeroEngine:
         a barrier on the engine's process group, so that no rank tears its process group down
         while a peer still communicates (Gloo aborts such a process: "terminate called without
         an active exception"). Every rank must call it, as for any collective. Idempotent;
-        afterwards forward/backward/step/state loading raise ``RuntimeError``, while
-        ``memory()``, ``comm_volume()`` and ``state_dict_meta()`` still answer. Also the end of
-        ``with ZeroEngine(...) as engine:``.
+        afterwards forward/backward/step/zero_grad, ``full_state_dict()`` and the loaders raise
+        ``RuntimeError``, while what needs no communication (``state_dict()``, ``memory()``,
+        ``comm_volume()``) still answers. Also the end of ``with ZeroEngine(...) as engine:``.
         """
         if self._closed:
             return
