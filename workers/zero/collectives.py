@@ -83,12 +83,9 @@ class Pending:
         if self.done:
             return
         self.done = True
-        try:
-            if self.work is not None:
-                self.owner._timed_wait(self.work, self.label, self.seq)
-        finally:
-            self.tensors = ()
-            self.owner._forget(self)
+        if self.work is not None:
+            self.owner._timed_wait(self.work, self.label, self.seq)
+        self.tensors = ()
 
 
 class _Watchdog:
@@ -232,18 +229,13 @@ class Collectives:
 
     # -- what is in flight ------------------------------------------------------------------------
     def _track(self, p: Pending) -> Pending:
+        self._pending = [q for q in self._pending if not q.done]  # waited ones leave at the next launch
         self._pending.append(p)
         return p
 
-    def _forget(self, p: Pending) -> None:
-        try:
-            self._pending.remove(p)
-        except ValueError:
-            pass
-
     def pending(self) -> list[str]:
         """Labels of the collectives launched and not waited on yet, oldest first."""
-        return [p.label for p in self._pending]
+        return [p.label for p in self._pending if not p.done]
 
     def drain(self, device_too: bool = False) -> None:
         """Wait for every collective still in flight, oldest first.
@@ -253,8 +245,9 @@ class Collectives:
         the streams; ``device_too`` also blocks the host until the side stream is done (before
         the process group is destroyed, not every step).
         """
-        while self._pending:
-            self._pending[0].wait()
+        for p in self._pending:
+            p.wait()
+        self._pending = []
         if device_too and self.stream is not None:
             self.stream.synchronize()
 
