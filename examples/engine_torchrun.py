@@ -98,6 +98,7 @@ def main() -> None:
         say(f"  host      {mem['host']:>12,}  (offloaded master, optimizer state, fp32 gradient shard)")
     say(f"communication last step: {comm} (2Φ = {2 * phi:,}; stage 2 pays Φ of reduce-scatter per micro-step, "
         f"stage 3 3Φ)")
+    engine.close()  # waits for what is in flight and synchronizes the ranks: destroying the group is safe
     if dist.is_initialized():
         dist.destroy_process_group()
 

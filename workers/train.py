@@ -329,9 +329,13 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
         raise RuntimeError(f"{unsent} metric records could not be delivered to the control plane")
     measured = {**engine.memory(), "peak": peak_memory_bytes(world.device) - baseline_peak}
     report_measured_memory(config, world, attempt, measured)
-    return {"rank": world.rank, "attempt": attempt, "losses": losses, "memory": engine.memory(),
-            "comm_volume": engine.comm_volume(), "stage": engine.config.stage,
-            "group_lrs": [group["lr"] for group in engine.optimizer.param_groups]}
+    summary = {"rank": world.rank, "attempt": attempt, "losses": losses, "memory": engine.memory(),
+               "comm_volume": engine.comm_volume(), "stage": engine.config.stage,
+               "group_lrs": [group["lr"] for group in engine.optimizer.param_groups]}
+    # Only on the way out of a run that succeeded: close() is collective (a barrier), and after a
+    # training error a peer may be gone -- the error propagates untouched, as it always did.
+    engine.close()
+    return summary
 
 
 def report_measured_memory(config: dict[str, Any], world: World, attempt: int, measured: dict[str, float]) -> None:

@@ -91,13 +91,16 @@ class Pending:
 class _Watchdog:
     """Logs collectives a rank has been blocked on for longer than their timeout.
 
-    One daemon thread per process, shared by every engine, started on first use.
+    One daemon thread per process, shared by every engine, started on first use and stopped by
+    ``stop()`` (``ZeroEngine.close()``); a later wait starts it again. It sleeps on an event,
+    so ``stop()`` ends it at once rather than after its next tick.
     """
 
     def __init__(self):
         self._waiting: dict[int, tuple[str, int, int, float, float]] = {}
         self._lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
+        self._stop = threading.Event()
         self._next = 0
 
     def enter(self, label: str, seq: int, rank: int, timeout_s: float) -> int:
@@ -106,7 +109,9 @@ class _Watchdog:
             self._next += 1
             self._waiting[token] = (label, seq, rank, timeout_s, time.monotonic())
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="zero-comm-watchdog", daemon=True)
+                self._stop = threading.Event()
+                self._thread = threading.Thread(target=self._run, args=(self._stop,), name="zero-comm-watchdog",
+                                                daemon=True)
                 self._thread.start()
         return token
 
@@ -114,12 +119,26 @@ class _Watchdog:
         with self._lock:
             self._waiting.pop(token, None)
 
-    def _run(self) -> None:
+    @property
+    def running(self) -> bool:
+        with self._lock:
+            return self._thread is not None and self._thread.is_alive()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """End the thread (if running) and wait for it; safe to call any number of times."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+            self._stop.set()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout_s)
+
+    def _run(self, stop: threading.Event) -> None:
         reported: set[int] = set()
         while True:
             with self._lock:
                 tick = min([w[3] / 4 for w in self._waiting.values()] + [1.0])
-            time.sleep(max(0.01, tick))
+            if stop.wait(max(0.01, tick)):
+                return
             now = time.monotonic()
             with self._lock:
                 stuck = [(t, w) for t, w in self._waiting.items() if now - w[4] > w[3] and t not in reported]
@@ -153,6 +172,7 @@ class Collectives:
         self._cuda = device.type == "cuda" and torch.cuda.is_available()
         self.stream = torch.cuda.Stream(device=device) if self._cuda else None
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._pending: list[Pending] = []  # launched and not waited on yet, in launch order
 
     @property
     def distributed(self) -> bool:
@@ -207,6 +227,30 @@ class Collectives:
         with torch.cuda.stream(self.stream):
             yield
 
+    # -- what is in flight ------------------------------------------------------------------------
+    def _track(self, p: Pending) -> Pending:
+        self._pending = [q for q in self._pending if not q.done]  # waited ones leave at the next launch
+        self._pending.append(p)
+        return p
+
+    def pending(self) -> list[str]:
+        """Labels of the collectives launched and not waited on yet, oldest first."""
+        return [p.label for p in self._pending if not p.done]
+
+    def drain(self, device_too: bool = False) -> None:
+        """Wait for every collective still in flight, oldest first.
+
+        The strategies fold their results in themselves (``Strategy.drain``); this is the backstop
+        that nothing launched through this object is still pending. On CUDA a wait only orders
+        the streams; ``device_too`` also blocks the host until the side stream is done (before
+        the process group is destroyed, not every step).
+        """
+        for p in self._pending:
+            p.wait()
+        self._pending = []
+        if device_too and self.stream is not None:
+            self.stream.synchronize()
+
     def _next_seq(self) -> int:
         self.seq += 1
         self.counter.calls += 1
@@ -221,7 +265,7 @@ class Collectives:
         self.counter.all_reduce += 2 * tensor.numel()
         with self._launch_context():
             work = dist.all_reduce(tensor, group=self.group, async_op=True)
-        p = Pending(work, label, seq, self, tensors=(tensor,))
+        p = self._track(Pending(work, label, seq, self, tensors=(tensor,)))
         if not async_op:
             p.wait()
         return p
@@ -236,7 +280,7 @@ class Collectives:
         self.counter.reduce_scatter += input.numel()
         with self._launch_context():
             work = _reduce_scatter(output, input, group=self.group, async_op=True)
-        p = Pending(work, label, seq, self, tensors=(output, input))
+        p = self._track(Pending(work, label, seq, self, tensors=(output, input)))
         if not async_op:
             p.wait()
         return p
@@ -251,7 +295,7 @@ class Collectives:
         self.counter.all_gather += output.numel()
         with self._launch_context():
             work = _all_gather(output, input, group=self.group, async_op=True)
-        p = Pending(work, label, seq, self, tensors=(output, input))
+        p = self._track(Pending(work, label, seq, self, tensors=(output, input)))
         if not async_op:
             p.wait()
         return p
@@ -285,7 +329,8 @@ class Collectives:
         dist.broadcast(tensor, src=dist.get_global_rank(self.group, src), group=self.group)
 
     def barrier(self) -> None:
-        if self.distributed:
+        """Every rank of the group reaches this point (nothing once the default group is destroyed)."""
+        if self.distributed and dist.is_initialized():
             dist.barrier(group=self.group)
 
 
@@ -325,9 +370,14 @@ def tagged_all_gather(comm: Collectives, output: Optional[torch.Tensor], input: 
         seq = comm._next_seq()
     with comm._launch_context():
         tag_work = _all_gather(tags.view(-1), tag, group=comm.group, async_op=True)
-    if output is None:
-        return Pending(tag_work, label, seq, comm, tensors=(tags, tag)), tags
+    if output is None:  # tracked, so that a drain waits for it too (it is checked later)
+        return comm._track(Pending(tag_work, label, seq, comm, tensors=(tags, tag))), tags
     pending = comm.all_gather(output, input, label)
     pending.work = _Both(tag_work, pending.work)
     pending.tensors = pending.tensors + (tags, tag)
     return pending, tags
+
+
+def stop_watchdog() -> None:
+    """Stop the process's collectives watchdog thread (``ZeroEngine.close``); the next wait restarts it."""
+    _WATCHDOG.stop()

@@ -43,7 +43,7 @@ import torch.nn as nn
 
 from . import engine_state, optim_groups
 from .buckets import FlatBucket
-from .collectives import Collectives
+from .collectives import Collectives, stop_watchdog
 from .config import ZeroConfig
 from .flat import FlatLayout
 from .module_buffers import ModuleBuffers
@@ -151,6 +151,7 @@ class ZeroEngine:
         self.scaler = self.precision.make_scaler(config.initial_loss_scale, config.loss_scale_growth_interval)
 
         self._got_grad = [False] * len(self.layout.slots)
+        self._closed = False
         self._micro_open = False
         self._micro_steps = 0
         self._step = 0
@@ -224,8 +225,10 @@ class ZeroEngine:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The module's forward on inputs cast to the compute dtype; then, if grad is enabled,
         rank 0's buffers to every rank (``broadcast_buffers``, ``module_buffers.py``)."""
+        self._check_open("forward")
         out = self.module(*self.precision.cast_inputs(args), **self.precision.cast_inputs(kwargs))
         self.module_buffers.after_forward()
+        self._drain()
         return out
 
     def train(self, mode: bool = True) -> "ZeroEngine":
@@ -242,6 +245,7 @@ class ZeroEngine:
         each bucket during this backward, as it fills, instead of all at once in ``step()``
         (stage 2 always does). Leave it unset when unsure: the result is the same.
         """
+        self._check_open("backward")
         self._begin_micro_step(bool(sync))
         if self.scaler is not None:
             loss = loss * self.scaler.scale
@@ -294,6 +298,7 @@ class ZeroEngine:
         if not self._micro_open:
             return
         self.strategy.end_micro_step()
+        self._drain()
         self._micro_open = False
         self._micro_steps += 1
 
@@ -306,6 +311,7 @@ class ZeroEngine:
         "micro_steps", "comm_elements"}``; ``grad_norm`` is the global pre-clip L2 norm of the
         averaged, unscaled gradient (``inf``/``nan`` on an fp16 overflow).
         """
+        self._check_open("step")
         self._end_micro_step()
         scale = self.scaler.scale if self.scaler is not None else None
         grads = self.strategy.reduced_grads()
@@ -354,6 +360,7 @@ class ZeroEngine:
         if self.scaler is not None:
             self.scaler.update(skipped)
         self.strategy.zero_grads()
+        self._drain()
         self._got_grad = [False] * len(self._got_grad)
         self._step += 1
         micro_steps, self._micro_steps = self._micro_steps, 0
@@ -372,6 +379,7 @@ class ZeroEngine:
 
     def zero_grad(self) -> None:
         """Drop accumulated gradients without stepping (after a completed backward)."""
+        self._check_open("zero_grad")
         self._end_micro_step()
         self.strategy.zero_grads()
         self._got_grad = [False] * len(self._got_grad)
@@ -433,6 +441,7 @@ class ZeroEngine:
     # -- state (engine_state.py) ---------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full fp32 parameters and buffers keyed as ``model.state_dict()`` (``engine_state``)."""
+        self._check_open("full_state_dict")
         return engine_state.full_state_dict(self)
 
     def state_dict(self) -> dict[str, Any]:
@@ -441,10 +450,12 @@ class ZeroEngine:
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Load a ``state_dict()`` of a run with the same stage, world size and layout."""
+        self._check_open("load_state_dict")
         engine_state.load_state_dict(self, sd)
 
     def load_full_state_dict(self, full: dict[str, torch.Tensor]) -> None:
         """Set parameters (and buffers) from full tensors keyed as ``model.state_dict()``."""
+        self._check_open("load_full_state_dict")
         engine_state.load_full_state_dict(self, full)
 
     def state_dict_meta(self) -> dict[str, Any]:
@@ -458,6 +469,68 @@ class ZeroEngine:
         if hasattr(self.strategy, "remove_hooks"):  # stage 3's module hooks
             self.strategy.remove_hooks()
 
+    # -- ending a run --------------------------------------------------------------------------------
+    def close(self) -> None:
+        """End the engine on every rank; afterwards ``dist.destroy_process_group()`` is safe.
+
+        Waits for every pending collective, stage-3 prefetch and offload copy, stops the
+        collectives watchdog thread, removes the engine's hooks and synchronizes the ranks with
+        a barrier on the engine's process group, so that no rank tears its process group down
+        while a peer still communicates (Gloo aborts such a process: "terminate called without
+        an active exception"). Every rank must call it, as for any collective. Idempotent;
+        afterwards forward/backward/step/zero_grad, ``full_state_dict()`` and the loaders raise
+        ``RuntimeError``, while what needs no communication (``state_dict()``, ``memory()``,
+        ``comm_volume()``) still answers. Also the end of ``with ZeroEngine(...) as engine:``.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._drain(device_too=True)
+            self.comm.barrier()
+        finally:
+            self.remove_hooks()
+            stop_watchdog()
+
+    def _abandon(self) -> None:
+        """Close without communicating: the way out of a run that raised (peers may be gone)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.remove_hooks()
+        stop_watchdog()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> "ZeroEngine":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        # After an exception a barrier could wait on a rank that died: close locally, let it propagate.
+        if exc_type is None:
+            self.close()
+        else:
+            self._abandon()
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"ZeroEngine.{what}() after close(): the engine has ended; build a new one")
+
+    def _drain(self, device_too: bool = False) -> None:
+        """Wait for everything the engine has in flight; afterwards the collectives' pending list is empty.
+
+        Called when a forward, a backward or ``step()`` ends and by ``close()``: the strategy
+        folds in its buckets and gathers, then any collective still pending (a backstop: there
+        should be none) is waited for. On CUDA a wait orders the streams without blocking the
+        host; ``device_too`` (``close()``) also blocks until the device finished the side
+        streams' work and the offload copies.
+        """
+        self.strategy.drain()
+        self.comm.drain(device_too)
+        if device_too and self.offload is not None:
+            self.offload.drain()
 
 def _params_reached(loss: torch.Tensor) -> set[int]:
     """ids of the leaf tensors the autograd graph of ``loss`` accumulates gradients into."""

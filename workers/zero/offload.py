@@ -53,3 +53,14 @@ class HostOptimizerState:
 
     def tensors(self) -> list[torch.Tensor]:
         return list(self.grads)
+
+    def drain(self) -> None:
+        """Wait for the host<->device copies still queued (CUDA; on the CPU every copy is synchronous).
+
+        The H2D copies of ``publish_params`` are queued on the compute stream and the D2H ones run
+        on this object's side stream; neither may still be running when the process tears down.
+        """
+        if self.stream is None:
+            return
+        self.stream.synchronize()
+        torch.cuda.current_stream(self.device).synchronize()

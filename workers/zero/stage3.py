@@ -656,3 +656,15 @@ class ParamShardStrategy(ReduceScatterInBackwardStrategy):
             if unit.shard.data_ptr() != unit.bucket.master.data_ptr():
                 unit.shard.copy_(unit.bucket.master, non_blocking=True)
 
+    def drain(self) -> None:
+        """Stage 2's drain, then wait for every unit gather still in flight (prefetches included).
+
+        A waited gather leaves its unit gathered (and still ``prefetched`` if it was): waiting
+        never frees, so this is safe at any point of a forward or backward.
+        """
+        super().drain()
+        for unit in self.units:
+            if unit.state == GATHERING:
+                unit.pending.wait()
+                unit.pending = None
+                unit.state = GATHERED

@@ -204,7 +204,14 @@ class Strategy:
             self._launch_rest()
 
     def drain(self) -> None:
-        """Wait for every bucket in flight and fold its result in."""
+        """Wait for everything this strategy has in flight and fold its results in.
+
+        Here: the gradient buckets launched and not yet folded in; stage 3 adds its parameter
+        gathers. Afterwards none of the strategy's collectives is pending. The engine calls it
+        whenever a forward, a backward or ``step()`` ends, so that between steps nothing of the
+        engine's is still communicating (a script may destroy the process group right then) --
+        and before every micro-step, where the previous one's buckets are folded in.
+        """
         while self._inflight:
             b = self._inflight.pop(0)
             b.pending.wait()
@@ -291,8 +298,8 @@ class ReduceScatterInBackwardStrategy(Strategy):
     folded into the shard accumulator. Finished buckets are folded in as later ones launch, and
     at most ``MAX_INFLIGHT_BUCKETS`` stay in flight (a launch beyond that waits for the
     oldest), so scratch stays at a few buckets however slow the network is. The last buckets
-    of a micro-step stay in flight after backward returns; they are folded in when the next
-    micro-step begins or in ``step()``, overlapping with what the loop does in between.
+    of a micro-step are waited for when backward ends (``drain``): nothing is in flight between
+    a backward and whatever the script does next.
     """
 
     traits = STAGE_TRAITS[2]

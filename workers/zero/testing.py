@@ -5,6 +5,8 @@
 Uses ``torch.multiprocessing.spawn``; each rank initialises the default process group on
 loopback with Gloo, calls ``fn`` and sends its return value back (``torch.save``/``load``, so
 tensors and dicts travel). One thread per rank: a world is usually oversubscribing the CPUs.
+A function that builds a ``ZeroEngine`` ends it with ``engine.close()`` (docs/engine.md,
+"Ending a run"); the world then ends with a barrier before the group is destroyed.
 The function is found again in the child by module name, or by file path when its module is
 not importable there (pytest's importlib mode). ``byte_stream_batch`` is data such a run can
 learn from without a data loader.
@@ -61,7 +63,9 @@ def _entry(rank: int, world_size: int, port: int, target: tuple[str, str, str], 
     try:
         result = _resolve(*target)(rank, world_size, *args)
         torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
-        dist.barrier()
+        del result
+        gc.collect()  # what the function left behind (an engine it did not close) goes while the group lives
+        dist.barrier()  # no rank destroys the group while a peer still communicates
     finally:
         gc.collect()  # whatever the run built is freed now, not during interpreter shutdown
         dist.destroy_process_group()

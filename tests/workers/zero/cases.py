@@ -125,7 +125,9 @@ def engine_run(rank: int, world_size: int, stage: int, opt: str, steps: int, mic
             else:
                 engine.backward(loss, sync=mode == "sync" and m == micro - 1)
         infos.append(engine.step())
-    return engine.full_state_dict(), infos
+    full = engine.full_state_dict()
+    engine.close()  # how a run ends (docs/engine.md, "Ending a run")
+    return full, infos
 
 
 def equivalence_world(rank: int, world_size: int, cases: list[tuple]):
@@ -298,7 +300,9 @@ def tiny_run(rank: int, world_size: int, stage: int, steps: int = 3):
         x = torch.randn(world_size, 1, generator=g)
         engine.backward(((engine(x[rank:rank + 1]) - 1.0) ** 2).mean())
         engine.step()
-    return engine.full_state_dict()["weight"], len(engine.state_dict()["optimizer_params"])
+    out = engine.full_state_dict()["weight"], len(engine.state_dict()["optimizer_params"])
+    engine.close()
+    return out
 
 
 def tiny_reference(world_size: int, steps: int = 3):

@@ -117,7 +117,9 @@ def run(rank: int, world_size: int, kind: str, cfg: dict, opt: str = "adamw", st
                 engine(idx[sl], tgt[sl], uses_extra(rank), EVAL_ORDER)
             engine.train()
         peak = max(peak, getattr(engine.strategy, "max_gathered", 0))
-    return engine.full_state_dict(), infos, peak, engine.memory()["buffers"] - _buffer_bytes(engine.module)
+    out = engine.full_state_dict(), infos, peak, engine.memory()["buffers"] - _buffer_bytes(engine.module)
+    engine.close()  # how a run ends (docs/engine.md, "Ending a run")
+    return out
 
 
 def _buffer_bytes(model: nn.Module) -> int:

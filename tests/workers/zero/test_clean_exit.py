@@ -1,0 +1,109 @@
+"""Ending a run: ``engine.close()``, nothing in flight between steps, and ranks that exit 0.
+
+Two parts. ``test_close_contract`` checks in one Gloo world, at every stage (and stage 3 with
+offload), what a script relies on: after every forward, backward and ``step()`` the
+collectives' pending list is empty; ``close()`` stops the watchdog thread, removes the hooks,
+is idempotent, and the engine then refuses to train with a RuntimeError; the ``with`` form
+closes too, and after an exception inside it closes without communicating and lets the
+exception through. ``test_worlds_exit_cleanly`` is a small run of ``benchmarks/exit_loop.py``:
+8 fresh worlds ending with ``engine.close()`` + ``destroy_process_group()`` and with a bare
+``destroy_process_group()`` (engine alive); every rank of every world must exit 0 and never
+print "terminate called".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks.exit_loop import Net, _batch
+from workers.zero import ZeroConfig, ZeroEngine
+from workers.zero.testing import spawn_world
+
+ROOT = Path(__file__).resolve().parents[3]
+CONFIGS = [dict(stage=0), dict(stage=1), dict(stage=2), dict(stage=3), dict(stage=3, prefetch=2),
+           dict(stage=2, offload_optimizer=True), dict(stage=3, offload_optimizer=True)]
+
+
+def _watchdog_alive() -> bool:
+    return any(t.name == "zero-comm-watchdog" and t.is_alive() for t in threading.enumerate())
+
+
+def contract_world(rank: int, world_size: int):
+    out = []
+    for cfg in CONFIGS:
+        engine = ZeroEngine(Net(), lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+                            ZeroConfig(precision="fp32", bucket_mb=0.002, **cfg))
+        seen = {}
+        for step in range(2):
+            for micro in range(2):
+                x, y = _batch(step, micro, rank)
+                loss = engine(x, y)
+                seen.setdefault("after forward", []).extend(engine.comm.pending())
+                engine.backward(loss)  # not sync: stage 2/3 buckets would stay in flight
+                seen.setdefault("after backward", []).extend(engine.comm.pending())
+            engine.step()
+            seen.setdefault("after step", []).extend(engine.comm.pending())
+        watchdog_before = _watchdog_alive()
+        engine.close()
+        engine.close()  # idempotent
+        refused = []
+        for name, call in [("forward", lambda: engine(x, y)), ("backward", lambda: engine.backward(loss)),
+                           ("step", engine.step), ("full_state_dict", engine.full_state_dict)]:
+            with pytest.raises(RuntimeError, match=r"after close\(\)") as info:
+                call()
+            refused.append(name in str(info.value))
+        out.append({"cfg": cfg, "pending": seen, "watchdog_before": watchdog_before,
+                    "watchdog_after": _watchdog_alive(), "hooks": len(engine._hooks) + len(
+                        getattr(engine.strategy, "_handles", [])), "refused": refused,
+                    "memory": engine.memory()["total"] > 0})
+
+    # the context-manager form: closes at the end; after an exception, locally, exception intact
+    with ZeroEngine(Net(), lambda ps: torch.optim.SGD(ps, lr=0.1), ZeroConfig(stage=2, precision="fp32")) as engine:
+        x, y = _batch(0, 0, rank)
+        engine.backward(engine(x, y))
+        engine.step()
+    with_closed = engine.closed
+    try:
+        with ZeroEngine(Net(), lambda ps: torch.optim.SGD(ps, lr=0.1), ZeroConfig(stage=3, precision="fp32")) as e3:
+            raise KeyError("training failed")
+    except KeyError as exc:
+        passed_through = exc.args == ("training failed",)
+    return {"configs": out, "with_closed": with_closed, "passed_through": passed_through, "abandoned": e3.closed,
+            "watchdog_end": _watchdog_alive()}
+
+
+def test_close_contract():
+    for rank, res in enumerate(spawn_world(contract_world, world_size=2)):
+        for case in res["configs"]:
+            where = f"rank {rank}, {case['cfg']}"
+            assert case["pending"] == {"after forward": [], "after backward": [], "after step": []}, where
+            assert case["watchdog_before"] and not case["watchdog_after"], where
+            assert case["hooks"] == 0, where
+            assert case["refused"] == [True] * 4, where
+            assert case["memory"], where  # observation still answers
+        assert res["with_closed"] and res["abandoned"] and res["passed_through"]
+        assert not res["watchdog_end"]
+
+
+def test_worlds_exit_cleanly(tmp_path):
+    """6 worlds ending with close() + destroy (stages 0-3, offload at 1 and 2), 2 with a bare destroy."""
+    out = tmp_path / "exit.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "GLOO_SOCKET_IFNAME": "lo"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.exit_loop", "--close-worlds", "6", "--bare-worlds", "2",
+         "--ddp-worlds", "0", "--jobs", "2", "--timeout", "60", "--json", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    failed = [w for w in result["worlds"] if w["failed"]]
+    assert result["summary"]["close"]["worlds"] == 6 and result["summary"]["bare"]["worlds"] == 2
+    assert sorted({w["stage"] for w in result["worlds"]}) == [0, 1, 2, 3]
+    assert not failed, json.dumps(failed, indent=1)[-3000:]
