@@ -49,6 +49,9 @@ def contract_world(rank: int, world_size: int):
                 seen.setdefault("after forward", []).extend(engine.comm.pending())
                 engine.backward(loss)  # not sync: stage 2/3 buckets would stay in flight
                 seen.setdefault("after backward", []).extend(engine.comm.pending())
+                # stage 3's end-of-backward tag gather is checked later, but must not stay in flight
+                tag = getattr(engine.strategy, "_rs_check", None)
+                seen["after backward"] += [tag.label] if tag is not None and not tag.done else []
             engine.step()
             seen.setdefault("after step", []).extend(engine.comm.pending())
         watchdog_before = _watchdog_alive()
