@@ -244,6 +244,7 @@ def launch(world: World, logdir: str, use_exec: bool):
             os.dup2(devnull, 1)
             os.environ.update(env)
             os.setpgid(0, 0)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
             return world.ending, world.stage, world.offload
         ranks.append(pid)
     return _Running(world, ranks, logs, time.monotonic())
@@ -289,6 +290,7 @@ def main():
             raise ValueError(f"--{e}-worlds must be >= 0, got {n}")
     todo = plan(counts)
     parent = os.getpid()
+    signal.signal(signal.SIGTERM, _interrupted)  # a stopped run still kills its ranks and keeps its JSON
     done: list[World] = []
     running: list[_Running] = []
     t0 = time.monotonic()
@@ -327,6 +329,10 @@ def main():
     if args.json:
         write_json(args.json, done, wall, args)
     return None
+
+
+def _interrupted(signum: int, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def write_json(path: str, done: list[World], wall: float, args: argparse.Namespace) -> None:
