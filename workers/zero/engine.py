@@ -121,9 +121,8 @@ class ZeroEngine:
         self._frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
         shapes = [(n, tuple(p.shape)) for n, p in trainable]
         units = plan_units(model, trainable, config.wrap) if traits.shards_parameters else None
-        if units is not None:
-            log.info("stage %d units: %s", config.stage, units.describe())
         if units is not None:  # parameters sharded: one bucket per unit, gathered together
+            log.info("stage %d units: %s", config.stage, units.describe())
             self.layout = FlatLayout.from_groups(shapes, units.groups, self.shard_world)
         else:
             self.layout = FlatLayout.build(shapes, self.shard_world, config.bucket_numel)
@@ -147,7 +146,7 @@ class ZeroEngine:
         held = [(piece.slot.name, view) for piece, view in self._opt_params]
         self.optimizer, self._placeholder, self._opt_names = optim_groups.build(
             optimizer, held, self.layout.slots, opt_device)
-        self._check_optimizer()
+        optim_groups.check(self.optimizer, held, self._placeholder)  # every view once, nothing foreign
         self.scaler = self.precision.make_scaler(config.initial_loss_scale, config.loss_scale_growth_interval)
 
         self._got_grad = [False] * len(self.layout.slots)
@@ -212,11 +211,6 @@ class ZeroEngine:
             t.copy_(tmp.bool())
         else:
             self.comm.broadcast(t)
-
-    def _check_optimizer(self) -> None:
-        """Every view once, nothing foreign (``optim_groups.check``)."""
-        optim_groups.check(self.optimizer, [(piece.slot.name, view) for piece, view in self._opt_params],
-                           self._placeholder)
 
     # -- forward / backward ------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -484,13 +478,11 @@ class ZeroEngine:
         """
         if self._closed:
             return
-        self._closed = True
         try:
             self._drain(device_too=True)
             self.comm.barrier()
         finally:
-            self.remove_hooks()
-            stop_watchdog()
+            self._abandon()
 
     def _abandon(self) -> None:
         """Close without communicating: the way out of a run that raised (peers may be gone)."""
@@ -531,6 +523,7 @@ class ZeroEngine:
         self.comm.drain(device_too)
         if device_too and self.offload is not None:
             self.offload.drain()
+
 
 def _params_reached(loss: torch.Tensor) -> set[int]:
     """ids of the leaf tensors the autograd graph of ``loss`` accumulates gradients into."""
