@@ -38,6 +38,7 @@ class FlatBucket:
     grad_shard: Optional[torch.Tensor] = None  # stage 2: this rank's reduced shard, accumulates
     scratch: Optional[torch.Tensor] = None  # stage 2: this micro-step's full gradient, in flight
     scratch_out: Optional[torch.Tensor] = None  # stage 2: reduce-scatter output before accumulate
+    scratch_written: Optional[list[bool]] = None  # stage 2: which slots of the scratch hold a gradient
     pending: Optional[Pending] = None
     ready: int = 0  # parameters whose gradient arrived this micro-step
     launched: bool = False

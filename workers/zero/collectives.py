@@ -15,6 +15,24 @@ Everything the engine sends goes through :class:`Collectives`, which
 * runs on one rank without any process group (world size 1): nothing is sent and nothing is
   counted, the "collective" is a local copy.
 
+[Note: Gloo's copies]
+Gloo (CPU) has no reduce-scatter or all-gather of its own that works in place: torch's Gloo
+backend all-reduces a full-size copy of a reduce-scatter's input (the wire carries exactly what
+an all-reduce carries: measured 2.00x the input over loopback at N=2, as an all-reduce) and
+gathers into a full-size temporary before copying into the output. On a CPU rank those copies
+are memory on top of the bucket -- a whole model's worth at stage 1, whose buckets all reduce
+at once in ``step()`` -- and they are allocated on Gloo's own threads, whose malloc arenas keep
+the pages. So on Gloo/CPU (``in_place``):
+
+* a reduce-scatter whose ``output`` is its ``input``'s own slot (the strategies ask for that
+  when ``in_place`` is true: the input is scratch they discard) is an in-place all-reduce of
+  the input; what the slot holds afterwards is the reduce-scatter's result, bit for bit;
+* an all-gather is one broadcast per rank, from its slot into every rank's same slot of
+  ``output``: no temporary, and the same bytes on the wire as a ring all-gather.
+
+Both are counted as the reduce-scatter and the all-gather they stand for. NCCL has native
+collectives without copies; nothing changes there.
+
 [Note: CUDA streams]
 On CUDA, collectives are launched from a dedicated side stream that first waits for the
 compute stream, so gradient buckets are reduced while backward keeps computing; ``wait()``
@@ -173,10 +191,19 @@ class Collectives:
         self.stream = torch.cuda.Stream(device=device) if self._cuda else None
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._pending: list[Pending] = []  # launched and not waited on yet, in launch order
+        #: Gloo on CPU tensors: reduce-scatters and all-gathers run in place (the note on Gloo's copies)
+        self.in_place = self.distributed and device.type == "cpu" and dist.get_backend(group) == "gloo"
+        self._global_ranks = [dist.get_global_rank(group, r) for r in range(self.world_size)] if self.in_place else []
 
     @property
     def distributed(self) -> bool:
         return self.group is not None and self.world_size > 1
+
+    def own_slot(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's 1/N slice of the flat ``tensor``: a reduce-scatter into it runs in place when
+        ``in_place`` (the input's other slices are overwritten)."""
+        n = tensor.numel() // self.world_size
+        return tensor.view(-1).narrow(0, self.rank * n, n)
 
     # -- accounting ---------------------------------------------------------------------------
     def reset(self) -> None:
@@ -271,7 +298,10 @@ class Collectives:
         return p
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, label: str, async_op: bool = True) -> Pending:
-        """``output`` (1/N of ``input``) = this rank's slice of the sum of ``input`` over ranks."""
+        """``output`` (1/N of ``input``) = this rank's slice of the sum of ``input`` over ranks.
+
+        With ``output`` the input's ``own_slot`` and ``in_place``, the rest of ``input`` is
+        overwritten (with the other ranks' sums) and no copy of it is made."""
         seq = self._next_seq()
         if not self.distributed:
             if output.data_ptr() != input.data_ptr():
@@ -279,7 +309,10 @@ class Collectives:
             return Pending(None, label, seq, self, done=True)
         self.counter.reduce_scatter += input.numel()
         with self._launch_context():
-            work = _reduce_scatter(output, input, group=self.group, async_op=True)
+            if self.in_place and _is_slot(output, input, self.rank, self.world_size):  # the note on Gloo's copies
+                work = dist.all_reduce(input, group=self.group, async_op=True)
+            else:
+                work = _reduce_scatter(output, input, group=self.group, async_op=True)
         p = self._track(Pending(work, label, seq, self, tensors=(output, input)))
         if not async_op:
             p.wait()
@@ -293,6 +326,18 @@ class Collectives:
                 output.copy_(input)
             return Pending(None, label, seq, self, done=True)
         self.counter.all_gather += output.numel()
+        if self.in_place:  # the note on Gloo's copies: one broadcast per rank, no temporary
+            if output.numel() != input.numel() * self.world_size:
+                raise ValueError(f"{label}: all-gather of {input.numel()} elements per rank into {output.numel()}")
+            slots = output.view(-1).chunk(self.world_size)
+            if not _is_slot(input, output, self.rank, self.world_size):
+                slots[self.rank].copy_(input.view(-1))
+            work = _AllOf([dist.broadcast(slot, src=src, group=self.group, async_op=True)
+                           for src, slot in zip(self._global_ranks, slots)])
+            p = self._track(Pending(work, label, seq, self, tensors=(output, input)))
+            if not async_op:
+                p.wait()
+            return p
         with self._launch_context():
             work = _all_gather(output, input, group=self.group, async_op=True)
         p = self._track(Pending(work, label, seq, self, tensors=(output, input)))
@@ -334,18 +379,27 @@ class Collectives:
             dist.barrier(group=self.group)
 
 
-class _Both:
-    """Two works waited on as one (a tag gather and the gather it describes)."""
+def _is_slot(part: torch.Tensor, whole: torch.Tensor, rank: int, world_size: int) -> bool:
+    """Whether ``part`` is exactly ``rank``'s 1/N slice of the flat ``whole`` (same storage)."""
+    n = part.numel()
+    return (n > 0 and whole.numel() == n * world_size and part.dtype == whole.dtype
+            and part.is_contiguous() and whole.is_contiguous()
+            and part.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()
+            and part.data_ptr() == whole.data_ptr() + rank * n * whole.element_size())
 
-    def __init__(self, first, second):
-        self.first, self.second = first, second
+
+class _AllOf:
+    """Several works waited on as one (a tag gather and the gather it describes; broadcasts)."""
+
+    def __init__(self, works):
+        self.works = list(works)
 
     def wait(self) -> None:
-        self.first.wait()
-        self.second.wait()
+        for work in self.works:
+            work.wait()
 
     def is_completed(self) -> bool:
-        return self.first.is_completed() and self.second.is_completed()
+        return all(work.is_completed() for work in self.works)
 
 
 def tagged_all_gather(comm: Collectives, output: Optional[torch.Tensor], input: Optional[torch.Tensor],
@@ -373,7 +427,7 @@ def tagged_all_gather(comm: Collectives, output: Optional[torch.Tensor], input: 
     if output is None:  # tracked, so that a drain waits for it too (it is checked later)
         return comm._track(Pending(tag_work, label, seq, comm, tensors=(tags, tag))), tags
     pending = comm.all_gather(output, input, label)
-    pending.work = _Both(tag_work, pending.work)
+    pending.work = _AllOf([tag_work, pending.work])
     pending.tensors = pending.tensors + (tags, tag)
     return pending, tags
 
