@@ -308,19 +308,17 @@ class ZeroEngine:
         self._check_open("step")
         self._end_micro_step()
         scale = self.scaler.scale if self.scaler is not None else None
+        inv_scale = None if scale is None else 1.0 / scale
         grads = self.strategy.reduced_grads()
         if self.offload is not None:  # the optimizer lives on the host: so do its fp32 gradients
             grads = self.offload.grads_to_host(grads)
-        grads32 = []
-        for g in grads:
-            g32 = g if g.dtype == torch.float32 else g.float()
-            if scale is not None:
-                g32.mul_(1.0 / scale)
-            grads32.append(g32)
+        for g in grads:  # an fp32 gradient is unscaled once, in place; the others per use (_fp32_grad)
+            if g.dtype == torch.float32 and inv_scale is not None:
+                g.mul_(inv_scale)
 
-        sq = torch.zeros((), dtype=torch.float64, device=grads32[0].device if grads32 else self.device)
-        for g32 in grads32:
-            sq += torch.linalg.vector_norm(g32).double() ** 2
+        sq = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else self.device)
+        for g in grads:  # bucket by bucket: at most one bucket's fp32 copy at a time
+            sq += torch.linalg.vector_norm(_fp32_grad(g, inv_scale)).double() ** 2
         control = torch.zeros(1 + len(self._got_grad), dtype=torch.float64, device=self.device)
         if self.strategy.sharded_grads:
             control[0] = sq
@@ -332,25 +330,16 @@ class ZeroEngine:
 
         skipped = self.scaler is not None and not math.isfinite(norm)
         if not skipped:
+            coef = None
             if self.config.grad_clip is not None:
                 norm32 = torch.tensor(norm, dtype=torch.float32, device=sq.device)
                 coef = torch.clamp(self.config.grad_clip / (norm32 + 1e-6), max=1.0)
-                for g32 in grads32:
-                    g32.mul_(coef)
-            for b, g32 in zip(self.buckets, grads32):
-                for piece, view in b.master_views:
-                    if used[piece.slot.index]:
-                        view.grad = g32[piece.shard_offset : piece.shard_offset + piece.numel]
-                    else:
-                        view.grad = None
-            self.optimizer.step()
-            for _, view in self._opt_params:
-                view.grad = None
+            self._update(grads, inv_scale, coef, used)
             self.strategy.publish_params()
         else:
             log.warning("step %d: fp16 gradient overflow (norm=%s), skipped; loss scale %s -> %s",
                         self._step + 1, norm, scale, scale * self.scaler.backoff_factor)
-        del grads, grads32
+        del grads
         if self.scaler is not None:
             self.scaler.update(skipped)
         self.strategy.zero_grads()
@@ -370,6 +359,38 @@ class ZeroEngine:
             "micro_steps": micro_steps,
             "comm_elements": self._last_comm["total"],
         }
+
+    def _update(self, grads: list[torch.Tensor], inv_scale: Optional[float], coef: Optional[torch.Tensor],
+                used: list[bool]) -> None:
+        """The optimizer's step on the fp32 gradients, clipped by ``coef``.
+
+        [Note: one bucket's fp32 gradient at a time]
+        A low-precision gradient becomes fp32 (and unscaled) only for the optimizer, and torch's
+        element-wise optimizers keep every state per parameter: stepping them bucket by bucket,
+        with only that bucket's views holding a gradient, is the same update element for element
+        as one step over all of them (a parameter without a gradient is skipped either way). So
+        for those (``optim_groups.steps_per_piece``) each bucket's fp32 copy lives only for its
+        own ``optimizer.step()`` -- the step's transient is one bucket's, not the whole shard's
+        (4Φ/N bytes in bf16; on CUDA also the foreach temporaries of Adam's update, which scale
+        with the tensors of one call). Any other optimizer gets one call over every bucket, as
+        it would on an unsharded model (group-level state, step hooks counting calls).
+        """
+        per_bucket = optim_groups.steps_per_piece(self.optimizer)
+        for b, g in zip(self.buckets, grads):
+            g32 = _fp32_grad(g, inv_scale)
+            if coef is not None:
+                g32.mul_(coef)
+            for piece, view in b.master_views:
+                view.grad = g32[piece.shard_offset : piece.shard_offset + piece.numel] if used[piece.slot.index] \
+                    else None
+            if per_bucket:
+                self.optimizer.step()
+                for _, view in b.master_views:
+                    view.grad = None
+        if not per_bucket:  # the views' gradients keep every bucket's fp32 copy alive until here
+            self.optimizer.step()
+            for _, view in self._opt_params:
+                view.grad = None
 
     def zero_grad(self) -> None:
         """Drop accumulated gradients without stepping (after a completed backward)."""
@@ -523,6 +544,17 @@ class ZeroEngine:
         self.comm.drain(device_too)
         if device_too and self.offload is not None:
             self.offload.drain()
+
+
+def _fp32_grad(g: torch.Tensor, inv_scale: Optional[float]) -> torch.Tensor:
+    """``g`` as fp32 and unscaled: ``g`` itself when it is fp32 (``step()`` unscaled it in place),
+    else a temporary copy -- the same values each time it is made."""
+    if g.dtype == torch.float32:
+        return g
+    g32 = g.float()
+    if inv_scale is not None:
+        g32.mul_(inv_scale)
+    return g32
 
 
 def _params_reached(loss: torch.Tensor) -> set[int]:

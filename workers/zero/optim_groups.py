@@ -189,6 +189,23 @@ def check(optimizer: torch.optim.Optimizer, held: list[tuple[str, torch.Tensor]]
 _NOT_HYPER = ("params", "param_names")
 
 
+#: torch's element-wise optimizers: every state they keep is per parameter (``state[p]``), none per
+#: group or per call, so stepping a subset of parameters at a time is the same update
+PER_PIECE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
+                        torch.optim.RMSprop, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam)
+
+
+def steps_per_piece(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` may step some of its parameters at a time (the engine's note on one
+    bucket's fp32 gradient at a time): exactly one of ``PER_PIECE_OPTIMIZERS`` (not a subclass, which
+    may keep more) with no step hooks (which would count the calls)."""
+    from torch.optim import optimizer as torch_optimizer
+
+    hooks = (optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks,
+             torch_optimizer._global_optimizer_pre_hooks, torch_optimizer._global_optimizer_post_hooks)
+    return type(optimizer) in PER_PIECE_OPTIMIZERS and not any(hooks)
+
+
 def hyperparameters(group: Mapping[str, Any]) -> dict[str, Any]:
     """A param group's settings: everything but its members."""
     return {k: v for k, v in group.items() if k not in _NOT_HYPER}
