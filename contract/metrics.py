@@ -75,7 +75,7 @@ class StepObservation:
     flops_per_token: float
     peak_flops: float | None  # the device's peak FLOP/s, None when unknown (CPU)
     memory: Mapping[str, int]  # engine.memory(): params, grads, optimizer, buffers, total
-    peak_memory_bytes: int
+    peak_memory_bytes: int  # PEAK_MEASURE so far in the job
     comm_bytes: int
     comm_exposed_s: float | None
     checkpoint_blocked_s: float
@@ -110,6 +110,32 @@ CHARTS: tuple[Chart, ...] = (
                       "Efficiency = 1 − exposed / step time."),
 )
 
+# [Note: a rank's peak memory]
+# One measure, predicted by the planner (``workers/zero/planner/peak.py``) and measured by the
+# worker (``workers/zero/planner/check.py``, ``PeakMemoryMeter``): the per-step metric
+# ``mem_peak_bytes``, the end-of-run memory report's ``peak`` and ``peak_<part>`` keys, and the
+# prediction's ``peak`` all mean it.
+PEAK_MEASURE = ("growth since just before the model was built: CUDA max_memory_allocated above what "
+                "was allocated then; on CPU the resident-set high-water mark (VmHWM) above the resident set then")
+
+#: the parts of a job whose peaks are predicted and measured separately, in plain words (job order)
+PEAK_PARTS: dict[str, str] = {
+    "construction": "model and engine construction",
+    "resume": "checkpoint loading",
+    "forward": "forward pass",
+    "backward": "backward pass",
+    "step": "optimizer step",
+    "checkpoint": "checkpoint copy to host memory",
+}
+
+
+def peak_part_key(part: str) -> str:
+    """The memory report's key for one part's measured peak (``peak_backward``, ...)."""
+    if part not in PEAK_PARTS:
+        raise ValueError(f"no such part of a job: {part!r}; the parts are {list(PEAK_PARTS)}")
+    return f"peak_{part}"
+
+
 # [Note: byte counts are floats]
 # Every column is float8 and the ingest model accepts floats: a byte count is exact in a
 # float up to 2**53 (8 PiB), and one numeric type keeps the insert and the aggregates simple.
@@ -138,8 +164,8 @@ METRICS: tuple[MetricField, ...] = (
                 lambda o: o.memory["optimizer"]),
     MetricField("mem_buffers_bytes", float, "bytes", "communication buffers", Across.LATEST_PER_RANK,
                 lambda o: o.memory["buffers"]),
-    MetricField("mem_peak_bytes", float, "bytes", "allocator peak on a GPU, max RSS on CPU", Across.LATEST_PER_RANK,
-                lambda o: o.peak_memory_bytes),
+    MetricField("mem_peak_bytes", float, "bytes", "this rank's peak memory so far: " + PEAK_MEASURE,
+                Across.LATEST_PER_RANK, lambda o: o.peak_memory_bytes),
     MetricField("comm_bytes", float, "bytes", "bytes this rank passed to collectives in the step", Across.MEAN,
                 lambda o: o.comm_bytes),  # drawn per element by the job page's communication chart
     MetricField("comm_exposed_s", float, "s", "communication the computation did not hide", Across.MEAN,

@@ -49,6 +49,8 @@ def inputs_for_spec(
         bucket_mb=zero.bucket_mb,
         device=device,
         activations_on=activations_on,
+        prefetch=zero.prefetch,
+        reshard_after_forward=zero.reshard_after_forward,
         vocab_size=spec.data.vocab_size,
         activation_checkpointing=zero.activation_checkpointing,
     )
@@ -66,7 +68,16 @@ def inputs_for_spec(
         target_efficiency=target_efficiency,
         reshard_after_forward=zero.reshard_after_forward,
         optimizer_states=optimizer_state_tensors(spec.train.optimizer, spec.train.momentum),
+        checkpoint=checkpoint_kind(spec),
+        resume=spec.resume_from is not None or checkpoint_kind(spec) == "periodic",
     )
+
+
+def checkpoint_kind(spec: JobSpec) -> str:
+    """How a job checkpoints (``planner.peak.CHECKPOINTS``): every job of the service saves after its
+    last step; one that saves every ``checkpoint.every_steps`` before that may still be uploading a
+    copy while the next steps train (and a restarted attempt resumes from it)."""
+    return "periodic" if spec.checkpoint.every_steps < spec.train.steps else "at_end"
 
 
 def measured_activations(
@@ -78,20 +89,26 @@ def measured_activations(
     bucket_mb: float,
     device: str,
     activations_on: str = "meta",
+    prefetch: int = 1,
+    reshard_after_forward: bool = True,
     **profile_options: Any,
 ) -> dict[str, int | None]:
-    """``activation_bytes`` and the stage-2/3 joint peaks for PlanInputs, profiled on
-    ``activations_on``; ``device`` is where the job runs ("cpu" means Gloo). All None when the
-    model cannot be profiled that way (a user model that does not run on meta, say)."""
-    layout = Stage2Layout(n_ranks, bucket_elements(bucket_mb, precision), gloo_copy=device == "cpu")
-    layouts = {"activation_bytes": None, "activation_bytes_stage2": layout,
-               "activation_bytes_stage3": replace(layout, per_unit=True)}
+    """``activation_bytes``, the forward's alone and the stage-2/3 joint peaks (forward too at stage 3,
+    whose gathers it replays) for PlanInputs,
+    profiled on ``activations_on``; ``device`` is where the job runs ("cpu" means Gloo, whose
+    scratch pages appear as gradients are written). All None when the model cannot be profiled
+    that way (a user model that does not run on meta, say)."""
+    layout = Stage2Layout(n_ranks, bucket_elements(bucket_mb, precision), pages_on_write=device == "cpu")
+    units = replace(layout, per_unit=True, prefetch=prefetch, reshard_after_forward=reshard_after_forward)
+    layouts = {"activation_bytes": (None, False), "activation_bytes_forward": (None, True),
+               "activation_bytes_stage2": (layout, False), "activation_bytes_stage3": (units, False),
+               "activation_bytes_forward_stage3": (units, True)}
     block = model_block(model)
     try:
         return {
             name: profile_activations(block, micro_batch, seq_len, precision, activations_on,
-                                      stage2=scratch, **profile_options)
-            for name, scratch in layouts.items()
+                                      stage2=scratch, forward_only=forward_only, **profile_options)
+            for name, (scratch, forward_only) in layouts.items()
         }
     except Exception:  # the plan records None and says so
         return dict.fromkeys(layouts)

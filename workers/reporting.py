@@ -7,7 +7,8 @@ Three parts, used by ``workers.train`` and ``workers.launch``:
 ``StepMeter``       turns one step's observations into a metric record, the way
                     torchtitan's metrics component does: the fields and how each is derived
                     (tokens/s, TFLOPs from FLOPs per token, MFU only when the device's peak
-                    is known, memory from ``engine.memory()`` plus the process peak,
+                    is known, memory from ``engine.memory()`` plus the rank's peak (the
+                    worker's ``PeakMemoryMeter``: ``contract.metrics.PEAK_MEASURE``),
                     communication bytes) are the metric table's (``contract.metrics``).
 ``MetricReporter``  a per-rank buffer flushed by a background thread about once a second.
                     A failed POST keeps its batch and retries with backoff, so a control plane
@@ -21,8 +22,6 @@ from __future__ import annotations
 
 import logging
 import random
-import resource
-import sys
 import threading
 import time
 from collections import deque
@@ -149,16 +148,6 @@ def peak_flops(device: Any) -> float | None:
     return next((peak for key, peak in PEAK_FLOPS if key in name), None)
 
 
-def peak_memory_bytes(device: Any) -> int:
-    """High-water mark: allocator peak on a GPU, the process's max RSS on CPU."""
-    import torch
-
-    if getattr(device, "type", str(device)) == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(rss if sys.platform == "darwin" else rss * 1024)  # Linux reports KiB
-
-
 class StepMeter:
     """Builds one rank's metric record for a step: every field of the metric table
     (``contract.metrics``), measured by the table's own rules from this step's observations.
@@ -176,12 +165,13 @@ class StepMeter:
         self.peak = peak_flops(device)
 
     def record(self, *, step: int, loss: float, lr: float, step_time_s: float, samples: int, tokens: int,
-               info: dict[str, Any], memory: dict[str, int], comm_volume: dict[str, int],
+               info: dict[str, Any], memory: dict[str, int], peak_memory_bytes: int, comm_volume: dict[str, int],
                checkpoint_blocked_s: float = 0.0) -> dict[str, Any]:
+        """``peak_memory_bytes``: the rank's peak so far (``PeakMemoryMeter.peak_growth()``)."""
         observation = StepObservation(
             loss=loss, lr=lr, grad_norm=_finite_or_none(info.get("grad_norm")), step_time_s=step_time_s,
             samples=samples, tokens=tokens, flops_per_token=self.flops_per_token, peak_flops=self.peak,
-            memory=memory, peak_memory_bytes=peak_memory_bytes(self.device),
+            memory=memory, peak_memory_bytes=peak_memory_bytes,
             comm_bytes=comm_volume.get("total", 0) * self.comm_element_bytes,
             comm_exposed_s=info.get("comm_exposed_s"), checkpoint_blocked_s=checkpoint_blocked_s,
         )

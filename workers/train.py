@@ -39,8 +39,10 @@ from contract.reasons import Reason
 from contract.spec import MIN_LR_RATIO, JobSpec, TrainSpec
 from workers.data import ShardedBatchLoader, build_dataset
 from workers.models import build_model, flops_per_token
-from workers.reporting import MetricReporter, StepMeter, WorkerAPI, peak_memory_bytes
+from workers.host_memory import map_large_blocks
+from workers.reporting import MetricReporter, StepMeter, WorkerAPI
 from workers.zero import ZeroConfig, ZeroEngine
+from workers.zero.planner.check import PeakMemoryMeter
 from workers.zero.optim_groups import NamedFactory, below_2d, named_factory, param_groups
 
 log = logging.getLogger(__name__)
@@ -270,7 +272,10 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
     api = WorkerAPI(config["api_url"], config["job_id"], token) if config.get("api_url") and token else None
     attempt = start_attempt(config, world, api)
 
-    baseline_peak = peak_memory_bytes(world.device)  # what the process held before the model
+    if world.device.type == "cpu":  # freed tensors leave the resident set (workers/host_memory.py)
+        map_large_blocks()
+    peak = PeakMemoryMeter(world.device)  # the job's peak, part by part, as the planner predicts it
+    peak.start()  # what the process held before the model is not the job's
     torch.manual_seed(train.seed)
     model = build_model(spec.model).to(world.device)
     engine = build_engine(spec, model, world.device)
@@ -288,9 +293,11 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
     if config.get("metrics_path"):
         sinks.append(JsonlSink(f"{config['metrics_path']}.rank{world.rank}.jsonl"))
     checkpoints = make_checkpoint_hook(spec, config, api)
+    peak.lap("construction")
 
     total_steps = train.steps
     step = checkpoints.maybe_resume(engine, loader)
+    peak.lap("resume" if step else "construction")
     accumulation = loader.accumulation_steps
     losses: list[float] = []
     try:
@@ -303,19 +310,25 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
             loss_sum = torch.zeros((), device=world.device)
             for micro, (inputs, targets) in enumerate(loader.next_batch()):
                 loss = engine(inputs.to(world.device, non_blocking=True), targets.to(world.device, non_blocking=True))
+                peak.lap("forward")
                 # the engine sums micro-steps, like PyTorch; sync on the last one lets stages 0/1
                 # reduce during that backward instead of after it
                 engine.backward(loss / accumulation, sync=micro == accumulation - 1)
+                peak.lap("backward")
                 loss_sum += loss.detach().float()
             info = engine.step()
+            peak.lap("step")
             loss_value = float(loss_sum) / accumulation  # .item() waits for the device
             step_time = time.perf_counter() - started
             step += 1
             blocked = checkpoints.maybe_save(step, engine, loader)
+            if blocked:
+                peak.lap("checkpoint")
             samples = accumulation * loader.micro_batch_size
             record = meter.record(step=step, loss=loss_value, lr=lr, step_time_s=step_time, samples=samples,
                                   tokens=samples * seq_len, info=info, memory=engine.memory(),
-                                  comm_volume=engine.comm_volume(), checkpoint_blocked_s=blocked)
+                                  peak_memory_bytes=peak.peak_growth(), comm_volume=engine.comm_volume(),
+                                  checkpoint_blocked_s=blocked)
             losses.append(loss_value)
             for sink in sinks:
                 sink.report(record)
@@ -327,7 +340,7 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
             api.close()
     if unsent:
         raise RuntimeError(f"{unsent} metric records could not be delivered to the control plane")
-    measured = {**engine.memory(), "peak": peak_memory_bytes(world.device) - baseline_peak}
+    measured = {**engine.memory(), **peak.report()}
     report_measured_memory(config, world, attempt, measured)
     summary = {"rank": world.rank, "attempt": attempt, "losses": losses, "memory": engine.memory(),
                "comm_volume": engine.comm_volume(), "stage": engine.config.stage,
@@ -339,8 +352,9 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def report_measured_memory(config: dict[str, Any], world: World, attempt: int, measured: dict[str, float]) -> None:
-    """Rank 0 sends every rank's ``engine.memory()`` and peak growth once, at the end of the run,
-    so the control plane can check the planner's prediction term by term."""
+    """Rank 0 sends every rank's ``engine.memory()`` and peak growth (``peak``, and ``peak_<part>``
+    for each part of the job: ``PeakMemoryMeter.report``) once, at the end of the run, so the
+    control plane can check the planner's prediction term by term and part by part."""
     ranks = [measured]
     if world.world_size > 1:
         ranks = [None] * world.world_size

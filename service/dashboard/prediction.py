@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from contract import zero_math
+from contract.metrics import PEAK_PARTS, peak_part_key
 from contract.presets import PRESETS
 from contract.spec import JobSpec
 
@@ -32,14 +33,23 @@ def comm_elements_per_step(phi: int, stage: int) -> int:
 def from_planner(planner: dict[str, Any], memory_check: dict[str, Any] | None) -> dict[str, Any]:
     """The planner's stored prediction (``Job.prediction``) in the shape the job page draws.
 
-    Its chosen candidate's model-state terms (padding included) become the marker; the full
-    predicted peak (activations, buffers, reserve) and, once the job has ended, rank 0's
-    predicted-vs-measured error per term ride along for the memory note.
+    Its chosen candidate's model-state terms (padding included) become the marker. The predicted
+    peak per rank rides along for the memory note: its worst part and every part in plain words
+    (``contract.metrics.PEAK_PARTS``), each beside rank 0's measurement once the job has ended; so
+    does rank 0's predicted-vs-measured error per term. ``peak_total`` is what the budget was
+    checked against: the peak plus the allocator's reserve. A prediction stored before the planner
+    split the peak into parts has no ``peak``: its ``peak_total`` stands alone.
     """
     chosen = planner["chosen"]
     gpu = chosen["gpu"]
     terms = {k: gpu[k] for k in ("params", "grads", "optimizer")}
-    check = ((memory_check or {}).get("ranks") or {}).get("0", {}).get("terms")
+    check = ((memory_check or {}).get("ranks") or {}).get("0", {}).get("terms") or {}
+    peak = chosen.get("peak") or {}
+    parts = [{"part": part, "words": PEAK_PARTS.get(part, part), "predicted": value,
+              "measured": (check.get(peak_part_key(part)) or {}).get("measured"),
+              "rel_error": (check.get(peak_part_key(part)) or {}).get("rel_error")}
+             for part, value in (peak.get("parts") or {}).items()]
+    whole = {term: value.get("rel_error") for term, value in check.items() if not term.startswith("peak_")}
     return {
         "source": "planner",
         "stage": chosen["stage"],
@@ -49,9 +59,13 @@ def from_planner(planner: dict[str, Any], memory_check: dict[str, Any] | None) -
         **terms,
         "total": sum(terms.values()),
         "peak_total": gpu["total"],
+        "peak": peak.get("bytes"),
+        "peak_where": PEAK_PARTS.get(peak.get("part"), peak.get("part")),
+        "peak_measured": (check.get("peak") or {}).get("measured"),
+        "peak_parts": parts or None,
         "comm_elements_per_step": chosen["comm_elements"],
         "choice": planner.get("reason"),
-        "check": {term: value.get("rel_error") for term, value in check.items()} if check else None,
+        "check": whole or None,
     }
 
 

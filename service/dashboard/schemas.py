@@ -47,6 +47,16 @@ class ChartSpec(BaseModel):
     series: list[SeriesSpec]
 
 
+class PeakPart(BaseModel):
+    """One part of a job (contract.metrics.PEAK_PARTS): its predicted peak, and rank 0's measured one."""
+
+    part: str
+    words: str
+    predicted: float
+    measured: float | None = None
+    rel_error: float | None = None
+
+
 class Prediction(BaseModel):
     """Model-state bytes per rank (contract.zero_math; docs/design.md), or only ``reason`` saying why there is none."""
 
@@ -56,10 +66,18 @@ class Prediction(BaseModel):
     stage: int | None = None
     world: int | None = None
     precision: str | None = None
+    offload: bool | None = None
     params: float | None = None
     grads: float | None = None
     optimizer: float | None = None
     total: float | None = None
+    peak_total: float | None = Field(default=None, description="the planner's budgeted total: peak + reserve")
+    peak: float | None = Field(default=None, description="the planner's predicted peak per rank (its worst part)")
+    peak_where: str | None = Field(default=None, description="the worst part, in plain words")
+    peak_measured: float | None = Field(default=None, description="rank 0's measured peak, once the job ended")
+    peak_parts: list[PeakPart] | None = None
+    choice: str | None = None
+    check: dict[str, float | None] | None = Field(default=None, description="rank 0's relative error per term")
     comm_elements_per_step: int | None = None
 
 

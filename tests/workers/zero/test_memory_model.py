@@ -88,27 +88,35 @@ def test_stage3_units_are_the_buckets_a_stage_3_engine_builds():
 
 
 def test_step_scratch_follows_the_engine():
-    phi, n = 1200, 4
-    assert step_buffer_bytes(0, "bf16", phi, n, "cpu") == 4 * phi  # fp32 cast of the full gradient
-    assert step_buffer_bytes(0, "fp32", phi, n, "cpu") == 0
-    assert step_buffer_bytes(1, "bf16", phi, n, "cpu") == (4 + 2) * phi // n  # + reduce-scatter out
-    assert step_buffer_bytes(2, "bf16", phi, n, "cpu") == 4 * phi // n
-    assert step_buffer_bytes(2, "bf16", phi, n, "cuda") == 8 * phi // n  # + foreach Adam temporaries
-    assert backward_buffer_bytes(0, "bf16", [phi], n) == 0
-    assert backward_buffer_bytes(1, "bf16", [phi], n) == 0
+    buckets, n, piece = [800, 400], 4, 100  # padded buckets; the largest parameter has 100 elements
+    step = lambda *a, **kw: step_buffer_bytes(*a, largest_param=piece, **kw)["device"]  # noqa: E731
+    adam_cpu = 2 * 4 * piece  # single-tensor Adam: sqrt and division of the largest piece
+    assert step(0, "bf16", buckets, n, "cpu") == 4 * 800 + adam_cpu  # one bucket's fp32 gradient at a time
+    assert step(0, "bf16", buckets, n, "cpu", per_bucket=False) == 4 * 1200 + adam_cpu  # every bucket's
+    assert step(0, "fp32", buckets, n, "cpu") == adam_cpu  # the gradient is fp32 already
+    assert step(1, "bf16", buckets, n, "cpu") == 4 * 800 // n + adam_cpu  # Gloo reduces into the gradient
+    assert step(1, "bf16", buckets, n, "cuda") == 2 * 1200 // n + 4 * 200 + 4 * 200  # + reduce-scatter
+    assert step(2, "bf16", buckets, n, "cpu") == 4 * 200 + adam_cpu
+    assert step(2, "bf16", buckets, n, "cuda") == 8 * 200  # + foreach Adam temporaries of one bucket
+    assert step(2, "bf16", buckets, n, "cpu", optimizer_states=1) == 4 * 200 + 4 * piece  # SGD: one
+    assert backward_buffer_bytes(0, "bf16", buckets, n) == 0
+    assert backward_buffer_bytes(1, "bf16", buckets, n, "cpu") == 0
+    assert backward_buffer_bytes(1, "bf16", buckets, n, "cuda") == 2 * 1200 // n  # sync=True outputs
 
 
 def test_stage_2_scratch_is_the_largest_buckets_in_flight():
     buckets = [40, 10, 30, 20, 50]  # padded bucket sizes; in flight: 2, plus one filling
     assert MAX_INFLIGHT_BUCKETS == 2
     assert backward_buffer_bytes(2, "bf16", buckets, 2, "cuda") == 2 * (50 + 40 + 30)
-    # Gloo keeps a copy of each in-flight bucket; accumulation adds shard-sized outputs
-    assert backward_buffer_bytes(2, "bf16", buckets, 2, "cpu") == 2 * (50 + 40 + 30) + 2 * (50 + 40)
+    # Gloo reduces in place; on CUDA accumulation adds shard-sized outputs
+    assert backward_buffer_bytes(2, "bf16", buckets, 2, "cpu") == 2 * (50 + 40 + 30)
+    assert backward_buffer_bytes(2, "bf16", buckets, 2, "cpu", accumulation_steps=4) == 2 * (50 + 40 + 30)
     assert backward_buffer_bytes(2, "bf16", buckets, 2, "cuda", accumulation_steps=4) == (
         2 * (50 + 40 + 30) + 2 * (25 + 20))
     inputs = PlanInputs(shape=ModelShape.from_count(1e6), n_ranks=4, device="cuda", precision="fp32",
                         activation_bytes=100)
-    assert predict(inputs, 2).phases["backward"] == 100 + 4 * 1_000_000  # one tensor, one bucket
+    states = 4 * 1_000_000 + 4 * 250_000 + 8 * 250_000
+    assert predict(inputs, 2).peak["parts"]["backward"] == states + 100 + 4 * 1_000_000  # one tensor, one bucket
 
 
 def test_a_stage_2_engine_never_holds_more_scratch_than_the_bound():
@@ -207,10 +215,13 @@ def test_plan_records_every_term_and_is_json():
     )
     doc = json.loads(json.dumps(plan.to_dict()))
     chosen = doc["chosen"]
-    gpu, phases = chosen["gpu"], chosen["phases"]
+    gpu, peak = chosen["gpu"], chosen["peak"]
     states = gpu["params"] + gpu["grads"] + gpu["optimizer"]
-    assert gpu["total"] == states + gpu["gathered_units"] + max(phases.values()) + gpu["reserve"]
-    assert gpu["buffers"] == max(phases["backward"] - gpu["activations"], phases["step"])
+    assert set(peak["parts"]) == {"construction", "forward", "backward", "step"}  # no checkpoint, no resume
+    assert peak["bytes"] == max(peak["parts"].values()) == peak["parts"][peak["part"]]
+    assert gpu["total"] == peak["bytes"] + gpu["reserve"]  # a GPU job: its host holds nothing here
+    backward_scratch = peak["parts"]["backward"] - states - gpu["gathered_units"] - gpu["activations"]
+    assert gpu["buffers"] == max(backward_scratch, peak["parts"]["step"] - states)  # the larger scratch
     assert gpu["activations"] == 10**9
     assert 0 < chosen["efficiency"] < 1 and chosen["bandwidth_needed_bytes_per_s"] > 0
     assert {(c["stage"], c["offload"]) for c in doc["candidates"]} >= {(s, False) for s in STAGES}
@@ -244,26 +255,29 @@ def test_plan_for_spec_uses_gpu_memory_and_keeps_a_fixed_stage():
 
 def test_compare_gives_per_term_errors():
     plan = choose_plan(_inputs(1e6, 2, activation_gb=0.001), None).to_dict()
-    gpu = plan["chosen"]["gpu"]
+    gpu, peak = plan["chosen"]["gpu"], plan["chosen"]["peak"]
     measured = {
         "params": gpu["params"],
         "grads": gpu["grads"] * 2,
         "optimizer": gpu["optimizer"],
         "buffers": gpu["buffers"],
         "total": gpu["params"] + 2 * gpu["grads"] + gpu["optimizer"] + gpu["buffers"],
-        "peak": gpu["total"] / 2,
+        "peak": peak["bytes"] / 2,  # the worst part; the reserve is not a measurement's
+        "peak_backward": peak["parts"]["backward"],
     }
     errors = compare(plan, measured)
     assert errors["params"]["rel_error"] == 0
     assert errors["grads"]["rel_error"] == pytest.approx(-0.5)
     assert errors["peak"]["rel_error"] == pytest.approx(1.0)
     assert errors["buffers"]["error_bytes"] == 0
-    assert "activations" not in errors
+    assert errors["peak_backward"]["rel_error"] == 0
+    assert "activations" not in errors and "peak_step" not in errors  # only what was measured
 
 
 def test_offload_moves_the_step_scratch_off_the_device():
-    assert step_buffer_bytes(2, "bf16", 1200, 4, "cuda", offload=True) == 0
-    assert step_buffer_bytes(1, "bf16", 1200, 4, "cuda", offload=True) == 2 * 300  # reduce-scatter out
+    assert step_buffer_bytes(2, "bf16", [1200], 4, "cuda", offload=True, largest_param=100) == {
+        "device": 0, "host": 2 * 4 * 100}  # the host's Adam temporaries
+    assert step_buffer_bytes(1, "bf16", [1200], 4, "cuda", offload=True)["device"] == 2 * 300  # reduce-scatter out
 
 
 def test_activation_checkpointing_keeps_only_unit_inputs():
@@ -337,7 +351,7 @@ def test_frozen_parameters_are_replicated_without_grads_or_optimizer_state():
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_stage_2_replay_lies_between_the_activations_and_the_bound(precision):
     spec, n, elems = {"preset": "gpt-nano"}, 2, bucket_elements(1.0, precision)
-    layout = Stage2Layout(n, elems, MAX_INFLIGHT_BUCKETS, gloo_copy=True)
+    layout = Stage2Layout(n, elems, MAX_INFLIGHT_BUCKETS)
     plain = profile_activations(spec, 4, 128, precision)
     joint = profile_activations(spec, 4, 128, precision, stage2=layout)
     on_cpu = profile_activations(spec, 4, 128, precision, device="cpu", stage2=layout)

@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_leaves
 from ..config import PRECISIONS
 from ..flat import FlatLayout
 from ..stages import MAX_INFLIGHT_BUCKETS
-from ..units import checkpoint_forward, unit_modules
+from ..units import checkpoint_forward, plan_units, unit_modules
 from .shape import unit_buckets
 
 
@@ -111,22 +111,115 @@ def checkpoint_units(model: nn.Module) -> None:
 
 @dataclass(frozen=True)
 class Stage2Layout:
-    """What the stage-2 scratch replay needs: N, bucket size, in-flight limit, Gloo's copies."""
+    """What the stage-2 scratch replay needs: N, bucket size, in-flight limit, how pages appear."""
 
     n_ranks: int
     bucket_elems: int
     in_flight: int = MAX_INFLIGHT_BUCKETS
-    gloo_copy: bool = False  # Gloo all-reduces a full copy of each in-flight reduce-scatter
+    # CPU: a scratch's pages become resident as gradients are written into them (the engine's note
+    # on the scratch's pages, ``stages.py``); CUDA: the whole bucket is allocated at its first gradient
+    pages_on_write: bool = False
     per_unit: bool = False  # stage 3: one bucket per unit (blocks last-first, then the root)
+    prefetch: int = 1  # stage 3: units gathered ahead of the one running (``ZeroConfig.prefetch``)
+    reshard_after_forward: bool = True  # stage 3: units freed after their forward
+
+
+class _Stage3Gathers:
+    """Replays stage 3's gathers (``workers/zero/stage3.py``) on the tracker's timeline: each unit's
+    parameters (a padded flat buffer in the compute dtype) are held from their gather to their free.
+
+    Forward: a unit is gathered in its pre-forward, with the next ``prefetch`` units of the forward
+    order (registration order, which the engine learns from the previous forward), and freed in its
+    post-forward; the root from the model's pre-forward to its post-forward. Backward: the root is
+    gathered when the gradient reaches the model's output and stays to the end; a unit is gathered
+    when the gradient reaches its outputs, with the next ``prefetch`` of the backward order, and
+    freed once every one of its parameters has its gradient (its reduce-scatter launches then).
+    Frozen parameters are replicated, never gathered. With ``reshard_after_forward=False`` a unit
+    gathered in forward stays until its backward is done.
+    """
+
+    def __init__(self, model: nn.Module, params: Sequence[torch.Tensor], layout: Stage2Layout,
+                 tracker: ActivationTracker):
+        plan = plan_units(model, [(str(i), p) for i, p in enumerate(params)])
+        element = params[0].element_size() if params else 0
+        pad = lambda k: -(-k // layout.n_ranks) * layout.n_ranks  # noqa: E731
+        self.nbytes = [element * pad(sum(params[i].numel() for i in owned)) for owned in plan.owned]
+        self.blocks = [u for u in range(plan.root) if plan.owned[u]]  # forward order; the root is last
+        self.root = plan.root
+        self.waiting = {u: len(plan.owned[u]) for u in self.blocks}  # gradients still to arrive
+        self.unit_of = {id(params[i]): u for u in self.blocks for i in plan.owned[u]}
+        self.layout, self.tracker = layout, tracker
+        self.held: set[int] = set()
+        self.backward = False
+        self.handles = [model.register_forward_pre_hook(lambda m, a: self._gather(self.root)),
+                        model.register_forward_hook(self._root_done)]
+        for u in self.blocks:
+            module = plan.modules[u]
+            self.handles += [module.register_forward_pre_hook(self._pre(u)), module.register_forward_hook(self._post(u))]
+
+    def _gather(self, unit: int) -> None:
+        if unit not in self.held:
+            self.held.add(unit)
+            self.tracker.hold(self.nbytes[unit])
+
+    def _free(self, unit: int) -> None:
+        if unit in self.held:
+            self.held.discard(unit)
+            self.tracker.hold(-self.nbytes[unit])
+
+    def _ahead(self, unit: int, order: list[int]) -> None:
+        i = order.index(unit)
+        for nxt in order[i + 1 : i + 1 + self.layout.prefetch]:
+            self._gather(nxt)
+
+    def _pre(self, unit: int):
+        def hook(module, args):
+            self._gather(unit)
+            self._ahead(unit, self.blocks)
+        return hook
+
+    def _post(self, unit: int):
+        def hook(module, args, output):
+            if self.layout.reshard_after_forward:
+                self._free(unit)
+            for t in tree_leaves(output):
+                if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None:
+                    t.register_hook(lambda grad: self._pre_backward(unit))
+        return hook
+
+    def _root_done(self, module, args, output) -> None:
+        if self.layout.reshard_after_forward:
+            self._free(self.root)
+        for t in tree_leaves(output):
+            if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None:
+                t.register_hook(lambda grad: self._gather(self.root))
+
+    def _pre_backward(self, unit: int) -> None:
+        if self.waiting.get(unit, 0) > 0:
+            self._gather(unit)
+            self._ahead(unit, self.blocks[::-1])
+
+    def on_grad(self, param: torch.Tensor) -> None:
+        unit = self.unit_of.get(id(param))
+        if unit is None:
+            return
+        self.waiting[unit] -= 1
+        if self.waiting[unit] == 0:
+            self._free(unit)
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
 
 
 class _Stage2Scratch:
     """Replays the engine's stage-2 scratch policy (``workers/zero/stages.py``) on the tracker's
-    timeline: a bucket's full-size scratch appears with its first gradient; a bucket whose
-    gradients all arrived is launched, strictly in bucket order; beyond ``in_flight`` launched
-    buckets the oldest is folded in and freed. (The engine also folds in buckets that finished
-    early; assuming none did makes this an upper bound.) The buckets still in flight when
-    backward ends stay held: the next micro-step's forward sees them."""
+    timeline: a bucket's full-size scratch appears with its first gradient (``pages_on_write``: each
+    parameter's slot when its gradient is written, the rest when the bucket is launched); a bucket
+    whose gradients all arrived is launched, strictly in bucket order; beyond ``in_flight``
+    launched buckets the oldest is folded in and freed. (The engine also folds in buckets that
+    finished early; assuming none did makes this an upper bound.) Buckets still in flight when
+    backward ends stay held until it ends (the engine drains them then)."""
 
     def __init__(self, model: nn.Module, params: Sequence[torch.Tensor], layout: Stage2Layout,
                  tracker: ActivationTracker):
@@ -137,18 +230,22 @@ class _Stage2Scratch:
             flat = FlatLayout.build(shapes, layout.n_ranks, layout.bucket_elems)
         self.buckets = [[s.index for s in b.slots] for b in flat.buckets]
         self.bucket_of = {id(params[i]): b for b, members in enumerate(self.buckets) for i in members}
-        self.nbytes = [b.numel * params[0].element_size() for b in flat.buckets]
+        self.element = params[0].element_size()
+        self.nbytes = [b.numel * self.element for b in flat.buckets]
         self.layout, self.tracker = layout, tracker
         self.ready = [0] * len(self.buckets)
-        self.allocated: set[int] = set()
+        self.held = [0] * len(self.buckets)  # bytes of each bucket's scratch that are resident
         self.in_flight: list[int] = []
         self.next_launch = 0
 
+    def _hold(self, bucket: int, nbytes: int) -> None:
+        nbytes = min(nbytes, self.nbytes[bucket] - self.held[bucket])
+        self.held[bucket] += nbytes
+        self.tracker.hold(nbytes)
+
     def on_grad(self, param: torch.Tensor) -> None:
         bucket = self.bucket_of[id(param)]
-        if bucket not in self.allocated:
-            self.allocated.add(bucket)
-            self.tracker.hold(self.nbytes[bucket])
+        self._hold(bucket, param.numel() * self.element if self.layout.pages_on_write else self.nbytes[bucket])
         self.ready[bucket] += 1
         while self.next_launch < len(self.buckets) and self.ready[self.next_launch] == len(
             self.buckets[self.next_launch]
@@ -157,12 +254,12 @@ class _Stage2Scratch:
             self.next_launch += 1
 
     def _launch(self, bucket: int) -> None:
+        self._hold(bucket, self.nbytes[bucket])  # padding (and what no gradient wrote) is zeroed now
         self.in_flight.append(bucket)
-        if self.layout.gloo_copy:
-            self.tracker.hold(self.nbytes[bucket])
         if len(self.in_flight) > self.layout.in_flight:
             oldest = self.in_flight.pop(0)
-            self.tracker.hold(-self.nbytes[oldest] * (2 if self.layout.gloo_copy else 1))
+            self.tracker.hold(-self.held[oldest])
+            self.held[oldest] = 0
 
 
 def default_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -182,24 +279,30 @@ def measure_activation_bytes(
     batch: Sequence[torch.Tensor],
     loss_fn: Callable[[nn.Module, Any], torch.Tensor] = default_loss,
     stage2: Stage2Layout | None = None,
+    forward_only: bool = False,
 ) -> int:
-    """Peak bytes of one micro-batch's forward + backward beyond the parameters.
+    """Peak bytes of one micro-batch's forward + backward beyond the parameters (``forward_only``:
+    of the forward alone, up to the loss).
 
     Gradients are dropped as soon as each is accumulated, as the engine adds them into its own
     buffers: what remains is activations, saved tensors, transients and one parameter's
     gradient at a time. With ``stage2``, the engine's stage-2 bucket scratch is replayed on the
-    same timeline (``_Stage2Scratch``), giving the joint peak. On CUDA the allocator's own peak
+    same timeline (``_Stage2Scratch``), giving the joint peak; with ``stage2.per_unit`` stage 3's
+    per-unit scratch and its gathered parameters (``_Stage3Gathers``). On CUDA the allocator's own peak
     (``max_memory_allocated``) is read as well and the larger is kept (kernels' workspaces are
     invisible to the tracker).
     """
     tracker = ActivationTracker(ignore=[*model.parameters(), *model.buffers(), *batch])
     trainable = [p for p in model.parameters() if p.requires_grad]
     scratch = None if stage2 is None else _Stage2Scratch(model, trainable, stage2, tracker)
+    gathers = _Stage3Gathers(model, trainable, stage2, tracker) if stage2 is not None and stage2.per_unit else None
 
     def on_grad(param: torch.Tensor) -> None:
         param.grad = None
         if scratch is not None:
             scratch.on_grad(param)
+        if gathers is not None:
+            gathers.on_grad(param)
 
     hooks = [p.register_post_accumulate_grad_hook(on_grad) for p in trainable]
     device = next(iter(model.parameters())).device
@@ -210,10 +313,15 @@ def measure_activation_bytes(
         allocated_before = torch.cuda.memory_allocated(device)
     try:
         with _FlashAttentionOnMeta(), tracker:
-            loss_fn(model, tuple(batch)).backward()
+            loss = loss_fn(model, tuple(batch))
+            if not forward_only:
+                loss.backward()
+            del loss
     finally:
         for hook in hooks:
             hook.remove()
+        if gathers is not None:
+            gathers.remove()
     if cuda:
         torch.cuda.synchronize(device)
         return max(tracker.peak, torch.cuda.max_memory_allocated(device) - allocated_before + tracker.held)
@@ -229,16 +337,17 @@ def profile_activations(
     vocab_size: int | None = None,
     activation_checkpointing: bool = False,
     stage2: Stage2Layout | None = None,
+    forward_only: bool = False,
 ) -> int:
     """Build the job's model (its ``model`` block) in its training dtype on ``device`` and
-    measure one micro-batch.
+    measure one micro-batch (``forward_only``: its forward).
 
     ``device="meta"`` (the default at submit time) costs no memory and well under a second
     for the presets: it is the estimate for devices the planner cannot run on. Results for
     meta are cached per (model, shape, precision).
     """
     key = json.dumps(model_spec, sort_keys=True)
-    args = (key, micro_batch, seq_len, precision, vocab_size, activation_checkpointing, stage2)
+    args = (key, micro_batch, seq_len, precision, vocab_size, activation_checkpointing, stage2, forward_only)
     return _profile_on_meta(*args) if device == "meta" else _profile(device, *args)
 
 
@@ -256,6 +365,7 @@ def _profile(
     vocab: int | None,
     recompute: bool,
     stage2: Stage2Layout | None,
+    forward_only: bool,
 ) -> int:
     from workers.models import build_model
 
@@ -265,4 +375,5 @@ def _profile(
         checkpoint_units(model)
     config = getattr(model, "config", None)
     vocab = vocab or getattr(config, "vocab_size", None) or 256
-    return measure_activation_bytes(model, token_batch(micro_batch, seq_len, vocab, device), stage2=stage2)
+    return measure_activation_bytes(model, token_batch(micro_batch, seq_len, vocab, device), stage2=stage2,
+                                    forward_only=forward_only)

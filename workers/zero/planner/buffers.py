@@ -3,15 +3,18 @@
 Each function says what it assumes about the engine, so that when the engine changes the
 prediction that has to change with it is easy to find: the stage-2/3 gradient scratch
 (``stages.py``, its in-flight limit ``MAX_INFLIGHT_BUCKETS`` read from there), the scratch of
-``engine.step()``, stage 3's gathered units (``stage3.py``) and the allocator's reserve. What
-a stage shards comes from its traits (``contract.zero_math``).
+``engine.step()``, stage 3's gathered units (``stage3.py``), construction's staging, the
+checkpoint's host copy and the allocator's reserve. What a stage shards comes from its traits
+(``contract.zero_math``). ``device`` is where the job runs: "cuda", or "cpu" for Gloo ranks,
+whose reduce-scatters and all-gathers run in place (``collectives.py``, the note on Gloo's
+copies) -- the two differ in what a collective allocates.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
-from contract.zero_math import MIB, low_precision_bytes, shard_numel, stage_traits
+from contract.zero_math import MIB, low_precision_bytes, precision_traits, shard_numel, stage_traits
 
 from ..stages import MAX_INFLIGHT_BUCKETS
 
@@ -26,64 +29,76 @@ def backward_buffer_bytes(
 ) -> int:
     """Communication scratch alive during backward on top of activations, for THIS engine.
 
-    Stages that keep a full gradient (0/1, ``workers/zero/stages.py``): none; autograd's
-    gradient is added into the gradient buffer and dropped at once. Stages that shard
-    gradients: a bucket's full-size scratch (compute dtype) lives from its first gradient
-    until its reduce-scatter is folded in; at most ``MAX_INFLIGHT_BUCKETS`` are in flight plus
-    the one filling, so the bound is the largest ``in_flight + 1`` buckets. On Gloo (device
-    "cpu"; no native reduce-scatter, torch all-reduces a copy) each in-flight bucket also
-    holds a full-size copy. From the second micro-step on, each reduce-scatter writes a
-    shard-sized output before accumulating it. The in-flight buckets also outlive backward
-    into the next forward; that is within this bound. A profile replaying the policy
-    (``activations.Stage2Layout``) replaces this bound in ``predict``: scratch grows while
-    activations shrink, so the sum overestimates (+13–24% measured on gpt-nano). Stage 3
-    (``workers/zero/stage3.py``) runs the same machinery with one bucket per unit: pass the
-    padded unit sizes as ``buckets``.
+    Stages that keep a full gradient (0/1, ``workers/zero/stages.py``): autograd's gradient is
+    added into the gradient buffer and dropped at once; on CUDA stage 1's last micro-step
+    (``sync=True``) reduce-scatters each bucket into a shard-sized output that lives into
+    ``step()`` (on Gloo the gradient's own slot receives it). Stages that shard gradients: a
+    bucket's full-size scratch (compute dtype) lives from its first gradient until its
+    reduce-scatter is folded in; at most ``MAX_INFLIGHT_BUCKETS`` are in flight plus the one
+    filling, so the bound is the largest ``in_flight + 1`` buckets; from the second micro-step on,
+    a CUDA reduce-scatter writes a shard-sized output before accumulating it. A profile replaying
+    the policy (``activations.Stage2Layout``) replaces this bound in ``predict``: scratch grows
+    while activations shrink, so the sum overestimates. Stage 3 (``workers/zero/stage3.py``) runs
+    the same machinery with one bucket per unit: pass the padded unit sizes as ``buckets``.
     """
-    if not stage_traits(stage).shards_gradients:
-        return 0
+    traits = stage_traits(stage)
     p = low_precision_bytes(precision)
+    if not traits.shards_gradients:
+        return p * sum(b // n_ranks for b in buckets) if traits.reduces_at_step and device == "cuda" else 0
     largest = sorted(buckets, reverse=True)
-    in_flight = largest[:MAX_INFLIGHT_BUCKETS]
-    total = p * sum(largest[: MAX_INFLIGHT_BUCKETS + 1])
-    if device == "cpu":
-        total += p * sum(in_flight)
-    if accumulation_steps > 1:
-        total += p * sum(b // n_ranks for b in in_flight)
-    return total
+    return p * sum(largest[: MAX_INFLIGHT_BUCKETS + 1]) + stage2_tail_bytes(
+        precision, buckets, n_ranks, device, accumulation_steps)
 
 
 def stage2_tail_bytes(
     precision: str, buckets: Sequence[int], n_ranks: int, device: str, accumulation_steps: int
 ) -> int:
-    """What a replayed stage-2 profile of ONE micro-step misses when micro-steps accumulate:
-    each reduce-scatter after the first writes a shard-sized output before accumulating it."""
-    if accumulation_steps == 1:
+    """What a replayed stage-2 profile of ONE micro-step misses when micro-steps accumulate: on
+    CUDA each reduce-scatter after the first writes a shard-sized output before accumulating it
+    (a Gloo rank reduces into the scratch's own slot)."""
+    if accumulation_steps == 1 or device != "cuda":
         return 0
     in_flight = sorted(buckets, reverse=True)[:MAX_INFLIGHT_BUCKETS]
     return low_precision_bytes(precision) * sum(b // n_ranks for b in in_flight)
 
 
 def step_buffer_bytes(
-    stage: int, precision: str, phi_padded: int, n_ranks: int, device: str = "cuda", offload: bool = False
-) -> int:
-    """Scratch of ``engine.step()`` on the device (after backward: activations are gone).
+    stage: int,
+    precision: str,
+    buckets: Sequence[int],
+    n_ranks: int,
+    device: str = "cuda",
+    offload: bool = False,
+    largest_param: int = 0,
+    optimizer_states: int = 2,
+    per_bucket: bool = True,
+) -> dict[str, int]:
+    """Scratch of ``engine.step()`` (after backward: activations are gone), on the device and on
+    the host: ``{"device": bytes, "host": bytes}``.
 
-    Mixed precision casts the reduced gradients to fp32 for unscaling and clipping: 4 bytes
-    per element of the full gradient at stage 0, of the shard at stages 1–3. Stage 1 also
-    holds its reduce-scatter outputs (the shard, in the compute dtype). On CUDA, torch's
-    foreach Adam keeps one fp32 temporary per optimizer element; on CPU it loops per tensor.
-    Under offload the fp32 gradient and the optimizer live on the host (``cpu`` terms).
+    Mixed precision makes each bucket's reduced gradient (the shard at stages 1–3, the whole
+    bucket at stage 0) fp32 for unscaling, clipping and the update. torch's element-wise
+    optimizers step one bucket at a time (``engine.py``, the note on one bucket's fp32 gradient
+    at a time; ``per_bucket``), so one bucket's fp32 copy lives at once; otherwise every bucket's.
+    The update's own temporaries: torch's foreach Adam on CUDA one fp32 tensor per element of the
+    call (one bucket's, or everything); on CPU it loops per tensor, and Adam's ``sqrt`` and
+    division hold two temporaries of the largest piece (SGD's weight decay one). On CUDA stage 1
+    holds its reduce-scatter outputs (the shard, compute dtype) through the step. Under offload
+    the fp32 gradient and the optimizer live on the host: their temporaries are the host's.
     """
     traits = stage_traits(stage)
     p = low_precision_bytes(precision)
-    shard = shard_numel(phi_padded, n_ranks)
-    reduced = shard if traits.shards_optimizer else phi_padded
-    total = p * shard if traits.reduces_at_step else 0
-    if not offload:
-        total += 0 if precision == "fp32" else 4 * reduced
-        total += 4 * reduced if device == "cuda" else 0
-    return total
+    world = traits.shard_world(n_ranks)
+    reduced = [b // world for b in buckets] or [0]
+    at_once = max(reduced) if per_bucket else sum(reduced)
+    piece = min(largest_param or max(reduced), max(reduced))
+    optimizer = (4 * at_once if device == "cuda" and not offload
+                 else 4 * piece * (2 if optimizer_states >= 2 else 1))
+    device_bytes = p * sum(reduced) if traits.reduces_at_step and device == "cuda" else 0
+    if offload:  # host: the optimizer's temporaries (the fp32 gradient shard is kept, a model state)
+        return {"device": device_bytes, "host": optimizer}
+    casts = 4 * at_once if precision_traits(precision).master_bytes else 0
+    return {"device": device_bytes + casts + optimizer, "host": 0}
 
 
 def gathered_unit_bytes(
@@ -97,8 +112,36 @@ def gathered_unit_bytes(
     return low_precision_bytes(precision) * ((pad(root_numel) if root_numel else 0) + sum(blocks))
 
 
+def construction_staging_bytes(stage: int, precision: str, buckets: Sequence[int], n_ranks: int) -> int:
+    """What building the engine holds besides what it keeps, one bucket (stage 3: unit) at a time.
+
+    Each bucket is materialized (or copied) in fp32 and broadcast, then split into what is kept
+    (the compute-dtype flat buffer, this rank's fp32 master shard): with mixed precision the fp32
+    staging is extra; with fp32 it is the flat buffer itself. Stage 3 keeps only the shard, so the
+    unit's whole flat buffer (fp32, plus its compute-dtype cast) is staging. (``n_ranks`` is
+    there for the layouts' sake: staging is a whole bucket whatever N is.)
+    """
+    traits = stage_traits(stage)
+    p = low_precision_bytes(precision)
+    largest = max(buckets, default=0)
+    separate = bool(precision_traits(precision).master_bytes)
+    if traits.shards_parameters:
+        staging = 4 * largest + (p * largest if separate else 0)
+    else:
+        staging = 4 * largest if separate else 0
+    return staging
+
+
+def snapshot_bytes(stage: int, phi_padded: int, n_ranks: int, optimizer_states: int = 2, frozen: int = 0) -> int:
+    """The checkpoint's host copy of one rank (``workers/checkpointing/snapshot.py``), the worst rank:
+    its fp32 master shard and optimizer state (``engine.state_dict()`` copies them); rank 0 also
+    copies the frozen parameters (fp32). At stage 0 rank 0 writes the one copy of everything."""
+    world = stage_traits(stage).shard_world(n_ranks)
+    return 4 * (1 + optimizer_states) * shard_numel(phi_padded, world) + 4 * frozen
+
+
 CUDA_CONTEXT_BYTES = 512 * MIB  # CUDA context, cuBLAS workspaces: outside the allocator
-FRAGMENTATION = 0.05  # caching allocator (CUDA) / malloc arenas (CPU) on top of live tensors
+FRAGMENTATION = 0.05  # caching allocator (CUDA) / malloc (CPU) on top of live tensors
 
 
 def allocator_reserve_bytes(subtotal: int, device: str = "cuda") -> int:

@@ -16,12 +16,16 @@ Terms of one rank's device memory (each reported separately):
 * stage-3 gathered units: the root unit (kept gathered) and ``prefetch + 1`` blocks;
 * activations, measured (``activations.py``);
 * an allocator reserve (``buffers.allocator_reserve_bytes``).
+
+The peak is where these meet: ``peak.py`` adds, for each part of a job (construction, forward,
+backward, step, checkpoint, resume), what is alive at that part's worst moment; a prediction's
+``peak`` holds every part and the worst one, and its ``total`` is the worst part plus the reserve.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Sequence
 
 from contract.zero_math import (
@@ -44,6 +48,7 @@ from .buffers import (
     stage2_tail_bytes,
     step_buffer_bytes,
 )
+from .peak import CHECKPOINTS, PeakInputs, job_peak, summarize
 from .shape import DEFAULT_UNITS, ModelShape, bucket_elements, bucket_numels
 
 DEFAULT_MARGIN = 0.10  # a plan fits when its total is at most (1 - margin) of the budget
@@ -61,7 +66,7 @@ class StagePrediction:
     gpu: dict[str, int]
     cpu: dict[str, int]
     padding_bytes: int
-    phases: dict[str, int]  # peak bytes of the backward phase and the step phase (not overlapping)
+    peak: dict[str, Any]  # the job's parts (peak.summarize): bytes per part, the worst part, host peaks
     comm_elements: int
     comm_bytes: int
     comm_time_s: float | None = None
@@ -88,7 +93,9 @@ class PlanInputs:
     prefetch: int = 1
     activation_bytes: int | None = None  # None: not estimated (counted as 0, said so)
     activation_bytes_stage2: int | None = None  # joint peak with the stage-2 scratch replayed
-    activation_bytes_stage3: int | None = None  # the same with stage 3's per-unit buckets
+    activation_bytes_stage3: int | None = None  # the same with stage 3's per-unit buckets and gathers
+    activation_bytes_forward: int | None = None  # the forward alone (None: taken as activation_bytes)
+    activation_bytes_forward_stage3: int | None = None  # the forward with stage 3's gathers replayed
     accumulation_steps: int = 1  # micro-batches per step and rank
     device: str = "cuda"  # "cuda" adds the CUDA context to the reserve; "cpu" does not
     bandwidth_bytes_per_s: float | None = None
@@ -96,6 +103,14 @@ class PlanInputs:
     target_efficiency: float = DEFAULT_TARGET_EFFICIENCY
     reshard_after_forward: bool = True
     optimizer_states: int = 2  # fp32 optimizer state tensors per parameter (Adam: m, v)
+    deferred_init: bool = True  # built on the meta device, one bucket at a time; False: eagerly, in fp32
+    checkpoint: str = "none"  # peak.CHECKPOINTS: "none", "at_end", "periodic"
+    resume: bool = False  # the job may start from a checkpoint (resume_from, or a restart)
+    per_bucket_step: bool = True  # the optimizer steps bucket by bucket (torch's element-wise ones)
+
+    def __post_init__(self) -> None:
+        if self.checkpoint not in CHECKPOINTS:
+            raise ValueError(f"checkpoint must be one of {CHECKPOINTS}, got {self.checkpoint!r}")
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -111,16 +126,22 @@ class PlanInputs:
             "activation_bytes": self.activation_bytes,
             "activation_bytes_stage2": self.activation_bytes_stage2,
             "activation_bytes_stage3": self.activation_bytes_stage3,
+            "activation_bytes_forward": self.activation_bytes_forward,
+            "activation_bytes_forward_stage3": self.activation_bytes_forward_stage3,
             "accumulation_steps": self.accumulation_steps,
             "device": self.device,
             "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s,
             "compute_s": self.compute_s,
             "target_efficiency": self.target_efficiency,
+            "deferred_init": self.deferred_init,
+            "checkpoint": self.checkpoint,
+            "resume": self.resume,
         }
 
 
 def predict(inputs: PlanInputs, stage: int, offload: bool = False) -> StagePrediction:
-    """Every term of one rank's memory for one (stage, offload), plus communication and time."""
+    """Every term of one rank's memory for one (stage, offload), its peak part by part, plus
+    communication and time."""
     shape, n, precision = inputs.shape, inputs.n_ranks, inputs.precision
     traits = stage_traits(stage)
     if traits.shards_parameters:  # one bucket per unit (workers/zero/stage3.py)
@@ -129,34 +150,52 @@ def predict(inputs: PlanInputs, stage: int, offload: bool = False) -> StagePredi
         buckets = bucket_numels(shape.param_numels, traits.shard_world(n), bucket_elements(inputs.bucket_mb, precision))
     phi_padded = sum(buckets)
     states = model_state_bytes(shape.phi, n, precision, stage, offload, phi_padded, inputs.optimizer_states)
+    states = replace(states, gpu_params=states.gpu_params + shape.frozen * low_precision_bytes(precision))
     activations = inputs.activation_bytes or 0
     backward = activations + backward_buffer_bytes(
         stage, precision, buckets, n, inputs.device, inputs.accumulation_steps
     )
+    gathered = gathered_unit_bytes(shape.root_numel, shape.unit_numels, precision, inputs.prefetch, n) \
+        if traits.shards_parameters else 0
     replayed = _replayed_activations(inputs, stage)
-    if replayed is not None:  # the joint peak of activations and the engine's scratch
-        backward = replayed + stage2_tail_bytes(precision, buckets, n, inputs.device, inputs.accumulation_steps)
-    step = step_buffer_bytes(stage, precision, phi_padded, n, inputs.device, offload)
+    if replayed is not None:  # the joint peak of activations, the engine's scratch (and stage 3's gathers)
+        backward_transient = replayed + stage2_tail_bytes(precision, buckets, n, inputs.device,
+                                                          inputs.accumulation_steps)
+        backward = backward_transient - (gathered if traits.shards_parameters else 0)  # for the terms below
+    else:
+        backward_transient = backward + gathered
+    largest_param = max(shape.param_numels, default=0)
+    forward = (activations if inputs.activation_bytes_forward is None else inputs.activation_bytes_forward) + gathered
+    if traits.shards_parameters and inputs.activation_bytes_forward_stage3 is not None:
+        forward = inputs.activation_bytes_forward_stage3  # the gathers replayed on the forward's timeline
+    parts = job_peak(states, PeakInputs(
+        stage=stage, offload=offload, precision=precision, n_ranks=n, device=inputs.device, buckets=buckets,
+        phi_padded=phi_padded, phi_model=shape.phi + shape.frozen, frozen=shape.frozen,
+        largest_param=largest_param, optimizer_states=inputs.optimizer_states,
+        forward_bytes=forward, backward_bytes=backward_transient, deferred_init=inputs.deferred_init,
+        checkpoint=inputs.checkpoint, resume=inputs.resume, per_bucket_step=inputs.per_bucket_step,
+    ))
+    step = step_buffer_bytes(stage, precision, buckets, n, inputs.device, offload, largest_param,
+                             inputs.optimizer_states, inputs.per_bucket_step)
     gpu = {
-        "params": states.gpu_params + shape.frozen * low_precision_bytes(precision),
+        "params": states.gpu_params,
         "grads": states.gpu_grads,
         "optimizer": states.gpu_optimizer,
-        "gathered_units": gathered_unit_bytes(shape.root_numel, shape.unit_numels, precision, inputs.prefetch, n)
-        if traits.shards_parameters
-        else 0,
+        "gathered_units": gathered,
         "activations": activations,
-        "buffers": max(backward - activations, step),
+        "buffers": max(backward - activations, step["device"], 0),
     }
-    # Backward (activations + its scratch) and step (its scratch) do not overlap in time.
-    peak_phase = max(backward, step)
-    subtotal = states.gpu_total + gpu["gathered_units"] + peak_phase
-    gpu["reserve"] = allocator_reserve_bytes(subtotal, inputs.device)
-    gpu["total"] = subtotal + gpu["reserve"]
+    peak = summarize(parts, inputs.device)
+    # the budget: the worst part the device holds (a CPU rank's device is its host memory), + reserve
+    worst = peak["bytes"] if inputs.device == "cpu" else max(part["device"] for part in parts.values())
+    gpu["reserve"] = allocator_reserve_bytes(worst, inputs.device)
+    gpu["total"] = worst + gpu["reserve"]
     cpu = {
         "params": states.cpu_params,
         "grads": states.cpu_grads,
         "optimizer": states.cpu_optimizer,
         "total": states.cpu_total,
+        "peak": peak["host_bytes"],
     }
     elements = comm_elements(shape.phi, stage, inputs.reshard_after_forward)
     prediction = StagePrediction(
@@ -168,7 +207,7 @@ def predict(inputs: PlanInputs, stage: int, offload: bool = False) -> StagePredi
         gpu=gpu,
         cpu=cpu,
         padding_bytes=(phi_padded - shape.phi) * low_precision_bytes(precision),
-        phases={"backward": backward, "step": step},
+        peak=peak,
         comm_elements=elements,
         comm_bytes=elements * low_precision_bytes(precision),
     )
@@ -245,17 +284,24 @@ METHOD = {
     "padded per bucket to a multiple of N",
     "offload": "host keeps fp32 master (4Φ/N), fp32 gradient shard (4Φ/N), Adam moments (8Φ/N)",
     "buffers": "larger of backward scratch (stages 2/3: the engine's bucket -- stage 3: unit -- "
-    "scratch replayed on the profile's timeline, 2 in flight, + Gloo's copies on CPU; bound without "
-    "a profile: the largest 3 buckets) and step scratch (fp32 casts of reduced gradients, stage-1 "
-    "shards, CUDA foreach Adam temporaries)",
-    "peak": "model states + gathered units + max(activations + backward scratch, step scratch) + reserve",
+    "scratch replayed on the profile's timeline, 2 in flight + 1 filling; on a CPU rank its pages appear "
+    "as gradients are written; bound without a profile: the largest 3 buckets) and step scratch (one "
+    "bucket's fp32 gradient at a time, the optimizer's temporaries: CUDA foreach Adam over one bucket, "
+    "CPU Adam two of the largest piece)",
+    "peak": "the largest part of the job, each part what is alive at its worst moment: construction "
+    "(kept states without optimizer state + one bucket/unit of fp32 staging; an eager model first holds "
+    "itself in fp32), forward (states + gathered units + forward activations), backward (states + "
+    "gathered units + activations and scratch on one timeline), step (states + step scratch), checkpoint "
+    "(+ the host copy of the shard, over the worst training part when saves precede the last step), "
+    "resume (+ the checkpoint read into host memory); a CPU rank counts host and device together",
+    "total": "the peak (the device's; a CPU rank's host and device together) + reserve",
     "gathered_units": "stage 3: the root unit (embeddings, tied head; kept gathered) + (prefetch+1) "
     "× the largest block (a child of a ModuleList), padded, compute dtype",
     "activations": "peak live tensor bytes over one micro-batch forward+backward (dispatch tracker; "
     "meta device at submit time, SDPA as flash attention)",
     "reserve": "5% of the other terms, + 512 MiB CUDA context on GPUs",
     "comm_time": "ring collectives: bytes × (N-1)/N / link bandwidth; fully exposed (no overlap)",
-    "fits": "total <= (1 - margin) × budget; offload also needs host_total <= (1 - margin) × host budget",
+    "fits": "total <= (1 - margin) × budget; a GPU rank's host peak must also fit (1 - margin) × host budget",
 }
 
 
@@ -327,7 +373,8 @@ def choose_plan(
 
 
 def _host_fits(candidate: StagePrediction, host_limit: int | None) -> bool:
-    return host_limit is None or candidate.cpu["total"] <= host_limit
+    """A GPU rank's host memory holds offload's state and the checkpoint's copies: its peak must fit."""
+    return host_limit is None or candidate.cpu["peak"] <= host_limit
 
 
 def plan_for_count(

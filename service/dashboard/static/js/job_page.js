@@ -48,7 +48,7 @@ function buildCharts(job, chartList) {
     title: "Communication per step (elements per rank)",
     series: [
       { key: "comm_elements", label: "measured", format: compact },
-      { key: "expected_comm", label: "§4 expectation", format: compact },
+      { key: "expected_comm", label: "expected by the ZeRO formula", format: compact },
     ],
     description: `Bytes each rank passed to collectives in a step, divided by ${elementBytes((job.spec.zero || {}).precision)} bytes per element.`,
   });
@@ -230,9 +230,9 @@ export function jobPage({ jobId, signal }) {
     element.dataset.lastStep = last ? String(last.step) : "";
     if (last && Number.isFinite(last.comm_exposed_s) && Number.isFinite(last.step_time_s) && last.step_time_s > 0) {
       commSummary.textContent = `Latest step: ${seconds(last.comm_exposed_s)} of ${seconds(last.step_time_s)} exposed — efficiency ${percent(1 - last.comm_exposed_s / last.step_time_s)}.`
-        + (expected ? ` §4 expects ${compact(expected)} elements per step at stage ${prediction.stage}.` : "");
+        + (expected ? ` The ZeRO formula expects ${compact(expected)} elements per step at stage ${prediction.stage}.` : "");
     } else {
-      commSummary.textContent = expected ? `§4 expects ${compact(expected)} elements per step at stage ${prediction.stage}.` : "";
+      commSummary.textContent = expected ? `The ZeRO formula expects ${compact(expected)} elements per step at stage ${prediction.stage}.` : "";
     }
   }
 

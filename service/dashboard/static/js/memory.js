@@ -19,6 +19,7 @@ export class MemoryBars {
     this.bars = h("div", { class: "mem-bars", id: "memory-bars" });
     this.note = h("p", { class: "muted small", id: "memory-prediction-note" });
     this.table = h("table", { class: "data mem-table" });
+    this.parts = h("table", { class: "data mem-parts", id: "memory-peak-parts" });
     this.element = h(
       "div",
       { class: "memory" },
@@ -31,6 +32,7 @@ export class MemoryBars {
       this.bars,
       this.note,
       h("details", {}, h("summary", { text: "Memory per rank as a table" }), this.table),
+      h("details", { id: "memory-peak-details" }, h("summary", { text: "Predicted peak by part of the job" }), this.parts),
     );
     this.update([], null);
   }
@@ -81,11 +83,17 @@ export class MemoryBars {
         : `the ZeRO model-state formula with Φ = ${Number(prediction.phi).toLocaleString("en-US")}, N = ${prediction.world}, ${prediction.precision}`;
       let text = `Marker: predicted params + grads + optimizer per rank at stage ${prediction.stage ?? "?"}: ${bytes(prediction.total)} (${how}). Buffers are extra.`;
       if (prediction.source === "planner") {
-        text += ` Predicted peak with activations and buffers: ${bytes(prediction.peak_total)}.`;
+        if (Number.isFinite(prediction.peak)) {
+          text += ` Predicted peak per rank: ${bytes(prediction.peak)} (worst part: ${prediction.peak_where})`;
+          if (Number.isFinite(prediction.peak_measured)) text += ` (measured on rank 0: ${bytes(prediction.peak_measured)})`;
+          text += `; with the allocator's reserve the planner budgeted ${bytes(prediction.peak_total)}.`;
+        } else {
+          text += ` Predicted peak with activations and buffers: ${bytes(prediction.peak_total)}.`;
+        }
         if (prediction.check) {
           const errors = Object.entries(prediction.check)
             .filter(([, e]) => Number.isFinite(e))
-            .map(([term, e]) => `${term} ${(e * 100).toFixed(1)}%`);
+            .map(([term, e]) => `${term} ${e >= 0 ? "+" : ""}${(e * 100).toFixed(1)}%`);
           text += ` Prediction error at the end (rank 0): ${errors.join(", ")}.`;
         }
       }
@@ -93,10 +101,11 @@ export class MemoryBars {
     } else {
       this.note.textContent = `No prediction: ${missing || "not known for this job"}.`;
     }
+    this.updateParts(prediction);
     replaceChildren(
       this.table,
       h("caption", { text: "Latest memory per rank (bytes)" }),
-      h("thead", {}, h("tr", {}, ["rank", "step", ...MEMORY_PARTS.map((p) => p.label), "total", "peak", "predicted"].map((c) => h("th", { scope: "col", text: c })))),
+      h("thead", {}, h("tr", {}, ["rank", "step", ...MEMORY_PARTS.map((p) => p.label), "total", "predicted", "peak", "predicted peak"].map((c) => h("th", { scope: "col", text: c })))),
       h(
         "tbody",
         {},
@@ -108,8 +117,38 @@ export class MemoryBars {
             h("td", { text: String(r.step ?? "–") }),
             MEMORY_PARTS.map((p) => h("td", { text: bytes(r[p.key]) })),
             h("td", { text: bytes(totals[i]) }),
-            h("td", { text: bytes(r.mem_peak_bytes) }),
             h("td", { text: prediction ? bytes(prediction.total) : "–" }),
+            h("td", { text: bytes(r.mem_peak_bytes) }),
+            h("td", { text: prediction && Number.isFinite(prediction.peak) ? bytes(prediction.peak) : "–" }),
+          ),
+        ),
+      ),
+    );
+  }
+
+  /** The planner's peak per part of the job, with rank 0's measurement once the job has ended. */
+  updateParts(prediction) {
+    const parts = (prediction && prediction.peak_parts) || [];
+    if (!parts.length) {
+      replaceChildren(this.parts, h("caption", { text: "No prediction by part for this job." }));
+      return;
+    }
+    const error = (p) => (Number.isFinite(p.rel_error) ? `${p.rel_error >= 0 ? "+" : ""}${(p.rel_error * 100).toFixed(1)}%` : "–");
+    replaceChildren(
+      this.parts,
+      h("caption", { text: "Peak per rank in each part of the job: predicted, and measured on rank 0 (bytes above what the process held before the model)" }),
+      h("thead", {}, h("tr", {}, ["part of the job", "predicted peak", "measured (rank 0)", "error"].map((c) => h("th", { scope: "col", text: c })))),
+      h(
+        "tbody",
+        {},
+        parts.map((p) =>
+          h(
+            "tr",
+            { "data-part": p.part, class: p.words === prediction.peak_where ? "peak-worst" : "" },
+            h("th", { scope: "row", text: p.words }),
+            h("td", { text: bytes(p.predicted) }),
+            h("td", { text: Number.isFinite(p.measured) ? bytes(p.measured) : "–" }),
+            h("td", { text: error(p) }),
           ),
         ),
       ),

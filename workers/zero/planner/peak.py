@@ -1,0 +1,147 @@
+"""A rank's peak over the whole job, part by part: the one formula the planner's total rests on.
+
+Model states are what a rank keeps; its peak is where something transient comes on top of
+them, and that happens in different parts of a job, never in two at once. ``job_peak`` adds,
+for each part, what is alive at that part's worst moment (bytes of live tensors: what CUDA's
+``max_memory_allocated`` counts, and a CPU rank's resident-set growth when the worker maps
+large blocks fresh, ``workers/host_memory.py``):
+
+=============  ===================================================================================
+part           kept + transient
+=============  ===================================================================================
+construction   parameters, gradient buffers, fp32 master (no optimizer state yet: torch creates it
+               at the first step) + one bucket's (stage 3: unit's) staging; a model built eagerly
+               (not on the meta device) first holds itself whole in fp32
+forward        model states + the forward's activations + stage 3's gathered units
+backward       model states + activations, gradient scratch and stage 3's gathered units, replayed
+               on one timeline (``activations.py``; without a replay: their bounds added up)
+step           model states + the step's scratch: one bucket's fp32 gradient, the optimizer's
+               temporaries (``buffers.step_buffer_bytes``); no activations, no gathered units
+checkpoint     the host copy of this rank's shard (``snapshot.py``) on top of the model states;
+               when saves happen before the last step, the copy may still be uploading while the
+               next steps run: then on top of the largest of forward, backward and step
+resume         model states + the checkpoint's pieces read into host memory (fp32 master and
+               optimizer state; on a CPU rank the optimizer adopts the read tensors)
+=============  ===================================================================================
+
+(What the peak means, and the parts' plain words, are the contract's: ``contract.metrics``, the
+note on a rank's peak memory.)
+
+Each part is ``{"device", "host"}`` bytes: the device's, and what lives in host memory besides
+(offload's master, moments and fp32 gradient shard; the checkpoint copy; the read buffers). On
+a CPU rank both are the same memory, so the peak a meter sees is their sum; on a GPU it is the
+device's. The reserve for fragmentation (and a CUDA context) is the budget's concern and is
+not in the parts (``plan.predict`` adds it to ``total``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from contract.metrics import PEAK_PARTS
+from contract.zero_math import ModelStateBytes, low_precision_bytes, precision_traits, shard_numel, stage_traits
+
+from .buffers import construction_staging_bytes, snapshot_bytes, step_buffer_bytes
+
+PARTS = tuple(PEAK_PARTS)  # the contract's (``contract.metrics.PEAK_PARTS``: also their plain words)
+
+#: checkpoint: "none" (nothing is saved), "at_end" (the last step only: nothing trains while it
+#: uploads), "periodic" (saves before the last step: an upload can overlap the next steps)
+CHECKPOINTS = ("none", "at_end", "periodic")
+
+
+@dataclass(frozen=True)
+class PeakInputs:
+    """What the parts need besides the model states (the planner's ``PlanInputs`` reads into it)."""
+
+    stage: int
+    offload: bool
+    precision: str
+    n_ranks: int
+    device: str
+    buckets: Sequence[int]  # padded buckets (stage 3: units) as the engine lays them out
+    phi_padded: int
+    phi_model: int  # every parameter of the model, frozen included (an eager build holds it in fp32)
+    frozen: int
+    largest_param: int
+    optimizer_states: int
+    forward_bytes: int  # on top of the model states at the forward's worst moment (activations, gathers)
+    backward_bytes: int  # the same for backward (activations, gradient scratch, stage 3's gathers)
+    deferred_init: bool = True
+    checkpoint: str = "none"
+    resume: bool = False
+    per_bucket_step: bool = True
+
+
+def job_peak(states: ModelStateBytes, x: PeakInputs) -> dict[str, dict[str, int]]:
+    """Every part of the job (``PARTS``, those that happen) as ``{"device", "host"}`` bytes."""
+    if x.checkpoint not in CHECKPOINTS:
+        raise ValueError(f"checkpoint must be one of {CHECKPOINTS}, got {x.checkpoint!r}")
+    traits = stage_traits(x.stage)
+    world = traits.shard_world(x.n_ranks)
+    master = precision_traits(x.precision).master_bytes * shard_numel(x.phi_padded, world)
+    kept_device = states.gpu_total  # params (+ frozen), grads, master + optimizer state (device)
+    kept_host = states.cpu_total
+    # before the first step: no optimizer state yet, only the master it will update
+    opt_state_device = 0 if x.offload else states.gpu_optimizer - master
+    opt_state_host = states.cpu_optimizer if x.offload else 0
+
+    parts: dict[str, dict[str, int]] = {}
+    staging = construction_staging_bytes(x.stage, x.precision, x.buckets, x.n_ranks)
+    # buckets are built (the master on the device until offload moves it), then offload's host state
+    building = {"device": kept_device - opt_state_device + (master if x.offload else 0) + staging, "host": 0}
+    if not x.deferred_init:
+        building["device"] = max(building["device"], _eager_construction(states, x, master))
+    moved = {"device": kept_device - opt_state_device, "host": kept_host - opt_state_host}
+    parts["construction"] = max(building, moved, key=lambda v: _seen(v, x.device))
+    parts["forward"] = {"device": kept_device + x.forward_bytes, "host": kept_host}
+    parts["backward"] = {"device": kept_device + x.backward_bytes, "host": kept_host}
+    scratch = step_buffer_bytes(x.stage, x.precision, x.buckets, x.n_ranks, x.device, x.offload,
+                                x.largest_param, x.optimizer_states, x.per_bucket_step)
+    parts["step"] = {"device": kept_device + scratch["device"], "host": kept_host + scratch["host"]}
+    if x.checkpoint != "none":
+        copy = snapshot_bytes(x.stage, x.phi_padded, x.n_ranks, x.optimizer_states, x.frozen)
+        under = {"device": kept_device, "host": kept_host}
+        if x.checkpoint == "periodic":  # the worst training part, as the meter sees it
+            under = max((parts[k] for k in ("forward", "backward", "step")), key=lambda v: _seen(v, x.device))
+        parts["checkpoint"] = {"device": under["device"], "host": under["host"] + copy}
+    if x.resume:
+        read = 4 * (1 + x.optimizer_states) * shard_numel(x.phi_padded, world) + 4 * x.frozen
+        if x.device == "cpu":  # the optimizer adopts the read state; the master is copied into place
+            read = 4 * shard_numel(x.phi_padded, world) + 4 * x.frozen
+        parts["resume"] = {"device": kept_device, "host": kept_host + read}
+    return parts
+
+
+def _eager_construction(states: ModelStateBytes, x: PeakInputs, master: int) -> int:
+    """An eagerly built model as the engine copies it today: the whole model in fp32 while each
+    bucket is staged in fp32 (and cast); at stage 3 then every unit's flat buffer, the masters and
+    the gradient shards at once, before the units are freed one by one (keeping a shard each)."""
+    largest = max(x.buckets, default=0)
+    p = low_precision_bytes(x.precision)
+    separate = bool(precision_traits(x.precision).master_bytes)
+    worst = 4 * x.phi_model + 4 * largest + (p * largest if separate else 0)
+    if stage_traits(x.stage).shards_parameters:
+        all_flats = p * (x.phi_padded + x.frozen) + (0 if x.offload else master) + states.gpu_grads
+        worst = max(worst, all_flats + (p if separate else 4) * (largest // x.n_ranks))
+    return worst
+
+
+def _seen(part: dict[str, int], device: str) -> int:
+    """What a peak meter on ``device`` sees of a part: the device's bytes, plus the host's on a CPU rank."""
+    return part["device"] + (part["host"] if device == "cpu" else 0)
+
+
+def summarize(parts: dict[str, dict[str, int]], device: str, reserve: Optional[int] = None) -> dict:
+    """The parts as the prediction stores them: the bytes a meter sees per part, the worst part,
+    and the host's own peak (a GPU rank's host memory: offload, checkpoint copies)."""
+    order = [name for name in PARTS if name in parts]
+    seen = {name: _seen(parts[name], device) for name in order}
+    worst = max(seen, key=seen.get)
+    out = {"parts": seen, "part": worst, "bytes": seen[worst],
+           "host_parts": {name: parts[name]["host"] for name in order},
+           "host_bytes": max(part["host"] for part in parts.values())}
+    if reserve is not None:
+        out["reserve"] = reserve
+    return out
