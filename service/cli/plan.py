@@ -5,7 +5,10 @@
 
 One row per candidate (stages 0–3, then 1–3 with the optimizer offloaded): GB per GPU by term,
 host GB under offload, communication per step, and with a bandwidth and a compute time the
-efficiency and the bandwidth a target efficiency needs. The chosen row is marked. No server
+efficiency and the bandwidth a target efficiency needs. A second table splits each candidate's
+peak by the part of the job it happens in (model and engine construction, forward and backward
+pass, optimizer step, checkpoint copy and loading) and says which part is the worst; below it,
+one sentence says where the chosen plan's peak comes from. The chosen row is marked. No server
 is involved: the planner runs here (``workers.zero.planner``; a preset's activations are
 profiled on the meta device, so even gpt-1b costs no memory). ``--json`` prints the plan.
 """
@@ -97,8 +100,12 @@ def _print(plan: dict[str, Any], args: argparse.Namespace, chosen: tuple[int, bo
         console.print_json(json.dumps(plan))
         return
     console.print(plan_table(plan, chosen, args.target_efficiency))
+    console.print(peak_table(plan, chosen))
     if plan.get("reason"):
         console.print(f"[bold green]chosen:[/] {plan['reason']}")
+    picked = next((c for c in plan["candidates"] if chosen == (c["stage"], c["offload"])), None)
+    if picked is not None and picked.get("peak"):
+        console.print(peak_sentence(picked), highlight=False)
 
 
 def plan_table(plan: dict[str, Any], chosen: tuple[int, bool] | None, target_efficiency: float) -> Any:
@@ -133,6 +140,43 @@ def plan_table(plan: dict[str, Any], chosen: tuple[int, bool] | None, target_eff
             style="bold green" if is_chosen else None,
         )
     return table
+
+
+def peak_table(plan: dict[str, Any], chosen: tuple[int, bool] | None) -> Any:
+    """Each candidate's peak per GPU, part by part of the job (``planner/peak.py``), GB."""
+    from rich.table import Table
+
+    from contract.metrics import PEAK_PARTS
+
+    parts = [p for p in PEAK_PARTS if any(p in (c.get("peak") or {}).get("parts", {}) for c in plan["candidates"])]
+    table = Table(title="Peak per GPU by part of the job (GB): what is alive at each part's worst moment",
+                  caption="total = the worst part + the allocator's reserve; host = the rank's host memory at its peak")
+    table.add_column("stage", justify="left")
+    for part in parts:
+        table.add_column(PEAK_PARTS[part], justify="right")
+    for name in ("worst part", "peak", "total", "host"):
+        table.add_column(name, justify="left" if name == "worst part" else "right")
+    for c in plan["candidates"]:
+        peak = c.get("peak") or {}
+        is_chosen = chosen == (c["stage"], c["offload"])
+        table.add_row(
+            ("→ " if is_chosen else "  ") + f"{c['stage']}" + (" +offload" if c["offload"] else ""),
+            *(_fmt_gb(peak["parts"][p]) if p in peak.get("parts", {}) else "" for p in parts),
+            PEAK_PARTS.get(peak.get("part"), ""), _fmt_gb(peak.get("bytes", 0)), _fmt_gb(c["gpu"]["total"]),
+            _fmt_gb(c["cpu"].get("peak", c["cpu"]["total"])),
+            style="bold green" if is_chosen else None,
+        )
+    return table
+
+
+def peak_sentence(candidate: dict[str, Any]) -> str:
+    """Where the chosen plan's peak comes from, in plain words."""
+    from contract.metrics import PEAK_PARTS
+
+    peak = candidate["peak"]
+    others = ", ".join(f"{PEAK_PARTS[p]} {_fmt_gb(v)}" for p, v in peak["parts"].items() if p != peak["part"])
+    return (f"peak: {_fmt_gb(peak['bytes'])} GB per GPU, reached in the {PEAK_PARTS[peak['part']]} "
+            f"(the other parts, GB: {others}); with the allocator's reserve {_fmt_gb(candidate['gpu']['total'])} GB")
 
 
 def _fmt_gb(value: float) -> str:

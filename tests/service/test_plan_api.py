@@ -140,7 +140,9 @@ def test_cli_plan_prints_a_row_per_candidate(capsys):
                  "--bandwidth-gbps", "400", "--compute-s", "2"]) == 0
     out = capsys.readouterr().out
     assert "N = 64" in out and "chosen:" in out
-    assert out.count("+offload") == 3 and "→" in out
+    assert out.count("+offload") == 6 and out.count("→") == 2  # the terms' table, then the parts' table
+    assert "Peak per GPU by part of the job" in out and "backward pass" in out
+    assert "peak:" in out and "reached in the" in out  # where the chosen plan's peak comes from
 
 
 def test_cli_plan_json_matches_the_api(client, capsys):
