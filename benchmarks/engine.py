@@ -25,12 +25,18 @@ Columns (step times: per step, the slowest rank; then the median over the measur
                    .grad and every optimizer.state tensor (FSDP2's DTensors by ``.to_local()``),
                    taken after the last optimizer step, before zero_grad; the largest rank.
                    Offload rows: device bytes, plus ``memory()["host"]`` shown apart
-    peak/rank      CUDA: ``torch.cuda.max_memory_allocated``. CPU: growth of the resident-set
-                   high-water mark (VmHWM, reset by writing 5 to /proc/self/clear_refs just
-                   before the model is built) over the whole row; the largest rank. It includes
-                   what glibc keeps in per-thread malloc arenas (Gloo's threads allocate the
-                   collectives' buffers), which inflates the sharded rows most; MALLOC_ARENA_MAX=1
-                   in the environment narrows that (a CPU artefact; on GPU the CUDA peak is exact)
+    peak/rank      each rank's peak growth over the whole row, from just before its model is built
+                   (``planner.PeakMemoryMeter``, the worker's own meter): CUDA
+                   ``max_memory_allocated`` above what was allocated then, CPU the resident-set
+                   high-water mark (VmHWM) above the resident set then; the largest rank (every
+                   rank's: ``peak_bytes_per_rank`` in the JSON, and its construction part). Every
+                   row runs under the worker's host allocator policy (``--host-malloc mapped``:
+                   large blocks mapped fresh, ``workers/host_memory.py``), so freed tensors leave
+                   the resident set as on a GPU; ``--host-malloc glibc`` keeps glibc's default,
+                   whose heaps keep every step's high-water mark (a CPU artefact)
+    planned        zerotrain rows: the planner's predicted peak for the row (``planner.predict``:
+                   the worst part of the job, the model built eagerly as here) and its error
+                   against the measured peak/rank
     comm el/step   elements handed to collectives in one step (an all-reduce counts twice its
                    elements, a reduce-scatter its input, an all-gather its output). zerotrain:
                    ``engine.comm_volume()["total"]`` (measured); DDP: 2 x trainable elements
@@ -41,6 +47,7 @@ Columns (step times: per step, the slowest rank; then the median over the measur
                    that did not overlap compute); DDP/FSDP2: n/a (not measured)
 
     python -m benchmarks.engine --json bench-results/engine.json
+    python -m benchmarks.engine --host-malloc glibc   # CPU peaks under glibc's default policy
     python -m benchmarks.engine --interleave --steps 20   # steadier time ratios on a busy machine
     python -m benchmarks.engine --device cuda --precision bf16 --preset gpt-small --seq-len 1024
 
@@ -59,7 +66,6 @@ import gc
 import json
 import os
 import platform
-import re
 import socket
 import statistics
 import sys
@@ -76,8 +82,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from workers.host_memory import map_large_blocks
 from workers.models import GPT, PRESETS, GPTConfig, num_parameters
 from workers.zero.engine import distinct_storage_bytes
+from workers.zero.planner.check import PeakMemoryMeter
 
 ROWS: dict[str, str] = {
     "ddp": "PyTorch DDP",
@@ -91,7 +99,8 @@ ROWS: dict[str, str] = {
 }
 DEFAULT_ROWS = ["ddp", "fsdp2", "zero0", "zero1", "zero2", "zero3", "zero3-offload"]
 COLUMNS = ["row", "label", "ok", "error", "step_time_s", "best_step_time_s", "tokens_per_s", "ratio_to_ddp",
-           "model_state_bytes", "model_state_source", "peak_bytes", "peak_source",
+           "model_state_bytes", "model_state_source", "peak_bytes", "peak_source", "peak_bytes_per_rank",
+           "planned_peak_bytes",
            "comm_elements", "comm_source", "comm_exposed_s", "final_loss", "step_times_s", "wall_s"]
 ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "GLOO_SOCKET_IFNAME": "lo"}
 
@@ -189,46 +198,32 @@ class CollectiveCounter:
         return self.counts["all_gather"] + self.counts["reduce_scatter"] + self.counts["all_reduce"]
 
 
-def _proc_status(key: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            m = re.search(rf"^{key}:\s+(\d+)\s+kB", f.read(), re.M)
-        return int(m.group(1)) * 1024 if m else None
-    except OSError:
+def planned_peak(row: str, args: dict) -> int | None:
+    """The planner's predicted peak for a zerotrain row (None for the others, or if it cannot plan):
+    the row's own model on the meta device, its activations profiled as the planner profiles a job's."""
+    if not row.startswith("zero"):
         return None
+    from workers.planning import activation_profiles
+    from workers.zero.config import PRECISIONS
+    from workers.zero.planner import PlanInputs, model_shape, predict
+    from workers.zero.planner.activations import measure_activation_bytes, token_batch
 
-
-class PeakMemory:
-    """CUDA: max_memory_allocated. CPU: growth of VmHWM after a reset, else of ru_maxrss."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-            self.source = "cuda max_memory_allocated"
-            self.base = 0
-            return
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # resets VmHWM to the current RSS
-            self.base = _proc_status("VmRSS")
-            self.source = "cpu VmHWM growth (reset via /proc/self/clear_refs)"
-        except OSError:
-            self.base = None
-        if self.base is None:
-            import resource
-
-            self.base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-            self.source = "cpu ru_maxrss growth (fresh process)"
-
-    def peak(self) -> int:
-        if self.device.type == "cuda":
-            return int(torch.cuda.max_memory_allocated(self.device))
-        if self.source.startswith("cpu VmHWM"):
-            return max(0, (_proc_status("VmHWM") or 0) - self.base)
-        import resource
-
-        return max(0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - self.base)
+    cfg = GPTConfig(**args["model"])
+    try:
+        with torch.device("meta"):
+            model = GPT(cfg).to(PRECISIONS[args["precision"]])
+        batch = token_batch(args["micro_batch"], args["seq_len"], cfg.vocab_size, "meta")
+        profiles = activation_profiles(args["world_size"], args["bucket_mb"], args["precision"], args["device"])
+        inputs = PlanInputs(
+            shape=model_shape(model), n_ranks=args["world_size"], precision=args["precision"],
+            bucket_mb=args["bucket_mb"], prefetch=1, device=args["device"], deferred_init=False,
+            **{name: measure_activation_bytes(model, batch, stage2=layout, forward_only=forward_only)
+               for name, (layout, forward_only) in profiles.items()},
+        )
+        return predict(inputs, int(row[4]), row.endswith("-offload")).peak["bytes"]
+    except Exception as exc:  # noqa: BLE001 -- the column says n/a; the benchmark goes on
+        print(f"[engine bench] no plan for {row}: {exc}", file=sys.stderr)
+        return None
 
 
 # -- one row on one rank ---------------------------------------------------------------------------
@@ -360,18 +355,28 @@ def _prewarm(device: torch.device) -> None:
     del tiny, opt, idx, flat
 
 
+def peak_source(args: dict) -> str:
+    """How peak/rank was measured, in a phrase for the table's note."""
+    if args["device"] == "cuda":
+        return "growth of CUDA max_memory_allocated per rank"
+    policy = "large blocks mapped fresh" if args["host_malloc"] == "mapped" else "glibc's default malloc"
+    return f"growth of VmHWM per rank ({policy})"
+
+
 def run_one(row: str, rank: int, args: dict, device: torch.device,
             batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Any]:
     """Build and train one row on this rank; the report (or the error) as a dict."""
     total_steps = args["warmup"] + args["steps"]
     result: dict[str, Any] = {"rank": rank, "row": row}
     gc.collect()
-    peak = PeakMemory(device)
+    peak = PeakMemoryMeter(device)
+    peak.start()
     try:
         torch.manual_seed(args["seed"])
         model = GPT(GPTConfig(**args["model"])).to(device)
         runner = build_runner(row, model, args, device)
         del model
+        peak.lap("construction")
     except Exception as exc:  # noqa: BLE001 -- a row that cannot be built is reported, not fatal
         result["error"] = _describe(exc)  # every rank fails alike here, before any collective
         return result
@@ -392,7 +397,8 @@ def run_one(row: str, rank: int, args: dict, device: torch.device,
             losses.append(loss)
     comm, comm_source = runner.comm(*batches[total_steps])
     result.update(step_times_s=times, exposed_s=exposed, losses=losses, model_state=runner.measured,
-                  buffers=getattr(runner, "buffers", None), peak_bytes=peak.peak(), peak_source=peak.source,
+                  buffers=getattr(runner, "buffers", None), peak_bytes=peak.peak_growth(),
+                  construction_peak_bytes=peak.parts["construction"], peak_source=peak_source(args),
                   comm_elements=comm, comm_source=comm_source)
     del runner
     return result
@@ -449,6 +455,8 @@ def worker(rank: int, rows: list[str], args: dict, port: int, out_dir: str) -> N
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     warnings.filterwarnings("ignore")
     world = args["world_size"]
+    if args["host_malloc"] == "mapped":  # the worker's policy (workers/host_memory.py), for every row alike
+        map_large_blocks()
     if args["device"] == "cuda":
         device = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
@@ -548,6 +556,9 @@ def aggregate(row: str, ranks: list[dict[str, Any]], args: dict, wall: float, cr
         model_state_bytes=state, model_state_source="engine.memory()" if row.startswith("zero") else
         "distinct storages of params, .grad, optimizer.state (DTensor.to_local())",
         peak_bytes=None if any(r["peak_bytes"] is None for r in ranks) else max(r["peak_bytes"] for r in ranks),
+        peak_bytes_per_rank=[r["peak_bytes"] for r in ranks],
+        construction_peak_bytes_per_rank=[r.get("construction_peak_bytes") for r in ranks],
+        planned_peak_bytes=planned_peak(row, args),
         peak_source=ranks[0]["peak_source"] + ("" if not args["shared_world"] or args.get("interleave") else
                                                ", rows share one process: freed memory may be reused"),
         comm_elements=max(r["comm_elements"] for r in ranks), comm_source=ranks[0]["comm_source"],
@@ -577,6 +588,8 @@ def merge_repeats(runs: list[dict[str, Any]], args: dict) -> dict[str, Any]:
     out["repeat_step_time_s"] = [r["step_time_s"] for r in good]
     peaks = [r["peak_bytes"] for r in good if r["peak_bytes"] is not None]
     out["peak_bytes"] = max(peaks) if peaks else None
+    if all(None not in r["peak_bytes_per_rank"] for r in good):  # each rank's largest over the repeats
+        out["peak_bytes_per_rank"] = [max(v) for v in zip(*(r["peak_bytes_per_rank"] for r in good))]
     out["model_state_bytes"] = max((r["model_state_bytes"] for r in good), key=lambda m: m["total"])
     out["comm_elements"] = max(r["comm_elements"] for r in good)
     if all(r.get("comm_exposed_per_step_s") for r in good):
@@ -636,18 +649,20 @@ def print_table(rows: list[dict[str, Any]], summary: dict[str, Any], title: str)
     from rich.console import Console
     from rich.table import Table
 
-    table = Table("system", "step s", "best s", "tokens/s", "vs DDP", "state/rank", "peak/rank", "comm el/step",
-                  "exposed s", "loss", title=title)
+    table = Table("system", "step s", "best s", "tokens/s", "vs DDP", "state/rank", "peak/rank", "planned",
+                  "comm el/step", "exposed s", "loss", title=title)
     for r in rows:
         if not r["ok"]:
-            table.add_row(r["label"], "n/a", *["-"] * 8)
+            table.add_row(r["label"], "n/a", *["-"] * 9)
             continue
+        planned = r.get("planned_peak_bytes")
         table.add_row(
             r["label"], f"{r['step_time_s']:.3f}", f"{r['best_step_time_s']:.3f}", f"{r['tokens_per_s']:,.0f}",
             "-" if r["ratio_to_ddp"] is None else f"{r['ratio_to_ddp']:.2f}x",
             mib(r["model_state_bytes"]["total"]) + (f" +{mib(r['model_state_bytes']['host'])} host"
                                                     if "host" in r["model_state_bytes"] else ""),
             mib(r["peak_bytes"]),
+            "-" if not planned else mib(planned) + (f" ({planned / r['peak_bytes'] - 1:+.1%})" if r["peak_bytes"] else ""),
             f"{r['comm_elements']:,}" + ("*" if r["comm_source"].startswith("computed") else ""),
             "n/a" if r["comm_exposed_s"] is None else f"{r['comm_exposed_s']:.3f}",
             f"{r['final_loss']:.4f}",
@@ -659,7 +674,8 @@ def print_table(rows: list[dict[str, Any]], summary: dict[str, Any], title: str)
             console.print(f"{r['label']}: n/a: {r['error']}", highlight=False)
     console.print("* computed, not measured. state/rank: params+grads+optimizer on the device (offload: "
                   "+ what sits in host memory -- the same RAM on a CPU-only machine); peak/rank: "
-                  f"{next((r['peak_source'] for r in rows if r['ok']), '-')}.")
+                  f"{next((r['peak_source'] for r in rows if r['ok']), '-')}; planned: the planner's predicted "
+                  "peak (its error against peak/rank).")
     lines = []
     for key, text in (("stage2_vs_ddp_step_time", "stage 2 / DDP step time"),
                       ("stage2_vs_ddp_best_step_time", "stage 2 / DDP best step"),
@@ -707,6 +723,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shared-world", action="store_true",
                    help="run every row in one world (saves start-up; CPU peaks then less honest: "
                         "memory a row frees may be reused by the next without growing the RSS)")
+    p.add_argument("--host-malloc", choices=["mapped", "glibc"], default="mapped",
+                   help="CPU ranks' host allocator: 'mapped' (the worker's policy: large blocks mapped fresh, "
+                        "workers/host_memory.py) or glibc's default; every row alike (default: %(default)s)")
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args(argv)
     args.rows = [r.strip() for r in args.rows.split(",") if r.strip()]
@@ -735,7 +754,7 @@ def main(argv: list[str] | None = None) -> int:
         "steps": args.steps, "warmup": args.warmup, "precision": args.precision, "world_size": args.world_size,
         "device": args.device, "bucket_mb": args.bucket_mb, "lr": args.lr, "seed": args.seed,
         "timeout": 300, "row_timeout": args.row_timeout, "shared_world": args.shared_world,
-        "repeats": args.repeats, "interleave": args.interleave,
+        "repeats": args.repeats, "interleave": args.interleave, "host_malloc": args.host_malloc,
     }
     runs: dict[str, list[dict[str, Any]]] = {row: [] for row in args.rows}
     for rep in range(args.repeats):

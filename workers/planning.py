@@ -98,11 +98,7 @@ def measured_activations(
     profiled on ``activations_on``; ``device`` is where the job runs ("cpu" means Gloo, whose
     scratch pages appear as gradients are written). All None when the model cannot be profiled
     that way (a user model that does not run on meta, say)."""
-    layout = Stage2Layout(n_ranks, bucket_elements(bucket_mb, precision), pages_on_write=device == "cpu")
-    units = replace(layout, per_unit=True, prefetch=prefetch, reshard_after_forward=reshard_after_forward)
-    layouts = {"activation_bytes": (None, False), "activation_bytes_forward": (None, True),
-               "activation_bytes_stage2": (layout, False), "activation_bytes_stage3": (units, False),
-               "activation_bytes_forward_stage3": (units, True)}
+    layouts = activation_profiles(n_ranks, bucket_mb, precision, device, prefetch, reshard_after_forward)
     block = model_block(model)
     try:
         return {
@@ -112,6 +108,17 @@ def measured_activations(
         }
     except Exception:  # the plan records None and says so
         return dict.fromkeys(layouts)
+
+
+def activation_profiles(n_ranks: int, bucket_mb: float, precision: str, device: str, prefetch: int = 1,
+                        reshard_after_forward: bool = True) -> dict[str, tuple[Stage2Layout | None, bool]]:
+    """The activation profiles ``PlanInputs`` takes, by field: (the engine's scratch replayed on the
+    profile's timeline, or None; whether the forward alone is profiled)."""
+    layout = Stage2Layout(n_ranks, bucket_elements(bucket_mb, precision), pages_on_write=device == "cpu")
+    units = replace(layout, per_unit=True, prefetch=prefetch, reshard_after_forward=reshard_after_forward)
+    return {"activation_bytes": (None, False), "activation_bytes_forward": (None, True),
+            "activation_bytes_stage2": (layout, False), "activation_bytes_stage3": (units, False),
+            "activation_bytes_forward_stage3": (units, True)}
 
 
 def plan_for_spec(

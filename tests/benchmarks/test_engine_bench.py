@@ -33,12 +33,15 @@ def test_engine_benchmark_tiny(tmp_path: Path) -> None:
         assert row["model_state_bytes"]["total"] > 0 and row["peak_bytes"] >= 0
         assert row["comm_elements"] > 0
         assert len(row["step_times_s"]) == 2
+        assert len(row["peak_bytes_per_rank"]) == 2 and max(row["peak_bytes_per_rank"]) == row["peak_bytes"]
     by = {r["row"]: r for r in report["rows"]}
     phi = report["parameters"]
     assert by["ddp"]["comm_elements"] == 2 * phi  # computed: all-reduce of every element
     assert by["zero2"]["comm_elements"] >= 2 * phi  # measured, padded to the world size
     assert by["fsdp2"]["comm_elements"] >= 2 * phi  # measured: gathers (forward, backward) + reduce-scatter
     assert by["zero2"]["comm_exposed_s"] is not None and by["ddp"]["comm_exposed_s"] is None
+    assert by["zero2"]["planned_peak_bytes"] > 0 and by["ddp"]["planned_peak_bytes"] is None  # the planner's
+    assert report["settings"]["host_malloc"] == "mapped"  # the worker's allocator policy, every row alike
     # same seed, same data, fp32: every system reaches the same loss
     losses = [r["final_loss"] for r in report["rows"]]
     assert max(losses) - min(losses) < 1e-3, losses
