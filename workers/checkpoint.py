@@ -89,7 +89,8 @@ class CheckpointManager:
         except CheckpointError as error:  # the previous save failed after its retries: training goes on,
             self.failed_saves.append(str(error))  # the checkpoint before it stays the latest
             log.error("%s; training continues", error)
-        snap = snapshot.take_snapshot(engine, loader, step, self.rank, self.world_size)
+        # waited for: nothing changes the live host tensors before they are written, so no copy of them
+        snap = snapshot.take_snapshot(engine, loader, step, self.rank, self.world_size, copy=not wait)
         self.writer.submit(snap)
         if wait:
             self.writer.wait()

@@ -59,6 +59,21 @@ def test_the_planners_stored_prediction_takes_priority_and_carries_the_end_check
     assert shown["total"] == chosen["params"] + chosen["grads"] + chosen["optimizer"]
     assert shown["peak_total"] == chosen["total"]
     assert shown["check"] == {"params": 0.0, "peak": 0.04}
+    # the peak: its worst part and every part in plain words
+    peak = planner["chosen"]["peak"]
+    assert shown["peak"] == peak["bytes"] and shown["peak_where"] == "backward pass"
+    assert [p["words"] for p in shown["peak_parts"]] == [
+        "model and engine construction", "forward pass", "backward pass", "optimizer step",
+        "checkpoint copy to host memory"]  # ten steps, checkpoints every 50: one copy, at the end
+    assert all(p["measured"] is None for p in shown["peak_parts"])  # nothing measured yet
+    measured = {"ranks": {"0": {"terms": {"peak": {"measured": 9e6, "rel_error": 0.1},
+                                          "peak_backward": {"measured": 9e6, "rel_error": 0.1}}}}}
+    ended = predict(JobSpec.model_validate(spec), None, planner, measured)
+    backward = next(p for p in ended["peak_parts"] if p["part"] == "backward")
+    assert (backward["measured"], backward["rel_error"]) == (9e6, 0.1) and ended["peak_measured"] == 9e6
+    assert ended["check"] == {"peak": 0.1}  # the parts' errors are in peak_parts, not among the terms'
+    old = {**planner, "chosen": {k: v for k, v in planner["chosen"].items() if k != "peak"}}
+    assert predict(JobSpec.model_validate(spec), None, old)["peak"] is None  # stored before the parts
     # the formula's numbers for the same job differ only by the padding the planner counts
     formula = predict(JobSpec.model_validate(spec), None)
     assert shown["total"] == pytest.approx(formula["total"], rel=0.01)

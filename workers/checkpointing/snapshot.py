@@ -72,11 +72,23 @@ def _host(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous()
 
 
-def take_snapshot(engine: Any, loader: Any, step: int, rank: int, world_size: int) -> ShardSnapshot:
-    """Copy this rank's state to host memory and describe where each piece will lie."""
+def take_snapshot(engine: Any, loader: Any, step: int, rank: int, world_size: int,
+                  copy: bool = True) -> ShardSnapshot:
+    """Copy this rank's state to host memory and describe where each piece will lie.
+
+    ``copy=False`` (the manager's choice when nothing trains until the upload ends: the run's last
+    checkpoint) takes the live tensors that are in host memory already instead of copying them,
+    so a CPU rank's last checkpoint costs no memory (see the note on the host copy).
+
+    [Note: the host copy]
+    The copy is what lets training go on while the shard uploads, and it is the largest transient
+    a CPU rank has besides the backward pass: its fp32 master and optimizer state again, (4 + 4K)
+    bytes per element of its shard (the planner's ``buffers.snapshot_bytes``). A save that is
+    waited for needs none of it; device tensors are copied to the host either way.
+    """
     if rank != 0 and rank >= engine.state_dict_meta()["shard_world_size"]:
         return _replica_snapshot(step, rank, world_size)  # stage 0: rank 0 writes the one copy
-    sd = engine.state_dict()  # host copies: training may continue while they upload
+    sd = engine.state_dict(copy=copy)  # host copies (copy=True): training may continue while they upload
     file = shard_name(rank, world_size)
     tensors: dict[str, torch.Tensor] = {}
     entries: dict[str, dict] = {}

@@ -459,9 +459,10 @@ class ZeroEngine:
         self._check_open("full_state_dict")
         return engine_state.full_state_dict(self)
 
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's shard, enough to continue bit-identically (format: ``engine_state``)."""
-        return engine_state.state_dict(self)
+    def state_dict(self, copy: bool = True) -> dict[str, Any]:
+        """This rank's shard, enough to continue bit-identically (format: ``engine_state``);
+        ``copy=False``: the live host tensors, for a reader done before the next ``step()``."""
+        return engine_state.state_dict(self, copy)
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Load a ``state_dict()`` of a run with the same stage, world size and layout."""

@@ -60,8 +60,12 @@ def full_state_dict(engine: "ZeroEngine") -> dict[str, torch.Tensor]:
             out[key] = t.detach().to("cpu", copy=True)
     return out
 
-def state_dict(engine: "ZeroEngine") -> dict[str, Any]:
+def state_dict(engine: "ZeroEngine", copy: bool = True) -> dict[str, Any]:
     """This rank's shard: enough to continue bit-identically, or to reshard elsewhere.
+
+    ``copy=False`` hands out the live tensors that already are in host memory (the master and
+    optimizer state of a CPU rank, or offloaded ones) instead of copies: for a reader that is done
+    before the next ``step()`` changes them (the checkpoint of a run's last step).
 
     Format ``zerotrain.zero/v1`` (``STATE_FORMAT``; all tensors are CPU copies)::
 
@@ -101,11 +105,11 @@ def state_dict(engine: "ZeroEngine") -> dict[str, Any]:
             piece, view = piece_view
             entry["shard_range"] = [piece.param_start, piece.param_end]
             entry["shard_offset"] = piece.shard_offset
-            master[s.name] = view.detach().to("cpu", copy=True)
+            master[s.name] = view.detach().to("cpu", copy=copy)
         params[s.name] = entry
     frozen = {}
     for n, p in engine._frozen:
-        frozen[n] = engine._frozen_fp32.get(id(p), p.data).to("cpu", copy=True)
+        frozen[n] = engine._frozen_fp32.get(id(p), p.data).to("cpu", copy=copy)
     return {
         "format": STATE_FORMAT,
         "stage": engine.config.stage,
@@ -118,7 +122,7 @@ def state_dict(engine: "ZeroEngine") -> dict[str, Any]:
         "layout": engine.layout.describe(engine.shard_rank),
         "params": params,
         "master": master,
-        "optimizer": _to_cpu(optim_groups.export_state(engine.optimizer, _views(engine), engine._opt_names)),
+        "optimizer": _to_cpu(optim_groups.export_state(engine.optimizer, _views(engine), engine._opt_names), copy),
         "optimizer_params": [piece.slot.name for piece, _ in engine._opt_params],
         "loss_scaler": engine.scaler.state_dict() if engine.scaler is not None else None,
         "frozen": frozen,
@@ -209,13 +213,13 @@ def _views(engine: "ZeroEngine") -> list[torch.Tensor]:
     return [view for _, view in engine._opt_params]
 
 
-def _to_cpu(obj):
+def _to_cpu(obj, copy: bool = True):
     if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
+        return obj.detach().to("cpu", copy=copy)
     if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
+        return {k: _to_cpu(v, copy) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [_to_cpu(v) for v in obj]
+        return [_to_cpu(v, copy) for v in obj]
     if isinstance(obj, tuple):
-        return tuple(_to_cpu(v) for v in obj)
+        return tuple(_to_cpu(v, copy) for v in obj)
     return obj

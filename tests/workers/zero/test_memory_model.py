@@ -359,3 +359,80 @@ def test_stage_2_replay_lies_between_the_activations_and_the_bound(precision):
     bound = backward_buffer_bytes(2, precision, buckets, n, "cpu")
     assert plain <= joint <= plain + bound
     assert joint == pytest.approx(on_cpu, rel=0.02)
+
+
+def test_peak_meter_laps_record_each_part_and_the_job_peak():
+    meter = PeakMemoryMeter("cpu")  # blocks above glibc's largest threshold (32 MiB) are mapped anyway
+    torch.ones(2**20).add_(1)  # the first op of a process loads kernels: not the parts' memory
+    meter.start()
+    big = torch.ones(64 * 2**20 // 4)
+    del big
+    meter.lap("forward")
+    small = torch.ones(40 * 2**20 // 4)
+    del small
+    meter.lap("step")  # the step's peak starts from what is held at its start, not the forward's
+    report = meter.report()
+    assert report["peak_forward"] == pytest.approx(64 * 2**20, rel=0.05)
+    assert report["peak_step"] == pytest.approx(40 * 2**20, rel=0.05)
+    assert report["peak"] == max(report["peak_forward"], report["peak_step"])
+    with pytest.raises(ValueError, match="no such part"):
+        meter.lap("warmup")
+
+
+def _gpt_nano_inputs(**kw) -> PlanInputs:
+    return PlanInputs(shape=model_shape({"preset": "gpt-nano"}), n_ranks=2, precision="bf16", bucket_mb=1.0,
+                      activation_bytes=10**6, device="cpu", **kw)
+
+
+def test_peak_parts_follow_the_job():
+    plain = predict(_gpt_nano_inputs(), 2).peak
+    assert list(plain["parts"]) == ["construction", "forward", "backward", "step"]
+    at_end = predict(_gpt_nano_inputs(checkpoint="at_end"), 2)
+    periodic = predict(_gpt_nano_inputs(checkpoint="periodic", resume=True), 2)
+    states = sum(at_end.gpu[k] for k in ("params", "grads", "optimizer"))
+    shard = at_end.gpu["grads"] // 2  # elements of this rank's padded shard (bf16 gradient shard)
+    copy = 4 * 3 * shard  # fp32 master + Adam's two moments
+    assert at_end.peak["parts"]["checkpoint"] == states  # a CPU rank's last save is written as it lives
+    worst_training = max(periodic.peak["parts"][p] for p in ("forward", "backward", "step"))
+    assert periodic.peak["parts"]["checkpoint"] == worst_training + copy  # an upload overlapping training
+    assert periodic.peak["part"] == "checkpoint" and periodic.peak["bytes"] == worst_training + copy
+    assert periodic.peak["parts"]["resume"] == states + 4 * shard  # CPU: the optimizer adopts what was read
+    assert list(periodic.peak["parts"]) == ["construction", "resume", "forward", "backward", "step", "checkpoint"]
+    with pytest.raises(ValueError, match="checkpoint must be one of"):
+        _gpt_nano_inputs(checkpoint="sometimes")
+
+
+def test_a_model_built_eagerly_holds_itself_in_fp32_at_construction():
+    shape = model_shape({"preset": "gpt-nano"})
+    for stage in STAGES:
+        deferred = predict(_gpt_nano_inputs(), stage).peak["parts"]["construction"]
+        eager = predict(_gpt_nano_inputs(deferred_init=False), stage).peak["parts"]["construction"]
+        assert eager >= max(deferred, 4 * shape.phi), (stage, eager, deferred)
+    many = PlanInputs(shape=shape, n_ranks=8, precision="bf16", bucket_mb=1.0, device="cpu")
+    assert predict(many, 3).peak["parts"]["construction"] < 4 * shape.phi  # no rank holds the fp32 model
+
+
+def test_a_gpu_ranks_checkpoint_copy_is_host_memory():
+    inputs = PlanInputs(shape=model_shape({"preset": "gpt-nano"}), n_ranks=2, precision="bf16",
+                        activation_bytes=10**6, device="cuda", checkpoint="at_end")
+    prediction = predict(inputs, 3)
+    states = sum(prediction.gpu[k] for k in ("params", "grads", "optimizer"))
+    assert prediction.peak["parts"]["checkpoint"] == states  # the device holds no copy
+    copy = prediction.peak["host_parts"]["checkpoint"]
+    assert copy == 4 * 3 * prediction.gpu["grads"] // 2 and prediction.cpu["peak"] == copy  # master + moments
+
+
+def test_only_torchs_element_wise_optimizers_step_bucket_by_bucket():
+    from workers.zero.optim_groups import steps_per_piece
+
+    params = [torch.zeros(3, requires_grad=True)]
+    assert steps_per_piece(torch.optim.AdamW(params)) and steps_per_piece(torch.optim.SGD(params, lr=0.1))
+
+    class Counting(torch.optim.AdamW):  # a subclass may keep state per call
+        pass
+
+    assert not steps_per_piece(Counting(params))
+    hooked = torch.optim.AdamW(params)
+    hooked.register_step_post_hook(lambda opt, args, kwargs: None)  # a hook would count the calls
+    assert not steps_per_piece(hooked)
+    assert not steps_per_piece(torch.optim.LBFGS(params))

@@ -133,9 +133,10 @@ def construction_staging_bytes(stage: int, precision: str, buckets: Sequence[int
 
 
 def snapshot_bytes(stage: int, phi_padded: int, n_ranks: int, optimizer_states: int = 2, frozen: int = 0) -> int:
-    """The checkpoint's host copy of one rank (``workers/checkpointing/snapshot.py``), the worst rank:
-    its fp32 master shard and optimizer state (``engine.state_dict()`` copies them); rank 0 also
-    copies the frozen parameters (fp32). At stage 0 rank 0 writes the one copy of everything."""
+    """The checkpoint's host copy of one rank (``workers/checkpointing/snapshot.py``, the note on the
+    host copy), the worst rank: its fp32 master shard and optimizer state (``engine.state_dict()``
+    copies them); rank 0 also copies the frozen parameters (fp32). At stage 0 rank 0 writes the one
+    copy of everything."""
     world = stage_traits(stage).shard_world(n_ranks)
     return 4 * (1 + optimizer_states) * shard_numel(phi_padded, world) + 4 * frozen
 

@@ -19,7 +19,9 @@ step           model states + the step's scratch: one bucket's fp32 gradient, th
                temporaries (``buffers.step_buffer_bytes``); no activations, no gathered units
 checkpoint     the host copy of this rank's shard (``snapshot.py``) on top of the model states;
                when saves happen before the last step, the copy may still be uploading while the
-               next steps run: then on top of the largest of forward, backward and step
+               next steps run: then on top of the largest of forward, backward and step. The last
+               save is waited for and copies only what lives on a GPU (nothing on a CPU rank or
+               under offload)
 resume         model states + the checkpoint's pieces read into host memory (fp32 master and
                optimizer state; on a CPU rank the optimizer adopts the read tensors)
 =============  ===================================================================================
@@ -102,6 +104,8 @@ def job_peak(states: ModelStateBytes, x: PeakInputs) -> dict[str, dict[str, int]
     parts["step"] = {"device": kept_device + scratch["device"], "host": kept_host + scratch["host"]}
     if x.checkpoint != "none":
         copy = snapshot_bytes(x.stage, x.phi_padded, x.n_ranks, x.optimizer_states, x.frozen)
+        if x.checkpoint == "at_end" and (x.device == "cpu" or x.offload):
+            copy = 0  # the last save is waited for: what is in host memory already is written as it is
         under = {"device": kept_device, "host": kept_host}
         if x.checkpoint == "periodic":  # the worst training part, as the meter sees it
             under = max((parts[k] for k in ("forward", "backward", "step")), key=lambda v: _seen(v, x.device))
