@@ -12,12 +12,14 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import httpx
 import pytest
 import yaml
 
 from service.cli import main
 from service.schemas import TERMINAL_STATES, JobState
 
+from tests.conftest import free_port
 from tests.service.conftest import make_spec
 
 
@@ -112,6 +114,28 @@ def test_ctrl_c_ends_logs_follow_without_a_traceback(service):
     finally:
         service.client().cancel(job.id)
     assert "Traceback" not in stderr and stderr.strip() == "interrupted"
+
+
+def test_serve_says_where_the_dashboard_is_once_it_listens(tmp_path):
+    port = free_port()
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("ZEROTRAIN_")},
+           "ZEROTRAIN_HOME": str(tmp_path), "ZEROTRAIN_LAUNCHER": "local"}
+    server = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--port", str(port)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    timer = threading.Timer(60, server.kill)
+    timer.start()
+    try:
+        line = read_until(server.stdout, "dashboard:")[-1]
+        assert line.split() == ["dashboard:", f"http://127.0.0.1:{port}/", "API", "reference:",
+                                f"http://127.0.0.1:{port}/docs"]
+        page = httpx.get(f"http://127.0.0.1:{port}/", timeout=10)  # it listens when it says so
+        assert page.status_code == 200 and "text/html" in page.headers["content-type"]
+        server.send_signal(signal.SIGINT)
+        assert server.wait(30) == 130  # stopped by Ctrl-C, as every command is (run_command)
+    finally:
+        timer.cancel()
+        server.kill()
+        server.wait()
 
 
 def test_follow_of_a_failing_job_exits_1(cli_env, capsys, tmp_path):
