@@ -13,7 +13,7 @@ import math
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from contract.presets import PRESETS
@@ -305,8 +305,19 @@ class TrainSpec(SpecModel):
         return {"betas": tuple(self.betas or ADAM_BETAS), "eps": ADAM_EPS if self.eps is None else self.eps}
 
 
+# [Note: one validator, a schema generators read] ``zero.stage`` is validated as one literal, so
+# a bad value is one error naming ``zero.stage`` ("Input should be 0, 1, 2, 3 or 'auto'"), where
+# a union would report one error per branch under made-up locations. Its published schema is
+# the equivalent ``anyOf`` of an integer enum and a string enum: pydantic's own rendering, one
+# ``enum`` mixing integers and a string, is a shape client generators (openapi-python-client
+# among them) cannot type, and they drop every model and route that reaches it.
+Stage = Annotated[Literal[STAGES + ("auto",)], WithJsonSchema({
+    "anyOf": [{"type": "integer", "enum": list(STAGES)}, {"type": "string", "enum": ["auto"]}],
+    "title": "Stage", "description": "ZeRO stage 0-3, or \"auto\": the planner picks one"})]
+
+
 class ZeroSpec(SpecModel):
-    stage: Literal[STAGES + ("auto",)] = "auto"
+    stage: Stage = "auto"
     precision: Literal[PRECISIONS] = "fp32"
     offload_optimizer: bool = False
     bucket_mb: float = Field(default=25.0, gt=0)

@@ -41,11 +41,29 @@ class JobNotActive(RuntimeError):
     """The control plane refused a state report: the job was cancelled or already ended."""
 
 
+HTTP_CLIENT_LOGGERS = ("httpx", "httpcore")
+
+
+def quiet_http_client_logs() -> None:
+    """httpx logs every request at INFO ("HTTP Request: POST …/metrics "HTTP/1.1 200 OK"") and
+    httpcore every connection step at DEBUG: in a job's log, which is the driver's and every
+    rank's output, that buried the training lines (a metric push a second per rank). Only
+    their warnings are kept; our own retries log what went wrong (``WorkerAPI._with_retries``)."""
+    for name in HTTP_CLIENT_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
 class WorkerAPI:
-    """The worker endpoints of one job, authenticated with its ingest token."""
+    """The worker endpoints of one job, authenticated with its ingest token.
+
+    Every process of a job that talks to the control plane does it through this class (the
+    driver, each rank, the Ray Train controller's restart callback), so it quiets the HTTP
+    client's per-request log lines where they would start (``quiet_http_client_logs``).
+    """
 
     def __init__(self, api_url: str, job_id: str, token: str, *, timeout_s: float = 10.0,
                  transport: httpx.BaseTransport | None = None):
+        quiet_http_client_logs()
         self.job_id = job_id
         self.base = f"{api_url.rstrip('/')}/api/v1/jobs/{job_id}"
         self.http = httpx.Client(headers={"Authorization": f"Bearer {token}"}, timeout=timeout_s,

@@ -261,8 +261,6 @@ def progress_line(record: dict[str, Any], total_steps: int, world_size: int) -> 
 
 def train_loop(config: dict[str, Any]) -> dict[str, Any]:
     """Train the job's model for ``train.steps`` steps on this rank; return a short summary."""
-    # The reporter's HTTP client logs every request at INFO: the job's log is for training.
-    logging.getLogger("httpx").setLevel(logging.WARNING)
     spec = JobSpec.model_validate(config["spec"])  # this rank's boundary: attributes from here on
     train, data = spec.train, spec.data
     world = World.current(use_gpu=spec.resources.gpus_per_worker > 0)

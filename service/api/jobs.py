@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import uuid
 from typing import Annotated
 
@@ -21,6 +20,7 @@ from service.api.plan import no_plan_response
 from service.api.spec_access import check_spec_access
 from service.auth import Principal
 from service.launchers.base import LaunchHandle, Launcher
+from service.log_text import plain_log
 from service.models import IdempotencyKey, Job, JobEvent, utcnow
 from service.prediction import NothingFits, plan_at_submit
 from service.schemas import EventList, JobOut, JobPage, JobSpec, JobState
@@ -212,13 +212,4 @@ def get_job_logs(job: VisibleJob, launcher: LauncherDep,
     if handle.launcher != launcher.name:
         raise HTTPException(409, f"job {job.id} ran on the {handle.launcher!r} launcher; "
                                  f"this server uses {launcher.name!r} and cannot read its logs")
-    return PlainTextResponse(strip_terminal_codes(launcher.logs(handle, tail_bytes)))
-
-
-# Ray colours its worker prefixes ("\x1b[36m(RayTrainWorker pid=…)\x1b[0m"): a terminal's
-# business, raw escape codes in `zerotrain logs` and the dashboard's log panel.
-_TERMINAL_CODES = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
-
-
-def strip_terminal_codes(text: str) -> str:
-    return _TERMINAL_CODES.sub("", text)
+    return PlainTextResponse(plain_log(launcher.logs(handle, tail_bytes)))

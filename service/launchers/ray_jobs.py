@@ -51,6 +51,7 @@ from contract.reasons import Reason
 from service.admission import Capacity
 from service.launchers.base import LaunchHandle, LaunchPhase, LaunchRequest, LaunchStatus
 from service.launchers.driver import LOOPBACK_ENV, driver_command, host_environment, job_environment
+from service.log_text import plain_log
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -427,7 +428,8 @@ class RayJobsLauncher:
         return f"{storage.rstrip('/')}/{handle.extra.get('job_id', handle.external_id)}/logs/{handle.external_id}.log"
 
     def _save_logs(self, handle: LaunchHandle) -> None:
-        """Copy a finished job's driver log to storage (once), so it outlives the Ray cluster."""
+        """Copy a finished job's driver log to storage (once), so it outlives the Ray cluster; kept
+        as plain text (``service.log_text``)."""
         if handle.external_id in self._logs_saved:
             return
         import fsspec
@@ -439,7 +441,7 @@ class RayJobsLauncher:
                 text = self.client.get_job_logs(handle.external_id)
                 fs.makedirs(fs_path.rsplit("/", 1)[0], exist_ok=True)
                 with fs.open(fs_path, "w") as out:
-                    out.write(text)
+                    out.write(plain_log(text))
             self._logs_saved.add(handle.external_id)
         except Exception as error:  # noqa: BLE001 - a missing copy must not break reconciling
             log.warning("could not keep the logs of %s: %s", handle.external_id, error)

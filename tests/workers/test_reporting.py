@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -166,6 +167,20 @@ def test_worker_api_sends_the_ingest_token_in_the_header():
     api = WorkerAPI("http://cp", "j1", "zt_ingest_abc", transport=httpx.MockTransport(handler))
     api.post_metrics(records(1))
     assert seen == {"auth": "Bearer zt_ingest_abc", "url": "http://cp/api/v1/jobs/j1/metrics"}
+
+
+def test_worker_api_requests_leave_no_info_lines_in_the_jobs_log(server, caplog, monkeypatch):
+    """A job's log is every rank's output: httpx's "HTTP Request: POST …" line per metric push
+    once outnumbered the training lines. Requests through WorkerAPI log nothing below WARNING."""
+    for name in ("httpx", "httpcore"):  # as a fresh worker process has them
+        monkeypatch.setattr(logging.getLogger(name), "level", logging.NOTSET)
+    caplog.set_level(logging.DEBUG)
+    api = api_for(server)
+    assert api.post_metrics(records(3)).status_code == 200
+    api.close()
+    assert server.requests == 1
+    chatter = [r for r in caplog.records if r.name.split(".")[0] in ("httpx", "httpcore")]
+    assert not chatter, [r.getMessage() for r in chatter]
 
 
 def test_step_meter_derives_throughput_and_bytes():

@@ -48,12 +48,17 @@ function buildCharts(job, chartList) {
     title: "Communication per step (elements per rank)",
     series: [
       { key: "comm_elements", label: "measured", format: compact },
-      { key: "expected_comm", label: "§4 expectation", format: compact },
+      { key: "expected_comm", label: "ZeRO formula", format: compact },
     ],
     description: `Bytes each rank passed to collectives in a step, divided by ${elementBytes((job.spec.zero || {}).precision)} bytes per element.`,
   });
   const inSection = (section) => chartList.filter((c) => c.section === section).map(lineChart);
   return { training: inSection("training"), communication: [comm, ...inSection("communication")] };
+}
+
+/** What the ZeRO formula says a stage communicates (docs/design.md, "The math the engine honours"). */
+function formulaComm(elements, stage) {
+  return `The ZeRO formula for stage ${stage} expects ${compact(elements)} elements per rank per step.`;
 }
 
 /** The series spec of the job's speed (the field the progress line shows), if it is charted. */
@@ -230,9 +235,9 @@ export function jobPage({ jobId, signal }) {
     element.dataset.lastStep = last ? String(last.step) : "";
     if (last && Number.isFinite(last.comm_exposed_s) && Number.isFinite(last.step_time_s) && last.step_time_s > 0) {
       commSummary.textContent = `Latest step: ${seconds(last.comm_exposed_s)} of ${seconds(last.step_time_s)} exposed — efficiency ${percent(1 - last.comm_exposed_s / last.step_time_s)}.`
-        + (expected ? ` §4 expects ${compact(expected)} elements per step at stage ${prediction.stage}.` : "");
+        + (expected ? ` ${formulaComm(expected, prediction.stage)}` : "");
     } else {
-      commSummary.textContent = expected ? `§4 expects ${compact(expected)} elements per step at stage ${prediction.stage}.` : "";
+      commSummary.textContent = expected ? formulaComm(expected, prediction.stage) : "";
     }
   }
 
