@@ -13,10 +13,10 @@ Whether the user may read the URI at all is decided before, by the ``data.uri`` 
 * The model's shapes come from ``contract.presets`` (``GPTConfig.state_dict_shapes``, tested
   against the real model): no torch needed. A ``model.factory`` is never imported on the
   control plane (that would run user code here), so its weights are checked by the workers.
-* A source inside the service's storage root is the control plane's own storage: absent there
-  is a 422. Outside it (a ``file://`` path on the workers' machines, a bucket only the workers
-  hold credentials for) absent may only mean "not visible from here": accepted, the workers
-  decide.
+* What is read: a source inside the service's storage root (the control plane's own storage;
+  absent there is a 422) or a ``file://`` path (absent may only mean "on the workers' machines,
+  not here": accepted, the workers decide). Any other ``s3://`` URI is left to the workers: the
+  control plane does not reach out to buckets and endpoints it was not configured for.
 * Storage that does not answer (an outage, a hung endpoint) must not turn a submit into a
   user error nor hold the request: the check runs in a thread with ``CHECK_TIMEOUT_S`` and an
   error that is not about the weights themselves accepts the job unverified (logged).
@@ -46,6 +46,9 @@ def check_init_from(spec: JobSpec, storage_root: str, timeout_s: float = CHECK_T
     uri, preset = spec.model.init_from, spec.model.preset
     if uri is None or preset is None:
         return
+    inside = _inside(uri, storage_root)
+    if not (inside or uri.startswith("file://")):
+        return
     try:
         from workers.checkpointing.pretrained import PretrainedWeights, WeightsNotFound
     except ImportError as missing:  # a control plane installed without the worker extra
@@ -59,7 +62,7 @@ def check_init_from(spec: JobSpec, storage_root: str, timeout_s: float = CHECK_T
     try:
         _POOL.submit(fits).result(timeout=timeout_s)
     except WeightsNotFound as absent:
-        if _inside(uri, storage_root):
+        if inside:
             raise InitFromMismatch(str(absent)) from None
         log.info("model.init_from %s not visible from the control plane; the workers will read it", uri)
     except ValueError as mismatch:  # malformed, or a missing/unexpected key, or a shape
