@@ -9,6 +9,7 @@ ignored setting. Depends on pydantic alone (the SDK imports it).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from typing import Annotated, Any, Literal
@@ -89,12 +90,25 @@ def _factory_path(value: str) -> str:
     return value
 
 
+MAX_URI_CHARS = 2048
+
+
 class ModelSpec(SpecModel):
-    """Either a built-in preset or a user factory ``pkg.mod:fn`` called with ``kwargs``."""
+    """Either a built-in preset or a user factory ``pkg.mod:fn`` called with ``kwargs``.
+
+    ``init_from`` (fine-tuning): a ``file://`` or ``s3://`` URI of safetensors weights -- one
+    ``.safetensors`` file, or a directory with ``model.safetensors.index.json`` as Hugging Face
+    and ``zerotrain ckpt consolidate`` write it -- whose names and shapes are the model's
+    ``state_dict()``. The workers build the model on the meta device and every rank reads only
+    the bytes it keeps; a job resuming from a checkpoint (its own, or ``resume_from``) loads
+    that instead. The control plane refuses a URI the user may not read (the ``data.uri``
+    rules) and, when it can read it, weights that do not fit a preset.
+    """
 
     preset: str | None = None
     factory: str | None = None
     kwargs: BoundedJson = Field(default_factory=dict)
+    init_from: str | None = Field(default=None, max_length=MAX_URI_CHARS)
 
     @field_validator("preset")
     @classmethod
@@ -112,6 +126,11 @@ class ModelSpec(SpecModel):
     def _factory(cls, value: str | None) -> str | None:
         return None if value is None else _factory_path(value)
 
+    @field_validator("init_from")
+    @classmethod
+    def _init_from(cls, value: str | None) -> str | None:
+        return None if value is None else _storage_uri(value)
+
     @model_validator(mode="after")
     def _exactly_one(self) -> "ModelSpec":
         if (self.preset is None) == (self.factory is None):
@@ -123,6 +142,14 @@ class ModelSpec(SpecModel):
                 "model_kwargs", "model.kwargs applies to model.factory only", {"field": "model.kwargs"}
             )
         return self
+
+    def architecture(self) -> dict[str, Any]:
+        """What the model is, as a consolidated checkpoint's ``config.json`` says it: a preset's
+        name and its ``GPTConfig`` fields, or the factory and its kwargs (not ``init_from``:
+        where the weights came from is not what the model is)."""
+        if self.preset is not None:
+            return {"preset": self.preset, **dataclasses.asdict(PRESETS[self.preset])}
+        return {"factory": self.factory, "kwargs": self.kwargs}
 
 
 class DataSpec(SpecModel):

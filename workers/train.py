@@ -72,6 +72,10 @@ class CheckpointHook(Protocol):
     """Where checkpointing plugs into the loop: ``workers.checkpoint.TrainCheckpointHook``, or
     ``NoCheckpoints`` for a job with nowhere to write."""
 
+    def resumes(self) -> bool:
+        """Whether ``maybe_resume`` will load a checkpoint (then ``model.init_from`` is not read)."""
+        ...
+
     def maybe_resume(self, engine: ZeroEngine, loader: ShardedBatchLoader) -> int:
         """Restore the latest checkpoint, if any; return the number of completed steps."""
         ...
@@ -82,6 +86,9 @@ class CheckpointHook(Protocol):
 
 
 class NoCheckpoints:
+    def resumes(self) -> bool:
+        return False
+
     def maybe_resume(self, engine: ZeroEngine, loader: ShardedBatchLoader) -> int:
         return 0
 
@@ -188,8 +195,31 @@ def resolve_stage(spec: JobSpec, device: torch.device) -> tuple[int, bool]:
     return int(plan.stage), bool(plan.offload)
 
 
-def build_engine(spec: JobSpec, model: torch.nn.Module, device: torch.device) -> ZeroEngine:
-    """The job's ``ZeroEngine``: the spec's ``zero`` block (stage resolved here) and its optimizer."""
+def build_job_model(spec: JobSpec, *, resuming: bool) -> tuple[torch.nn.Module, str | None]:
+    """The job's model and the engine's ``init_weights`` for it.
+
+    [Note: which models are built on meta]
+    A preset is built on the meta device and materialized bucket by bucket by the engine, so no
+    rank holds the whole fp32 model: with no ``init_from`` its ``init_weights`` hook gives the
+    same bits as an eager build (one seed, one model); with ``model.init_from`` each rank reads
+    the slices it keeps from the file. A factory model is built on meta only with
+    ``init_from`` (whatever its own initialization would be, the file replaces it); without, it
+    is built eagerly, as always, since user code need not support meta construction. A job
+    that resumes (a restarted attempt, ``resume_from``) loads its checkpoint over whatever the
+    engine starts from, so ``init_from`` is not read then: the checkpoint wins, and a restart
+    does not depend on the pretrained files still being there.
+    """
+    init_from = None if resuming else spec.model.init_from
+    if spec.model.preset is None and init_from is None:
+        return build_model(spec.model), None
+    with torch.device("meta"):
+        return build_model(spec.model), init_from
+
+
+def build_engine(spec: JobSpec, model: torch.nn.Module, device: torch.device,
+                 init_weights: str | None = None) -> ZeroEngine:
+    """The job's ``ZeroEngine``: the spec's ``zero`` block (stage resolved here) and its optimizer;
+    a model on meta is materialized on ``device`` from ``init_weights`` (``build_job_model``)."""
     zero, train = spec.zero, spec.train
     stage, offload = resolve_stage(spec, device)
     config = ZeroConfig(
@@ -204,7 +234,9 @@ def build_engine(spec: JobSpec, model: torch.nn.Module, device: torch.device) ->
         broadcast_buffers=zero.broadcast_buffers,
         sync_batchnorm=zero.sync_batchnorm,
     )
-    return ZeroEngine(model, optimizer=optimizer_factory(train), config=config)
+    if any(p.is_meta for p in model.parameters()):
+        return ZeroEngine(model, optimizer=optimizer_factory(train), config=config, init_weights=init_weights)
+    return ZeroEngine(model.to(device), optimizer=optimizer_factory(train), config=config)
 
 
 TORCH_OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
@@ -268,10 +300,11 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
     api = WorkerAPI(config["api_url"], config["job_id"], token) if config.get("api_url") and token else None
     attempt = start_attempt(config, world, api)
 
+    checkpoints = make_checkpoint_hook(spec, config, api)
     baseline_peak = peak_memory_bytes(world.device)  # what the process held before the model
     torch.manual_seed(train.seed)
-    model = build_model(spec.model).to(world.device)
-    engine = build_engine(spec, model, world.device)
+    model, init_weights = build_job_model(spec, resuming=checkpoints.resumes())
+    engine = build_engine(spec, model, world.device, init_weights)
     torch.manual_seed(train.seed + world.rank)  # dropout differs per rank
     loader = ShardedBatchLoader(build_dataset(data, seed=train.seed),
                                 global_batch_size=train.global_batch_size, micro_batch_size=train.micro_batch_size,
@@ -285,7 +318,6 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
         sinks.append(MetricReporter(api.post_metrics))
     if config.get("metrics_path"):
         sinks.append(JsonlSink(f"{config['metrics_path']}.rank{world.rank}.jsonl"))
-    checkpoints = make_checkpoint_hook(spec, config, api)
 
     total_steps = train.steps
     step = checkpoints.maybe_resume(engine, loader)

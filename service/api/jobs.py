@@ -19,6 +19,7 @@ from service.api.errors import error_responses, field_error
 from service.api.plan import no_plan_response
 from service.api.spec_access import check_spec_access
 from service.auth import Principal
+from service.init_from import InitFromMismatch, check_init_from
 from service.launchers.base import LaunchHandle, Launcher
 from service.log_text import plain_log
 from service.models import IdempotencyKey, Job, JobEvent, utcnow
@@ -59,10 +60,15 @@ def _replay(session: Session, user: Principal, key: str, request_hash: str) -> J
                         **error_responses(409, 429)},
              description="Validates the spec, records the planner's memory prediction and resolves "
                          "`zero.stage: \"auto\"` to the lowest stage that fits (422 with the numbers "
-                         "when nothing fits).")
+                         "when nothing fits). A `model.init_from` the control plane can read must fit "
+                         "the model (422 naming the key otherwise).")
 def submit_job(spec: JobSpec, request: Request, response: Response, session: SessionDep, launcher: LauncherDep,
                user: CurrentUser, settings: SettingsDep, idempotency_key: IdempotencyKeyHeader = None) -> Job:
-    check_spec_access(spec, user, session, settings)
+    check_spec_access(spec, user, session, settings)  # first: nothing is read that the user may not read
+    try:
+        check_init_from(spec, settings.storage_uri)
+    except InitFromMismatch as mismatch:
+        raise field_error("model.init_from", str(mismatch), "init_from_mismatch") from None
     check_admissible(spec, user, session, settings, launcher)
     spec_json = spec.model_dump(mode="json")
     if (size := len(json.dumps(spec_json))) > settings.max_spec_bytes:

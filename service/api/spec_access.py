@@ -1,7 +1,7 @@
 """What a submitted spec may reach beyond itself: checks that need the caller and the database.
 
 The schema alone cannot tell whose job ``resume_from.job_id`` names or whose storage
-``checkpoint.uri`` and ``data.uri`` point into, nor whether this service lets the caller run
+``checkpoint.uri``, ``data.uri`` and ``model.init_from`` point into, nor whether this service lets the caller run
 their own code in the workers (``Settings.allow_user_code``), so ``submit_job`` runs these
 before storing anything. A job the caller cannot see and a job that does not exist get the
 same answer, so the 422 does not confirm that another user's job id exists (the same reason
@@ -35,6 +35,8 @@ def user_code_fields(spec: JobSpec) -> list[tuple[str, str]]:
          f"{_NO_USER_CODE}; leave runtime unset and use a built-in model.preset"),
         ((spec.data.uri or "").startswith("file://"), "data.uri",
          f"{_NO_LOCAL_FILES}; use an s3:// dataset"),
+        ((spec.model.init_from or "").startswith("file://"), "model.init_from",
+         f"{_NO_LOCAL_FILES}; use s3:// weights"),
     ]
     return [(field, message) for value, field, message in used if value]
 
@@ -45,8 +47,10 @@ def check_spec_access(spec: JobSpec, user: Principal, session: Session, settings
     if not settings.allow_user_code and not user.is_admin and (refused := user_code_fields(spec)):
         field, message = refused[0]
         raise field_error(field, message, "user_code_disabled")
+    # model.init_from is read like data: the same rules (what the workers read, not what they write)
     storage_checks = [("checkpoint.uri", spec.checkpoint.uri, check_checkpoint_root),
-                      ("data.uri", spec.data.uri, check_data_uri)]
+                      ("data.uri", spec.data.uri, check_data_uri),
+                      ("model.init_from", spec.model.init_from, check_data_uri)]
     for field, uri, check in storage_checks:
         if uri is None:
             continue

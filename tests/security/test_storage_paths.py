@@ -5,8 +5,9 @@ The rule (service/storage_policy.py): ``checkpoint.uri`` is null (checkpoints go
 any prefix below the storage root. A checkpoint a worker registers lies below its own job's
 ``{root}/{job_id}/checkpoints``. ``resume_from.job_id`` names a job the submitter can see.
 ``data.uri`` inside the storage root (or containing it) lies below the user's area; outside it,
-it is free, and ``data.glob`` cannot leave it. With ``allow_user_code=False`` a user's spec runs
-no code of theirs in the workers and reads no worker-local file; an admin's may.
+it is free, and ``data.glob`` cannot leave it (``model.init_from`` follows the ``data.uri`` rules:
+tests/service/test_finetune.py). With ``allow_user_code=False`` a user's spec runs no code of
+theirs in the workers and reads no worker-local file (data or weights); an admin's may.
 """
 
 from __future__ import annotations
@@ -271,6 +272,7 @@ USER_CODE = [
     ("data.factory", preset_spec(data={"kind": "factory", "factory": "tests.fake:dataset", "seq_len": 64})),
     ("runtime.working_dir", preset_spec(runtime={"working_dir": "s3://code/alice/pkg.zip"})),
     ("data.uri", preset_spec(data=text_data("file:///proc/self", "environ"))),
+    ("model.init_from", {**preset_spec(), "model": {"preset": "gpt-nano", "init_from": "file:///srv/weights/nano"}}),
 ]
 
 

@@ -40,6 +40,8 @@ BAD_SPECS: list[tuple[str, dict]] = [
     ("model.factory", with_value("model.factory", "not a factory")),
     ("model.kwargs", with_value("model.kwargs", ["a"])),
     ("model.color", with_value("model.color", "red")),
+    ("model.init_from", with_value("model.init_from", "https://example.com/model.safetensors", PRESET)),
+    ("model.init_from", with_value("model.init_from", "s3://weights/" + "x" * 3000, PRESET)),
     ("data.kind", with_value("data.kind", "video")),
     ("data.uri", with_value("data.uri", "http://example.com/corpus", TEXT)),
     ("data.uri", with_value("data", {"kind": "text", "seq_len": 64})),

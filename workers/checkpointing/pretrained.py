@@ -5,8 +5,8 @@ A source is one ``.safetensors`` file or a directory as Hugging Face writes it
 directory holding a single ``model.safetensors`` works too). Opening it reads the index and
 each file's header only; ``read`` then fetches exactly the bytes of the elements asked for,
 so a rank that keeps a slice of a tensor reads that slice (ranged reads, ``Storage``). No
-torch here: the control plane uses ``check`` to refuse a ``model.init_from`` whose names or
-shapes do not fit the model before a job starts.
+torch here: the control plane uses ``resolve`` to refuse a ``model.init_from`` whose names or
+shapes do not fit the model before a job starts (``service/init_from.py``).
 
 [Note: tied weights]
 ``model.state_dict()`` lists a tied parameter under every name it is registered by (GPT's
@@ -28,13 +28,17 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 
 from .consolidate import to_float32
-from .stfile import FLOATS, ITEMSIZE, parse_header
+from .stfile import FLOATS, INDEX_NAME, ITEMSIZE, SINGLE_NAME, parse_header
 from .storage import Storage
 
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
+MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit on a header
 _NUMPY = {"I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
           "BOOL": np.bool_, "U16": np.uint16, "U32": np.uint32, "U64": np.uint64}
+
+
+class WeightsNotFound(ValueError):
+    """Nothing at the URI: no such file, or a directory without an index or ``model.safetensors``
+    (as opposed to a source that is there but malformed, a plain ``ValueError``)."""
 
 
 @dataclass(frozen=True)
@@ -69,7 +73,7 @@ class PretrainedWeights:
             head, _, name = uri.rpartition("/")
             storage = Storage.at(head or ".")
             if not storage.exists(name):
-                raise ValueError(f"{uri}: no such safetensors file")
+                raise WeightsNotFound(f"{uri}: no such safetensors file")
             return cls(storage, _headers(storage, [name]), uri)
         storage = Storage.at(uri)
         if storage.exists(INDEX_NAME):
@@ -89,7 +93,8 @@ class PretrainedWeights:
             return cls(storage, {n: tensors[n] for n in weight_map}, uri)
         if storage.exists(SINGLE_NAME):
             return cls(storage, _headers(storage, [SINGLE_NAME]), uri)
-        raise ValueError(f"{uri}: neither a .safetensors file nor a directory with {INDEX_NAME} or {SINGLE_NAME}")
+        raise WeightsNotFound(f"{uri}: neither a .safetensors file nor a directory with {INDEX_NAME} or "
+                              f"{SINGLE_NAME}")
 
     # -- checking ----------------------------------------------------------------------------------
     def resolve(self, expected: Sequence[tuple[Sequence[str], Sequence[int]]]) -> dict[str, str]:
@@ -164,8 +169,11 @@ def expected_tensors(named: Mapping[str, object], shape_of) -> list[tuple[list[s
 
 def _headers(storage: Storage, files: Sequence[str]) -> dict[str, StoredTensor]:
     """Every tensor of ``files`` (two small ranged reads per file: the length, then the header)."""
-    lengths = storage.read_ranges([(f, 0, 8) for f in files])
-    prefixes = storage.read_ranges([(f, 0, 8 + int.from_bytes(n, "little")) for f, n in zip(files, lengths)])
+    lengths = [int.from_bytes(n, "little") for n in storage.read_ranges([(f, 0, 8) for f in files])]
+    for f, n in zip(files, lengths):
+        if n > MAX_HEADER_BYTES:  # not a safetensors file; do not read gigabytes to find out
+            raise ValueError(f"{storage.uri}/{f}: not a safetensors file (its header would be {n} bytes)")
+    prefixes = storage.read_ranges([(f, 0, 8 + n) for f, n in zip(files, lengths)])
     out: dict[str, StoredTensor] = {}
     for f, prefix in zip(files, prefixes):
         data_start, header = parse_header(prefix)
