@@ -86,6 +86,11 @@ class ZeroEngine:
     hold every view exactly once, in any partition into groups. Any element-wise optimizer (SGD,
     Adam, AdamW, Adagrad, RMSprop, ...) behaves exactly as on the unsharded model; optimizers
     that look at a parameter's shape (Muon, Adafactor) are not supported.
+
+    ``model`` may be built on the meta device: it is then materialized bucket by bucket from
+    ``init_weights`` (None: the model's ``init_weights(module)`` hook or ``reset_parameters()``;
+    a callable per module; a path/URI of safetensors weights, each rank reading what it keeps),
+    and no rank ever holds the whole model (``materialize.py``).
     """
 
     def __init__(
