@@ -114,28 +114,26 @@ def _meta_small():
         return GPT(dc.SMALL)
 
 
-def test_missing_key_is_named(tmp_path):
-    state = dc.pretrained_state(dc.SMALL)
+def _drop_fc(state):
     del state["blocks.1.mlp.fc.weight"]
-    source = dc.write_single(state, str(tmp_path / "w.safetensors"))
-    with pytest.raises(ValueError, match=r"missing key 'blocks\.1\.mlp\.fc\.weight'"):
-        ZeroEngine(_meta_small(), dc.adamw, ZeroConfig(stage=3), init_weights=source)
 
 
-def test_wrong_shape_is_named(tmp_path):
+BAD_FILES = [  # (how the file is spoiled, its layout, stage, the error)
+    (_drop_fc, "single", 3, r"missing key 'blocks\.1\.mlp\.fc\.weight'"),
+    (lambda state: state.update({"ln_f.weight": torch.ones(7)}), "hf", 2,
+     r"key 'ln_f\.weight' has shape \[7\], the model's is \[128\]"),
+    (lambda state: state.update({"extra.bias": torch.zeros(3)}), "single", 1, r"unexpected key 'extra\.bias'"),
+]
+
+
+@pytest.mark.parametrize("spoil, layout, stage, error", BAD_FILES, ids=["missing", "shape", "unexpected"])
+def test_a_file_that_does_not_fit_is_refused_naming_the_key(tmp_path, spoil, layout, stage, error):
     state = dc.pretrained_state(dc.SMALL)
-    state["ln_f.weight"] = torch.ones(7)
-    source = dc.write_hf_dir(state, str(tmp_path / "hf"))
-    with pytest.raises(ValueError, match=r"key 'ln_f\.weight' has shape \[7\], the model's is \[128\]"):
-        ZeroEngine(_meta_small(), dc.adamw, ZeroConfig(stage=2), init_weights=source)
-
-
-def test_unexpected_key_is_named(tmp_path):
-    state = dc.pretrained_state(dc.SMALL)
-    state["extra.bias"] = torch.zeros(3)
-    source = dc.write_single(state, str(tmp_path / "w.safetensors"))
-    with pytest.raises(ValueError, match=r"unexpected key 'extra\.bias'"):
-        ZeroEngine(_meta_small(), dc.adamw, ZeroConfig(stage=1), init_weights=source)
+    spoil(state)
+    source = dc.write_single(state, str(tmp_path / "w.safetensors")) if layout == "single" \
+        else dc.write_hf_dir(state, str(tmp_path / "hf"))
+    with pytest.raises(ValueError, match=error):
+        ZeroEngine(_meta_small(), dc.adamw, ZeroConfig(stage=stage), init_weights=source)
 
 
 def test_not_a_weights_source(tmp_path):
