@@ -141,3 +141,19 @@ class NoReset(nn.Module):
 
     def forward(self, x):
         return (self.lin(x) * self.scale).sum()
+
+
+def frozen_bn_model() -> nn.Module:
+    """A frozen first layer and a BatchNorm's buffers: what a file loads besides trainable weights."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 8))
+    model[0].requires_grad_(False)
+    return model
+
+
+def frozen_bn_world(rank: int, world_size: int, source: str, zero: dict):
+    with torch.device("meta"):
+        model = frozen_bn_model()
+    engine = ZeroEngine(model, adamw, ZeroConfig(**zero), init_weights=source)
+    full = engine.full_state_dict()
+    engine.close()
+    return full

@@ -238,3 +238,18 @@ def test_54m_model_on_four_ranks_never_holds_the_full_model(tmp_path, monkeypatc
             # atol 1e-5, a hundredth of one step: embedding rows of bytes that rarely occur have
             # gradients near zero, where the summation order still shows through AdamW
             _assert_state(results[0]["full"], ref, f"54M {zero}", atol=1e-5)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_frozen_parameters_and_buffers_load_from_the_file(tmp_path, stage):
+    torch.manual_seed(5)
+    eager = dc.frozen_bn_model()
+    with torch.no_grad():
+        eager[1].running_mean.uniform_()
+        eager[1].running_var.uniform_(1, 2)
+        eager[1].num_batches_tracked.fill_(17)
+    state = {k: v.detach().clone() for k, v in eager.state_dict().items()}
+    source = dc.write_single(state, str(tmp_path / "w.safetensors"))
+    for r, full in enumerate(spawn_world(dc.frozen_bn_world, 2, args=(source, dict(stage=stage, precision="fp32")))):
+        for k, v in state.items():
+            assert torch.equal(full[k], v), (r, k)
