@@ -449,15 +449,25 @@ class RayJobsLauncher:
         storage = handle.extra.get("storage_uri") or self.settings.storage_uri
         return f"{storage.rstrip('/')}/{handle.extra.get('job_id', handle.external_id)}/logs/{handle.external_id}.log"
 
+    @staticmethod
+    def _log_copy_fs(path: str) -> tuple[Any, str]:
+        """The filesystem and path of a log copy, reached with the same endpoint and credentials
+        as the checkpoints (``storage_options``): a bare fsspec S3 client ignores
+        ``ZEROTRAIN_S3_ENDPOINT_URL`` and looks for the bucket on AWS."""
+        import fsspec
+
+        from workers.checkpointing.storage import storage_options
+
+        protocol = path.split("://", 1)[0] if "://" in path else "file"
+        return fsspec.core.url_to_fs(path, **storage_options(protocol))
+
     def _save_logs(self, handle: LaunchHandle) -> None:
         """Copy a finished job's driver log to storage (once), so it outlives the Ray cluster."""
         if handle.external_id in self._logs_saved:
             return
-        import fsspec
-
         path = self._log_copy_path(handle)
         try:
-            fs, fs_path = fsspec.core.url_to_fs(path)
+            fs, fs_path = self._log_copy_fs(path)
             if not fs.exists(fs_path):
                 text = self.client.get_job_logs(handle.external_id)
                 fs.makedirs(fs_path.rsplit("/", 1)[0], exist_ok=True)
@@ -486,10 +496,9 @@ class RayJobsLauncher:
             if self.client.get_job_status(handle.external_id).is_terminal():
                 self._save_logs(handle)
         except Exception:  # noqa: BLE001 - the cluster forgot the job or is gone: read the kept copy
-            import fsspec
-
             try:
-                with fsspec.open(self._log_copy_path(handle), "r") as kept:
+                fs, fs_path = self._log_copy_fs(self._log_copy_path(handle))
+                with fs.open(fs_path, "r") as kept:
                     text = kept.read()
             except FileNotFoundError:
                 return ""
