@@ -33,6 +33,7 @@ class AttemptCounter:
 
     Owned by the driver, so it lives exactly as long as the run: Ray Train restarts worker
     groups inside one ``fit()``, and this is how a new group learns it is not the first.
+    Started with ``start_attempt_counter``, on the driver's own node.
     """
 
     def __init__(self) -> None:
@@ -48,6 +49,28 @@ class AttemptCounter:
 
 def counter_name(job_id: str) -> str:
     return f"zerotrain-attempts-{job_id}"
+
+
+def on_this_node() -> Any:
+    """A hard scheduling strategy for the node of the calling process (the driver's).
+
+    [Note: nothing the driver relies on lives on a worker node]
+    A ``num_cpus=0`` actor may be placed on any node, a worker node among them, and a worker
+    node is what a node failure takes away: the attempt counter placed there died with it,
+    every restarted rank 0 then failed asking it for its number, the restarts ran out and
+    no RESTARTING was recorded (issue 19: 2 runs of 4 on a 3-node cluster). The driver's node
+    is the one node the run cannot outlive anyway (the driver and Ray Train's controller,
+    which Ray Train pins there itself, live on it), so the counter goes there, ``soft=False``:
+    rather not at all than somewhere else.
+    """
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+
+
+def start_attempt_counter(job_id: str) -> Any:
+    """The run's ``AttemptCounter``, named for ``job_id``, on the caller's (the driver's) node."""
+    return AttemptCounter.options(name=counter_name(job_id), scheduling_strategy=on_this_node()).remote()
 
 
 def next_worker_group(name: str) -> int:
@@ -251,7 +274,7 @@ class RayTrainRuntime:
     def fit(self, spec: JobSpec, loop_config: dict[str, Any]) -> None:
         job_id = loop_config["job_id"]
         ray.init(log_to_driver=True)
-        counter = AttemptCounter.options(name=counter_name(job_id)).remote()
+        counter = start_attempt_counter(job_id)
         wait_for_resources(spec, job_id)
         build_trainer(spec, {**loop_config, "attempt_counter": counter_name(job_id)}).fit()
         ray.kill(counter)
