@@ -23,6 +23,7 @@ every rank pushes its own per-step record. Checkpoints plug in through ``Checkpo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -40,6 +41,7 @@ from contract.spec import MIN_LR_RATIO, JobSpec, TrainSpec
 from workers.data import ShardedBatchLoader, build_dataset
 from workers.models import build_model, flops_per_token
 from workers.reporting import MetricReporter, StepMeter, WorkerAPI, peak_memory_bytes
+from workers.user_code import user_code
 from workers.zero import ZeroConfig, ZeroEngine
 from workers.zero.optim_groups import NamedFactory, below_2d, named_factory, param_groups
 
@@ -303,12 +305,14 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
     checkpoints = make_checkpoint_hook(spec, config, api)
     baseline_peak = peak_memory_bytes(world.device)  # what the process held before the model
     torch.manual_seed(train.seed)
-    model, init_weights = build_job_model(spec, resuming=checkpoints.resumes())
-    engine = build_engine(spec, model, world.device, init_weights)
+    with user_code("building the model"):  # an error here is the job's, not the cluster's: no restart
+        model, init_weights = build_job_model(spec, resuming=checkpoints.resumes())
+        engine = build_engine(spec, model, world.device, init_weights)
     torch.manual_seed(train.seed + world.rank)  # dropout differs per rank
-    loader = ShardedBatchLoader(build_dataset(data, seed=train.seed),
-                                global_batch_size=train.global_batch_size, micro_batch_size=train.micro_batch_size,
-                                rank=world.rank, world_size=world.world_size)
+    with user_code("building the data"):
+        dataset = build_dataset(data, seed=train.seed)
+    loader = ShardedBatchLoader(dataset, global_batch_size=train.global_batch_size,
+                                micro_batch_size=train.micro_batch_size, rank=world.rank, world_size=world.world_size)
     seq_len = int(data.seq_len or getattr(getattr(model, "config", None), "block_size", 0))
     meter = StepMeter(rank=world.rank, attempt=attempt,
                       flops_per_token=flops_per_token(model, seq_len),
@@ -321,6 +325,7 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
 
     total_steps = train.steps
     step = checkpoints.maybe_resume(engine, loader)
+    first_step = step + 1  # of this attempt: an error in it is the user's code (user_code.py)
     accumulation = loader.accumulation_steps
     losses: list[float] = []
     try:
@@ -331,13 +336,15 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
                 group["lr"] = lr * group.get("lr_scale", 1.0)
             started = time.perf_counter()
             loss_sum = torch.zeros((), device=world.device)
-            for micro, (inputs, targets) in enumerate(loader.next_batch()):
-                loss = engine(inputs.to(world.device, non_blocking=True), targets.to(world.device, non_blocking=True))
-                # the engine sums micro-steps, like PyTorch; sync on the last one lets stages 0/1
-                # reduce during that backward instead of after it
-                engine.backward(loss / accumulation, sync=micro == accumulation - 1)
-                loss_sum += loss.detach().float()
-            info = engine.step()
+            with user_code("the first training step") if step + 1 == first_step else contextlib.nullcontext():
+                for micro, (inputs, targets) in enumerate(loader.next_batch()):
+                    loss = engine(inputs.to(world.device, non_blocking=True),
+                                  targets.to(world.device, non_blocking=True))
+                    # the engine sums micro-steps, like PyTorch; sync on the last one lets stages 0/1
+                    # reduce during that backward instead of after it
+                    engine.backward(loss / accumulation, sync=micro == accumulation - 1)
+                    loss_sum += loss.detach().float()
+                info = engine.step()
             loss_value = float(loss_sum) / accumulation  # .item() waits for the device
             step_time = time.perf_counter() - started
             step += 1

@@ -117,14 +117,26 @@ def test_two_worker_job_succeeds_with_a_metric_row_per_rank_and_step(make_contro
         assert client.logs(job.id) == kept[0].read_text()  # kept and served as plain text
 
 
-def test_an_error_in_the_training_code_fails_the_job_with_the_error(make_control_plane):
+@pytest.mark.parametrize("overrides, expected", [
+    ({"data": {"glob": "no-such-dir/*.nothing"}}, "no-such-dir/*.nothing"),
+    # a model factory that raises: json.loads("{") -> JSONDecodeError, in the user's code
+    ({"model": {"preset": None, "factory": "json:loads", "kwargs": {"s": "{"}}}, "JSONDecodeError"),
+], ids=["bad-data", "raising-factory"])
+def test_an_error_in_the_users_code_fails_the_job_in_its_first_attempt(make_control_plane, overrides, expected):
+    """Issue 17: restarts are for lost workers; the job's own error ends it at once, whatever
+    max_failures says, with the error in a few lines."""
     plane = make_control_plane()
+    spec = nano_job(10, max_failures=2)
+    spec.update({k: ({kk: vv for kk, vv in {**spec[k], **v}.items() if vv is not None} if isinstance(v, dict) else v)
+                 for k, v in overrides.items()})
     with plane.client() as client:
-        job = client.submit(nano_job(10, data={"glob": "no-such-dir/*.nothing"}))
+        job = client.submit(spec)
         final = client.wait(job.id, timeout=180)
-    assert final.state is JobState.FAILED
+        events = client.events(job.id)
+    assert final.state is JobState.FAILED, explain(client, job.id)
     assert final.reason == "user_code_error"
-    assert "no-such-dir/*.nothing" in final.message  # the worker's own error, not just "exit code 1"
+    assert final.attempt == 1 and not any(e.to_state == "RESTARTING" for e in events), explain(client, job.id)
+    assert expected in final.message and len(final.message) < 2000, final.message
 
 
 def running_with_metrics(client, job_id: str, min_rows: int = 1, attempt: int = 1):
