@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -153,7 +153,13 @@ class ModelSpec(SpecModel):
 
 
 class DataSpec(SpecModel):
-    """``text`` (byte-level files under ``uri``), ``synthetic`` tokens, or a user ``factory``."""
+    """``text`` (byte-level files under ``uri``), ``synthetic`` tokens, or a user ``factory``.
+
+    ``WHERE`` is the block's place in the job spec, for the messages and the field an error
+    names: ``data`` here, ``eval.data`` in ``EvalDataSpec`` (the same rules, one class).
+    """
+
+    WHERE: ClassVar[str] = "data"
 
     kind: Literal["text", "synthetic", "factory"]
     uri: str | None = None
@@ -182,11 +188,11 @@ class DataSpec(SpecModel):
         if len(value) > MAX_GLOB_CHARS:
             problem = f"is longer than {MAX_GLOB_CHARS} characters"
         elif value.startswith("/"):
-            problem = "must be relative to data.uri, not an absolute path"
+            problem = f"must be relative to {cls.WHERE}.uri, not an absolute path"
         elif (bad := _GLOB_FORBIDDEN.search(value)) is not None:
             problem = f"must not contain {bad.group()!r} (backslashes and control characters are refused)"
         elif ".." in value.split("/"):
-            problem = "must not contain a '..' segment (it must stay below data.uri)"
+            problem = f"must not contain a '..' segment (it must stay below {cls.WHERE}.uri)"
         else:
             return value
         raise PydanticCustomError("glob_pattern", "{problem}", {"problem": problem})
@@ -198,23 +204,51 @@ class DataSpec(SpecModel):
 
     @model_validator(mode="after")
     def _fields_of_kind(self) -> "DataSpec":
+        where = self.WHERE
         required = {"text": ("uri", "seq_len"), "synthetic": ("seq_len",), "factory": ("factory",)}
         for name in required[self.kind]:
             if getattr(self, name) is None:
                 raise PydanticCustomError(
                     "missing_for_kind",
-                    "data.{name} is required when data.kind is '{kind}'",
-                    {"name": name, "kind": self.kind, "field": f"data.{name}"},
+                    "{where}.{name} is required when {where}.kind is '{kind}'",
+                    {"name": name, "kind": self.kind, "where": where, "field": f"{where}.{name}"},
                 )
         if self.kind != "factory" and self.factory is not None:
             raise PydanticCustomError(
                 "factory_for_kind",
-                "data.factory is only allowed when data.kind is 'factory'",
-                {"field": "data.factory"},
+                "{where}.factory is only allowed when {where}.kind is 'factory'",
+                {"where": where, "field": f"{where}.factory"},
             )
         if self.kind == "synthetic" and self.vocab_size is None:
             self.vocab_size = 256
         return self
+
+
+class EvalDataSpec(DataSpec):
+    """``eval.data``: every form and rule of ``data``; errors name ``eval.data.*``."""
+
+    WHERE: ClassVar[str] = "eval.data"
+
+
+MAX_EVAL_BATCHES = 10_000  # micro-batches per rank per evaluation
+
+
+class EvalSpec(SpecModel):
+    """Evaluation during training (docs/contracts.md, "Evaluation").
+
+    After every ``every_steps`` steps, and after the last step, every rank runs ``batches``
+    micro-batches (``train.micro_batch_size`` samples each) of ``data`` without gradients; the
+    mean of their losses over every rank is the step's ``eval_loss``. Each evaluation reads the
+    same samples (the dataset from its start), so evaluations are comparable with each other.
+    """
+
+    every_steps: int = Field(ge=1, le=MAX_INT32)
+    batches: int = Field(default=8, ge=1, le=MAX_EVAL_BATCHES)
+    data: EvalDataSpec
+
+    def due(self, step: int, total_steps: int) -> bool:
+        """Whether completed ``step`` (1-based) is evaluated."""
+        return step % self.every_steps == 0 or step == total_steps
 
 
 OPTIMIZERS = tuple(OPTIMIZER_STATE_TENSORS)  # ("adamw", "adam", "sgd")
@@ -413,6 +447,15 @@ class JobSpec(SpecModel):
     resume_from: ResumeFrom | None = None
     max_runtime_s: int | None = Field(default=None, ge=1, le=MAX_INT32)
     runtime: RuntimeSpec | None = None
+    eval: EvalSpec | None = None
+
+    def data_blocks(self) -> list[tuple[str, DataSpec]]:
+        """Every dataset the workers read, with its place in the spec (``data``, ``eval.data``):
+        a rule about what a job may read (its URI, its factory) applies to each of them."""
+        blocks: list[tuple[str, DataSpec]] = [("data", self.data)]
+        if self.eval is not None:
+            blocks.append(("eval.data", self.eval.data))
+        return blocks
 
     @model_validator(mode="after")
     def _batch_arithmetic(self) -> "JobSpec":
@@ -430,13 +473,14 @@ class JobSpec(SpecModel):
             )
         preset = PRESETS.get(self.model.preset or "")
         context = None if preset is None else preset.context
-        if context is not None and self.data.seq_len is not None and self.data.seq_len > context:
-            raise PydanticCustomError(
-                "seq_len_context",
-                "data.seq_len ({seq_len}) exceeds the context of preset '{preset}' ({context})",
-                {"seq_len": self.data.seq_len, "preset": self.model.preset, "context": context,
-                 "field": "data.seq_len"},
-            )
+        for where, data in self.data_blocks():
+            if context is not None and data.seq_len is not None and data.seq_len > context:
+                raise PydanticCustomError(
+                    "seq_len_context",
+                    "{where}.seq_len ({seq_len}) exceeds the context of preset '{preset}' ({context})",
+                    {"where": where, "seq_len": data.seq_len, "preset": self.model.preset, "context": context,
+                     "field": f"{where}.seq_len"},
+                )
         return self
 
     @property

@@ -195,16 +195,23 @@ class StepMeter:
 
     def record(self, *, step: int, loss: float, lr: float, step_time_s: float, samples: int, tokens: int,
                info: dict[str, Any], memory: dict[str, int], comm_volume: dict[str, int],
-               checkpoint_blocked_s: float = 0.0) -> dict[str, Any]:
+               checkpoint_blocked_s: float = 0.0, eval_loss: float | None = None,
+               user: dict[str, float] | None = None) -> dict[str, Any]:
+        """The step's record; ``eval_loss`` on evaluated steps, ``user`` the scalars the user's
+        code reported (``workers.user_metrics``), sent as the record's ``user`` object."""
         observation = StepObservation(
             loss=loss, lr=lr, grad_norm=_finite_or_none(info.get("grad_norm")), step_time_s=step_time_s,
             samples=samples, tokens=tokens, flops_per_token=self.flops_per_token, peak_flops=self.peak,
             memory=memory, peak_memory_bytes=peak_memory_bytes(self.device),
             comm_bytes=comm_volume.get("total", 0) * self.comm_element_bytes,
             comm_exposed_s=info.get("comm_exposed_s"), checkpoint_blocked_s=checkpoint_blocked_s,
+            eval_loss=_finite_or_none(eval_loss),
         )
-        return {"attempt": self.attempt, "rank": self.rank, "step": step, "time": time.time(),
-                **record_values(observation)}
+        record = {"attempt": self.attempt, "rank": self.rank, "step": step, "time": time.time(),
+                  **record_values(observation)}
+        if user:
+            record["user"] = dict(user)
+        return record
 
 
 def _finite_or_none(value: Any) -> float | None:

@@ -38,10 +38,11 @@ import torch.distributed as dist
 from contract.metrics import THROUGHPUT
 from contract.reasons import Reason
 from contract.spec import MIN_LR_RATIO, JobSpec, TrainSpec
-from workers.data import ShardedBatchLoader, build_dataset
+from workers.data import IndexedDataset, ShardedBatchLoader, build_dataset
 from workers.models import build_model, flops_per_token
 from workers.reporting import MetricReporter, StepMeter, WorkerAPI, peak_memory_bytes
 from workers.user_code import user_code
+from workers.user_metrics import COLLECTOR as USER_METRICS
 from workers.zero import ZeroConfig, ZeroEngine
 from workers.zero.optim_groups import NamedFactory, below_2d, named_factory, param_groups
 
@@ -273,6 +274,40 @@ class JsonlSink:
         return 0
 
 
+# ----------------------------------------------------------------------------- evaluation
+
+
+def evaluate(engine: ZeroEngine, dataset: IndexedDataset, *, batches: int, micro_batch_size: int,
+             world: World) -> float:
+    """The mean loss of ``batches`` micro-batches per rank of ``dataset``, over every rank.
+
+    [Note: evaluation on every rank, from the same samples]
+    A fresh loader from position 0 each time: every evaluation reads the same samples (rank r
+    its own slice of the first ``batches × micro_batch_size × world`` of them), so one
+    evaluation's loss is comparable with the next. Every rank runs the same forwards because
+    stage 3 gathers each unit collectively in every forward (docs/engine.md: evaluating on rank
+    0 alone hangs). Under ``torch.no_grad()`` the engine neither broadcasts buffers nor keeps
+    activations; ``engine.eval()`` turns dropout off and BatchNorm to its running statistics,
+    ``engine.train()`` back afterwards. The gathers are not the step's communication
+    (``comm.uncounted``): ``comm_bytes`` stays what training moved. One ``all_reduce`` sums the
+    ranks' losses; what user code reports meanwhile is recorded as ``eval/<name>``.
+    """
+    loader = ShardedBatchLoader(dataset, global_batch_size=batches * micro_batch_size * world.world_size,
+                                micro_batch_size=micro_batch_size, rank=world.rank, world_size=world.world_size)
+    total = torch.zeros((), dtype=torch.float64, device=world.device)
+    engine.eval()
+    try:
+        with torch.no_grad(), engine.comm.uncounted(), USER_METRICS.evaluating():
+            for inputs, targets in loader.next_batch():
+                loss = engine(inputs.to(world.device, non_blocking=True), targets.to(world.device, non_blocking=True))
+                total += loss.detach().double()
+    finally:
+        engine.train()
+    if world.world_size > 1:
+        dist.all_reduce(total)
+    return float(total) / (batches * world.world_size)
+
+
 PROGRESS_LINES = 20  # rank 0 prints about this many progress lines per run, plus the first and last step
 
 
@@ -290,6 +325,8 @@ def progress_line(record: dict[str, Any], total_steps: int, world_size: int) -> 
         parts.append(f"{record['step_time_s']:.2f} s/step")
     if record.get(THROUGHPUT) is not None:
         parts.append(f"{record[THROUGHPUT] * world_size:,.0f} tokens/s")
+    if record.get("eval_loss") is not None:
+        parts.append(f"eval loss {record['eval_loss']:.4f}")
     return "  ".join(parts)
 
 
@@ -301,6 +338,7 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
     token = os.environ.get("ZEROTRAIN_INGEST_TOKEN")
     api = WorkerAPI(config["api_url"], config["job_id"], token) if config.get("api_url") and token else None
     attempt = start_attempt(config, world, api)
+    USER_METRICS.reset()  # from here on, what the user's code reports (factories included) is this run's
 
     checkpoints = make_checkpoint_hook(spec, config, api)
     baseline_peak = peak_memory_bytes(world.device)  # what the process held before the model
@@ -311,6 +349,7 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
     torch.manual_seed(train.seed + world.rank)  # dropout differs per rank
     with user_code("building the data"):
         dataset = build_dataset(data, seed=train.seed)
+        eval_data = None if spec.eval is None else build_dataset(spec.eval.data, seed=train.seed)
     loader = ShardedBatchLoader(dataset, global_batch_size=train.global_batch_size,
                                 micro_batch_size=train.micro_batch_size, rank=world.rank, world_size=world.world_size)
     seq_len = int(data.seq_len or getattr(getattr(model, "config", None), "block_size", 0))
@@ -349,14 +388,20 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
             step_time = time.perf_counter() - started
             step += 1
             blocked = checkpoints.maybe_save(step, engine, loader)
+            eval_loss = None
+            if eval_data is not None and spec.eval.due(step, total_steps):
+                eval_loss = evaluate(engine, eval_data, batches=spec.eval.batches,
+                                     micro_batch_size=train.micro_batch_size, world=world)
             samples = accumulation * loader.micro_batch_size
             record = meter.record(step=step, loss=loss_value, lr=lr, step_time_s=step_time, samples=samples,
                                   tokens=samples * seq_len, info=info, memory=engine.memory(),
-                                  comm_volume=engine.comm_volume(), checkpoint_blocked_s=blocked)
+                                  comm_volume=engine.comm_volume(), checkpoint_blocked_s=blocked,
+                                  eval_loss=eval_loss, user=USER_METRICS.take())
             losses.append(loss_value)
             for sink in sinks:
                 sink.report(record)
-            if world.rank == 0 and shows_progress(step, total_steps):
+            # an evaluation is rare and costly enough to be worth its line
+            if world.rank == 0 and (shows_progress(step, total_steps) or eval_loss is not None):
                 print(progress_line(record, total_steps, world.world_size), flush=True)
     finally:
         unsent = sum(sink.close(timeout_s=120.0) for sink in sinks)

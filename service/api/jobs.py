@@ -72,8 +72,9 @@ def submit_job(spec: JobSpec, request: Request, response: Response, session: Ses
     check_admissible(spec, user, session, settings, launcher)
     spec_json = spec.model_dump(mode="json")
     if (size := len(json.dumps(spec_json))) > settings.max_spec_bytes:
-        raise field_error("model.kwargs" if len(json.dumps(spec.model.kwargs)) > len(json.dumps(spec.data.kwargs))
-                          else "data.kwargs",
+        kwargs = {"model.kwargs": spec.model.kwargs,
+                  **{f"{where}.kwargs": data.kwargs for where, data in spec.data_blocks()}}
+        raise field_error(max(kwargs, key=lambda field: len(json.dumps(kwargs[field]))),
                           f"the spec is {size} bytes of JSON, more than this service stores "
                           f"({settings.max_spec_bytes}, ZEROTRAIN_MAX_SPEC_BYTES)", "spec_too_large")
     request_hash = spec_sha256(spec_json)

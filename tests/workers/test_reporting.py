@@ -196,5 +196,12 @@ def test_step_meter_derives_throughput_and_bytes():
             rec["mem_buffers_bytes"]) == (10, 20, 30, 4)
     assert rec["mem_peak_bytes"] > 1 << 20
     assert rec["comm_bytes"] == 1000 and (rec["attempt"], rec["rank"], rec["step"]) == (2, 1, 3)
-    assert list(rec) == list(MetricRecord.model_fields)  # every field of the metric table, no other
+    # every field of the metric table, no other; "user" only when the user's code reported something
+    assert list(rec) == [name for name in MetricRecord.model_fields if name != "user"]
+    assert rec["eval_loss"] is None
+    MetricRecord.model_validate(rec)
+    rec = meter.record(step=4, loss=2.5, lr=1e-3, step_time_s=0.5, samples=4, tokens=1000, info={}, memory=memory,
+                       comm_volume={}, eval_loss=2.75, user={"accuracy": 0.5})
+    assert (rec["eval_loss"], rec["user"]) == (2.75, {"accuracy": 0.5})
+    assert list(rec) == list(MetricRecord.model_fields)
     MetricRecord.model_validate(rec)

@@ -10,7 +10,7 @@ import { request, requestText, followEvents } from "./api.js";
 import { h, replaceChildren, replaceKeepingFocus, announce } from "./dom.js";
 import { LineChart } from "./charts.js";
 import { MemoryBars } from "./memory.js";
-import { SeriesStore } from "./series_store.js";
+import { SeriesStore, userKey } from "./series_store.js";
 import { TERMINAL_STATES, bytes, compact, duration, number, timestamp } from "./format.js";
 import { stateBadge } from "./state_badge.js";
 
@@ -33,7 +33,20 @@ function lineChart(spec) {
     title: spec.title,
     zeroBased: spec.zero_based,
     description: spec.description,
-    series: spec.series.map((s) => ({ key: s.key, label: s.label, axis: s.axis, format: FORMATS[s.format] || number })),
+    series: spec.series.map((s) => ({ key: s.key, label: s.label, axis: s.axis, format: FORMATS[s.format] || number, sparse: s.sparse })),
+  });
+}
+
+const USER_STYLES = 4; // line styles in dashboard.css (.series-0 … .series-3)
+
+/** "Your metrics": one line per name the job's code reported (user text: labels are text nodes). */
+function userChart(names) {
+  return new LineChart({
+    id: "chart-user",
+    title: "Your metrics",
+    description: "Scalars your code reported with report() (workers.user_metrics), mean over ranks.",
+    // sparse: a name may be reported on some steps only (e.g. eval/… names, on evaluated steps)
+    series: names.map((name, i) => ({ key: userKey(name), label: name, className: `series-${i % USER_STYLES}`, sparse: true })),
   });
 }
 
@@ -225,7 +238,13 @@ export function jobPage({ jobId, signal }) {
       p.comm_elements = Number.isFinite(p.comm_bytes) ? p.comm_bytes / elems : null;
       p.expected_comm = expected && Number.isFinite(p.comm_bytes) ? expected : null;
     }
+    const names = store.userNames;
+    if (names.length !== (charts.user ? charts.user.series.length : 0)) {
+      charts.user = userChart(names);
+      replaceChildren(chartsSlot, ...charts.training.map((c) => c.element), charts.user.element);
+    }
     for (const chart of [...charts.training, ...charts.communication]) chart.setData(points);
+    if (charts.user) charts.user.setData(points);
     memory.update(store.memoryRanks(), prediction, predictionMissing);
     const last = points[points.length - 1];
     const steps = (job.spec.train || {}).steps;
