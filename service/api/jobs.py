@@ -15,8 +15,8 @@ from sqlalchemy.orm import Session
 
 from service import admission
 from service.api.deps import CurrentUser, LauncherDep, SessionDep, SettingsDep, VisibleJob
-from service.api.errors import error_responses, field_error
-from service.api.plan import no_plan_response
+from service.api.errors import error_responses, field_error, text_response
+from service.api.plan import NO_PLAN_RESPONSES, no_plan_response
 from service.api.spec_access import check_spec_access
 from service.auth import Principal
 from service.init_from import InitFromMismatch, check_init_from
@@ -57,7 +57,7 @@ def _replay(session: Session, user: Principal, key: str, request_hash: str) -> J
 
 @router.post("", status_code=201, response_model=JobOut, name="submit_job",
              responses={200: {"model": JobOut, "description": "replayed: the job this key created"},
-                        **error_responses(409, 429)},
+                        **error_responses(409, 429), **NO_PLAN_RESPONSES},
              description="Validates the spec, records the planner's memory prediction and resolves "
                          "`zero.stage: \"auto\"` to the lowest stage that fits (422 with the numbers "
                          "when nothing fits). A `model.init_from` the control plane can read must fit "
@@ -208,8 +208,7 @@ def list_job_events(job: VisibleJob, session: SessionDep) -> EventList:
 
 
 @router.get("/{job_id}/logs", name="get_job_logs", response_class=Response,
-            responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
-                             "description": "the driver's log (the tail with tail_bytes)"},
+            responses={**text_response("text/plain", "the driver's log (the tail with tail_bytes)"),
                        **error_responses(409)})
 def get_job_logs(job: VisibleJob, launcher: LauncherDep,
                  tail_bytes: Annotated[int | None, Query(ge=1, le=64 * 1024 * 1024)] = None) -> PlainTextResponse:

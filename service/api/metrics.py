@@ -26,7 +26,7 @@ from sqlalchemy.orm import Session
 
 from service import user_metrics
 from service.api.deps import CurrentUser, SessionDep, VisibleJob, WorkerJob
-from service.api.errors import error_responses
+from service.api.errors import error_responses, text_response
 from service.metric_sql import Averaging, execute_overflow_safe
 from service.models import Job, Metric
 from service.schemas import (
@@ -168,8 +168,8 @@ def _next_metrics(make_session, job_id: str, after_id: int, rank: int | None) ->
 
 @router.get("/{job_id}/metrics/stream", name="stream_metrics",
             response_class=StreamingResponse,
-            responses={200: {"content": {"text/event-stream": {}},
-                             "description": "one `metric` event per record; `end` when the job has ended"},
+            responses={**text_response("text/event-stream",
+                                       "one `metric` event per record; `end` when the job has ended"),
                        **error_responses(429)})
 async def stream_metrics(job: VisibleJob, user: CurrentUser, request: Request, session: SessionDep,
                          after_id: Annotated[int, Query(ge=0, le=MAX_INT64)] = 0,

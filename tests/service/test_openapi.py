@@ -78,6 +78,19 @@ def test_no_enum_mixes_types_and_each_says_its_type(make_live_service):
         assert node.get("type") == types.pop(), f"{path}: enum without its type: {node}"
 
 
+def test_every_response_body_declares_a_schema(make_live_service):
+    """A content type without a ``schema`` (the logs, the SSE stream, Prometheus once) reads as
+    "no body" to generators: openapi-python-client typed those routes as returning ``None``."""
+    service = make_live_service(scheduler_enabled=False)
+    schema = httpx.get(f"{service.url}/openapi.json").json()
+    bodies = [(f"{method.upper()} {path} {status} {media_type}", media)
+              for path, item in schema["paths"].items() for method, operation in item.items()
+              for status, response in operation["responses"].items()
+              for media_type, media in response.get("content", {}).items()]
+    assert len(bodies) > len(CORE_OPERATIONS), "too few bodies: this check checks nothing"
+    assert [where for where, media in bodies if "schema" not in media] == []
+
+
 def test_the_published_stage_schema_accepts_what_the_api_accepts(make_live_service):
     """The schema of ``zero.stage`` is written by hand (contract.spec.Stage): it must take and
     refuse the same values as the API itself."""
