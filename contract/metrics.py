@@ -60,6 +60,9 @@ class Series:
     format: Format = "number"
     axis: Literal["left", "right"] = "left"
     place: int = 0  # order within the chart; ties keep the table's order
+    # Values on some steps only (eval_loss): drawn as markers joined across the steps between,
+    # where a dense series breaks its line at a missing value.
+    sparse: bool = False
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,7 @@ class StepObservation:
     comm_bytes: int
     comm_exposed_s: float | None
     checkpoint_blocked_s: float
+    eval_loss: float | None = None  # on evaluated steps only (the job's ``eval`` block)
 
     def per_second(self, amount: float) -> float:
         return amount / self.step_time_s if self.step_time_s > 0 else 0.0
@@ -142,6 +146,8 @@ def peak_part_key(part: str) -> str:
 METRICS: tuple[MetricField, ...] = (
     MetricField("loss", float, "", "this rank's mean loss over its micro-batches", Across.MEAN,
                 lambda o: o.loss, Series("loss", "loss")),
+    MetricField("eval_loss", float, "", "mean loss over every rank's evaluation micro-batches (evaluated steps only)",
+                Across.MEAN, lambda o: o.eval_loss, Series("loss", "eval loss", place=1, sparse=True)),
     MetricField("lr", float, "", "learning rate", Across.NONE, lambda o: o.lr),
     MetricField("grad_norm", float, "", "global gradient norm (absent when not finite)", Across.NONE,
                 lambda o: o.grad_norm),
@@ -201,7 +207,7 @@ def chart_list() -> list[dict]:
             "id": chart.id, "title": chart.title, "section": chart.section, "zero_based": chart.zero_based,
             "description": chart.description,
             "series": [{"key": f.name, "label": f.series.label, "unit": f.unit, "format": f.series.format,
-                        "axis": f.series.axis} for f in drawn],
+                        "axis": f.series.axis, "sparse": f.series.sparse} for f in drawn],
         })
     return charts
 
@@ -209,3 +215,30 @@ def chart_list() -> list[dict]:
 def aggregation() -> dict[str, str]:
     """How each charted field combines ranks (``mean`` or ``total``), for the page's live points."""
     return {field.name: field.across.value for field in CHARTED_FIELDS}
+
+
+# ----------------------------------------------------------------------------- user metrics
+
+# [Note: user metrics are user data]
+# Scalars the user's code reports (``workers.user_metrics.report``) travel in a record's
+# ``user`` object, {name: value}, and are stored one row per (job, attempt, rank, step, name).
+# The names are the user's text: bounded here, stored as they are, and shown by the dashboard
+# as text only. A job keeps at most ``MAX_USER_METRICS`` names (the first ones stored win); a
+# name must be 1..``MAX_USER_METRIC_NAME_CHARS`` characters without control characters, and a
+# value a finite number. Workers drop what breaks a rule with one warning; the control plane
+# refuses a record that breaks one (422) and ignores names past a job's bound.
+MAX_USER_METRICS = 16
+MAX_USER_METRIC_NAME_CHARS = 64
+USER_METRIC_NAME_PATTERN = r"^[^\x00-\x1f\x7f]+$"
+EVAL_PREFIX = "eval/"  # a value reported during evaluation is recorded as "eval/<name>"
+
+
+def user_metric_name_problem(name: object) -> str | None:
+    """Why ``name`` cannot be a user metric's name, or None when it can."""
+    if not isinstance(name, str):
+        return f"a name must be a string, not {type(name).__name__}"
+    if not 1 <= len(name) <= MAX_USER_METRIC_NAME_CHARS:
+        return f"a name must be 1 to {MAX_USER_METRIC_NAME_CHARS} characters (got {len(name)})"
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in name):
+        return "a name must not contain control characters"
+    return None

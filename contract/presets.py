@@ -40,6 +40,27 @@ class GPTConfig:
         block = 2 * norm + (3 * d * d + 3 * d * bias) + (d * d + d * bias) + (4 * d * d + 4 * d * bias) + (4 * d * d + d * bias)
         return self.vocab_size * d + self.block_size * d + self.n_layer * block + norm
 
+    def state_dict_shapes(self) -> list[tuple[list[str], tuple[int, ...]]]:
+        """``workers.models.GPT(self).state_dict()`` as ``(names, shape)``, one entry per distinct
+        tensor in state_dict order, a tied tensor's names together (the shape of
+        ``workers.checkpointing.pretrained.expected_tensors``): the control plane checks a
+        ``model.init_from`` against it without torch. A test compares it with the real model."""
+        d, v = self.n_embd, self.vocab_size
+
+        def linear(name: str, fan_in: int, fan_out: int) -> list[tuple[list[str], tuple[int, ...]]]:
+            weight = [([f"{name}.weight"], (fan_out, fan_in))]
+            return weight + ([([f"{name}.bias"], (fan_out,))] if self.bias else [])
+
+        def norm(name: str) -> list[tuple[list[str], tuple[int, ...]]]:
+            return [([f"{name}.weight"], (d,))] + ([([f"{name}.bias"], (d,))] if self.bias else [])
+
+        out = [(["wte.weight", "lm_head.weight"], (v, d)), (["wpe.weight"], (self.block_size, d))]
+        for i in range(self.n_layer):
+            block = f"blocks.{i}"
+            out += norm(f"{block}.ln1") + linear(f"{block}.attn.qkv", d, 3 * d) + linear(f"{block}.attn.proj", d, d)
+            out += norm(f"{block}.ln2") + linear(f"{block}.mlp.fc", d, 4 * d) + linear(f"{block}.mlp.proj", 4 * d, d)
+        return out + norm("ln_f")
+
 
 PRESETS: dict[str, GPTConfig] = {
     # byte-level vocabularies for the small ones: they train on text as bytes.

@@ -9,11 +9,12 @@ ignored setting. Depends on pydantic alone (the SDK imports it).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from contract.presets import PRESETS
@@ -89,12 +90,25 @@ def _factory_path(value: str) -> str:
     return value
 
 
+MAX_URI_CHARS = 2048
+
+
 class ModelSpec(SpecModel):
-    """Either a built-in preset or a user factory ``pkg.mod:fn`` called with ``kwargs``."""
+    """Either a built-in preset or a user factory ``pkg.mod:fn`` called with ``kwargs``.
+
+    ``init_from`` (fine-tuning): a ``file://`` or ``s3://`` URI of safetensors weights -- one
+    ``.safetensors`` file, or a directory with ``model.safetensors.index.json`` as Hugging Face
+    and ``zerotrain ckpt consolidate`` write it -- whose names and shapes are the model's
+    ``state_dict()``. The workers build the model on the meta device and every rank reads only
+    the bytes it keeps; a job resuming from a checkpoint (its own, or ``resume_from``) loads
+    that instead. The control plane refuses a URI the user may not read (the ``data.uri``
+    rules) and, when it can read it, weights that do not fit a preset.
+    """
 
     preset: str | None = None
     factory: str | None = None
     kwargs: BoundedJson = Field(default_factory=dict)
+    init_from: str | None = Field(default=None, max_length=MAX_URI_CHARS)
 
     @field_validator("preset")
     @classmethod
@@ -112,6 +126,11 @@ class ModelSpec(SpecModel):
     def _factory(cls, value: str | None) -> str | None:
         return None if value is None else _factory_path(value)
 
+    @field_validator("init_from")
+    @classmethod
+    def _init_from(cls, value: str | None) -> str | None:
+        return None if value is None else _storage_uri(value)
+
     @model_validator(mode="after")
     def _exactly_one(self) -> "ModelSpec":
         if (self.preset is None) == (self.factory is None):
@@ -124,9 +143,23 @@ class ModelSpec(SpecModel):
             )
         return self
 
+    def architecture(self) -> dict[str, Any]:
+        """What the model is, as a consolidated checkpoint's ``config.json`` says it: a preset's
+        name and its ``GPTConfig`` fields, or the factory and its kwargs (not ``init_from``:
+        where the weights came from is not what the model is)."""
+        if self.preset is not None:
+            return {"preset": self.preset, **dataclasses.asdict(PRESETS[self.preset])}
+        return {"factory": self.factory, "kwargs": self.kwargs}
+
 
 class DataSpec(SpecModel):
-    """``text`` (byte-level files under ``uri``), ``synthetic`` tokens, or a user ``factory``."""
+    """``text`` (byte-level files under ``uri``), ``synthetic`` tokens, or a user ``factory``.
+
+    ``WHERE`` is the block's place in the job spec, for the messages and the field an error
+    names: ``data`` here, ``eval.data`` in ``EvalDataSpec`` (the same rules, one class).
+    """
+
+    WHERE: ClassVar[str] = "data"
 
     kind: Literal["text", "synthetic", "factory"]
     uri: str | None = None
@@ -155,11 +188,11 @@ class DataSpec(SpecModel):
         if len(value) > MAX_GLOB_CHARS:
             problem = f"is longer than {MAX_GLOB_CHARS} characters"
         elif value.startswith("/"):
-            problem = "must be relative to data.uri, not an absolute path"
+            problem = f"must be relative to {cls.WHERE}.uri, not an absolute path"
         elif (bad := _GLOB_FORBIDDEN.search(value)) is not None:
             problem = f"must not contain {bad.group()!r} (backslashes and control characters are refused)"
         elif ".." in value.split("/"):
-            problem = "must not contain a '..' segment (it must stay below data.uri)"
+            problem = f"must not contain a '..' segment (it must stay below {cls.WHERE}.uri)"
         else:
             return value
         raise PydanticCustomError("glob_pattern", "{problem}", {"problem": problem})
@@ -171,23 +204,51 @@ class DataSpec(SpecModel):
 
     @model_validator(mode="after")
     def _fields_of_kind(self) -> "DataSpec":
+        where = self.WHERE
         required = {"text": ("uri", "seq_len"), "synthetic": ("seq_len",), "factory": ("factory",)}
         for name in required[self.kind]:
             if getattr(self, name) is None:
                 raise PydanticCustomError(
                     "missing_for_kind",
-                    "data.{name} is required when data.kind is '{kind}'",
-                    {"name": name, "kind": self.kind, "field": f"data.{name}"},
+                    "{where}.{name} is required when {where}.kind is '{kind}'",
+                    {"name": name, "kind": self.kind, "where": where, "field": f"{where}.{name}"},
                 )
         if self.kind != "factory" and self.factory is not None:
             raise PydanticCustomError(
                 "factory_for_kind",
-                "data.factory is only allowed when data.kind is 'factory'",
-                {"field": "data.factory"},
+                "{where}.factory is only allowed when {where}.kind is 'factory'",
+                {"where": where, "field": f"{where}.factory"},
             )
         if self.kind == "synthetic" and self.vocab_size is None:
             self.vocab_size = 256
         return self
+
+
+class EvalDataSpec(DataSpec):
+    """``eval.data``: every form and rule of ``data``; errors name ``eval.data.*``."""
+
+    WHERE: ClassVar[str] = "eval.data"
+
+
+MAX_EVAL_BATCHES = 10_000  # micro-batches per rank per evaluation
+
+
+class EvalSpec(SpecModel):
+    """Evaluation during training (docs/contracts.md, "Evaluation").
+
+    After every ``every_steps`` steps, and after the last step, every rank runs ``batches``
+    micro-batches (``train.micro_batch_size`` samples each) of ``data`` without gradients; the
+    mean of their losses over every rank is the step's ``eval_loss``. Each evaluation reads the
+    same samples (the dataset from its start), so evaluations are comparable with each other.
+    """
+
+    every_steps: int = Field(ge=1, le=MAX_INT32)
+    batches: int = Field(default=8, ge=1, le=MAX_EVAL_BATCHES)
+    data: EvalDataSpec
+
+    def due(self, step: int, total_steps: int) -> bool:
+        """Whether completed ``step`` (1-based) is evaluated."""
+        return step % self.every_steps == 0 or step == total_steps
 
 
 OPTIMIZERS = tuple(OPTIMIZER_STATE_TENSORS)  # ("adamw", "adam", "sgd")
@@ -305,8 +366,19 @@ class TrainSpec(SpecModel):
         return {"betas": tuple(self.betas or ADAM_BETAS), "eps": ADAM_EPS if self.eps is None else self.eps}
 
 
+# [Note: one validator, a schema generators read] ``zero.stage`` is validated as one literal, so
+# a bad value is one error naming ``zero.stage`` ("Input should be 0, 1, 2, 3 or 'auto'"), where
+# a union would report one error per branch under made-up locations. Its published schema is
+# the equivalent ``anyOf`` of an integer enum and a string enum: pydantic's own rendering, one
+# ``enum`` mixing integers and a string, is a shape client generators (openapi-python-client
+# among them) cannot type, and they drop every model and route that reaches it.
+Stage = Annotated[Literal[STAGES + ("auto",)], WithJsonSchema({
+    "anyOf": [{"type": "integer", "enum": list(STAGES)}, {"type": "string", "enum": ["auto"]}],
+    "title": "Stage", "description": "ZeRO stage 0-3, or \"auto\": the planner picks one"})]
+
+
 class ZeroSpec(SpecModel):
-    stage: Literal[STAGES + ("auto",)] = "auto"
+    stage: Stage = "auto"
     precision: Literal[PRECISIONS] = "fp32"
     offload_optimizer: bool = False
     bucket_mb: float = Field(default=25.0, gt=0)
@@ -375,6 +447,15 @@ class JobSpec(SpecModel):
     resume_from: ResumeFrom | None = None
     max_runtime_s: int | None = Field(default=None, ge=1, le=MAX_INT32)
     runtime: RuntimeSpec | None = None
+    eval: EvalSpec | None = None
+
+    def data_blocks(self) -> list[tuple[str, DataSpec]]:
+        """Every dataset the workers read, with its place in the spec (``data``, ``eval.data``):
+        a rule about what a job may read (its URI, its factory) applies to each of them."""
+        blocks: list[tuple[str, DataSpec]] = [("data", self.data)]
+        if self.eval is not None:
+            blocks.append(("eval.data", self.eval.data))
+        return blocks
 
     @model_validator(mode="after")
     def _batch_arithmetic(self) -> "JobSpec":
@@ -392,13 +473,14 @@ class JobSpec(SpecModel):
             )
         preset = PRESETS.get(self.model.preset or "")
         context = None if preset is None else preset.context
-        if context is not None and self.data.seq_len is not None and self.data.seq_len > context:
-            raise PydanticCustomError(
-                "seq_len_context",
-                "data.seq_len ({seq_len}) exceeds the context of preset '{preset}' ({context})",
-                {"seq_len": self.data.seq_len, "preset": self.model.preset, "context": context,
-                 "field": "data.seq_len"},
-            )
+        for where, data in self.data_blocks():
+            if context is not None and data.seq_len is not None and data.seq_len > context:
+                raise PydanticCustomError(
+                    "seq_len_context",
+                    "{where}.seq_len ({seq_len}) exceeds the context of preset '{preset}' ({context})",
+                    {"where": where, "seq_len": data.seq_len, "preset": self.model.preset, "context": context,
+                     "field": f"{where}.seq_len"},
+                )
         return self
 
     @property

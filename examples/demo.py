@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -31,8 +32,8 @@ from rich.live import Live
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from service.client import Client
-from service.schemas import TERMINAL_STATES, JobOut, JobState, MetricPoint
+from service.client import DEFAULT_URL, Client
+from service.schemas import TERMINAL_STATES, CheckpointOut, JobOut, JobState, MetricPoint
 
 DEMO_SPEC = Path(__file__).with_name("stdlib-gpt-nano.yaml")
 # Settings that would take the service off its embedded defaults; the demo runs without them.
@@ -164,7 +165,26 @@ def follow(client: Client, job_id: str, poll_s: float = 1.0) -> tuple[JobOut, li
             time.sleep(poll_s)
 
 
-def summary(job: JobOut, points: list[MetricPoint], elapsed_s: float, service: Service) -> None:
+def cli_command(service: Service) -> str:
+    """How to run ``zerotrain`` against this demo's service, as a user can paste it: the
+    virtualenv's script (``make demo`` puts nothing on PATH; relative to the current folder when
+    it is below it), with ``ZEROTRAIN_URL``/``ZEROTRAIN_HOME`` where they are not the defaults."""
+    script = shutil.which("zerotrain", path=os.path.dirname(sys.executable))
+    if script:
+        relative = os.path.relpath(script)
+        command = relative if not relative.startswith("..") else script
+    else:
+        command = f"{sys.executable} -m service.cli"
+    settings = []
+    if service.url != DEFAULT_URL:
+        settings.append(f"ZEROTRAIN_URL={service.url}")
+    if service.home != Path("~/.zerotrain").expanduser().resolve():
+        settings.append(f"ZEROTRAIN_HOME={shlex.quote(str(service.home))}")
+    return " ".join([*settings, command])
+
+
+def summary(job: JobOut, points: list[MetricPoint], elapsed_s: float, service: Service,
+            checkpoints: list[CheckpointOut]) -> None:
     colour = "green" if job.state is JobState.SUCCEEDED else "red"
     console.print(f"\n[bold {colour}]{job.state.value}[/] job {job.id} in {elapsed_s:.0f} s (attempt {job.attempt})")
     if job.state is not JobState.SUCCEEDED and job.message:
@@ -174,7 +194,11 @@ def summary(job: JobOut, points: list[MetricPoint], elapsed_s: float, service: S
         mine = sorted((p for p in points if p.rank == rank), key=lambda p: (p.attempt, p.step))
         console.print(f"  rank {rank}: loss {mine[0].loss:.3f} at step {mine[0].step} → {mine[-1].loss:.3f} "
                       f"at step {mine[-1].step}")
-    console.print(f"  logs:   zerotrain logs {job.id}     (service log: {service.log_path})")
+    zerotrain = cli_command(service)
+    console.print(f"  logs:   {zerotrain} logs {job.id}     (service log: {service.log_path})", highlight=False)
+    if checkpoints:  # the newest: older ones are removed as new ones arrive (checkpoint.keep_last)
+        latest = max(checkpoints, key=lambda c: c.step)
+        console.print(f"  verify: {zerotrain} ckpt verify {latest.uri}", highlight=False)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -202,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
                           f"{spec['resources']['num_workers']} workers, ZeRO stage {spec['zero']['stage']}, "
                           f"{spec['train']['steps']} steps): {service.url}/jobs/{job.id}")
             job, points = follow(client, job.id)
-        summary(job, points, time.monotonic() - started, service)
+            checkpoints = client.checkpoints(job.id)
+        summary(job, points, time.monotonic() - started, service, checkpoints)
         console.print(f"[bold]dashboard:[/] {service.url}/jobs/{job.id}")
         if args.exit_when_done:
             return 0 if job.state is JobState.SUCCEEDED else 1

@@ -190,6 +190,36 @@ class Client:
         params = {"tail_bytes": tail_bytes} if tail_bytes else {}
         return self.request("GET", f"/api/v1/jobs/{job_id}/logs", params=params).text
 
+    def follow_logs(self, job_id: str, tail_bytes: int | None = None, poll: float = 1.0) -> Iterator[str]:
+        """Yield the job's log as it grows -- first what there is (its last ``tail_bytes``), then
+        each new part -- and return once the job has ended and its whole log was yielded.
+
+        [Note: following by polling] The logs endpoint answers the whole log (the launchers
+        read a file or Ray's job log, neither with offsets). Each poll yields the part past what
+        was already seen; a shorter answer (a log not readable for a moment) yields nothing,
+        and a log that no longer starts with what was seen (a new attempt's driver) is yielded
+        whole. The job's state is read before the log, so the read after the job ended is the
+        complete log and the last one.
+        """
+        seen = ""
+        first = True
+        while True:
+            ended = self.get(job_id).state in TERMINAL_STATES
+            text = self.logs(job_id)
+            if first:
+                yield text.encode()[-tail_bytes:].decode(errors="replace") if tail_bytes else text
+                seen, first = text, False
+            elif text.startswith(seen):
+                if len(text) > len(seen):
+                    yield text[len(seen):]
+                seen = text
+            elif not seen.startswith(text):
+                yield text
+                seen = text
+            if ended:
+                return
+            time.sleep(poll)
+
     def checkpoints(self, job_id: str) -> list[CheckpointOut]:
         return CheckpointList.model_validate(self._api("GET", f"/jobs/{job_id}/checkpoints")).items
 

@@ -2,7 +2,9 @@
 
 Jobs have an integer ``pk`` (insertion order: cursor pagination, FIFO claiming) and a public
 string ``id``. Metrics are unique on (job, attempt, rank, step) so that re-sent records are
-ignored by the database itself, not by a check-then-insert race.
+ignored by the database itself, not by a check-then-insert race. User-reported scalars
+(``contract.metrics``, "user metrics are user data") are rows of ``user_metrics``, unique the
+same way per name; ``user_metric_names`` holds each job's bounded set of names.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from contract.metrics import METRICS
+from contract.metrics import MAX_USER_METRIC_NAME_CHARS, METRICS
 
 BigId = BigInteger().with_variant(Integer, "sqlite")  # SQLite autoincrements INTEGER keys only
 
@@ -119,6 +121,30 @@ class Metric(_metric_columns(), Base):
     step: Mapped[int] = mapped_column(Integer)
     time: Mapped[float | None] = mapped_column(Float)
     # then one nullable column per row of the metric table (_metric_columns)
+
+
+class UserMetricName(Base):
+    """A name a job's code reported a scalar under: at most ``MAX_USER_METRICS`` per job, the
+    first ones stored (``position`` is their order, the job page's line order)."""
+
+    __tablename__ = "user_metric_names"
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    name: Mapped[str] = mapped_column(String(MAX_USER_METRIC_NAME_CHARS), primary_key=True)
+    position: Mapped[int] = mapped_column(Integer)
+
+
+class UserMetric(Base):
+    """One rank's value of one user-reported scalar at one step (the record's ``user`` object)."""
+
+    __tablename__ = "user_metrics"
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    attempt: Mapped[int] = mapped_column(Integer, primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    step: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(MAX_USER_METRIC_NAME_CHARS), primary_key=True)
+    value: Mapped[float] = mapped_column(Float)
 
 
 class Checkpoint(Base):

@@ -9,11 +9,17 @@ from __future__ import annotations
 
 import enum
 from datetime import datetime
-from typing import Any, Generic, Literal, TypeVar
+from typing import Annotated, Any, Generic, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, create_model, field_validator
 
-from contract.metrics import METRIC_FIELDS, METRICS  # noqa: F401  (METRIC_FIELDS: re-exported)
+from contract.metrics import (  # noqa: F401  (METRIC_FIELDS: re-exported)
+    MAX_USER_METRIC_NAME_CHARS,
+    MAX_USER_METRICS,
+    METRIC_FIELDS,
+    METRICS,
+    USER_METRIC_NAME_PATTERN,
+)
 
 # The spec lives in contract.spec (the workers read it too); re-exported for the SDK and the API.
 from contract.spec import (  # noqa: F401
@@ -25,6 +31,8 @@ from contract.spec import (  # noqa: F401
     STORAGE_SCHEMES,
     CheckpointSpec,
     DataSpec,
+    EvalDataSpec,
+    EvalSpec,
     JobSpec,
     ModelSpec,
     ResourcesSpec,
@@ -125,6 +133,16 @@ class EventList(BaseModel):
 
 MAX_METRIC_BATCH = 10_000
 
+UserMetricName = Annotated[str, StringConstraints(min_length=1, max_length=MAX_USER_METRIC_NAME_CHARS,
+                                                  pattern=USER_METRIC_NAME_PATTERN)]
+UserMetricValues = Annotated[
+    dict[UserMetricName, Annotated[float, Field(allow_inf_nan=False)]],
+    Field(max_length=MAX_USER_METRICS,
+          description=f"scalars the job's code reported (workers.user_metrics.report): name -> finite number; "
+                      f"at most {MAX_USER_METRICS} names of 1 to {MAX_USER_METRIC_NAME_CHARS} characters without "
+                      f"control characters. A job keeps its first {MAX_USER_METRICS} names; values under "
+                      f"further names are not stored.")]
+
 # One optional field per row of the metric table; the names, order and types are the table's.
 MetricRecord = create_model(
     "MetricRecord",
@@ -135,6 +153,7 @@ MetricRecord = create_model(
     step=(int, Field(ge=0, le=MAX_INT32)),
     time=(float | None, None),
     **{field.name: (field.type | None, None) for field in METRICS},
+    user=(UserMetricValues | None, None),
 )
 
 

@@ -56,11 +56,14 @@ class CheckpointManager:
     group is initialised). ``register(record)``, ``forget(step)`` and ``report_failure(step,
     error)`` tell the control plane about committed, deleted and failed checkpoints (rank 0
     calls them). ``upload_attempts`` defaults to ``ZEROTRAIN_CHECKPOINT_UPLOAD_ATTEMPTS`` or 3.
+    ``model`` (``ModelSpec.architecture()``) goes into each manifest, for ``config.json`` when
+    the checkpoint is consolidated.
     """
 
     def __init__(self, uri: str, *, job_id: str, every_steps: Optional[int] = None, keep_last: Optional[int] = None,
                  register: Optional[Callable[[dict], None]] = None, forget: Optional[Callable[[int], None]] = None,
-                 report_failure: Optional[Callable[[int, str], None]] = None, upload_attempts: Optional[int] = None):
+                 report_failure: Optional[Callable[[int, str], None]] = None, upload_attempts: Optional[int] = None,
+                 model: Optional[dict] = None):
         self.job_id = job_id
         self.every_steps, self.keep_last = every_steps, keep_last
         distributed = dist.is_available() and dist.is_initialized()
@@ -70,7 +73,8 @@ class CheckpointManager:
         self.storage = Storage.at(uri)
         self.writer = AsyncCheckpointWriter(self.storage, job_id=job_id, rank=self.rank, world_size=self.world_size,
                                             group=self.group, keep_last=keep_last, register=register, forget=forget,
-                                            report_failure=report_failure, upload_attempts=upload_attempts)
+                                            report_failure=report_failure, upload_attempts=upload_attempts,
+                                            model=model)
         self.last_load: Optional[reader.LoadReport] = None
         self.failed_saves: list[str] = []  # why each save that did not commit failed, in order
 
@@ -188,6 +192,11 @@ class TrainCheckpointHook:
         self.total_steps = total_steps
         self.resume_from, self.resume_uri = resume_from, resume_uri
 
+    def resumes(self) -> bool:
+        """A restarted attempt (this job has a committed checkpoint) or a ``resume_from`` job.
+        Collective, like ``maybe_resume``: rank 0 looks and tells the others."""
+        return bool(self.resume_from) or bool(self.manager.committed_steps())
+
     def maybe_resume(self, engine: Any, loader: Any) -> int:
         if self.manager.committed_steps():
             return self.manager.load(engine, loader)  # a restarted attempt of this job
@@ -215,7 +224,8 @@ def make_checkpoint_hook(spec: JobSpec, *, job_id: str, storage_uri: Optional[st
                                 every_steps=spec.checkpoint.every_steps, keep_last=spec.checkpoint.keep_last,
                                 register=registry.register if registry else None,
                                 forget=registry.forget if registry else None,
-                                report_failure=registry.failed if registry else None)
+                                report_failure=registry.failed if registry else None,
+                                model=spec.model.architecture())
     resume = spec.resume_from
     resume_uri = checkpoints_uri(root, resume.job_id) if resume else None
     return TrainCheckpointHook(manager, total_steps=spec.train.steps, resume_from=resume, resume_uri=resume_uri)

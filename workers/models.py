@@ -10,6 +10,7 @@ shapes real users train: a tied parameter, many equal transformer blocks, a larg
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import math
 from dataclasses import replace
@@ -84,19 +85,37 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied: one parameter, used twice
-        self.apply(self._init_weights)
-        for name, p in self.named_parameters():
-            if name.endswith("proj.weight"):  # GPT-2's scaled init of residual projections
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+        # [Note: one seed, one model] Every parameter's values come from a generator seeded by
+        # (the seed in force at construction, the parameter's name), not from the global RNG
+        # stream, so the order modules are initialized in does not matter: built eagerly here,
+        # or on the meta device and materialized unit by unit by the engine (which calls
+        # ``init_weights(module)``), a seed gives the same bits.
+        self.init_seed = torch.initial_seed()
+        self.__dict__["_names"] = {id(p): n for n, p in self.named_parameters()}  # plain dict, not state
+        if not any(p.is_meta for p in self.parameters()):
+            for module in self.modules():
+                self.init_weights(module)
 
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    @torch.no_grad()
+    def init_weights(self, module: nn.Module) -> None:
+        """Initialize ``module``'s own parameters (GPT-2's scheme), each from its own generator.
+
+        Linear and Embedding weights ~ N(0, 0.02), residual projections (``*proj.weight``)
+        ~ N(0, 0.02/sqrt(2·n_layer)), biases 0, LayerNorm gains 1. A tied parameter is
+        initialized by the module it is first registered by (``wte`` for the embedding/head).
+        """
+        std_proj = 0.02 / math.sqrt(2 * self.config.n_layer)
+        for local, p in module._parameters.items():
+            name = self._names.get(id(p)) if p is not None else None
+            if name is None or self.get_submodule(name.rpartition(".")[0]) is not module:
+                continue  # not ours, or registered first by another module, which initializes it
+            if isinstance(module, nn.LayerNorm):
+                p.fill_(1.0 if local == "weight" else 0.0)
+            elif local == "bias":
+                p.zero_()
+            else:
+                std = std_proj if name.endswith("proj.weight") else 0.02
+                p.copy_(_seeded_normal(self.init_seed, name, p.shape, std))
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         t = idx.shape[1]
@@ -110,6 +129,13 @@ class GPT(nn.Module):
         if targets is None:
             return logits
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def _seeded_normal(seed: int, name: str, shape: torch.Size, std: float) -> torch.Tensor:
+    """N(0, std) values for parameter ``name``, from a CPU generator seeded by (seed, name)."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    gen = torch.Generator(device="cpu").manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+    return torch.normal(0.0, std, size=tuple(shape), generator=gen)
 
 
 def num_parameters(model: nn.Module, trainable_only: bool = False) -> int:

@@ -40,11 +40,29 @@ class JobNotActive(RuntimeError):
     """The control plane refused a state report: the job was cancelled or already ended."""
 
 
+HTTP_CLIENT_LOGGERS = ("httpx", "httpcore")
+
+
+def quiet_http_client_logs() -> None:
+    """httpx logs every request at INFO ("HTTP Request: POST …/metrics "HTTP/1.1 200 OK"") and
+    httpcore every connection step at DEBUG: in a job's log, which is the driver's and every
+    rank's output, that buried the training lines (a metric push a second per rank). Only
+    their warnings are kept; our own retries log what went wrong (``WorkerAPI._with_retries``)."""
+    for name in HTTP_CLIENT_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
 class WorkerAPI:
-    """The worker endpoints of one job, authenticated with its ingest token."""
+    """The worker endpoints of one job, authenticated with its ingest token.
+
+    Every process of a job that talks to the control plane does it through this class (the
+    driver, each rank, the Ray Train controller's restart callback), so it quiets the HTTP
+    client's per-request log lines where they would start (``quiet_http_client_logs``).
+    """
 
     def __init__(self, api_url: str, job_id: str, token: str, *, timeout_s: float = 10.0,
                  transport: httpx.BaseTransport | None = None):
+        quiet_http_client_logs()
         self.job_id = job_id
         self.base = f"{api_url.rstrip('/')}/api/v1/jobs/{job_id}"
         self.http = httpx.Client(headers={"Authorization": f"Bearer {token}"}, timeout=timeout_s,
@@ -166,17 +184,24 @@ class StepMeter:
 
     def record(self, *, step: int, loss: float, lr: float, step_time_s: float, samples: int, tokens: int,
                info: dict[str, Any], memory: dict[str, int], peak_memory_bytes: int, comm_volume: dict[str, int],
-               checkpoint_blocked_s: float = 0.0) -> dict[str, Any]:
-        """``peak_memory_bytes``: the rank's peak so far (``PeakMemoryMeter.peak_growth()``)."""
+               checkpoint_blocked_s: float = 0.0, eval_loss: float | None = None,
+               user: dict[str, float] | None = None) -> dict[str, Any]:
+        """The step's record; ``peak_memory_bytes`` the rank's peak so far (``PeakMemoryMeter.peak_growth()``),
+        ``eval_loss`` on evaluated steps, ``user`` the scalars the user's code reported
+        (``workers.user_metrics``), sent as the record's ``user`` object."""
         observation = StepObservation(
             loss=loss, lr=lr, grad_norm=_finite_or_none(info.get("grad_norm")), step_time_s=step_time_s,
             samples=samples, tokens=tokens, flops_per_token=self.flops_per_token, peak_flops=self.peak,
             memory=memory, peak_memory_bytes=peak_memory_bytes,
             comm_bytes=comm_volume.get("total", 0) * self.comm_element_bytes,
             comm_exposed_s=info.get("comm_exposed_s"), checkpoint_blocked_s=checkpoint_blocked_s,
+            eval_loss=_finite_or_none(eval_loss),
         )
-        return {"attempt": self.attempt, "rank": self.rank, "step": step, "time": time.time(),
-                **record_values(observation)}
+        record = {"attempt": self.attempt, "rank": self.rank, "step": step, "time": time.time(),
+                  **record_values(observation)}
+        if user:
+            record["user"] = dict(user)
+        return record
 
 
 def _finite_or_none(value: Any) -> float | None:

@@ -23,6 +23,7 @@ every rank pushes its own per-step record. Checkpoints plug in through ``Checkpo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -37,10 +38,12 @@ import torch.distributed as dist
 from contract.metrics import THROUGHPUT
 from contract.reasons import Reason
 from contract.spec import MIN_LR_RATIO, JobSpec, TrainSpec
-from workers.data import ShardedBatchLoader, build_dataset
+from workers.data import IndexedDataset, ShardedBatchLoader, build_dataset
 from workers.models import build_model, flops_per_token
 from workers.host_memory import map_large_blocks
 from workers.reporting import MetricReporter, StepMeter, WorkerAPI
+from workers.user_code import user_code
+from workers.user_metrics import COLLECTOR as USER_METRICS
 from workers.zero import ZeroConfig, ZeroEngine
 from workers.zero.planner.check import PeakMemoryMeter
 from workers.zero.optim_groups import NamedFactory, below_2d, named_factory, param_groups
@@ -74,6 +77,10 @@ class CheckpointHook(Protocol):
     """Where checkpointing plugs into the loop: ``workers.checkpoint.TrainCheckpointHook``, or
     ``NoCheckpoints`` for a job with nowhere to write."""
 
+    def resumes(self) -> bool:
+        """Whether ``maybe_resume`` will load a checkpoint (then ``model.init_from`` is not read)."""
+        ...
+
     def maybe_resume(self, engine: ZeroEngine, loader: ShardedBatchLoader) -> int:
         """Restore the latest checkpoint, if any; return the number of completed steps."""
         ...
@@ -84,6 +91,9 @@ class CheckpointHook(Protocol):
 
 
 class NoCheckpoints:
+    def resumes(self) -> bool:
+        return False
+
     def maybe_resume(self, engine: ZeroEngine, loader: ShardedBatchLoader) -> int:
         return 0
 
@@ -190,8 +200,31 @@ def resolve_stage(spec: JobSpec, device: torch.device) -> tuple[int, bool]:
     return int(plan.stage), bool(plan.offload)
 
 
-def build_engine(spec: JobSpec, model: torch.nn.Module, device: torch.device) -> ZeroEngine:
-    """The job's ``ZeroEngine``: the spec's ``zero`` block (stage resolved here) and its optimizer."""
+def build_job_model(spec: JobSpec, *, resuming: bool) -> tuple[torch.nn.Module, str | None]:
+    """The job's model and the engine's ``init_weights`` for it.
+
+    [Note: which models are built on meta]
+    A preset is built on the meta device and materialized bucket by bucket by the engine, so no
+    rank holds the whole fp32 model: with no ``init_from`` its ``init_weights`` hook gives the
+    same bits as an eager build (one seed, one model); with ``model.init_from`` each rank reads
+    the slices it keeps from the file. A factory model is built on meta only with
+    ``init_from`` (whatever its own initialization would be, the file replaces it); without, it
+    is built eagerly, as always, since user code need not support meta construction. A job
+    that resumes (a restarted attempt, ``resume_from``) loads its checkpoint over whatever the
+    engine starts from, so ``init_from`` is not read then: the checkpoint wins, and a restart
+    does not depend on the pretrained files still being there.
+    """
+    init_from = None if resuming else spec.model.init_from
+    if spec.model.preset is None and init_from is None:
+        return build_model(spec.model), None
+    with torch.device("meta"):
+        return build_model(spec.model), init_from
+
+
+def build_engine(spec: JobSpec, model: torch.nn.Module, device: torch.device,
+                 init_weights: str | None = None) -> ZeroEngine:
+    """The job's ``ZeroEngine``: the spec's ``zero`` block (stage resolved here) and its optimizer;
+    a model on meta is materialized on ``device`` from ``init_weights`` (``build_job_model``)."""
     zero, train = spec.zero, spec.train
     stage, offload = resolve_stage(spec, device)
     config = ZeroConfig(
@@ -206,7 +239,9 @@ def build_engine(spec: JobSpec, model: torch.nn.Module, device: torch.device) ->
         broadcast_buffers=zero.broadcast_buffers,
         sync_batchnorm=zero.sync_batchnorm,
     )
-    return ZeroEngine(model, optimizer=optimizer_factory(train), config=config)
+    if any(p.is_meta for p in model.parameters()):
+        return ZeroEngine(model, optimizer=optimizer_factory(train), config=config, init_weights=init_weights)
+    return ZeroEngine(model.to(device), optimizer=optimizer_factory(train), config=config)
 
 
 TORCH_OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
@@ -241,6 +276,40 @@ class JsonlSink:
         return 0
 
 
+# ----------------------------------------------------------------------------- evaluation
+
+
+def evaluate(engine: ZeroEngine, dataset: IndexedDataset, *, batches: int, micro_batch_size: int,
+             world: World) -> float:
+    """The mean loss of ``batches`` micro-batches per rank of ``dataset``, over every rank.
+
+    [Note: evaluation on every rank, from the same samples]
+    A fresh loader from position 0 each time: every evaluation reads the same samples (rank r
+    its own slice of the first ``batches × micro_batch_size × world`` of them), so one
+    evaluation's loss is comparable with the next. Every rank runs the same forwards because
+    stage 3 gathers each unit collectively in every forward (docs/engine.md: evaluating on rank
+    0 alone hangs). Under ``torch.no_grad()`` the engine neither broadcasts buffers nor keeps
+    activations; ``engine.eval()`` turns dropout off and BatchNorm to its running statistics,
+    ``engine.train()`` back afterwards. The gathers are not the step's communication
+    (``comm.uncounted``): ``comm_bytes`` stays what training moved. One ``all_reduce`` sums the
+    ranks' losses; what user code reports meanwhile is recorded as ``eval/<name>``.
+    """
+    loader = ShardedBatchLoader(dataset, global_batch_size=batches * micro_batch_size * world.world_size,
+                                micro_batch_size=micro_batch_size, rank=world.rank, world_size=world.world_size)
+    total = torch.zeros((), dtype=torch.float64, device=world.device)
+    engine.eval()
+    try:
+        with torch.no_grad(), engine.comm.uncounted(), USER_METRICS.evaluating():
+            for inputs, targets in loader.next_batch():
+                loss = engine(inputs.to(world.device, non_blocking=True), targets.to(world.device, non_blocking=True))
+                total += loss.detach().double()
+    finally:
+        engine.train()
+    if world.world_size > 1:
+        dist.all_reduce(total)
+    return float(total) / (batches * world.world_size)
+
+
 PROGRESS_LINES = 20  # rank 0 prints about this many progress lines per run, plus the first and last step
 
 
@@ -258,31 +327,36 @@ def progress_line(record: dict[str, Any], total_steps: int, world_size: int) -> 
         parts.append(f"{record['step_time_s']:.2f} s/step")
     if record.get(THROUGHPUT) is not None:
         parts.append(f"{record[THROUGHPUT] * world_size:,.0f} tokens/s")
+    if record.get("eval_loss") is not None:
+        parts.append(f"eval loss {record['eval_loss']:.4f}")
     return "  ".join(parts)
 
 
 def train_loop(config: dict[str, Any]) -> dict[str, Any]:
     """Train the job's model for ``train.steps`` steps on this rank; return a short summary."""
-    # The reporter's HTTP client logs every request at INFO: the job's log is for training.
-    logging.getLogger("httpx").setLevel(logging.WARNING)
     spec = JobSpec.model_validate(config["spec"])  # this rank's boundary: attributes from here on
     train, data = spec.train, spec.data
     world = World.current(use_gpu=spec.resources.gpus_per_worker > 0)
     token = os.environ.get("ZEROTRAIN_INGEST_TOKEN")
     api = WorkerAPI(config["api_url"], config["job_id"], token) if config.get("api_url") and token else None
     attempt = start_attempt(config, world, api)
+    USER_METRICS.reset()  # from here on, what the user's code reports (factories included) is this run's
 
     if world.device.type == "cpu":  # freed tensors leave the resident set (workers/host_memory.py)
         map_large_blocks()
+    checkpoints = make_checkpoint_hook(spec, config, api)
     peak = PeakMemoryMeter(world.device)  # the job's peak, part by part, as the planner predicts it
     peak.start()  # what the process held before the model is not the job's
     torch.manual_seed(train.seed)
-    model = build_model(spec.model).to(world.device)
-    engine = build_engine(spec, model, world.device)
+    with user_code("building the model"):  # an error here is the job's, not the cluster's: no restart
+        model, init_weights = build_job_model(spec, resuming=checkpoints.resumes())
+        engine = build_engine(spec, model, world.device, init_weights)
     torch.manual_seed(train.seed + world.rank)  # dropout differs per rank
-    loader = ShardedBatchLoader(build_dataset(data, seed=train.seed),
-                                global_batch_size=train.global_batch_size, micro_batch_size=train.micro_batch_size,
-                                rank=world.rank, world_size=world.world_size)
+    with user_code("building the data"):
+        dataset = build_dataset(data, seed=train.seed)
+        eval_data = None if spec.eval is None else build_dataset(spec.eval.data, seed=train.seed)
+    loader = ShardedBatchLoader(dataset, global_batch_size=train.global_batch_size,
+                                micro_batch_size=train.micro_batch_size, rank=world.rank, world_size=world.world_size)
     seq_len = int(data.seq_len or getattr(getattr(model, "config", None), "block_size", 0))
     meter = StepMeter(rank=world.rank, attempt=attempt,
                       flops_per_token=flops_per_token(model, seq_len),
@@ -292,12 +366,12 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
         sinks.append(MetricReporter(api.post_metrics))
     if config.get("metrics_path"):
         sinks.append(JsonlSink(f"{config['metrics_path']}.rank{world.rank}.jsonl"))
-    checkpoints = make_checkpoint_hook(spec, config, api)
     peak.lap("construction")
 
     total_steps = train.steps
     step = checkpoints.maybe_resume(engine, loader)
     peak.lap("resume" if step else "construction")
+    first_step = step + 1  # of this attempt: an error in it is the user's code (user_code.py)
     accumulation = loader.accumulation_steps
     losses: list[float] = []
     try:
@@ -308,31 +382,38 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
                 group["lr"] = lr * group.get("lr_scale", 1.0)
             started = time.perf_counter()
             loss_sum = torch.zeros((), device=world.device)
-            for micro, (inputs, targets) in enumerate(loader.next_batch()):
-                loss = engine(inputs.to(world.device, non_blocking=True), targets.to(world.device, non_blocking=True))
-                peak.lap("forward")
-                # the engine sums micro-steps, like PyTorch; sync on the last one lets stages 0/1
-                # reduce during that backward instead of after it
-                engine.backward(loss / accumulation, sync=micro == accumulation - 1)
-                peak.lap("backward")
-                loss_sum += loss.detach().float()
-            info = engine.step()
-            peak.lap("step")
+            with user_code("the first training step") if step + 1 == first_step else contextlib.nullcontext():
+                for micro, (inputs, targets) in enumerate(loader.next_batch()):
+                    loss = engine(inputs.to(world.device, non_blocking=True),
+                                  targets.to(world.device, non_blocking=True))
+                    peak.lap("forward")
+                    # the engine sums micro-steps, like PyTorch; sync on the last one lets stages 0/1
+                    # reduce during that backward instead of after it
+                    engine.backward(loss / accumulation, sync=micro == accumulation - 1)
+                    peak.lap("backward")
+                    loss_sum += loss.detach().float()
+                info = engine.step()
+                peak.lap("step")
             loss_value = float(loss_sum) / accumulation  # .item() waits for the device
             step_time = time.perf_counter() - started
             step += 1
             blocked = checkpoints.maybe_save(step, engine, loader)
             if blocked:
                 peak.lap("checkpoint")
+            eval_loss = None  # an evaluation's forward passes count in the next lap, the forward's
+            if eval_data is not None and spec.eval.due(step, total_steps):
+                eval_loss = evaluate(engine, eval_data, batches=spec.eval.batches,
+                                     micro_batch_size=train.micro_batch_size, world=world)
             samples = accumulation * loader.micro_batch_size
             record = meter.record(step=step, loss=loss_value, lr=lr, step_time_s=step_time, samples=samples,
                                   tokens=samples * seq_len, info=info, memory=engine.memory(),
                                   peak_memory_bytes=peak.peak_growth(), comm_volume=engine.comm_volume(),
-                                  checkpoint_blocked_s=blocked)
+                                  checkpoint_blocked_s=blocked, eval_loss=eval_loss, user=USER_METRICS.take())
             losses.append(loss_value)
             for sink in sinks:
                 sink.report(record)
-            if world.rank == 0 and shows_progress(step, total_steps):
+            # an evaluation is rare and costly enough to be worth its line
+            if world.rank == 0 and (shows_progress(step, total_steps) or eval_loss is not None):
                 print(progress_line(record, total_steps, world.world_size), flush=True)
     finally:
         unsent = sum(sink.close(timeout_s=120.0) for sink in sinks)

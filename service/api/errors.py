@@ -2,7 +2,8 @@
 
 Validation errors name the field as a dotted path inside the body (``train.micro_batch_size``)
 or as the query/header parameter; the database being down is a 503, not a traceback, and so
-is a saturated connection pool (with ``Retry-After``).
+is a saturated connection pool (with ``Retry-After``). Also the OpenAPI ``responses`` entries
+routes declare: these error bodies, and the 200s whose body is text.
 """
 
 from __future__ import annotations
@@ -41,6 +42,16 @@ COMMON_ERRORS = (400, 401, 404, 413, 422, 503)
 def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
     """OpenAPI ``responses`` entries for these status codes, all in the ``ErrorOut`` shape."""
     return {code: {"model": ErrorOut, "description": ERROR_DESCRIPTIONS[code]} for code in codes}
+
+
+def text_response(media_type: str, description: str) -> dict[int | str, dict[str, Any]]:
+    """The OpenAPI ``responses`` entry of a 200 whose body is text (logs, SSE, Prometheus).
+
+    [Note: text bodies carry a schema] A content type with no ``schema`` reads as "no body" to
+    client generators: openapi-python-client then returns ``None`` for the route instead of the
+    text. ``{"type": "string"}`` makes it hand back ``response.text``; the bytes are unchanged.
+    """
+    return {200: {"content": {media_type: {"schema": {"type": "string"}}}, "description": description}}
 
 
 def field_name(error: dict[str, Any]) -> str | None:

@@ -7,6 +7,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import text
 
 from service.api.deps import SessionDep
+from service.api.errors import text_response
 
 router = APIRouter(tags=["health"])
 
@@ -18,7 +19,7 @@ def healthz(session: SessionDep) -> dict[str, str]:
 
 
 @router.get("/metrics", name="prometheus_metrics", response_class=Response,
-            responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
+            responses=text_response(CONTENT_TYPE_LATEST, "the service's metrics in Prometheus text format"))
 def prometheus_metrics(request: Request) -> Response:
     registry = request.app.state.service_metrics.registry
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import uuid
 from typing import Annotated
 
@@ -16,11 +15,13 @@ from sqlalchemy.orm import Session
 
 from service import admission
 from service.api.deps import CurrentUser, LauncherDep, SessionDep, SettingsDep, VisibleJob
-from service.api.errors import error_responses, field_error
-from service.api.plan import no_plan_response
+from service.api.errors import error_responses, field_error, text_response
+from service.api.plan import NO_PLAN_RESPONSES, no_plan_response
 from service.api.spec_access import check_spec_access
 from service.auth import Principal
+from service.init_from import InitFromMismatch, check_init_from
 from service.launchers.base import LaunchHandle, Launcher
+from service.log_text import plain_log
 from service.models import IdempotencyKey, Job, JobEvent, utcnow
 from service.prediction import NothingFits, plan_at_submit
 from service.schemas import EventList, JobOut, JobPage, JobSpec, JobState
@@ -56,18 +57,24 @@ def _replay(session: Session, user: Principal, key: str, request_hash: str) -> J
 
 @router.post("", status_code=201, response_model=JobOut, name="submit_job",
              responses={200: {"model": JobOut, "description": "replayed: the job this key created"},
-                        **error_responses(409, 429)},
+                        **error_responses(409, 429), **NO_PLAN_RESPONSES},
              description="Validates the spec, records the planner's memory prediction and resolves "
                          "`zero.stage: \"auto\"` to the lowest stage that fits (422 with the numbers "
-                         "when nothing fits).")
+                         "when nothing fits). A `model.init_from` the control plane can read must fit "
+                         "the model (422 naming the key otherwise).")
 def submit_job(spec: JobSpec, request: Request, response: Response, session: SessionDep, launcher: LauncherDep,
                user: CurrentUser, settings: SettingsDep, idempotency_key: IdempotencyKeyHeader = None) -> Job:
-    check_spec_access(spec, user, session, settings)
+    check_spec_access(spec, user, session, settings)  # first: nothing is read that the user may not read
+    try:
+        check_init_from(spec, settings.storage_uri)
+    except InitFromMismatch as mismatch:
+        raise field_error("model.init_from", str(mismatch), "init_from_mismatch") from None
     check_admissible(spec, user, session, settings, launcher)
     spec_json = spec.model_dump(mode="json")
     if (size := len(json.dumps(spec_json))) > settings.max_spec_bytes:
-        raise field_error("model.kwargs" if len(json.dumps(spec.model.kwargs)) > len(json.dumps(spec.data.kwargs))
-                          else "data.kwargs",
+        kwargs = {"model.kwargs": spec.model.kwargs,
+                  **{f"{where}.kwargs": data.kwargs for where, data in spec.data_blocks()}}
+        raise field_error(max(kwargs, key=lambda field: len(json.dumps(kwargs[field]))),
                           f"the spec is {size} bytes of JSON, more than this service stores "
                           f"({settings.max_spec_bytes}, ZEROTRAIN_MAX_SPEC_BYTES)", "spec_too_large")
     request_hash = spec_sha256(spec_json)
@@ -201,8 +208,7 @@ def list_job_events(job: VisibleJob, session: SessionDep) -> EventList:
 
 
 @router.get("/{job_id}/logs", name="get_job_logs", response_class=Response,
-            responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
-                             "description": "the driver's log (the tail with tail_bytes)"},
+            responses={**text_response("text/plain", "the driver's log (the tail with tail_bytes)"),
                        **error_responses(409)})
 def get_job_logs(job: VisibleJob, launcher: LauncherDep,
                  tail_bytes: Annotated[int | None, Query(ge=1, le=64 * 1024 * 1024)] = None) -> PlainTextResponse:
@@ -212,13 +218,4 @@ def get_job_logs(job: VisibleJob, launcher: LauncherDep,
     if handle.launcher != launcher.name:
         raise HTTPException(409, f"job {job.id} ran on the {handle.launcher!r} launcher; "
                                  f"this server uses {launcher.name!r} and cannot read its logs")
-    return PlainTextResponse(strip_terminal_codes(launcher.logs(handle, tail_bytes)))
-
-
-# Ray colours its worker prefixes ("\x1b[36m(RayTrainWorker pid=…)\x1b[0m"): a terminal's
-# business, raw escape codes in `zerotrain logs` and the dashboard's log panel.
-_TERMINAL_CODES = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
-
-
-def strip_terminal_codes(text: str) -> str:
-    return _TERMINAL_CODES.sub("", text)
+    return PlainTextResponse(plain_log(launcher.logs(handle, tail_bytes)))

@@ -4,6 +4,8 @@ Ingest relies on the unique (job, attempt, rank, step) key with ``ON CONFLICT DO
 a batch re-sent after a timeout is counted as duplicates and changes nothing. Queries can be
 downsampled server-side (``max_points``): steps are cut into equal buckets and each bucket
 becomes one point per rank holding the mean of every metric (overflow-safe: ``service.metric_sql``).
+A record's ``user`` object (scalars the job's code reported) is stored and read back by
+``service.user_metrics``.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ from sqlalchemy import Select, func, select, text
 from sqlalchemy.dialects import sqlite
 from sqlalchemy.orm import Session
 
+from service import user_metrics
 from service.api.deps import CurrentUser, SessionDep, VisibleJob, WorkerJob
-from service.api.errors import error_responses
+from service.api.errors import error_responses, text_response
 from service.metric_sql import Averaging, execute_overflow_safe
 from service.models import Job, Metric
 from service.schemas import (
@@ -51,6 +54,7 @@ def ingest_metrics(batch: MetricBatch, job: WorkerJob, request: Request, session
         return IngestResult(accepted=0, duplicates=0)
     insert_new = _insert_new_postgresql if session.get_bind().dialect.name == "postgresql" else _insert_new_sqlite
     accepted = insert_new(session, job.id, batch.records)
+    user_metrics.store(session, job.id, batch.records)
     session.commit()
     request.app.state.service_metrics.metric_points.inc(accepted)
     return IngestResult(accepted=accepted, duplicates=len(batch.records) - accepted)
@@ -90,7 +94,7 @@ def _insert_new_postgresql(session: Session, job_id: str, records: list[MetricRe
 
 def _insert_new_sqlite(session: Session, job_id: str, records: list[MetricRecord]) -> int:
     """The embedded database: small batches, so the portable form is fast enough."""
-    rows = [{**record.model_dump(), "job_id": job_id} for record in records]
+    rows = [{**record.model_dump(exclude={"user"}), "job_id": job_id} for record in records]
     statement = sqlite.insert(Metric).on_conflict_do_nothing().returning(Metric.id)
     return len(session.execute(statement, rows).all())
 
@@ -123,7 +127,9 @@ def _downsampled(session: Session, job_id: str, max_points: int, **filters: Any)
                    *(averaging.mean(getattr(Metric, name)).label(name) for name in METRIC_FIELDS)]
         return _filtered(select(*columns), job_id, **filters).group_by(Metric.rank, bucket).order_by(Metric.rank, bucket)
 
-    return [dict(row._mapping) for row in execute_overflow_safe(session, query)]
+    user = user_metrics.bucket_means(session, job_id, low, width, filters)
+    return [{**row._mapping, "user": user.get((row.rank, (row.step - low) // width))}
+            for row in execute_overflow_safe(session, query)]
 
 
 @router.get("/{job_id}/metrics", response_model=MetricList, name="list_metrics")
@@ -147,7 +153,7 @@ def list_metrics(job: VisibleJob, session: SessionDep,
     else:
         query = query.order_by(Metric.step, Metric.rank, Metric.id)
     metrics = session.execute(query.limit(limit)).scalars()
-    return MetricList(items=[MetricPoint.model_validate(metric) for metric in metrics])
+    return MetricList(items=user_metrics.attach(session, job.id, [MetricPoint.model_validate(m) for m in metrics]))
 
 
 def _next_metrics(make_session, job_id: str, after_id: int, rank: int | None) -> tuple[list[MetricPoint], bool]:  # noqa: ANN001
@@ -156,13 +162,14 @@ def _next_metrics(make_session, job_id: str, after_id: int, rank: int | None) ->
         state = session.execute(select(Job.state).where(Job.id == job_id)).scalar_one()
         query = _filtered(select(Metric), job_id, rank, None, None, None).where(Metric.id > after_id)
         metrics = session.execute(query.order_by(Metric.id).limit(STREAM_BATCH)).scalars()
-        return [MetricPoint.model_validate(m) for m in metrics], JobState(state) in TERMINAL_STATES
+        points = user_metrics.attach(session, job_id, [MetricPoint.model_validate(m) for m in metrics])
+        return points, JobState(state) in TERMINAL_STATES
 
 
 @router.get("/{job_id}/metrics/stream", name="stream_metrics",
             response_class=StreamingResponse,
-            responses={200: {"content": {"text/event-stream": {}},
-                             "description": "one `metric` event per record; `end` when the job has ended"},
+            responses={**text_response("text/event-stream",
+                                       "one `metric` event per record; `end` when the job has ended"),
                        **error_responses(429)})
 async def stream_metrics(job: VisibleJob, user: CurrentUser, request: Request, session: SessionDep,
                          after_id: Annotated[int, Query(ge=0, le=MAX_INT64)] = 0,

@@ -17,9 +17,11 @@ from typing import Any, Literal
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.json_schema import SkipJsonSchema
 
 from contract.zero_math import PRECISIONS
 from service.prediction import plan_for_question
+from service.schemas import ErrorOut
 
 router = APIRouter(tags=["plan"])
 
@@ -80,6 +82,21 @@ class PlanResponse(BaseModel):
     method: dict[str, str]
 
 
+class NoPlanOut(ErrorOut):
+    """The 422 of ``/plan``: the error shape, plus every candidate's numbers when nothing fits
+    (absent when the request itself is invalid)."""
+
+    plan: dict[str, Any] | SkipJsonSchema[None] = Field(default=None,
+                                                        description="the planner's numbers when no stage fits")
+
+
+# The 422 of both routes that plan (this one, and submit for `zero.stage: "auto"`).
+NO_PLAN_RESPONSES: dict[int | str, dict[str, Any]] = {422: {
+    "model": NoPlanOut,
+    "description": "invalid request (`errors` names each bad field), or nothing fits the memory budget "
+                   "(every candidate's numbers under `plan`)"}}
+
+
 def plan_from_request(req: PlanRequest) -> "Any":
     """The ``planner.Plan`` a request asks for; raises ``planner.NoPlanFits`` or ``ValueError``."""
     spec = None
@@ -100,7 +117,7 @@ def no_plan_response(detail: dict[str, Any]) -> JSONResponse:
 @router.post(
     "/plan",
     response_model=PlanResponse,
-    responses={422: {"description": "nothing fits the memory budget; the numbers are under 'plan'"}},
+    responses=NO_PLAN_RESPONSES,
 )
 def post_plan(req: PlanRequest) -> Any:
     try:

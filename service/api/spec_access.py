@@ -1,7 +1,7 @@
 """What a submitted spec may reach beyond itself: checks that need the caller and the database.
 
 The schema alone cannot tell whose job ``resume_from.job_id`` names or whose storage
-``checkpoint.uri`` and ``data.uri`` point into, nor whether this service lets the caller run
+``checkpoint.uri``, ``data.uri`` (and ``eval.data.uri``) and ``model.init_from`` point into, nor whether this service lets the caller run
 their own code in the workers (``Settings.allow_user_code``), so ``submit_job`` runs these
 before storing anything. A job the caller cannot see and a job that does not exist get the
 same answer, so the 422 does not confirm that another user's job id exists (the same reason
@@ -27,14 +27,16 @@ _NO_LOCAL_FILES = "worker-local files are disabled on this service"
 def user_code_fields(spec: JobSpec) -> list[tuple[str, str]]:
     """``(field, message)`` for each part of the spec that runs the user's code in the workers
     or reads a worker's local files (refused for users when ``allow_user_code`` is false)."""
-    used = [
-        (spec.model.factory, "model.factory", f"{_NO_USER_CODE}; use a built-in model.preset"),
-        (spec.data.factory, "data.factory",
-         f"{_NO_USER_CODE}; use data.kind 'text' with an s3:// data.uri, or 'synthetic'"),
+    used = [(spec.model.factory, "model.factory", f"{_NO_USER_CODE}; use a built-in model.preset")]
+    for where, data in spec.data_blocks():  # data and eval.data: the same rules
+        used += [(data.factory, f"{where}.factory",
+                  f"{_NO_USER_CODE}; use {where}.kind 'text' with an s3:// {where}.uri, or 'synthetic'"),
+                 ((data.uri or "").startswith("file://"), f"{where}.uri", f"{_NO_LOCAL_FILES}; use an s3:// dataset")]
+    used += [
         (spec.runtime and spec.runtime.working_dir, "runtime.working_dir",
          f"{_NO_USER_CODE}; leave runtime unset and use a built-in model.preset"),
-        ((spec.data.uri or "").startswith("file://"), "data.uri",
-         f"{_NO_LOCAL_FILES}; use an s3:// dataset"),
+        ((spec.model.init_from or "").startswith("file://"), "model.init_from",
+         f"{_NO_LOCAL_FILES}; use s3:// weights"),
     ]
     return [(field, message) for value, field, message in used if value]
 
@@ -45,8 +47,10 @@ def check_spec_access(spec: JobSpec, user: Principal, session: Session, settings
     if not settings.allow_user_code and not user.is_admin and (refused := user_code_fields(spec)):
         field, message = refused[0]
         raise field_error(field, message, "user_code_disabled")
+    # model.init_from is read like data: the same rules (what the workers read, not what they write)
     storage_checks = [("checkpoint.uri", spec.checkpoint.uri, check_checkpoint_root),
-                      ("data.uri", spec.data.uri, check_data_uri)]
+                      *((f"{where}.uri", data.uri, check_data_uri) for where, data in spec.data_blocks()),
+                      ("model.init_from", spec.model.init_from, check_data_uri)]
     for field, uri, check in storage_checks:
         if uri is None:
             continue

@@ -2,8 +2,11 @@
 
     zerotrain ckpt list URI                                   committed checkpoints under URI
     zerotrain ckpt verify URI                                 every file against the manifest
-    zerotrain ckpt consolidate URI OUT.safetensors [--dtype fp32|bf16]
+    zerotrain ckpt consolidate URI OUT [--dtype fp32|bf16] [--max-shard-mb MB]
 
+``consolidate`` writes OUT as a Hugging Face-style directory (``model-0000k-of-0000N.safetensors``
+shards, ``model.safetensors.index.json``, ``config.json``), or one file when OUT ends in
+``.safetensors``; either is a valid ``model.init_from`` for a fine-tuning job.
 URI is a checkpoint directory (``.../checkpoints/step_00000100``), a job's ``checkpoints``
 directory or its job directory (then: the latest committed checkpoint); ``file://``,
 a plain path or ``s3://`` (endpoint from ``ZEROTRAIN_S3_ENDPOINT_URL``, credentials from the
@@ -31,11 +34,16 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     listing.add_argument("uri")
     verify = commands.add_parser("verify", help="check every file of a checkpoint against its manifest")
     verify.add_argument("uri")
-    consolidate = commands.add_parser("consolidate", help="write one ordinary safetensors weights file")
+    consolidate = commands.add_parser("consolidate", help="write ordinary safetensors weights (a directory "
+                                                            "as Hugging Face writes it, or one .safetensors file)")
     consolidate.add_argument("uri")
-    consolidate.add_argument("out", metavar="OUT.safetensors")
+    consolidate.add_argument("out", metavar="OUT", help="a directory (sharded safetensors + index + config.json), "
+                                                        "or a file ending in .safetensors")
     consolidate.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
                              help="dtype of floating-point tensors (default fp32)")
+    consolidate.add_argument("--max-shard-mb", type=_positive_mb, default=None, metavar="MB",
+                             help="largest shard of a directory, in MB (default 5000, Hugging Face's); "
+                                  "a larger tensor gets a shard of its own")
     for sub in (listing, verify, consolidate):
         sub.set_defaults(func=run)
     return parser
@@ -88,12 +96,25 @@ def _verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive_mb(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of MB, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of MB, got {text!r}")
+    return value
+
+
 def _consolidate(args: argparse.Namespace) -> int:
     from workers.checkpointing.consolidate import consolidate
 
-    report = consolidate(args.uri, args.out, dtype=args.dtype)
-    out.print(f"wrote {args.out}: {report.tensors} tensors, {_mb(report.bytes_written)} "
-              f"(step {report.step}, {args.dtype}; largest tensor {_mb(report.largest_tensor_bytes)})",
+    shard = {} if args.max_shard_mb is None else {"max_shard_bytes": max(1, int(args.max_shard_mb * 1e6))}
+    report = consolidate(args.uri, args.out, dtype=args.dtype, **shard)
+    files = "" if report.files == 1 else f" in {report.files} files"
+    config = "; config.json" if report.config else ""
+    out.print(f"wrote {args.out}: {report.tensors} tensors{files}, {_mb(report.bytes_written)} "
+              f"(step {report.step}, {args.dtype}; largest tensor {_mb(report.largest_tensor_bytes)}{config})",
               highlight=False, soft_wrap=True)
     return 0
 

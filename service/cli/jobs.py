@@ -16,11 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from rich.markup import escape
 from rich.table import Column, Table
 
 from contract.metrics import THROUGHPUT
 from service.cli.errors import CliError
-from service.cli.output import out
+from service.cli.output import err, out
 from service.client import Client, ZerotrainError
 from service.schemas import JobOut, JobState
 
@@ -47,6 +48,7 @@ def register(commands: Any) -> None:
     logs = add("logs", cmd_logs, "print a job's driver log")
     logs.add_argument("job_id")
     logs.add_argument("--tail", type=int, help="only the last N bytes")
+    logs.add_argument("--follow", "-f", action="store_true", help="keep printing new lines until the job ends")
 
 
 def load_spec_file(path: str) -> dict[str, Any]:
@@ -110,10 +112,15 @@ def follow(client: Client, job: JobOut) -> int:
             done.set()
         final = client.wait(job.id, timeout=60)
         progress.update(task, state=final.state.value)
-    colour = "green" if final.state is JobState.SUCCEEDED else "red"
-    detail = f" ({final.reason}{': ' + final.message if final.message else ''})" if final.reason else ""
-    out.print(f"[{colour}]{final.id} {final.state.value}[/]{detail}")
+    out.print(ending(final))
     return 0 if final.state is JobState.SUCCEEDED else 1
+
+
+def ending(job: JobOut) -> str:
+    """How a followed job ended, as rich markup: its state, coloured, and the reason and message."""
+    colour = "green" if job.state is JobState.SUCCEEDED else "red"
+    detail = f" ({job.reason}{': ' + job.message if job.message else ''})" if job.reason else ""
+    return f"[{colour}]{job.id} {job.state.value}[/]{escape(detail)}"
 
 
 def cmd_jobs(args: argparse.Namespace) -> int:
@@ -140,7 +147,18 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
-    sys.stdout.write(Client().logs(args.job_id, tail_bytes=args.tail))
+    """The log, or with ``--follow`` the log as it grows until the job ends (then its state on
+    stderr). Ctrl-C ends following quietly (``run_command``: exit status 130, no traceback)."""
+    if args.tail is not None and args.tail < 1:
+        raise CliError(f"--tail must be at least 1 byte, got {args.tail}")
+    client = Client()
+    if not args.follow:
+        sys.stdout.write(client.logs(args.job_id, tail_bytes=args.tail))
+        return 0
+    for text in client.follow_logs(args.job_id, tail_bytes=args.tail):
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    err.print(ending(client.get(args.job_id)), highlight=False)  # stderr: stdout is the log alone
     return 0
 
 

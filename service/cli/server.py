@@ -50,8 +50,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from service.app import create_app
 
     settings = _settings(host=args.host, port=args.port)
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
+    where = service_url(settings.host, settings.port)
+
+    class AnnouncingServer(uvicorn.Server):
+        """Once it listens -- after start-up (migrations, the local Ray head) -- it says where the
+        dashboard and the API reference are: what a user opens next."""
+
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets)
+            if self.started:
+                out.print(f"[bold]dashboard:[/] {where}/   API reference: {where}/docs", highlight=False)
+
+    AnnouncingServer(uvicorn.Config(create_app(settings), host=settings.host, port=settings.port,
+                                    log_level="info")).run()
     return 0
+
+
+def service_url(host: str, port: int) -> str:
+    """Where a browser on this machine finds the service: a wildcard bind is reached on loopback."""
+    if host in ("0.0.0.0", "::", ""):
+        host = "127.0.0.1"
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def cmd_scheduler(args: argparse.Namespace) -> int:

@@ -14,6 +14,9 @@ A job may hold 100,000+ metric records (steps × ranks × attempts); the page dr
 * after a restart two attempts may hold the same steps; only then (a bucket mixes attempts)
   a second, slower query keeps each step's latest attempt before bucketing.
 
+User-reported scalars (``service.user_metrics``) come bucketed the same way, one column per
+name aligned with the points (``user_series``): the mean over the bucket's values of every rank.
+
 Memory bars need every rank's latest numbers, not a mean: they come from the newest records
 (by id) and fall back to a full query when those lack a rank.
 """
@@ -27,8 +30,9 @@ from sqlalchemy import Select, and_, func, select, text
 from sqlalchemy.orm import Session
 
 from contract.metrics import CHARTED_FIELDS, MEMORY_FIELDS, THROUGHPUT
+from service import user_metrics
 from service.metric_sql import Averaging, execute_overflow_safe
-from service.models import Metric
+from service.models import Metric, UserMetric
 
 
 def _short(value: Any) -> float | None:
@@ -79,7 +83,8 @@ def series(session: Session, job_id: str, steps: int, world: int, max_points: in
     records = sum(row.records for row in rows)
     last_id = max((row.last_id for row in rows), default=0)
     latest_attempt = max((row.max_attempt for row in rows), default=None)
-    if any(row.min_attempt != row.max_attempt for row in rows):
+    mixed_attempts = any(row.min_attempt != row.max_attempt for row in rows)
+    if mixed_attempts:
         latest = _latest_attempt_per_step(job_id)
         rows = execute_overflow_safe(session, lambda averaging: _bucketed(averaging, latest, width, world))
     columns: dict[str, list] = {"step": [row.step for row in rows]}
@@ -91,7 +96,34 @@ def series(session: Session, job_id: str, steps: int, world: int, max_points: in
         "latest_attempt": latest_attempt,
         "bucket_steps": width,
         "series": columns,
+        "user_metrics": user_series(session, job_id, width, columns["step"], latest_only=mixed_attempts),
     }
+
+
+def user_series(session: Session, job_id: str, width: int, steps: list[int], *, latest_only: bool
+                ) -> dict[str, list]:
+    """``{"names": [...], "values": [[...], ...]}``: per admitted name (in the order first stored)
+    its mean over ranks in each bucket of ``width`` steps, aligned with the points at ``steps``
+    (null where the name has no value). Names are lists, never object keys: they are user text."""
+    names = user_metrics.names(session, job_id)
+    if not names or not steps:
+        return {"names": names, "values": [[None] * len(steps) for _ in names]}
+    source = user_metrics.latest_attempt_per_step(job_id) if latest_only else UserMetric.__table__
+    bucket = (source.c.step // width).label("bucket")
+
+    def query(averaging: Averaging) -> Select:
+        statement = select(bucket, source.c.name, averaging.mean(source.c.value).label("mean"))
+        if not latest_only:
+            statement = statement.where(source.c.job_id == job_id)
+        return statement.group_by(bucket, source.c.name)
+
+    column = {step // width: i for i, step in enumerate(steps)}
+    line = {name: i for i, name in enumerate(names)}
+    values = [[None] * len(steps) for _ in names]
+    for row in execute_overflow_safe(session, query):
+        if row.bucket in column and row.name in line:
+            values[line[row.name]][column[row.bucket]] = _short(row.mean)
+    return {"names": names, "values": values}
 
 
 def latest_memory(session: Session, job_id: str, world: int) -> list[dict[str, Any]]:

@@ -34,6 +34,7 @@ class SeriesSpec(BaseModel):
     unit: str = Field(description='the field\'s unit: "" for a plain number, "1" for a fraction')
     format: Literal["number", "compact", "percent", "seconds"]
     axis: Literal["left", "right"]
+    sparse: bool = Field(description="values on some steps only (e.g. eval_loss): markers joined across the gaps")
 
 
 class ChartSpec(BaseModel):
@@ -55,6 +56,13 @@ class PeakPart(BaseModel):
     predicted: float
     measured: float | None = None
     rel_error: float | None = None
+
+
+class UserSeries(BaseModel):
+    """Scalars the job's code reported (workers.user_metrics), aligned with `series.step`."""
+
+    names: list[str] = Field(description="the job's names, in the order first stored (user text)")
+    values: list[list[float | None]] = Field(description="per name: its mean over ranks at each point, or null")
 
 
 class Prediction(BaseModel):
@@ -89,6 +97,7 @@ class ChartOut(BaseModel):
     latest_attempt: int | None
     bucket_steps: int
     series: ChartSeries
+    user_metrics: UserSeries
     charts: list[ChartSpec] = Field(description="the charts the page draws from `series`, in page order")
     aggregation: dict[str, Literal["mean", "total"]] = Field(
         description="per field of `series`: how ranks combine into a point (`mean`, or `total`: "

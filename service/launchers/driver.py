@@ -11,7 +11,8 @@ not named here. Each launcher used to build this itself; now every launcher call
 
 [Note: two halves of a driver's environment]
 ``job_environment(request)`` is what this job is told: its id, attempt, API URL, ingest token
-and storage URI (the variables ``workers.launch`` and ``workers.train`` read). It travels with
+and storage URI (the variables ``workers.launch`` and ``workers.train`` read), and the Ray
+Train settings every job runs with (``RAY_TRAIN_ENV``). It travels with
 the job: the local launcher's child environment, the Ray job's ``runtime_env.env_vars``, the
 KubeRay pods' container env (the ingest token by Secret reference there).
 ``host_environment()`` is what any process needs from the machine it runs on, copied from the
@@ -47,6 +48,24 @@ ATTEMPT_ENV = "ZEROTRAIN_ATTEMPT"
 API_URL_ENV = "ZEROTRAIN_API_URL"
 INGEST_TOKEN_ENV = "ZEROTRAIN_INGEST_TOKEN"  # secret: environment only, never argv
 STORAGE_URI_ENV = "ZEROTRAIN_STORAGE_URI"
+
+# [Note: Ray Train settings every job runs with]
+# They travel with the job's own variables (``job_environment``), so the driver, the Ray Train
+# controller and every worker read them under each launcher. Each keeps a job's log readable:
+# - RAY_TRAIN_ENABLE_PRINT_PATCH=0: Ray Train's workers replace ``print`` with a function that
+#   writes to stdout *and* logs the text through the root logger (to stderr), because a Ray
+#   worker's ``sys.stdout`` is not ``sys.__stdout__``; both streams reach the driver, so every
+#   line a rank printed (rank 0's progress lines, a user's own prints) was in the log twice.
+#   Unpatched, ``print`` writes once; logging records still go through Ray Train's handlers.
+# - RAY_TRAIN_ENABLE_PREEMPTION_WATCHER=0: Ray Train's PreemptionWatcher actor is created with
+#   the worker actors' handles and ``max_restarts=-1``, for which Ray's core worker logs an
+#   error on every run (ray-project/ray#53727). The watcher lets Ray Train wait out a node
+#   drain before restarting, for its own ``ray.train.report`` checkpoints and
+#   ``get_preemption_info``; zerotrain uses neither (it checkpoints itself, and a restarted
+#   group resumes from that). Without it a drained node's worker dies and Ray Train restarts
+#   the group as before the watcher: on its preemption budget (``max_preemption_failures``,
+#   unlimited by default), which the death's ``RayActorError.preempted`` selects.
+RAY_TRAIN_ENV = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
 
 # Ray and Gloo on loopback: Ray keeps 127.0.0.1 instead of swapping in the machine's address,
 # and Gloo's sockets use the loopback interface.
@@ -97,13 +116,15 @@ def host_environment(source: Mapping[str, str] | None = None) -> dict[str, str]:
 
 
 def job_environment(request: LaunchRequest) -> dict[str, str]:
-    """What one job attempt is told; the ingest token is under ``INGEST_TOKEN_ENV``."""
+    """What one job attempt is told (the ingest token is under ``INGEST_TOKEN_ENV``), and the
+    Ray Train settings every job runs with (``RAY_TRAIN_ENV``)."""
     return {
         JOB_ID_ENV: request.job_id,
         ATTEMPT_ENV: str(request.attempt),
         API_URL_ENV: request.api_url,
         INGEST_TOKEN_ENV: request.ingest_token,
         STORAGE_URI_ENV: request.storage_uri,
+        **RAY_TRAIN_ENV,
     }
 
 

@@ -51,6 +51,7 @@ from contract.reasons import Reason
 from service.admission import Capacity
 from service.launchers.base import LaunchHandle, LaunchPhase, LaunchRequest, LaunchStatus
 from service.launchers.driver import LOOPBACK_ENV, driver_command, host_environment, job_environment
+from service.log_text import plain_log
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -97,10 +98,36 @@ RAY_LOCAL_CLUSTER_CONFIG = "cluster_name: zerotrain-local\nprovider:\n  type: lo
 
 def quiet_ray_home(home: Path) -> str:
     """A HOME for a Ray head whose ``ray_bootstrap_config.yaml`` says the cluster is local, so
-    that Ray never probes cloud-metadata addresses (see ``LocalRayHead.environment``)."""
+    that Ray never probes cloud-metadata addresses (see ``quiet_ray_environment``)."""
     home.mkdir(parents=True, exist_ok=True)
     (home / "ray_bootstrap_config.yaml").write_text(RAY_LOCAL_CLUSTER_CONFIG)
     return str(home)
+
+
+# Where a head's dashboard sends its usage report: a loopback port nothing listens on
+# (9, "discard", is privileged), so the report is refused at once and never leaves the machine.
+NO_USAGE_REPORT_URL = "http://127.0.0.1:9/"
+
+
+def quiet_ray_environment(home: Path) -> dict[str, str]:
+    """What a Ray node started on this machine needs so that it never leaves loopback on its
+    own: a HOME from ``quiet_ray_home`` (``home``), usage stats off, the report URL on loopback.
+
+    [Note: two things a Ray 2.60 head sends out by itself]
+    At start the head's dashboard (``dashboard/modules/usage_stats/usage_stats_head.py``,
+    ``run``) first reads ``~/ray_bootstrap_config.yaml``; when there is none, it asks the
+    cloud-metadata services which cloud it runs on (``usage_lib.get_cluster_config_to_report``
+    -> ``get_cloud_from_metadata_requests``: HTTP to 169.254.169.254, a DNS lookup of
+    metadata.google.internal). Then, with usage stats *off*, it posts a "usage stats disabled"
+    report to ``usage_lib._usage_stats_report_url()`` -- https://usage-stats.ray.io/ unless
+    ``RAY_USAGE_STATS_REPORT_URL`` says otherwise -- on every cluster started by ``ray start``
+    (only ``ray.init()``'s own clusters skip it). Usage stats on would post the full report
+    there instead. The local config answers the first; the report URL on a loopback port that
+    refuses answers the second. ``tests/security/test_loopback_only.py`` watches a real head's
+    ``connect()`` calls with strace to keep both true.
+    """
+    return {"HOME": quiet_ray_home(home), "RAY_USAGE_STATS_ENABLED": "0",
+            "RAY_USAGE_STATS_REPORT_URL": NO_USAGE_REPORT_URL}
 
 
 CAPACITY_TTL_S = 5.0  # how long a read of the cluster's resources is reused
@@ -149,18 +176,15 @@ class LocalRayHead:
         """What the head, and every driver and worker it starts, runs with: the host half of a
         driver's environment (allow-listed from ours) and the head's own Ray settings.
 
-        [Note: the head's HOME holds a local cluster config]
-        Ray's dashboard reads ``~/ray_bootstrap_config.yaml`` at start (usage_stats_head) and,
-        when there is none, asks the cloud-metadata services which cloud it runs on: HTTP to
-        169.254.169.254 and a DNS lookup of metadata.google.internal -- with usage stats off
-        too. Nothing the project starts may leave loopback, so the head runs with a HOME of
-        its own that holds a config saying ``provider: {type: local}``; jobs get the real HOME
-        back through their ``runtime_env`` (``RayJobsLauncher.start``).
+        Nothing the project starts may leave loopback: the head runs with
+        ``quiet_ray_environment`` (a HOME of its own whose local cluster config stops the
+        cloud-metadata probe, and the usage report sent to a loopback port); jobs get the real
+        HOME back through their ``runtime_env`` (``RayJobsLauncher.start``).
         """
         env = host_environment()
         venv_bin = os.path.dirname(sys.executable)  # so that the entrypoint's `python` is this one
-        env.update(LOOPBACK_ENV, HOME=quiet_ray_home(Path(self.temp_dir) / "home"),
-                   RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=self.token, RAY_USAGE_STATS_ENABLED="0",
+        env.update(LOOPBACK_ENV, **quiet_ray_environment(Path(self.temp_dir) / "home"),
+                   RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=self.token,
                    RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0",  # no drain wait on stop: nothing to hand over
                    PATH=f"{venv_bin}{os.pathsep}{env.get('PATH', '')}")
         return env
@@ -426,20 +450,31 @@ class RayJobsLauncher:
         storage = handle.extra.get("storage_uri") or self.settings.storage_uri
         return f"{storage.rstrip('/')}/{handle.extra.get('job_id', handle.external_id)}/logs/{handle.external_id}.log"
 
-    def _save_logs(self, handle: LaunchHandle) -> None:
-        """Copy a finished job's driver log to storage (once), so it outlives the Ray cluster."""
-        if handle.external_id in self._logs_saved:
-            return
+    @staticmethod
+    def _log_copy_fs(path: str) -> tuple[Any, str]:
+        """The filesystem and path of a log copy, reached with the same endpoint and credentials
+        as the checkpoints (``storage_options``): a bare fsspec S3 client ignores
+        ``ZEROTRAIN_S3_ENDPOINT_URL`` and looks for the bucket on AWS."""
         import fsspec
 
+        from workers.checkpointing.storage import storage_options
+
+        protocol = path.split("://", 1)[0] if "://" in path else "file"
+        return fsspec.core.url_to_fs(path, **storage_options(protocol))
+
+    def _save_logs(self, handle: LaunchHandle) -> None:
+        """Copy a finished job's driver log to storage (once), so it outlives the Ray cluster; kept
+        as plain text (``service.log_text``)."""
+        if handle.external_id in self._logs_saved:
+            return
         path = self._log_copy_path(handle)
         try:
-            fs, fs_path = fsspec.core.url_to_fs(path)
+            fs, fs_path = self._log_copy_fs(path)
             if not fs.exists(fs_path):
                 text = self.client.get_job_logs(handle.external_id)
                 fs.makedirs(fs_path.rsplit("/", 1)[0], exist_ok=True)
                 with fs.open(fs_path, "w") as out:
-                    out.write(text)
+                    out.write(plain_log(text))
             self._logs_saved.add(handle.external_id)
         except Exception as error:  # noqa: BLE001 - a missing copy must not break reconciling
             log.warning("could not keep the logs of %s: %s", handle.external_id, error)
@@ -463,10 +498,9 @@ class RayJobsLauncher:
             if self.client.get_job_status(handle.external_id).is_terminal():
                 self._save_logs(handle)
         except Exception:  # noqa: BLE001 - the cluster forgot the job or is gone: read the kept copy
-            import fsspec
-
             try:
-                with fsspec.open(self._log_copy_path(handle), "r") as kept:
+                fs, fs_path = self._log_copy_fs(self._log_copy_path(handle))
+                with fs.open(fs_path, "r") as kept:
                     text = kept.read()
             except FileNotFoundError:
                 return ""

@@ -29,7 +29,7 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-backg
                  "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
 SCREENSHOTS = Path(__file__).resolve().parents[2] / "build" / "screenshots"
 
-# gpt-nano on two CPU workers at ZeRO-2 in bf16: the page can draw the §4 prediction for it.
+# gpt-nano on two CPU workers at ZeRO-2 in bf16: the page can draw the ZeRO formula's prediction for it.
 BASE_SPEC: dict[str, Any] = {
     "name": "nano",
     "model": {"preset": "gpt-nano"},
@@ -56,7 +56,7 @@ def spec(name: str, **changes: Any) -> dict[str, Any]:
 
 def training_records(steps: range, *, attempt: int = 0, world: int = 2, stage: int = 2,
                      phi: int = NANO_PHI) -> list[dict[str, Any]]:
-    """What ZeRO-2 workers report for gpt-nano: decaying loss, steady throughput, §4 memory."""
+    """What ZeRO-2 workers report for gpt-nano: decaying loss, steady throughput, the ZeRO formula's memory."""
     out = []
     for step in steps:
         for rank in range(world):

@@ -50,9 +50,12 @@ def test_running_job_updates_live_and_cancels(dashboard, page):
         expect(segments).to_have_count(4)
         assert [segments.nth(i).get_attribute("data-part") for i in range(4)] == ["params", "grads", "optimizer", "buffers"]
     expect(page.locator(".mem-row[data-rank='0'] .mem-marker")).to_have_count(1)
-    # §4 at stage 2, N = 2, bf16: 2Φ + 14Φ/2 = 9Φ = 9,514,368 bytes = 9.07 MiB
-    expect(page.locator("#memory-prediction-note")).to_contain_text("9.07 MiB")
+    # the ZeRO formula at stage 2, N = 2, bf16: 2Φ + 14Φ/2 = 9Φ = 9,514,368 bytes = 9.51 MB (decimal, as the CLI)
+    expect(page.locator("#memory-prediction-note")).to_contain_text("9.51 MB")
     expect(page.locator("#memory-prediction-note")).to_contain_text("stage 2")
+    expect(page.locator("#chart-comm")).to_contain_text("ZeRO formula")
+    expect(job_page).not_to_contain_text("§")  # plain words: no section signs of a design document
+    expect(job_page).not_to_contain_text("MiB")
 
     page.get_by_role("button", name="Cancel job").focus()  # keyboard, not the mouse
     page.keyboard.press("Enter")

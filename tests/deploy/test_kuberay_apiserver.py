@@ -17,6 +17,7 @@ from deploy_render import DEPLOY
 from fake_apiserver import FakeApiServer, ServerThread
 from service.launchers import kuberay
 from service.launchers.base import LaunchPhase, LaunchRequest
+from service.launchers.driver import RAY_TRAIN_ENV
 
 TOKEN = "zt_ingest_9b1f3c5d7e2a4f6b8c0d1e3f5a7b9c2d"
 SPEC = {"name": "k8s-smoke", "model": {"preset": "gpt-nano"},
@@ -213,7 +214,7 @@ def test_a_rayjob_carries_none_of_the_control_planes_secrets(kubeconfig, make_li
         (container,) = template["spec"]["containers"]
         assert {e["name"] for e in container["env"]} == {
             "ZEROTRAIN_JOB_ID", "ZEROTRAIN_ATTEMPT", "ZEROTRAIN_API_URL", "ZEROTRAIN_INGEST_TOKEN",
-            "ZEROTRAIN_STORAGE_URI"}, container["name"]
+            "ZEROTRAIN_STORAGE_URI", *RAY_TRAIN_ENV}, container["name"]
         assert container["envFrom"] == [{"secretRef": {"name": "zerotrain-storage", "optional": True}}]
     assert set(secret["stringData"]) == {kuberay.TOKEN_KEY}
     service.client().cancel(job.id)

@@ -7,6 +7,7 @@ module shares nothing with the others; a shorter run than the sample's keeps it 
 from __future__ import annotations
 
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -47,5 +48,12 @@ def test_demo_runs_the_sample_job_to_success_and_cleans_up(tmp_path: Path):
     assert result.returncode == 0, output + (home / "logs" / "demo-service.log").read_text()[-5000:]
     assert "SUCCEEDED" in output and "30/30" in output
     assert f"dashboard: http://127.0.0.1:{port}/" in output
+    # the hint runs as printed: the virtualenv's zerotrain (nothing is on PATH), pointed at the
+    # demo's own service and data directory
+    (hint,) = [line.split("logs:", 1)[1].split(" logs ", 1)[0] for line in output.splitlines()
+               if line.strip().startswith("logs:")]
+    *settings, command = shlex.split(hint)
+    assert settings == [f"ZEROTRAIN_URL=http://127.0.0.1:{port}", f"ZEROTRAIN_HOME={home.resolve()}"]
+    assert os.access(REPO / command, os.X_OK) and Path(command).name == "zerotrain", hint
     assert (home / "zerotrain.db").exists()  # SQLite: the embedded default
     wait_for(lambda: not processes_with_home(home), 20, "the demo's service and Ray head to exit")

@@ -15,8 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from service.api.jobs import strip_terminal_codes
 from service.client import ValidationFailed
+from service.log_text import plain_log
 from service.schemas import JobState
 from tests.integration.conftest import (describe, job_owned_processes, job_processes_but_the_cleaner, train_workers,
                                        wait_for)
@@ -50,6 +50,16 @@ def reference_memory(spec: dict) -> list[dict]:
     summaries = run_local({"spec": {**spec, "train": {**spec["train"], "steps": 1}}, "job_id": "reference",
                            "api_url": None}, world_size=2)
     return [s["memory"] for s in summaries]
+
+
+def assert_readable_log(logs: str, steps: int) -> None:
+    """What `zerotrain logs` shows a user: rank 0's progress lines once each, up to the last
+    step; no terminal codes, no HTTP client chatter, no Ray error about its preemption watcher."""
+    progress = [line for line in logs.splitlines() if f"/{steps}  loss " in line]
+    assert progress and f"step {steps}/{steps}  loss " in progress[-1], logs[-4000:]
+    assert len(progress) == len(set(progress)), "progress lines are repeated:\n" + "\n".join(progress)
+    for noise in ("\x1b[", "HTTP Request:", "PreemptionWatcher"):
+        assert noise not in logs, f"{noise!r} in the job's log:\n{logs[-4000:]}"
 
 
 def test_two_worker_job_succeeds_with_a_metric_row_per_rank_and_step(make_control_plane, ray_head):
@@ -90,6 +100,7 @@ def test_two_worker_job_succeeds_with_a_metric_row_per_rank_and_step(make_contro
 
     assert [e.to_state for e in events][-2:] == [JobState.RUNNING, JobState.SUCCEEDED]
     assert "workers.launch" in logs and "RayTrainWorker" in logs
+    assert_readable_log(logs, steps)
     # every rank ended cleanly (train_loop ends with engine.close()): no Gloo teardown abort
     assert not [m for m in ("terminate called", "SIGABRT", "Fatal Python error") if m in logs], logs[-4000:]
 
@@ -97,22 +108,35 @@ def test_two_worker_job_succeeds_with_a_metric_row_per_rank_and_step(make_contro
     plane.stop()
     kept = list((Path(plane.settings.storage_uri.removeprefix("file://")) / job.id / "logs").glob("*.log"))
     assert len(kept) == 1 and "workers.launch" in kept[0].read_text()
+    assert kept[0].read_text() == plain_log(kept[0].read_text())  # kept without terminal codes
     from ray.job_submission import JobSubmissionClient
 
     JobSubmissionClient(ray_head.dashboard_url, headers=ray_head.auth_headers).delete_job(kept[0].stem)
     plane.start()
     with plane.client() as client:
-        assert client.logs(job.id) == strip_terminal_codes(kept[0].read_text())  # the API serves plain text
+        assert client.logs(job.id) == kept[0].read_text()  # kept and served as plain text
 
 
-def test_an_error_in_the_training_code_fails_the_job_with_the_error(make_control_plane):
+@pytest.mark.parametrize("overrides, expected", [
+    ({"data": {"glob": "no-such-dir/*.nothing"}}, "no-such-dir/*.nothing"),
+    # a model factory that raises: json.loads("{") -> JSONDecodeError, in the user's code
+    ({"model": {"preset": None, "factory": "json:loads", "kwargs": {"s": "{"}}}, "JSONDecodeError"),
+], ids=["bad-data", "raising-factory"])
+def test_an_error_in_the_users_code_fails_the_job_in_its_first_attempt(make_control_plane, overrides, expected):
+    """Issue 17: restarts are for lost workers; the job's own error ends it at once, whatever
+    max_failures says, with the error in a few lines."""
     plane = make_control_plane()
+    spec = nano_job(10, max_failures=2)
+    spec.update({k: ({kk: vv for kk, vv in {**spec[k], **v}.items() if vv is not None} if isinstance(v, dict) else v)
+                 for k, v in overrides.items()})
     with plane.client() as client:
-        job = client.submit(nano_job(10, data={"glob": "no-such-dir/*.nothing"}))
+        job = client.submit(spec)
         final = client.wait(job.id, timeout=180)
-    assert final.state is JobState.FAILED
+        events = client.events(job.id)
+    assert final.state is JobState.FAILED, explain(client, job.id)
     assert final.reason == "user_code_error"
-    assert "no-such-dir/*.nothing" in final.message  # the worker's own error, not just "exit code 1"
+    assert final.attempt == 1 and not any(e.to_state == "RESTARTING" for e in events), explain(client, job.id)
+    assert expected in final.message and len(final.message) < 2000, final.message
 
 
 def running_with_metrics(client, job_id: str, min_rows: int = 1, attempt: int = 1):

@@ -62,6 +62,25 @@ def test_dashboard_aggregates_of_two_ranks_at_the_float_limit_are_served(job):
     assert progress.json()["items"][job_id] == {"step": 2, "attempt": 0, "tokens_per_s": None}
 
 
+def test_user_metrics_at_the_float_limit_and_hostile_names_are_stored_and_served(job):
+    """Two ranks each reporting 1.7e308 under a name that is markup: the means overflow float8
+    (read back as null or left out, never a 5xx) and the name comes back exactly as sent."""
+    _, worker, user = job
+    name = '<img src=x onerror="alert(1)">'
+    records = [{"attempt": 0, "rank": rank, "step": step, "loss": 1.0, "user": {name: HUGE, "__proto__": -HUGE}}
+               for step in range(3) for rank in range(2)]
+    worker.post("/metrics", json={"records": records}).raise_for_status()
+    items = user.get("/metrics").raise_for_status().json()["items"]
+    assert [item["user"] for item in items] == [{name: HUGE, "__proto__": -HUGE}] * 6
+    for points in (1, 3):
+        response = user.get("/metrics", params={"max_points": points})
+        assert response.status_code == 200, response.text
+    chart = user.get("/metrics/chart")
+    assert chart.status_code == 200, chart.text
+    # names in the order first stored (one batch: sorted); a mean past the float limit is null
+    assert chart.json()["user_metrics"] == {"names": [name, "__proto__"], "values": [[None] * 3, [None] * 3]}
+
+
 def test_out_of_range_path_integers_and_nul_characters_are_4xx(job):
     _, worker, user = job
     assert worker.delete(f"/worker/checkpoints/{2**31}").status_code == 422

@@ -2,8 +2,12 @@
 
 A Ray head's dashboard asks the cloud-metadata services which cloud it runs on (HTTP to
 169.254.169.254, a DNS lookup of metadata.google.internal) unless its HOME holds a
-``ray_bootstrap_config.yaml`` -- even with usage stats off. Every head the project starts
-(``LocalRayHead``: the embedded default and the tests' clusters) runs with such a HOME.
+``ray_bootstrap_config.yaml`` -- even with usage stats off -- and then posts a "usage stats
+disabled" report to https://usage-stats.ray.io/ unless ``RAY_USAGE_STATS_REPORT_URL`` says
+otherwise. Every head the project starts (``LocalRayHead``: the embedded default and the
+tests' heads; the nodes of ``tests/cluster``) runs with ``quiet_ray_environment``, which
+answers both (``service.launchers.ray_jobs``). The last test watches a real head's every
+``connect()`` with strace (``tests.connect_watch``).
 """
 
 from __future__ import annotations
@@ -11,12 +15,15 @@ from __future__ import annotations
 import ipaddress
 import socket
 from pathlib import Path
+from urllib.parse import urlparse
 
 import pytest
 from ray._common.usage import usage_lib
 
 from service.launchers.driver import host_environment
-from service.launchers.ray_jobs import LocalRayHead, quiet_ray_home
+from service.launchers.ray_jobs import LocalRayHead, quiet_ray_environment, quiet_ray_home
+from tests import connect_watch
+from tests.integration.conftest import wait_for
 
 
 class LeftLoopback(AssertionError):
@@ -66,6 +73,55 @@ def test_a_head_the_project_starts_never_probes(outside_traffic):
     report = usage_lib.get_cluster_config_to_report(str(home / "ray_bootstrap_config.yaml"))
     assert outside_traffic == []
     assert report.cloud_provider == "local"
+
+
+def _report_disabled_usage() -> None:
+    """What a head's dashboard does at start with usage stats off (``_report_disabled_usage_sync``)."""
+    client = usage_lib.UsageReportClient()
+    client.report_usage_data(usage_lib._usage_stats_report_url(), usage_lib.generate_disabled_report_data())
+
+
+def test_with_usage_stats_off_ray_still_reports_to_its_usage_server(outside_traffic, monkeypatch):
+    """The second finding: the "disabled" report goes to usage-stats.ray.io by default."""
+    monkeypatch.delenv("RAY_USAGE_STATS_REPORT_URL", raising=False)
+    with pytest.raises(Exception):
+        _report_disabled_usage()
+    assert any("usage-stats.ray.io" in attempt for attempt in outside_traffic), outside_traffic
+
+
+def test_a_quiet_heads_usage_report_is_refused_on_loopback(outside_traffic, monkeypatch, tmp_path):
+    for name, value in quiet_ray_environment(tmp_path / "home").items():
+        monkeypatch.setenv(name, value)
+    url = urlparse(usage_lib._usage_stats_report_url())
+    assert ipaddress.ip_address(url.hostname).is_loopback
+    with pytest.raises(Exception) as refused:
+        _report_disabled_usage()
+    assert "refused" in str(refused.value).lower(), refused.value
+    assert outside_traffic == []
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+@pytest.mark.skipif(not connect_watch.available(), reason="needs strace")
+def test_a_real_head_connects_nowhere_outside_loopback(tmp_path):
+    """A ``LocalRayHead`` under strace, until its dashboard has sent its usage report (to the
+    loopback port, which proves the metadata probe before it has run too): no ``connect()`` of
+    any of its processes went outside loopback, DNS lookups included."""
+    trace = tmp_path / "head.strace"
+
+    class TracedHead(LocalRayHead):
+        def command(self) -> list[str]:
+            return connect_watch.traced(super().command(), trace)
+
+    report_port = urlparse(quiet_ray_environment(tmp_path / "home")["RAY_USAGE_STATS_REPORT_URL"]).port
+    head = TracedHead(num_cpus=1, log_path=tmp_path / "head.log").start()
+    try:
+        wait_for(lambda: any(port == report_port and connect_watch.is_loopback(address)
+                             for _, _, address, port, _ in connect_watch.connects(trace)),
+                 120, "the dashboard's usage report", describe=head.log_tail)
+    finally:
+        head.stop()
+    assert connect_watch.outside_loopback(trace) == []
 
 
 def test_quiet_home_is_idempotent(tmp_path):

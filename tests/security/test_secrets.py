@@ -19,6 +19,7 @@ from service.launchers.local import LocalProcessLauncher
 from service.models import Job
 from service.states import transition
 from service.schemas import JobState
+from workers.reporting import HTTP_CLIENT_LOGGERS
 
 from tests.service.conftest import FAKE_DRIVER, make_spec
 
@@ -43,6 +44,8 @@ def test_no_token_is_stored_or_logged_through_a_whole_job(make_live_service, cap
     uvicorn's access log included: no token appears in the logs, the database or the job's log."""
     caplog.set_level(logging.DEBUG)
     caplog.set_level(logging.INFO, logger="sqlalchemy.engine")  # statements and parameters
+    for name in HTTP_CLIENT_LOGGERS:  # WorkerAPI quiets them process-wide; here they must speak
+        caplog.set_level(logging.DEBUG, logger=name)
     ingest_tokens: list[str] = []
     real_start = LocalProcessLauncher.start
 

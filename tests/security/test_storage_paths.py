@@ -5,8 +5,9 @@ The rule (service/storage_policy.py): ``checkpoint.uri`` is null (checkpoints go
 any prefix below the storage root. A checkpoint a worker registers lies below its own job's
 ``{root}/{job_id}/checkpoints``. ``resume_from.job_id`` names a job the submitter can see.
 ``data.uri`` inside the storage root (or containing it) lies below the user's area; outside it,
-it is free, and ``data.glob`` cannot leave it. With ``allow_user_code=False`` a user's spec runs
-no code of theirs in the workers and reads no worker-local file; an admin's may.
+it is free, and ``data.glob`` cannot leave it (``model.init_from`` follows the ``data.uri`` rules:
+tests/service/test_finetune.py). With ``allow_user_code=False`` a user's spec runs no code of
+theirs in the workers and reads no worker-local file (data or weights); an admin's may.
 """
 
 from __future__ import annotations
@@ -248,8 +249,12 @@ def test_data_uri_inside_the_storage_root_must_be_the_users_own_area(world):
     refused = [uri.replace(ROOT, root) for uri, _why in DATA_ESCAPES if uri.startswith(ROOT)]
     for uri in (*refused, f"{root}/{bobs}/checkpoints", f"{root}/{bobs}", root.rsplit("/", 1)[0]):
         assert_refused(post_job(alice, spec_with(data=text_data(uri))), "data.uri")
+        # eval.data is read like data: the same rules, naming its own field
+        assert_refused(post_job(alice, spec_with(eval=evaluating(text_data(uri)))), "eval.data.uri")
     for glob, _why in GLOB_ESCAPES:
         assert_refused(post_job(alice, spec_with(data=text_data(f"{root}/users/alice", glob))), "data.glob")
+        assert_refused(post_job(alice, spec_with(eval=evaluating(text_data(f"{root}/users/alice", glob)))),
+                       "eval.data.glob")
     assert job_count(service) == 1  # bob's
     for uri in (f"{root}/users/alice/corpus", "s3://datasets/corpus", "file:///usr/share/dict"):
         created = post_job(alice, spec_with(data=text_data(uri, "sub/*.txt")))
@@ -258,6 +263,11 @@ def test_data_uri_inside_the_storage_root_must_be_the_users_own_area(world):
     admin = service.client()
     assert post_job(admin, spec_with(data=text_data(f"{root}/users/bob"))).status_code == 201
     assert job_count(service) == 5
+
+
+def evaluating(data: dict) -> dict:
+    """An ``eval`` block reading ``data``."""
+    return {"every_steps": 10, "batches": 2, "data": data}
 
 
 def preset_spec(**changes) -> dict:
@@ -271,6 +281,9 @@ USER_CODE = [
     ("data.factory", preset_spec(data={"kind": "factory", "factory": "tests.fake:dataset", "seq_len": 64})),
     ("runtime.working_dir", preset_spec(runtime={"working_dir": "s3://code/alice/pkg.zip"})),
     ("data.uri", preset_spec(data=text_data("file:///proc/self", "environ"))),
+    ("model.init_from", {**preset_spec(), "model": {"preset": "gpt-nano", "init_from": "file:///srv/weights/nano"}}),
+    ("eval.data.factory", preset_spec(eval=evaluating({"kind": "factory", "factory": "tests.fake:dataset"}))),
+    ("eval.data.uri", preset_spec(eval=evaluating(text_data("file:///proc/self", "environ")))),
 ]
 
 

@@ -2,7 +2,8 @@
 
 Run by path by the local launcher in tests. Behaviour comes from ``spec.model.kwargs``:
 ``fail`` (report FAILED), ``hang_s`` (sleep after RUNNING, to test cancel), ``exit_code``
-(exit without reporting a final state), ``ranks`` (metric records per step, default 2).
+(exit without reporting a final state), ``ranks`` (metric records per step, default 2),
+``log_lines`` (print that many numbered lines after RUNNING, one every ``line_interval_s``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ def main() -> int:
     print(f"fake driver for {args.job_id}: {spec['train']['steps']} steps", flush=True)
     http.post("/worker/state", json={"state": "RUNNING"}).raise_for_status()
 
+    for number in range(options.get("log_lines", 0)):
+        print(f"log line {number}", flush=True)
+        time.sleep(options.get("line_interval_s", 0.1))
     if options.get("hang_s"):
         time.sleep(options["hang_s"])
     if "exit_code" in options:

@@ -4,15 +4,22 @@ print exactly one line and exit non-zero, never a traceback."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
+import httpx
 import pytest
 import yaml
 
 from service.cli import main
-from service.schemas import JobState
+from service.schemas import TERMINAL_STATES, JobState
 
+from tests.conftest import free_port
 from tests.service.conftest import make_spec
 
 
@@ -53,6 +60,82 @@ def test_submit_follow_show_logs_and_jobs(cli_env, capsys, tmp_path):
     assert code == 0 and "RUNNING" in stdout and "SUCCEEDED" in stdout
     code, stdout, _ = run(capsys, "logs", job_id)
     assert code == 0 and "fake driver done" in stdout
+
+
+@contextmanager
+def logs_follow(service, job_id: str, limit_s: float = 60) -> Iterator[subprocess.Popen]:
+    """``zerotrain logs JOB --follow`` as a user runs it: its own process, read line by line as
+    it prints (killed after ``limit_s``, so a follower that never ends fails the test)."""
+    env = {**os.environ, "ZEROTRAIN_URL": service.url, "ZEROTRAIN_TOKEN": service.admin_token}
+    follower = subprocess.Popen([sys.executable, "-m", "service.cli", "logs", job_id, "--follow"], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    timer = threading.Timer(limit_s, follower.kill)
+    timer.start()
+    try:
+        yield follower
+    finally:
+        timer.cancel()
+        follower.kill()
+        follower.wait()
+
+
+def read_until(stream, prefix: str) -> list[str]:
+    """Lines of ``stream`` up to and including the first that starts with ``prefix``."""
+    lines = [stream.readline()]
+    while not lines[-1].startswith(prefix):
+        assert lines[-1], f"the output ended before a line starting with {prefix!r}: {lines}"
+        lines.append(stream.readline())
+    return lines
+
+
+def test_logs_follow_streams_a_running_job_until_it_ends(service):
+    lines = 12
+    job = service.client().submit(make_spec(log_lines=lines, line_interval_s=0.4))
+    with logs_follow(service, job.id) as follower:
+        printed = read_until(follower.stdout, "log line")
+        assert service.client().get(job.id).state not in TERMINAL_STATES  # streamed while it ran
+        printed += follower.stdout.readlines()  # to the end of its output
+        stderr = follower.stderr.read()
+        assert follower.wait() == 0, stderr
+    shown = [line.rstrip("\n") for line in printed if line.startswith("log line")]
+    assert shown == [f"log line {n}" for n in range(lines)]  # every line, once, in order
+    assert "fake driver done\n" in printed
+    assert stderr.startswith(f"{job.id} SUCCEEDED (")
+
+
+def test_ctrl_c_ends_logs_follow_without_a_traceback(service):
+    job = service.client().submit(make_spec(log_lines=1, hang_s=60))
+    try:
+        with logs_follow(service, job.id) as follower:
+            read_until(follower.stdout, "log line")
+            follower.send_signal(signal.SIGINT)
+            stderr = follower.stderr.read()
+            assert follower.wait() == 130
+    finally:
+        service.client().cancel(job.id)
+    assert "Traceback" not in stderr and stderr.strip() == "interrupted"
+
+
+def test_serve_says_where_the_dashboard_is_once_it_listens(tmp_path):
+    port = free_port()
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("ZEROTRAIN_")},
+           "ZEROTRAIN_HOME": str(tmp_path), "ZEROTRAIN_LAUNCHER": "local"}
+    server = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--port", str(port)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    timer = threading.Timer(60, server.kill)
+    timer.start()
+    try:
+        line = read_until(server.stdout, "dashboard:")[-1]
+        assert line.split() == ["dashboard:", f"http://127.0.0.1:{port}/", "API", "reference:",
+                                f"http://127.0.0.1:{port}/docs"]
+        page = httpx.get(f"http://127.0.0.1:{port}/", timeout=10)  # it listens when it says so
+        assert page.status_code == 200 and "text/html" in page.headers["content-type"]
+        server.send_signal(signal.SIGINT)
+        assert server.wait(30) == 130  # stopped by Ctrl-C, as every command is (run_command)
+    finally:
+        timer.cancel()
+        server.kill()
+        server.wait()
 
 
 def test_follow_of_a_failing_job_exits_1(cli_env, capsys, tmp_path):

@@ -89,7 +89,7 @@ def test_list_paginates_newest_first_and_filters_by_state(make_live_service):
 
 
 def test_job_logs_are_plain_text_without_terminal_colour_codes():
-    from service.api.jobs import strip_terminal_codes
+    from service.log_text import plain_log
 
     raw = "\x1b[36m(RayTrainWorker pid=4242)\x1b[0m step 1/3  loss 5.0000\n\x1b[1;31mERROR\x1b[0m x"
-    assert strip_terminal_codes(raw) == "(RayTrainWorker pid=4242) step 1/3  loss 5.0000\nERROR x"
+    assert plain_log(raw) == "(RayTrainWorker pid=4242) step 1/3  loss 5.0000\nERROR x"

@@ -12,7 +12,8 @@ from service import migrate
 from service.db import make_engine
 from service.models import Base
 
-TABLES = {"jobs", "job_events", "metrics", "checkpoints", "api_tokens", "idempotency_keys"}
+TABLES = {"jobs", "job_events", "metrics", "checkpoints", "api_tokens", "idempotency_keys", "user_metrics",
+          "user_metric_names"}
 
 
 @pytest.fixture(params=["postgresql", "sqlite"])

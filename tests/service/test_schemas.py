@@ -50,8 +50,9 @@ def test_preset_parameter_counts_are_those_of_the_built_models():
 
 
 def test_metric_columns_match_the_metric_record():
-    assert set(METRIC_FIELDS) | {"attempt", "rank", "step", "time"} == set(MetricRecord.model_fields)
-    assert set(Metric.__table__.columns.keys()) == set(MetricRecord.model_fields) | {"id", "job_id"}
+    assert set(METRIC_FIELDS) | {"attempt", "rank", "step", "time", "user"} == set(MetricRecord.model_fields)
+    # the user's scalars are rows of their own table (service.user_metrics)
+    assert set(Metric.__table__.columns.keys()) == set(MetricRecord.model_fields) - {"user"} | {"id", "job_id"}
 
 
 def test_the_charts_combine_ranks_as_before_the_table():
@@ -59,8 +60,8 @@ def test_the_charts_combine_ranks_as_before_the_table():
     from contract.metrics import aggregation, chart_list
     from service.dashboard.schemas import ChartSeries
 
-    assert aggregation() == {"loss": "mean", "step_time_s": "mean", "tokens_per_s": "total", "tflops": "total",
-                             "mfu": "mean", "comm_bytes": "mean", "comm_exposed_s": "mean"}
+    assert aggregation() == {"loss": "mean", "eval_loss": "mean", "step_time_s": "mean", "tokens_per_s": "total",
+                             "tflops": "total", "mfu": "mean", "comm_bytes": "mean", "comm_exposed_s": "mean"}
     assert set(ChartSeries.model_fields) == {"step", *aggregation()}
     charts = chart_list()
     assert [chart["id"] for chart in charts] == ["loss", "throughput", "compute", "exposed"]

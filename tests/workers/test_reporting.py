@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -168,6 +169,20 @@ def test_worker_api_sends_the_ingest_token_in_the_header():
     assert seen == {"auth": "Bearer zt_ingest_abc", "url": "http://cp/api/v1/jobs/j1/metrics"}
 
 
+def test_worker_api_requests_leave_no_info_lines_in_the_jobs_log(server, caplog, monkeypatch):
+    """A job's log is every rank's output: httpx's "HTTP Request: POST …" line per metric push
+    once outnumbered the training lines. Requests through WorkerAPI log nothing below WARNING."""
+    for name in ("httpx", "httpcore"):  # as a fresh worker process has them
+        monkeypatch.setattr(logging.getLogger(name), "level", logging.NOTSET)
+    caplog.set_level(logging.DEBUG)
+    api = api_for(server)
+    assert api.post_metrics(records(3)).status_code == 200
+    api.close()
+    assert server.requests == 1
+    chatter = [r for r in caplog.records if r.name.split(".")[0] in ("httpx", "httpcore")]
+    assert not chatter, [r.getMessage() for r in chatter]
+
+
 def test_step_meter_derives_throughput_and_bytes():
     meter = StepMeter(rank=1, attempt=2, flops_per_token=6e6, comm_element_bytes=2, device="cpu")
     memory = {"params": 10, "grads": 20, "optimizer": 30, "buffers": 4, "total": 64}
@@ -181,5 +196,12 @@ def test_step_meter_derives_throughput_and_bytes():
             rec["mem_buffers_bytes"]) == (10, 20, 30, 4)
     assert rec["mem_peak_bytes"] == 3 << 20  # the worker's meter's, as given
     assert rec["comm_bytes"] == 1000 and (rec["attempt"], rec["rank"], rec["step"]) == (2, 1, 3)
-    assert list(rec) == list(MetricRecord.model_fields)  # every field of the metric table, no other
+    # every field of the metric table, no other; "user" only when the user's code reported something
+    assert list(rec) == [name for name in MetricRecord.model_fields if name != "user"]
+    assert rec["eval_loss"] is None
+    MetricRecord.model_validate(rec)
+    rec = meter.record(step=4, loss=2.5, lr=1e-3, step_time_s=0.5, samples=4, tokens=1000, info={}, memory=memory,
+                       peak_memory_bytes=3 << 20, comm_volume={}, eval_loss=2.75, user={"accuracy": 0.5})
+    assert (rec["eval_loss"], rec["user"]) == (2.75, {"accuracy": 0.5})
+    assert list(rec) == list(MetricRecord.model_fields)
     MetricRecord.model_validate(rec)

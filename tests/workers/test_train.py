@@ -17,7 +17,8 @@ from workers.train import World, lr_at, run_local, start_attempt
 
 METRIC_KEYS = {"attempt", "rank", "step", "time", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s",
                "samples_per_s", "tflops", "mfu", "mem_params_bytes", "mem_grads_bytes", "mem_optimizer_bytes",
-               "mem_buffers_bytes", "mem_peak_bytes", "comm_bytes", "comm_exposed_s", "checkpoint_blocked_s"}
+               "mem_buffers_bytes", "mem_peak_bytes", "comm_bytes", "comm_exposed_s", "checkpoint_blocked_s",
+               "eval_loss"}
 
 
 def nano_spec(steps: int) -> dict:
@@ -54,7 +55,8 @@ def test_two_rank_gloo_world_trains_and_records_every_step(tmp_path: Path):
         assert {r["rank"] for r in records} == {summary["rank"]}
         for r in records:
             assert set(r) == METRIC_KEYS
-            assert all(r[k] is not None for k in METRIC_KEYS - {"mfu"})  # no GPU peak on CPU
+            # no GPU peak on CPU; no eval block
+            assert all(r[k] is not None for k in METRIC_KEYS - {"mfu", "eval_loss"}) and r["eval_loss"] is None
             assert r["tokens_per_s"] > 0 and r["tflops"] > 0 and r["comm_bytes"] > 0
         last = records[-1]
         memory = summary["memory"]  # what engine.memory() said after the last step

@@ -1,4 +1,15 @@
-"""One ordinary weights file from a sharded checkpoint, in memory that does not grow with the model.
+"""Ordinary weights from a sharded checkpoint, in memory that does not grow with the model.
+
+Two outputs: a directory as Hugging Face's ``save_pretrained`` writes it (the default) --
+``model-0000k-of-0000N.safetensors`` shards of at most ``max_shard_bytes`` each (a tensor larger
+than that gets a shard of its own), ``model.safetensors.index.json`` mapping every key to its
+shard, and ``config.json`` saying what the model is (the manifest's ``model``: a preset's
+``GPTConfig`` fields, or the factory and its kwargs) -- or, for an ``OUT`` ending in
+``.safetensors``, one file. Our metadata (job id, step, dtype, source checkpoint) is in every
+file's safetensors ``__metadata__`` and in the index's ``metadata``. Either is a valid
+``model.init_from`` (``workers.checkpointing.pretrained``): train -> consolidate -> fine-tune.
+The index is written last (and an old one removed first), so a directory whose writing was
+cut short is never mistaken for complete weights.
 
 DeepSpeed's ``zero_to_fp32.py`` loads every shard, concatenates and then saves: about twice
 the checkpoint in RAM. Here the output's header is written first (the manifest knows every
@@ -17,18 +28,21 @@ tensors; integer and boolean buffers keep their dtype.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any
 
 import fsspec
 import numpy as np
 
 from .manifest import numel, pieces_for, read_manifest, resolve
-from .stfile import FLOATS, ITEMSIZE, TensorSpec, build_header
+from .stfile import FLOATS, INDEX_NAME, ITEMSIZE, TensorSpec, build_header, shard_file_name
 from .storage import Storage, storage_options
 
 CHUNK_ELEMENTS = 4 << 20  # 16 MiB of fp32
 OUT_DTYPES = {"fp32": "F32", "bf16": "BF16"}
+DEFAULT_SHARD_BYTES = 5 * 10**9  # save_pretrained's default max_shard_size ("5GB")
+CONFIG_NAME = "config.json"
 
 
 @dataclass
@@ -37,6 +51,8 @@ class ConsolidateReport:
     bytes_written: int
     largest_tensor_bytes: int  # in the output dtype
     step: int
+    files: int = 1  # safetensors files written
+    config: bool = False  # whether config.json was written (the manifest named the model)
 
 
 def to_float32(raw: bytes, dtype: str) -> np.ndarray:
@@ -73,24 +89,66 @@ def output_specs(manifest: dict[str, Any], dtype: str) -> list[tuple[TensorSpec,
     return specs
 
 
-def consolidate(uri: str, out_uri: str, dtype: str = "fp32") -> ConsolidateReport:
-    """Write the checkpoint at ``uri`` (see ``manifest.resolve``) as one safetensors file ``out_uri``."""
+def consolidate(uri: str, out_uri: str, dtype: str = "fp32", max_shard_bytes: int = DEFAULT_SHARD_BYTES
+                ) -> ConsolidateReport:
+    """Write the checkpoint at ``uri`` (see ``manifest.resolve``) as weights at ``out_uri``: a
+    Hugging Face-style directory, or one file when ``out_uri`` ends in ``.safetensors``."""
     if dtype not in OUT_DTYPES:
         raise ValueError(f"dtype must be one of {sorted(OUT_DTYPES)}, got {dtype!r}")
+    if max_shard_bytes < 1:
+        raise ValueError(f"the shard size must be at least 1 byte, got {max_shard_bytes}")
     checkpoint = resolve(uri)
     manifest = read_manifest(checkpoint)
     specs = output_specs(manifest, dtype)
-    header, _ = build_header([s for s, _ in specs], {"format": "pt", "step": str(manifest["step"]),
-                                                      "source": checkpoint.uri})
-    protocol = out_uri.split("://", 1)[0] if "://" in out_uri else "file"
-    written = 0
-    with fsspec.open(out_uri, "wb", **storage_options(protocol)) as out:
-        out.write(header)
-        written += len(header)
-        for spec, entry in specs:
-            written += _stream_tensor(checkpoint, entry, spec.dtype, out)
+    metadata = {"format": "pt", "job_id": str(manifest["job_id"]), "step": str(manifest["step"]),
+                "dtype": dtype, "source": checkpoint.uri}
     largest = max((s.nbytes for s, _ in specs), default=0)
-    return ConsolidateReport(len(specs), written, largest, manifest["step"])
+    report = ConsolidateReport(len(specs), 0, largest, manifest["step"])
+    if out_uri.rstrip("/").endswith(".safetensors"):
+        protocol = out_uri.split("://", 1)[0] if "://" in out_uri else "file"
+        with fsspec.open(out_uri, "wb", **storage_options(protocol)) as out:
+            report.bytes_written = _write_file(checkpoint, specs, metadata, out)
+        return report
+    out = Storage.at(out_uri)
+    out.remove([INDEX_NAME])  # until the new index exists, the directory is not weights
+    shards = plan_shards(specs, max_shard_bytes)
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        name = shard_file_name(i, len(shards))
+        with out.open_write(name) as sink:
+            report.bytes_written += _write_file(checkpoint, shard, metadata, sink)
+        weight_map.update({spec.name: name for spec, _ in shard})
+    if manifest.get("model") is not None:
+        out.write_atomic(CONFIG_NAME, json.dumps(manifest["model"], indent=1).encode())
+        report.config = True
+    index = {"metadata": {"total_size": sum(s.nbytes for s, _ in specs), **metadata}, "weight_map": weight_map}
+    out.write_atomic(INDEX_NAME, json.dumps(index, indent=1).encode())
+    report.files = len(shards)
+    return report
+
+
+def plan_shards(specs: list[tuple[TensorSpec, dict]], max_shard_bytes: int) -> list[list[tuple[TensorSpec, dict]]]:
+    """Consecutive tensors in shards of at most ``max_shard_bytes`` (a larger tensor alone), in order."""
+    shards: list[list[tuple[TensorSpec, dict]]] = []
+    size = 0
+    for item in specs:
+        if not shards or (shards[-1] and size + item[0].nbytes > max_shard_bytes):
+            shards.append([])
+            size = 0
+        shards[-1].append(item)
+        size += item[0].nbytes
+    return shards or [[]]
+
+
+def _write_file(checkpoint: Storage, specs: list[tuple[TensorSpec, dict]], metadata: dict[str, str],
+                out: IO[bytes]) -> int:
+    """One safetensors file of ``specs`` into ``out``: the header, then each tensor streamed."""
+    header, _ = build_header([s for s, _ in specs], metadata)
+    out.write(header)
+    written = len(header)
+    for spec, entry in specs:
+        written += _stream_tensor(checkpoint, entry, spec.dtype, out)
+    return written
 
 
 def _stream_tensor(checkpoint: Storage, entry: dict, out_dtype: str, out) -> int:

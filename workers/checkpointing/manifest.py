@@ -23,6 +23,9 @@ Manifest (``format: "zerotrain.checkpoint/v1"``, JSON)::
     loss_scaler         the fp16 loss scaler's state or null
     data                the data loader's state (``position``: samples consumed by the job)
     rng                 [per rank: {"torch", "cuda", "python"}] generator states
+    model               optional: what the model is (``contract.spec.ModelSpec.architecture()``:
+                        a preset's name and GPTConfig fields, or the factory and its kwargs);
+                        ``consolidate`` writes it as ``config.json``
 
     ENTRY = {"dtype": "F32", "shape": [...], "sharded": bool,
              "pieces": [{"file", "range": [a, b], "offsets": [start, end]}, ...]}

@@ -26,6 +26,16 @@ ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 
             "U16": 2, "U32": 4, "U64": 8, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 FLOATS = ("F64", "F32", "F16", "BF16")
 
+# A directory of weights as Hugging Face lays it out: shards named ``shard_file_name(i, n)``,
+# the index mapping every tensor to its shard (written last), or one ``model.safetensors``.
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+
+def shard_file_name(i: int, n: int) -> str:
+    """``model-00001-of-00003.safetensors`` for shard ``i`` (0-based) of ``n``, as ``save_pretrained`` names it."""
+    return f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+
 
 @dataclass(frozen=True)
 class TensorSpec:

@@ -123,8 +123,11 @@ def write_shard_with_retries(step_storage: Storage, snap: ShardSnapshot, attempt
     raise AssertionError("unreachable")
 
 
-def merge_manifest(job_id: str, statuses: list[dict[str, Any]]) -> dict[str, Any]:
-    """One manifest from every rank's status (rank order); raises if the pieces do not tile."""
+def merge_manifest(job_id: str, statuses: list[dict[str, Any]], model: Optional[dict] = None) -> dict[str, Any]:
+    """One manifest from every rank's status (rank order); raises if the pieces do not tile.
+
+    ``model`` is what the model is (``ModelSpec.architecture()``), kept so that a consolidated
+    checkpoint can say it in ``config.json``; omitted when the saver did not say."""
     common = statuses[0]["common"]
     tensors: dict[str, dict] = {"params": {}, "optimizer": {}, "frozen": {}, "buffers": {}}
     values: dict[str, dict] = {}
@@ -157,6 +160,7 @@ def merge_manifest(job_id: str, statuses: list[dict[str, Any]]) -> dict[str, Any
         "tensors": tensors,
         "optimizer": {"param_groups": param_groups, "values": values},
         "rng": [s["rng"] for s in statuses],
+        **({"model": model} if model is not None else {}),
     }
 
 
@@ -202,8 +206,9 @@ class AsyncCheckpointWriter:
                  group: Optional[dist.ProcessGroup], keep_last: Optional[int] = None,
                  register: Optional[Callable[[dict], None]] = None, forget: Optional[Callable[[int], None]] = None,
                  report_failure: Optional[Callable[[int, str], None]] = None, upload_attempts: Optional[int] = None,
-                 first_retry_delay_s: float = FIRST_RETRY_DELAY_S):
+                 first_retry_delay_s: float = FIRST_RETRY_DELAY_S, model: Optional[dict] = None):
         self.checkpoints = checkpoints
+        self.model = model
         self.job_id, self.rank, self.world_size, self.group = job_id, rank, world_size, group
         self.keep_last, self.register, self.forget = keep_last, register, forget
         self.report_failure = report_failure
@@ -293,7 +298,7 @@ class AsyncCheckpointWriter:
         if errors:
             return {"error": "; ".join(errors)}
         try:
-            manifest = merge_manifest(self.job_id, statuses)
+            manifest = merge_manifest(self.job_id, statuses, self.model)
             data = json.dumps(manifest, indent=1, default=_json_scalar).encode()
             step_storage.write_atomic(MANIFEST, data)
         except Exception as error:  # noqa: BLE001 - every rank must hear about it

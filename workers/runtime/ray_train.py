@@ -9,17 +9,20 @@ driver (``workers.launch``) only sees ``RayTrainRuntime``, a ``workers.runtime.R
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 from typing import Any
 
 import ray
+from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy, FailureDecision
 
 from contract.reasons import Reason
 from contract.spec import JobSpec
 from workers.reporting import WorkerAPI
 from workers.train import train_loop
+from workers.user_code import UserCodeError, is_user_code_error
 
 log = logging.getLogger("zerotrain.launch")
 
@@ -33,6 +36,7 @@ class AttemptCounter:
 
     Owned by the driver, so it lives exactly as long as the run: Ray Train restarts worker
     groups inside one ``fit()``, and this is how a new group learns it is not the first.
+    Started with ``start_attempt_counter``, on the driver's own node.
     """
 
     def __init__(self) -> None:
@@ -48,6 +52,28 @@ class AttemptCounter:
 
 def counter_name(job_id: str) -> str:
     return f"zerotrain-attempts-{job_id}"
+
+
+def on_this_node() -> Any:
+    """A hard scheduling strategy for the node of the calling process (the driver's).
+
+    [Note: nothing the driver relies on lives on a worker node]
+    A ``num_cpus=0`` actor may be placed on any node, a worker node among them, and a worker
+    node is what a node failure takes away: the attempt counter placed there died with it,
+    every restarted rank 0 then failed asking it for its number, the restarts ran out and
+    no RESTARTING was recorded (issue 19: 2 runs of 4 on a 3-node cluster). The driver's node
+    is the one node the run cannot outlive anyway (the driver and Ray Train's controller,
+    which Ray Train pins there itself, live on it), so the counter goes there, ``soft=False``:
+    rather not at all than somewhere else.
+    """
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+
+
+def start_attempt_counter(job_id: str) -> Any:
+    """The run's ``AttemptCounter``, named for ``job_id``, on the caller's (the driver's) node."""
+    return AttemptCounter.options(name=counter_name(job_id), scheduling_strategy=on_this_node()).remote()
 
 
 def next_worker_group(name: str) -> int:
@@ -70,6 +96,8 @@ def _restart_reporter(api_url: str, job_id: str, attempt_base: int, max_failures
             self.failures = 0
 
         def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
+            if user_code_failed(worker_exceptions):
+                return  # not restarted (FailFastPolicy): the driver reports FAILED user_code_error
             self.failures += 1
             if self.failures > max_failures:
                 return
@@ -164,6 +192,48 @@ def build_trainer(spec: JobSpec, loop_config: dict[str, Any]):
 # ----------------------------------------------------------------------------- failures
 
 
+def user_code_failed(worker_failures: dict[int, BaseException]) -> bool:
+    """Some rank's error is the user's (``workers.user_code``) and no rank was lost: a restart
+    would fail the same way. A lost rank beside it (a peer's error may be the loss seen from
+    the other side) keeps the restart."""
+    errors = list(worker_failures.values())
+    return any(is_user_code_error(e) for e in errors) and not any(
+        type(e).__name__ in LOST_WORKER_ERRORS for e in errors)
+
+
+class FailFastPolicy(DefaultFailurePolicy):
+    """Ray Train's default policy, except that a worker group failing in the user's code is not retried.
+
+    [Note: installing a failure policy]
+    Ray Train 2.x has no public setting for the policy: ``DataParallelTrainer.fit`` builds
+    ``create_failure_policy(failure_config)`` (a ``DefaultFailurePolicy``) and hands it to its
+    controller actor. ``RayTrainRuntime.fit`` swaps that factory in the trainer's module for
+    the duration of the call; the policy object travels pickled to the controller, which
+    imports this module (our package is on every Ray worker's path). A test checks the swap
+    still takes effect, so a Ray upgrade that moves it fails loudly instead of retrying
+    user errors again.
+    """
+
+    def make_decision(self, training_failed_error: Any) -> FailureDecision:
+        failures = getattr(training_failed_error, "worker_failures", None)
+        if isinstance(failures, dict) and user_code_failed(failures):
+            return FailureDecision.RAISE
+        return super().make_decision(training_failed_error)
+
+
+@contextlib.contextmanager
+def fail_fast_on_user_errors():
+    """``TorchTrainer.fit()`` inside uses ``FailFastPolicy`` (see its note)."""
+    import ray.train.v2.api.data_parallel_trainer as trainer_module
+
+    original = trainer_module.create_failure_policy
+    trainer_module.create_failure_policy = FailFastPolicy
+    try:
+        yield
+    finally:
+        trainer_module.create_failure_policy = original
+
+
 # Exceptions that mean a worker process or actor was lost, not that the training code raised.
 LOST_WORKER_ERRORS = {"ActorDiedError", "RayActorError", "ActorUnavailableError", "WorkerCrashedError",
                       "NodeDiedError", "OutOfMemoryError", "NCCLHangError", "WorkerHealthCheckFailedError",
@@ -222,9 +292,14 @@ def failure_summary(error: BaseException) -> str:
     Ray's errors carry whole remote tracebacks and, for the memory monitor, a table of the
     node's top memory users -- other jobs' command lines among them. The job's message gets
     one line: for a worker killed by the memory monitor, how full the node was and what to
-    change; otherwise the innermost error of the lowest failing rank (type and first line).
+    change; for an error of the user's code (``workers.user_code``) its message: what failed,
+    the exception and the user's innermost frames, a few lines; otherwise the innermost error of
+    the lowest failing rank (type and first line).
     """
     chain = _chain(error)
+    for current in chain:  # Ray's wrapper derives from UserCodeError too; its text is a whole traceback
+        if type(current) is UserCodeError and current.args:
+            return str(current.args[0])
     for current in chain:
         text = str(current)
         if type(current).__name__ == "OutOfMemoryError" or "running low on memory" in text:
@@ -251,9 +326,10 @@ class RayTrainRuntime:
     def fit(self, spec: JobSpec, loop_config: dict[str, Any]) -> None:
         job_id = loop_config["job_id"]
         ray.init(log_to_driver=True)
-        counter = AttemptCounter.options(name=counter_name(job_id)).remote()
+        counter = start_attempt_counter(job_id)
         wait_for_resources(spec, job_id)
-        build_trainer(spec, {**loop_config, "attempt_counter": counter_name(job_id)}).fit()
+        with fail_fast_on_user_errors():
+            build_trainer(spec, {**loop_config, "attempt_counter": counter_name(job_id)}).fit()
         ray.kill(counter)
 
     def failure_reason(self, error: BaseException) -> str:

@@ -40,6 +40,9 @@ class FlatBucket:
     scratch_out: Optional[torch.Tensor] = None  # stage 2: reduce-scatter output before accumulate
     scratch_written: Optional[list[bool]] = None  # stage 2: which slots of the scratch hold a gradient
     pending: Optional[Pending] = None
+    # stage 3: this rank's compute-dtype parameter shard (the master itself for fp32); the flat
+    # buffer's storage is freed between uses
+    param_shard: Optional[torch.Tensor] = None
     ready: int = 0  # parameters whose gradient arrived this micro-step
     launched: bool = False
     micro_steps_reduced: int = 0

@@ -46,6 +46,7 @@ from .buckets import FlatBucket
 from .collectives import Collectives, stop_watchdog
 from .config import ZeroConfig
 from .flat import FlatLayout
+from .materialize import InitWeights, Materializer, bind
 from .module_buffers import ModuleBuffers
 from .offload import HostOptimizerState
 from .precision import MixedPrecision
@@ -85,6 +86,11 @@ class ZeroEngine:
     hold every view exactly once, in any partition into groups. Any element-wise optimizer (SGD,
     Adam, AdamW, Adagrad, RMSprop, ...) behaves exactly as on the unsharded model; optimizers
     that look at a parameter's shape (Muon, Adafactor) are not supported.
+
+    ``model`` may be built on the meta device: it is then materialized bucket by bucket from
+    ``init_weights`` (None: the model's ``init_weights(module)`` hook or ``reset_parameters()``;
+    a callable per module; a path/URI of safetensors weights, each rank reading what it keeps),
+    and no rank ever holds the whole model (``materialize.py``).
     """
 
     def __init__(
@@ -93,6 +99,7 @@ class ZeroEngine:
         optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
         config: Optional[ZeroConfig] = None,
         process_group: Optional[dist.ProcessGroup] = None,
+        init_weights: InitWeights = None,
     ):
         config = config if config is not None else ZeroConfig()
         if not isinstance(config, ZeroConfig):
@@ -107,8 +114,8 @@ class ZeroEngine:
         self.precision = MixedPrecision(config.precision)
         if process_group is None and dist.is_available() and dist.is_initialized():
             process_group = dist.group.WORLD
-        first = next(iter(model.parameters()), None)
-        self.device = first.device if first is not None else torch.device("cpu")
+        self.materializer = Materializer(model, init_weights, _compute_device(model))
+        self.device = self.materializer.device
         self.precision.check_device(self.device)
         self.comm = Collectives(process_group, self.device, config.comm_timeout_s)
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
@@ -128,6 +135,7 @@ class ZeroEngine:
             self.layout = FlatLayout.build(shapes, self.shard_world, config.bucket_numel)
         self._trainable = [p for _, p in trainable]
         self.buckets = self._build_buckets(self._trainable)
+        self.materializer.finish()  # frozen parameters and buffers still on meta, or loaded from the file
         self._frozen_fp32 = self._sync_frozen()
         self.module_buffers = ModuleBuffers(model, self.comm, self.precision.compute_dtype, config.broadcast_buffers,
                                             config.sync_batchnorm)
@@ -163,31 +171,72 @@ class ZeroEngine:
 
     # -- construction ------------------------------------------------------------------------------
     def _build_buckets(self, params: list[nn.Parameter]) -> list[FlatBucket]:
-        """Broadcast rank 0's fp32 values bucket by bucket, then split into compute/master."""
-        dtype = self.precision.compute_dtype
+        """The flat buffers, one bucket at a time: values in, what the stage keeps out.
+
+        Values come from the parameters themselves (eager) or their initializer (meta), as
+        rank 0 has them, broadcast; or, from a weights file, each rank reads the part it keeps
+        (``materialize.py``). Stages 1/2 keep the full compute-dtype flat buffer and their fp32
+        master shard; stage 3 keeps only its shard and frees the flat buffer before the next
+        bucket is built, so no rank ever holds the whole model.
+        """
         out = []
         for spec in self.layout.buckets:
             members = [params[s.index] for s in spec.slots]
-            full32 = torch.zeros(spec.numel, dtype=torch.float32, device=self.device)
-            with torch.no_grad():
-                for s, p in zip(spec.slots, members):
-                    full32[s.offset : s.offset + s.numel].copy_(p.detach().reshape(-1))
-            self.comm.broadcast(full32, src=0)
             lo, hi = spec.shard_range(self.shard_rank)
-            if self.precision.separate_master:
-                flat = full32.to(dtype)
-                master = full32[lo:hi].clone()
+            if self.materializer.from_file:
+                flat, master = self._read_bucket(spec, members, lo, hi)
             else:
-                flat, master = full32, full32[lo:hi]
-            del full32
+                flat, master = self._broadcast_bucket(spec, members, lo, hi)
             for s, p in zip(spec.slots, members):
-                p.data = flat[s.offset : s.offset + s.numel].view(s.shape)
+                bind(p, flat[s.offset : s.offset + s.numel].view(s.shape))
+            param_shard = None
+            if self.config.traits.shards_parameters:  # stage 3: keep the shard, free the flat buffer now
+                if master.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr():
+                    master = master.clone()  # fp32: the master was a view of the flat buffer
+                param_shard = master if flat.dtype == torch.float32 else flat[lo:hi].clone()
+                flat.untyped_storage().resize_(0)
             views = [
                 (piece, master[piece.shard_offset : piece.shard_offset + piece.numel])
                 for piece in spec.pieces(self.shard_rank)
             ]
-            out.append(FlatBucket(spec, members, flat, master, views, self.shard_rank))
+            out.append(FlatBucket(spec, members, flat, master, views, self.shard_rank, param_shard=param_shard))
         return out
+
+    def _broadcast_bucket(self, spec, members: list[nn.Parameter], lo: int, hi: int):
+        """``(flat, master)`` from rank 0's values: the parameters', or their initializer's."""
+        self.materializer.materialize(members)
+        full32 = torch.zeros(spec.numel, dtype=torch.float32, device=self.device)
+        with torch.no_grad():
+            for s, p in zip(spec.slots, members):
+                full32[s.offset : s.offset + s.numel].copy_(p.detach().reshape(-1))
+        self.comm.broadcast(full32, src=0)
+        if self.precision.separate_master:
+            return full32.to(self.precision.compute_dtype), full32[lo:hi].clone()
+        return full32, full32[lo:hi]
+
+    def _read_bucket(self, spec, members: list[nn.Parameter], lo: int, hi: int):
+        """``(flat, master)`` with this rank's shard read from the weights file, the rest gathered.
+
+        Stage 3 gathers nothing (it keeps only the shard); stages 1/2 all-gather the flat
+        buffer from every rank's shard, in the compute dtype (the same rounding as casting the
+        full fp32 bucket); stage 0's "shard" is the whole bucket.
+        """
+        master = torch.zeros(hi - lo, dtype=torch.float32, device=self.device)
+        pieces = spec.pieces(self.shard_rank)
+        values = self.materializer.read([(members[spec.slots.index(pc.slot)], pc.param_start, pc.param_end)
+                                         for pc in pieces])
+        for pc, v in zip(pieces, values):
+            master[pc.shard_offset : pc.shard_offset + pc.numel].copy_(v)
+        dtype = self.precision.compute_dtype
+        flat = torch.zeros(spec.numel, dtype=dtype, device=self.device)
+        flat[lo:hi].copy_(master)
+        if not self.precision.separate_master:
+            master = flat[lo:hi]
+        if self.shard_world > 1 and not self.config.traits.shards_parameters:
+            with self.comm.uncounted():
+                self.comm.all_gather(flat, flat[lo:hi], label=f"initial all_gather bucket {spec.index}",
+                                     async_op=False)
+        return flat, master
 
     def _sync_frozen(self) -> dict[int, torch.Tensor]:
         """Broadcast frozen parameters from rank 0; cast them to compute dtype (buffers:
@@ -545,6 +594,16 @@ class ZeroEngine:
         self.comm.drain(device_too)
         if device_too and self.offload is not None:
             self.offload.drain()
+
+
+def _compute_device(model: nn.Module) -> torch.device:
+    """Where the engine computes: the model's device; for a model on meta, the current GPU or the CPU."""
+    for t in list(model.parameters()) + list(model.buffers()):
+        if not t.is_meta:
+            return t.device
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _fp32_grad(g: torch.Tensor, inv_scale: Optional[float]) -> torch.Tensor:

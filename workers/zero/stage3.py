@@ -320,14 +320,10 @@ class ParamShardStrategy(ReduceScatterInBackwardStrategy):
     # -- set-up -----------------------------------------------------------------------------------
     @staticmethod
     def _make_unit(index: int, name: str, module: nn.Module, b: FlatBucket, is_root: bool) -> Unit:
-        """Keep only this rank's shard: a separate fp32 master, a compute-dtype shard, the flat freed."""
-        lo, hi = b.spec.shard_range(b.shard_rank)
-        flat_storage = b.flat_param.untyped_storage()
-        if b.master.untyped_storage().data_ptr() == flat_storage.data_ptr():
-            b.replace_master(b.master.clone())  # fp32: the master was a view of the flat buffer
-        shard = b.master if b.flat_param.dtype == torch.float32 else b.flat_param[lo:hi].clone()
-        flat_storage.resize_(0)
-        return Unit(index, name, module, b, shard, is_root)
+        """A unit over a bucket the engine built sharded: its flat buffer freed, ``param_shard`` kept."""
+        if b.param_shard is None or b.flat_param.untyped_storage().nbytes() != 0:
+            raise RuntimeError(f"stage 3 needs bucket {b.spec.index} built sharded (engine._build_buckets)")
+        return Unit(index, name, module, b, b.param_shard, is_root)
 
     def _install_hooks(self) -> list:
         handles = []

@@ -2,21 +2,28 @@
 
 One process, one tiny GPT (tied head, frozen position table, a buffer) trained a few steps
 at stage 1 and saved; then the CLI as a user runs it, and the consolidated file compared with
-``full_state_dict()`` bit for bit (fp32) and with torch's own rounding (bf16).
+``full_state_dict()`` bit for bit (fp32) and with torch's own rounding (bf16). Consolidated
+to a directory, the output is Hugging Face's layout (size-bounded shards + index) and loads
+into a model built on meta through the engine's ``init_weights``, as a fine-tuning job does.
 """
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from service.cli import main as cli
 from workers.checkpoint import CheckpointManager, checkpoints_uri
 from workers.checkpointing.consolidate import float32_to_bf16
 from workers.checkpointing.manifest import shard_name
+from workers.checkpointing.stfile import INDEX_NAME, shard_file_name
 from workers.checkpointing.storage import Storage
 from workers.data import ShardedBatchLoader, SyntheticDataset
+from workers.zero import ZeroConfig, ZeroEngine
 
 from .ranks import GLOBAL_BATCH, MICRO, SEQ, VOCAB, make_engine, tiny_gpt
 
@@ -86,6 +93,45 @@ def test_consolidate_loads_strictly_and_matches(saved, tmp_path, dtype):
     for key, value in full.items():
         want = value.to(torch.bfloat16) if dtype == "bf16" and value.is_floating_point() else value
         assert weights[key].dtype == want.dtype and torch.equal(weights[key], want), key
+
+
+def test_consolidate_to_a_hugging_face_directory(saved, tmp_path, capsys):
+    uri, full = saved
+    out = tmp_path / "hf"
+    shard_mb = 0.004  # 4 kB: the ~2 kB matrices pair up, the 4 kB embedding has a shard of its own
+    assert cli(["ckpt", "consolidate", f"{uri}/step_00000003", str(out), "--max-shard-mb", str(shard_mb)]) == 0
+    index = json.loads((out / INDEX_NAME).read_text())
+    files = sorted(set(index["weight_map"].values()))
+    n = len(files)
+    assert n >= 3 and files == [shard_file_name(i, n) for i in range(n)]
+    assert f"in {n} files" in capsys.readouterr().out
+    assert sorted(p.name for p in out.iterdir()) == sorted([*files, INDEX_NAME])  # no config.json: the
+    # fixture's manifest does not name its model (a job's does: tests/service/test_finetune.py)
+    ours = {"job_id": JOB, "step": "3", "dtype": "fp32", "format": "pt"}
+    assert index["metadata"] == {**ours, "source": f"{uri}/step_00000003",
+                                 "total_size": sum(v.numel() * v.element_size() for v in full.values())}
+    weights = {}
+    for name in files:
+        with safe_open(out / name, "pt") as shard:
+            assert shard.metadata() == {**ours, "source": f"{uri}/step_00000003"}
+        part = load_file(out / name)
+        assert {k: name for k in part} == {k: f for k, f in index["weight_map"].items() if f == name}
+        nbytes = [v.numel() * v.element_size() for v in part.values()]
+        assert len(part) == 1 or sum(nbytes) <= shard_mb * 1e6
+        weights.update(part)
+    assert list(weights) == list(full)  # state_dict order, tied and frozen keys and the buffer included
+    for key, value in full.items():
+        assert torch.equal(weights[key], value), key
+
+    with torch.device("meta"):
+        model = tiny_gpt(seed=99)
+    engine = ZeroEngine(model, lambda ps: torch.optim.AdamW(ps, lr=1e-3), ZeroConfig(stage=1, bucket_mb=0.002),
+                        init_weights=f"file://{out}")
+    loaded = engine.full_state_dict()
+    engine.close()
+    assert list(loaded) == list(full)
+    for key, value in full.items():
+        assert torch.equal(loaded[key], value), key
 
 
 def test_bf16_rounding_matches_torch():

@@ -36,7 +36,9 @@ export class LineChart {
    * @param {object} options
    * @param {string} options.id        stable id (tests and anchors use it)
    * @param {string} options.title     the figure caption
-   * @param {Array<{key:string,label:string,axis?:"left"|"right",format?:Function,className?:string}>} options.series
+   * @param {Array<{key:string,label:string,axis?:"left"|"right",format?:Function,className?:string,sparse?:boolean}>} options.series
+   *   a `sparse` series has values on some steps only (eval_loss): its points are marked and
+   *   joined across the steps between, where a dense series breaks its line at a gap
    * @param {boolean} [options.zeroBased] the y axes start at 0
    */
   constructor({ id, title, series, xLabel = "step", description = "", zeroBased = false }) {
@@ -153,17 +155,20 @@ export class LineChart {
       let d = "";
       let pen = "M";
       let last = null;
+      const marks = s.sparse ? svg("g", { class: `markers ${s.className}`, "data-series": s.key }) : null;
       for (const p of points) {
         const v = p[s.key];
         if (!Number.isFinite(v)) {
-          pen = "M";
+          if (!s.sparse) pen = "M";
           continue;
         }
         d += `${pen}${sx(p.step).toFixed(1)} ${scale(v).toFixed(1)}`;
+        if (marks) marks.append(svg("circle", { cx: sx(p.step).toFixed(1), cy: scale(v).toFixed(1), r: 2.5 }));
         pen = "L";
         last = p;
       }
       this.svg.append(svg("path", { d, class: `line ${s.className}`, "data-series": s.key }));
+      if (marks) this.svg.append(marks);
       if (last) labels.push(`${s.label} ${s.format(last[s.key])} at step ${last.step}`);
     }
     const text = `${this.title}, ${points.length} points up to step ${x1}: ${labels.join("; ")}.`;

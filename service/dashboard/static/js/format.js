@@ -1,13 +1,15 @@
 /** Human formats for the numbers the dashboard shows: bytes, rates, durations, ages, states. */
 
-const BYTE_UNITS = ["B", "KiB", "MiB", "GiB", "TiB"];
+// Decimal units, as everywhere else in zerotrain (contract/zero_math.py: GB = 1e9 bytes): the
+// CLI's tables, the spec's gpu_memory_gb and bucket_mb, the workers' log lines.
+const BYTE_UNITS = ["B", "kB", "MB", "GB", "TB"];
 
 export function bytes(value) {
   if (value === null || value === undefined || Number.isNaN(value)) return "–";
   let v = Number(value);
   let unit = 0;
-  while (Math.abs(v) >= 1024 && unit < BYTE_UNITS.length - 1) {
-    v /= 1024;
+  while (Math.abs(v) >= 1000 && unit < BYTE_UNITS.length - 1) {
+    v /= 1000;
     unit += 1;
   }
   return `${v.toFixed(unit === 0 ? 0 : v < 10 ? 2 : 1)} ${BYTE_UNITS[unit]}`;

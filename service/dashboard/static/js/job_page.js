@@ -10,7 +10,7 @@ import { request, requestText, followEvents } from "./api.js";
 import { h, replaceChildren, replaceKeepingFocus, announce } from "./dom.js";
 import { LineChart } from "./charts.js";
 import { MemoryBars } from "./memory.js";
-import { SeriesStore } from "./series_store.js";
+import { SeriesStore, userKey } from "./series_store.js";
 import { TERMINAL_STATES, bytes, compact, duration, number, timestamp } from "./format.js";
 import { stateBadge } from "./state_badge.js";
 
@@ -33,7 +33,20 @@ function lineChart(spec) {
     title: spec.title,
     zeroBased: spec.zero_based,
     description: spec.description,
-    series: spec.series.map((s) => ({ key: s.key, label: s.label, axis: s.axis, format: FORMATS[s.format] || number })),
+    series: spec.series.map((s) => ({ key: s.key, label: s.label, axis: s.axis, format: FORMATS[s.format] || number, sparse: s.sparse })),
+  });
+}
+
+const USER_STYLES = 4; // line styles in dashboard.css (.series-0 … .series-3)
+
+/** "Your metrics": one line per name the job's code reported (user text: labels are text nodes). */
+function userChart(names) {
+  return new LineChart({
+    id: "chart-user",
+    title: "Your metrics",
+    description: "Scalars your code reported with report() (workers.user_metrics), mean over ranks.",
+    // sparse: a name may be reported on some steps only (e.g. eval/… names, on evaluated steps)
+    series: names.map((name, i) => ({ key: userKey(name), label: name, className: `series-${i % USER_STYLES}`, sparse: true })),
   });
 }
 
@@ -48,12 +61,17 @@ function buildCharts(job, chartList) {
     title: "Communication per step (elements per rank)",
     series: [
       { key: "comm_elements", label: "measured", format: compact },
-      { key: "expected_comm", label: "expected by the ZeRO formula", format: compact },
+      { key: "expected_comm", label: "ZeRO formula", format: compact },
     ],
     description: `Bytes each rank passed to collectives in a step, divided by ${elementBytes((job.spec.zero || {}).precision)} bytes per element.`,
   });
   const inSection = (section) => chartList.filter((c) => c.section === section).map(lineChart);
   return { training: inSection("training"), communication: [comm, ...inSection("communication")] };
+}
+
+/** What the ZeRO formula says a stage communicates (docs/design.md, "The math the engine honours"). */
+function formulaComm(elements, stage) {
+  return `The ZeRO formula for stage ${stage} expects ${compact(elements)} elements per rank per step.`;
 }
 
 /** The series spec of the job's speed (the field the progress line shows), if it is charted. */
@@ -220,7 +238,13 @@ export function jobPage({ jobId, signal }) {
       p.comm_elements = Number.isFinite(p.comm_bytes) ? p.comm_bytes / elems : null;
       p.expected_comm = expected && Number.isFinite(p.comm_bytes) ? expected : null;
     }
+    const names = store.userNames;
+    if (names.length !== (charts.user ? charts.user.series.length : 0)) {
+      charts.user = userChart(names);
+      replaceChildren(chartsSlot, ...charts.training.map((c) => c.element), charts.user.element);
+    }
     for (const chart of [...charts.training, ...charts.communication]) chart.setData(points);
+    if (charts.user) charts.user.setData(points);
     memory.update(store.memoryRanks(), prediction, predictionMissing);
     const last = points[points.length - 1];
     const steps = (job.spec.train || {}).steps;
@@ -230,9 +254,9 @@ export function jobPage({ jobId, signal }) {
     element.dataset.lastStep = last ? String(last.step) : "";
     if (last && Number.isFinite(last.comm_exposed_s) && Number.isFinite(last.step_time_s) && last.step_time_s > 0) {
       commSummary.textContent = `Latest step: ${seconds(last.comm_exposed_s)} of ${seconds(last.step_time_s)} exposed — efficiency ${percent(1 - last.comm_exposed_s / last.step_time_s)}.`
-        + (expected ? ` The ZeRO formula expects ${compact(expected)} elements per step at stage ${prediction.stage}.` : "");
+        + (expected ? ` ${formulaComm(expected, prediction.stage)}` : "");
     } else {
-      commSummary.textContent = expected ? `The ZeRO formula expects ${compact(expected)} elements per step at stage ${prediction.stage}.` : "";
+      commSummary.textContent = expected ? formulaComm(expected, prediction.stage) : "";
     }
   }
 

@@ -91,10 +91,11 @@ export class MemoryBars {
           text += ` Predicted peak with activations and buffers: ${bytes(prediction.peak_total)}.`;
         }
         if (prediction.check) {
+          // rel_error = (predicted - measured) / measured (workers/zero/planner/check.py)
           const errors = Object.entries(prediction.check)
             .filter(([, e]) => Number.isFinite(e))
-            .map(([term, e]) => `${term} ${e >= 0 ? "+" : ""}${(e * 100).toFixed(1)}%`);
-          text += ` Prediction error at the end (rank 0): ${errors.join(", ")}.`;
+            .map(([term, e]) => `${term} ${Math.abs(e * 100).toFixed(1)}% ${e >= 0 ? "above" : "below"} measured`);
+          text += ` Measured on rank 0 at the end of the run, the prediction was: ${errors.join(", ")}.`;
         }
       }
       this.note.textContent = text;

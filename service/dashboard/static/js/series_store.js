@@ -7,7 +7,15 @@
  * repeats steps with a newer attempt; its records replace what was drawn from that step on.
  * The number of points stays bounded: when it doubles past the limit, neighbouring points
  * are merged pairwise.
+ *
+ * Scalars the job's code reported (a record's `user` object, the chart answer's
+ * `user_metrics`) are fields too, combined by their mean over ranks, under the key
+ * `user:<name>` (userKey): a user's name is never a key of its own, so neither "loss" nor
+ * "__proto__" can reach another field or an object's prototype.
  */
+
+const USER_PREFIX = "user:";
+export const userKey = (name) => USER_PREFIX + name;
 
 const OPEN_STEPS = 32; // steps whose ranks may still be arriving
 
@@ -27,15 +35,20 @@ export class SeriesStore {
     this.memory = new Map(); // rank -> latest record with memory numbers
     this.memoryAttempt = -1;
     this.aggregation = {}; // field -> "mean" | "total"
+    this.userNames = []; // the job's user metric names, in the order first seen
   }
 
   /** The server's answer of GET /jobs/{id}/metrics/chart. */
   load(chart) {
     const s = chart.series;
-    this.aggregation = chart.aggregation || {};
+    this.aggregation = { ...(chart.aggregation || {}) };
+    const user = chart.user_metrics || { names: [], values: [] };
+    this.userNames = [];
+    for (const name of user.names) this.addUserName(name);
     this.final = s.step.map((step, i) => {
       const point = { step };
-      for (const f of this.fields()) point[f] = s[f] ? s[f][i] : null;
+      for (const f of Object.keys(chart.aggregation || {})) point[f] = s[f] ? s[f][i] : null;
+      user.names.forEach((name, k) => (point[userKey(name)] = user.values[k] ? user.values[k][i] : null));
       return point;
     });
     this.lastId = chart.last_id || 0;
@@ -44,9 +57,22 @@ export class SeriesStore {
     this.memoryAttempt = Math.max(-1, ...(chart.memory || []).map((r) => r.attempt));
   }
 
+  addUserName(name) {
+    const key = userKey(name);
+    if (Object.prototype.hasOwnProperty.call(this.aggregation, key)) return;
+    this.aggregation[key] = "mean";
+    this.userNames.push(name);
+  }
+
   /** One live record from the stream. */
   add(record) {
     if (record.id) this.lastId = Math.max(this.lastId, record.id);
+    if (record.user && typeof record.user === "object") {
+      for (const [name, value] of Object.entries(record.user)) {
+        this.addUserName(name);
+        record[userKey(name)] = value;
+      }
+    }
     this.addMemory(record);
     const last = this.final.length ? this.final[this.final.length - 1].step : -1;
     if (record.step <= last) {
