@@ -34,17 +34,34 @@ MMAP_THRESHOLD_BYTES = 64 * 1024
 _M_MMAP_THRESHOLD = -3  # glibc's <malloc.h>
 
 
+def _libc():
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
+def release_free_memory() -> bool:
+    """Give the pages malloc holds free back to the system (``malloc_trim(0)``), so that the
+    resident set is what is live: a peak meter's baseline then hides no free pages that the next
+    allocations would reuse without growing it. False where there is no glibc."""
+    libc = _libc()
+    trim = getattr(libc, "malloc_trim", None)
+    if trim is None:
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)
+    return True
+
+
 def map_large_blocks(threshold_bytes: int = MMAP_THRESHOLD_BYTES) -> bool:
     """Serve every host allocation of at least ``threshold_bytes`` with its own mapping.
 
     True when glibc took the setting; False where the C library is not glibc (musl, macOS),
     which keeps its default policy.
     """
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    mallopt = getattr(_libc(), "mallopt", None)
+    if mallopt is None:
         log.info("no glibc mallopt here: the host allocator keeps its default policy")
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int

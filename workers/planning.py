@@ -68,9 +68,17 @@ def inputs_for_spec(
         target_efficiency=target_efficiency,
         reshard_after_forward=zero.reshard_after_forward,
         optimizer_states=optimizer_state_tensors(spec.train.optimizer, spec.train.momentum),
+        deferred_init=builds_on_meta(spec),
         checkpoint=checkpoint_kind(spec),
         resume=spec.resume_from is not None or checkpoint_kind(spec) == "periodic",
     )
+
+
+def builds_on_meta(spec: JobSpec) -> bool:
+    """Whether the worker builds the job's model on the meta device (``workers.train.build_job_model``:
+    presets, and any model loaded ``init_from`` a file), so that construction holds one bucket at a
+    time; a factory model without ``init_from`` is built eagerly, whole, in fp32."""
+    return spec.model.preset is not None or spec.model.init_from is not None
 
 
 def checkpoint_kind(spec: JobSpec) -> str:

@@ -9,16 +9,18 @@ Two claims (issue 8, "must show" 2; issue 14, "must show" 5):
   construction, forward, backward, step) -- is within 10% of the measured peak growth of every
   rank. Each part's prediction is printed beside its measurement.
 
-Fast: gpt-nano in bf16, stages 0–3 and stage 3 with the optimizer offloaded, N = 2 and 3 (about a
-minute). Slow: gpt-mini (10× larger) in fp32 and bf16, stages 0–3, stages 2 and 3 offloaded,
+Fast: gpt-nano in bf16, built on the meta device as the worker builds a preset (stages 0–3, stage 3
+with the optimizer offloaded) and eagerly (stages 0 and 3), N = 2 and 3 (under a minute). Slow:
+gpt-mini (10× larger) in fp32 and bf16, eagerly; on meta in bf16 with stages 2 and 3 offloaded and
 stage 2 with 3 micro-steps per step; gpt-small at N=1 (fp32, stage 0).
 
 How the peak is measured, per rank, as the worker measures it (``planner.PeakMemoryMeter``; the
 worker's host allocator policy, ``workers/host_memory.py``: large blocks mapped fresh, so freed
 tensors leave the resident set as they leave a CUDA allocator's count): a throwaway tiny model
 trains one step first (kernels, Gloo and allocator arenas are process constants, not the job's
-memory); the meter starts (RSS); the job's model is built -- eagerly, in fp32, so the prediction
-says ``deferred_init=False`` -- and the engine; two steps run, a lap at the end of each part;
+memory); the meter starts (RSS); the job's model is built -- on the meta device, materialized by
+the engine bucket by bucket, or eagerly in fp32 (the prediction's ``deferred_init``) -- and the
+engine; two steps run, a lap at the end of each part;
 growth = VmHWM − RSS before the model. The prediction uses device="cpu" (host and device are one
 memory, no CUDA context) and activations profiled on the meta device.
 
@@ -28,6 +30,7 @@ ranks (spawning costs more than the measurements).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 
 import pytest
@@ -60,8 +63,9 @@ SIZES = (2, 3)
 def configs(preset: str) -> list[dict]:
     """(stage, precision, offload, micro-steps) measured for ``preset`` at each N."""
     if preset == "gpt-nano":  # the fast test
-        return [dict(stage=s, precision="bf16") for s in range(4)] + [dict(stage=3, precision="bf16", offload=True)]
-    out = [dict(stage=s, precision=p) for p in ("fp32", "bf16") for s in range(4)]
+        deferred = [dict(stage=s, precision="bf16") for s in range(4)] + [dict(stage=3, precision="bf16", offload=True)]
+        return deferred + [dict(stage=s, precision="bf16", deferred=False) for s in (0, 3)]
+    out = [dict(stage=s, precision=p, deferred=False) for p in ("fp32", "bf16") for s in range(4)]
     out += [dict(stage=s, precision="bf16", offload=True) for s in (2, 3)]
     return out + [dict(stage=2, precision="bf16", micro_steps=3)]  # stage 2 reduces every micro-step
 
@@ -79,7 +83,7 @@ def _train(engine, vocab: int, steps: int, meter: PeakMemoryMeter, micro_steps: 
         meter.lap("step")
 
 
-def _engine(model, stage: int, precision: str, group, offload: bool = False):
+def _engine(model, stage: int, precision: str, group, offload: bool = False):  # a meta model: its init hook
     from workers.zero import ZeroConfig, ZeroEngine
 
     config = ZeroConfig(stage=stage, precision=precision, bucket_mb=BUCKET_MB, offload_optimizer=offload)
@@ -99,7 +103,7 @@ def measure_rank(rank: int, world_size: int, preset: str) -> list[dict]:
 
 
 def measure_one(preset: str, n: int, group, stage: int, precision: str, offload: bool = False,
-                micro_steps: int = 1) -> dict:
+                micro_steps: int = 1, deferred: bool = True) -> dict:
     warm = GPT(preset_config(preset, n_layer=1))  # same ops, tiny: warms kernels and arenas
     meter = PeakMemoryMeter("cpu")
     _train(_engine(warm, stage, precision, group, offload), warm.config.vocab_size, 1, meter)
@@ -107,19 +111,20 @@ def measure_one(preset: str, n: int, group, stage: int, precision: str, offload:
     gc.collect()
     meter.start()
     torch.manual_seed(0)
-    model = GPT(PRESETS[preset])
+    with torch.device("meta") if deferred else contextlib.nullcontext():
+        model = GPT(PRESETS[preset])
     engine = _engine(model, stage, precision, group, offload)
     meter.lap("construction")
     _train(engine, model.config.vocab_size, 2, meter, micro_steps)
     measured = {"n": n, "precision": precision, "stage": stage, "micro_steps": micro_steps, "offload": offload,
-                **engine.memory(), **meter.report()}
+                "deferred": deferred, **engine.memory(), **meter.report()}
     del engine, model
     gc.collect()
     return measured
 
 
 def predicted(preset: str, n: int, stage: int, precision: str, micro_steps: int = 1,
-              offload: bool = False) -> StagePrediction:
+              offload: bool = False, deferred: bool = True) -> StagePrediction:
     inputs = PlanInputs(
         shape=model_shape({"preset": preset}),
         n_ranks=n,
@@ -128,7 +133,7 @@ def predicted(preset: str, n: int, stage: int, precision: str, micro_steps: int 
         **measured_activations(ModelSpec(preset=preset), MICRO_BATCH, SEQ_LEN, precision, n, BUCKET_MB, "cpu"),
         accumulation_steps=micro_steps,
         device="cpu",
-        deferred_init=False,  # the test builds the model whole, in fp32, before the engine
+        deferred_init=deferred,
     )
     return predict(inputs, stage, offload)
 
@@ -140,14 +145,14 @@ def _loopback(monkeypatch):
 
 def measure_single(rank: int, world_size: int, preset: str, stage: int, precision: str) -> dict:
     map_large_blocks()
-    return measure_one(preset, world_size, None, stage, precision)
+    return measure_one(preset, world_size, None, stage, precision, deferred=False)
 
 
 def check(preset: str, rank: int, measured: dict) -> list[str]:
     """One measurement against its prediction: prints the row (parts too), returns what failed."""
     n, stage, precision = measured["n"], measured["stage"], measured["precision"]
-    micro_steps, offload = measured["micro_steps"], measured["offload"]
-    pred = predicted(preset, n, stage, precision, micro_steps, offload)
+    micro_steps, offload, deferred = measured["micro_steps"], measured["offload"], measured["deferred"]
+    pred = predicted(preset, n, stage, precision, micro_steps, offload, deferred)
     states_pred = pred.gpu["params"] + pred.gpu["grads"] + pred.gpu["optimizer"] + pred.cpu["total"]
     states_meas = measured["params"] + measured["grads"] + measured["optimizer"] + measured.get("host", 0)
     # padding elements, each carrying params + grads + optimizer bytes
@@ -155,7 +160,8 @@ def check(preset: str, rank: int, measured: dict) -> list[str]:
     allowed = 0.01 * states_meas + pred.padding_bytes // low_precision_bytes(precision) * per_elem
     errors = compare(pred.to_dict(), measured)
     peak = errors["peak"]
-    label = f"{preset} N={n} rank {rank} stage {stage}{'+offload' if offload else ''} {precision} ×{micro_steps}"
+    label = (f"{preset} N={n} rank {rank} stage {stage}{'+offload' if offload else ''} {precision} ×{micro_steps} "
+             f"{'meta' if deferred else 'eager'}")
     parts = "  ".join(f"{part} {errors['peak_' + part]['predicted'] / 2**20:.1f}/"
                       f"{errors['peak_' + part]['measured'] / 2**20:.1f}" for part in pred.peak["parts"])
     print(f"  {label}: states {(states_pred - states_meas) / states_meas:+.3%}, peak "

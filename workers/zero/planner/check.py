@@ -34,6 +34,10 @@ class PeakMemoryMeter:
         self._peak = 0
 
     def start(self) -> None:
+        if self.device.type != "cuda":  # free pages malloc kept would be reused without growing the RSS
+            from workers.host_memory import release_free_memory
+
+            release_free_memory()
         self.baseline = self._current()
         self.parts, self._peak = {}, 0
         self.reset_peak()

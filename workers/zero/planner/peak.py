@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from contract.metrics import PEAK_PARTS
-from contract.zero_math import ModelStateBytes, low_precision_bytes, precision_traits, shard_numel, stage_traits
+from contract.zero_math import ModelStateBytes, precision_traits, shard_numel, stage_traits
 
 from .buffers import construction_staging_bytes, snapshot_bytes, step_buffer_bytes
 
@@ -90,11 +90,11 @@ def job_peak(states: ModelStateBytes, x: PeakInputs) -> dict[str, dict[str, int]
     opt_state_host = states.cpu_optimizer if x.offload else 0
 
     parts: dict[str, dict[str, int]] = {}
-    staging = construction_staging_bytes(x.stage, x.precision, x.buckets, x.n_ranks)
+    staging = construction_staging_bytes(x.stage, x.precision, x.buckets, x.deferred_init)
     # buckets are built (the master on the device until offload moves it), then offload's host state
     building = {"device": kept_device - opt_state_device + (master if x.offload else 0) + staging, "host": 0}
-    if not x.deferred_init:
-        building["device"] = max(building["device"], _eager_construction(states, x, master))
+    if not x.deferred_init:  # the whole fp32 model first, freed bucket by bucket as the engine takes it
+        building["device"] = max(building["device"], 4 * x.phi_model + staging)
     moved = {"device": kept_device - opt_state_device, "host": kept_host - opt_state_host}
     parts["construction"] = max(building, moved, key=lambda v: _seen(v, x.device))
     parts["forward"] = {"device": kept_device + x.forward_bytes, "host": kept_host}
@@ -116,20 +116,6 @@ def job_peak(states: ModelStateBytes, x: PeakInputs) -> dict[str, dict[str, int]
             read = 4 * shard_numel(x.phi_padded, world) + 4 * x.frozen
         parts["resume"] = {"device": kept_device, "host": kept_host + read}
     return parts
-
-
-def _eager_construction(states: ModelStateBytes, x: PeakInputs, master: int) -> int:
-    """An eagerly built model as the engine copies it today: the whole model in fp32 while each
-    bucket is staged in fp32 (and cast); at stage 3 then every unit's flat buffer, the masters and
-    the gradient shards at once, before the units are freed one by one (keeping a shard each)."""
-    largest = max(x.buckets, default=0)
-    p = low_precision_bytes(x.precision)
-    separate = bool(precision_traits(x.precision).master_bytes)
-    worst = 4 * x.phi_model + 4 * largest + (p * largest if separate else 0)
-    if stage_traits(x.stage).shards_parameters:
-        all_flats = p * (x.phi_padded + x.frozen) + (0 if x.offload else master) + states.gpu_grads
-        worst = max(worst, all_flats + (p if separate else 4) * (largest // x.n_ranks))
-    return worst
 
 
 def _seen(part: dict[str, int], device: str) -> int:
