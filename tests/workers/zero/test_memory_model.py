@@ -407,7 +407,9 @@ def test_a_model_built_eagerly_holds_itself_in_fp32_at_construction():
     for stage in STAGES:
         deferred = predict(_gpt_nano_inputs(), stage).peak["parts"]["construction"]
         eager = predict(_gpt_nano_inputs(deferred_init=False), stage).peak["parts"]["construction"]
-        assert eager >= max(deferred, 4 * shape.phi), (stage, eager, deferred)
+        assert eager >= 4 * shape.phi, (stage, eager, deferred)
+        if stage == 3:  # a sharded build holds far less than the fp32 model it would build eagerly
+            assert deferred < eager
     many = PlanInputs(shape=shape, n_ranks=8, precision="bf16", bucket_mb=1.0, device="cpu")
     assert predict(many, 3).peak["parts"]["construction"] < 4 * shape.phi  # no rank holds the fp32 model
 

@@ -112,22 +112,22 @@ def gathered_unit_bytes(
     return low_precision_bytes(precision) * ((pad(root_numel) if root_numel else 0) + sum(blocks))
 
 
-def construction_staging_bytes(stage: int, precision: str, buckets: Sequence[int], deferred: bool = True) -> int:
+def construction_staging_bytes(stage: int, precision: str, buckets: Sequence[int]) -> int:
     """What building the engine holds besides what it keeps, one bucket (stage 3: unit) at a time
     (``engine._build_buckets``, ``materialize.py``).
 
-    A model on the meta device has each bucket's parameters materialized and initialized in fp32
-    (``deferred``; an eager model holds them already). The bucket is then copied into an fp32
-    buffer, broadcast, and split into what is kept (the compute-dtype flat buffer, this rank's
-    fp32 master shard): with mixed precision that fp32 buffer is extra, with fp32 it is the flat
-    buffer itself. Stage 3 keeps only the shard, so the unit's whole flat buffer (fp32, plus its
-    compute-dtype cast) is staging too.
+    The bucket's parameters in fp32 -- materialized and initialized for a model on the meta device,
+    the model's own for an eager one -- live until the flat buffer takes their place; the bucket
+    is copied into an fp32 buffer, broadcast, and split into what is kept (the compute-dtype flat
+    buffer, this rank's fp32 master shard): with mixed precision that fp32 buffer is extra, with
+    fp32 it is the flat buffer itself. Stage 3 keeps only the shard, so the unit's whole flat
+    buffer (fp32, plus its compute-dtype cast) is staging too.
     """
     traits = stage_traits(stage)
     p = low_precision_bytes(precision)
     largest = max(buckets, default=0)
     separate = bool(precision_traits(precision).master_bytes)
-    staging = 4 * largest if deferred else 0
+    staging = 4 * largest  # the bucket's fp32 parameters
     if traits.shards_parameters:
         staging += 4 * largest + (p * largest if separate else 0)
     elif separate:

@@ -90,13 +90,16 @@ def job_peak(states: ModelStateBytes, x: PeakInputs) -> dict[str, dict[str, int]
     opt_state_host = states.cpu_optimizer if x.offload else 0
 
     parts: dict[str, dict[str, int]] = {}
-    staging = construction_staging_bytes(x.stage, x.precision, x.buckets, x.deferred_init)
-    # buckets are built (the master on the device until offload moves it), then offload's host state
-    building = {"device": kept_device - opt_state_device + (master if x.offload else 0) + staging, "host": 0}
+    staging = construction_staging_bytes(x.stage, x.precision, x.buckets)
+    # buckets are built one by one (the master on the device until offload moves it; the gradient
+    # buffers come after them), then the gradient buffers, then offload's host state
+    params_and_master = kept_device - opt_state_device - states.gpu_grads + (master if x.offload else 0)
+    building = {"device": params_and_master + staging, "host": 0}
     if not x.deferred_init:  # the whole fp32 model first, freed bucket by bucket as the engine takes it
-        building["device"] = max(building["device"], 4 * x.phi_model + staging)
+        building["device"] = max(building["device"], 4 * x.phi_model + staging - 4 * max(x.buckets, default=0))
+    built = {"device": params_and_master + states.gpu_grads, "host": 0}
     moved = {"device": kept_device - opt_state_device, "host": kept_host - opt_state_host}
-    parts["construction"] = max(building, moved, key=lambda v: _seen(v, x.device))
+    parts["construction"] = max(building, built, moved, key=lambda v: _seen(v, x.device))
     parts["forward"] = {"device": kept_device + x.forward_bytes, "host": kept_host}
     parts["backward"] = {"device": kept_device + x.backward_bytes, "host": kept_host}
     scratch = step_buffer_bytes(x.stage, x.precision, x.buckets, x.n_ranks, x.device, x.offload,
