@@ -98,6 +98,10 @@ class Worker:
     def checkpoint_failed(self, step: int, error: str) -> None:
         self.http.post("/worker/checkpoints/failed", json={"step": step, "error": error}).raise_for_status()
 
+    def memory(self, ranks: list[dict[str, float]], attempt: int = 0) -> None:
+        """The end-of-run memory report (``workers.train.report_measured_memory``): one dict per rank."""
+        self.http.post("/worker/memory", json={"attempt": attempt, "ranks": ranks}).raise_for_status()
+
     def state(self, state: str, **extra: Any) -> None:
         self.http.post("/worker/state", json={"state": state, **extra}).raise_for_status()
 

@@ -21,6 +21,10 @@ def test_finished_job_page_screenshot(dashboard, page):
     job.state("RUNNING", attempt=1)
     job.metrics(training_records(range(101, 201), attempt=1))
     job.checkpoint(200)
+    measured = {"params": 2.1e6, "grads": 1.06e6, "optimizer": 6.3e6, "buffers": 0.0, "total": 9.5e6,
+                "peak": 2.0e7, "peak_construction": 8e6, "peak_forward": 1.9e7, "peak_backward": 2.0e7,
+                "peak_step": 1.1e7, "peak_checkpoint": 1.2e7, "peak_resume": 1.0e7}
+    job.memory([measured, measured], attempt=1)
     job.finish("SUCCEEDED")
     dashboard.wait_state(job.job_id, {"SUCCEEDED"})
 
@@ -33,6 +37,15 @@ def test_finished_job_page_screenshot(dashboard, page):
     # the restart replaced steps 101–130 of attempt 0: one point per step, 200 in all
     assert page.locator("#chart-loss").get_attribute("data-points") == "200"
     expect(page.locator("#memory-bars .mem-row")).to_have_count(2)
+    # the planner's peak by part of the job, in words, beside rank 0's measurement
+    note = page.locator("#memory-prediction-note")
+    expect(note).to_contain_text("Predicted peak per rank")
+    expect(note).to_contain_text("worst part: ")
+    expect(note).to_contain_text("measured on rank 0: 20.0 MB")
+    parts = page.locator("#memory-peak-parts")
+    expect(parts.locator("tbody tr[data-part='backward'] th")).to_have_text("backward pass")
+    expect(parts.locator("tbody tr[data-part='backward'] td").nth(1)).to_have_text("20.0 MB")
+    expect(parts.locator("tbody tr[data-part='construction'] th")).to_have_text("model and engine construction")
     timeline = page.locator("#events")
     expect(timeline.locator("[data-to-state='RESTARTING']")).to_contain_text("worker_failed")
     expect(timeline.locator("[data-to-state='RESTARTING']")).to_contain_text("attempt 1")
