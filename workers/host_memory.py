@@ -15,7 +15,8 @@ Fixing the threshold (``mallopt(M_MMAP_THRESHOLD)``; setting it also switches th
 adjustment off) makes every block above ``MMAP_THRESHOLD_BYTES`` its own mapping: freed
 memory leaves the resident set at once, as it leaves a CUDA allocator's count, and the peak is
 what the planner predicts. The price is a page fault per fresh page of such a block (the
-kernel zeroes it); small tensors still come from the heap. The worker applies it to CPU ranks
+kernel zeroes it) and a system call per block; small tensors still come from the heap
+(``benchmarks/engine.py --host-malloc glibc`` measures the difference). The worker applies it to CPU ranks
 (``workers/train.py``), the engine benchmark to every row alike (``benchmarks/engine.py``),
 the planner's tests to the ranks they measure. The environment variable
 ``MALLOC_MMAP_THRESHOLD_`` does the same for a whole process from its start.
@@ -29,7 +30,8 @@ import logging
 
 log = logging.getLogger(__name__)
 
-#: blocks at least this large are mapped on their own (activations of a small model are ~1 MiB)
+#: blocks at least this large are mapped on their own: gpt-nano's activations are 128 KiB tensors,
+#: which a 256 KiB threshold left in the heaps (its measured peaks then missed half the job's memory)
 MMAP_THRESHOLD_BYTES = 64 * 1024
 _M_MMAP_THRESHOLD = -3  # glibc's <malloc.h>
 
