@@ -18,8 +18,8 @@ what the planner predicts. The price is a page fault per fresh page of such a bl
 kernel zeroes it) and a system call per block; small tensors still come from the heap
 (``benchmarks/engine.py --host-malloc glibc`` measures the difference). The worker applies it to CPU ranks
 (``workers/train.py``), the engine benchmark to every row alike (``benchmarks/engine.py``),
-the planner's tests to the ranks they measure. The environment variable
-``MALLOC_MMAP_THRESHOLD_`` does the same for a whole process from its start.
+the planner's tests to the ranks they measure. A process started with the environment variable
+``MALLOC_MMAP_THRESHOLD_`` keeps that setting instead (``map_large_blocks``).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,7 @@ log = logging.getLogger(__name__)
 #: which a 256 KiB threshold left in the heaps (its measured peaks then missed half the job's memory)
 MMAP_THRESHOLD_BYTES = 64 * 1024
 _M_MMAP_THRESHOLD = -3  # glibc's <malloc.h>
+ENV_THRESHOLD = "MALLOC_MMAP_THRESHOLD_"  # glibc's own environment variable for the same setting
 
 
 def _libc():
@@ -60,8 +62,14 @@ def map_large_blocks(threshold_bytes: int = MMAP_THRESHOLD_BYTES) -> bool:
     """Serve every host allocation of at least ``threshold_bytes`` with its own mapping.
 
     True when glibc took the setting; False where the C library is not glibc (musl, macOS),
-    which keeps its default policy.
+    which keeps its default policy, and where the process was started with
+    ``MALLOC_MMAP_THRESHOLD_`` set: that choice (glibc applied it at start) stands, which is how
+    a CPU job that prefers speed over an exact peak opts out (``MALLOC_MMAP_THRESHOLD_=33554432``
+    is glibc's largest: its default behaviour without the dynamic threshold's drift).
     """
+    if os.environ.get(ENV_THRESHOLD):
+        log.info("%s=%s set: the host allocator keeps it", ENV_THRESHOLD, os.environ[ENV_THRESHOLD])
+        return False
     mallopt = getattr(_libc(), "mallopt", None)
     if mallopt is None:
         log.info("no glibc mallopt here: the host allocator keeps its default policy")

@@ -438,3 +438,10 @@ def test_only_torchs_element_wise_optimizers_step_bucket_by_bucket():
     hooked.register_step_post_hook(lambda opt, args, kwargs: None)  # a hook would count the calls
     assert not steps_per_piece(hooked)
     assert not steps_per_piece(torch.optim.LBFGS(params))
+
+
+def test_a_process_started_with_its_own_mmap_threshold_keeps_it(monkeypatch):
+    from workers.host_memory import map_large_blocks
+
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "33554432")  # what a job that prefers speed sets
+    assert map_large_blocks() is False  # the environment's choice stands (glibc applied it at start)
