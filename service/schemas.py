@@ -13,6 +13,7 @@ from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, create_model, field_validator
 
+from contract.reasons import MAX_DETAILS_CHARS
 from contract.metrics import (  # noqa: F401  (METRIC_FIELDS: re-exported)
     MAX_USER_METRIC_NAME_CHARS,
     MAX_USER_METRICS,
@@ -77,6 +78,8 @@ class JobOut(OutModel):
     state: JobState
     reason: str | None = None
     message: str | None = None
+    details: str | None = Field(
+        default=None, description="a failed job's full traceback (bounded), behind its one-line message")
     attempt: int = 0
     spec: dict[str, Any]
     prediction: dict[str, Any] | None = Field(
@@ -210,6 +213,8 @@ class WorkerStateIn(BaseModel):
     state: Literal["RUNNING", "RESTARTING", "SUCCEEDED", "FAILED"]
     reason: str | None = Field(default=None, max_length=100)
     message: str | None = Field(default=None, max_length=10_000)
+    details: str | None = Field(default=None, max_length=MAX_DETAILS_CHARS,
+                                description="with FAILED: the full traceback (the message is its summary)")
     attempt: int | None = Field(default=None, ge=0, le=MAX_INT32)
 
 
