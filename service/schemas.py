@@ -258,6 +258,18 @@ class CheckpointList(BaseModel):
     items: list[CheckpointOut]
 
 
+# --------------------------------------------------------------------------- code packages
+
+
+class CodePackageOut(BaseModel):
+    """A zip of the user's code kept by the service (service/code_packages.py); a spec names it
+    by ``uri`` in ``runtime.working_dir``."""
+
+    sha256: str = Field(description="of the zip's bytes: the package's name")
+    uri: str = Field(description="where the service keeps it; the value for runtime.working_dir")
+    size_bytes: int
+
+
 # --------------------------------------------------------------------------- API tokens
 
 
