@@ -27,3 +27,16 @@ class Reason:
     CANCELLED_BY_USER = "cancelled_by_user"
     MAX_RUNTIME_EXCEEDED = "max_runtime_exceeded"
     CHECKPOINT_FAILED = "checkpoint_failed"
+
+
+#: The longest ``details`` a failed job keeps: the full traceback behind its one-line message,
+#: the end of it when longer (the innermost frames and the exception are at the end).
+MAX_DETAILS_CHARS = 16_000
+
+
+def bounded_details(text: str, limit: int = MAX_DETAILS_CHARS) -> str:
+    """``text`` if it fits in ``limit`` characters, else its end after a line saying how much was cut."""
+    if len(text) <= limit:
+        return text
+    head = f"[… {len(text) - limit + 100} characters cut; the whole traceback is in the job's logs]\n"
+    return head + text[len(text) - (limit - len(head)):]

@@ -425,12 +425,17 @@ class ResumeFrom(SpecModel):
 class RuntimeSpec(SpecModel):
     """Code shipped with the job (Ray's ``runtime_env``), for user factories ("pkg.mod:fn").
 
-    Only a remote zip package is accepted: a directory path would be read on the control
-    plane's machine and ship whatever that machine holds to the cluster.
+    A zip package: a remote one (``s3://``, ``gs://``, ``https://``), or one the service keeps
+    for its owner (``{storage}/users/{owner}/code/{sha256}.zip``, what ``zerotrain submit``
+    uploads for a local folder; service/code_packages.py). The service refuses a ``file://``
+    zip that is not the caller's own upload: a path of the control plane's machine would ship
+    whatever that machine holds to the cluster. A directory path is never a value here; the
+    CLI turns one into an upload before it submits.
     """
 
-    working_dir: str | None = Field(default=None, max_length=2048, pattern=r"^(s3|gs|https)://[^\s]+\.zip$",
-                                    description="a zip package of the user's code: s3://, gs:// or https:// URI")
+    working_dir: str | None = Field(default=None, max_length=2048, pattern=r"^(s3|gs|https|file)://[^\s]+\.zip$",
+                                    description="a zip package of the user's code: s3://, gs:// or https:// URI, "
+                                                "or the URI of a package uploaded to this service")
 
 
 class JobSpec(SpecModel):

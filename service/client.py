@@ -24,6 +24,7 @@ from service.schemas import (
     TERMINAL_STATES,
     CheckpointList,
     CheckpointOut,
+    CodePackageOut,
     EventList,
     EventOut,
     JobOut,
@@ -222,6 +223,28 @@ class Client:
 
     def checkpoints(self, job_id: str) -> list[CheckpointOut]:
         return CheckpointList.model_validate(self._api("GET", f"/jobs/{job_id}/checkpoints")).items
+
+    # ------------------------------------------------------------------ code packages
+
+    def code_package(self, sha256: str) -> CodePackageOut | None:
+        """Your uploaded package with this sha256, or None when you have not uploaded it."""
+        try:
+            return CodePackageOut.model_validate(self._api("GET", f"/code-packages/{sha256}"))
+        except NotFound:
+            return None
+
+    def upload_code(self, data: bytes) -> CodePackageOut:
+        """Upload a zip of your code (``service.code_packages.build_package`` makes one) once:
+        when the service already holds these bytes of yours, nothing is sent. Its ``uri`` is the
+        value for ``runtime.working_dir``."""
+        import hashlib
+
+        known = self.code_package(hashlib.sha256(data).hexdigest())
+        if known is not None:
+            return known
+        return CodePackageOut.model_validate(self._api(
+            "POST", "/code-packages", content=data, headers={"Content-Type": "application/octet-stream"},
+            timeout=httpx.Timeout(self._http.timeout.connect, read=300, write=300, pool=30)))
 
     # ------------------------------------------------------------------ API tokens
 

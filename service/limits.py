@@ -1,7 +1,8 @@
 """Refuse request bodies over ``max_body_bytes`` before any handler sees them (413).
 
 A declared ``Content-Length`` is checked up front; a chunked body is counted as it arrives and
-cut off at the limit, so a client cannot stream an unbounded body into memory.
+cut off at the limit, so a client cannot stream an unbounded body into memory. A path in
+``limits`` has its own limit instead (the upload of a code package is larger than any JSON body).
 """
 
 from __future__ import annotations
@@ -20,16 +21,17 @@ class BodyTooLarge(HTTPException):
 
 
 class BodySizeLimit:
-    def __init__(self, app: ASGIApp, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app: ASGIApp, max_bytes: int, limits: dict[str, int] | None = None):
+        self.app, self.default_max_bytes, self.limits = app, max_bytes, dict(limits or {})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        max_bytes = self.limits.get(scope.get("path", ""), self.default_max_bytes)
         declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._refuse(send)
+        if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+            await self._refuse(send, max_bytes)
             return
         received = 0
         started = False
@@ -39,8 +41,8 @@ class BodySizeLimit:
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    raise BodyTooLarge(self.max_bytes)
+                if received > max_bytes:
+                    raise BodyTooLarge(max_bytes)
             return message
 
         async def tracking_send(message: Message) -> None:
@@ -52,10 +54,11 @@ class BodySizeLimit:
             await self.app(scope, counting_receive, tracking_send)
         except BodyTooLarge:
             if not started:
-                await self._refuse(send)
+                await self._refuse(send, max_bytes)
 
-    async def _refuse(self, send: Send) -> None:
-        body = json.dumps({"detail": BodyTooLarge(self.max_bytes).detail, "errors": []}).encode()
+    @staticmethod
+    async def _refuse(send: Send, max_bytes: int) -> None:
+        body = json.dumps({"detail": BodyTooLarge(max_bytes).detail, "errors": []}).encode()
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"),
                                 (b"content-length", str(len(body)).encode())]})

@@ -68,6 +68,7 @@ class Job(Base):
     state: Mapped[str] = mapped_column(String(16), index=True)
     reason: Mapped[str | None] = mapped_column(String(100))
     message: Mapped[str | None] = mapped_column(Text)
+    details: Mapped[str | None] = mapped_column(Text)  # a failed job's traceback (contract.reasons)
     attempt: Mapped[int] = mapped_column(Integer, default=0)
     spec: Mapped[dict[str, Any]] = mapped_column(JSON)
     launch_handle: Mapped[dict[str, Any] | None] = mapped_column(JSON)

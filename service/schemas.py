@@ -13,6 +13,7 @@ from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, create_model, field_validator
 
+from contract.reasons import MAX_DETAILS_CHARS
 from contract.metrics import (  # noqa: F401  (METRIC_FIELDS: re-exported)
     MAX_USER_METRIC_NAME_CHARS,
     MAX_USER_METRICS,
@@ -77,6 +78,8 @@ class JobOut(OutModel):
     state: JobState
     reason: str | None = None
     message: str | None = None
+    details: str | None = Field(
+        default=None, description="a failed job's full traceback (bounded), behind its one-line message")
     attempt: int = 0
     spec: dict[str, Any]
     prediction: dict[str, Any] | None = Field(
@@ -210,6 +213,8 @@ class WorkerStateIn(BaseModel):
     state: Literal["RUNNING", "RESTARTING", "SUCCEEDED", "FAILED"]
     reason: str | None = Field(default=None, max_length=100)
     message: str | None = Field(default=None, max_length=10_000)
+    details: str | None = Field(default=None, max_length=MAX_DETAILS_CHARS,
+                                description="with FAILED: the full traceback (the message is its summary)")
     attempt: int | None = Field(default=None, ge=0, le=MAX_INT32)
 
 
@@ -251,6 +256,18 @@ class CheckpointOut(OutModel):
 
 class CheckpointList(BaseModel):
     items: list[CheckpointOut]
+
+
+# --------------------------------------------------------------------------- code packages
+
+
+class CodePackageOut(BaseModel):
+    """A zip of the user's code kept by the service (service/code_packages.py); a spec names it
+    by ``uri`` in ``runtime.working_dir``."""
+
+    sha256: str = Field(description="of the zip's bytes: the package's name")
+    uri: str = Field(description="where the service keeps it; the value for runtime.working_dir")
+    size_bytes: int
 
 
 # --------------------------------------------------------------------------- API tokens

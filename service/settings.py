@@ -13,6 +13,8 @@ from typing import Literal
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from service.code_packages import MAX_PACKAGE_BYTES
+
 
 def default_home() -> Path:
     return Path("~/.zerotrain").expanduser()
@@ -54,6 +56,9 @@ class Settings(BaseSettings):
     max_running_workers_per_user: int | None = Field(default=None, ge=1)
     max_workers_per_job: int = Field(default=4096, ge=1)  # larger jobs are refused at submit
     max_queued_jobs_per_user: int | None = Field(default=1000, ge=1)  # more are refused (429) at submit
+    # A package of the user's code (runtime.working_dir from a local folder), zipped: the
+    # upload's body limit (service.code_packages); the global max_body_bytes does not apply to it.
+    max_code_package_bytes: int = Field(default=MAX_PACKAGE_BYTES, ge=1024)
     max_spec_bytes: int = Field(default=256 * 1024, ge=1024)  # a stored spec's JSON; larger is a 422
     local_capacity_cpus: float | None = Field(default=None, gt=0)  # the local launcher's CPUs for jobs
     # An autoscaling cluster grows when jobs ask for more than it has: its current totals are
@@ -76,6 +81,11 @@ class Settings(BaseSettings):
     @property
     def logs_dir(self) -> Path:
         return self.home / "logs"
+
+    @property
+    def code_cache_dir(self) -> Path:
+        """Where launchers on this machine keep packages fetched from storage and unpacked."""
+        return self.home / "code-cache"
 
     @property
     def api_url(self) -> str:

@@ -4,7 +4,8 @@ The launcher submits this through the Ray Jobs API. It fetches the job's spec fr
 control plane with the ingest token (``ZEROTRAIN_INGEST_TOKEN``, environment only), validates
 it into a ``contract.spec.JobSpec``, has a ``workers.runtime.Runtime`` (Ray Train's, by
 default) run ``workers.train.train_loop`` on every rank, and reports how it ended: SUCCEEDED,
-or FAILED with the error and the runtime's reason for it. RUNNING (and RESTARTING after a
+or FAILED with the error and the runtime's reason for it (a summary as the job's message, the
+whole traceback, bounded, as its ``details``). RUNNING (and RESTARTING after a
 dead worker group was replaced) is reported by rank 0 of each worker group, because only the
 workers know when training actually runs; a job still waiting for its resources stays
 STARTING and the launcher says why.
@@ -76,9 +77,11 @@ def run(job_id: str, api_url: str, runtime: Runtime | None = None) -> int:
         log.warning("job %s: driver interrupted; not reporting a final state", job_id)
         return 130
     except Exception as error:  # noqa: BLE001 - every failure is reported, then re-raised as exit 1
-        log.error("job %s failed: %s: %s\n%s", job_id, type(error).__name__, error, traceback.format_exc(limit=20))
-        try:
-            api.post_state("FAILED", reason=runtime.failure_reason(error), message=runtime.failure_summary(error))
+        full = traceback.format_exc()
+        log.error("job %s failed: %s: %s\n%s", job_id, type(error).__name__, error, full)
+        try:  # the summary is the job's message; the whole traceback its details (the page's fold)
+            api.post_state("FAILED", reason=runtime.failure_reason(error), message=runtime.failure_summary(error),
+                           details=full)
         except (JobNotActive, ConnectionError) as refused:
             log.warning("could not report FAILED: %s", refused)
         return 1

@@ -1,7 +1,8 @@
 """What a submitted spec may reach beyond itself: checks that need the caller and the database.
 
 The schema alone cannot tell whose job ``resume_from.job_id`` names or whose storage
-``checkpoint.uri``, ``data.uri`` (and ``eval.data.uri``) and ``model.init_from`` point into, nor whether this service lets the caller run
+``checkpoint.uri``, ``data.uri`` (and ``eval.data.uri``), ``model.init_from`` and
+``runtime.working_dir`` (an uploaded package) point into, nor whether this service lets the caller run
 their own code in the workers (``Settings.allow_user_code``), so ``submit_job`` runs these
 before storing anything. A job the caller cannot see and a job that does not exist get the
 same answer, so the 422 does not confirm that another user's job id exists (the same reason
@@ -15,6 +16,7 @@ from sqlalchemy.orm import Session
 
 from service.api.errors import field_error
 from service.auth import Principal
+from service.code_packages import check_working_dir
 from service.models import Job
 from service.schemas import JobSpec
 from service.settings import Settings
@@ -50,7 +52,9 @@ def check_spec_access(spec: JobSpec, user: Principal, session: Session, settings
     # model.init_from is read like data: the same rules (what the workers read, not what they write)
     storage_checks = [("checkpoint.uri", spec.checkpoint.uri, check_checkpoint_root),
                       *((f"{where}.uri", data.uri, check_data_uri) for where, data in spec.data_blocks()),
-                      ("model.init_from", spec.model.init_from, check_data_uri)]
+                      ("model.init_from", spec.model.init_from, check_data_uri),
+                      # a package the service keeps: the caller's own upload, and still there
+                      ("runtime.working_dir", spec.runtime.working_dir if spec.runtime else None, check_working_dir)]
     for field, uri, check in storage_checks:
         if uri is None:
             continue

@@ -11,6 +11,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from contract.spec import JobSpec
 from service.api.deps import SessionDep, SettingsDep, WorkerJob
 from service.api.errors import error_responses, field_error
+from service.log_text import plain_log
 from service.models import Checkpoint, Job, JobEvent
 from service.schemas import (MAX_INT32, CheckpointFailureIn, CheckpointIn, CheckpointOut, EventOut, JobOut, JobState,
                              WorkerSpecOut, WorkerStateIn)
@@ -38,9 +39,11 @@ def report_worker_state(report: WorkerStateIn, job: WorkerJob, session: SessionD
     target = JobState(report.state)
     if JobState(job.state) is target and report.attempt in (None, job.attempt):
         return job  # a retried report: already applied
+    # the traceback behind a FAILED message; as plain text (service.log_text), as the log is kept
+    details = {"details": plain_log(report.details)} if target is JobState.FAILED and report.details else None
     try:
         updated = transition(session, job.id, target, reason=report.reason or DEFAULT_REASONS[target],
-                             message=report.message, attempt=report.attempt)
+                             message=report.message, attempt=report.attempt, values=details)
     except IllegalTransition as refused:
         raise HTTPException(409, str(refused)) from None
     session.commit()

@@ -2,7 +2,8 @@
 
 They talk to a running server through the SDK (``service.client.Client``, which picks up
 ``ZEROTRAIN_URL``/``ZEROTRAIN_TOKEN`` or the local defaults). ``submit --follow`` shows live
-progress until the job ends and exits 0 only if it succeeded.
+progress until the job ends and exits 0 only if it succeeded. A ``runtime.working_dir`` that
+names a local folder is uploaded first (``ship_local_code``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from rich.table import Column, Table
 from contract.metrics import THROUGHPUT
 from service.cli.errors import CliError
 from service.cli.output import err, out
-from service.client import Client, ZerotrainError
+from service.client import Client, PayloadTooLarge, ZerotrainError
+from service.code_packages import BadPackage, build_package, is_local_working_dir, megabytes
 from service.schemas import JobOut, JobState
 
 
@@ -68,9 +70,35 @@ def load_spec_file(path: str) -> dict[str, Any]:
     return data
 
 
+def ship_local_code(spec: dict[str, Any], spec_file: Path, client: Client) -> None:
+    """A ``runtime.working_dir`` naming a local folder (relative: to the spec file's folder)
+    is zipped, uploaded once and replaced by the stored package's URI (service.code_packages)."""
+    runtime = spec.get("runtime")
+    working_dir = runtime.get("working_dir") if isinstance(runtime, dict) else None
+    if not isinstance(working_dir, str) or not is_local_working_dir(working_dir):
+        return
+    folder = (spec_file.parent / Path(working_dir).expanduser()).resolve()
+    if not folder.is_dir():
+        raise CliError(f"runtime.working_dir {working_dir!r} is not a folder (looked for {folder}; a relative "
+                       f"path is read from the spec file's folder)")
+    try:
+        package = build_package(folder)
+    except BadPackage as refused:
+        raise CliError(str(refused)) from None
+    try:
+        stored = client.upload_code(package.data)
+    except PayloadTooLarge as refused:
+        raise CliError(f"runtime.working_dir {folder} is {megabytes(len(package.data))} zipped, more than this "
+                       f"service accepts ({refused.message})") from None
+    err.print(f"[dim]runtime.working_dir: {escape(str(folder))} ({package.files} files, "
+              f"{megabytes(len(package.data))} zipped) as {escape(stored.uri)}[/]", highlight=False, soft_wrap=True)
+    runtime["working_dir"] = stored.uri
+
+
 def cmd_submit(args: argparse.Namespace) -> int:
     spec = load_spec_file(args.file)
     client = Client()
+    ship_local_code(spec, Path(args.file), client)
     job = client.submit(spec, idempotency_key=args.idempotency_key)
     out.print(f"submitted [bold]{job.id}[/] ({job.name}), {job.state.value}")
     if not args.follow:

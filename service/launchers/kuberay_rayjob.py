@@ -283,7 +283,9 @@ def build_rayjob(request: LaunchRequest, settings: Any) -> dict[str, Any]:
         },
     }
     working_dir = request.spec.runtime.working_dir if request.spec.runtime else None
-    if working_dir:  # user factories shipped with the job; on Kubernetes a remote URI (s3://…zip)
+    # user factories shipped with the job: on Kubernetes the URI itself (a remote zip, or an
+    # uploaded package in the service's storage), fetched by the cluster's pods (service.code_packages)
+    if working_dir:
         spec["runtimeEnvYAML"] = json.dumps({"working_dir": working_dir})  # JSON is YAML
     if request.spec.max_runtime_s:
         spec["activeDeadlineSeconds"] = request.spec.max_runtime_s

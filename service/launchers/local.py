@@ -5,7 +5,9 @@ exit code in ``{log}.exit`` so that a control plane restarted in between still l
 job ended. The handle holds the pid and the process start time (from ``/proc``), so a reused
 pid is never mistaken for the driver. The driver's command and environment come from
 ``service.launchers.driver``: the allow-listed environment, never the control plane's own, with
-the ingest token in it and never on the command line.
+the ingest token in it and never on the command line. A job's ``runtime.working_dir`` is
+unpacked on this machine and is the driver's working directory, first on its ``PYTHONPATH``
+(service.code_packages).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 
 from contract.reasons import Reason
 from service.admission import Capacity
+from service.code_packages import local_zip, unpacked_dir
 from service.launchers.base import LaunchHandle, LaunchPhase, LaunchRequest, LaunchStatus
 from service.launchers.driver import driver_command, driver_environment
 from service.settings import Settings
@@ -45,6 +48,7 @@ class LocalProcessLauncher:
     def __init__(self, settings: Settings):
         self.entrypoint = settings.local_entrypoint
         self.logs_dir = settings.logs_dir
+        self.code_cache_dir = settings.code_cache_dir
         self.cancel_grace_s = settings.cancel_grace_s
         self.capacity_cpus = settings.local_capacity_cpus
         self._children: dict[int, subprocess.Popen] = {}
@@ -57,14 +61,24 @@ class LocalProcessLauncher:
             stale.unlink(missing_ok=True)
         env = {**driver_environment(request), "ZT_EXIT_FILE": str(exit_path)}
         command = driver_command(request, python=sys.executable, entrypoint=self.entrypoint)
+        code_dir = self._code_dir(request)
+        if code_dir is not None:  # as Ray does for a working_dir: the cwd, and first on sys.path
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(code_dir), env.get("PYTHONPATH")) if p)
         with open(log_path, "ab") as log:
             child = subprocess.Popen(["sh", "-c", _WRAPPER, "sh", *command],
                                      stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                     env=env, start_new_session=True)
+                                     env=env, start_new_session=True, cwd=code_dir)
         self._children[child.pid] = child
         return LaunchHandle(self.name, str(child.pid), {
             "pid": child.pid, "start_time": process_start_time(child.pid), "log_path": str(log_path),
         })
+
+    def _code_dir(self, request: LaunchRequest) -> Path | None:
+        """The job's ``runtime.working_dir`` unpacked on this machine (once per package), or None."""
+        working_dir = request.spec.runtime.working_dir if request.spec.runtime else None
+        if not working_dir:
+            return None
+        return unpacked_dir(local_zip(working_dir, request.storage_uri, self.code_cache_dir), self.code_cache_dir)
 
     def _alive(self, handle: LaunchHandle) -> bool:
         pid = int(handle.extra["pid"])

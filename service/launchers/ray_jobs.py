@@ -49,6 +49,7 @@ import httpx
 
 from contract.reasons import Reason
 from service.admission import Capacity
+from service.code_packages import launch_working_dir
 from service.launchers.base import LaunchHandle, LaunchPhase, LaunchRequest, LaunchStatus
 from service.launchers.driver import LOOPBACK_ENV, driver_command, host_environment, job_environment
 from service.log_text import plain_log
@@ -310,8 +311,11 @@ class RayJobsLauncher:
             **({"HOME": os.environ["HOME"]} if self.head is not None and "HOME" in os.environ else {}),
         }
         runtime_env: dict[str, Any] = {"env_vars": env_vars}
-        working_dir = request.spec.runtime.working_dir if request.spec.runtime else None
-        if working_dir:  # user factories shipped with the job (a local dir or a remote zip URI)
+        # user factories shipped with the job: an uploaded package as a local zip, which Ray's
+        # client uploads to the cluster; a remote zip URI as it is (service.code_packages)
+        working_dir = launch_working_dir(request.spec.runtime.working_dir if request.spec.runtime else None,
+                                         request.storage_uri, self.settings.code_cache_dir)
+        if working_dir:
             runtime_env["working_dir"] = working_dir
         try:
             self.client.submit_job(

@@ -3,12 +3,15 @@
 Run by path by the local launcher in tests. Behaviour comes from ``spec.model.kwargs``:
 ``fail`` (report FAILED), ``hang_s`` (sleep after RUNNING, to test cancel), ``exit_code``
 (exit without reporting a final state), ``ranks`` (metric records per step, default 2),
-``log_lines`` (print that many numbered lines after RUNNING, one every ``line_interval_s``).
+``log_lines`` (print that many numbered lines after RUNNING, one every ``line_interval_s``),
+``call_factory`` (import ``model.factory`` and print what it returns and the working directory,
+as the real driver would find a ``runtime.working_dir`` package).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 import time
@@ -38,6 +41,9 @@ def main() -> int:
         time.sleep(options.get("line_interval_s", 0.1))
     if options.get("hang_s"):
         time.sleep(options["hang_s"])
+    if options.get("call_factory"):
+        module, _, name = spec["model"]["factory"].partition(":")
+        print(f"factory says {getattr(importlib.import_module(module), name)()!r} in {os.getcwd()}", flush=True)
     if "exit_code" in options:
         return int(options["exit_code"])
 

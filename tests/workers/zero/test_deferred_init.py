@@ -235,9 +235,10 @@ def test_54m_model_on_four_ranks_never_holds_the_full_model(tmp_path, monkeypatc
                 assert got["built"] < 0.75 * full_fp32, (zero, r, got["built"])
             assert got["peak"] <= run_bound + CONSTANT, (zero, r, got["peak"])
         if exact:
-            # atol 1e-5, a hundredth of one step: embedding rows of bytes that rarely occur have
-            # gradients near zero, where the summation order still shows through AdamW
-            _assert_state(results[0]["full"], ref, f"54M {zero}", atol=1e-5)
+            # rtol 1e-5, and atol 2% of the farthest AdamW can move a weight in these steps
+            # (lr x steps): among 54M weights a few with gradients near zero (embedding rows of
+            # rare bytes, ...) still show the other summation order of a data-parallel gradient
+            _assert_state(results[0]["full"], ref, f"54M {zero}", atol=0.02 * dc.LR * STEPS)
 
 
 @pytest.mark.parametrize("stage", [1, 3])

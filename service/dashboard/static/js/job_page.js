@@ -176,6 +176,12 @@ export function jobPage({ jobId, signal }) {
   const liveStatus = h("span", { id: "live-status", class: "live", text: "" });
   const progressText = h("p", { id: "job-progress", class: "progress-line" });
   const reasonText = h("p", { id: "job-reason", class: "muted" });
+  // A failed job: its message's first line stays in view (reasonText), the user's frames after
+  // it, and the whole traceback (the job's `details`) folded until asked for. Text only.
+  const reasonFrames = h("pre", { id: "job-reason-frames", class: "reason-frames", hidden: true });
+  const tracebackText = h("pre", { id: "job-traceback", class: "logs", tabindex: "0" });
+  const tracebackFold = h("details", { id: "job-details", class: "failure-details", hidden: true },
+    h("summary", { text: "Full traceback" }), tracebackText);
   const metaSlot = h("div");
   const chartsSlot = h("div", { class: "charts" });
   const commSlot = h("div", { class: "charts" });
@@ -191,6 +197,8 @@ export function jobPage({ jobId, signal }) {
     h("div", { class: "page-head" }, h("div", {}, heading, h("div", { class: "head-line" }, badgeSlot, " ", liveStatus)), cancelButton),
     progressText,
     reasonText,
+    reasonFrames,
+    tracebackFold,
     metaSlot,
     h("section", { "aria-labelledby": "h-training" }, h("h2", { id: "h-training", text: "Training" }), chartsSlot),
     h("section", { "aria-labelledby": "h-memory" }, h("h2", { id: "h-memory", text: "Memory per rank" }), memory.element),
@@ -217,6 +225,17 @@ export function jobPage({ jobId, signal }) {
   let pollTimer = null;
   const path = `/jobs/${encodeURIComponent(jobId)}`;
 
+  function renderReason(job) {
+    const [first, ...rest] = (job.message || "").split("\n");
+    reasonText.textContent = job.reason ? `Reason: ${job.reason}${first ? ` — ${first}` : ""}` : "";
+    const frames = job.reason ? rest.join("\n").replace(/\s+$/, "") : "";
+    reasonFrames.textContent = frames;
+    reasonFrames.hidden = !frames;
+    const details = job.state === "FAILED" ? job.details || "" : "";
+    if (tracebackText.textContent !== details) tracebackText.textContent = details; // keeps the fold as it is
+    tracebackFold.hidden = !details;
+  }
+
   function renderJob(next) {
     const changed = !job || job.state !== next.state;
     job = next;
@@ -224,7 +243,7 @@ export function jobPage({ jobId, signal }) {
     document.title = `${job.name} · zerotrain`;
     replaceChildren(badgeSlot, stateBadge(job.state));
     element.dataset.state = job.state;
-    reasonText.textContent = job.reason ? `Reason: ${job.reason}${job.message ? ` — ${job.message}` : ""}` : "";
+    renderReason(job);
     cancelButton.hidden = TERMINAL_STATES.has(job.state) || job.state === "CANCELLING";
     replaceChildren(metaSlot, metaList(job, prediction));
     if (changed) announce(`Job ${job.name} is ${job.state}.`);
