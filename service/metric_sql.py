@@ -17,10 +17,11 @@ never raises (an overflowing sum is inf), so there the float8 form is the only o
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
-from sqlalchemy import Float, Numeric, cast, func
+from sqlalchemy import Float, Numeric, cast, func, select
 from sqlalchemy.engine import Row
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
@@ -63,3 +64,15 @@ def execute_overflow_safe(session: Session, statement_for: Callable[[Averaging],
         if getattr(error.orig, "sqlstate", None) != NUMERIC_VALUE_OUT_OF_RANGE:
             raise
     return session.execute(statement_for(NUMERIC)).all()
+
+
+def latest_attempt_per_step(table: Any, job_id: str) -> Any:
+    """A subquery of ``table``'s rows of the job (metrics, user metrics), keeping for each step
+    only those of the latest attempt that ran it: a restarted attempt retrains the steps after
+    its checkpoint, and a chart shows each step once."""
+    ranked = (
+        select(table, func.max(table.attempt).over(partition_by=table.step).label("latest_attempt"))
+        .where(table.job_id == job_id)
+        .subquery("ranked")
+    )
+    return select(ranked).where(ranked.c.attempt == ranked.c.latest_attempt).subquery("latest")

@@ -20,9 +20,10 @@ from __future__ import annotations
 import logging
 import math
 from collections import defaultdict
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
-from sqlalchemy import Select, func, select, text
+from sqlalchemy import Select, select, text
 from sqlalchemy.dialects import sqlite
 from sqlalchemy.orm import Session
 
@@ -138,11 +139,3 @@ def bucket_means(session: Session, job_id: str, low: int, width: int, filters: d
     return out
 
 
-def latest_attempt_per_step(job_id: str) -> Any:
-    """The job's values, keeping for each step only those of the latest attempt that ran it."""
-    ranked = (
-        select(UserMetric, func.max(UserMetric.attempt).over(partition_by=UserMetric.step).label("latest_attempt"))
-        .where(UserMetric.job_id == job_id)
-        .subquery("ranked")
-    )
-    return select(ranked).where(ranked.c.attempt == ranked.c.latest_attempt).subquery("latest")

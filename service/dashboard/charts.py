@@ -31,7 +31,7 @@ from sqlalchemy.orm import Session
 
 from contract.metrics import CHARTED_FIELDS, MEMORY_FIELDS, THROUGHPUT
 from service import user_metrics
-from service.metric_sql import Averaging, execute_overflow_safe
+from service.metric_sql import Averaging, execute_overflow_safe, latest_attempt_per_step
 from service.models import Metric, UserMetric
 
 
@@ -57,16 +57,6 @@ def _bucketed(averaging: Averaging, source: Any, width: int, world: int, extra: 
     )
 
 
-def _latest_attempt_per_step(job_id: str) -> Any:
-    """The job's records, keeping for each step only those of the latest attempt that ran it."""
-    ranked = (
-        select(Metric, func.max(Metric.attempt).over(partition_by=Metric.step).label("latest_attempt"))
-        .where(Metric.job_id == job_id)
-        .subquery("ranked")
-    )
-    return select(ranked).where(ranked.c.attempt == ranked.c.latest_attempt).subquery("latest")
-
-
 def series(session: Session, job_id: str, steps: int, world: int, max_points: int) -> dict[str, Any]:
     """Columnar ``{"step": [...], "<field>": [...]}`` with about ``max_points`` points at most."""
     width = max(1, math.ceil((max(steps, 1) + 1) / max_points))  # steps 0…steps inclusive
@@ -85,7 +75,7 @@ def series(session: Session, job_id: str, steps: int, world: int, max_points: in
     latest_attempt = max((row.max_attempt for row in rows), default=None)
     mixed_attempts = any(row.min_attempt != row.max_attempt for row in rows)
     if mixed_attempts:
-        latest = _latest_attempt_per_step(job_id)
+        latest = latest_attempt_per_step(Metric, job_id)
         rows = execute_overflow_safe(session, lambda averaging: _bucketed(averaging, latest, width, world))
     columns: dict[str, list] = {"step": [row.step for row in rows]}
     for field in CHARTED_FIELDS:
@@ -108,7 +98,7 @@ def user_series(session: Session, job_id: str, width: int, steps: list[int], *, 
     names = user_metrics.names(session, job_id)
     if not names or not steps:
         return {"names": names, "values": [[None] * len(steps) for _ in names]}
-    source = user_metrics.latest_attempt_per_step(job_id) if latest_only else UserMetric.__table__
+    source = latest_attempt_per_step(UserMetric, job_id) if latest_only else UserMetric.__table__
     bucket = (source.c.step // width).label("bucket")
 
     def query(averaging: Averaging) -> Select:
