@@ -49,7 +49,9 @@ def test_non_finite_or_oversized_numbers_are_422_in_under_100_ms(client, raw, fi
 
 
 def test_the_largest_accepted_question_is_answered_quickly(client):
-    started = time.perf_counter()
+    """The bound is on the server's work: CPU time of this process (the app runs in it), which
+    another busy process on a shared machine does not inflate as it does wall time."""
+    started = time.process_time()
     answer = client.post("/api/v1/plan", json={"params": 1e15, "gpus": 1_000_000, "units": 10_000})
     assert answer.status_code in (200, 422), answer.text
-    assert time.perf_counter() - started < 2.0
+    assert time.process_time() - started < 2.0

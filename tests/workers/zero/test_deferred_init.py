@@ -202,7 +202,8 @@ def test_54m_model_on_four_ranks_never_holds_the_full_model(tmp_path, monkeypatc
       reduce-scatter scratches, 1 filling) + 8Φ/N (torch's foreach AdamW holds two
       shard-sized temporaries in step()) + CONSTANT. While the engine is built, before any
       optimizer state exists: 8Φ/N (the shard and its gradient accumulator) + 2 units +
-      CONSTANT, and below 3/4 of the full fp32 model, which an eager model alone would be;
+      CONSTANT, and below 3/4 of the full fp32 model, which an eager model alone would be. With
+      optimizer offload the host's fp32 master and gradient shard exist from the start: 16Φ/N;
     * stage 2 bf16: 2Φ (the full bf16 parameters) + 14Φ/N (bf16 gradient shard, fp32 master and
       moments) + 4 buckets + 8Φ/N + CONSTANT.
     After 3 AdamW steps every parameter matches one process started from the same file.
@@ -220,7 +221,7 @@ def test_54m_model_on_four_ranks_never_holds_the_full_model(tmp_path, monkeypatc
     cases = [
         (dict(stage=3, precision="fp32"), 24 * phi / n + 6 * 4 * unit, 8 * phi / n + 2 * 4 * unit, True),
         (dict(stage=3, precision="fp32", offload_optimizer=True), 24 * phi / n + 6 * 4 * unit,
-         8 * phi / n + 2 * 4 * unit, True),
+         16 * phi / n + 2 * 4 * unit, True),
         (dict(stage=2, precision="bf16", bucket_mb=25), 2 * phi + 22 * phi / n + 4 * bucket,
          2 * phi + 6 * phi / n + 2 * bucket, False),
     ]
@@ -231,7 +232,7 @@ def test_54m_model_on_four_ranks_never_holds_the_full_model(tmp_path, monkeypatc
                   f"peak {got['peak'] / MiB:.0f} MiB (bound {(run_bound + CONSTANT) / MiB:.0f}); "
                   f"full fp32 model {full_fp32 / MiB:.0f} MiB")
             assert got["built"] <= built_bound + CONSTANT, (zero, r, got["built"])
-            if zero["stage"] == 3:
+            if zero["stage"] == 3 and not zero.get("offload_optimizer"):
                 assert got["built"] < 0.75 * full_fp32, (zero, r, got["built"])
             assert got["peak"] <= run_bound + CONSTANT, (zero, r, got["peak"])
         if exact:
