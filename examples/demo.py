@@ -120,8 +120,9 @@ class Service:
 # ----------------------------------------------------------------------------- live view
 
 
-def _mib(value: float | None) -> str:
-    return "—" if value is None else f"{value / 2**20:,.0f}" if value >= 100 * 2**20 else f"{value / 2**20:.1f}"
+def _mb(value: float | None) -> str:
+    """Decimal megabytes, as the dashboard and the rest of the CLI show bytes."""
+    return "—" if value is None else f"{value / 1e6:,.0f}" if value >= 100e6 else f"{value / 1e6:.1f}"
 
 
 def progress_view(job: JobOut, latest: dict[int, MetricPoint], progress: Progress, task: int) -> Group:
@@ -129,12 +130,12 @@ def progress_view(job: JobOut, latest: dict[int, MetricPoint], progress: Progres
     done = min((p.step for p in latest.values()), default=0)
     progress.update(task, completed=done, total=steps,
                     description=f"[bold]{job.name}[/] {job.state.value} · attempt {job.attempt}")
-    table = Table("rank", "step", "loss", "tokens/s", "TFLOP/s", "params/grads/optim MiB", "peak MiB",
-                  "comm MiB", box=None, header_style="bold cyan")
+    table = Table("rank", "step", "loss", "tokens/s", "TFLOP/s", "params/grads/optim MB", "peak MB",
+                  "comm MB", box=None, header_style="bold cyan")
     for rank, p in sorted(latest.items()):
         table.add_row(str(rank), f"{p.step}/{steps}", f"{p.loss:.3f}", f"{p.tokens_per_s:,.0f}", f"{p.tflops:.3f}",
-                      f"{_mib(p.mem_params_bytes)}/{_mib(p.mem_grads_bytes)}/{_mib(p.mem_optimizer_bytes)}",
-                      _mib(p.mem_peak_bytes), _mib(p.comm_bytes))
+                      f"{_mb(p.mem_params_bytes)}/{_mb(p.mem_grads_bytes)}/{_mb(p.mem_optimizer_bytes)}",
+                      _mb(p.mem_peak_bytes), _mb(p.comm_bytes))
     waiting = job.state in (JobState.QUEUED, JobState.STARTING, JobState.RESTARTING, JobState.CANCELLING)
     reason = f"[yellow]{job.reason}: {job.message}[/]" if waiting and job.reason else ""
     return Group(progress, table, reason)
