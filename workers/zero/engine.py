@@ -223,7 +223,7 @@ class ZeroEngine:
         """
         master = torch.zeros(hi - lo, dtype=torch.float32, device=self.device)
         pieces = spec.pieces(self.shard_rank)
-        values = self.materializer.read([(members[spec.slots.index(pc.slot)], pc.param_start, pc.param_end)
+        values = self.materializer.read([(self._trainable[pc.slot.index], pc.param_start, pc.param_end)
                                          for pc in pieces])
         for pc, v in zip(pieces, values):
             master[pc.shard_offset : pc.shard_offset + pc.numel].copy_(v)

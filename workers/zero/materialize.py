@@ -36,17 +36,12 @@ from __future__ import annotations
 
 import inspect
 import os
-from typing import Any, Callable, Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 import torch.nn as nn
 
 InitWeights = Union[None, str, os.PathLike, Callable[[nn.Module], None]]
-
-
-def is_meta(model: nn.Module) -> bool:
-    """Whether any parameter or buffer of ``model`` is on the meta device."""
-    return any(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
 
 
 def _swap(t: torch.Tensor, value: torch.Tensor) -> None:
@@ -111,7 +106,6 @@ class Materializer:
         else:
             raise TypeError(f"init_weights must be None, a callable (module) -> None or a path/URI of "
                             f"safetensors weights, got {type(init_weights).__name__}")
-        self.deferred = is_meta(model)
 
     @property
     def from_file(self) -> bool:
@@ -166,20 +160,17 @@ class Materializer:
         load every persistent buffer and frozen parameter (engine parameters were loaded already)."""
         trainable = {id(p) for p in self.model.parameters() if p.requires_grad}
         for mod in self.model.modules():
-            entries = [(n, t, True) for n, t in mod._parameters.items()] + \
-                      [(n, t, n not in mod._non_persistent_buffers_set) for n, t in mod._buffers.items()]
-            for local, t, persistent in entries:
+            for local, t in list(mod._parameters.items()) + list(mod._buffers.items()):
                 if t is None or id(t) in trainable:
                     continue
                 if self.weights is None:
                     if t.is_meta:
                         self._init_module(self._owner[id(t)])
                     continue
-                if id(t) not in self._names:
+                if id(t) not in self._names:  # only a non-persistent buffer is not in state_dict()
                     if t.is_meta:
-                        kind = "buffer" if persistent is False else "tensor"
                         raise ValueError(
-                            f"non-persistent {kind} {local!r} of {type(mod).__name__} was built on the meta device: a "
+                            f"non-persistent buffer {local!r} of {type(mod).__name__} was built on the meta device: a "
                             "weights file cannot hold it; create it on a real device in the model's constructor")
                     continue
                 (value,) = self.read([(t, 0, t.numel())])
@@ -189,7 +180,3 @@ class Materializer:
                 else:
                     with torch.no_grad():
                         t.copy_(value)
-
-    def leftover(self) -> list[str]:
-        """Names of tensors still on meta (should be none once the engine is built)."""
-        return [n for n, t in list(self.model.named_parameters()) + list(self.model.named_buffers()) if t.is_meta]
