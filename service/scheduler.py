@@ -143,7 +143,8 @@ class Scheduler:
         try:
             request = LaunchRequest(job_id=job.id, attempt=job.attempt, spec=JobSpec.model_validate(job.spec),
                                     api_url=self.settings.api_url, ingest_token=ingest_token,
-                                    storage_uri=self.settings.storage_uri)
+                                    storage_uri=self.settings.storage_uri,
+                                    scoped_storage=self.settings.scoped_storage)
             handle = self.launcher.start(request)
         except Exception as error:
             log.exception("launcher failed to start %s", job_id)

@@ -195,6 +195,17 @@ class WorkerSpecOut(BaseModel):
     storage_uri: str
 
 
+class StorageCredentialsOut(BaseModel):
+    """Temporary storage credentials for one job, in the form botocore's ``credential_process``
+    reads (``Version`` 1; service.job_credentials): the field names are botocore's."""
+
+    Version: Literal[1] = 1
+    AccessKeyId: str
+    SecretAccessKey: str
+    SessionToken: str
+    Expiration: datetime
+
+
 class MemoryReportIn(BaseModel):
     """Every rank's measured memory at the end of a job (rank 0 gathers and sends them)."""
 

@@ -64,6 +64,14 @@ class Settings(BaseSettings):
     # An autoscaling cluster grows when jobs ask for more than it has: its current totals are
     # then no bound, and admission applies only the limits above (Ray says what a job waits for).
     cluster_autoscales: bool = False
+    # Storage credentials of a job (service.job_credentials): "shared" hands every job the
+    # service's own keys (AWS_* of this environment; a single-user service); "sts" hands a job
+    # none, and its processes fetch temporary credentials limited to its own prefixes, issued by
+    # the storage server's STS as AssumeRole of job_storage_role_arn with a session policy.
+    job_storage_credentials: Literal["shared", "sts"] = "shared"
+    job_storage_role_arn: str = ""
+    job_storage_credentials_ttl_s: int = Field(default=3600, ge=900, le=43200)  # STS' own bounds
+    sts_endpoint_url: str = ""  # empty: the object store's endpoint (ZEROTRAIN_S3_ENDPOINT_URL)
 
     @model_validator(mode="after")
     def _fill_from_home(self) -> "Settings":
@@ -76,7 +84,19 @@ class Settings(BaseSettings):
             self.public_url = f"http://{self.host}:{self.port}"
         if self.token_file is None:
             self.token_file = self.home / "token"
+        if self.job_storage_credentials == "sts":
+            if not self.job_storage_role_arn:
+                raise ValueError("job_storage_credentials = 'sts' needs job_storage_role_arn "
+                                 "(ZEROTRAIN_JOB_STORAGE_ROLE_ARN): the role the jobs' credentials are issued for")
+            if not self.storage_uri.startswith("s3://"):
+                raise ValueError(f"job_storage_credentials = 'sts' needs an s3:// storage_uri "
+                                 f"(got {self.storage_uri!r}): scoped credentials are S3 credentials")
         return self
+
+    @property
+    def scoped_storage(self) -> bool:
+        """Jobs get no storage keys, only credentials for their own prefixes (service.job_credentials)."""
+        return self.job_storage_credentials == "sts"
 
     @property
     def logs_dir(self) -> Path:

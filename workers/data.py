@@ -88,8 +88,10 @@ class TextFilesDataset:
                  cache_file_bytes: int = 8 << 20, cache_files: int = 256):
         import fsspec
 
+        from workers.checkpointing.storage import protocol_of, storage_options
+
         self.seq_len, self.seed = seq_len, seed
-        self.fs, root = fsspec.core.url_to_fs(uri)
+        self.fs, root = fsspec.core.url_to_fs(uri, **storage_options(protocol_of(uri)))
         root = root.rstrip("/")
         pattern = f"{root}/{glob.lstrip('/')}" if glob else root
         sizes = {path: info["size"] for path, info in self.fs.glob(pattern, detail=True).items()

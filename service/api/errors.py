@@ -34,6 +34,7 @@ ERROR_DESCRIPTIONS = {
     413: "request body too large",
     422: "invalid request; `errors` names each bad field",
     429: "a per-user limit is reached (queued jobs, open event streams); with Retry-After",
+    502: "a service the control plane relies on (the storage server's STS) refused or failed",
     503: "database unavailable, or busy (then with Retry-After)",
 }
 COMMON_ERRORS = (400, 401, 404, 413, 422, 503)

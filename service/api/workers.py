@@ -9,16 +9,23 @@ from sqlalchemy import delete, select
 from sqlalchemy.dialects import postgresql, sqlite
 
 from contract.spec import JobSpec
+import logging
+import os
+from functools import lru_cache
+
 from service.api.deps import SessionDep, SettingsDep, WorkerJob
 from service.api.errors import error_responses, field_error
 from service.log_text import plain_log
+from service.job_credentials import CredentialsUnavailable, StsIssuer, job_access
 from service.models import Checkpoint, Job, JobEvent
 from service.schemas import (MAX_INT32, CheckpointFailureIn, CheckpointIn, CheckpointOut, EventOut, JobOut, JobState,
-                             WorkerSpecOut, WorkerStateIn)
+                             StorageCredentialsOut, WorkerSpecOut, WorkerStateIn)
+from service.settings import Settings
 from service.states import IllegalTransition, Reason, record_notice, transition
 from service.storage_policy import UnsafeUri, check_registered_checkpoint
 
 router = APIRouter(prefix="/jobs/{job_id}/worker", tags=["workers"])
+log = logging.getLogger(__name__)
 
 DEFAULT_REASONS = {
     JobState.RUNNING: Reason.DRIVER_STARTED,
@@ -32,6 +39,39 @@ DEFAULT_REASONS = {
 def get_worker_spec(job: WorkerJob, settings: SettingsDep) -> WorkerSpecOut:
     return WorkerSpecOut(job_id=job.id, attempt=job.attempt, state=JobState(job.state),
                          spec=job.spec, storage_uri=settings.storage_uri)
+
+
+@lru_cache(maxsize=4)
+def _issuer(role_arn: str, ttl_s: int, endpoint_url: str | None, region: str | None) -> StsIssuer:
+    return StsIssuer(role_arn, ttl_s, endpoint_url, region)
+
+
+def issuer_for(settings: Settings) -> StsIssuer:
+    """One STS client per configuration (creating a botocore client costs tens of milliseconds)."""
+    from workers.checkpointing.storage import ENDPOINT_ENV
+
+    return _issuer(settings.job_storage_role_arn, settings.job_storage_credentials_ttl_s,
+                   settings.sts_endpoint_url or os.environ.get(ENDPOINT_ENV) or None,
+                   os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION"))
+
+
+@router.post("/storage-credentials", response_model=StorageCredentialsOut, name="issue_storage_credentials",
+             responses=error_responses(409, 502))
+def issue_storage_credentials(job: WorkerJob, settings: SettingsDep) -> StorageCredentialsOut:
+    """Temporary credentials limited to what this job may touch in storage (service.job_credentials);
+    the job's processes call this through botocore's ``credential_process`` whenever theirs expire."""
+    if not settings.scoped_storage:
+        raise HTTPException(409, "this service gives jobs its own storage keys (job_storage_credentials = "
+                                 "'shared'): there are no scoped credentials to issue")
+    access = job_access(JobSpec.model_validate(job.spec), settings.storage_uri, job.id)
+    try:
+        issued = issuer_for(settings).issue(job.id, access)
+    except CredentialsUnavailable as error:
+        log.error("job %s: %s", job.id, error)
+        raise HTTPException(502, "the storage server did not issue credentials for this job; "
+                                 "the control plane's log says why") from None
+    log.info("job %s: storage credentials issued until %s", job.id, issued.expiration.isoformat())
+    return StorageCredentialsOut.model_validate(issued.as_credential_process())
 
 
 @router.post("/state", response_model=JobOut, name="report_worker_state", responses=error_responses(409))

@@ -38,6 +38,9 @@ class LaunchRequest:
     api_url: str  # where the driver reaches the control plane
     ingest_token: str  # secret: pass through the environment only, never argv
     storage_uri: str
+    # the job holds no storage keys and fetches credentials for its own prefixes from the API
+    # (Settings.scoped_storage, service.job_credentials)
+    scoped_storage: bool = False
 
 
 @dataclass(frozen=True)

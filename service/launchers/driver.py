@@ -24,12 +24,15 @@ and the Ray head the Ray launcher starts (its raylets spawn the drivers and the 
 its environment). A remote Ray cluster's nodes and a Kubernetes pod have their own.
 
 [Note: what a job's code can still reach]
-The storage credentials are the control plane's own, one set for every job, unless the
-deployment gives the Ray nodes (or the ``storage_secret`` of the KubeRay launcher) keys scoped
-to less; so a job's code can read and write everything those keys can. On a Ray cluster
-shared by several jobs, a job's code also holds that cluster's Ray token (Ray hands it to every
-process it starts), with which it can read other jobs' ``runtime_env`` through the Jobs API --
-their ingest tokens included. docs/contracts.md and deploy/README.md say the same.
+With ``Settings.job_storage_credentials = "shared"`` (the default) the storage credentials are
+the control plane's own, one set for every job, so a job's code can read and write everything
+those keys can. With ``"sts"`` no storage key is copied (``STORAGE_KEY_VARIABLES``: not to a
+driver, not to the embedded Ray head); the job is told ``STORAGE_CREDENTIALS_ENV`` and its
+processes fetch temporary credentials for its own prefixes with its ingest token
+(``service.job_credentials``, ``workers.storage_credentials``). On a Ray cluster shared by
+several jobs, a job's code also holds that cluster's Ray token (Ray hands it to every process
+it starts), with which it can read other jobs' ``runtime_env`` through the Jobs API -- their
+ingest tokens included. docs/contracts.md and deploy/README.md say the same.
 """
 
 from __future__ import annotations
@@ -48,6 +51,9 @@ ATTEMPT_ENV = "ZEROTRAIN_ATTEMPT"
 API_URL_ENV = "ZEROTRAIN_API_URL"
 INGEST_TOKEN_ENV = "ZEROTRAIN_INGEST_TOKEN"  # secret: environment only, never argv
 STORAGE_URI_ENV = "ZEROTRAIN_STORAGE_URI"
+# "api": the job's processes get storage credentials from the control plane (workers.storage_credentials)
+STORAGE_CREDENTIALS_ENV = "ZEROTRAIN_STORAGE_CREDENTIALS"
+STORAGE_CREDENTIALS_FROM_API = "api"
 
 # [Note: Ray Train settings every job runs with]
 # They travel with the job's own variables (``job_environment``), so the driver, the Ray Train
@@ -91,6 +97,14 @@ HOST_PREFIXES = (
 )
 _HOST_NAME = re.compile("|".join(re.escape(prefix) for prefix in HOST_PREFIXES))
 
+# botocore's ways to find long-lived credentials: never copied where a job gets scoped ones
+STORAGE_KEY_VARIABLES = frozenset({
+    "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN",
+    "AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE",
+    "AWS_ROLE_ARN", "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+    "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_AUTHORIZATION_TOKEN",
+})
+
 
 # An operator's own additions to the allow-list: a comma-separated list of variable names
 # (e.g. HF_TOKEN, HTTPS_PROXY). The service's settings and Ray's token are never passed on.
@@ -107,12 +121,14 @@ def is_host_variable(name: str, passthrough: frozenset[str] = frozenset()) -> bo
     return name in HOST_VARIABLES or name in passthrough or _HOST_NAME.match(name) is not None
 
 
-def host_environment(source: Mapping[str, str] | None = None) -> dict[str, str]:
+def host_environment(source: Mapping[str, str] | None = None, *, storage_keys: bool = True) -> dict[str, str]:
     """The allow-listed part of ``source`` (the control plane's environment by default), plus
-    the names the operator listed in ``ZEROTRAIN_JOB_ENV_PASSTHROUGH``."""
+    the names the operator listed in ``ZEROTRAIN_JOB_ENV_PASSTHROUGH``; without the storage
+    keys (``STORAGE_KEY_VARIABLES``) when ``storage_keys`` is false (scoped job credentials)."""
     source = os.environ if source is None else source
     passthrough = passthrough_names(source)
-    return {name: value for name, value in source.items() if is_host_variable(name, passthrough)}
+    return {name: value for name, value in source.items() if is_host_variable(name, passthrough)
+            and (storage_keys or name not in STORAGE_KEY_VARIABLES)}
 
 
 def job_environment(request: LaunchRequest) -> dict[str, str]:
@@ -124,13 +140,14 @@ def job_environment(request: LaunchRequest) -> dict[str, str]:
         API_URL_ENV: request.api_url,
         INGEST_TOKEN_ENV: request.ingest_token,
         STORAGE_URI_ENV: request.storage_uri,
+        **({STORAGE_CREDENTIALS_ENV: STORAGE_CREDENTIALS_FROM_API} if request.scoped_storage else {}),
         **RAY_TRAIN_ENV,
     }
 
 
 def driver_environment(request: LaunchRequest, source: Mapping[str, str] | None = None) -> dict[str, str]:
     """The whole environment of a driver started on this machine: the host half, then the job's."""
-    return {**host_environment(source), **job_environment(request)}
+    return {**host_environment(source, storage_keys=not request.scoped_storage), **job_environment(request)}
 
 
 def driver_command(request: LaunchRequest, *, python: str = "python", entrypoint: str = DRIVER_MODULE) -> list[str]:

@@ -170,7 +170,7 @@ def _container_security() -> dict[str, Any]:
 def _pod_template(
     *, container: str, opts: KubeRayOptions, labels: dict[str, str], env: list[dict[str, Any]],
     resources: dict[str, Any], ports: list[dict[str, Any]] | None = None, gpus: int = 0,
-    ray_node: bool = True,
+    ray_node: bool = True, storage_keys: bool = True,
 ) -> dict[str, Any]:
     main: dict[str, Any] = {
         "name": container,
@@ -181,7 +181,7 @@ def _pod_template(
     }
     if env:
         main["env"] = env
-    if ray_node and opts.storage_secret:
+    if ray_node and storage_keys and opts.storage_secret:  # scoped jobs fetch their own (service.job_credentials)
         main["envFrom"] = [{"secretRef": {"name": opts.storage_secret, "optional": True}}]
     if ports:
         main["ports"] = ports
@@ -235,7 +235,7 @@ def build_rayjob(request: LaunchRequest, settings: Any) -> dict[str, Any]:
     head_amounts = {"cpu": opts.head_cpu, "memory": opts.head_memory}
 
     head = _pod_template(
-        container="ray-head", opts=opts, labels=labels, env=env,
+        container="ray-head", opts=opts, labels=labels, env=env, storage_keys=not request.scoped_storage,
         resources={"requests": dict(head_amounts), "limits": dict(head_amounts)},
         ports=[{"containerPort": 6379, "name": "gcs-server"},
                {"containerPort": 8265, "name": "dashboard"},
@@ -243,7 +243,7 @@ def build_rayjob(request: LaunchRequest, settings: Any) -> dict[str, Any]:
                {"containerPort": 8080, "name": "metrics"}],
     )
     worker = _pod_template(
-        container="ray-worker", opts=opts, labels=labels, env=env,
+        container="ray-worker", opts=opts, labels=labels, env=env, storage_keys=not request.scoped_storage,
         resources=worker_resources(resources, opts), gpus=gpus,
     )
     submitter_amounts = {"cpu": "500m", "memory": "1Gi"}

@@ -156,7 +156,9 @@ class LocalRayHead:
     """
 
     def __init__(self, *, num_cpus: int | None = None, num_gpus: int | None = None, log_path: Path | None = None,
-                 object_store_bytes: int = 300 * 2**20, start_timeout_s: float = 90.0):
+                 object_store_bytes: int = 300 * 2**20, start_timeout_s: float = 90.0,
+                 storage_keys: bool = True):
+        self.storage_keys = storage_keys  # false: the head's processes hold no storage keys (scoped jobs)
         self.num_cpus = num_cpus if num_cpus is not None else (os.cpu_count() or 1)
         self.num_gpus = num_gpus
         self.token = secrets.token_hex(32)
@@ -182,7 +184,7 @@ class LocalRayHead:
         cloud-metadata probe, and the usage report sent to a loopback port); jobs get the real
         HOME back through their ``runtime_env`` (``RayJobsLauncher.start``).
         """
-        env = host_environment()
+        env = host_environment(storage_keys=self.storage_keys)
         venv_bin = os.path.dirname(sys.executable)  # so that the entrypoint's `python` is this one
         env.update(LOOPBACK_ENV, **quiet_ray_environment(Path(self.temp_dir) / "home"),
                    RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=self.token,
@@ -288,7 +290,8 @@ class RayJobsLauncher:
             self.address = settings.ray_address
             headers = token_headers_from_environment()
         else:
-            self.head = head or LocalRayHead(log_path=Path(settings.logs_dir) / "ray-head.log").start()
+            self.head = head or LocalRayHead(log_path=Path(settings.logs_dir) / "ray-head.log",
+                                             storage_keys=not settings.scoped_storage).start()
             self.address, headers = self.head.dashboard_url, self.head.auth_headers
         self.client = JobSubmissionClient(self.address, headers=headers)
         self.http = httpx.Client(base_url=self.address, headers=headers, timeout=10)
@@ -461,10 +464,9 @@ class RayJobsLauncher:
         ``ZEROTRAIN_S3_ENDPOINT_URL`` and looks for the bucket on AWS."""
         import fsspec
 
-        from workers.checkpointing.storage import storage_options
+        from workers.checkpointing.storage import protocol_of, storage_options
 
-        protocol = path.split("://", 1)[0] if "://" in path else "file"
-        return fsspec.core.url_to_fs(path, **storage_options(protocol))
+        return fsspec.core.url_to_fs(path, **storage_options(protocol_of(path)))
 
     def _save_logs(self, handle: LaunchHandle) -> None:
         """Copy a finished job's driver log to storage (once), so it outlives the Ray cluster; kept

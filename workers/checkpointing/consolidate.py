@@ -37,7 +37,7 @@ import numpy as np
 
 from .manifest import numel, pieces_for, read_manifest, resolve
 from .stfile import FLOATS, INDEX_NAME, ITEMSIZE, TensorSpec, build_header, shard_file_name
-from .storage import Storage, storage_options
+from .storage import Storage, protocol_of, storage_options
 
 CHUNK_ELEMENTS = 4 << 20  # 16 MiB of fp32
 OUT_DTYPES = {"fp32": "F32", "bf16": "BF16"}
@@ -105,8 +105,7 @@ def consolidate(uri: str, out_uri: str, dtype: str = "fp32", max_shard_bytes: in
     largest = max((s.nbytes for s, _ in specs), default=0)
     report = ConsolidateReport(len(specs), 0, largest, manifest["step"])
     if out_uri.rstrip("/").endswith(".safetensors"):
-        protocol = out_uri.split("://", 1)[0] if "://" in out_uri else "file"
-        with fsspec.open(out_uri, "wb", **storage_options(protocol)) as out:
+        with fsspec.open(out_uri, "wb", **storage_options(protocol_of(out_uri))) as out:
             report.bytes_written = _write_file(checkpoint, specs, metadata, out)
         return report
     out = Storage.at(out_uri)

@@ -8,6 +8,9 @@ S3 settings come from the environment, the way the rest of the system is configu
 ``ZEROTRAIN_S3_ENDPOINT_URL``   endpoint override (MinIO, moto, any S3-compatible server)
 ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``,
 ``AWS_DEFAULT_REGION`` / ``AWS_REGION``   read by botocore itself (credentials, region)
+``ZEROTRAIN_STORAGE_CREDENTIALS=api``   a job with no keys of its own: botocore fetches
+                                          temporary ones from the control plane
+                                          (``workers.storage_credentials``)
 
 [Note: listings are never cached]
 Other processes write checkpoints (other ranks, a previous attempt), so a cached directory
@@ -25,14 +28,22 @@ from typing import IO, Any, Iterable, Iterator
 
 import fsspec
 
+from workers import storage_credentials
+
 log = logging.getLogger(__name__)
 
 ENDPOINT_ENV = "ZEROTRAIN_S3_ENDPOINT_URL"
 
 
+def protocol_of(uri: str) -> str:
+    """``s3`` of ``s3://b/k``; ``file`` of a plain path."""
+    return uri.split("://", 1)[0] if "://" in uri else "file"
+
+
 def storage_options(protocol: str) -> dict[str, Any]:
     """fsspec keyword arguments for ``protocol``, from the environment."""
     if protocol in ("s3", "s3a"):
+        storage_credentials.install()  # no-op unless this job's credentials come from the API
         options: dict[str, Any] = {}
         endpoint = os.environ.get(ENDPOINT_ENV)
         if endpoint:
@@ -54,8 +65,7 @@ class Storage:
 
     @classmethod
     def at(cls, uri: str) -> "Storage":
-        protocol = uri.split("://", 1)[0] if "://" in uri else "file"
-        fs, root = fsspec.core.url_to_fs(uri, **storage_options(protocol))
+        fs, root = fsspec.core.url_to_fs(uri, **storage_options(protocol_of(uri)))
         return cls(fs, root, uri if "://" in uri else f"file://{os.path.abspath(uri)}")
 
     def child(self, *parts: str) -> "Storage":
