@@ -248,14 +248,16 @@ def metric_record(rank: int, step: int) -> dict:
 # ----------------------------------------------------------------------------- the server
 
 
-def start_server(database_url: str, home: Path, port: int) -> subprocess.Popen:
+def start_server(database_url: str, home: Path, port: int, **settings: str) -> subprocess.Popen:
+    """``uvicorn service.app:create_app`` on ``port``; ``settings`` override the ``ZEROTRAIN_*``
+    defaults here (the local launcher, scheduler off), e.g. ``LAUNCHER="ray"``."""
     env = {**os.environ, "ZEROTRAIN_HOME": str(home), "ZEROTRAIN_DATABASE_URL": database_url,
            "ZEROTRAIN_LAUNCHER": "local", "ZEROTRAIN_SCHEDULER_ENABLED": "false",
-           "ZEROTRAIN_PORT": str(port)}
+           "ZEROTRAIN_PORT": str(port), **{f"ZEROTRAIN_{name}": value for name, value in settings.items()}}
     server = subprocess.Popen([sys.executable, "-m", "uvicorn", "service.app:create_app", "--factory",
                                "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
                                "--no-access-log"], env=env)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 120  # the Ray launcher starts its head first
     while time.monotonic() < deadline:
         if server.poll() is not None:
             raise SystemExit("the server exited during start-up")
@@ -266,7 +268,7 @@ def start_server(database_url: str, home: Path, port: int) -> subprocess.Popen:
             pass
         time.sleep(0.1)
     server.terminate()
-    raise SystemExit("the server did not become healthy within 60 s")
+    raise SystemExit("the server did not become healthy within 120 s")
 
 
 def claim_ingest_tokens(database_url: str, home: Path, count: int) -> list[tuple[str, str]]:

@@ -438,8 +438,18 @@ class RuntimeSpec(SpecModel):
                                                 "or the URI of a package uploaded to this service")
 
 
+# The smallest useful job, shown in the OpenAPI document as JobSpec's example (client
+# generators, /docs, and a stateful API tester start from it); tests/service check it is valid.
+EXAMPLE_SPEC: dict = {
+    "name": "example", "model": {"preset": "gpt-nano"}, "data": {"kind": "synthetic", "seq_len": 64},
+    "train": {"steps": 20, "global_batch_size": 8, "micro_batch_size": 2}, "resources": {"num_workers": 2},
+}
+
+
 class JobSpec(SpecModel):
     """A training job as the user submits it."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"examples": [EXAMPLE_SPEC]})
 
     name: str = Field(pattern=SLUG_PATTERN)
     model: ModelSpec

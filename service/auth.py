@@ -138,8 +138,16 @@ def _make_private(path: Path) -> None:
 
 
 def register_admin_token(make_session: sessionmaker[Session], token: str) -> None:
-    """Accept ``token`` as the local admin's (idempotent; used for bootstrap tokens)."""
+    """Accept ``token`` as the local admin's (idempotent; used for bootstrap tokens).
+
+    A token that was revoked (or has expired) stays refused: the service starts, says so, and
+    the CLI needs a new token -- delete the local token file to have one made at the next start.
+    """
     with make_session() as session:
-        if authenticate(session, token) is None:
+        known = session.execute(select(ApiToken).where(ApiToken.token_hash == hash_token(token))).scalar_one_or_none()
+        if known is None:
             session.add(ApiToken(name=LOCAL_ADMIN_NAME, token_hash=hash_token(token), is_admin=True))
             session.commit()
+        elif authenticate(session, token) is None:
+            log.warning("the admin token given at start (token %s, %r) is revoked or expired and stays refused; "
+                        "delete the token file (or set a new bootstrap token) for a new one", known.id, known.name)

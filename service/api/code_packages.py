@@ -15,6 +15,7 @@ from fastapi.concurrency import run_in_threadpool
 
 from service.api.deps import CurrentUser, SettingsDep
 from service.api.errors import error_responses, field_error
+from service.api.links import links_for
 from service.code_packages import BadPackage, check_package, find_package, megabytes, store_package
 from service.schemas import CodePackageOut
 from service.storage_policy import UnsafeUri
@@ -30,7 +31,7 @@ _ZIP_BODY = {"requestBody": {"required": True, "description": "the zip of the co
 @router.post("", status_code=201, response_model=CodePackageOut, name="upload_code_package",
              openapi_extra=_ZIP_BODY,
              responses={200: {"model": CodePackageOut, "description": "already uploaded: the same package"},
-                        **error_responses(403)},
+                        **error_responses(403), **links_for("upload_code_package", 201)},
              description="Keep a zip of the caller's code under its sha256 and answer the URI for "
                          "`runtime.working_dir`. The zip must unpack safely (relative paths, bounded size) "
                          "and must not hold a lone top-level directory (its contents are the working directory).")

@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session
 from service import admission
 from service.api.deps import CurrentUser, LauncherDep, SessionDep, SettingsDep, VisibleJob
 from service.api.errors import error_responses, field_error, text_response
+from service.api.links import links_for
 from service.api.plan import NO_PLAN_RESPONSES, no_plan_response
 from service.api.spec_access import check_spec_access
 from service.auth import Principal
@@ -57,7 +58,7 @@ def _replay(session: Session, user: Principal, key: str, request_hash: str) -> J
 
 @router.post("", status_code=201, response_model=JobOut, name="submit_job",
              responses={200: {"model": JobOut, "description": "replayed: the job this key created"},
-                        **error_responses(409, 429), **NO_PLAN_RESPONSES},
+                        **error_responses(409, 429), **NO_PLAN_RESPONSES, **links_for("submit_job", 201)},
              description="Validates the spec, records the planner's memory prediction and resolves "
                          "`zero.stage: \"auto\"` to the lowest stage that fits (422 with the numbers "
                          "when nothing fits). A `model.init_from` the control plane can read must fit "
@@ -169,7 +170,7 @@ def job_json(job: Job) -> bytes:
         raise UnshowableJob(f"job {job.id}'s stored record cannot be shown: {str(error).splitlines()[0]}") from None
 
 
-@router.get("/{job_id}", response_model=JobOut, name="get_job")
+@router.get("/{job_id}", response_model=JobOut, name="get_job", responses=links_for("get_job", 200))
 def get_job(job: VisibleJob) -> Response:
     try:
         return Response(job_json(job), media_type="application/json")

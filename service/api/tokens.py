@@ -15,6 +15,7 @@ from sqlalchemy import select
 
 from service.api.deps import CurrentUser, SessionDep
 from service.api.errors import error_responses
+from service.api.links import links_for
 from service.auth import create_api_token, hash_token, list_tokens, revoke_token
 from service.models import ApiToken, utcnow
 from service.schemas import SLUG_PATTERN, TokenCreated, TokenCreateIn, TokenList, TokenOut
@@ -23,7 +24,8 @@ router = APIRouter(prefix="/tokens", tags=["tokens"])
 TokenId = Annotated[int, Path(ge=1, le=2**63 - 1)]
 
 
-@router.post("", status_code=201, response_model=TokenCreated, name="create_token", responses=error_responses(403))
+@router.post("", status_code=201, response_model=TokenCreated, name="create_token",
+             responses={**error_responses(403), **links_for("create_token", 201)})
 def create_token(body: TokenCreateIn, session: SessionDep, user: CurrentUser) -> TokenCreated:
     name = body.name or user.name
     if not user.is_admin and (name != user.name or body.is_admin):

@@ -78,6 +78,10 @@ def test_no_caller_gets_a_5xx_or_a_leak_from_any_route(jobs, tmp_path):
     }
     runs = [(caller, plan, "coverage") for caller, plan in unauthenticated.items()]
     runs += [(caller, plan, "coverage,fuzzing") for caller, plan in authenticated.items()]
+    # chained calls along the schema's OpenAPI links (service/api/links.py): submit, then
+    # follow, cancel, read *that* job; create a token, then revoke it
+    runs += [(f"{caller}, stateful", plan, "stateful") for caller, plan in authenticated.items()
+             if caller in ("a user", "the admin")]
     failures = {}
     for caller, plan, phases in runs:
         result = fuzz(service, plan, tmp_path, phases)

@@ -178,6 +178,33 @@ def test_the_local_token_file_is_created_0600_whatever_the_umask(tmp_path, migra
     engine.dispose()
 
 
+def test_a_revoked_local_admin_token_stays_refused_and_the_service_still_starts(tmp_path, migrated_postgres_url,
+                                                                                 caplog):
+    """Revoking the local admin token (DELETE /tokens/{id}) and restarting used to crash every
+    start: the file's token was inserted again, against the unique token hash."""
+    from service.auth import list_tokens, revoke_token
+
+    engine = make_engine(migrated_postgres_url)
+    make_session = make_sessionmaker(engine)
+    token_file = tmp_path / "home" / "token"
+    ensure_local_admin_token(make_session, token_file)
+    token = token_file.read_text().strip()
+    with make_session() as session:
+        (row,) = [t for t in list_tokens(session) if t.is_admin and t.revoked_at is None]
+        revoke_token(session, row.id)
+        session.commit()
+    with caplog.at_level("WARNING", logger="service.auth"):
+        ensure_local_admin_token(make_session, token_file)  # the next start
+    assert "stays refused" in caplog.text
+    with make_session() as session:
+        assert authenticate(session, token) is None
+    token_file.unlink()  # what the warning says to do: a new token at the next start
+    ensure_local_admin_token(make_session, token_file)
+    with make_session() as session:
+        assert authenticate(session, token_file.read_text().strip()).is_admin
+    engine.dispose()
+
+
 def test_the_live_services_token_file_is_0600(live_service):
     assert stat.S_IMODE(os.stat(live_service.settings.token_file).st_mode) == 0o600
 

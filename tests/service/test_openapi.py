@@ -113,3 +113,24 @@ def test_the_published_stage_schema_accepts_what_the_api_accepts(make_live_servi
     for bad in (4, "2"):
         answer = httpx.post(f"{service.url}/api/v1/jobs", headers=headers, json={**spec, "zero": {"stage": bad}})
         assert answer.status_code == 422 and answer.json()["errors"][0]["field"] == "zero.stage", answer.text
+
+
+def test_every_link_names_a_real_operation_and_parameter_and_the_example_spec_is_accepted(make_live_service):
+    """The OpenAPI links (service/api/links.py) point at operations that exist and fill their
+    path parameters; JobSpec's published example is a job the service accepts."""
+    service = make_live_service(scheduler_enabled=False)
+    schema = httpx.get(f"{service.url}/openapi.json").json()
+    operations = {op["operationId"]: (path, op) for path, item in schema["paths"].items() for op in item.values()}
+    links = [(name, link) for _path, item in schema["paths"].items() for op in item.values()
+             for answer in op["responses"].values() for name, link in answer.get("links", {}).items()]
+    assert len(links) >= 10, links
+    for name, link in links:
+        path, _op = operations[link["operationId"]]
+        assert {f"{{{parameter}}}" for parameter in link["parameters"]} <= set(path.split("/")), (name, path)
+    (example,) = schema["components"]["schemas"]["JobSpec"]["examples"]
+    answer = httpx.post(f"{service.url}/api/v1/jobs", json=example,
+                        headers={"Authorization": f"Bearer {service.admin_token}"})
+    assert answer.status_code == 201, answer.text
+    follow = httpx.get(f"{service.url}/api/v1/jobs/{answer.json()['id']}",
+                       headers={"Authorization": f"Bearer {service.admin_token}"})
+    assert follow.status_code == 200
