@@ -50,7 +50,7 @@ import pytest
 
 from tests import connect_watch
 from tests.faults.test_s3_outage import S3Server
-from tests.integration.conftest import ControlPlane, wait_for
+from tests.integration.conftest import ControlPlane, control_planes, wait_for
 
 NODE_IP = "127.0.0.1"
 WORKERS = ("worker1", "worker2")
@@ -302,27 +302,6 @@ def cluster_plane(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
                   loopback_cluster: LoopbackCluster, cluster_s3: S3Server,
                   monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., ControlPlane]]:
     """Control planes on fresh migrated databases, using the cluster (``ZEROTRAIN_RAY_ADDRESS``)."""
-    from service.settings import Settings
-
-    root = request.config.pluginmanager.get_plugin(str(Path(__file__).parents[1] / "conftest.py"))
     monkeypatch.setenv("RAY_AUTH_TOKEN", loopback_cluster.token)  # how the launcher authenticates to it
-    monkeypatch.setenv("ZEROTRAIN_RAY_ADDRESS", loopback_cluster.dashboard_url)
-    made: list[tuple[ControlPlane, str]] = []
-
-    def make(**overrides: Any) -> ControlPlane:
-        database = root.create_database(template=_migrated_template)
-        values: dict[str, Any] = {
-            "home": tmp_path_factory.mktemp("zerotrain-home"), "database_url": root._database_url(database),
-            "launcher": "ray", "host": "127.0.0.1",  # the cluster: ZEROTRAIN_RAY_ADDRESS, read by Settings
-            "port": root.free_port(), "scheduler_poll_s": 0.2, "sse_poll_s": 0.1,
-            "storage_uri": f"s3://{cluster_s3.bucket}"}
-        values.update(overrides)
-        plane = ControlPlane(Settings(**values)).start()
-        made.append((plane, database))
-        return plane
-
-    yield make
-    for plane, database in reversed(made):
-        if plane.thread is not None and plane.thread.is_alive():
-            plane.stop()
-        root.drop_database(database)
+    monkeypatch.setenv("ZEROTRAIN_RAY_ADDRESS", loopback_cluster.dashboard_url)  # read by Settings
+    yield from control_planes(request, tmp_path_factory, _migrated_template, storage_uri=f"s3://{cluster_s3.bucket}")

@@ -84,21 +84,22 @@ def _root_conftest(request: pytest.FixtureRequest) -> Any:
     return request.config.pluginmanager.get_plugin(str(Path(__file__).parents[1] / "conftest.py"))
 
 
-@pytest.fixture
-def make_control_plane(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
-                       _migrated_template: str, ray_head: Any) -> Iterator[Callable[..., ControlPlane]]:
-    """Started control planes on fresh migrated PostgreSQL databases, using the module's Ray head."""
+def control_planes(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, template: str,
+                   **defaults: Any) -> Iterator[Callable[..., ControlPlane]]:
+    """The body of a control-plane factory fixture: each ``make(**overrides)`` starts one on a
+    fresh database cloned from ``template``, with the Ray launcher and ``defaults`` (where its
+    cluster is); all are stopped and their databases dropped afterwards."""
     from service.settings import Settings
 
     root = _root_conftest(request)
     made: list[tuple[ControlPlane, str]] = []
 
     def make(**overrides: Any) -> ControlPlane:
-        database = root.create_database(template=_migrated_template)
+        database = root.create_database(template=template)
         values: dict[str, Any] = {
             "home": tmp_path_factory.mktemp("zerotrain-home"), "database_url": root._database_url(database),
-            "launcher": "ray", "ray_address": ray_head.dashboard_url, "host": "127.0.0.1",
-            "port": root.free_port(), "scheduler_poll_s": 0.2, "sse_poll_s": 0.1}
+            "launcher": "ray", "host": "127.0.0.1", "port": root.free_port(), "scheduler_poll_s": 0.2,
+            "sse_poll_s": 0.1, **defaults}
         values.update(overrides)
         plane = ControlPlane(Settings(**values)).start()
         made.append((plane, database))
@@ -109,6 +110,13 @@ def make_control_plane(request: pytest.FixtureRequest, tmp_path_factory: pytest.
         if plane.thread is not None and plane.thread.is_alive():
             plane.stop()
         root.drop_database(database)
+
+
+@pytest.fixture
+def make_control_plane(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+                       _migrated_template: str, ray_head: Any) -> Iterator[Callable[..., ControlPlane]]:
+    """Started control planes on fresh migrated PostgreSQL databases, using the module's Ray head."""
+    yield from control_planes(request, tmp_path_factory, _migrated_template, ray_address=ray_head.dashboard_url)
 
 
 def wait_for(condition: Callable[[], Any], timeout_s: float, what: str, poll_s: float = 0.2,
