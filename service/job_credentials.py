@@ -48,7 +48,7 @@ class Prefix:
     key: str
 
     @classmethod
-    def of(cls, uri: str) -> "Prefix":
+    def of(cls, uri: str) -> Prefix:
         _scheme, segments = split_uri(uri)
         return cls(segments[0], "/".join(segments[1:]))
 

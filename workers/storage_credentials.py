@@ -92,7 +92,7 @@ def main() -> int:
     """botocore's ``credential_process``: the credentials as JSON on stdout, or a reason on stderr."""
     try:
         print(json.dumps(fetch()))
-    except Exception as error:  # botocore shows stderr and fails the request that needed them
+    except Exception as error:  # noqa: BLE001 -- botocore shows stderr and fails the request that needed them
         print(f"zerotrain: {error}", file=sys.stderr)
         return 1
     return 0

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import os
+from functools import lru_cache
 from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Path
@@ -9,17 +12,23 @@ from sqlalchemy import delete, select
 from sqlalchemy.dialects import postgresql, sqlite
 
 from contract.spec import JobSpec
-import logging
-import os
-from functools import lru_cache
-
 from service.api.deps import SessionDep, SettingsDep, WorkerJob
 from service.api.errors import error_responses, field_error
-from service.log_text import plain_log
 from service.job_credentials import CredentialsUnavailable, StsIssuer, job_access
+from service.log_text import plain_log
 from service.models import Checkpoint, Job, JobEvent
-from service.schemas import (MAX_INT32, CheckpointFailureIn, CheckpointIn, CheckpointOut, EventOut, JobOut, JobState,
-                             StorageCredentialsOut, WorkerSpecOut, WorkerStateIn)
+from service.schemas import (
+    MAX_INT32,
+    CheckpointFailureIn,
+    CheckpointIn,
+    CheckpointOut,
+    EventOut,
+    JobOut,
+    JobState,
+    StorageCredentialsOut,
+    WorkerSpecOut,
+    WorkerStateIn,
+)
 from service.settings import Settings
 from service.states import IllegalTransition, Reason, record_notice, transition
 from service.storage_policy import UnsafeUri, check_registered_checkpoint

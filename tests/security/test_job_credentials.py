@@ -31,6 +31,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -260,7 +261,11 @@ def test_no_launcher_hands_a_scoped_job_the_storage_keys(tmp_path, monkeypatch):
 
     from service.launchers import kuberay
     from service.launchers.base import LaunchRequest
-    from service.launchers.driver import STORAGE_CREDENTIALS_ENV, STORAGE_KEY_VARIABLES, driver_environment
+    from service.launchers.driver import (
+        STORAGE_CREDENTIALS_ENV,
+        STORAGE_KEY_VARIABLES,
+        driver_environment,
+    )
     from service.launchers.ray_jobs import LocalRayHead
 
     keys = {"AWS_ACCESS_KEY_ID": "AKIASERVICE", "AWS_SECRET_ACCESS_KEY": "service-secret",
@@ -301,7 +306,7 @@ def test_a_process_told_to_ask_drops_every_other_credential_source(tmp_path):
     assert storage_credentials.install(environ)
     assert not {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE"} & environ.keys()
     assert environ["AWS_DEFAULT_REGION"] == REGION
-    config = open(environ["AWS_CONFIG_FILE"]).read()
+    config = Path(environ["AWS_CONFIG_FILE"]).read_text()
     assert "credential_process" in config and "workers.storage_credentials" in config
-    assert open(environ["AWS_SHARED_CREDENTIALS_FILE"]).read() == ""
+    assert Path(environ["AWS_SHARED_CREDENTIALS_FILE"]).read_text() == ""
     assert not storage_credentials.install({"AWS_ACCESS_KEY_ID": "AKIANODE"})  # not told: untouched
