@@ -4,6 +4,8 @@ Run by path by the local launcher in tests. Behaviour comes from ``spec.model.kw
 ``fail`` (report FAILED), ``hang_s`` (sleep after RUNNING, to test cancel), ``exit_code``
 (exit without reporting a final state), ``ranks`` (metric records per step, default 2),
 ``log_lines`` (print that many numbered lines after RUNNING, one every ``line_interval_s``),
+``worker_lines`` (``[pid, text]`` pairs printed after those as Ray's driver prints a worker's
+line: ``(RayTrainWorker pid=…) text``, prefix coloured, one every ``line_interval_s``),
 ``call_factory`` (import ``model.factory`` and print what it returns and the working directory,
 as the real driver would find a ``runtime.working_dir`` package).
 """
@@ -38,6 +40,9 @@ def main() -> int:
 
     for number in range(options.get("log_lines", 0)):
         print(f"log line {number}", flush=True)
+        time.sleep(options.get("line_interval_s", 0.1))
+    for pid, text in options.get("worker_lines", []):
+        print(f"\x1b[36m(RayTrainWorker pid={pid})\x1b[0m {text}", flush=True)
         time.sleep(options.get("line_interval_s", 0.1))
     if options.get("hang_s"):
         time.sleep(options["hang_s"])
