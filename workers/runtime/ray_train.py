@@ -270,7 +270,8 @@ def failure_reason(error: BaseException) -> str:
 
 
 # Ray's memory monitor: "... was running was 21.95GB / 23.43GB (0.936812), which exceeds ..."
-_OOM_USAGE = re.compile(r"was ([0-9.]+)GB / ([0-9.]+)GB \(([0-9.]+)\)")
+# "was 22.45GB / 23.43GB (0.958173)" (older Ray) or "was 22.45GB used / 23.43GB limit (0.958173)" (2.60)
+_OOM_USAGE = re.compile(r"was ([0-9.]+)GB(?: used)? / ([0-9.]+)GB(?: limit)? \(([0-9.]+)\)")
 SUMMARY_CHARS = 300
 
 
