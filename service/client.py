@@ -187,12 +187,15 @@ class Client:
     def events(self, job_id: str) -> list[EventOut]:
         return EventList.model_validate(self._api("GET", f"/jobs/{job_id}/events")).items
 
-    def logs(self, job_id: str, tail_bytes: int | None = None) -> str:
-        params = {"tail_bytes": tail_bytes} if tail_bytes else {}
+    def logs(self, job_id: str, tail_bytes: int | None = None, rank: int | None = None) -> str:
+        """The job's log; with ``rank``, only that rank's lines (422 naming ``rank`` for a rank
+        the job does not have)."""
+        params = {key: value for key, value in {"tail_bytes": tail_bytes, "rank": rank}.items() if value is not None}
         return self.request("GET", f"/api/v1/jobs/{job_id}/logs", params=params).text
 
-    def follow_logs(self, job_id: str, tail_bytes: int | None = None, poll: float = 1.0) -> Iterator[str]:
-        """Yield the job's log as it grows -- first what there is (its last ``tail_bytes``), then
+    def follow_logs(self, job_id: str, tail_bytes: int | None = None, poll: float = 1.0,
+                    rank: int | None = None) -> Iterator[str]:
+        """Yield the job's log (``rank``'s lines only, with it) as it grows -- first what there is (its last ``tail_bytes``), then
         each new part -- and return once the job has ended and its whole log was yielded.
 
         [Note: following by polling] The logs endpoint answers the whole log (the launchers
@@ -206,7 +209,7 @@ class Client:
         first = True
         while True:
             ended = self.get(job_id).state in TERMINAL_STATES
-            text = self.logs(job_id)
+            text = self.logs(job_id, rank=rank)
             if first:
                 yield text.encode()[-tail_bytes:].decode(errors="replace") if tail_bytes else text
                 seen, first = text, False

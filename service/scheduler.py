@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 import uuid
 from datetime import timedelta
 
@@ -33,6 +34,7 @@ from contract.reasons import Reason
 from contract.spec import JobSpec
 from service import admission
 from service.auth import INGEST_TOKEN_PREFIX, hash_token, new_token
+from service.code_package_retention import delete_unused_packages
 from service.launchers.base import Launcher, LaunchHandle, LaunchPhase, LaunchRequest, LaunchStatus
 from service.models import Job, utcnow
 from service.schemas import JobState
@@ -63,6 +65,7 @@ class Scheduler:
         self._cancel_sent: set[str] = set()
         self._releases: dict[str, threading.Thread] = {}  # job id -> its stop after a failure
         self.limits = admission.limits_from(settings)
+        self._next_package_sweep = 0.0  # time.monotonic() of the next code-package sweep
 
     # ------------------------------------------------------------------ loop
 
@@ -70,6 +73,20 @@ class Scheduler:
         for job_id, ingest_token in self.claim():
             self.launch(job_id, ingest_token)
         self.reconcile()
+        self.sweep_code_packages()
+
+    def sweep_code_packages(self) -> None:
+        """Every ``code_package_sweep_s``: delete the code packages nothing needs any more
+        (``service.code_package_retention``); a storage error is logged and retried next time."""
+        if time.monotonic() < self._next_package_sweep:
+            return
+        self._next_package_sweep = time.monotonic() + self.settings.code_package_sweep_s
+        try:
+            with self.make_session() as session:
+                delete_unused_packages(session, self.settings.storage_uri, timedelta(days=self.settings.code_package_retention_days))
+                session.commit()
+        except Exception:  # noqa: BLE001 - storage down: the packages wait for the next sweep
+            log.exception("deleting unused code packages failed")
 
     def run_forever(self) -> None:
         while not self._stop.is_set():

@@ -59,6 +59,10 @@ class Settings(BaseSettings):
     # A package of the user's code (runtime.working_dir from a local folder), zipped: the
     # upload's body limit (service.code_packages); the global max_body_bytes does not apply to it.
     max_code_package_bytes: int = Field(default=MAX_PACKAGE_BYTES, ge=1024)
+    # A code package no unfinished job names is deleted once unused this long; the scheduler
+    # looks every code_package_sweep_s (service.code_package_retention).
+    code_package_retention_days: float = Field(default=30.0, gt=0)
+    code_package_sweep_s: float = Field(default=3600.0, gt=0)
     max_spec_bytes: int = Field(default=256 * 1024, ge=1024)  # a stored spec's JSON; larger is a 422
     local_capacity_cpus: float | None = Field(default=None, gt=0)  # the local launcher's CPUs for jobs
     # An autoscaling cluster grows when jobs ask for more than it has: its current totals are

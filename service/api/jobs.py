@@ -8,6 +8,7 @@ import uuid
 from typing import Annotated
 
 from fastapi import APIRouter, Header, HTTPException, Query, Request, Response
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
@@ -22,6 +23,7 @@ from service.api.spec_access import check_spec_access
 from service.auth import Principal
 from service.init_from import InitFromMismatch, check_init_from
 from service.launchers.base import LaunchHandle, Launcher
+from service.log_ranks import rank_lines
 from service.log_text import plain_log
 from service.models import IdempotencyKey, Job, JobEvent, utcnow
 from service.prediction import NothingFits, plan_at_submit
@@ -208,15 +210,49 @@ def list_job_events(job: VisibleJob, session: SessionDep) -> EventList:
     return EventList.model_validate({"items": list(events)}, from_attributes=True)
 
 
+#: Read past a tail's start, so a memory monitor's table cut by the tail still shows as left out
+#: (service.log_text reads it line by line; its rows carry their own shape too).
+TAIL_CONTEXT_BYTES = 64 * 1024
+LOG_SIZE_HEADER = "Zerotrain-Log-Bytes"
+
+
 @router.get("/{job_id}/logs", name="get_job_logs", response_class=Response,
-            responses={**text_response("text/plain", "the driver's log (the tail with tail_bytes)"),
-                       **error_responses(409)})
+            responses={**text_response("text/plain", "the driver's log, or one rank's lines of it; the "
+                                       f"{LOG_SIZE_HEADER} header holds the whole answer's size in bytes"),
+                       **error_responses(409)},
+            description="The job's log as plain text (`service.log_text`). `rank`: only the lines of "
+                        "that rank's processes. `tail_bytes`: its last bytes. `offset`: from that byte "
+                        f"on (a page following the log passes the previous answer's `{LOG_SIZE_HEADER}`; "
+                        "an offset past the end, as after a restarted driver, answers the whole log).")
 def get_job_logs(job: VisibleJob, launcher: LauncherDep,
-                 tail_bytes: Annotated[int | None, Query(ge=1, le=64 * 1024 * 1024)] = None) -> PlainTextResponse:
+                 tail_bytes: Annotated[int | None, Query(ge=1, le=64 * 1024 * 1024)] = None,
+                 rank: Annotated[int | None, Query(ge=0, description="only this rank's lines")] = None,
+                 offset: Annotated[int | None, Query(ge=0, description="answer from this byte on")] = None,
+                 ) -> PlainTextResponse:
+    if rank is not None and rank >= (ranks := job_ranks(job)):
+        raise RequestValidationError([{"loc": ("query", "rank"), "type": "no_such_rank",
+                                       "msg": f"job {job.id} has {ranks} rank{'s' if ranks != 1 else ''} "
+                                              f"(0 to {ranks - 1}); there is no rank {rank}"}])
     if not job.launch_handle:
-        return PlainTextResponse("")
+        return PlainTextResponse("", headers={LOG_SIZE_HEADER: "0"})
     handle = LaunchHandle.from_json(job.launch_handle)
     if handle.launcher != launcher.name:
         raise HTTPException(409, f"job {job.id} ran on the {handle.launcher!r} launcher; "
                                  f"this server uses {launcher.name!r} and cannot read its logs")
-    return PlainTextResponse(plain_log(launcher.logs(handle, tail_bytes)))
+    # a rank's lines or an offset need the whole log (a rank is known from its first line)
+    read_tail = tail_bytes + TAIL_CONTEXT_BYTES if tail_bytes and rank is None and offset is None else None
+    text = plain_log(launcher.logs(handle, read_tail))
+    if rank is not None:
+        text = rank_lines(text, rank)
+    data = text.encode()
+    size = len(data)
+    if offset is not None and offset <= size:
+        data = data[offset:]
+    if tail_bytes is not None:
+        data = data[-tail_bytes:]
+    return PlainTextResponse(data.decode(errors="replace"), headers={LOG_SIZE_HEADER: str(size)})
+
+
+def job_ranks(job: Job) -> int:
+    """How many ranks the job runs (its spec's workers)."""
+    return int(((job.spec or {}).get("resources") or {}).get("num_workers") or 1)

@@ -16,7 +16,8 @@ from sqlalchemy.orm import Session
 
 from service.api.errors import field_error
 from service.auth import Principal
-from service.code_packages import check_working_dir
+from service.code_package_retention import hold_packages_for_submit
+from service.code_packages import check_working_dir, stored_package_sha
 from service.models import Job
 from service.schemas import JobSpec
 from service.settings import Settings
@@ -55,6 +56,8 @@ def check_spec_access(spec: JobSpec, user: Principal, session: Session, settings
                       ("model.init_from", spec.model.init_from, check_data_uri),
                       # a package the service keeps: the caller's own upload, and still there
                       ("runtime.working_dir", spec.runtime.working_dir if spec.runtime else None, check_working_dir)]
+    if spec.runtime and spec.runtime.working_dir and stored_package_sha(spec.runtime.working_dir, settings.storage_uri):
+        hold_packages_for_submit(session)  # until the job is stored: no deletion in between
     for field, uri, check in storage_checks:
         if uri is None:
             continue

@@ -51,6 +51,7 @@ def register(commands: Any) -> None:
     logs.add_argument("job_id")
     logs.add_argument("--tail", type=int, help="only the last N bytes")
     logs.add_argument("--follow", "-f", action="store_true", help="keep printing new lines until the job ends")
+    logs.add_argument("--rank", type=int, help="only the lines of this rank's processes")
 
 
 def load_spec_file(path: str) -> dict[str, Any]:
@@ -181,9 +182,9 @@ def cmd_logs(args: argparse.Namespace) -> int:
         raise CliError(f"--tail must be at least 1 byte, got {args.tail}")
     client = Client()
     if not args.follow:
-        sys.stdout.write(client.logs(args.job_id, tail_bytes=args.tail))
+        sys.stdout.write(client.logs(args.job_id, tail_bytes=args.tail, rank=args.rank))
         return 0
-    for text in client.follow_logs(args.job_id, tail_bytes=args.tail):
+    for text in client.follow_logs(args.job_id, tail_bytes=args.tail, rank=args.rank):
         sys.stdout.write(text)
         sys.stdout.flush()
     err.print(ending(client.get(args.job_id)), highlight=False)  # stderr: stdout is the log alone

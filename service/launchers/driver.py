@@ -71,7 +71,14 @@ STORAGE_CREDENTIALS_FROM_API = "api"
 #   group resumes from that). Without it a drained node's worker dies and Ray Train restarts
 #   the group as before the watcher: on its preemption budget (``max_preemption_failures``,
 #   unlimited by default), which the death's ``RayActorError.preempted`` selects.
-RAY_TRAIN_ENV = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
+# - RAY_DEDUP_LOGS=0: the driver folds lines that differ only in their numbers, written by
+#   several processes within 5 s, into the first one and a later "[repeated 3x across cluster]"
+#   under the last writer's prefix. "rank 1 has waited 30.0s on collective #5" then never
+#   appeared under rank 1's process, and each rank's "this process is rank N" line
+#   (contract.log_lines) was folded into rank 0's: a job's log is read per rank
+#   (``GET /logs?rank=N``), so each rank's lines are kept, each under its own prefix.
+RAY_TRAIN_ENV = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
+                 "RAY_DEDUP_LOGS": "0"}
 
 # Ray and Gloo on loopback: Ray keeps 127.0.0.1 instead of swapping in the machine's address,
 # and Gloo's sockets use the loopback interface.

@@ -105,6 +105,16 @@ class Worker:
     def state(self, state: str, **extra: Any) -> None:
         self.http.post("/worker/state", json={"state": state, **extra}).raise_for_status()
 
+    def say(self, text: str, timeout: float = 30) -> None:
+        """The driver prints ``text`` to the job's log (returns once it has)."""
+        path = self.handoff / f"{self.job_id}.say"
+        path.with_suffix(".part").write_text(text)
+        path.with_suffix(".part").rename(path)
+        deadline = time.monotonic() + timeout
+        while path.exists():
+            assert time.monotonic() < deadline, f"the driver of {self.job_id} did not print what it was given"
+            time.sleep(0.02)
+
     def finish(self, state: str = "SUCCEEDED", **extra: Any) -> None:
         """Let the driver report the final state and exit (as a finished worker group would)."""
         path = self.handoff / f"{self.job_id}.finish"

@@ -3,7 +3,8 @@
 The local launcher runs it for every job of a dashboard test server. It reports RUNNING,
 prints a few log lines (the job page's log tail), hands its ingest token to the test through
 ``$ZT_DASHBOARD_TEST_DIR/{job_id}.token`` — the test then posts metrics and checkpoints with it
-exactly as the workers would — and waits. When ``{job_id}.finish`` appears it reports the state
+exactly as the workers would — and waits, printing what the test writes to ``{job_id}.say``
+(the test waits for it to be taken before writing more). When ``{job_id}.finish`` appears it reports the state
 written there and exits; SIGTERM (cancel) ends it at once. It gives up after ten minutes so
 that a failed test never leaves it behind.
 """
@@ -45,10 +46,15 @@ def main() -> int:
 
     finish = handoff / f"{args.job_id}.finish"
     deadline = time.monotonic() + GIVE_UP_S
+    say = handoff / f"{args.job_id}.say"
     while not finish.exists():
         if time.monotonic() > deadline:
             print("driver: nobody finished this job; giving up", flush=True)
             return 3
+        if say.exists():  # the test's lines for the job's log, printed as a rank would
+            sys.stdout.write(say.read_text())
+            sys.stdout.flush()
+            say.unlink()
         time.sleep(0.05)
     final = json.loads(finish.read_text())
     print(f"training finished: {final['state']}", flush=True)

@@ -74,6 +74,7 @@ def test_two_worker_job_succeeds_with_a_metric_row_per_rank_and_step(make_contro
         rows = client.metrics(job.id)
         events = client.events(job.id)
         logs = client.logs(job.id)
+        rank_logs = {rank: client.logs(job.id, rank=rank) for rank in (0, 1)}
 
     assert len(rows) == 2 * steps  # one per (rank, step): nothing missing, nothing twice
     for rank in (0, 1):
@@ -101,6 +102,10 @@ def test_two_worker_job_succeeds_with_a_metric_row_per_rank_and_step(make_contro
     assert [e.to_state for e in events][-2:] == [JobState.RUNNING, JobState.SUCCEEDED]
     assert "workers.launch" in logs and "RayTrainWorker" in logs
     assert_readable_log(logs, steps)
+    # each rank's lines alone (zerotrain logs JOB --rank N): rank 0's progress lines are rank 0's only
+    for rank, text in rank_logs.items():
+        assert f"zerotrain: this process is rank {rank} of 2" in text, text[-4000:]
+        assert ("step 1/" in text) is (rank == 0) and "workers.launch" not in text, text[-4000:]
     # every rank ended cleanly (train_loop ends with engine.close()): no Gloo teardown abort
     assert not [m for m in ("terminate called", "SIGABRT", "Fatal Python error") if m in logs], logs[-4000:]
 

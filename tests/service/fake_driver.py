@@ -4,7 +4,10 @@ Run by path by the local launcher in tests. Behaviour comes from ``spec.model.kw
 ``fail`` (report FAILED), ``hang_s`` (sleep after RUNNING, to test cancel), ``exit_code``
 (exit without reporting a final state), ``ranks`` (metric records per step, default 2),
 ``log_lines`` (print that many numbered lines after RUNNING, one every ``line_interval_s``),
-``call_factory`` (import ``model.factory`` and print what it returns and the working directory,
+``worker_lines`` (``[pid, text]`` pairs printed after those as Ray's driver prints a worker's
+line: ``(RayTrainWorker pid=…) text``, prefix coloured, one every ``line_interval_s``),
+``fail_details`` (with ``fail``: print it and report it as the failure's details, as the real
+driver logs and reports a traceback), ``call_factory`` (import ``model.factory`` and print what it returns and the working directory,
 as the real driver would find a ``runtime.working_dir`` package).
 """
 
@@ -39,6 +42,9 @@ def main() -> int:
     for number in range(options.get("log_lines", 0)):
         print(f"log line {number}", flush=True)
         time.sleep(options.get("line_interval_s", 0.1))
+    for pid, text in options.get("worker_lines", []):
+        print(f"\x1b[36m(RayTrainWorker pid={pid})\x1b[0m {text}", flush=True)
+        time.sleep(options.get("line_interval_s", 0.1))
     if options.get("hang_s"):
         time.sleep(options["hang_s"])
     if options.get("call_factory"):
@@ -57,8 +63,11 @@ def main() -> int:
     assert again == {"accepted": len(records) - half, "duplicates": half}, again
 
     if options.get("fail"):
+        details = options.get("fail_details")
+        if details:
+            print(details, flush=True)
         http.post("/worker/state", json={"state": "FAILED", "reason": "user_code_error",
-                                         "message": "ValueError: boom"}).raise_for_status()
+                                         "message": "ValueError: boom", "details": details}).raise_for_status()
         return 1
     http.post("/worker/state", json={"state": "SUCCEEDED"}).raise_for_status()
     print("fake driver done", flush=True)

@@ -205,3 +205,44 @@ def test_console_script_exit_status(tmp_path):
                                  "PATH": "/usr/bin:/bin"}, timeout=60)
     assert result.returncode == 2 and result.stderr.startswith("error: cannot reach zerotrain")
     assert "Traceback" not in result.stderr
+
+
+# Two ranks' processes as Ray's driver prints them; the group restarts and pid 12 comes back as rank 0.
+WORKER_LINES = [
+    [11, "zerotrain: this process is rank 0 of 2"], [12, "zerotrain: this process is rank 1 of 2"],
+    [11, "step 1/5  loss 5.0000"], [12, "rank 1 has waited 30.0s on collective #5"],
+    [12, "zerotrain: this process is rank 0 of 2"], [13, "zerotrain: this process is rank 1 of 2"],
+    [12, "step 2/5  loss 4.0000"], [13, "rank 1 resumed from step 1"],
+]
+
+
+def test_logs_rank_shows_only_that_ranks_lines(cli_env, capsys):
+    job = cli_env.client().submit(make_spec(worker_lines=WORKER_LINES, line_interval_s=0.0))
+    cli_env.client().wait(job.id, timeout=60)
+    code, stdout, _ = run(capsys, "logs", job.id, "--rank", "1")
+    assert code == 0
+    assert stdout.splitlines() == [
+        "(RayTrainWorker pid=12) zerotrain: this process is rank 1 of 2",
+        "(RayTrainWorker pid=12) rank 1 has waited 30.0s on collective #5",
+        "(RayTrainWorker pid=13) zerotrain: this process is rank 1 of 2",
+        "(RayTrainWorker pid=13) rank 1 resumed from step 1"]
+    last = "(RayTrainWorker pid=12) step 2/5  loss 4.0000\n"
+    code, stdout, _ = run(capsys, "logs", job.id, "--rank", "0", "--tail", str(len(last)))
+    assert code == 0 and stdout == last  # the tail of rank 0's lines
+    code, stdout, _ = run(capsys, "logs", job.id)
+    assert "fake driver done" in stdout and "rank 1 resumed" in stdout  # without --rank: the whole log
+
+    code, _, stderr = run(capsys, "logs", job.id, "--rank", "2")
+    assert_one_line_error(code, stderr, "rank", "has 2 ranks", "no rank 2")
+
+
+def test_logs_rank_follow_streams_that_ranks_lines_until_the_job_ends(service):
+    job = service.client().submit(make_spec(worker_lines=WORKER_LINES, line_interval_s=0.4))
+    env = {**os.environ, "ZEROTRAIN_URL": service.url, "ZEROTRAIN_TOKEN": service.admin_token}
+    follower = subprocess.run([sys.executable, "-m", "service.cli", "logs", job.id, "--rank", "1", "--follow"],
+                              env=env, capture_output=True, text=True, timeout=60)
+    assert follower.returncode == 0, follower.stderr
+    assert [line.split(") ", 1)[1] for line in follower.stdout.splitlines()] == [
+        "zerotrain: this process is rank 1 of 2", "rank 1 has waited 30.0s on collective #5",
+        "zerotrain: this process is rank 1 of 2", "rank 1 resumed from step 1"]
+    assert follower.stderr.startswith(f"{job.id} SUCCEEDED")

@@ -204,3 +204,105 @@ def test_without_user_code_a_user_cannot_upload(make_live_service):
     alice = service.client(service.create_user("alice"))
     answer = alice._http.post("/api/v1/code-packages", content=zip_of({"a.py": b""}))
     assert answer.status_code == 403 and "user code is disabled" in answer.json()["detail"]
+
+
+# ----------------------------------------------------------------------------- deleting old packages
+
+
+@pytest.fixture
+def package_store(migrated_postgres_url, tmp_path):
+    """A scheduler's view: the database, file storage, and a way to age a stored package."""
+    from service.db import make_engine, make_sessionmaker
+    from service.settings import Settings
+
+    engine = make_engine(migrated_postgres_url)
+    settings = Settings(home=tmp_path, database_url=migrated_postgres_url, launcher="local",
+                        code_package_retention_days=30)
+    yield make_sessionmaker(engine), settings
+    engine.dispose()
+
+
+def stored(settings, owner: str, content: str, age_days: float) -> str:
+    """A package of ``owner``'s uploaded ``age_days`` ago; its URI."""
+    from service.code_packages import store_package
+
+    package, _ = store_package(settings.storage_uri, owner, build_package(project(
+        Path(settings.home) / "src" / f"{owner}-{content}", message=content)).data)
+    then = time.time() - age_days * 86400
+    os.utime(package.uri.removeprefix("file://"), (then, then))
+    return package.uri
+
+
+def add_job(make_session, working_dir: str, state: str, age_days: float = 0) -> None:
+    import uuid
+    from datetime import datetime, timedelta, timezone
+
+    from service.models import Job
+
+    spec = make_spec()
+    spec["runtime"] = {"working_dir": working_dir}
+    created = datetime.now(timezone.utc) - timedelta(days=age_days)
+    with make_session() as session:
+        session.add(Job(id=f"job-{uuid.uuid4().hex[:16]}", name="t", owner="alice", state=state, attempt=0,
+                        spec=spec, created_at=created, updated_at=created))
+        session.commit()
+
+
+def exists(uri: str) -> bool:
+    return Path(uri.removeprefix("file://")).exists()
+
+
+def test_packages_unused_past_the_retention_are_deleted_and_those_in_use_never(package_store):
+    from service.scheduler import Scheduler
+    from tests.service.test_scheduler import RecordingLauncher
+
+    make_session, settings = package_store
+    unused = stored(settings, "alice", "unused", age_days=40)
+    bobs = stored(settings, "bob", "unused", age_days=40)
+    running = stored(settings, "alice", "running", age_days=400)
+    queued = stored(settings, "alice", "queued", age_days=400)
+    used_lately = stored(settings, "alice", "used-lately", age_days=40)
+    finished_long_ago = stored(settings, "alice", "finished-long-ago", age_days=90)
+    fresh = stored(settings, "alice", "fresh", age_days=1)
+    add_job(make_session, running, "RUNNING", age_days=100)
+    add_job(make_session, queued, "QUEUED", age_days=100)
+    add_job(make_session, used_lately, "SUCCEEDED", age_days=2)
+    add_job(make_session, finished_long_ago, "FAILED", age_days=60)
+
+    Scheduler(make_session, RecordingLauncher(), settings).run_once()  # its periodic work
+    assert [exists(uri) for uri in (unused, bobs, finished_long_ago)] == [False, False, False]
+    assert [exists(uri) for uri in (running, queued, used_lately, fresh)] == [True, True, True, True]
+    # a package that is gone is refused at submit with a clear error, as any missing package is
+    from service.code_packages import check_working_dir
+    from service.storage_policy import UnsafeUri
+
+    with pytest.raises(UnsafeUri, match="upload it again"):
+        check_working_dir(unused, settings.storage_uri, "alice", is_admin=False)
+
+
+def test_a_submit_naming_a_package_and_its_deletion_never_cross(package_store):
+    """A job stored while the deletion waits for the submit's lock is seen by the deletion."""
+    import threading
+    from datetime import timedelta
+
+    from service.code_package_retention import delete_unused_packages, hold_packages_for_submit
+
+    make_session, settings = package_store
+    old = stored(settings, "alice", "old", age_days=40)
+    deleted: list[list[str]] = []
+    with make_session() as submit:
+        hold_packages_for_submit(submit)  # the submit has checked that the package exists
+
+        def sweep() -> None:
+            with make_session() as session:
+                deleted.append(delete_unused_packages(session, settings.storage_uri, timedelta(days=30)))
+                session.commit()
+
+        sweeper = threading.Thread(target=sweep)
+        sweeper.start()
+        sweeper.join(timeout=1.0)
+        assert sweeper.is_alive() and exists(old)  # waits for the submit's transaction
+        add_job(make_session, old, "QUEUED")  # the submit's job (committed, as the submit's own would be)
+        submit.commit()
+    sweeper.join(timeout=30)
+    assert deleted == [[]] and exists(old)

@@ -93,3 +93,21 @@ def test_job_logs_are_plain_text_without_terminal_colour_codes():
 
     raw = "\x1b[36m(RayTrainWorker pid=4242)\x1b[0m step 1/3  loss 5.0000\n\x1b[1;31mERROR\x1b[0m x"
     assert plain_log(raw) == "(RayTrainWorker pid=4242) step 1/3  loss 5.0000\nERROR x"
+
+
+def test_a_follower_reads_a_jobs_log_from_an_offset(make_live_service):
+    from tests.service.conftest import FAKE_DRIVER, make_spec
+
+    service = make_live_service(local_entrypoint=FAKE_DRIVER)
+    client = service.client()
+    job = client.submit(make_spec(log_lines=3, line_interval_s=0.0))
+    client.wait(job.id, timeout=60)
+    whole = client.request("GET", f"/api/v1/jobs/{job.id}/logs")
+    size = int(whole.headers["Zerotrain-Log-Bytes"])
+    assert size == len(whole.content) and "log line 2" in whole.text
+    start = whole.text.index("log line 1")
+    part = client.request("GET", f"/api/v1/jobs/{job.id}/logs", params={"offset": start})
+    assert part.text == whole.text[start:] and part.headers["Zerotrain-Log-Bytes"] == str(size)
+    assert client.request("GET", f"/api/v1/jobs/{job.id}/logs", params={"offset": size}).text == ""
+    # past the end (a restarted driver's shorter log): the whole log again
+    assert client.request("GET", f"/api/v1/jobs/{job.id}/logs", params={"offset": size + 10}).text == whole.text

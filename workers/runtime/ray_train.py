@@ -18,6 +18,7 @@ from typing import Any
 import ray
 from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy, FailureDecision
 
+from contract.log_lines import rank_announcement
 from contract.reasons import Reason
 from contract.spec import JobSpec
 from workers.reporting import WorkerAPI
@@ -167,6 +168,16 @@ def wait_for_resources(spec: JobSpec, job_id: str) -> None:
     remove_placement_group(gate)  # handed over to Ray Train's placement group right away
 
 
+def announced_train_loop(config: dict[str, Any]) -> dict[str, Any]:
+    """``train_loop`` after this worker's first line in the job's log: which rank it is, so
+    the log can be read per rank (``contract.log_lines``, ``zerotrain logs JOB --rank N``)."""
+    from ray.train import get_context
+
+    context = get_context()
+    print(rank_announcement(context.get_world_rank(), context.get_world_size()), flush=True)
+    return train_loop(config)
+
+
 def build_trainer(spec: JobSpec, loop_config: dict[str, Any]):
     """The job's ``TorchTrainer``: ``train_loop(loop_config)`` on each worker, Ray Train restarting
     a failed worker group up to ``spec.max_failures`` times."""
@@ -177,7 +188,7 @@ def build_trainer(spec: JobSpec, loop_config: dict[str, Any]):
     per_worker = resources_per_worker(spec)
     storage_path, storage_filesystem = ray_storage(loop_config["storage_uri"])
     return TorchTrainer(
-        train_loop,
+        announced_train_loop,
         train_loop_config=loop_config,
         scaling_config=ScalingConfig(num_workers=spec.resources.num_workers, use_gpu="GPU" in per_worker,
                                      resources_per_worker=per_worker),
@@ -259,7 +270,8 @@ def failure_reason(error: BaseException) -> str:
 
 
 # Ray's memory monitor: "... was running was 21.95GB / 23.43GB (0.936812), which exceeds ..."
-_OOM_USAGE = re.compile(r"was ([0-9.]+)GB / ([0-9.]+)GB \(([0-9.]+)\)")
+# "was 22.45GB / 23.43GB (0.958173)" (older Ray) or "was 22.45GB used / 23.43GB limit (0.958173)" (2.60)
+_OOM_USAGE = re.compile(r"was ([0-9.]+)GB(?: used)? / ([0-9.]+)GB(?: limit)? \(([0-9.]+)\)")
 SUMMARY_CHARS = 300
 
 

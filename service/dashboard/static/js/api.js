@@ -85,7 +85,7 @@ export async function request(path, { method = "GET", body, signal, extraHeaders
   return data;
 }
 
-/** GET `/api/v1{path}` as plain text (logs). */
+/** GET `/api/v1{path}` as plain text (logs), with the answer's headers. */
 export async function requestText(path, { signal } = {}) {
   const response = await fetch(`${API}${path}`, { signal, headers: headers({ Accept: "text/plain, application/json" }) });
   if (!response.ok) {
@@ -98,7 +98,7 @@ export async function requestText(path, { signal } = {}) {
     }
     throw new ApiError(response.status, body);
   }
-  return { text: await response.text(), contentType: response.headers.get("Content-Type") || "" };
+  return { text: await response.text(), contentType: response.headers.get("Content-Type") || "", headers: response.headers };
 }
 
 /** Split an SSE byte stream into events ({event, data, id}); see the WHATWG SSE grammar. */

@@ -1,22 +1,24 @@
 /**
  * The job page. First render: the job, its chart data (downsampled server-side to ≤ 1,000
  * points per series, with every rank's latest memory and the predicted bytes), events,
- * checkpoints and the log tail, fetched in parallel. Then, while the job is not terminal,
+ * checkpoints and the log's tail, fetched in parallel. Then, while the job is not terminal,
  * metrics arrive over server-sent events (continuing after the newest record the first
- * render saw) and the rest is polled every two seconds. Nothing reloads the page.
+ * render saw) and the rest is polled every two seconds, the log by what came after what the
+ * panel shows (log_follower.js). Nothing reloads the page.
  */
 
-import { request, requestText, followEvents } from "./api.js";
+import { request, followEvents } from "./api.js";
+import { LogFollower } from "./log_follower.js";
 import { h, replaceChildren, replaceKeepingFocus, announce } from "./dom.js";
 import { LineChart } from "./charts.js";
 import { MemoryBars } from "./memory.js";
 import { SeriesStore, userKey } from "./series_store.js";
+import { SMOOTH_WINDOW, addMovingMedian, smoothedSeries } from "./smoothing.js";
 import { TERMINAL_STATES, bytes, compact, duration, number, timestamp } from "./format.js";
 import { stateBadge } from "./state_badge.js";
 
 const MAX_POINTS = 1000;
 const POLL_MS = 2000;
-const LOG_TAIL_BYTES = 64 * 1024;
 
 const percent = (v) => (Number.isFinite(v) ? `${(100 * v).toFixed(1)}%` : "–");
 const seconds = (v) => (Number.isFinite(v) ? `${number(v)} s` : "–");
@@ -27,13 +29,21 @@ function elementBytes(precision) {
 
 const FORMATS = { number, compact, percent, seconds };
 
-function lineChart(spec) {
+/** A chart of the chart answer; the series named `smooth` (the job's speed) gets its smoothed line over it. */
+function lineChart(spec, smooth) {
+  const series = spec.series.map((s) => ({ key: s.key, label: s.label, axis: s.axis, format: FORMATS[s.format] || number, sparse: s.sparse }));
+  const raw = series.findIndex((s) => s.key === smooth);
+  if (raw >= 0) {
+    series[raw].className = "series-raw";
+    series.splice(raw + 1, 0, smoothedSeries(series[raw]));
+  }
+  const why = raw >= 0 ? `The faint line is each step's ${series[raw].label}; the bold one their median over ${SMOOTH_WINDOW} neighbouring points, which one stalled step does not move.` : "";
   return new LineChart({
     id: `chart-${spec.id}`,
     title: spec.title,
     zeroBased: spec.zero_based,
-    description: spec.description,
-    series: spec.series.map((s) => ({ key: s.key, label: s.label, axis: s.axis, format: FORMATS[s.format] || number, sparse: s.sparse })),
+    description: [spec.description, why].filter(Boolean).join(" "),
+    series,
   });
 }
 
@@ -54,7 +64,7 @@ function userChart(names) {
  * The charts of the chart answer's list (the metric table's, contract/metrics.py), by section,
  * plus the page's own communication chart: comm_bytes per element against the prediction.
  */
-function buildCharts(job, chartList) {
+function buildCharts(job, chartList, throughputField) {
   const comm = new LineChart({
     id: "chart-comm",
     zeroBased: true,
@@ -65,7 +75,7 @@ function buildCharts(job, chartList) {
     ],
     description: `Bytes each rank passed to collectives in a step, divided by ${elementBytes((job.spec.zero || {}).precision)} bytes per element.`,
   });
-  const inSection = (section) => chartList.filter((c) => c.section === section).map(lineChart);
+  const inSection = (section) => chartList.filter((c) => c.section === section).map((c) => lineChart(c, throughputField));
   return { training: inSection("training"), communication: [comm, ...inSection("communication")] };
 }
 
@@ -189,7 +199,7 @@ export function jobPage({ jobId, signal }) {
   const memory = new MemoryBars();
   const events = h("ol", { class: "timeline", id: "events" });
   const checkpoints = h("tbody");
-  const logs = h("pre", { id: "log-tail", class: "logs", tabindex: "0", "aria-label": "Log tail" });
+  const logs = h("pre", { id: "log-tail", class: "logs", tabindex: "0", "aria-label": "Job log" });
   const element = h(
     "div",
     { class: "page job-page", "data-job-id": jobId },
@@ -212,7 +222,7 @@ export function jobPage({ jobId, signal }) {
         h("thead", {}, h("tr", {}, ["Step", "Size", "Layout", "URI", ""].map((c) => h("th", { scope: "col", text: c })))),
         checkpoints),
     ),
-    h("section", { "aria-labelledby": "h-logs" }, h("h2", { id: "h-logs", text: "Logs (tail)" }), logs),
+    h("section", { "aria-labelledby": "h-logs" }, h("h2", { id: "h-logs", text: "Logs" }), logs),
   );
 
   let job = null;
@@ -224,6 +234,7 @@ export function jobPage({ jobId, signal }) {
   let streaming = false;
   let pollTimer = null;
   const path = `/jobs/${encodeURIComponent(jobId)}`;
+  const logFollower = new LogFollower(`${path}/logs`);
 
   function renderReason(job) {
     const [first, ...rest] = (job.message || "").split("\n");
@@ -257,6 +268,7 @@ export function jobPage({ jobId, signal }) {
       p.comm_elements = Number.isFinite(p.comm_bytes) ? p.comm_bytes / elems : null;
       p.expected_comm = expected && Number.isFinite(p.comm_bytes) ? expected : null;
     }
+    if (speed) addMovingMedian(points, speed.key);
     const names = store.userNames;
     if (names.length !== (charts.user ? charts.user.series.length : 0)) {
       charts.user = userChart(names);
@@ -279,10 +291,10 @@ export function jobPage({ jobId, signal }) {
     }
   }
 
-  /** Everything but the metrics, fetched in parallel: job, events, checkpoints, log tail. */
+  /** Everything but the metrics, fetched in parallel: job, events, checkpoints, what is new in the log. */
   function fetchSide() {
-    const logTail = requestText(`${path}/logs?tail_bytes=${LOG_TAIL_BYTES}`, { signal })
-      .then(({ text }) => text || "(no log output yet)")
+    const logTail = logFollower.read({ signal })
+      .then((text) => text || "(no log output yet)")
       .catch((error) => (error.name === "AbortError" ? Promise.reject(error) : `(logs unavailable: ${error.message})`));
     return Promise.all([
       request(path, { signal }),
@@ -310,6 +322,12 @@ export function jobPage({ jobId, signal }) {
       shownCheckpoints = checkpointsKey;
       replaceKeepingFocus(checkpoints, ...checkpointRows(items));
     }
+    renderLog(logText);
+  }
+
+  /** The log panel stays where the reader scrolled, or follows the end if they are there. */
+  function renderLog(logText) {
+    if (logs.textContent === logText) return;
     const atBottom = logs.scrollTop + logs.clientHeight >= logs.scrollHeight - 4;
     logs.textContent = logText;
     if (atBottom) logs.scrollTop = logs.scrollHeight;
@@ -346,6 +364,13 @@ export function jobPage({ jobId, signal }) {
     if (TERMINAL_STATES.has(job.state)) {
       clearInterval(pollTimer);
       pollTimer = null;
+      // the log was read beside the job: once more, so that its last lines (written before
+      // the driver reported the end) are shown; then the panel stops following
+      try {
+        renderLog(await logFollower.read({ signal }));
+      } catch (error) {
+        if (error.name === "AbortError") return;
+      }
       liveStatus.textContent = streaming ? liveStatus.textContent : "finished";
     }
   }
@@ -375,7 +400,7 @@ export function jobPage({ jobId, signal }) {
     store = new SeriesStore({ world: (first.spec.resources || {}).num_workers || 1, maxPoints: MAX_POINTS });
     store.load(chart);
     renderSide(side);
-    charts = buildCharts(first, chart.charts || []);
+    charts = buildCharts(first, chart.charts || [], chart.throughput_field);
     speed = speedSeries(chart);
     replaceChildren(chartsSlot, ...charts.training.map((c) => c.element));
     replaceChildren(commSlot, ...charts.communication.map((c) => c.element));
