@@ -435,7 +435,7 @@ def worker(rank: int, rows: list[str], args: dict, port: int, out_dir: str) -> N
     batches = [(x.to(device), y.to(device)) for x, y in batches]
     _prewarm(device)
     if any(row in deepspeed_row.ROWS for row in rows):
-        deepspeed_row.prewarm(device)
+        deepspeed_row.prewarm(rows, args, device)
     if args.get("interleave"):
         try:
             results = run_interleaved(rows, rank, args, device, batches)
@@ -533,7 +533,7 @@ def aggregate(row: str, ranks: list[dict[str, Any]], args: dict, wall: float, cr
         losses_per_rank=[r["losses"] for r in ranks], loss_trajectories=[[r["losses"] for r in ranks]],
         step_time_range_s=[min(per_step), max(per_step)], step_time_range_of="measured steps",
     )
-    if row.startswith("zero"):
+    if row.startswith("zero") or row in deepspeed_row.ROWS:  # working buffers, apart from the model state
         result["engine_buffers_bytes"] = max(r.get("buffers") or 0 for r in ranks)
     if exposed is not None:
         result["comm_exposed_per_step_s"] = [max(r["exposed_s"][i] for r in ranks) for i in range(steps)]
@@ -560,6 +560,7 @@ def merge_repeats(runs: list[dict[str, Any]], args: dict) -> dict[str, Any]:
     out["loss_trajectories"] = [t for r in good for t in r["loss_trajectories"]]
     peaks = [r["peak_bytes"] for r in good if r["peak_bytes"] is not None]
     out["peak_bytes"] = max(peaks) if peaks else None
+    out["repeat_peak_bytes"] = [r["peak_bytes"] for r in good]
     if all(None not in r["peak_bytes_per_rank"] for r in good):  # each rank's largest over the repeats
         out["peak_bytes_per_rank"] = [max(v) for v in zip(*(r["peak_bytes_per_rank"] for r in good))]
     out["model_state_bytes"] = max((r["model_state_bytes"] for r in good), key=lambda m: m["total"])
