@@ -125,3 +125,25 @@ def describe(report: dict[str, Any]) -> str:
         return f"{n / 1e6:.2f}M" if n >= 10_000 else f"{n:,}"
 
     return " ".join(f"{short[k]} {amount(v['elements'])} ({v['calls']})" for k, v in report["kinds"].items()) or "none"
+
+
+def check_own_volume(own: dict[str, int], report: dict[str, Any]) -> dict[str, Any]:
+    """Does a system's own account (zerotrain's ``comm_volume()``) match what was dispatched?
+
+    Compared by what the elements do, not by op name: on Gloo zerotrain runs a reduce-scatter
+    as an in-place all-reduce and an all-gather as one broadcast per rank
+    (``workers/zero/collectives.py``, the note on Gloo's copies), counted as the collectives
+    they stand for. So the reducing elements (all-reduce, reduce-scatter, reduce) must equal
+    the account's reduce-scatter plus half its (doubled) all-reduce, and the gathering elements
+    (all-gather, broadcast) its all-gather -- each up to its ``control`` messages (the gradient
+    norm, the gradient mask, buffer broadcasts, gather tags), which it keeps apart.
+    """
+    elements = {k: v["elements"] for k, v in report["kinds"].items()}
+    reducing = sum(elements.get(k, 0) for k in ("all_reduce", "reduce_scatter", "reduce"))
+    gathering = sum(elements.get(k, 0) for k in ("all_gather", "broadcast"))
+    own_reducing = own["reduce_scatter"] + own["all_reduce"] // 2
+    slack = own.get("control", 0)
+    extra = (reducing - own_reducing) + (gathering - own["all_gather"])
+    agrees = reducing >= own_reducing and gathering >= own["all_gather"] and extra <= slack
+    return {"agrees": agrees, "reducing": [own_reducing, reducing], "gathering": [own["all_gather"], gathering],
+            "control": slack}

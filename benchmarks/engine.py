@@ -97,7 +97,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from benchmarks import loss_check
-from benchmarks.collective_count import describe as describe_collectives
+from benchmarks.collective_count import check_own_volume, describe as describe_collectives
 from benchmarks.peers import deepspeed_row
 from benchmarks.runner import Runner, torch_model_state
 from workers.host_memory import map_large_blocks
@@ -533,6 +533,8 @@ def aggregate(row: str, ranks: list[dict[str, Any]], args: dict, wall: float, cr
         losses_per_rank=[r["losses"] for r in ranks], loss_trajectories=[[r["losses"] for r in ranks]],
         step_time_range_s=[min(per_step), max(per_step)], step_time_range_of="measured steps",
     )
+    if result["own_comm_volume"] is not None:  # the system's own account against the dispatched ops
+        result["own_comm_check"] = [check_own_volume(r["own_volume"], r["collectives"]) for r in ranks]
     if row.startswith("zero") or row in deepspeed_row.ROWS:  # working buffers, apart from the model state
         result["engine_buffers_bytes"] = max(r.get("buffers") or 0 for r in ranks)
     if exposed is not None:
@@ -649,7 +651,8 @@ def print_table(rows: list[dict[str, Any]], summary: dict[str, Any], losses: dic
             mib(r["peak_bytes"]),
             "-" if not planned else mib(planned) + (f" ({planned / r['peak_bytes'] - 1:+.1%})" if r["peak_bytes"] else ""),
             f"{r['comm_elements']:,}", describe_collectives(kinds),
-            "-" if own is None else f"{own['total']:,} +{own.get('control', 0):,} ctl",
+            "-" if own is None else f"{own['total']:,} " + ("agrees" if all(c["agrees"] for c in r["own_comm_check"])
+                                                             else "DIFFERS"),
             "n/a" if r["comm_exposed_s"] is None else f"{r['comm_exposed_s']:.3f}",
             f"{r['final_loss']:.4f}", "-" if same is None else ("yes" if same else "NO"),
         )
@@ -666,7 +669,8 @@ def print_table(rows: list[dict[str, Any]], summary: dict[str, Any], losses: dic
                   "peak (its error against peak/rank). comm el/step: the collectives counted from the dispatched "
                   "c10d ops of one untimed step (an all-reduce counts 2x its elements); collectives: rank 0's, "
                   "per kind (AR all-reduce, RS reduce-scatter, AG all-gather, R reduce, B broadcast); own count: "
-                  "zerotrain's comm_volume() total + its control messages, as a check.", highlight=False)
+                  "zerotrain's comm_volume() total, and whether it agrees with the dispatched ops (its Gloo "
+                  "reduce-scatter runs as an all-reduce, its all-gather as broadcasts; up to its control messages).", highlight=False)
     for row, verdict in losses.items():
         text = ("identical to DDP's (bitwise, every rank and step)" if verdict["equal"] else
                 f"DIFFERS from DDP's: first at {verdict['first_difference']}, "

@@ -8,6 +8,7 @@ import math
 import pytest
 
 from benchmarks import loss_check
+from benchmarks.collective_count import check_own_volume
 from benchmarks.peers import deepspeed_row
 
 TRAJECTORY = [[5.5599, 5.41, 5.2], [5.5601, 5.42, 5.19]]  # [rank][step]
@@ -51,3 +52,18 @@ def test_deepspeed_configs_same_buckets_and_the_reduce_variant() -> None:
     assert three == {"stage": 3, "reduce_bucket_size": bucket}  # DeepSpeed's stage-3 defaults otherwise
     with pytest.raises(ValueError, match="ds4"):
         deepspeed_row.ds_config("ds4", ARGS)
+
+
+# zerotrain stage 1 on Gloo, 2 ranks, as dispatched: its reduce-scatter of 1000 elements runs as an
+# in-place all-reduce, its all-gather as broadcasts; 9 control elements (gradient norm and mask).
+OWN = {"all_gather": 1000, "reduce_scatter": 1000, "all_reduce": 0, "total": 2000, "control": 9}
+
+
+def kinds(**elements: int) -> dict:
+    return {"kinds": {k: {"calls": 1, "elements": n} for k, n in elements.items()}, "volume": 0}
+
+
+def test_own_volume_check_agrees_up_to_control_and_flags_a_missed_collective() -> None:
+    assert check_own_volume(OWN, kinds(all_reduce=1009, broadcast=1000))["agrees"] is True
+    assert check_own_volume(OWN, kinds(all_reduce=1000, broadcast=500))["agrees"] is False  # a gather not seen
+    assert check_own_volume(OWN, kinds(all_reduce=1100, broadcast=1000))["agrees"] is False  # more than control
