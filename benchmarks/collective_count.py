@@ -96,7 +96,7 @@ class CollectiveCounter:
         counter = self
 
         class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 seen = classify(str(func), args)
                 if seen is not None:
                     kind, n = seen

@@ -97,7 +97,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from benchmarks import loss_check
-from benchmarks.collective_count import check_own_volume, describe as describe_collectives
+from benchmarks.collective_count import check_own_volume
+from benchmarks.collective_count import describe as describe_collectives
 from benchmarks.peers import deepspeed_row
 from benchmarks.runner import Runner, torch_model_state
 from workers.host_memory import map_large_blocks
@@ -227,7 +228,6 @@ class TorchRunner(Runner):
         return float(loss.detach()), None
 
 
-
 class ZeroRunner(Runner):
     """A zerotrain ZeroEngine, driven as its API documents for one micro-batch per step.
 
@@ -261,7 +261,7 @@ class ZeroRunner(Runner):
             self.buffers = int(mem.get("buffers", 0))
         return float(loss.detach()), float(info.get("comm_exposed_s", float("nan")))
 
-    def own_volume(self):  # noqa: ANN201
+    def own_volume(self) -> dict[str, int]:
         return {k: int(v) for k, v in self.engine.comm_volume().items()}
 
 

@@ -144,7 +144,7 @@ class DeepSpeedRunner(Runner):
         self.measured: dict[str, int] = {}
         self.buffers = 0
 
-    def step(self, x, y, measure):  # noqa: ANN001
+    def step(self, x, y, measure):
         loss = self.engine(x, y)
         self.engine.backward(loss)
         after_backward = self._state() if measure else None
