@@ -38,7 +38,8 @@ test-slow: install services
 # The engine benchmark's DeepSpeed rows need DeepSpeed, which zerotrain itself does not: installed
 # here only, beside the CPU torch (the constraints keep pip from replacing it and pin what it pulls
 # in; DS_BUILD_OPS=0: no ops compiled at install, the rows use a torch optimizer). The benchmark
-# runs every row interleaved in one world, 5 repeats in rotated order (benchmarks/engine.py).
+# runs every row interleaved in one world, 5 repeats in rotated order (benchmarks/engine.py);
+# e.g. BENCH_ARGS="--steps 3 --warmup 1" for a shorter run.
 BENCH_DEPS  := deepspeed==0.19.8
 BENCH_STAMP := $(VENV)/.installed-bench
 
@@ -50,7 +51,7 @@ $(BENCH_STAMP): $(STAMP) constraints.txt
 	touch $(BENCH_STAMP)
 
 bench: install bench-install services
-	$(PY) -m benchmarks.engine --interleave --repeats 5 --json bench-results/engine.json
+	$(PY) -m benchmarks.engine --interleave --repeats 5 $(BENCH_ARGS) --json bench-results/engine.json
 	$(PY) -m benchmarks.service --json bench-results/service.json
 
 clean:
