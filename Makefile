@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export GLOO_SOCKET_IFNAME := lo
 
-.PHONY: install demo test test-slow bench services lint clean
+.PHONY: install demo test test-slow bench bench-install services lint clean
 
 install: $(STAMP)
 
@@ -35,8 +35,23 @@ test: install services
 test-slow: install services
 	$(PY) -m pytest -q -p no:cacheprovider -m slow $(PYTEST_ARGS)
 
-bench: install services
-	$(PY) -m benchmarks.engine --json bench-results/engine.json
+# The engine benchmark's DeepSpeed rows need DeepSpeed, which zerotrain itself does not: installed
+# here only, beside the CPU torch (the constraints keep pip from replacing it and pin what it pulls
+# in; DS_BUILD_OPS=0: no ops compiled at install, the rows use a torch optimizer). The benchmark
+# runs every row interleaved in one world, 5 repeats in rotated order (benchmarks/engine.py);
+# e.g. BENCH_ARGS="--steps 3 --warmup 1" for a shorter run.
+BENCH_DEPS  := deepspeed==0.19.8
+BENCH_STAMP := $(VENV)/.installed-bench
+
+bench-install: $(BENCH_STAMP)
+
+$(BENCH_STAMP): $(STAMP) constraints.txt
+	DS_BUILD_OPS=0 $(PIP) install --quiet --find-links /opt/wheels -c constraints.txt "$(BENCH_DEPS)"
+	$(PY) -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	touch $(BENCH_STAMP)
+
+bench: install bench-install services
+	$(PY) -m benchmarks.engine --interleave --repeats 5 $(BENCH_ARGS) --json bench-results/engine.json
 	$(PY) -m benchmarks.service --json bench-results/service.json
 
 clean:

@@ -1,4 +1,4 @@
-"""Engine benchmark: zerotrain's ZeRO stages against PyTorch DDP and FSDP2 on the same GPT.
+"""Engine benchmark: zerotrain's ZeRO stages against PyTorch DDP, FSDP2 and DeepSpeed on the same GPT.
 
 Every row trains the same GPT (same seed, so the same initial weights; the same synthetic
 batches per step and rank) at ``--world-size`` ranks -- Gloo on CPU, NCCL with ``--device cuda``
@@ -9,7 +9,12 @@ into the next row's numbers. Rows:
                    gradient_as_bucket_view=True (its lower-memory setting); bf16 = torch.autocast
     fsdp2          torch.distributed.fsdp.fully_shard on each transformer block, then the root
                    (the documented way); bf16 = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16)
-    zero0 .. zero3 zerotrain ZeroEngine at that stage (bucket_mb = --bucket-mb, prefetch 1)
+    ds1 .. ds3     DeepSpeed ZeRO-1/2/3 (``benchmarks/peers/deepspeed_row.py``; ``make bench`` installs
+                   DeepSpeed), its defaults, buckets of --bucket-mb, the same torch AdamW;
+                   ds1-reduce, ds2-reduce: with ``use_multi_rank_bucket_allreduce: false``
+    zero0 .. zero3 zerotrain ZeroEngine at that stage (bucket_mb = --bucket-mb, prefetch 1),
+                   ``backward(loss, sync=True)`` as its API asks for the last micro-batch, so
+                   stages 0/1 reduce during backward the way DDP does
     zero3-offload  stage 3 with offload_optimizer=True
     local          (not in the default rows) the plain model, no communication at all: each rank
                    trains alone -- the compute-only step time the others can be read against
@@ -17,13 +22,15 @@ into the next row's numbers. Rows:
 Columns (step times: per step, the slowest rank; then the median over the measured steps):
 
     step s         median step time (forward + backward + optimizer step) after --warmup steps
-    best s         the fastest measured step (on a shared machine, the least disturbed one)
-    tokens/s       world_size x micro_batch x seq_len / median step time
+    min-max s      the lowest and highest median of the --repeats (one repeat: of its steps)
+    best s         (JSON) the fastest measured step (on a shared machine, the least disturbed one)
+    tokens/s       (JSON) world_size x micro_batch x seq_len / median step time
     vs DDP         step time / DDP's step time
     state/rank     model-state bytes per rank, measured: zerotrain ``engine.memory()`` params +
                    grads + optimizer; DDP/FSDP2: the distinct storages of the parameters, their
                    .grad and every optimizer.state tensor (FSDP2's DTensors by ``.to_local()``),
-                   taken after the last optimizer step, before zero_grad; the largest rank.
+                   taken after the last optimizer step, before zero_grad; DeepSpeed: the same
+                   groups found in its ZeRO optimizer (the note in ``DeepSpeedRunner``); the largest rank.
                    Offload rows: device bytes, plus ``memory()["host"]`` shown apart
     peak/rank      each rank's peak growth over the whole row, from just before its model is built
                    (``planner.PeakMemoryMeter``, the worker's own meter): CUDA
@@ -38,15 +45,21 @@ Columns (step times: per step, the slowest rank; then the median over the measur
                    the worst part of the job, the model built eagerly as here) and its error
                    against the measured peak/rank
     comm el/step   elements handed to collectives in one step (an all-reduce counts twice its
-                   elements, a reduce-scatter its input, an all-gather its output). zerotrain:
-                   ``engine.comm_volume()["total"]`` (measured); DDP: 2 x trainable elements
-                   (computed: its buckets hold exactly the gradients, unpadded); FSDP2: measured
-                   by a TorchDispatchMode that sums the sizes of the c10d collectives it sees (as
-                   CommDebugMode does) during one extra, untimed step
+                   elements, a reduce-scatter its input, an all-gather its output, a reduce or a
+                   broadcast its elements), for every row by one mechanism: a TorchDispatchMode
+                   that sees each c10d op dispatched during one extra, untimed step
+                   (``benchmarks/collective_count.py``); per kind, with calls and elements, in
+                   ``collectives_per_rank``. zerotrain rows show ``comm_volume()`` beside it as a
+                   check: on Gloo its reduce-scatter runs as an in-place all-reduce and its
+                   all-gather as one broadcast per rank (``workers/zero/collectives.py``, the note
+                   on Gloo's copies), which the dispatched count shows as what they are
+    = DDP          whether the row's loss trajectory (every rank, every step, warm-up included,
+                   every repeat) equals DDP's bitwise (``benchmarks/loss_check.py``)
     exposed s      zerotrain: median ``step()["comm_exposed_s"]`` (time waiting on collectives
                    that did not overlap compute); DDP/FSDP2: n/a (not measured)
 
-    python -m benchmarks.engine --json bench-results/engine.json
+    python -m benchmarks.engine --interleave --repeats 5 --json bench-results/engine.json   # make bench
+    python -m benchmarks.engine --json bench-results/engine.json   # each row in a world of its own
     python -m benchmarks.engine --host-malloc glibc   # CPU peaks under glibc's default policy
     python -m benchmarks.engine --interleave --steps 20   # steadier time ratios on a busy machine
     python -m benchmarks.engine --device cuda --precision bf16 --preset gpt-small --seq-len 1024
@@ -56,7 +69,8 @@ bf16 CPU row measures the CPU's bf16 kernels, not the engines. The machine this 
 shared; read the ratios, and rerun with more --steps when they matter. Rows run one after
 another see whatever load the machine has at the time; ``--interleave`` builds every row in one
 world and takes their steps in turn, so drifting load hits all rows alike (at the cost of the
-peak-memory column), ``--repeats`` reruns the sequence in rotated order and pools the steps.
+peak-memory column's independence: each row is built and warmed up alone under its own meter,
+see ``run_interleaved``), ``--repeats`` reruns the sequence in rotated order and pools the steps.
 """
 
 from __future__ import annotations
@@ -82,14 +96,19 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from benchmarks import loss_check
+from benchmarks.collective_count import check_own_volume
+from benchmarks.collective_count import describe as describe_collectives
+from benchmarks.peers import deepspeed_row
+from benchmarks.runner import Runner, torch_model_state
 from workers.host_memory import map_large_blocks
 from workers.models import GPT, PRESETS, GPTConfig, num_parameters
-from workers.zero.engine import distinct_storage_bytes
 from workers.zero.planner.check import PeakMemoryMeter
 
 ROWS: dict[str, str] = {
     "ddp": "PyTorch DDP",
     "fsdp2": "PyTorch FSDP2",
+    **deepspeed_row.ROWS,
     "zero0": "zerotrain stage 0",
     "zero1": "zerotrain stage 1",
     "zero2": "zerotrain stage 2",
@@ -97,11 +116,16 @@ ROWS: dict[str, str] = {
     "zero3-offload": "zerotrain stage 3 + offload",
     "local": "no communication (local)",
 }
-DEFAULT_ROWS = ["ddp", "fsdp2", "zero0", "zero1", "zero2", "zero3", "zero3-offload"]
+DEFAULT_ROWS = ["ddp", "fsdp2", *deepspeed_row.ROWS, "zero0", "zero1", "zero2", "zero3", "zero3-offload"]
+#: each zerotrain stage and the DeepSpeed row it is read against (same stage, DeepSpeed's defaults)
+PEERS = {"zero1": "ds1", "zero2": "ds2", "zero3": "ds3"}
 COLUMNS = ["row", "label", "ok", "error", "step_time_s", "best_step_time_s", "tokens_per_s", "ratio_to_ddp",
            "model_state_bytes", "model_state_source", "peak_bytes", "peak_source", "peak_bytes_per_rank",
            "planned_peak_bytes",
-           "comm_elements", "comm_source", "comm_exposed_s", "final_loss", "step_times_s", "wall_s"]
+           "comm_elements", "comm_source", "collectives_per_rank", "own_comm_volume", "comm_exposed_s",
+           "final_loss", "losses_per_rank", "losses_equal_ddp", "step_time_range_s", "step_times_s", "wall_s"]
+COMM_SOURCE = ("measured: the c10d collectives dispatched in one extra, untimed step, seen by a "
+               "TorchDispatchMode (benchmarks/collective_count.py), the same for every row")
 ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "GLOO_SOCKET_IFNAME": "lo"}
 
 
@@ -134,70 +158,6 @@ def make_batches(count: int, rank: int, b: int, t: int, vocab: int, seed: int) -
 
 
 # -- accounting helpers ---------------------------------------------------------------------------
-def _local(t: Any) -> torch.Tensor | None:
-    if not isinstance(t, torch.Tensor):
-        return None
-    to_local = getattr(t, "to_local", None)  # DTensor: this rank's shard
-    return to_local() if callable(to_local) else t
-
-
-def tensor_bytes(groups: dict[str, list[Any]]) -> dict[str, int]:
-    """Bytes of the distinct storages in each group (a storage counted once, in its first group)."""
-    seen: set[int] = set()
-    out: dict[str, int] = {}
-    for name, tensors in groups.items():
-        out[name] = distinct_storage_bytes((_local(t) for t in tensors), seen)
-    out["total"] = sum(out.values())
-    return out
-
-
-def torch_model_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    params = list(model.parameters())
-    opt = [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-    return tensor_bytes({"params": params, "grads": [p.grad for p in params], "optimizer": opt})
-
-
-class CollectiveCounter:
-    """Sum the elements of the c10d collectives dispatched while active (all-reduce counts 2x).
-
-    A TorchDispatchMode, as ``torch.distributed.tensor.debug.CommDebugMode`` is; that mode counts
-    calls only, this one counts elements the way zerotrain's ``comm_volume()`` does.
-    """
-
-    def __init__(self) -> None:
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        counts: dict[str, int] = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0, "other": 0}
-        self.counts = counts
-
-        def numel(x: Any) -> int:
-            if isinstance(x, torch.Tensor):
-                return x.numel()
-            if isinstance(x, (list, tuple)):
-                return sum(numel(y) for y in x)
-            return 0
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-                name = str(func)
-                if name.startswith("c10d.") or name.startswith("_c10d_functional."):
-                    if "allgather" in name or "all_gather" in name:
-                        counts["all_gather"] += numel(args[0])  # the output
-                    elif "reduce_scatter" in name:
-                        counts["reduce_scatter"] += numel(args[1] if name.startswith("c10d.") else args[0])
-                    elif "allreduce" in name or "all_reduce" in name:
-                        counts["all_reduce"] += 2 * numel(args[0])
-                    elif "barrier" not in name and "broadcast" not in name:
-                        counts["other"] += numel(args[0])
-                return func(*args, **(kwargs or {}))
-
-        self.mode = Mode()
-
-    @property
-    def total(self) -> int:
-        return self.counts["all_gather"] + self.counts["reduce_scatter"] + self.counts["all_reduce"]
-
-
 def planned_peak(row: str, args: dict) -> int | None:
     """The planner's predicted peak for a zerotrain row (None for the others, or if it cannot plan):
     the row's own model on the meta device, its activations profiled as the planner profiles a job's."""
@@ -227,24 +187,11 @@ def planned_peak(row: str, args: dict) -> int | None:
 
 
 # -- one row on one rank ---------------------------------------------------------------------------
-class Runner:
-    """fwd + bwd + optimizer step for one system; ``state()`` and ``comm()`` for the columns."""
-
-    exposed_supported = False
-
-    def step(self, x: torch.Tensor, y: torch.Tensor, measure: bool) -> tuple[float, float | None]:
-        raise NotImplementedError
-
-    def comm(self, x: torch.Tensor, y: torch.Tensor) -> tuple[int | None, str]:
-        raise NotImplementedError
-
-
 class TorchRunner(Runner):
     def __init__(self, kind: str, model: torch.nn.Module, args: dict, device: torch.device):
         self.kind = kind
         self.device = device
         self.autocast = args["precision"] == "bf16" and kind != "fsdp2"
-        self.trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         if kind == "ddp":
             from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -280,19 +227,16 @@ class TorchRunner(Runner):
         self.optimizer.zero_grad(set_to_none=True)
         return float(loss.detach()), None
 
-    def comm(self, x, y):  # noqa: ANN001
-        if self.kind == "ddp":
-            return 2 * self.trainable, "computed: all-reduce of every trainable element, 2x"
-        if self.kind == "local":
-            return 0, "none"
-        counter = CollectiveCounter()
-        with counter.mode:
-            self.step(x, y, measure=False)
-        return counter.total, "measured: c10d collectives seen by a TorchDispatchMode, one extra step"
-
 
 class ZeroRunner(Runner):
-    exposed_supported = True
+    """A zerotrain ZeroEngine, driven as its API documents for one micro-batch per step.
+
+    [Note: sync=True, the fair row]
+    ``backward(loss, sync=True)`` marks the last micro-batch before ``step()``: only then do
+    stages 0 and 1 reduce each bucket during backward, as it fills, the way DDP overlaps its
+    all-reduce (``docs/engine.md``, API). Every step here has one micro-batch, so every backward
+    is the last; without the flag stages 0/1 would reduce everything at once in ``step()``.
+    """
 
     def __init__(self, stage: int, offload: bool, model: torch.nn.Module, args: dict):
         from workers.zero import ZeroConfig, ZeroEngine
@@ -306,7 +250,7 @@ class ZeroRunner(Runner):
 
     def step(self, x, y, measure):  # noqa: ANN001
         loss = self.engine(x, y)
-        self.engine.backward(loss)
+        self.engine.backward(loss, sync=True)
         info = self.engine.step()
         if measure:
             mem = self.engine.memory()
@@ -317,8 +261,8 @@ class ZeroRunner(Runner):
             self.buffers = int(mem.get("buffers", 0))
         return float(loss.detach()), float(info.get("comm_exposed_s", float("nan")))
 
-    def comm(self, x, y):  # noqa: ANN001
-        return int(self.engine.comm_volume()["total"]), "measured: engine.comm_volume()['total']"
+    def own_volume(self) -> dict[str, int]:
+        return {k: int(v) for k, v in self.engine.comm_volume().items()}
 
 
 def build_runner(row: str, model: torch.nn.Module, args: dict, device: torch.device) -> Runner:
@@ -326,6 +270,8 @@ def build_runner(row: str, model: torch.nn.Module, args: dict, device: torch.dev
         return TorchRunner(row, model, args, device)
     if row.startswith("zero"):
         return ZeroRunner(int(row[4]), row.endswith("-offload"), model, args)
+    if row in deepspeed_row.ROWS:
+        return deepspeed_row.DeepSpeedRunner(row, model, args, device)
     raise ValueError(f"unknown row {row!r}")
 
 
@@ -363,6 +309,26 @@ def peak_source(args: dict) -> str:
     return f"growth of VmHWM per rank ({policy})"
 
 
+def timed_step(runner: Runner, batch: tuple[torch.Tensor, torch.Tensor], device: torch.device,
+               measure: bool) -> tuple[float, float, float | None]:
+    """One step of ``runner``, the ranks started together: ``(seconds, loss, exposed s or None)``."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    dist.barrier()  # ranks start each step together: the slowest rank's time is the step's
+    t0 = time.perf_counter()
+    loss, exposed = runner.step(*batch, measure=measure)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0, loss, exposed
+
+
+def finish(result: dict[str, Any], runner: Runner, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """The columns taken after the measured steps: model state, and one untimed step with its
+    collectives counted (the same counter for every row) beside the system's own account."""
+    result.update(model_state=runner.measured, buffers=getattr(runner, "buffers", None),
+                  collectives=runner.counted(*batch), own_volume=runner.own_volume())
+
+
 def run_one(row: str, rank: int, args: dict, device: torch.device,
             batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Any]:
     """Build and train one row on this rank; the report (or the error) as a dict."""
@@ -382,24 +348,14 @@ def run_one(row: str, rank: int, args: dict, device: torch.device,
         return result
     times, exposed, losses = [], [], []
     for i in range(total_steps):
-        x, y = batches[i]
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        dist.barrier()  # ranks start each step together: the slowest rank's time is the step's
-        t0 = time.perf_counter()
-        loss, exp = runner.step(x, y, measure=i == total_steps - 1)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        dt = time.perf_counter() - t0
+        dt, loss, exp = timed_step(runner, batches[i], device, measure=i == total_steps - 1)
+        losses.append(loss)
         if i >= args["warmup"]:
             times.append(dt)
             exposed.append(exp)
-            losses.append(loss)
-    comm, comm_source = runner.comm(*batches[total_steps])
-    result.update(step_times_s=times, exposed_s=exposed, losses=losses, model_state=runner.measured,
-                  buffers=getattr(runner, "buffers", None), peak_bytes=peak.peak_growth(),
-                  construction_peak_bytes=peak.parts["construction"], peak_source=peak_source(args),
-                  comm_elements=comm, comm_source=comm_source)
+    result.update(step_times_s=times, exposed_s=exposed, losses=losses, peak_bytes=peak.peak_growth(),
+                  construction_peak_bytes=peak.parts["construction"], peak_source=peak_source(args))
+    finish(result, runner, batches[total_steps])
     del runner
     return result
 
@@ -409,43 +365,48 @@ def run_interleaved(rows: list[str], rank: int, args: dict, device: torch.device
     """Every row built at once; step i runs each row's step i in turn (order rotated each step).
 
     Load that drifts on a shared machine then hits every row alike, so the step-time ratios are
-    far steadier than with rows run one after another. Peak memory cannot be attributed to a
-    row this way (all are resident together) and is not reported.
+    far steadier than with rows run one after another.
+
+    [Note: peak growth in an interleaved world]
+    Each row is built and takes its ``--warmup`` steps alone, one row after another, under its
+    own ``PeakMemoryMeter`` (started just before its model is built, the high-water mark reset
+    then); only the measured steps are interleaved. Its peak/rank is therefore the growth of
+    its construction and warm-up steps over what the rows built before it hold, as in a world
+    of its own -- the first steps allocate the optimizer state, so with ``--warmup >= 1`` this
+    covers a full step. The caveat: pages a previous row freed may be reused without growing
+    the resident set; with the mapped host allocator (the default) large blocks are unmapped
+    when freed, so this reuse is limited to small blocks.
     """
     total_steps = args["warmup"] + args["steps"]
     results: dict[str, dict[str, Any]] = {}
     runners: dict[str, Runner] = {}
     for row in rows:
-        results[row] = {"rank": rank, "row": row}
+        results[row] = result = {"rank": rank, "row": row, "step_times_s": [], "exposed_s": [], "losses": []}
+        gc.collect()
+        peak = PeakMemoryMeter(device)
+        peak.start()
         try:
             torch.manual_seed(args["seed"])
             runners[row] = build_runner(row, GPT(GPTConfig(**args["model"])).to(device), args, device)
+            peak.lap("construction")
         except Exception as exc:  # noqa: BLE001 -- reported, the other rows go on
-            results[row]["error"] = _describe(exc)
+            result["error"] = _describe(exc)
+            continue
+        for i in range(args["warmup"]):
+            _, loss, _ = timed_step(runners[row], batches[i], device, measure=False)
+            result["losses"].append(loss)
+        result.update(peak_bytes=peak.peak_growth(), construction_peak_bytes=peak.parts["construction"],
+                      peak_source=peak_source(args) + ", construction + warm-up, each row alone")
     live = [row for row in rows if row in runners]
-    for row in live:
-        results[row].update(step_times_s=[], exposed_s=[], losses=[])
-    for i in range(total_steps):
+    for i in range(args["warmup"], total_steps):
         k = i % max(1, len(live))
         for row in live[k:] + live[:k]:
-            x, y = batches[i]
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            dist.barrier()
-            t0 = time.perf_counter()
-            loss, exp = runners[row].step(x, y, measure=i == total_steps - 1)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            dt = time.perf_counter() - t0
-            if i >= args["warmup"]:
-                results[row]["step_times_s"].append(dt)
-                results[row]["exposed_s"].append(exp)
-                results[row]["losses"].append(loss)
+            dt, loss, exp = timed_step(runners[row], batches[i], device, measure=i == total_steps - 1)
+            results[row]["step_times_s"].append(dt)
+            results[row]["exposed_s"].append(exp)
+            results[row]["losses"].append(loss)
     for row in live:
-        comm, comm_source = runners[row].comm(*batches[total_steps])
-        results[row].update(model_state=runners[row].measured, buffers=getattr(runners[row], "buffers", None),
-                            peak_bytes=None, peak_source="n/a: rows interleaved in one process",
-                            comm_elements=comm, comm_source=comm_source)
+        finish(results[row], runners[row], batches[total_steps])
     return results
 
 
@@ -465,12 +426,16 @@ def worker(rank: int, rows: list[str], args: dict, port: int, out_dir: str) -> N
         device = torch.device("cpu")
         backend = "gloo"
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    if any(row in deepspeed_row.ROWS for row in rows):
+        deepspeed_row.prepare_environment(rank, world)
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=args["timeout"]))
     total_steps = args["warmup"] + args["steps"]
     cfg = GPTConfig(**args["model"])
     batches = make_batches(total_steps + 1, rank, args["micro_batch"], args["seq_len"], cfg.vocab_size, args["seed"])
     batches = [(x.to(device), y.to(device)) for x, y in batches]
     _prewarm(device)
+    if any(row in deepspeed_row.ROWS for row in rows):
+        deepspeed_row.prewarm(rows, args, device)
     if args.get("interleave"):
         try:
             results = run_interleaved(rows, rank, args, device, batches)
@@ -561,10 +526,16 @@ def aggregate(row: str, ranks: list[dict[str, Any]], args: dict, wall: float, cr
         planned_peak_bytes=planned_peak(row, args),
         peak_source=ranks[0]["peak_source"] + ("" if not args["shared_world"] or args.get("interleave") else
                                                ", rows share one process: freed memory may be reused"),
-        comm_elements=max(r["comm_elements"] for r in ranks), comm_source=ranks[0]["comm_source"],
+        comm_elements=max(r["collectives"]["volume"] for r in ranks), comm_source=COMM_SOURCE,
+        collectives_per_rank=[r["collectives"] for r in ranks],
+        own_comm_volume=ranks[0]["own_volume"],
         comm_exposed_s=exposed, final_loss=statistics.fmean(r["losses"][-1] for r in ranks),
+        losses_per_rank=[r["losses"] for r in ranks], loss_trajectories=[[r["losses"] for r in ranks]],
+        step_time_range_s=[min(per_step), max(per_step)], step_time_range_of="measured steps",
     )
-    if row.startswith("zero"):
+    if result["own_comm_volume"] is not None:  # the system's own account against the dispatched ops
+        result["own_comm_check"] = [check_own_volume(r["own_volume"], r["collectives"]) for r in ranks]
+    if row.startswith("zero") or row in deepspeed_row.ROWS:  # working buffers, apart from the model state
         result["engine_buffers_bytes"] = max(r.get("buffers") or 0 for r in ranks)
     if exposed is not None:
         result["comm_exposed_per_step_s"] = [max(r["exposed_s"][i] for r in ranks) for i in range(steps)]
@@ -586,8 +557,12 @@ def merge_repeats(runs: list[dict[str, Any]], args: dict) -> dict[str, Any]:
     out["best_step_time_s"] = min(times)
     out["tokens_per_s"] = args["world_size"] * args["micro_batch"] * args["seq_len"] / out["step_time_s"]
     out["repeat_step_time_s"] = [r["step_time_s"] for r in good]
+    out["step_time_range_s"] = [min(out["repeat_step_time_s"]), max(out["repeat_step_time_s"])]
+    out["step_time_range_of"] = "repeat medians"
+    out["loss_trajectories"] = [t for r in good for t in r["loss_trajectories"]]
     peaks = [r["peak_bytes"] for r in good if r["peak_bytes"] is not None]
     out["peak_bytes"] = max(peaks) if peaks else None
+    out["repeat_peak_bytes"] = [r["peak_bytes"] for r in good]
     if all(None not in r["peak_bytes_per_rank"] for r in good):  # each rank's largest over the repeats
         out["peak_bytes_per_rank"] = [max(v) for v in zip(*(r["peak_bytes_per_rank"] for r in good))]
     out["model_state_bytes"] = max((r["model_state_bytes"] for r in good), key=lambda m: m["total"])
@@ -634,6 +609,12 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "stage3_vs_fsdp2_step_time": ratio("zero3", "fsdp2", "step_time_s"),
         "stage3_offload_vs_fsdp2_step_time": ratio("zero3-offload", "fsdp2", "step_time_s"),
     }
+    for z, ds in PEERS.items():
+        for peer in (ds, f"{ds}-reduce"):
+            if peer in ROWS:
+                out[f"{z}_vs_{peer}_step_time"] = ratio(z, peer, "step_time_s")
+                out[f"{z}_vs_{peer}_peak"] = ratio(z, peer, "peak_bytes")
+                out[f"{z}_vs_{peer}_model_state"] = ratio(z, peer, "model_state_bytes")
     for z in ("zero0", "zero1", "zero2", "zero3", "zero3-offload"):
         for peer in ("ddp", "fsdp2"):
             out[f"{z}_vs_{peer}_model_state"] = ratio(z, peer, "model_state_bytes")
@@ -645,37 +626,56 @@ def mib(n: int | None) -> str:
     return "-" if n is None else f"{n / 2**20:,.1f} MiB"
 
 
-def print_table(rows: list[dict[str, Any]], summary: dict[str, Any], title: str) -> None:
+def print_table(rows: list[dict[str, Any]], summary: dict[str, Any], losses: dict[str, dict[str, Any]],
+                title: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table("system", "step s", "best s", "tokens/s", "vs DDP", "state/rank", "peak/rank", "planned",
-                  "comm el/step", "exposed s", "loss", title=title)
+    table = Table("system", "step s", "min-max s", "vs DDP", "state/rank", "peak/rank", "planned",
+                  "comm el/step", "collectives (elements, calls)", "own count", "exposed s", "loss", "= DDP",
+                  title=title)
     for r in rows:
         if not r["ok"]:
-            table.add_row(r["label"], "n/a", *["-"] * 9)
+            table.add_row(r["label"], "n/a", *["-"] * 11)
             continue
         planned = r.get("planned_peak_bytes")
+        own = r.get("own_comm_volume")
+        same = losses.get(r["row"], {}).get("equal")
+        kinds = r["collectives_per_rank"][0]
         table.add_row(
-            r["label"], f"{r['step_time_s']:.3f}", f"{r['best_step_time_s']:.3f}", f"{r['tokens_per_s']:,.0f}",
+            r["label"], f"{r['step_time_s']:.3f}",
+            f"{r['step_time_range_s'][0]:.3f}-{r['step_time_range_s'][1]:.3f}",
             "-" if r["ratio_to_ddp"] is None else f"{r['ratio_to_ddp']:.2f}x",
             mib(r["model_state_bytes"]["total"]) + (f" +{mib(r['model_state_bytes']['host'])} host"
                                                     if "host" in r["model_state_bytes"] else ""),
             mib(r["peak_bytes"]),
             "-" if not planned else mib(planned) + (f" ({planned / r['peak_bytes'] - 1:+.1%})" if r["peak_bytes"] else ""),
-            f"{r['comm_elements']:,}" + ("*" if r["comm_source"].startswith("computed") else ""),
+            f"{r['comm_elements']:,}", describe_collectives(kinds),
+            "-" if own is None else f"{own['total']:,} " + ("agrees" if all(c["agrees"] for c in r["own_comm_check"])
+                                                             else "DIFFERS"),
             "n/a" if r["comm_exposed_s"] is None else f"{r['comm_exposed_s']:.3f}",
-            f"{r['final_loss']:.4f}",
+            f"{r['final_loss']:.4f}", "-" if same is None else ("yes" if same else "NO"),
         )
-    console = Console(width=max(Console().width, 150))
+    console = Console(width=max(Console().width, 230))
     console.print(table)
     for r in rows:
         if not r["ok"]:
             console.print(f"{r['label']}: n/a: {r['error']}", highlight=False)
-    console.print("* computed, not measured. state/rank: params+grads+optimizer on the device (offload: "
-                  "+ what sits in host memory -- the same RAM on a CPU-only machine); peak/rank: "
+    range_of = next((r["step_time_range_of"] for r in rows if r["ok"]), "-")
+    console.print(f"step s: median over every measured step; min-max s: of the {range_of}. state/rank: "
+                  "params+grads+optimizer on the device (offload: + what sits in host memory -- the same RAM "
+                  "on a CPU-only machine); peak/rank: "
                   f"{next((r['peak_source'] for r in rows if r['ok']), '-')}; planned: the planner's predicted "
-                  "peak (its error against peak/rank).")
+                  "peak (its error against peak/rank). comm el/step: the collectives counted from the dispatched "
+                  "c10d ops of one untimed step (an all-reduce counts 2x its elements); collectives: rank 0's, "
+                  "per kind (AR all-reduce, RS reduce-scatter, AG all-gather, R reduce, B broadcast); own count: "
+                  "zerotrain's comm_volume() total, and whether it agrees with the dispatched ops (its Gloo "
+                  "reduce-scatter runs as an all-reduce, its all-gather as broadcasts; up to its control messages).", highlight=False)
+    for row, verdict in losses.items():
+        text = ("identical to DDP's (bitwise, every rank and step)" if verdict["equal"] else
+                f"DIFFERS from DDP's: first at {verdict['first_difference']}, "
+                f"largest |difference| {verdict['max_abs_difference']}")
+        console.print(f"  loss trajectory of {ROWS[row]}: {text}", highlight=False)
     lines = []
     for key, text in (("stage2_vs_ddp_step_time", "stage 2 / DDP step time"),
                       ("stage2_vs_ddp_best_step_time", "stage 2 / DDP best step"),
@@ -684,6 +684,13 @@ def print_table(rows: list[dict[str, Any]], summary: dict[str, Any], title: str)
                       ("stage3_offload_vs_fsdp2_step_time", "stage 3 + offload / FSDP2 step time")):
         if summary.get(key) is not None:
             lines.append(f"{text}: {summary[key]:.2f}x")
+    for z, ds in PEERS.items():
+        for peer in (ds, f"{ds}-reduce"):
+            parts = [f"{what} {summary[f'{z}_vs_{peer}_{key}']:.2f}x"
+                     for key, what in (("step_time", "step time"), ("peak", "peak"), ("model_state", "state"))
+                     if summary.get(f"{z}_vs_{peer}_{key}") is not None]
+            if parts:
+                lines.append(f"{ROWS[z]} / {ROWS[peer]}: " + ", ".join(parts))
     for z in ("zero0", "zero1", "zero2", "zero3", "zero3-offload"):
         parts = [f"{what} {summary[f'{z}_vs_{peer}_{key}']:.2f}x {name}"
                  for peer, name in (("ddp", "DDP"), ("fsdp2", "FSDP2"))
@@ -719,7 +726,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(evens out load that drifts while the rows run one after another)")
     p.add_argument("--interleave", action="store_true",
                    help="one world, every row built at once, their steps taken in turn: steadier step-time "
-                        "ratios on a busy machine; no peak memory column (all rows resident together)")
+                        "ratios on a busy machine; each row's peak is its own construction and warm-up, taken alone")
     p.add_argument("--shared-world", action="store_true",
                    help="run every row in one world (saves start-up; CPU peaks then less honest: "
                         "memory a row frees may be reused by the next without growing the RSS)")
@@ -777,19 +784,24 @@ def main(argv: list[str] | None = None) -> int:
         if r["ok"] and ddp:
             r["ratio_to_ddp"] = r["step_time_s"] / ddp["step_time_s"]
     summary = summarize(rows)
+    losses = loss_check.check_rows(rows)
+    for r in rows:
+        r["losses_equal_ddp"] = losses.get(r["row"], {}).get("equal")
+        r["losses_vs_ddp"] = losses.get(r["row"])
     title = (f"zerotrain engine vs PyTorch: {args.preset} ({cfg.n_layer}x{cfg.n_embd}, Φ={phi:,}), "
              f"{args.world_size} ranks on {args.device} ({'nccl' if args.device == 'cuda' else 'gloo'}), "
              f"{args.precision}, seq {args.seq_len} x micro-batch {args.micro_batch}, "
              f"median of {args.steps * args.repeats} steps" + (f" ({args.repeats} repeats)" if args.repeats > 1 else "")
              + f", each run after {args.warmup} warm-up")
-    print_table(rows, summary, title)
+    print_table(rows, summary, losses, title)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         report = {"benchmark": "engine", "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                   "machine": machine_info(args.device), "torch": torch.__version__,
                   "settings": {k: v for k, v in settings.items() if k != "timeout"},
                   "parameters": phi, "tokens_per_step": args.world_size * args.micro_batch * args.seq_len,
-                  "columns": COLUMNS, "rows": rows, "summary": summary}
+                  "columns": COLUMNS, "rows": rows, "summary": summary,
+                  "losses_equal_ddp": {row: v["equal"] for row, v in losses.items()}}
         args.json.write_text(json.dumps(report, indent=2, default=str))
     return 0 if any(r["ok"] for r in rows) else 1
 

@@ -1,0 +1,1 @@
+"""Other ZeRO implementations the engine benchmark runs beside zerotrain (optional installs)."""

@@ -1,0 +1,69 @@
+"""The engine benchmark's own logic that needs no world: the loss-equality check and the
+DeepSpeed rows' configs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from benchmarks import loss_check
+from benchmarks.collective_count import check_own_volume
+from benchmarks.peers import deepspeed_row
+
+TRAJECTORY = [[5.5599, 5.41, 5.2], [5.5601, 5.42, 5.19]]  # [rank][step]
+
+
+def row(name: str, trajectories: list) -> dict:
+    return {"row": name, "ok": True, "loss_trajectories": trajectories}
+
+
+def test_loss_check_flags_a_row_one_ulp_off_and_passes_identical_ones() -> None:
+    off = [list(r) for r in TRAJECTORY]
+    off[1][2] = math.nextafter(off[1][2], 10.0)  # one rank, one step, the last bit
+    rows = [row("ddp", [TRAJECTORY]), row("zero2", [[list(r) for r in TRAJECTORY]] * 2), row("ds2", [off]),
+            {"row": "ds3", "ok": False}]
+    verdict = loss_check.check_rows(rows)
+    assert verdict["ddp"]["equal"] is True and verdict["zero2"]["equal"] is True
+    assert verdict["ds2"]["equal"] is False
+    assert verdict["ds2"]["first_difference"].startswith("repeat 0, rank 1, step 2")
+    assert 0 < verdict["ds2"]["max_abs_difference"] < 1e-12
+    assert "ds3" not in verdict  # a row that did not run has no verdict
+
+
+def test_loss_check_flags_a_shorter_trajectory_and_needs_the_reference() -> None:
+    short = [r[:2] for r in TRAJECTORY]
+    assert loss_check.compare([short], [TRAJECTORY])["equal"] is False
+    assert loss_check.check_rows([row("zero1", [TRAJECTORY])]) == {}  # no DDP row: nothing to compare with
+
+
+ARGS = {"precision": "fp32", "bucket_mb": 25.0, "micro_batch": 4}
+
+
+def test_deepspeed_configs_same_buckets_and_the_reduce_variant() -> None:
+    bucket = 25 * 2**20 // 4  # --bucket-mb in fp32 elements, as DDP's bucket_cap_mb and zerotrain's bucket_mb
+    one = deepspeed_row.ds_config("ds1", ARGS)
+    assert one["zero_optimization"] == {"stage": 1, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket}
+    assert one["zero_allow_untested_optimizer"] is True and "bf16" not in one and "fp16" not in one
+    assert one["train_micro_batch_size_per_gpu"] == 4 and one["gradient_accumulation_steps"] == 1
+    reduce = deepspeed_row.ds_config("ds2-reduce", ARGS)["zero_optimization"]
+    assert reduce["stage"] == 2 and reduce["use_multi_rank_bucket_allreduce"] is False
+    three = deepspeed_row.ds_config("ds3", ARGS)["zero_optimization"]
+    assert three == {"stage": 3, "reduce_bucket_size": bucket}  # DeepSpeed's stage-3 defaults otherwise
+    with pytest.raises(ValueError, match="ds4"):
+        deepspeed_row.ds_config("ds4", ARGS)
+
+
+# zerotrain stage 1 on Gloo, 2 ranks, as dispatched: its reduce-scatter of 1000 elements runs as an
+# in-place all-reduce, its all-gather as broadcasts; 9 control elements (gradient norm and mask).
+OWN = {"all_gather": 1000, "reduce_scatter": 1000, "all_reduce": 0, "total": 2000, "control": 9}
+
+
+def kinds(**elements: int) -> dict:
+    return {"kinds": {k: {"calls": 1, "elements": n} for k, n in elements.items()}, "volume": 0}
+
+
+def test_own_volume_check_agrees_up_to_control_and_flags_a_missed_collective() -> None:
+    assert check_own_volume(OWN, kinds(all_reduce=1009, broadcast=1000))["agrees"] is True
+    assert check_own_volume(OWN, kinds(all_reduce=1000, broadcast=500))["agrees"] is False  # a gather not seen
+    assert check_own_volume(OWN, kinds(all_reduce=1100, broadcast=1000))["agrees"] is False  # more than control
