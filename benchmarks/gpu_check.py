@@ -442,6 +442,22 @@ def _train_torch(model, batches) -> list[float]:
     return losses
 
 
+def equivalence_run(device, rank: int, world: int, steps: int = STEPS_EQUIVALENCE) -> dict[str, Any]:
+    """Every equivalence system's losses on this rank, and the reference's: plain PyTorch at world
+    1, stage 0 of the same run at world N (DDP's arithmetic). The process group is up already."""
+    out: dict[str, Any] = {"world": world, "systems": {}}
+    batches = _batches(steps, rank, device)
+    out["reference"] = _train_torch(_nano(device), batches) if world == 1 else None
+    for system in EQUIVALENCE_SYSTEMS:
+        try:
+            out["systems"][system] = _train_zero(system, _nano(device), batches)
+        except Exception as exc:  # noqa: BLE001 - reported in the row
+            out["systems"][system] = {"error": f"{type(exc).__name__}: {exc}"}
+    if world > 1:
+        out["reference"] = out["systems"].pop("zero0")
+    return out
+
+
 def child_equivalence(rank: int, world: int, port: int, delay_cycles: int, out_path: str) -> None:
     """(a) on one rank: every system's losses, and the reference's (world 1: plain PyTorch)."""
     import torch
@@ -452,17 +468,8 @@ def child_equivalence(rank: int, world: int, port: int, delay_cycles: int, out_p
     device = torch.device("cuda", rank)
     if delay_cycles:
         _delay_collectives(delay_cycles)
-    out: dict[str, Any] = {"world": world, "systems": {}}
     with sdpa_kernel(SDPBackend.MATH):  # the deterministic attention kernels, forward and backward
-        batches = _batches(STEPS_EQUIVALENCE, rank, device)
-        out["reference"] = _train_torch(_nano(device), batches) if world == 1 else None
-        for system in EQUIVALENCE_SYSTEMS:
-            try:
-                out["systems"][system] = _train_zero(system, _nano(device), batches)
-            except Exception as exc:  # noqa: BLE001 - reported in the row
-                out["systems"][system] = {"error": f"{type(exc).__name__}: {exc}"}
-        if world > 1:  # data parallel: the reference is stage 0 of this run (DDP's arithmetic)
-            out["reference"] = out["systems"].pop("zero0")
+        out = equivalence_run(device, rank, world)
     torch.cuda.synchronize()
     if rank == 0:
         _dump(out_path, out)
@@ -475,26 +482,35 @@ def _spawned_equivalence(rank: int, world: int, port: int, delay_cycles: int, ou
     child_equivalence(rank, world, port, delay_cycles, out_path)
 
 
-def planned_peak(cfg, system: str, micro_batch: int, seq_len: int) -> Optional[int]:
-    """The planner's predicted peak growth for a zerotrain system on one CUDA rank (bf16)."""
+@functools.lru_cache(maxsize=None)
+def plan_inputs(cfg, micro_batch: int, seq_len: int, deferred_init: bool):
+    """The planner's inputs for a GPT on one CUDA rank in bf16, its activations profiled on meta
+    (as the planner profiles a job's); cached, since profiling a large model takes seconds."""
     import torch
 
     from workers.models import GPT
     from workers.planning import activation_profiles
     from workers.zero.config import PRECISIONS
-    from workers.zero.planner import PlanInputs, model_shape, predict
+    from workers.zero.planner import PlanInputs, model_shape
     from workers.zero.planner.activations import measure_activation_bytes, token_batch
 
-    if not system.startswith("zero"):
-        return None
     with torch.device("meta"):
         model = GPT(cfg).to(PRECISIONS["bf16"])
     batch = token_batch(micro_batch, seq_len, cfg.vocab_size, "meta")
     profiles = activation_profiles(1, 25.0, "bf16", "cuda")
-    inputs = PlanInputs(shape=model_shape(model), n_ranks=1, precision="bf16", bucket_mb=25.0, prefetch=1,
-                        device="cuda", deferred_init=False,
-                        **{name: measure_activation_bytes(model, batch, stage2=layout, forward_only=forward_only)
-                           for name, (layout, forward_only) in profiles.items()})
+    return PlanInputs(shape=model_shape(model), n_ranks=1, precision="bf16", bucket_mb=25.0, prefetch=1,
+                      device="cuda", deferred_init=deferred_init,
+                      **{name: measure_activation_bytes(model, batch, stage2=layout, forward_only=forward_only)
+                         for name, (layout, forward_only) in profiles.items()})
+
+
+def planned_peak(cfg, system: str, micro_batch: int, seq_len: int) -> Optional[int]:
+    """The planner's predicted peak growth for a zerotrain system on one CUDA rank (bf16)."""
+    from workers.zero.planner import predict
+
+    if not system.startswith("zero"):
+        return None
+    inputs = plan_inputs(cfg, micro_batch, seq_len, False)
     return int(predict(inputs, int(system[4]), system.endswith("-offload")).peak["bytes"])
 
 
@@ -524,7 +540,11 @@ def child_throughput(out_path: str, seconds: float) -> None:
                                                     seq_len, int(0.8 * total))), "gpt-nano")
     cfg = replace(PRESETS[preset], block_size=seq_len)
     torch.manual_seed(0)
-    base = GPT(cfg)  # on the CPU, once; each system gets a copy
+    with torch.device("meta"):
+        base = GPT(cfg)
+    base.to_empty(device=device)  # once, on the GPU; each system gets a copy
+    for module in base.modules():
+        quick_init(module)
     fpt = flops_per_token(base, seq_len)
     g = torch.Generator().manual_seed(7)
     batch = [t.to(device) for t in (torch.randint(0, cfg.vocab_size, (micro_batch, seq_len), generator=g),
@@ -543,7 +563,7 @@ def child_throughput(out_path: str, seconds: float) -> None:
         meter.start()
         row: dict[str, Any] = {"system": system}
         try:
-            step, exposed = _build_system(system, copy.deepcopy(base).to(device), batch, device)
+            step, exposed = _build_system(system, copy.deepcopy(base), batch, device)
             times, _ = timed_steps(step, warmup=3, steps=8, sync=torch.cuda.synchronize)
             row["step_time_s"] = time_summary(times)
             row["tokens_per_s"] = micro_batch * seq_len / row["step_time_s"]["median"]
@@ -558,10 +578,26 @@ def child_throughput(out_path: str, seconds: float) -> None:
         _dump(out_path, out)
         step = None
         torch.cuda.synchronize()
-    out["timeline"] = offload_timeline(copy.deepcopy(base).to(device), batch, device) if deadline.left() > 20 else \
+    out["timeline"] = offload_timeline(copy.deepcopy(base), batch, device) if deadline.left() > 20 else \
         {"skipped": "out of time"}
     _dump(out_path, out)
     dist.destroy_process_group()
+
+
+def quick_init(module) -> None:
+    """Values for a model measured for speed and memory only, drawn on its device (a CPU generator
+    per parameter, as ``GPT.init_weights`` draws them, takes minutes for billions): weights
+    N(0, 0.02), biases 0, LayerNorm gains 1. Also an engine's ``init_weights`` callable."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in module.named_parameters(recurse=False):
+            if p.dim() > 1:
+                p.normal_(0.0, 0.02)
+            elif name == "weight":
+                p.fill_(1.0)
+            else:
+                p.zero_()
 
 
 def _build_system(system: str, model, batch, device):
@@ -607,21 +643,20 @@ def _build_system(system: str, model, batch, device):
 
 
 def offload_timeline(model, batch, device) -> dict[str, Any]:
-    """(e): two profiled steps of stage 2 with offload; the copies' kind, time and overlap with kernels."""
+    """(e): one profiled step of stage 2 with offload (after one warm-up step); the copies' kind
+    (pinned or pageable, from the profiler's names), time and overlap with kernels."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     try:
         step, _ = _build_system("zero2-offload", model, batch, device)
-        for _ in range(2):
-            step()
+        step()  # warm-up: the host optimizer's state is created here
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(2):
-                step()
+            step()
             torch.cuda.synchronize()
-        step_ms = (time.perf_counter() - t0) * 1000 / 2
+        step_ms = (time.perf_counter() - t0) * 1000
     except Exception as exc:  # noqa: BLE001
         return {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
     copies: dict[str, list[tuple[float, float]]] = {"HtoD": [], "DtoH": []}
@@ -639,8 +674,8 @@ def offload_timeline(model, batch, device) -> dict[str, Any]:
         elif "Memcpy" not in name and "Memset" not in name:
             kernels.append((start, end))
     both = copies["HtoD"] + copies["DtoH"]
-    return {"h2d_count": len(copies["HtoD"]) // 2, "d2h_count": len(copies["DtoH"]) // 2,
-            "h2d_ms": union_length(copies["HtoD"]) / 1000 / 2, "d2h_ms": union_length(copies["DtoH"]) / 1000 / 2,
+    return {"h2d_count": len(copies["HtoD"]), "d2h_count": len(copies["DtoH"]),
+            "h2d_ms": union_length(copies["HtoD"]) / 1000, "d2h_ms": union_length(copies["DtoH"]) / 1000,
             "h2d_pinned": bool(pinned["HtoD"]) and all(pinned["HtoD"]),
             "d2h_pinned": bool(pinned["DtoH"]) and all(pinned["DtoH"]),
             "step_ms": step_ms, "overlap": overlap_fraction(both, kernels)}
@@ -693,26 +728,12 @@ def child_capacity(out_path: str, seconds: float) -> None:
     dist.destroy_process_group()
 
 
-@functools.lru_cache(maxsize=None)
 def _capacity_prediction(n_layer: int) -> dict[bool, dict[str, int]]:
     """Stage 3's predicted device peak (with the allocator's reserve) and host peak, without and with offload."""
-    import torch
-
-    from workers.models import GPT
-    from workers.planning import activation_profiles
-    from workers.zero.config import PRECISIONS
-    from workers.zero.planner import PlanInputs, model_shape, predict
-    from workers.zero.planner.activations import measure_activation_bytes, token_batch
+    from workers.zero.planner import predict
 
     cfg = capacity_config(n_layer)
-    with torch.device("meta"):
-        model = GPT(cfg).to(PRECISIONS["bf16"])
-    batch = token_batch(1, cfg.block_size, cfg.vocab_size, "meta")
-    profiles = activation_profiles(1, 25.0, "bf16", "cuda")
-    inputs = PlanInputs(shape=model_shape(model), n_ranks=1, precision="bf16", bucket_mb=25.0, prefetch=1,
-                        device="cuda", deferred_init=True,
-                        **{name: measure_activation_bytes(model, batch, stage2=layout, forward_only=fwd)
-                           for name, (layout, fwd) in profiles.items()})
+    inputs = plan_inputs(cfg, 1, cfg.block_size, True)
     out = {}
     for offload in (False, True):
         p = predict(inputs, 3, offload)
@@ -734,7 +755,7 @@ def _two_steps(n_layer: int, offload: bool, device) -> dict[str, Any]:
             model = GPT(capacity_config(n_layer))
         engine = ZeroEngine(model, lambda ps: torch.optim.AdamW(ps, lr=1e-4),
                             ZeroConfig(stage=3, precision="bf16", offload_optimizer=offload, force_distributed=True),
-                            init_weights=None)
+                            init_weights=quick_init)
         x = torch.randint(0, 50304, (1, 1024), device=device)
         times = []
         for _ in range(2):

@@ -33,3 +33,19 @@ def test_without_cuda_it_prints_one_line_and_exits_0(tmp_path: Path):
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("gpu-check: no CUDA device on this machine"), proc.stdout
     assert "checks passed" in lines[0] and not out.exists()  # nothing measured, nothing written
+
+
+def gloo_equivalence(rank: int, world_size: int):
+    import torch
+
+    return gpu_check.equivalence_run(torch.device("cpu"), rank, world_size, steps=2)
+
+
+def test_its_equivalence_run_is_bit_identical_on_a_forced_gloo_world_of_one():
+    """(a)'s code path on the CPU: every stage and offload, forced through a 1-rank group, against PyTorch."""
+    from workers.zero.testing import spawn_world
+
+    out = spawn_world(gloo_equivalence, 1)[0]
+    rows = gpu_check.equivalence_rows({"plain": out})
+    assert [r["system"] for r in rows] == list(gpu_check.EQUIVALENCE_SYSTEMS)
+    assert all(r["identical"] for r in rows), rows
