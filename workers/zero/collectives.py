@@ -131,7 +131,8 @@ class _Watchdog:
     """Logs collectives that have not completed ``timeout_s`` after their launch (the note on the watchdog).
 
     One daemon thread per process, shared by every engine, started on first use and stopped by
-    ``stop()`` (``ZeroEngine.close()``); a later launch starts it again. It polls each
+    ``stop()`` (``ZeroEngine.close()``); a later launch starts it again, still watching what other
+    engines of the process have in flight. It polls each
     registered collective's ``done`` probe, forgets the completed ones and logs, once each, the
     ones past their timeout. It sleeps on an event, so ``stop()`` ends it at once rather than
     after its next tick.
@@ -178,7 +179,6 @@ class _Watchdog:
         with self._lock:
             thread, self._thread = self._thread, None
             self._stop.set()
-            self._waiting.clear()
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout_s)
 
