@@ -49,9 +49,11 @@ import tempfile
 import time
 from typing import Any, Callable, Optional, Sequence
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUDGET_S = 450.0  # of the 8 minutes: the rest is start-up, imports and slack
 SECTIONS = ("equivalence", "throughput", "offload_capacity")  # (a); (b)+(c)+(e); (d)
-SHARES = {"equivalence": 0.25, "throughput": 0.35, "offload_capacity": 0.40}  # of the budget, in this order
+SHARES = {"equivalence": 0.30, "throughput": 0.35, "offload_capacity": 0.35}  # of the budget, in this order
+MIN_EQUIVALENCE_RUN_S = 40.0  # one (a) child: start-up, then 8 short trainings of gpt-nano
 CHILD_START_S = 20.0  # a child's interpreter, imports, CUDA context and NCCL group, before its own clock runs
 STEPS_EQUIVALENCE = 4
 VARIANTS = {  # (a): name -> (extra environment, delay cycles on the communication streams)
@@ -783,8 +785,8 @@ def run_child(args: list[str], timeout_s: float, env: Optional[dict[str, str]] =
         out = os.path.join(tmp, "out.json")
         cmd = [sys.executable, "-m", "benchmarks.gpu_check", "--child", *args, "--out", out]
         try:
-            done = subprocess.run(cmd, env={**os.environ, **(env or {})}, timeout=timeout_s, capture_output=True,
-                                  text=True)
+            done = subprocess.run(cmd, cwd=REPO, env={**os.environ, **(env or {})}, timeout=timeout_s,
+                                  capture_output=True, text=True)
         except subprocess.TimeoutExpired:
             note = f"timed out after {timeout_s:.0f} s"
             if not os.path.exists(out):
@@ -809,7 +811,7 @@ def run_on_gpu(json_path: str, budget_s: float) -> dict[str, Any]:
     results = {}
     worlds = [1] + ([gpus] if gpus > 1 else [])
     runs = [(variant, world) for world in worlds for variant in VARIANTS]
-    each = SHARES["equivalence"] * budget_s / len(runs)
+    each = max(MIN_EQUIVALENCE_RUN_S, SHARES["equivalence"] * budget_s / len(runs))
     for variant, world in runs:
         env, cycles = VARIANTS[variant]
         name = variant if world == 1 else f"{variant} N={world}"
