@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export GLOO_SOCKET_IFNAME := lo
 
-.PHONY: install demo test test-slow bench gpu-check services lint clean
+.PHONY: install demo test test-slow bench services lint clean
 
 install: $(STAMP)
 
@@ -39,11 +39,12 @@ bench: install services
 	$(PY) -m benchmarks.engine --json bench-results/engine.json
 	$(PY) -m benchmarks.service --json bench-results/service.json
 
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache bench-results
+
+.PHONY: gpu-check
 # The CUDA checks of issue 20 in one prepared script (benchmarks/gpu_check.py): on a machine with CUDA,
 # under 8 minutes, a JSON file and a table; without CUDA (or with a CPU build of torch) one line saying
 # so, after a self-test of the script's own logic, and exit 0.
 gpu-check: install
 	$(PY) -m benchmarks.gpu_check --json bench-results/gpu_check.json
-
-clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache bench-results
