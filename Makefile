@@ -56,3 +56,10 @@ bench: install bench-install services
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache bench-results
+
+.PHONY: gpu-check
+# The CUDA checks of issue 20 in one prepared script (benchmarks/gpu_check.py): on a machine with CUDA,
+# under 8 minutes, a JSON file and a table; without CUDA (or with a CPU build of torch) one line saying
+# so, after a self-test of the script's own logic, and exit 0.
+gpu-check: install
+	$(PY) -m benchmarks.gpu_check --json bench-results/gpu_check.json

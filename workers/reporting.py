@@ -31,6 +31,7 @@ import httpx
 
 from contract.metrics import StepObservation, record_values
 from contract.reasons import bounded_details
+from workers.peak_flops import peak_flops
 
 log = logging.getLogger(__name__)
 
@@ -151,41 +152,22 @@ class WorkerAPI:
 # ----------------------------------------------------------------------------- metrics
 
 
-# Dense bf16 tensor-core peaks in FLOP/s, by a substring of torch.cuda.get_device_name().
-# Ordered so that the more specific names match first.
-PEAK_FLOPS: tuple[tuple[str, float], ...] = (
-    ("H200", 989e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("H20", 148e12),
-    ("A100", 312e12), ("A10G", 125e12), ("L40S", 362e12), ("L4", 121e12),
-    ("RTX 4090", 165e12), ("RTX 3090", 71e12), ("V100", 125e12), ("T4", 65e12),
-    ("MI300X", 1307e12), ("MI250X", 383e12), ("B200", 2250e12),
-)
-
-
-def peak_flops(device: Any) -> float | None:
-    """The accelerator's peak FLOP/s if we know it; None on CPU or an unknown device."""
-    import torch
-
-    if getattr(device, "type", str(device)) != "cuda" or not torch.cuda.is_available():
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((peak for key, peak in PEAK_FLOPS if key in name), None)
-
-
 class StepMeter:
     """Builds one rank's metric record for a step: every field of the metric table
     (``contract.metrics``), measured by the table's own rules from this step's observations.
 
     Throughput numbers are this rank's own (its slice of the global batch, what it achieved;
-    MFU only over a known device peak); the loss is this rank's mean over its micro-batches.
+    MFU only over a known device peak, in the run's ``precision``: ``workers.peak_flops``); the
+    loss is this rank's mean over its micro-batches.
     """
 
     def __init__(self, *, rank: int, attempt: int, flops_per_token: float, comm_element_bytes: int,
-                 device: Any):
+                 device: Any, precision: str = "bf16"):
         self.rank, self.attempt = rank, attempt
         self.flops_per_token = flops_per_token
         self.comm_element_bytes = comm_element_bytes
         self.device = device
-        self.peak = peak_flops(device)
+        self.peak = peak_flops(device, precision)
 
     def record(self, *, step: int, loss: float, lr: float, step_time_s: float, samples: int, tokens: int,
                info: dict[str, Any], memory: dict[str, int], peak_memory_bytes: int, comm_volume: dict[str, int],

@@ -126,11 +126,11 @@ class World:
         rank = dist.get_rank() if dist.is_initialized() else 0
         world_size = dist.get_world_size() if dist.is_initialized() else 1
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
-        if use_gpu and torch.cuda.is_available():
-            device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        gpus = torch.cuda.device_count() if use_gpu and torch.cuda.is_available() else 0
+        device = choose_device(use_gpu, gpus=gpus, local_rank=local_rank,
+                               ray_device=ray_assigned_device() if gpus else None)
+        if device.type == "cuda":
             torch.cuda.set_device(device)
-        else:
-            device = torch.device("cpu")
         return cls(rank, world_size, local_rank, device)
 
     def broadcast(self, value: Any) -> Any:
@@ -140,6 +140,46 @@ class World:
         box = [value]
         dist.broadcast_object_list(box, src=0, device=self.device if self.device.type == "cuda" else None)
         return box[0]
+
+
+def choose_device(use_gpu: bool, *, gpus: int, local_rank: int, ray_device: torch.device | None) -> torch.device:
+    """The device this rank computes on.
+
+    [Note: which GPU is this rank's]
+    Under Ray Train, the one Ray assigned to this worker (``ray.train.torch.get_device()``, the
+    lowest of its GPUs with ``gpus_per_worker > 1``, indexed within the ``CUDA_VISIBLE_DEVICES``
+    Ray set): ``LOCAL_RANK % device_count`` is not it once a worker holds two GPUs or workers
+    share a ``CUDA_VISIBLE_DEVICES``, and a worker would take another's GPU. Elsewhere
+    (``run_local``, torchrun) GPU ``LOCAL_RANK``; a local rank beyond the visible GPUs is an
+    error rather than a GPU shared with another rank. ``gpus`` is how many this process sees
+    (0 without CUDA, or a CPU job: the CPU).
+    """
+    if not use_gpu or gpus == 0:
+        return torch.device("cpu")
+    if ray_device is not None:
+        if ray_device.type != "cuda":
+            raise RuntimeError(f"resources.gpus_per_worker asks for GPUs, but Ray assigned this worker {ray_device} "
+                               "(no GPU among its resources)")
+        if ray_device.index is not None and ray_device.index >= gpus:
+            raise RuntimeError(f"Ray assigned this worker {ray_device}, but only {gpus} GPU(s) are visible to it")
+        return torch.device("cuda", 0 if ray_device.index is None else ray_device.index)
+    if not 0 <= local_rank < gpus:
+        raise RuntimeError(f"local rank {local_rank} has no GPU of its own: {gpus} visible on this machine "
+                           "(fewer ranks per machine, or resources.gpus_per_worker 0)")
+    return torch.device("cuda", local_rank)
+
+
+def ray_assigned_device() -> torch.device | None:
+    """Ray Train's device for this worker, or None outside a Ray Train worker."""
+    try:
+        from ray.train.utils import _in_ray_train_worker
+
+        if not _in_ray_train_worker():
+            return None
+        from ray.train.torch import get_device
+    except ImportError:
+        return None
+    return get_device()
 
 
 def _worker_group_number(config: dict[str, Any]) -> int:
@@ -360,7 +400,8 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
     seq_len = int(data.seq_len or getattr(getattr(model, "config", None), "block_size", 0))
     meter = StepMeter(rank=world.rank, attempt=attempt,
                       flops_per_token=flops_per_token(model, seq_len),
-                      comm_element_bytes=engine.precision.compute_dtype.itemsize, device=world.device)
+                      comm_element_bytes=engine.precision.compute_dtype.itemsize, device=world.device,
+                      precision=engine.config.precision)
     sinks: list[Any] = []
     if api is not None:
         sinks.append(MetricReporter(api.post_metrics))

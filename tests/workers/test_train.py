@@ -119,3 +119,31 @@ def test_rank_zero_prints_a_readable_progress_line_about_twenty_times():
     record = {"step": 10, "loss": 2.314159, "lr": 3e-4, "step_time_s": 1.234, "tokens_per_s": 6000.0}
     assert progress_line(record, 200, 2) == "step 10/200  loss 2.3142  lr 3.00e-04  1.23 s/step  12,000 tokens/s"
     assert progress_line({"step": 1, "loss": 5.0}, 3, 1) == "step 1/3  loss 5.0000"
+
+
+def test_device_is_the_one_ray_assigned_not_local_rank_modulo_the_count():
+    from workers.train import choose_device
+
+    cuda = torch.device
+    # Ray: two workers, two GPUs each, all four visible -> worker 1 is on GPU 2, not LOCAL_RANK 1
+    assert choose_device(True, gpus=4, local_rank=1, ray_device=cuda("cuda", 2)) == cuda("cuda", 2)
+    # Ray narrowed CUDA_VISIBLE_DEVICES to the worker's GPU: cuda:0 whatever its local rank
+    assert choose_device(True, gpus=1, local_rank=3, ray_device=cuda("cuda", 0)) == cuda("cuda", 0)
+    assert choose_device(True, gpus=2, local_rank=0, ray_device=cuda("cuda")) == cuda("cuda", 0)
+    # no Ray: LOCAL_RANK, and never a GPU shared by wrapping around
+    assert choose_device(True, gpus=2, local_rank=1, ray_device=None) == cuda("cuda", 1)
+    with pytest.raises(RuntimeError, match="local rank 2 has no GPU of its own: 2 visible"):
+        choose_device(True, gpus=2, local_rank=2, ray_device=None)
+    with pytest.raises(RuntimeError, match="Ray assigned this worker cpu"):
+        choose_device(True, gpus=2, local_rank=0, ray_device=cuda("cpu"))
+    with pytest.raises(RuntimeError, match="only 1 GPU"):
+        choose_device(True, gpus=1, local_rank=0, ray_device=cuda("cuda", 1))
+    # a CPU job, or no CUDA here: the CPU
+    assert choose_device(False, gpus=4, local_rank=0, ray_device=None) == cuda("cpu")
+    assert choose_device(True, gpus=0, local_rank=0, ray_device=None) == cuda("cpu")
+
+
+def test_outside_a_ray_train_worker_there_is_no_ray_assignment():
+    from workers.train import ray_assigned_device
+
+    assert ray_assigned_device() is None

@@ -9,11 +9,12 @@ Everything the engine sends goes through :class:`Collectives`, which
   "which parameters got a gradient" mask) are counted apart, under ``control``.
 * times how long the caller is blocked waiting on them (``comm_exposed_s``);
 * numbers every collective (a per-group sequence number) and, through a watchdog thread,
-  logs which bucket and which sequence number a rank is stuck on when one wait exceeds
-  ``timeout_s`` -- the first thing to look at when a job hangs because ranks disagree on
-  the order of collectives;
+  logs which bucket and which sequence number a rank is stuck on when one collective has not
+  completed ``timeout_s`` after its launch -- the first thing to look at when a job hangs
+  because ranks disagree on the order of collectives (the note on the watchdog);
 * runs on one rank without any process group (world size 1): nothing is sent and nothing is
-  counted, the "collective" is a local copy.
+  counted, the "collective" is a local copy. ``force_distributed`` runs a world of one through
+  its process group anyway (a one-GPU check of the NCCL path, ``benchmarks/gpu_check.py``).
 
 [Note: Gloo's copies]
 Gloo (CPU) has no reduce-scatter or all-gather of its own that works in place: torch's Gloo
@@ -34,11 +35,30 @@ Both are counted as the reduce-scatter and the all-gather they stand for. NCCL h
 collectives without copies; nothing changes there.
 
 [Note: CUDA streams]
-On CUDA, collectives are launched from a dedicated side stream that first waits for the
-compute stream, so gradient buckets are reduced while backward keeps computing; ``wait()``
-makes the *current* stream wait for the collective (it does not block the host). Exposed
-time on CUDA is measured with a pair of timing events around that stream wait: the gap is
-how long the compute stream stalled for communication.
+On CUDA (FSDP2's scheme, ``_fsdp_collectives.py``) all-gathers run on one side stream and
+reduce-scatters and all-reduces on another, each launched with ``async_op=False`` inside its
+stream: ProcessGroupNCCL then runs a synchronous collective on the *current* stream (the side
+stream) instead of its one internal NCCL stream, so a stage-3 prefetch all-gather does not
+queue behind the backward's reduce-scatters. Each side stream first waits for the compute
+stream (the inputs are written there), an event is recorded after the collective, and
+``wait()`` makes the compute stream wait for that event: nothing blocks the host. A tensor a
+side stream uses stays referenced by its ``Pending`` until that wait, so the caching allocator
+cannot hand its memory to later work of the compute stream too early (every free happens after
+the compute stream was ordered behind the collective). Exposed time on CUDA is measured with a
+pair of timing events around that stream wait: the gap is how long the compute stream stalled
+for communication. On the CPU (Gloo) collectives are launched ``async_op=True`` and
+``wait()`` blocks the host, as before.
+
+[Note: the watchdog]
+On NCCL ``work.wait()`` returns at once (it orders streams) and the host blocks later, in a
+``synchronize()`` or a ``float(norm)``, where no timer runs. So the watchdog does not time
+waits: every collective is registered when launched, with a probe of its completion
+(``work.is_completed()``; on CUDA the query of the event recorded after it), and the watchdog
+thread polls the probes: one that is still not complete ``timeout_s`` after the launch is
+logged once with its label and sequence number, whoever is blocked on it and wherever. A
+collective leaves the watch when its probe says complete or, on the CPU, when a host wait on it
+returned: Gloo's wait returns only once the work is done, while some of its works never report
+``is_completed()`` (a ``reduce_scatter_tensor``'s, torch 2.13).
 """
 
 from __future__ import annotations
@@ -48,7 +68,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -93,6 +113,7 @@ class Pending:
     owner: "Collectives"
     done: bool = False
     tensors: tuple = field(default_factory=tuple)  # kept alive until waited on
+    watch: Optional[int] = None  # the watchdog's token (the note on the watchdog)
 
     def is_completed(self) -> bool:
         return self.done or self.work is None or self.work.is_completed()
@@ -102,30 +123,33 @@ class Pending:
             return
         self.done = True
         if self.work is not None:
-            self.owner._timed_wait(self.work, self.label, self.seq)
+            self.owner._timed_wait(self.work, self.watch)
         self.tensors = ()
 
 
 class _Watchdog:
-    """Logs collectives a rank has been blocked on for longer than their timeout.
+    """Logs collectives that have not completed ``timeout_s`` after their launch (the note on the watchdog).
 
     One daemon thread per process, shared by every engine, started on first use and stopped by
-    ``stop()`` (``ZeroEngine.close()``); a later wait starts it again. It sleeps on an event,
-    so ``stop()`` ends it at once rather than after its next tick.
+    ``stop()`` (``ZeroEngine.close()``); a later launch starts it again, still watching what other
+    engines of the process have in flight. It polls each
+    registered collective's ``done`` probe, forgets the completed ones and logs, once each, the
+    ones past their timeout. It sleeps on an event, so ``stop()`` ends it at once rather than
+    after its next tick.
     """
 
     def __init__(self):
-        self._waiting: dict[int, tuple[str, int, int, float, float]] = {}
+        self._waiting: dict[int, _Watched] = {}
         self._lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
         self._next = 0
 
-    def enter(self, label: str, seq: int, rank: int, timeout_s: float) -> int:
+    def enter(self, label: str, seq: int, rank: int, timeout_s: float, done: Callable[[], bool]) -> int:
         with self._lock:
             token = self._next
             self._next += 1
-            self._waiting[token] = (label, seq, rank, timeout_s, time.monotonic())
+            self._waiting[token] = _Watched(label, seq, rank, timeout_s, time.monotonic(), done)
             if self._thread is None:
                 self._stop = threading.Event()
                 self._thread = threading.Thread(target=self._run, args=(self._stop,), name="zero-comm-watchdog",
@@ -133,9 +157,17 @@ class _Watchdog:
                 self._thread.start()
         return token
 
-    def exit(self, token: int) -> None:
+    def exit(self, token: Optional[int]) -> None:
+        """The collective is known complete (a Gloo wait returned, a stream synchronized): stop watching it."""
+        if token is None:
+            return
         with self._lock:
             self._waiting.pop(token, None)
+
+    def watched(self) -> list[str]:
+        """Labels of the collectives still watched (launched, not seen complete), oldest first."""
+        with self._lock:
+            return [w.label for _, w in sorted(self._waiting.items())]
 
     @property
     def running(self) -> bool:
@@ -151,23 +183,52 @@ class _Watchdog:
             thread.join(timeout_s)
 
     def _run(self, stop: threading.Event) -> None:
-        reported: set[int] = set()
         while True:
             with self._lock:
-                tick = min([w[3] / 4 for w in self._waiting.values()] + [1.0])
+                tick = min([w.timeout_s / 4 for w in self._waiting.values()] + [1.0])
             if stop.wait(max(0.01, tick)):
                 return
-            now = time.monotonic()
-            with self._lock:
-                stuck = [(t, w) for t, w in self._waiting.items() if now - w[4] > w[3] and t not in reported]
-                reported &= set(self._waiting)
-            for token, (label, seq, rank, _, start) in stuck:
-                reported.add(token)
-                log.warning(
-                    "rank %d has waited %.1fs on collective #%d (%s); another rank may be slow, dead, "
-                    "or issuing collectives in a different order",
-                    rank, now - start, seq, label,
-                )
+            self.poll()
+
+    def poll(self) -> list[str]:
+        """One round: forget what completed, log what is overdue; returns the messages logged."""
+        with self._lock:
+            entries = list(self._waiting.items())
+        finished, messages = [], []
+        now = time.monotonic()
+        for token, w in entries:
+            if _probe(w.done):
+                finished.append(token)
+            elif now - w.start > w.timeout_s and not w.reported:
+                w.reported = True
+                messages.append(
+                    f"rank {w.rank}: collective #{w.seq} ({w.label}) has not completed {now - w.start:.1f}s after "
+                    "its launch; another rank may be slow, dead, or issuing collectives in a different order")
+        with self._lock:
+            for token in finished:
+                self._waiting.pop(token, None)
+        for message in messages:
+            log.warning("%s", message)
+        return messages
+
+
+@dataclass
+class _Watched:
+    label: str
+    seq: int
+    rank: int
+    timeout_s: float
+    start: float
+    done: Callable[[], bool]
+    reported: bool = False
+
+
+def _probe(done: Callable[[], bool]) -> bool:
+    """Whether a watched collective completed; one whose probe fails is over too (its waiter gets the error)."""
+    try:
+        return bool(done())
+    except Exception:  # noqa: BLE001 - a failed collective is not a hang
+        return True
 
 
 _WATCHDOG = _Watchdog()
@@ -176,19 +237,25 @@ _WATCHDOG = _Watchdog()
 class Collectives:
     """The engine's only door to ``torch.distributed``."""
 
-    def __init__(self, group: Optional[dist.ProcessGroup], device: torch.device, timeout_s: float = 300.0):
+    def __init__(self, group: Optional[dist.ProcessGroup], device: torch.device, timeout_s: float = 300.0,
+                 force_distributed: bool = False):
         self.group = group
         if group is not None:
             self.rank = dist.get_rank(group)
             self.world_size = dist.get_world_size(group)
         else:
             self.rank, self.world_size = 0, 1
+        if force_distributed and group is None:
+            raise ValueError("force_distributed needs a process group (dist.init_process_group first)")
+        self.force_distributed = force_distributed
         self.device = device
         self.counter = CommCounter()
         self.seq = 0
         self.timeout_s = timeout_s
         self._cuda = device.type == "cuda" and torch.cuda.is_available()
-        self.stream = torch.cuda.Stream(device=device) if self._cuda else None
+        #: CUDA: the side streams all-gathers and reductions run on (the note on CUDA streams)
+        self.gather_stream = torch.cuda.Stream(device=device) if self._cuda else None
+        self.reduce_stream = torch.cuda.Stream(device=device) if self._cuda else None
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._pending: list[Pending] = []  # launched and not waited on yet, in launch order
         #: Gloo on CPU tensors: reduce-scatters and all-gathers run in place (the note on Gloo's copies)
@@ -197,7 +264,8 @@ class Collectives:
 
     @property
     def distributed(self) -> bool:
-        return self.group is not None and self.world_size > 1
+        """Whether collectives go through the process group (a world of one copies locally unless forced)."""
+        return self.group is not None and (self.world_size > 1 or self.force_distributed)
 
     def own_slot(self, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's 1/N slice of the flat ``tensor``: a reduce-scatter into it runs in place when
@@ -228,31 +296,46 @@ class Collectives:
             total += start.elapsed_time(end) / 1000.0
         return total
 
-    def _timed_wait(self, work, label: str, seq: int) -> None:
-        token = _WATCHDOG.enter(label, seq, self.rank, self.timeout_s)
-        try:
-            if self._cuda:
-                start = torch.cuda.Event(enable_timing=True)
-                end = torch.cuda.Event(enable_timing=True)
-                start.record()
-                work.wait()
-                end.record()
-                self._events.append((start, end))
-            else:
-                t0 = time.perf_counter()
-                work.wait()
-                self.counter.exposed_s += time.perf_counter() - t0
-        finally:
-            _WATCHDOG.exit(token)
-
-    @contextlib.contextmanager
-    def _launch_context(self):
-        if self.stream is None:
-            yield
+    def _timed_wait(self, work, watch: Optional[int] = None) -> None:
+        """Wait for ``work``: on CUDA the compute stream waits (timed by events), on the CPU the host."""
+        if self._cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            work.wait()
+            end.record()
+            self._events.append((start, end))
             return
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
-            yield
+        t0 = time.perf_counter()
+        try:
+            work.wait()
+        finally:
+            self.counter.exposed_s += time.perf_counter() - t0
+        _WATCHDOG.exit(watch)  # a Gloo wait returns when the work is done (the note on the watchdog)
+
+    def _watch(self, work, label: str, seq: int) -> int:
+        return _WATCHDOG.enter(label, seq, self.rank, self.timeout_s, work.is_completed)
+
+    def _issue(self, stream: Optional["torch.cuda.Stream"], op: Callable[[bool], object]):
+        """Run ``op(async_op)`` the way this device wants it; returns something to ``wait()`` on.
+
+        CPU: ``op(True)``, Gloo's work. CUDA: ``op(False)`` inside ``stream`` after it waited for
+        the compute stream, and an event after it (the note on CUDA streams).
+        """
+        if not self._cuda:
+            return op(True)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            op(False)
+            event = stream.record_event()
+        return _StreamWork(event, self.device)
+
+    def _launched(self, work, label: str, seq: int, tensors: tuple, async_op: bool) -> Pending:
+        p = self._track(Pending(work, label, seq, self, tensors=tensors))
+        p.watch = self._watch(work, label, seq)
+        if not async_op:
+            p.wait()
+        return p
 
     # -- what is in flight ------------------------------------------------------------------------
     def _track(self, p: Pending) -> Pending:
@@ -269,14 +352,15 @@ class Collectives:
 
         The strategies fold their results in themselves (``Strategy.drain``); this is the backstop
         that nothing launched through this object is still pending. On CUDA a wait only orders
-        the streams; ``device_too`` also blocks the host until the side stream is done (before
+        the streams; ``device_too`` also blocks the host until the side streams are done (before
         the process group is destroyed, not every step).
         """
         for p in self._pending:
             p.wait()
         self._pending = []
-        if device_too and self.stream is not None:
-            self.stream.synchronize()
+        if device_too and self._cuda:
+            self.gather_stream.synchronize()
+            self.reduce_stream.synchronize()
 
     def _next_seq(self) -> int:
         self.seq += 1
@@ -290,12 +374,8 @@ class Collectives:
         if not self.distributed:
             return Pending(None, label, seq, self, done=True)
         self.counter.all_reduce += 2 * tensor.numel()
-        with self._launch_context():
-            work = dist.all_reduce(tensor, group=self.group, async_op=True)
-        p = self._track(Pending(work, label, seq, self, tensors=(tensor,)))
-        if not async_op:
-            p.wait()
-        return p
+        work = self._issue(self.reduce_stream, lambda a: dist.all_reduce(tensor, group=self.group, async_op=a))
+        return self._launched(work, label, seq, (tensor,), async_op)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, label: str, async_op: bool = True) -> Pending:
         """``output`` (1/N of ``input``) = this rank's slice of the sum of ``input`` over ranks.
@@ -308,15 +388,12 @@ class Collectives:
                 output.copy_(input)
             return Pending(None, label, seq, self, done=True)
         self.counter.reduce_scatter += input.numel()
-        with self._launch_context():
-            if self.in_place and _is_slot(output, input, self.rank, self.world_size):  # the note on Gloo's copies
-                work = dist.all_reduce(input, group=self.group, async_op=True)
-            else:
-                work = _reduce_scatter(output, input, group=self.group, async_op=True)
-        p = self._track(Pending(work, label, seq, self, tensors=(output, input)))
-        if not async_op:
-            p.wait()
-        return p
+        if self.in_place and _is_slot(output, input, self.rank, self.world_size):  # the note on Gloo's copies
+            work = dist.all_reduce(input, group=self.group, async_op=True)
+        else:
+            work = self._issue(self.reduce_stream,
+                               lambda a: _reduce_scatter(output, input, group=self.group, async_op=a))
+        return self._launched(work, label, seq, (output, input), async_op)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, label: str, async_op: bool = True) -> Pending:
         """Concatenate every rank's ``input`` into ``output`` (``input`` may alias its slot)."""
@@ -334,16 +411,28 @@ class Collectives:
                 slots[self.rank].copy_(input.view(-1))
             work = _AllOf([dist.broadcast(slot, src=src, group=self.group, async_op=True)
                            for src, slot in zip(self._global_ranks, slots)])
-            p = self._track(Pending(work, label, seq, self, tensors=(output, input)))
-            if not async_op:
-                p.wait()
-            return p
-        with self._launch_context():
-            work = _all_gather(output, input, group=self.group, async_op=True)
-        p = self._track(Pending(work, label, seq, self, tensors=(output, input)))
-        if not async_op:
-            p.wait()
-        return p
+        else:
+            work = self._issue(self.gather_stream, lambda a: _all_gather(output, input, group=self.group, async_op=a))
+        return self._launched(work, label, seq, (output, input), async_op)
+
+    def _control(self, op: Callable[[bool], object], label: str, seq: int) -> None:
+        """A small synchronous collective: the host waits until it is done (watched all along).
+
+        On CUDA it runs on the compute stream itself (its inputs are computed there and its
+        result is read by the host right after), then the host synchronizes."""
+        if not self._cuda:
+            work = op(True)
+            self._timed_wait(work, self._watch(work, label, seq))
+            return
+        stream = torch.cuda.current_stream(self.device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        op(False)
+        end.record(stream)
+        self._events.append((start, end))  # the collective's own time on the compute stream is exposed
+        watch = self._watch(_StreamWork(end, self.device), label, seq)
+        stream.synchronize()
+        _WATCHDOG.exit(watch)
 
     def control_all_reduce(self, tensor: torch.Tensor, label: str) -> None:
         """A small synchronous sum (norms, masks): counted under ``control``, not ``total``."""
@@ -351,10 +440,7 @@ class Collectives:
         if not self.distributed:
             return
         self.counter.control += 2 * tensor.numel()
-        work = dist.all_reduce(tensor, group=self.group, async_op=True)
-        self._timed_wait(work, label, seq)
-        if self._cuda:
-            torch.cuda.current_stream(self.device).synchronize()
+        self._control(lambda a: dist.all_reduce(tensor, group=self.group, async_op=a), label, seq)
 
     def control_broadcast(self, tensor: torch.Tensor, label: str, elements: int) -> None:
         """A small synchronous broadcast from rank 0 (module buffers): ``elements`` under ``control``."""
@@ -362,10 +448,8 @@ class Collectives:
         if not self.distributed:
             return
         self.counter.control += elements
-        work = dist.broadcast(tensor, src=dist.get_global_rank(self.group, 0), group=self.group, async_op=True)
-        self._timed_wait(work, label, seq)
-        if self._cuda:
-            torch.cuda.current_stream(self.device).synchronize()
+        src = dist.get_global_rank(self.group, 0)
+        self._control(lambda a: dist.broadcast(tensor, src=src, group=self.group, async_op=a), label, seq)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """Set-up traffic (initial parameters, buffers); not part of any step's volume."""
@@ -377,6 +461,22 @@ class Collectives:
         """Every rank of the group reaches this point (nothing once the default group is destroyed)."""
         if self.distributed and dist.is_initialized():
             dist.barrier(group=self.group)
+
+
+class _StreamWork:
+    """A collective queued on a CUDA side stream: complete when the event after it is; ``wait()``
+    makes the compute stream wait for it (the note on CUDA streams)."""
+
+    def __init__(self, event: "torch.cuda.Event", device: torch.device):
+        self.event = event
+        self.device = device
+
+    def is_completed(self) -> bool:
+        with torch.cuda.device(self.device):  # the watchdog's thread asks too
+            return self.event.query()
+
+    def wait(self) -> None:
+        torch.cuda.current_stream(self.device).wait_event(self.event)
 
 
 def _is_slot(part: torch.Tensor, whole: torch.Tensor, rank: int, world_size: int) -> bool:
@@ -422,10 +522,10 @@ def tagged_all_gather(comm: Collectives, output: Optional[torch.Tensor], input: 
     comm.counter.control += tags.numel()
     if output is None:
         seq = comm._next_seq()
-    with comm._launch_context():
-        tag_work = _all_gather(tags.view(-1), tag, group=comm.group, async_op=True)
+    tag_work = comm._issue(comm.gather_stream,
+                           lambda a: _all_gather(tags.view(-1), tag, group=comm.group, async_op=a))
     if output is None:  # tracked, so that a drain waits for it too (it is checked later)
-        return comm._track(Pending(tag_work, label, seq, comm, tensors=(tags, tag))), tags
+        return comm._launched(tag_work, label, seq, (tags, tag), async_op=True), tags
     pending = comm.all_gather(output, input, label)
     pending.work = _AllOf([tag_work, pending.work])
     pending.tensors = pending.tensors + (tags, tag)
@@ -433,5 +533,5 @@ def tagged_all_gather(comm: Collectives, output: Optional[torch.Tensor], input: 
 
 
 def stop_watchdog() -> None:
-    """Stop the process's collectives watchdog thread (``ZeroEngine.close``); the next wait restarts it."""
+    """Stop the process's collectives watchdog thread (``ZeroEngine.close``); the next launch restarts it."""
     _WATCHDOG.stop()

@@ -82,6 +82,9 @@ class ZeroConfig:
     comm_timeout_s      a rank blocked longer than this on one collective logs which bucket and
                         sequence number it waits on (it keeps waiting; the process group's own
                         timeout is what aborts).
+    force_distributed   a world of one still runs every collective through its process group
+                        instead of copying locally (a one-GPU run that exercises NCCL:
+                        ``benchmarks/gpu_check.py``); needs an initialized process group.
     """
 
     stage: int = 2
@@ -99,6 +102,7 @@ class ZeroConfig:
     initial_loss_scale: float = 2.0**16
     loss_scale_growth_interval: int = 2000
     comm_timeout_s: float = 300.0
+    force_distributed: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or not isinstance(self.stage, int) or self.stage not in STAGES:
@@ -108,7 +112,7 @@ class ZeroConfig:
         if not _is_real(self.bucket_mb) or not self.bucket_mb > 0 or math.isinf(self.bucket_mb):
             raise ValueError(f"bucket_mb must be a positive number of MiB, got {self.bucket_mb!r}")
         for name in ("overlap_comm", "offload_optimizer", "reshard_after_forward", "activation_checkpointing",
-                     "broadcast_buffers", "sync_batchnorm"):
+                     "broadcast_buffers", "sync_batchnorm", "force_distributed"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.offload_optimizer and not stage_traits(self.stage).shards_optimizer:

@@ -117,7 +117,7 @@ class ZeroEngine:
         self.materializer = Materializer(model, init_weights, _compute_device(model))
         self.device = self.materializer.device
         self.precision.check_device(self.device)
-        self.comm = Collectives(process_group, self.device, config.comm_timeout_s)
+        self.comm = Collectives(process_group, self.device, config.comm_timeout_s, config.force_distributed)
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         traits = config.traits
         # A stage that shards nothing (0): its "shard" is the whole bucket on every rank.

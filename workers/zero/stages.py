@@ -243,7 +243,7 @@ class Strategy:
         for b in self.buckets:
             shard = b.flat_param[b.shard_slice]
             if shard.data_ptr() != b.master.data_ptr():
-                shard.copy_(b.master)
+                shard.copy_(b.master, non_blocking=True)  # offload: pinned H2D, cast on the device (offload.py)
             pending.append(self.comm.all_gather(b.flat_param, shard, label=f"all_gather bucket {b.spec.index}"))
         for p in pending:
             p.wait()

@@ -56,7 +56,7 @@ class SlowComm(RecordingComm):
         def wait(self):
             self.finished = True
 
-    def _timed_wait(self, work, label, seq):
+    def _timed_wait(self, work, watch=None):
         work.wait()
 
     def _record(self, label: str) -> Pending:
