@@ -159,7 +159,8 @@ METRICS: tuple[MetricField, ...] = (
                 lambda o: o.per_second(o.samples)),
     MetricField("tflops", float, "TFLOP/s", "what this rank achieved", Across.TOTAL,
                 lambda o: o.achieved_flops / 1e12, Series("compute", "TFLOPs (all ranks)")),
-    MetricField("mfu", float, "1", "achieved over the device's peak (GPUs with a known peak only)", Across.MEAN,
+    MetricField("mfu", float, "1", "achieved over the device's dense peak in the run's matmul precision "
+                "(workers/peak_flops.py; GPUs with a known peak only)", Across.MEAN,
                 lambda o: o.achieved_flops / o.peak_flops if o.peak_flops else None,
                 Series("compute", "MFU", "percent", axis="right")),
     MetricField("mem_params_bytes", float, "bytes", "parameters this rank holds", Across.LATEST_PER_RANK,
