@@ -19,9 +19,10 @@ engine.
 5. fp16 and a non-finite norm: skip the step on every rank, back off the scale;
 6. clip with torch's formula ``coef = min(1, max_norm / (norm + 1e-6))``;
 7. hand the optimizer ``grad`` views for used pieces, ``None`` for unused ones; step;
-8. the stage republishes parameters (stage 0: cast; 1/2: all-gather; 3: cast into the shard,
-   gathered by the next forward), gradients are zeroed. With ``offload_optimizer`` steps 3-7
-   run on the host (``offload.py``) and step 8 starts with a host-to-device copy.
+8. gradients are zeroed, the stage republishes parameters (stage 0: cast; 1/2: all-gather,
+   launched here and waited per bucket by the next forward, ``param_gathers.py``; 3: cast into
+   the shard, gathered by the next forward). With ``offload_optimizer`` steps 3-7 run on the
+   host (``offload.py``) and step 8 starts with a host-to-device copy.
 
 [Note: unused parameters]
 Semantics are PyTorch's: a parameter no rank produced a gradient for keeps ``grad=None`` in the
@@ -144,7 +145,7 @@ class ZeroEngine:
                 checkpoint_forward(unit_module)
 
         self.strategy: Strategy = make_strategy(config.stage, self.buckets, self.comm, config.overlap_comm, units,
-                                                config.prefetch, config.reshard_after_forward)
+                                                config.prefetch, config.reshard_after_forward, module=model)
         self.offload = HostOptimizerState(self.buckets, self.device) if config.offload_optimizer else None
         self._opt_params = [(piece, view) for b in self.buckets for piece, view in b.master_views]
         # The factory's two forms, the placeholder of a rank holding only padding and the empty
@@ -355,6 +356,7 @@ class ZeroEngine:
         averaged, unscaled gradient (``inf``/``nan`` on an fp16 overflow).
         """
         self._check_open("step")
+        self.strategy.wait_params()  # a second step() without a forward: the optimizer writes what is sent
         self._end_micro_step()
         scale = self.scaler.scale if self.scaler is not None else None
         inv_scale = None if scale is None else 1.0 / scale
@@ -384,7 +386,6 @@ class ZeroEngine:
                 norm32 = torch.tensor(norm, dtype=torch.float32, device=sq.device)
                 coef = torch.clamp(self.config.grad_clip / (norm32 + 1e-6), max=1.0)
             self._update(grads, inv_scale, coef, used)
-            self.strategy.publish_params()
         else:
             log.warning("step %d: fp16 gradient overflow (norm=%s), skipped; loss scale %s -> %s",
                         self._step + 1, norm, scale, scale * self.scaler.backoff_factor)
@@ -393,6 +394,8 @@ class ZeroEngine:
             self.scaler.update(skipped)
         self.strategy.zero_grads()
         self._drain()
+        if not skipped:  # last: stages 1/2 leave the all-gathers in flight for the next forward to overlap
+            self.strategy.publish_params()
         self._got_grad = [False] * len(self._got_grad)
         self._step += 1
         micro_steps, self._micro_steps = self._micro_steps, 0
@@ -503,25 +506,43 @@ class ZeroEngine:
         return out
 
     # -- state (engine_state.py) ---------------------------------------------------------------------
+    # Each reads or writes parameter values: the stage 1/2 gathers in flight are waited first,
+    # and a loader returns with them waited too (``param_gathers.py``).
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full fp32 parameters and buffers keyed as ``model.state_dict()`` (``engine_state``)."""
         self._check_open("full_state_dict")
+        self.strategy.wait_params()
         return engine_state.full_state_dict(self)
 
     def state_dict(self, copy: bool = True) -> dict[str, Any]:
         """This rank's shard, enough to continue bit-identically (format: ``engine_state``);
         ``copy=False``: the live host tensors, for a reader done before the next ``step()``."""
+        self.strategy.wait_params()
         return engine_state.state_dict(self, copy)
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Load a ``state_dict()`` of a run with the same stage, world size and layout."""
         self._check_open("load_state_dict")
+        self.strategy.wait_params()
         engine_state.load_state_dict(self, sd)
+        self.strategy.wait_params()
 
     def load_full_state_dict(self, full: dict[str, torch.Tensor]) -> None:
         """Set parameters (and buffers) from full tensors keyed as ``model.state_dict()``."""
         self._check_open("load_full_state_dict")
+        self.strategy.wait_params()
         engine_state.load_full_state_dict(self, full)
+        self.strategy.wait_params()
+
+    def wait_params(self) -> None:
+        """Wait until every parameter holds the values of the last ``step()``.
+
+        Stages 1/2 leave the parameter all-gather in flight when ``step()`` returns; every read
+        through the module and every engine call that reads parameters waits by itself
+        (``param_gathers.py``). Only a reference to a parameter kept from before ``step()``
+        needs this call before it is read. Other stages: nothing to wait for.
+        """
+        self.strategy.wait_params()
 
     def state_dict_meta(self) -> dict[str, Any]:
         """The layout part of ``state_dict()`` without copying any tensor."""
@@ -531,8 +552,7 @@ class ZeroEngine:
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        if hasattr(self.strategy, "remove_hooks"):  # stage 3's module hooks
-            self.strategy.remove_hooks()
+        self.strategy.remove_hooks()  # stage 3's module hooks, stages 1/2's forward waits
 
     # -- ending a run --------------------------------------------------------------------------------
     def close(self) -> None:
@@ -585,12 +605,14 @@ class ZeroEngine:
         """Wait for everything the engine has in flight; afterwards the collectives' pending list is empty.
 
         Called when a forward, a backward or ``step()`` ends and by ``close()``: the strategy
-        folds in its buckets and gathers, then any collective still pending (a backstop: there
-        should be none) is waited for. On CUDA a wait orders the streams without blocking the
+        folds in its buckets and gathers (stages 1/2: the parameter gathers of the last step,
+        which ``step()`` launches only after its own drain), then any collective still pending
+        (a backstop: there should be none) is waited for. On CUDA a wait orders the streams without blocking the
         host; ``device_too`` (``close()``) also blocks until the device finished the side
         streams' work and the offload copies.
         """
         self.strategy.drain()
+        self.strategy.wait_params()
         self.comm.drain(device_too)
         if device_too and self.offload is not None:
             self.offload.drain()

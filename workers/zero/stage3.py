@@ -289,6 +289,7 @@ class ParamShardStrategy(ReduceScatterInBackwardStrategy):
 
     traits = STAGE_TRAITS[3]
     launches_during_backward = False  # units launch from their post-backward, never by bucket readiness
+    gathers_params = False  # the next forward gathers each unit itself
 
     def __init__(self, buckets: list[FlatBucket], comm: Collectives, overlap_comm: bool, plan: UnitPlan,
                  prefetch: int = 1, reshard_after_forward: bool = True):

@@ -10,11 +10,16 @@ stage    gradient storage per rank             communication per step           
 =======  ===================================  ================================  ======================
 0        full, compute dtype (2Φ)              all-reduce each bucket (2Φ)       step(), or the last
                                                                                  backward if sync=True
-1        full, compute dtype (2Φ)              reduce-scatter Φ + all-gather Φ   same; gather in step()
+1        full, compute dtype (2Φ)              reduce-scatter Φ + all-gather Φ   same; gather launched
+                                                                                 by step(), waited by
+                                                                                 the next forward
 2        shard, compute dtype (2Φ/N), plus     reduce-scatter Φ per micro-step   every backward;
-         ≤ 3 bucket-sized scratches during     + all-gather Φ                    gather in step()
+         ≤ 3 bucket-sized scratches during     + all-gather Φ                    gather as stage 1
          backward (2 in flight + 1 filling)
 =======  ===================================  ================================  ======================
+
+Stages 1/2 launch the parameter all-gather at the end of ``step()`` and wait for each bucket
+just before its first use in the next forward (``param_gathers.py``), so that forward overlaps it.
 
 [Note: who pays for gradient accumulation]
 Stages 0 and 1 keep a full local gradient, so non-final micro-steps communicate nothing: the
@@ -41,14 +46,16 @@ in range; the result is the mean over ranks of each rank's summed micro-step gra
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
+import torch.nn as nn
 
 from contract.zero_math import STAGE_TRAITS, StageTraits, stage_traits
 
 from .buckets import FlatBucket
 from .collectives import Collectives, Pending
+from .param_gathers import ParamGathers
 
 if TYPE_CHECKING:
     from .units import UnitPlan
@@ -65,6 +72,8 @@ class Strategy:
     traits: StageTraits
     #: buckets allowed in flight before a launch blocks on the oldest (None: no limit)
     max_inflight: int | None = None
+    #: republishes parameters with an all-gather that the next forward waits for (stages 1/2)
+    gathers_params: bool = False
 
     @property
     def stage(self) -> int:
@@ -80,7 +89,8 @@ class Strategy:
         """Stages that shard gradients keep no full gradient between micro-steps: they reduce each one."""
         return self.traits.shards_gradients
 
-    def __init__(self, buckets: list[FlatBucket], comm: Collectives, overlap_comm: bool):
+    def __init__(self, buckets: list[FlatBucket], comm: Collectives, overlap_comm: bool,
+                 module: Optional[nn.Module] = None):
         self.buckets = buckets
         self.comm = comm
         self.world_size = comm.world_size
@@ -88,6 +98,8 @@ class Strategy:
         self._sync = False
         self._next_launch = 0
         self._inflight: list[FlatBucket] = []  # launched, not yet folded in, in launch order
+        #: stages 1/2: the parameter gathers in flight after step(); without ``module`` they are waited at once
+        self.gathers = ParamGathers(buckets, comm, module) if self.gathers_params else None
         self.allocate_grad_storage()
 
     # -- storage --------------------------------------------------------------------------------
@@ -115,6 +127,7 @@ class Strategy:
     # -- backward -------------------------------------------------------------------------------
     def begin_micro_step(self, sync: bool) -> None:
         self.drain()
+        self.wait_params()
         if any(b.launched for b in self.buckets):
             raise RuntimeError(
                 "backward() after a backward(..., sync=True): gradients were already reduced; "
@@ -238,15 +251,25 @@ class Strategy:
         raise NotImplementedError
 
     def publish_params(self) -> None:
-        """Make every rank's ``flat_param`` equal to the updated master weights."""
-        pending = []
-        for b in self.buckets:
-            shard = b.flat_param[b.shard_slice]
-            if shard.data_ptr() != b.master.data_ptr():
-                shard.copy_(b.master, non_blocking=True)  # offload: pinned H2D, cast on the device (offload.py)
-            pending.append(self.comm.all_gather(b.flat_param, shard, label=f"all_gather bucket {b.spec.index}"))
-        for p in pending:
-            p.wait()
+        """Make every rank's ``flat_param`` equal to the updated master weights.
+
+        Stages 1/2: launch each bucket's all-gather; the next forward (or any other reader,
+        ``param_gathers.py``) waits for it.
+        """
+        self.gathers.launch()
+
+    def wait_params(self) -> None:
+        """Wait for the parameter all-gathers ``publish_params`` left in flight (stages 1/2)."""
+        if self.gathers is not None and self.gathers.in_flight:
+            self.gathers.wait_all()
+
+    def remove_hooks(self) -> None:
+        """Remove the forward waits of stages 1/2 (``ZeroEngine.remove_hooks``).
+
+        Waits for nothing: ``ZeroEngine._abandon`` calls it when peers may be gone.
+        """
+        if self.gathers is not None:
+            self.gathers.remove_hooks()
 
     def zero_grads(self) -> None:
         self.drain()
@@ -282,6 +305,7 @@ class ReduceScatterAtStepStrategy(Strategy):
     """Stage 1: full local gradients; reduce-scatter them into the shard once per step."""
 
     traits = STAGE_TRAITS[1]
+    gathers_params = True
 
     def _launch(self, b: FlatBucket) -> Pending:
         # in place (Gloo): the gradient's own slot receives the shard, nothing else is allocated;
@@ -318,6 +342,7 @@ class ReduceScatterInBackwardStrategy(Strategy):
 
     traits = STAGE_TRAITS[2]
     max_inflight = MAX_INFLIGHT_BUCKETS
+    gathers_params = True
 
     def allocate_grad_storage(self) -> None:
         for b in self.buckets:
@@ -388,11 +413,13 @@ def make_strategy(
     units: "UnitPlan | None" = None,
     prefetch: int = 1,
     reshard_after_forward: bool = True,
+    module: Optional[nn.Module] = None,
 ) -> Strategy:
     """The strategy that runs ``stage`` over ``buckets``, chosen by what the stage shards.
 
     A stage that shards parameters (3) needs the unit plan its buckets were built from (one
     bucket per non-empty unit), the prefetch depth and whether to reshard after forward.
+    Stages 1/2 hook ``module`` to wait for their parameter gathers (None: they wait in ``step()``).
     """
     traits = stage_traits(stage)
     if traits.shards_parameters:
@@ -403,7 +430,7 @@ def make_strategy(
 
         return ParamShardStrategy(buckets, comm, overlap_comm, units, prefetch, reshard_after_forward)
     if traits.shards_gradients:
-        return ReduceScatterInBackwardStrategy(buckets, comm, overlap_comm)
+        return ReduceScatterInBackwardStrategy(buckets, comm, overlap_comm, module)
     if traits.reduces_at_step:
-        return ReduceScatterAtStepStrategy(buckets, comm, overlap_comm)
+        return ReduceScatterAtStepStrategy(buckets, comm, overlap_comm, module)
     return AllReduceStrategy(buckets, comm, overlap_comm)
