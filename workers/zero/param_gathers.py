@@ -62,9 +62,16 @@ class ParamGathers:
 
     # -- launching and waiting ------------------------------------------------------------------
     def launch(self) -> None:
-        """Copy each updated master into its slot of ``flat_param`` and start the bucket's gather."""
+        """Copy each updated master into its slot of ``flat_param`` and start the bucket's gather.
+
+        In forward order: the layout packs parameters in reverse registration order (the order
+        backward produces gradients, ``flat.py``), so the *last* bucket holds what a forward uses
+        first (the embeddings) and is launched first; bucket 0 (the last layers) goes last. The
+        same order on every rank, as any collective order must be.
+        """
         self.wait_all()
-        for i, b in enumerate(self.buckets):
+        for i in reversed(range(len(self.buckets))):
+            b = self.buckets[i]
             shard = b.flat_param[b.shard_slice]
             if shard.data_ptr() != b.master.data_ptr():
                 shard.copy_(b.master, non_blocking=True)  # offload: pinned H2D, cast on the device (offload.py)
@@ -84,7 +91,7 @@ class ParamGathers:
 
     def wait_all(self) -> None:
         """Wait for every pending gather, in launch order."""
-        for index in sorted(self._pending):
+        for index in sorted(self._pending, reverse=True):
             self.wait(index)
 
     # -- hooks ------------------------------------------------------------------------------------

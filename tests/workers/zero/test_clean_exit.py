@@ -55,7 +55,7 @@ def contract_world(rank: int, world_size: int):
                 seen["after backward"] += [tag.label] if tag is not None and not tag.done else []
             engine.step()
             seen.setdefault("after step", []).extend(engine.comm.pending())
-        seen["gathers"] = [f"all_gather bucket {b.spec.index}" for b in engine.buckets]
+        seen["gathers"] = [f"all_gather bucket {b.spec.index}" for b in reversed(engine.buckets)]
         watchdog_before = _watchdog_alive()
         engine.close()
         engine.close()  # idempotent
@@ -90,7 +90,8 @@ def test_close_contract():
         for case in res["configs"]:
             where = f"rank {rank}, {case['cfg']}"
             gathers = case["pending"].pop("gathers")
-            # stages 1/2: the parameter gathers of each step, in bucket order, waited by the next forward
+            # stages 1/2: the parameter gathers of each step, in forward order (the last bucket first),
+            # waited by the next forward
             after_step = gathers * 2 if case["cfg"]["stage"] in (1, 2) else []
             assert case["pending"] == {"after forward": [], "after backward": [], "after step": after_step}, where
             assert case["watchdog_before"] and not case["watchdog_after"], where
