@@ -15,6 +15,9 @@ import torch
 
 from contract.zero_math import PRECISION_TRAITS, STAGES, StageTraits, stage_traits
 
+#: stage 3's ``reshard_after_forward`` values: every unit, none, all but the last block unit
+RESHARD_POLICIES = (True, False, "all_but_last")
+
 #: the compute dtype of each precision the contract lists (one list of names, there)
 PRECISIONS: dict[str, torch.dtype] = {name: getattr(torch, t.torch_dtype) for name, t in PRECISION_TRAITS.items()}
 
@@ -63,7 +66,13 @@ class ZeroConfig:
     prefetch            stage 3: how many units ahead to all-gather parameters.
     grad_clip           max global L2 norm of the averaged gradient, or None for no clipping.
     reshard_after_forward  stage 3: free gathered parameters after each unit's forward and gather
-                        them again for its backward (3Φ per step); False keeps them (2Φ).
+                        them again for its backward (True: 3Φ per step); False keeps them all
+                        (2Φ); "all_but_last" keeps only the last block unit, which backward needs
+                        first (torchtitan's default): 3Φ minus that unit.
+    keep_gathered_bytes stage 3: keep units gathered from their forward to their backward while
+                        the kept units' bytes stay within this cap (0: off). The last units of
+                        the forward are the ones kept (they are the first backward needs); each
+                        kept unit is not gathered again, so a step moves from 3Φ toward 2Φ.
     activation_checkpointing  recompute each unit's activations in backward (every stage).
     wrap                unit policy (stage 3, activation checkpointing): None (the blocks of every
                         ModuleList + a root unit), a list of module class names, or a
@@ -94,7 +103,8 @@ class ZeroConfig:
     offload_optimizer: bool = False
     prefetch: int = 1
     grad_clip: Optional[float] = None
-    reshard_after_forward: bool = True
+    reshard_after_forward: Any = True  # True, False or "all_but_last" (RESHARD_POLICIES)
+    keep_gathered_bytes: int = 0
     activation_checkpointing: bool = False
     wrap: Any = None
     broadcast_buffers: bool = True
@@ -111,13 +121,24 @@ class ZeroConfig:
             raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {self.precision!r}")
         if not _is_real(self.bucket_mb) or not self.bucket_mb > 0 or math.isinf(self.bucket_mb):
             raise ValueError(f"bucket_mb must be a positive number of MiB, got {self.bucket_mb!r}")
-        for name in ("overlap_comm", "offload_optimizer", "reshard_after_forward", "activation_checkpointing",
+        for name in ("overlap_comm", "offload_optimizer", "activation_checkpointing",
                      "broadcast_buffers", "sync_batchnorm", "force_distributed"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.offload_optimizer and not stage_traits(self.stage).shards_optimizer:
             raise ValueError("offload_optimizer needs stage 1, 2 or 3 (stage 0 keeps the whole optimizer on "
                              "every rank); got stage=0")
+        if not any(self.reshard_after_forward is p or self.reshard_after_forward == p and isinstance(p, str)
+                   for p in RESHARD_POLICIES):
+            raise ValueError(f"reshard_after_forward must be True, False or 'all_but_last', "
+                             f"got {self.reshard_after_forward!r}")
+        if isinstance(self.keep_gathered_bytes, bool) or not isinstance(self.keep_gathered_bytes, int) \
+                or self.keep_gathered_bytes < 0:
+            raise ValueError(f"keep_gathered_bytes must be an integer number of bytes >= 0, "
+                             f"got {self.keep_gathered_bytes!r}")
+        if self.keep_gathered_bytes and not stage_traits(self.stage).shards_parameters:
+            raise ValueError(f"keep_gathered_bytes needs stage 3 (only stage 3 gathers parameters for a "
+                             f"forward); got stage={self.stage}")
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ValueError(f"prefetch must be an integer >= 0, got {self.prefetch!r}")
         if self.grad_clip is not None and (

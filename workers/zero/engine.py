@@ -145,7 +145,8 @@ class ZeroEngine:
                 checkpoint_forward(unit_module)
 
         self.strategy: Strategy = make_strategy(config.stage, self.buckets, self.comm, config.overlap_comm, units,
-                                                config.prefetch, config.reshard_after_forward, module=model)
+                                                config.prefetch, config.reshard_after_forward, module=model,
+                                                keep_gathered_bytes=config.keep_gathered_bytes)
         self.offload = HostOptimizerState(self.buckets, self.device) if config.offload_optimizer else None
         self._opt_params = [(piece, view) for b in self.buckets for piece, view in b.master_views]
         # The factory's two forms, the placeholder of a rank holding only padding and the empty

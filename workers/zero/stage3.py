@@ -18,6 +18,16 @@ reduce-scatter Φ = 3Φ (padded); without resharding the backward gather is not 
 The root is resharded after forward too (FSDP2 keeps its root gathered into the backward,
 saving one gather of the root but holding it across the gap), so a step is exactly 3Φ.
 
+[Note: which units stay gathered into the backward]
+A unit kept gathered after its forward is not gathered again for its backward: the step pays
+3Φ minus the kept units, and holds them from the end of their forward to the end of their
+backward. ``reshard_after_forward`` chooses: True keeps none, False keeps every unit (2Φ),
+"all_but_last" keeps the last block unit (registration order; backward starts with it,
+torchtitan's default). ``keep_gathered_bytes`` adds a cap: besides those, the units of the
+forward are kept while their bytes fit, the oldest let go first (``units.KeptUnits``), so the
+last ones -- the first backward needs -- are what stays; with a cap that fits the model the
+step is 2Φ, as DeepSpeed's ZeRO-3 on a small model. Only forwards with grad keep anything.
+
 [Note: freeing without breaking autograd]
 Module parameters are views into the unit's flat buffer (as at stages 0-2) and autograd saves
 views of them for backward. Freeing resizes the flat buffer's *storage* to zero bytes and
@@ -44,8 +54,8 @@ forward; when the order changes (eval mode, a branch), the prediction stops at t
 mismatch, and a prefetched unit that is not among the next units predicted at the current
 unit -- or that is still unused when the forward or backward ends -- is freed (after its
 gather completes). At most ``prefetch + 1`` non-root units are gathered at any time when
-``reshard_after_forward=True`` (plus units held for a use outside, below); ``max_gathered``
-records the peak.
+``reshard_after_forward=True`` and ``keep_gathered_bytes=0`` (plus units held for a use
+outside, below, and the units other policies keep); ``max_gathered`` records the peak.
 
 [Note: divergence check]
 Ranks that run different units at the same point (rank 0 ``linears[0]``, rank 1 ``linears[1]``)
@@ -106,7 +116,7 @@ from contract.zero_math import STAGE_TRAITS
 from .buckets import FlatBucket
 from .collectives import Collectives, Pending, tagged_all_gather
 from .stages import ReduceScatterInBackwardStrategy
-from .units import UnitPlan
+from .units import KeptUnits, UnitPlan
 
 log = logging.getLogger(__name__)
 
@@ -292,7 +302,7 @@ class ParamShardStrategy(ReduceScatterInBackwardStrategy):
     gathers_params = False  # the next forward gathers each unit itself
 
     def __init__(self, buckets: list[FlatBucket], comm: Collectives, overlap_comm: bool, plan: UnitPlan,
-                 prefetch: int = 1, reshard_after_forward: bool = True):
+                 prefetch: int = 1, reshard_after_forward: Any = True, keep_gathered_bytes: int = 0):
         super().__init__(buckets, comm, overlap_comm)
         self.prefetch = prefetch
         self.reshard_after_forward = reshard_after_forward
@@ -310,6 +320,11 @@ class ParamShardStrategy(ReduceScatterInBackwardStrategy):
         self._post_forward_order: list[int] = []  # units whose forward ran with grad, this micro-step
         self._bwd_predict: Optional[_OrderPredictor] = None
         self._deferred: list[Unit] = []  # overlap_comm=False: reduce-scatters launched at the end
+        blocks = [u for u in self.units if not u.is_root]
+        #: kept gathered after its forward by the policy itself (see the note on kept units)
+        self._always_kept = {u.index for u in self.units} if reshard_after_forward is False else \
+            {blocks[-1].index} if reshard_after_forward == "all_but_last" and blocks else set()
+        self._kept = KeptUnits(keep_gathered_bytes) if keep_gathered_bytes else None
         self._ledger = _Ledger([u.name for u in self.units], comm.device)
         self._rs_check: Optional[Pending] = None  # the end-of-backward tag, checked before the next use
         self._in_forward = False  # between the root's pre- and post-forward hooks
@@ -520,9 +535,21 @@ class ParamShardStrategy(ReduceScatterInBackwardStrategy):
             for t in tensors:
                 if t.requires_grad and t.grad_fn is not None:  # never a hook on a parameter itself: it would stay
                     t.register_hook(hook)
-            if not self.reshard_after_forward:
+            if self._keep(unit):
                 return
         self._reshard(unit)
+
+    def _keep(self, unit: Unit) -> bool:
+        """Whether ``unit`` stays gathered into its backward (the note on kept units); frees what the cap lets go."""
+        if unit.index in self._always_kept:
+            return True
+        if self._kept is None:
+            return False
+        dropped = self._kept.add(unit, unit.flat.numel() * unit.flat.element_size())
+        for other in dropped:
+            if other is not unit:
+                self._reshard(other)
+        return all(other is not unit for other in dropped)
 
     def _hook_pre(self, unit: Unit):
         def hook(module, args, kwargs):
@@ -589,6 +616,8 @@ class ParamShardStrategy(ReduceScatterInBackwardStrategy):
         unit.reduced = True
         unit.held = None
         self._reshard(unit)
+        if self._kept is not None:
+            self._kept.discard(unit)
         if self.overlap_comm:
             self._launch_bucket(unit.bucket)
         else:
@@ -633,6 +662,8 @@ class ParamShardStrategy(ReduceScatterInBackwardStrategy):
             unit.fwd_uses = unit.posts_pending = 0
             unit.post_at_end = unit.pre_backward_done = unit.reduced = False
         self._post_forward_order = []
+        if self._kept is not None:
+            self._kept.clear()
         self._bwd_predict = None
         self._in_forward, self._active = False, []
         if self._rs_check is None:

@@ -46,7 +46,7 @@ in range; the result is the mean over ranks of each rank's summed micro-step gra
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.nn as nn
@@ -412,13 +412,15 @@ def make_strategy(
     overlap_comm: bool,
     units: "UnitPlan | None" = None,
     prefetch: int = 1,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: Any = True,
     module: Optional[nn.Module] = None,
+    keep_gathered_bytes: int = 0,
 ) -> Strategy:
     """The strategy that runs ``stage`` over ``buckets``, chosen by what the stage shards.
 
     A stage that shards parameters (3) needs the unit plan its buckets were built from (one
-    bucket per non-empty unit), the prefetch depth and whether to reshard after forward.
+    bucket per non-empty unit), the prefetch depth and which units to keep gathered after
+    forward (``reshard_after_forward``, ``keep_gathered_bytes``).
     Stages 1/2 hook ``module`` to wait for their parameter gathers (None: they wait in ``step()``).
     """
     traits = stage_traits(stage)
@@ -428,7 +430,8 @@ def make_strategy(
         # stage3 builds on this module's stage-2 strategy, so it is imported when first needed
         from .stage3 import ParamShardStrategy
 
-        return ParamShardStrategy(buckets, comm, overlap_comm, units, prefetch, reshard_after_forward)
+        return ParamShardStrategy(buckets, comm, overlap_comm, units, prefetch, reshard_after_forward,
+                                  keep_gathered_bytes)
     if traits.shards_gradients:
         return ReduceScatterInBackwardStrategy(buckets, comm, overlap_comm, module)
     if traits.reduces_at_step:

@@ -157,3 +157,67 @@ def checkpoint_forward(module: nn.Module, context_fn: Optional[Callable] = None)
     wrapped = functools.partial(checkpoint, inner, **kwargs)
     wrapped._zero_checkpointed = True  # type: ignore[attr-defined]
     module.forward = wrapped
+
+
+# -- stage 3: which units stay gathered from forward to backward ---------------------------------
+
+
+class KeptUnits:
+    """The units a forward keeps gathered for its backward under a cap of ``cap`` bytes.
+
+    Fed in post-forward order (``add``): each unit is kept, and while the kept units exceed
+    the cap the oldest is let go (returned, to be freed). So what stays is the *last* units of
+    the forward -- the first ones backward needs, DeepSpeed's reuse-distance rule -- and a
+    unit larger than the cap on its own is never kept. The engine (``stage3.py``) and the
+    planner (``planner/activations.py``, ``planner/plan.py``) both decide with this class.
+    """
+
+    def __init__(self, cap: int):
+        self.cap = cap
+        self.kept: list[tuple[Any, int]] = []  # (unit, bytes), oldest first
+        self.bytes = 0
+
+    def add(self, unit: Any, nbytes: int) -> list[Any]:
+        """Keep ``unit`` if it fits; returns the units that no longer fit (``unit`` itself if too big)."""
+        if any(u is unit for u, _ in self.kept):
+            return []
+        if nbytes > self.cap:
+            return [unit]
+        self.kept.append((unit, nbytes))
+        self.bytes += nbytes
+        dropped = []
+        while self.bytes > self.cap:
+            old, size = self.kept.pop(0)
+            self.bytes -= size
+            dropped.append(old)
+        return dropped
+
+    def discard(self, unit: Any) -> None:
+        """``unit`` was freed (its backward ended): it no longer counts against the cap."""
+        for i, (u, size) in enumerate(self.kept):
+            if u is unit:
+                del self.kept[i]
+                self.bytes -= size
+                return
+
+    def clear(self) -> None:
+        self.kept, self.bytes = [], 0
+
+
+def kept_after_forward(policy: Any, cap: int, order: list[int], nbytes: dict[int, int], last: Optional[int]) -> set[int]:
+    """Units (of ``order``, the post-forward order) gathered from their forward to their backward.
+
+    ``policy``: ``reshard_after_forward`` (True, False, "all_but_last"); ``cap``:
+    ``keep_gathered_bytes``; ``last``: the unit "all_but_last" keeps (``last_block_unit``).
+    What the engine does step by step, as one function for the planner.
+    """
+    if policy is False:
+        return set(order)
+    kept = {last} if policy == "all_but_last" and last in order else set()
+    if cap:
+        window = KeptUnits(cap)
+        for u in order:
+            if u not in kept:
+                window.add(u, nbytes[u])
+        kept |= {u for u, _ in window.kept}
+    return kept

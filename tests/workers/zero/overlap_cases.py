@@ -122,3 +122,98 @@ def delayed_reference(world_size: int, steps: int):
         optimizer.zero_grad(set_to_none=True)
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
+
+# -- stage 3 policies: which units stay gathered into the backward --------------------------------
+
+
+def _cases3():
+    try:
+        from . import cases3
+    except ImportError:  # loaded by path in a spawned rank
+        import importlib.util
+        import pathlib
+        import sys
+
+        spec = importlib.util.spec_from_file_location("tests.workers.zero.cases3",
+                                                      pathlib.Path(__file__).with_name("cases3.py"))
+        cases3 = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = cases3
+        spec.loader.exec_module(cases3)
+    return cases3
+
+
+def count_dispatched() -> dict:
+    """Count, below the engine, the elements of every fp32 ``broadcast``/``all_reduce`` torch.distributed
+    is asked for. On Gloo a parameter all-gather is one broadcast per rank slot (their sum: the
+    gathered elements) and a reduce-scatter an in-place all-reduce of its input (``collectives.py``);
+    control messages travel as float64/int64 and are not counted here."""
+    import torch.distributed as dist
+
+    counts = {"all_gather": 0, "reduce_scatter": 0}
+    real_broadcast, real_all_reduce = dist.broadcast, dist.all_reduce
+
+    def broadcast(tensor, *args, **kwargs):
+        if tensor.dtype == torch.float32:
+            counts["all_gather"] += tensor.numel()
+        return real_broadcast(tensor, *args, **kwargs)
+
+    def all_reduce(tensor, *args, **kwargs):
+        if tensor.dtype == torch.float32:
+            counts["reduce_scatter"] += tensor.numel()
+        return real_all_reduce(tensor, *args, **kwargs)
+
+    dist.broadcast, dist.all_reduce = broadcast, all_reduce
+    counts["restore"] = lambda: (setattr(dist, "broadcast", real_broadcast),
+                                 setattr(dist, "all_reduce", real_all_reduce))
+    return counts
+
+
+def policy_run(rank: int, world_size: int, kind: str, cfg: dict, steps: int):
+    """Stage 3 with ``cfg``'s policy; per step: the rank's loss, comm_volume() and what was dispatched."""
+    c3 = _cases3()
+    model = c3.make(kind, seed=rank)
+    engine = ZeroEngine(model, OPTIMIZERS["adamw"], ZeroConfig(**{
+        "stage": 3, "precision": "fp32", "grad_clip": None, "broadcast_buffers": False, **cfg}))
+    counts = count_dispatched()
+    sl = slice(rank * MICRO_B, (rank + 1) * MICRO_B)
+    losses, volumes, dispatched = [], [], []
+    try:
+        for step, ((idx, tgt),) in enumerate(make_batches(world_size, steps, 1)):
+            loss = c3.forward(engine, kind, idx[sl], tgt[sl], rank, step)
+            losses.append(loss.detach().clone())
+            engine.backward(loss)
+            engine.step()
+            volumes.append(engine.comm_volume())
+            dispatched.append({k: counts[k] for k in ("all_gather", "reduce_scatter")})
+            counts["all_gather"] = counts["reduce_scatter"] = 0
+    finally:
+        counts["restore"]()
+    units = {u.name: u.flat.numel() for u in engine.strategy.units}
+    out = {"losses": losses, "comm": volumes, "dispatched": dispatched, "units": units,
+           "gathers": engine.strategy.counts["gathers"], "full": engine.full_state_dict()}
+    engine.close()
+    return out
+
+
+def policy_world(rank: int, world_size: int, cases: list[tuple]):
+    torch.set_num_threads(1)
+    return [policy_run(rank, world_size, *case) for case in cases]
+
+
+def bitwise_reference(kind: str, world_size: int, steps: int):
+    """``delayed_reference`` for ``cases3``'s models: each rank's loss, summed rank by rank, / N."""
+    c3 = _cases3()
+    model = c3.make(kind)
+    optimizer = OPTIMIZERS["adamw"]([p for p in model.parameters() if p.requires_grad])
+    losses = []
+    for step, ((idx, tgt),) in enumerate(make_batches(world_size, steps, 1)):
+        per_rank = []
+        for r in range(world_size):
+            sl = slice(r * MICRO_B, (r + 1) * MICRO_B)
+            loss = c3.forward(model, kind, idx[sl], tgt[sl], r, step)
+            per_rank.append(loss.detach().clone())
+            (loss / world_size).backward()
+        losses.append(per_rank)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}

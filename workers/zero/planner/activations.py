@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_leaves
 from ..config import PRECISIONS
 from ..flat import FlatLayout
 from ..stages import MAX_INFLIGHT_BUCKETS
-from ..units import checkpoint_forward, plan_units, unit_modules
+from ..units import checkpoint_forward, kept_after_forward, plan_units, unit_modules
 from .shape import unit_buckets
 
 
@@ -121,7 +121,8 @@ class Stage2Layout:
     pages_on_write: bool = False
     per_unit: bool = False  # stage 3: one bucket per unit (blocks last-first, then the root)
     prefetch: int = 1  # stage 3: units gathered ahead of the one running (``ZeroConfig.prefetch``)
-    reshard_after_forward: bool = True  # stage 3: units freed after their forward
+    reshard_after_forward: Any = True  # stage 3: True, False, "all_but_last" (ZeroConfig)
+    keep_gathered_bytes: int = 0  # stage 3: cap on units kept gathered into the backward (ZeroConfig)
 
 
 class _Stage3Gathers:
@@ -134,8 +135,9 @@ class _Stage3Gathers:
     gathered when the gradient reaches the model's output and stays to the end; a unit is gathered
     when the gradient reaches its outputs, with the next ``prefetch`` of the backward order, and
     freed once every one of its parameters has its gradient (its reduce-scatter launches then).
-    Frozen parameters are replicated, never gathered. With ``reshard_after_forward=False`` a unit
-    gathered in forward stays until its backward is done.
+    Frozen parameters are replicated, never gathered. A unit the engine keeps gathered after its
+    forward (``reshard_after_forward``, ``keep_gathered_bytes``: ``units.kept_after_forward``,
+    forward order = registration order, the root last) stays until its backward is done.
     """
 
     def __init__(self, model: nn.Module, params: Sequence[torch.Tensor], layout: Stage2Layout,
@@ -149,6 +151,9 @@ class _Stage3Gathers:
         self.waiting = {u: len(plan.owned[u]) for u in self.blocks}  # gradients still to arrive
         self.unit_of = {id(params[i]): u for u in self.blocks for i in plan.owned[u]}
         self.layout, self.tracker = layout, tracker
+        self.kept = kept_after_forward(layout.reshard_after_forward, layout.keep_gathered_bytes,
+                                       self.blocks + [self.root], dict(enumerate(self.nbytes)),
+                                       self.blocks[-1] if self.blocks else None)
         self.held: set[int] = set()
         self.backward = False
         self.handles = [model.register_forward_pre_hook(lambda m, a: self._gather(self.root)),
@@ -180,7 +185,7 @@ class _Stage3Gathers:
 
     def _post(self, unit: int):
         def hook(module, args, output):
-            if self.layout.reshard_after_forward:
+            if unit not in self.kept:
                 self._free(unit)
             for t in tree_leaves(output):
                 if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None:
@@ -188,7 +193,7 @@ class _Stage3Gathers:
         return hook
 
     def _root_done(self, module, args, output) -> None:
-        if self.layout.reshard_after_forward:
+        if self.root not in self.kept:
             self._free(self.root)
         for t in tree_leaves(output):
             if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None:

@@ -17,6 +17,7 @@ from typing import Sequence
 from contract.zero_math import MIB, low_precision_bytes, precision_traits, shard_numel, stage_traits
 
 from ..stages import MAX_INFLIGHT_BUCKETS
+from ..units import kept_after_forward
 
 
 def backward_buffer_bytes(
@@ -110,6 +111,27 @@ def gathered_unit_bytes(
     pad = lambda numel: shard_numel(numel, n_ranks) * n_ranks  # noqa: E731
     blocks = sorted((pad(b) for b in block_numels), reverse=True)[: prefetch + 1]
     return low_precision_bytes(precision) * ((pad(root_numel) if root_numel else 0) + sum(blocks))
+
+
+def kept_unit_elements(root_numel: int, block_numels: Sequence[int], precision: str, n_ranks: int,
+                       reshard_after_forward=True, keep_gathered_bytes: int = 0) -> tuple[int, int]:
+    """Stage 3: ``(elements, block bytes)`` of the units kept gathered from forward to backward.
+
+    The engine's rule (``stage3.py``, the note on kept units; ``units.kept_after_forward``),
+    with the blocks in registration order and the root last (its forward ends last).
+    ``elements`` (unpadded) is what the step does not gather again: the step communicates
+    3Φ - elements. ``block bytes`` (padded, compute dtype) is what the kept blocks hold on
+    top of ``gathered_unit_bytes`` (which already holds the root for the whole step) -- an
+    upper bound: a kept block may be one of the ``prefetch + 1`` counted there.
+    """
+    pad = lambda numel: shard_numel(numel, n_ranks) * n_ranks  # noqa: E731
+    sizes = [b for b in block_numels if b] + ([root_numel] if root_numel else [])
+    root = len(sizes) - 1 if root_numel else None
+    blocks = [i for i in range(len(sizes)) if i != root]
+    nbytes = {i: low_precision_bytes(precision) * pad(k) for i, k in enumerate(sizes)}
+    kept = kept_after_forward(reshard_after_forward, keep_gathered_bytes, list(range(len(sizes))), nbytes,
+                              blocks[-1] if blocks else None)
+    return sum(sizes[i] for i in kept), sum(nbytes[i] for i in kept if i != root)
 
 
 def construction_staging_bytes(stage: int, precision: str, buckets: Sequence[int]) -> int:

@@ -45,6 +45,7 @@ from .buffers import (
     allocator_reserve_bytes,
     backward_buffer_bytes,
     gathered_unit_bytes,
+    kept_unit_elements,
     stage2_tail_bytes,
     step_buffer_bytes,
 )
@@ -101,7 +102,8 @@ class PlanInputs:
     bandwidth_bytes_per_s: float | None = None
     compute_s: float | None = None
     target_efficiency: float = DEFAULT_TARGET_EFFICIENCY
-    reshard_after_forward: bool = True
+    reshard_after_forward: Any = True  # stage 3: True, False or "all_but_last" (ZeroConfig)
+    keep_gathered_bytes: int = 0  # stage 3: cap on units kept gathered into the backward (ZeroConfig)
     optimizer_states: int = 2  # fp32 optimizer state tensors per parameter (Adam: m, v)
     deferred_init: bool = True  # built on the meta device, one bucket at a time; False: eagerly, in fp32
     checkpoint: str = "none"  # peak.CHECKPOINTS: "none", "at_end", "periodic"
@@ -155,8 +157,11 @@ def predict(inputs: PlanInputs, stage: int, offload: bool = False) -> StagePredi
     backward = activations + backward_buffer_bytes(
         stage, precision, buckets, n, inputs.device, inputs.accumulation_steps
     )
+    kept_elements, kept_bytes = kept_unit_elements(
+        shape.root_numel, shape.unit_numels, precision, n, inputs.reshard_after_forward,
+        inputs.keep_gathered_bytes) if traits.shards_parameters else (0, 0)
     gathered = gathered_unit_bytes(shape.root_numel, shape.unit_numels, precision, inputs.prefetch, n) \
-        if traits.shards_parameters else 0
+        + kept_bytes if traits.shards_parameters else 0
     replayed = _replayed_activations(inputs, stage)
     if replayed is not None:  # the joint peak of activations, the engine's scratch (and stage 3's gathers)
         backward_transient = replayed + stage2_tail_bytes(precision, buckets, n, inputs.device,
@@ -197,7 +202,8 @@ def predict(inputs: PlanInputs, stage: int, offload: bool = False) -> StagePredi
         "total": states.cpu_total,
         "peak": peak["host_bytes"],
     }
-    elements = comm_elements(shape.phi, stage, inputs.reshard_after_forward)
+    # stage 3: the units kept gathered are not gathered again for their backward
+    elements = comm_elements(shape.phi, stage) - kept_elements
     prediction = StagePrediction(
         stage=stage,
         offload=offload,
