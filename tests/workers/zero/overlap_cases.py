@@ -75,8 +75,9 @@ def delay_parameter_gathers(engine: ZeroEngine, delay_s: float = DELAY_S) -> dic
     return stats
 
 
-def delayed_run(rank: int, world_size: int, stage: int, steps: int, waits: bool):
-    """Train ToyNet with every parameter gather delayed; ``waits=False`` removes the per-bucket waits."""
+def delayed_run(rank: int, world_size: int, stage: int, steps: int, waits: bool, read_after_step: bool = False):
+    """Train ToyNet with every parameter gather delayed; ``waits=False`` removes the per-bucket waits;
+    ``read_after_step``: read ``fc1.weight`` through the module right after each ``step()``."""
     model = make_model(rank)  # the engine broadcasts rank 0's values
     engine = ZeroEngine(model, OPTIMIZERS["adamw"],
                         ZeroConfig(stage=stage, precision="fp32", bucket_mb=0.0002, grad_clip=None))
@@ -84,16 +85,18 @@ def delayed_run(rank: int, world_size: int, stage: int, steps: int, waits: bool)
     if not waits:
         engine.strategy.remove_hooks()  # the forward pre-hooks and the parameter read guards
     sl = slice(rank * MICRO_B, (rank + 1) * MICRO_B)
-    losses = []
+    losses, read = [], []
     for (idx, tgt), in make_batches(world_size, steps, 1):
         loss = engine(idx[sl], tgt[sl], uses_extra(rank))
         losses.append(loss.detach().clone())
         engine.backward(loss)
         engine.step()
+        if read_after_step:  # a user's read between step() and the next forward
+            read.append(engine.module.fc1.weight.detach().clone())
     full = engine.full_state_dict()
     buckets = len(engine.buckets)
     engine.close()
-    return {"losses": losses, "full": full, "stats": stats, "buckets": buckets}
+    return {"losses": losses, "full": full, "stats": stats, "buckets": buckets, "read": read}
 
 
 def delayed_world(rank: int, world_size: int, cases: list[tuple]):
@@ -109,7 +112,7 @@ def delayed_reference(world_size: int, steps: int):
     """
     model = make_model(0)
     optimizer = OPTIMIZERS["adamw"]([p for p in model.parameters() if p.requires_grad])
-    losses = []
+    losses, fc1 = [], []
     for (idx, tgt), in make_batches(world_size, steps, 1):
         per_rank = []
         for r in range(world_size):
@@ -120,7 +123,8 @@ def delayed_reference(world_size: int, steps: int):
         losses.append(per_rank)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+        fc1.append(model.fc1.weight.detach().clone())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, fc1
 
 
 # -- stage 3 policies: which units stay gathered into the backward --------------------------------
