@@ -204,7 +204,8 @@ class KeptUnits:
         self.kept, self.bytes = [], 0
 
 
-def kept_after_forward(policy: Any, cap: int, order: list[int], nbytes: dict[int, int], last: Optional[int]) -> set[int]:
+def kept_after_forward(policy: Any, cap: int, order: list[int], nbytes: dict[int, int],
+                       last: Optional[int]) -> set[int]:
     """Units (of ``order``, the post-forward order) gathered from their forward to their backward.
 
     ``policy``: ``reshard_after_forward`` (True, False, "all_but_last"); ``cap``:

@@ -3,8 +3,8 @@
 Two parts. ``test_close_contract`` checks in one Gloo world, at every stage (and stage 3 with
 offload), what a script relies on: after every forward, backward and ``step()`` the
 collectives' pending list is empty -- except the parameter all-gathers stages 1/2 leave in flight
-after ``step()``, for the next forward to wait (``param_gathers.py``); ``close()`` stops the watchdog thread, removes the hooks,
-is idempotent, and the engine then refuses to train with a RuntimeError; the ``with`` form
+after ``step()``, for the next forward to wait (``param_gathers.py``); ``close()`` stops the
+watchdog thread, removes the hooks, is idempotent, and the engine then refuses to train with a RuntimeError; the ``with`` form
 closes too, and after an exception inside it closes without communicating and lets the
 exception through. ``test_worlds_exit_cleanly`` is a small run of ``benchmarks/exit_loop.py``:
 8 fresh worlds ending with ``engine.close()`` + ``destroy_process_group()`` and with a bare
