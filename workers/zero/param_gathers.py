@@ -34,6 +34,7 @@ parameter kept from before ``step()`` (``w = model.fc.weight``) reads around the
 
 from __future__ import annotations
 
+import logging
 import weakref
 from typing import TYPE_CHECKING, Optional
 
@@ -43,6 +44,8 @@ from .collectives import Collectives, Pending
 
 if TYPE_CHECKING:
     from .buckets import FlatBucket
+
+log = logging.getLogger(__name__)
 
 
 class ParamGathers:
@@ -57,6 +60,9 @@ class ParamGathers:
         self._guarded: list[nn.Module] = []
         #: without a module (a strategy driven directly) nothing could wait later: ``launch`` waits
         self.deferred = module is not None
+        # an engine dropped without close() right after step() still leaves nothing in flight
+        # (the script may destroy the process group next): its gathers are waited when it goes
+        weakref.finalize(self, _wait_dropped, self._pending)
         if module is not None:
             self._install(module)
 
@@ -115,6 +121,15 @@ class ParamGathers:
         for m in self._guarded:
             m._parameters = dict(m._parameters)
         self._guarded = []
+
+
+def _wait_dropped(pending: dict) -> None:
+    """Wait for the gathers of a ``ParamGathers`` being freed, in launch order."""
+    for index in sorted(pending, reverse=True):
+        try:
+            pending.pop(index).wait()
+        except RuntimeError as exc:  # the process group is already gone: nothing left to wait for
+            log.debug("parameter gather of bucket %d not waited: %s", index, exc)
 
 
 def _wait_hook(ref: "weakref.ref[ParamGathers]", owned: list[int]):
