@@ -411,7 +411,7 @@ class ResourcesSpec(SpecModel):
     gpu_memory_gb: float | None = Field(default=None, gt=0)
 
     @model_validator(mode="after")
-    def _worker_range(self) -> "ResourcesSpec":
+    def _worker_range(self) -> ResourcesSpec:
         if self.min_workers is None:
             self.min_workers = self.num_workers
         elif self.min_workers > self.num_workers:

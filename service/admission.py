@@ -170,7 +170,7 @@ def demand_of(spec: "JobSpec") -> Demand:
     return Demand.of(resources.num_workers, resources.cpus_per_worker, resources.gpus_per_worker)
 
 
-def least_demand_of(spec: "JobSpec") -> Demand | None:
+def least_demand_of(spec: JobSpec) -> Demand | None:
     """What an elastic job needs to start (its ``min_workers``); None for a job that is not elastic."""
     resources = spec.resources
     if not resources.elastic:
@@ -178,7 +178,7 @@ def least_demand_of(spec: "JobSpec") -> Demand | None:
     return Demand.of(resources.min_workers, resources.cpus_per_worker, resources.gpus_per_worker)
 
 
-def candidate(job_id: str, owner: str, spec: "JobSpec") -> Candidate:
+def candidate(job_id: str, owner: str, spec: JobSpec) -> Candidate:
     """The job as admission sees it: what it holds running and what it needs to start."""
     return Candidate(job_id, owner, demand_of(spec), least_demand_of(spec))
 

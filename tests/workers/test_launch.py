@@ -5,6 +5,7 @@ the Ray Train runtime's pure parts (reasons, per-worker resources) are checked d
 from __future__ import annotations
 
 import signal
+from typing import ClassVar
 
 import pytest
 
@@ -166,7 +167,7 @@ def test_an_elastic_job_asks_ray_train_for_a_range_of_workers_and_waits_for_its_
 
 
 class ResizeAPI:
-    posts: list[tuple] = []
+    posts: ClassVar[list[tuple]] = []
 
     def __init__(self, api_url: str, job_id: str, token: str):
         pass
@@ -186,7 +187,11 @@ def test_the_resize_reporter_records_each_new_size_and_the_restart_of_a_healthy_
     from types import SimpleNamespace
 
     from ray.train.v2._internal.execution.callback import ControllerCallback
-    from ray.train.v2._internal.execution.controller.state import ResizingState, RestartingState, RunningState
+    from ray.train.v2._internal.execution.controller.state import (
+        ResizingState,
+        RestartingState,
+        RunningState,
+    )
     from ray.train.v2._internal.execution.scaling_policy import ResizeDecision
 
     monkeypatch.setenv("ZEROTRAIN_INGEST_TOKEN", "token")
