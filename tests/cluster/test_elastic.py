@@ -20,7 +20,14 @@ step's rounding differences move the parameters and Adam's division by the secon
 amplifies differences in tiny gradients. With the default ``eps`` (1e-8) a world-1 run of this
 job drifts from the world-2 run by up to 2.5e-2 relative within 60 steps (measured with
 ``run_local``), with ``eps = 1e-5`` by up to 3.1e-4; this job uses 1e-5, and ``DRIFT_RTOL``
-allows 2e-3 for the steps after the first.
+allows 2e-3 for the steps after the first. (One cluster run: 0 before the loss, 3.0e-08 for
+the first step at world size 1, 5.9e-05 at worst after it.)
+
+When the node comes back, Ray Train 2.60 grows the group back (docs/contracts.md, "Elastic
+jobs"): at its next look for capacity, 60 s after the world-1 group started, it replaces that
+group with one of 2 workers, which resumes from the latest checkpoint (saved at world size 1,
+resharded to 2); the second test shows both resizes, a RESTARTING for each, and every step
+trained from a checkpoint on with none lost.
 """
 
 from __future__ import annotations
@@ -92,7 +99,7 @@ def test_an_elastic_job_that_loses_a_node_goes_on_at_world_size_1_from_its_lates
                       for e in events)
     restarting = [e for e in events if e.to_state is JobState.RESTARTING and e.from_state is not JobState.RESTARTING]
     assert len(restarting) == 1, story
-    resized = [e for e in events if e.reason == "workers_resized"]
+    resized = [e for e in events if e.reason == "workers_resized" and e.from_state == e.to_state]  # the notices
     assert [e.message for e in resized] == ["worker group resized from 2 to 1 workers"], story
     assert resized[0].attempt == final.attempt, story  # the event of the attempt that ran at the new size
 
@@ -165,7 +172,7 @@ def test_an_elastic_job_grows_back_to_2_workers_once_the_node_returns(loopback_c
     restarts = [(e.reason, e.attempt) for e in events
                 if e.to_state is JobState.RESTARTING and e.from_state is not JobState.RESTARTING]
     assert restarts == [("worker_failed", 2), ("workers_resized", 3)], story
-    assert [(e.message, e.attempt) for e in events if e.reason == "workers_resized"] == [
+    assert [(e.message, e.attempt) for e in events if e.reason == "workers_resized" and e.from_state == e.to_state] == [
         ("worker group resized from 2 to 1 workers", 2), ("worker group resized from 1 to 2 workers", 3)], story
     assert final.attempt == 3, story
     ranks = {attempt: {m.rank for m in rows if m.attempt == attempt} for attempt in (1, 2, 3)}

@@ -166,6 +166,21 @@ def test_an_elastic_job_asks_ray_train_for_a_range_of_workers_and_waits_for_its_
     assert (config.min_workers, config.max_workers) == (1, 2)
 
 
+def test_an_elastic_job_gives_up_on_a_group_that_does_not_fit_sooner_unless_the_deployment_says():
+    elastic = JobSpec.model_validate({**STORED_SPEC, "resources": {"num_workers": 2, "min_workers": 1}})
+    environ: dict[str, str] = {}
+    ray_train.shorten_elastic_start_timeout(JobSpec.model_validate(STORED_SPEC), environ)
+    assert environ == {}  # a fixed-size job waits as long as Ray says
+    ray_train.shorten_elastic_start_timeout(elastic, environ)
+    assert environ == {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "20"}
+    environ = {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "300"}
+    ray_train.shorten_elastic_start_timeout(elastic, environ)
+    assert environ == {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "300"}
+    from ray.train.v2._internal.constants import ENV_VARS_TO_PROPAGATE
+
+    assert ray_train.START_TIMEOUT_ENV in ENV_VARS_TO_PROPAGATE  # what hands it to the controller
+
+
 class ResizeAPI:
     posts: ClassVar[list[tuple]] = []
 

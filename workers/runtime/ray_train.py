@@ -133,8 +133,9 @@ def _resize_reporter(api_url: str, job_id: str, attempt_base: int):
       RESTARTING, a ``max_failures`` retry is spent); the next group is started at the largest
       size that fits now, without waiting for the node. A start at a size the cluster no longer
       holds (the coordinator's view is up to 20 s old) times out after
-      ``RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S`` (60 s) and is retried as a controller failure,
-      which spends no ``max_failures``.
+      ``RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S`` (Ray's 60 s; 20 s for our elastic jobs,
+      ``shorten_elastic_start_timeout``) and is retried as a controller failure, which spends
+      no ``max_failures``.
     * Capacity returns: while a group runs, every ``elastic_resize_monitor_interval_s`` (60 s,
       counted from the group's start) the policy compares the reservation with the group's
       size; when more workers fit it shuts the group down wherever it is and starts one of the
@@ -239,6 +240,30 @@ def announced_train_loop(config: dict[str, Any]) -> dict[str, Any]:
     context = get_context()
     print(rank_announcement(context.get_world_rank(), context.get_world_size()), flush=True)
     return train_loop(config)
+
+
+ELASTIC_START_TIMEOUT_S = 20.0
+START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"  # Ray Train's; the driver passes it to its controller
+
+
+def shorten_elastic_start_timeout(spec: JobSpec, environ: dict[str, str] | None = None) -> None:
+    """An elastic job gives up on a worker group that does not fit after ``ELASTIC_START_TIMEOUT_S``
+    instead of Ray's 60 s, unless the deployment set ``RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S``.
+
+    [Note: why an elastic start should not wait long]
+    After a node is lost, Ray Train sizes the next group from the ``AutoscalingCoordinator``'s
+    view of the nodes, which is up to 20 s old and still counts the lost node until the GCS has
+    declared it dead: the first restart asks for the old size, and its placement group waits
+    for the whole start timeout before Ray retries (a controller failure, which spends no
+    ``max_failures``) with a fresh decision. On a loopback cluster that was 60 s of a job doing
+    nothing while one worker could have trained. A placement group that fits is placed in well
+    under a second, and the elastic policy only asks for sizes its reservation holds, so a short
+    timeout only cuts that wait short. Set in the driver's environment, which Ray Train hands
+    to its controller (``ENV_VARS_TO_PROPAGATE``).
+    """
+    environ = os.environ if environ is None else environ
+    if spec.resources.elastic:
+        environ.setdefault(START_TIMEOUT_ENV, f"{ELASTIC_START_TIMEOUT_S:g}")
 
 
 def scaling_config(spec: JobSpec):
@@ -414,6 +439,7 @@ class RayTrainRuntime:
         ray.init(log_to_driver=True)
         counter = start_attempt_counter(job_id)
         wait_for_resources(spec, job_id)
+        shorten_elastic_start_timeout(spec)
         with fail_fast_on_user_errors():
             build_trainer(spec, {**loop_config, "attempt_counter": counter_name(job_id)}).fit()
         ray.kill(counter)
