@@ -27,6 +27,7 @@ class Reason:
     CANCELLED_BY_USER = "cancelled_by_user"
     MAX_RUNTIME_EXCEEDED = "max_runtime_exceeded"
     CHECKPOINT_FAILED = "checkpoint_failed"
+    WORKERS_RESIZED = "workers_resized"  # an elastic job's worker group now runs at another size
 
 
 #: The longest ``details`` a failed job keeps: the full traceback behind its one-line message,

@@ -393,10 +393,43 @@ class ZeroSpec(SpecModel):
 
 
 class ResourcesSpec(SpecModel):
+    """The worker group: ``num_workers`` ranks of ``cpus/gpus_per_worker`` each.
+
+    ``min_workers`` (default: ``num_workers``, i.e. not elastic) makes the job elastic: it is
+    admitted once ``min_workers`` fit, and after a node is lost it goes on at the largest world
+    size in ``[min_workers, num_workers]`` that the cluster holds, from its latest checkpoint
+    (docs/contracts.md, "Elastic jobs"). ``JobSpec`` checks that every such size splits the
+    global batch into whole micro-batches per rank.
+    """
+
     num_workers: int = Field(default=1, ge=1, le=MAX_INT32)
+    min_workers: int | None = Field(default=None, ge=1, le=MAX_INT32,
+                                    description="the fewest workers the job runs with (elastic); "
+                                                "default: num_workers (not elastic)")
     gpus_per_worker: float = Field(default=0, ge=0)
     cpus_per_worker: float = Field(default=1, gt=0)
     gpu_memory_gb: float | None = Field(default=None, gt=0)
+
+    @model_validator(mode="after")
+    def _worker_range(self) -> ResourcesSpec:
+        if self.min_workers is None:
+            self.min_workers = self.num_workers
+        elif self.min_workers > self.num_workers:
+            raise PydanticCustomError(
+                "min_workers", "resources.min_workers ({min_workers}) must be at most resources.num_workers "
+                "({num_workers})", {"min_workers": self.min_workers, "num_workers": self.num_workers,
+                                     "field": "resources.min_workers"})
+        return self
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the worker group may run with fewer than ``num_workers`` ranks."""
+        return self.min_workers < self.num_workers
+
+    @property
+    def world_sizes(self) -> range:
+        """Every world size the job may train at, ``min_workers`` … ``num_workers``."""
+        return range(self.min_workers, self.num_workers + 1)
 
 
 class CheckpointSpec(SpecModel):
@@ -486,6 +519,7 @@ class JobSpec(SpecModel):
                 {"gbs": gbs, "mbs": mbs, "workers": workers, "per_step": per_step,
                  "field": "train.global_batch_size"},
             )
+        self._elastic_batch_arithmetic()
         preset = PRESETS.get(self.model.preset or "")
         context = None if preset is None else preset.context
         for where, data in self.data_blocks():
@@ -497,6 +531,33 @@ class JobSpec(SpecModel):
                      "field": f"{where}.seq_len"},
                 )
         return self
+
+    def _elastic_batch_arithmetic(self) -> None:
+        """Every world size an elastic job may shrink to keeps the global batch whole.
+
+        [Note: the same global batch at every world size]
+        An elastic job keeps ``train.global_batch_size`` when its world shrinks: each rank's
+        accumulation steps grow (``ShardedBatchLoader``), so every optimizer step averages the
+        same samples as the full-size run would. That needs whole micro-batches per rank at
+        every size ``N`` in ``[min_workers, num_workers]``: ``global_batch_size % (micro_batch_size
+        × N) == 0``. DeepSpeed's elasticity needs such a precomputed set of compatible sizes for
+        the same reason; here the spec is refused at submit with the sizes that do not divide.
+        """
+        gbs, mbs, resources = self.train.global_batch_size, self.train.micro_batch_size, self.resources
+        bad = [n for n in resources.world_sizes if gbs % (mbs * n)]
+        if bad:
+            good = [n for n in resources.world_sizes if n not in bad]  # num_workers at least (checked first)
+            raise PydanticCustomError(
+                "elastic_batch_arithmetic",
+                "every world size from resources.min_workers ({min_workers}) to resources.num_workers "
+                "({num_workers}) must split train.global_batch_size ({gbs}) into whole micro-batches of "
+                "train.micro_batch_size ({mbs}) per rank, so that a resized job keeps the same global batch "
+                "(as DeepSpeed's elasticity, which needs a precomputed set of compatible sizes for the same "
+                "reason); world sizes {bad_list} do not ({good_text})",
+                {"min_workers": resources.min_workers, "num_workers": resources.num_workers, "gbs": gbs,
+                 "mbs": mbs, "bad_list": ", ".join(map(str, bad)),
+                 "good_text": f"these do: {', '.join(map(str, good))}",
+                 "incompatible": bad, "field": "resources.min_workers"})
 
     @property
     def accumulation_steps(self) -> int:

@@ -9,6 +9,10 @@ numbers alone (no database, no launcher: unit-testable), and the scheduler acts 
 [Note: the policy]
 - **Gang**: a job needs all its workers at once (``num_workers × cpus/gpus_per_worker``);
   a job is admitted only when all of it fits in what the running jobs leave free.
+- **Elastic jobs** (``resources.min_workers < num_workers``) are admitted once their
+  ``min_workers`` fit (``Candidate.least``), and while they run they count as all their
+  workers (``Candidate.demand``): Ray Train's elastic policy grows the group up to
+  ``num_workers`` whenever the cluster holds them, so that much is the job's to take.
 - **Submission order, head of line**: queued jobs are considered oldest first, and the
   first one that does not fit the cluster stops every later one — no backfill. Backfilling
   smaller jobs past a large one would start more work sooner but can starve the large job
@@ -67,8 +71,10 @@ class Capacity:
         return ", ".join(missing) or None
 
     def minus(self, used: Demand) -> "Capacity":
-        return Capacity(None if self.cpus is None else self.cpus - used.cpus,
-                        None if self.gpus is None else self.gpus - used.gpus)
+        """What ``used`` leaves free, never below 0 (running elastic jobs count as all their
+        workers, and a cluster that lost a node may hold less than its running jobs)."""
+        return Capacity(None if self.cpus is None else max(0.0, self.cpus - used.cpus),
+                        None if self.gpus is None else max(0.0, self.gpus - used.gpus))
 
 
 @dataclass(frozen=True)
@@ -84,7 +90,12 @@ class Limits:
 class Candidate:
     job_id: str
     owner: str
-    demand: Demand
+    demand: Demand  # what it holds while it runs: all its workers
+    least: Demand | None = None  # what it needs to start (an elastic job's min_workers); None: ``demand``
+
+    @property
+    def to_start(self) -> Demand:
+        return self.demand if self.least is None else self.least
 
 
 @dataclass(frozen=True)
@@ -123,11 +134,11 @@ def decide(queued: list[Candidate], running: list[Candidate], capacity: Capacity
                                                     f"{limits.max_running_jobs} jobs at once (ZEROTRAIN_MAX_RUNNING_JOBS)")
             decision.waiting[job.job_id] = blocked
             continue
-        lacking = capacity.minus(used).shortfall(job.demand)
+        lacking = capacity.minus(used).shortfall(job.to_start)
         if lacking is not None:
             free = capacity.minus(used)
             decision.waiting[job.job_id] = Waiting(Reason.INSUFFICIENT_RESOURCES, (
-                f"waiting for resources: needs {_fmt(job.demand)}; free now {_fmt_capacity(free)} of "
+                f"waiting for resources: needs {_fmt(job.to_start)}; free now {_fmt_capacity(free)} of "
                 f"{_fmt_capacity(capacity)} (lacks {lacking})"))
             # stable wording (no ids, no numbers): one notice per queued job, not one per poll
             blocked = Waiting(Reason.INSUFFICIENT_RESOURCES,
@@ -154,8 +165,22 @@ def _own_limit(job: Candidate, jobs_of: dict[str, int], workers_of: dict[str, in
 
 
 def demand_of(spec: "JobSpec") -> Demand:
+    """All the job's workers: what it holds while it runs."""
     resources = spec.resources
     return Demand.of(resources.num_workers, resources.cpus_per_worker, resources.gpus_per_worker)
+
+
+def least_demand_of(spec: JobSpec) -> Demand | None:
+    """What an elastic job needs to start (its ``min_workers``); None for a job that is not elastic."""
+    resources = spec.resources
+    if not resources.elastic:
+        return None
+    return Demand.of(resources.min_workers, resources.cpus_per_worker, resources.gpus_per_worker)
+
+
+def candidate(job_id: str, owner: str, spec: JobSpec) -> Candidate:
+    """The job as admission sees it: what it holds running and what it needs to start."""
+    return Candidate(job_id, owner, demand_of(spec), least_demand_of(spec))
 
 
 def cluster_capacity(launcher: Any, settings: Any) -> Capacity:
@@ -171,15 +196,33 @@ def limits_from(settings: Any) -> Limits:
                   max_running_workers_per_user=settings.max_running_workers_per_user)
 
 
-def refusal_at_submit(demand: Demand, capacity: Capacity, max_workers_per_job: int | None) -> str | None:
-    """Why a job can never run here (larger than the whole cluster, or than the service allows), or None."""
+@dataclass(frozen=True)
+class Refusal:
+    field: str  # the spec field the 422 names
+    message: str  # why, with the numbers
+
+
+def refusal_at_submit(demand: Demand, capacity: Capacity, max_workers_per_job: int | None,
+                      least: Demand | None = None) -> Refusal | None:
+    """Why a job can never run here (larger than the whole cluster, or than the service allows), or None.
+
+    An elastic job (``least``: its ``min_workers``' worth) is refused only when even that does not
+    fit the whole cluster: it runs with the largest world size the cluster holds.
+    """
     if max_workers_per_job is not None and demand.workers > max_workers_per_job:
-        return (f"resources.num_workers ({demand.workers}) exceeds this service's maximum of "
-                f"{max_workers_per_job} workers per job (ZEROTRAIN_MAX_WORKERS_PER_JOB)")
+        return Refusal("resources.num_workers", f"resources.num_workers ({demand.workers}) exceeds this service's "
+                       f"maximum of {max_workers_per_job} workers per job (ZEROTRAIN_MAX_WORKERS_PER_JOB)")
+    if least is not None:
+        lacking = capacity.shortfall(least)
+        if lacking is not None:
+            return Refusal("resources.min_workers", (
+                f"even resources.min_workers ({least.workers}) is more than the whole cluster holds: "
+                f"{_fmt(least)} against {_fmt_capacity(capacity)}; it lacks {lacking}"))
+        return None
     lacking = capacity.shortfall(demand)
     if lacking is not None:
-        return (f"the job needs {_fmt(demand)}, more than the whole cluster has "
-                f"({_fmt_capacity(capacity)}): it lacks {lacking}")
+        return Refusal("resources.num_workers", (f"the job needs {_fmt(demand)}, more than the whole cluster has "
+                                                 f"({_fmt_capacity(capacity)}): it lacks {lacking}"))
     return None
 
 

@@ -295,6 +295,6 @@ def _candidate(job_id: str, owner: str, spec: dict) -> admission.Candidate:
     """A job's gang as admission sees it. A stored spec that no longer validates demands
     nothing here: it is admitted, and its launch fails it with the validation error."""
     try:
-        return admission.Candidate(job_id, owner, admission.demand_of(JobSpec.model_validate(spec)))
+        return admission.candidate(job_id, owner, JobSpec.model_validate(spec))
     except ValueError:
         return admission.Candidate(job_id, owner, admission.NOTHING)

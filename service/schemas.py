@@ -245,6 +245,16 @@ class CheckpointIn(BaseModel):
         return _storage_uri(value)
 
 
+class WorkerResizeIn(BaseModel):
+    """An elastic job's worker group started at another size than the group before it
+    (workers.runtime.ray_train, the resize reporter); becomes a job event."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    from_workers: int = Field(ge=1, le=MAX_INT32)
+    to_workers: int = Field(ge=1, le=MAX_INT32)
+
+
 class CheckpointFailureIn(BaseModel):
     """A save that every rank gave up on (workers.checkpointing.writer); becomes a job event."""
 

@@ -112,6 +112,14 @@ class WorkerAPI:
                                       f"reporting the failed checkpoint of step {step}", deadline_s)
         response.raise_for_status()
 
+    def post_resized(self, from_workers: int, to_workers: int, deadline_s: float = 60.0) -> None:
+        """An elastic worker group now runs with ``to_workers`` ranks instead of ``from_workers``;
+        idempotent (the same report twice in one attempt is one event)."""
+        body = {"from_workers": from_workers, "to_workers": to_workers}
+        response = self._with_retries(lambda: self.http.post(f"{self.base}/worker/resized", json=body),
+                                      f"reporting the resize {from_workers} -> {to_workers}", deadline_s)
+        response.raise_for_status()
+
     def get_spec(self, deadline_s: float = 120.0) -> dict[str, Any]:
         """``{"job_id", "attempt", "state", "spec", "storage_uri"}``."""
         response = self._with_retries(lambda: self.http.get(f"{self.base}/worker/spec"), "fetching the job spec",

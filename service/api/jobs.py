@@ -118,9 +118,9 @@ def check_admissible(spec: JobSpec, user: Principal, session: Session, settings:
     queue (429), instead of queueing it: a 1,000,000-worker job used to be accepted, grew the
     driver and Ray's GCS to 3 GB each and took the API down with it."""
     refusal = admission.refusal_at_submit(admission.demand_of(spec), admission.cluster_capacity(launcher, settings),
-                                          settings.max_workers_per_job)
+                                          settings.max_workers_per_job, least=admission.least_demand_of(spec))
     if refusal is not None:
-        raise field_error("resources.num_workers", refusal, "not_admissible")
+        raise field_error(refusal.field, refusal.message, "not_admissible")
     limit = settings.max_queued_jobs_per_user
     if limit is not None:
         queued = session.execute(select(func.count()).select_from(Job)

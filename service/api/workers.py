@@ -26,6 +26,7 @@ from service.schemas import (
     JobOut,
     JobState,
     StorageCredentialsOut,
+    WorkerResizeIn,
     WorkerSpecOut,
     WorkerStateIn,
 )
@@ -123,6 +124,16 @@ def report_checkpoint_failure(failure: CheckpointFailureIn, job: WorkerJob, sess
     training goes on and the previous checkpoint stays the latest). Idempotent."""
     event = record_notice(session, job, Reason.CHECKPOINT_FAILED,
                           f"checkpoint of step {failure.step} not committed: {failure.error}")
+    session.commit()
+    return event
+
+
+@router.post("/resized", status_code=201, response_model=EventOut, name="report_worker_group_resized")
+def report_worker_group_resized(resize: WorkerResizeIn, job: WorkerJob, session: SessionDep) -> JobEvent:
+    """An elastic job's worker group runs at a new size: a ``workers_resized`` event of the
+    attempt at the new size, saying both sizes (the job's state is unchanged). Idempotent."""
+    event = record_notice(session, job, Reason.WORKERS_RESIZED,
+                          f"worker group resized from {resize.from_workers} to {resize.to_workers} workers")
     session.commit()
     return event
 

@@ -58,8 +58,8 @@ def test_gpus_count_and_an_unknown_capacity_admits_within_the_limits():
 
 def test_a_job_larger_than_the_cluster_or_the_maximum_is_refused_at_submit():
     huge = Demand.of(1_000_000, 1, 0)
-    assert "more than the whole cluster has (2 CPUs)" in refusal_at_submit(huge, Capacity(cpus=2), None)
-    assert "maximum of 256 workers per job" in refusal_at_submit(huge, Capacity(), 256)
+    assert "more than the whole cluster has (2 CPUs)" in refusal_at_submit(huge, Capacity(cpus=2), None).message
+    assert "maximum of 256 workers per job" in refusal_at_submit(huge, Capacity(), 256).message
     assert refusal_at_submit(Demand.of(2, 1, 0), Capacity(cpus=2), 256) is None
 
 
@@ -70,3 +70,27 @@ def test_a_ray_cluster_that_reports_no_cpus_yet_bounds_nothing():
     assert capacity_from_usage({"CPU": [0.0, 0.0], "GPU": [0.0, 0.0]}) == Capacity()
     assert capacity_from_usage({"CPU": [1.0, 2.0]}) == Capacity(cpus=2.0, gpus=0.0)
     assert capacity_from_usage({"CPU": [0.0, 8.0], "GPU": [1.0, 2.0]}) == Capacity(cpus=8.0, gpus=2.0)
+
+
+def elastic(job_id: str, least: int, most: int, owner: str = "alice") -> Candidate:
+    return Candidate(job_id, owner, Demand.of(most, 1, 0), Demand.of(least, 1, 0))
+
+
+def test_an_elastic_job_starts_once_its_min_workers_fit_and_then_holds_all_its_workers():
+    running = [job("old", workers=3)]
+    decision = decide([elastic("e", 1, 4), job("after", workers=1)], running, Capacity(cpus=4), Limits())
+    assert decision.start == ["e"]  # 1 CPU free: enough for its min_workers
+    # while it runs it counts as its 4 workers: Ray Train may grow it back to them
+    assert "lacks 1 CPUs (has 0)" in decision.waiting["after"].message
+    waiting = decide([elastic("e", 2, 4)], running, Capacity(cpus=4), Limits())
+    assert waiting.start == [] and "needs 2 workers = 2 CPUs; free now 1 CPUs" in waiting.waiting["e"].message
+
+
+def test_an_elastic_job_is_refused_at_submit_only_when_even_its_min_workers_exceed_the_cluster():
+    assert refusal_at_submit(Demand.of(4, 1, 0), Capacity(cpus=2), None, least=Demand.of(2, 1, 0)) is None
+    refused = refusal_at_submit(Demand.of(4, 1, 0), Capacity(cpus=2), None, least=Demand.of(3, 1, 0))
+    assert refused.field == "resources.min_workers"
+    assert refused.message == ("even resources.min_workers (3) is more than the whole cluster holds: "
+                               "3 workers = 3 CPUs against 2 CPUs; it lacks 3 CPUs (has 2)")
+    fixed = refusal_at_submit(Demand.of(4, 1, 0), Capacity(cpus=2), None)
+    assert fixed.field == "resources.num_workers"

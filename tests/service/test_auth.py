@@ -24,6 +24,7 @@ WORKER_ROUTES = [
     ("POST", "/api/v1/jobs/{id}/worker/checkpoints"),
     ("DELETE", "/api/v1/jobs/{id}/worker/checkpoints/1"),
     ("POST", "/api/v1/jobs/{id}/worker/checkpoints/failed"),
+    ("POST", "/api/v1/jobs/{id}/worker/resized"),
 ]
 WORKER_BODIES = {
     "/worker/state": {"state": "RUNNING"},
@@ -31,6 +32,7 @@ WORKER_BODIES = {
     "/worker/checkpoints": {"step": 1, "uri": "{storage}/{id}/checkpoints/step_00000001", "world_size": 1, "stage": 0,
                             "size_bytes": 1, "manifest_sha256": "0" * 64},
     "/worker/checkpoints/failed": {"step": 1, "error": "gave up after 3 attempts"},
+    "/worker/resized": {"from_workers": 2, "to_workers": 1},
 }
 
 

@@ -80,6 +80,9 @@ BAD_SPECS: list[tuple[str, dict]] = [
     ("zero.broadcast_buffers", with_value("zero.broadcast_buffers", "sometimes")),
     ("zero.sync_batchnorm", with_value("zero.sync_batchnorm", 2)),
     ("resources.num_workers", with_value("resources.num_workers", 0)),
+    ("resources.min_workers", with_value("resources.min_workers", 0)),
+    ("resources.min_workers", with_value("resources.min_workers", 3)),  # more than num_workers (2)
+    ("resources.min_workers", with_value("resources", {"num_workers": 4, "min_workers": 3})),  # 8 % (2 × 3)
     ("resources.gpus_per_worker", with_value("resources.gpus_per_worker", -1)),
     ("resources.cpus_per_worker", with_value("resources.cpus_per_worker", 0)),
     ("resources.gpu_memory_gb", with_value("resources.gpu_memory_gb", 0)),
@@ -158,6 +161,19 @@ def test_batch_arithmetic_error_names_the_numbers(service):
                           headers={"Authorization": f"Bearer {service.admin_token}"})
     message = response.json()["errors"][0]["message"]
     assert "(10)" in message and "micro_batch_size (2)" in message and "num_workers (2)" in message
+
+
+def test_an_elastic_range_that_breaks_the_global_batch_is_refused_with_the_sizes(service):
+    # 16 samples in micro-batches of 2: whole per rank at 1, 2 and 4 ranks, not at 3
+    spec = with_value("train.global_batch_size", 16, with_value("resources", {"num_workers": 4, "min_workers": 1}))
+    response = httpx.post(f"{service.url}/api/v1/jobs", json=spec,
+                          headers={"Authorization": f"Bearer {service.admin_token}"})
+    assert response.status_code == 422
+    (error,) = response.json()["errors"]
+    assert error["field"] == "resources.min_workers" and error["type"] == "elastic_batch_arithmetic"
+    assert "world sizes 3 do not (these do: 1, 2, 4)" in error["message"]
+    assert "DeepSpeed" in error["message"] and "global_batch_size (16)" in error["message"]
+    assert counts(service) == (0, 0, 0)
 
 
 def test_malformed_json_and_bad_parameters_are_422(service):

@@ -135,6 +135,19 @@ def test_a_failed_checkpoint_is_a_job_event_once_and_changes_nothing_else(runnin
     assert stranger.status_code == 401  # a user token is not the job's ingest token
 
 
+def test_a_resized_worker_group_is_a_job_event_with_both_sizes_once(running_job):
+    service, job_id, worker = running_job
+    first = worker.post("/worker/resized", json={"from_workers": 2, "to_workers": 1})
+    again = worker.post("/worker/resized", json={"from_workers": 2, "to_workers": 1})  # a retried report
+    assert first.status_code == again.status_code == 201 and first.json()["id"] == again.json()["id"]
+    (event,) = [e for e in service.client().events(job_id) if e.reason == "workers_resized"]
+    assert (event.from_state, event.to_state) == (JobState.RUNNING, JobState.RUNNING)
+    assert event.message == "worker group resized from 2 to 1 workers"
+    assert service.client().get(job_id).state is JobState.RUNNING
+    bad = worker.post("/worker/resized", json={"from_workers": 0, "to_workers": -1})
+    assert bad.status_code == 422 and {e["field"] for e in bad.json()["errors"]} == {"from_workers", "to_workers"}
+
+
 def test_retention_forgets_a_checkpoint_record_idempotently(running_job):
     service, job_id, worker = running_job
     for step in (10, 20):

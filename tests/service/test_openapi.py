@@ -26,6 +26,7 @@ CORE_OPERATIONS = {
     ("post", "/api/v1/jobs/{job_id}/worker/memory"): "report_worker_memory",
     ("delete", "/api/v1/jobs/{job_id}/worker/checkpoints/{step}"): "forget_checkpoint",
     ("post", "/api/v1/jobs/{job_id}/worker/checkpoints/failed"): "report_checkpoint_failure",
+    ("post", "/api/v1/jobs/{job_id}/worker/resized"): "report_worker_group_resized",
     ("get", "/healthz"): "healthz",
     ("get", "/metrics"): "prometheus_metrics",
 }

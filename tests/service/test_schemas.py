@@ -32,6 +32,38 @@ def test_later_issue_fields_have_safe_defaults():
     assert resumed.resume_from.step == "latest"
 
 
+def test_min_workers_defaults_to_num_workers_and_bounds_the_elastic_range():
+    fixed = JobSpec.model_validate(VALID_SPEC).resources
+    assert (fixed.min_workers, fixed.elastic, list(fixed.world_sizes)) == (2, False, [2])
+    elastic = JobSpec.model_validate({**VALID_SPEC, "resources": {"num_workers": 2, "min_workers": 1}})
+    assert elastic.resources.elastic and list(elastic.resources.world_sizes) == [1, 2]
+    with pytest.raises(ValidationError, match=r"resources.min_workers \(3\) must be at most resources.num_workers \(2\)"):
+        JobSpec.model_validate({**VALID_SPEC, "resources": {"num_workers": 2, "min_workers": 3}})
+    with pytest.raises(ValidationError, match="greater than or equal to 1"):
+        JobSpec.model_validate({**VALID_SPEC, "resources": {"num_workers": 2, "min_workers": 0}})
+    assert JobSpec.model_validate(elastic.model_dump(mode="json")) == elastic
+
+
+def test_every_elastic_world_size_must_keep_whole_micro_batches_per_rank():
+    def spec(gbs: int, least: int, most: int) -> dict:
+        return {**VALID_SPEC, "train": {**VALID_SPEC["train"], "global_batch_size": gbs},
+                "resources": {"num_workers": most, "min_workers": least}}
+
+    ok = JobSpec.model_validate(spec(24, 1, 4))  # 24 = 2 × 12: whole at 1, 2, 3 and 4 ranks of 2
+    assert ok.accumulation_steps == 3  # at the full size; a world of 1 accumulates 12
+    with pytest.raises(ValidationError) as refused:
+        JobSpec.model_validate(spec(16, 1, 4))
+    (error,) = refused.value.errors()
+    assert error["type"] == "elastic_batch_arithmetic" and error["ctx"]["field"] == "resources.min_workers"
+    assert error["ctx"]["incompatible"] == [3]
+    assert "world sizes 3 do not (these do: 1, 2, 4)" in error["msg"]
+    # 48 samples of 2: whole at 3 and 4 ranks, not at 5, 7; the full size (8) is checked as always
+    with pytest.raises(ValidationError, match=r"world sizes 5, 7 do not \(these do: 3, 4, 6, 8\)"):
+        JobSpec.model_validate(spec(48, 3, 8))
+    with pytest.raises(ValidationError, match="resources.num_workers \\(3\\) for a whole"):
+        JobSpec.model_validate(spec(16, 1, 3))  # the full size first, with its own message
+
+
 def test_strict_types_refuse_coercion():
     with pytest.raises(ValidationError, match="train.steps"):
         JobSpec.model_validate({**VALID_SPEC, "train": {**VALID_SPEC["train"], "steps": True}})

@@ -5,6 +5,7 @@ the Ray Train runtime's pure parts (reasons, per-worker resources) are checked d
 from __future__ import annotations
 
 import signal
+from typing import ClassVar
 
 import pytest
 
@@ -154,3 +155,77 @@ def test_the_driver_reports_the_runtimes_summary_not_the_traceback(driver):
     driver.WorkerAPI = Recording
     assert driver.run("job-1", "http://127.0.0.1:1", RecordingRuntime(MemoryError("boom"))) == 1
     assert messages == ["summary of MemoryError"]
+
+
+def test_an_elastic_job_asks_ray_train_for_a_range_of_workers_and_waits_for_its_minimum():
+    fixed = JobSpec.model_validate(STORED_SPEC)
+    assert ray_train.scaling_config(fixed).num_workers == 2
+    elastic = JobSpec.model_validate({**STORED_SPEC, "resources": {"num_workers": 2, "min_workers": 1}})
+    config = ray_train.scaling_config(elastic)
+    assert config.num_workers == (1, 2) and config.elasticity_enabled
+    assert (config.min_workers, config.max_workers) == (1, 2)
+
+
+def test_an_elastic_job_gives_up_on_a_group_that_does_not_fit_sooner_unless_the_deployment_says():
+    elastic = JobSpec.model_validate({**STORED_SPEC, "resources": {"num_workers": 2, "min_workers": 1}})
+    environ: dict[str, str] = {}
+    ray_train.shorten_elastic_start_timeout(JobSpec.model_validate(STORED_SPEC), environ)
+    assert environ == {}  # a fixed-size job waits as long as Ray says
+    ray_train.shorten_elastic_start_timeout(elastic, environ)
+    assert environ == {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "20"}
+    environ = {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "300"}
+    ray_train.shorten_elastic_start_timeout(elastic, environ)
+    assert environ == {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "300"}
+    from ray.train.v2._internal.constants import ENV_VARS_TO_PROPAGATE
+
+    assert ray_train.START_TIMEOUT_ENV in ENV_VARS_TO_PROPAGATE  # what hands it to the controller
+
+
+class ResizeAPI:
+    posts: ClassVar[list[tuple]] = []
+
+    def __init__(self, api_url: str, job_id: str, token: str):
+        pass
+
+    def post_state(self, state: str, **kw) -> dict:
+        ResizeAPI.posts.append((state, kw["reason"], kw["attempt"]))
+        return {}
+
+    def post_resized(self, from_workers: int, to_workers: int, **kw) -> None:
+        ResizeAPI.posts.append(("resized", from_workers, to_workers))
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_resize_reporter_records_each_new_size_and_the_restart_of_a_healthy_group(monkeypatch):
+    from types import SimpleNamespace
+
+    from ray.train.v2._internal.execution.callback import ControllerCallback
+    from ray.train.v2._internal.execution.controller.state import (
+        ResizingState,
+        RestartingState,
+        RunningState,
+    )
+    from ray.train.v2._internal.execution.scaling_policy import ResizeDecision
+
+    monkeypatch.setenv("ZEROTRAIN_INGEST_TOKEN", "token")
+    monkeypatch.setattr(ray_train, "WorkerAPI", ResizeAPI)
+    groups = SimpleNamespace(count=1)
+    counter = SimpleNamespace(current=SimpleNamespace(remote=lambda: groups.count))
+    monkeypatch.setattr(ray_train, "ray", SimpleNamespace(get=lambda ref: ref, get_actor=lambda name: counter))
+    ResizeAPI.posts = []
+    reporter = ray_train._resize_reporter("http://127.0.0.1:1", "job", attempt_base=0)
+    assert isinstance(reporter, ControllerCallback)  # RunConfig hands it to the controller itself
+
+    def start(workers: int) -> None:
+        reporter.before_controller_execute_resize_decision(ResizeDecision(workers, {"CPU": 1.0}))
+
+    start(2)  # the first group: nothing to say
+    reporter.after_controller_state_update(RunningState(), RestartingState(training_failed_error=None))
+    start(1)  # after a node was lost (RestartReporter reported RESTARTING): the resize alone
+    groups.count = 2
+    reporter.after_controller_state_update(RunningState(), ResizingState(ResizeDecision(2, {"CPU": 1.0})))
+    start(2)  # capacity returned: Ray replaces the healthy group, which raises nothing
+    start(2)  # a restart at the same size is no resize
+    assert ResizeAPI.posts == [("resized", 2, 1), ("RESTARTING", Reason.WORKERS_RESIZED, 3), ("resized", 1, 2)]

@@ -1,9 +1,10 @@
 """The Ray Train runtime: ``TorchTrainer(train_loop)`` with one Ray Train worker per rank.
 
 Everything the driver needs to know about Ray lives here: waiting for the worker group's
-resources, building the ``TorchTrainer`` (its ``ScalingConfig``, ``RunConfig`` and storage),
-the attempt counter a restarted worker group asks for its number, the callback that reports
-RESTARTING the moment a group fails, and reading what ``fit()`` raised as a reason. The
+resources, building the ``TorchTrainer`` (its ``ScalingConfig``, elastic when
+``resources.min_workers < num_workers``, its ``RunConfig`` and storage), the attempt counter a
+restarted worker group asks for its number, the callbacks that report RESTARTING the moment a
+group fails and each resize of an elastic group, and reading what ``fit()`` raised as a reason. The
 driver (``workers.launch``) only sees ``RayTrainRuntime``, a ``workers.runtime.Runtime``.
 """
 
@@ -120,6 +121,68 @@ def _restart_reporter(api_url: str, job_id: str, attempt_base: int, max_failures
     return RestartReporter()
 
 
+def _resize_reporter(api_url: str, job_id: str, attempt_base: int):
+    """A Ray Train controller callback that records each resize of an elastic worker group.
+
+    [Note: what Ray Train 2.60 does with an elastic group]
+    With ``ScalingConfig(num_workers=(min, max))`` the controller's ``ElasticScalingPolicy``
+    sizes every group it starts from what Ray Data's ``AutoscalingCoordinator`` (a detached
+    actor on the controller's node, shared by every run) reserves for this run out of the
+    alive nodes' total resources, refreshed every 20 s: the largest count in ``[min, max]``.
+    * A node is lost: the group fails as a fixed one does (``RestartReporter`` reports
+      RESTARTING, a ``max_failures`` retry is spent); the next group is started at the largest
+      size that fits now, without waiting for the node. A start at a size the cluster no longer
+      holds (the coordinator's view is up to 20 s old) times out after
+      ``RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S`` (Ray's 60 s; 20 s for our elastic jobs,
+      ``shorten_elastic_start_timeout``) and is retried as a controller failure, which spends
+      no ``max_failures``.
+    * Capacity returns: while a group runs, every ``elastic_resize_monitor_interval_s`` (60 s,
+      counted from the group's start) the policy compares the reservation with the group's
+      size; when more workers fit it shuts the group down wherever it is and starts one of the
+      new size, which resumes from the latest checkpoint: the steps since it are trained again
+      (no step is lost or kept twice), so a grow-back is not at a checkpoint boundary and costs
+      up to ``checkpoint.every_steps`` steps. No error is raised for it, so no
+      ``RestartReporter`` call: this callback reports that RESTARTING itself (reason
+      ``workers_resized``).
+    Every start of a group goes through ``before_controller_execute_resize_decision`` with its
+    size; a size other than the previous group's is a resize, recorded with both sizes
+    (``POST /worker/resized``) once the group that runs at the new size has its attempt.
+    """
+    from ray.train.v2._internal.execution.callback import ControllerCallback
+    from ray.train.v2._internal.execution.controller.state import ResizingState
+
+    class ResizeReporter(ControllerCallback):
+        def __init__(self) -> None:
+            self.workers: int | None = None  # the size of the group started last
+            self.healthy_resize = False  # the next start replaces a group that was running fine
+
+        def after_controller_state_update(self, previous_state: Any, current_state: Any) -> None:
+            if isinstance(current_state, ResizingState):
+                self.healthy_resize = True
+
+        def before_controller_execute_resize_decision(self, decision: Any) -> None:
+            old, new = self.workers, int(decision.num_workers)
+            self.workers, healthy, self.healthy_resize = new, self.healthy_resize, False
+            if old is None or old == new:
+                return
+            try:
+                api = WorkerAPI(api_url, job_id, os.environ["ZEROTRAIN_INGEST_TOKEN"])
+                try:
+                    if healthy:  # no error was raised for it: RestartReporter said nothing
+                        groups = ray.get(ray.get_actor(counter_name(job_id)).current.remote())
+                        attempt = attempt_base + groups + 1
+                        api.post_state("RESTARTING", attempt=attempt, reason=Reason.WORKERS_RESIZED,
+                                       message=f"capacity for {new} workers: the group of {old} is replaced "
+                                               f"(attempt {attempt}), from the latest checkpoint", deadline_s=30)
+                    api.post_resized(old, new, deadline_s=30)
+                finally:
+                    api.close()
+            except Exception as error:  # noqa: BLE001 - reporting must never break Ray Train's recovery
+                log.warning("could not report the resize %s -> %s: %s", old, new, error)
+
+    return ResizeReporter()
+
+
 # ----------------------------------------------------------------------------- the trainer
 
 
@@ -151,7 +214,8 @@ def resources_per_worker(spec: JobSpec) -> dict[str, float]:
 
 
 def wait_for_resources(spec: JobSpec, job_id: str) -> None:
-    """Block until the cluster can hold the whole worker group, before Ray Train asks for it.
+    """Block until the cluster can hold the worker group -- an elastic one's ``min_workers`` --
+    before Ray Train asks for it.
 
     The wait is a placement group of the worker group's shape, owned by this driver: while it
     is pending the launcher reports ``insufficient_resources`` with the numbers, and a cancel
@@ -162,7 +226,7 @@ def wait_for_resources(spec: JobSpec, job_id: str) -> None:
     """
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    gate = placement_group([resources_per_worker(spec)] * spec.resources.num_workers, strategy="PACK",
+    gate = placement_group([resources_per_worker(spec)] * spec.resources.min_workers, strategy="PACK",
                            name=f"zerotrain-gate-{job_id}")
     ray.get(gate.ready())
     remove_placement_group(gate)  # handed over to Ray Train's placement group right away
@@ -178,25 +242,60 @@ def announced_train_loop(config: dict[str, Any]) -> dict[str, Any]:
     return train_loop(config)
 
 
+ELASTIC_START_TIMEOUT_S = 20.0
+START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"  # Ray Train's; the driver passes it to its controller
+
+
+def shorten_elastic_start_timeout(spec: JobSpec, environ: dict[str, str] | None = None) -> None:
+    """An elastic job gives up on a worker group that does not fit after ``ELASTIC_START_TIMEOUT_S``
+    instead of Ray's 60 s, unless the deployment set ``RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S``.
+
+    [Note: why an elastic start should not wait long]
+    After a node is lost, Ray Train sizes the next group from the ``AutoscalingCoordinator``'s
+    view of the nodes, which is up to 20 s old and still counts the lost node until the GCS has
+    declared it dead: the first restart asks for the old size, and its placement group waits
+    for the whole start timeout before Ray retries (a controller failure, which spends no
+    ``max_failures``) with a fresh decision. On a loopback cluster that was 60 s of a job doing
+    nothing while one worker could have trained. A placement group that fits is placed in well
+    under a second, and the elastic policy only asks for sizes its reservation holds, so a short
+    timeout only cuts that wait short. Set in the driver's environment, which Ray Train hands
+    to its controller (``ENV_VARS_TO_PROPAGATE``).
+    """
+    environ = os.environ if environ is None else environ
+    if spec.resources.elastic:
+        environ.setdefault(START_TIMEOUT_ENV, f"{ELASTIC_START_TIMEOUT_S:g}")
+
+
+def scaling_config(spec: JobSpec):
+    """The job's ``ScalingConfig``: ``num_workers`` ranks, or ``(min_workers, num_workers)`` for an
+    elastic job (``_resize_reporter`` says what Ray Train 2.60 does with that)."""
+    from ray.train import ScalingConfig
+
+    resources = spec.resources
+    per_worker = resources_per_worker(spec)
+    workers = (resources.min_workers, resources.num_workers) if resources.elastic else resources.num_workers
+    return ScalingConfig(num_workers=workers, use_gpu="GPU" in per_worker, resources_per_worker=per_worker)
+
+
 def build_trainer(spec: JobSpec, loop_config: dict[str, Any]):
     """The job's ``TorchTrainer``: ``train_loop(loop_config)`` on each worker, Ray Train restarting
-    a failed worker group up to ``spec.max_failures`` times."""
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    a failed worker group up to ``spec.max_failures`` times (an elastic one at the size that fits)."""
+    from ray.train import FailureConfig, RunConfig
     from ray.train.torch import TorchTrainer
 
     job_id = loop_config["job_id"]
-    per_worker = resources_per_worker(spec)
+    api_url, attempt_base = loop_config["api_url"], int(loop_config["attempt_base"])
     storage_path, storage_filesystem = ray_storage(loop_config["storage_uri"])
+    callbacks = [_restart_reporter(api_url, job_id, attempt_base, spec.max_failures)]
+    if spec.resources.elastic:
+        callbacks.append(_resize_reporter(api_url, job_id, attempt_base))
     return TorchTrainer(
         announced_train_loop,
         train_loop_config=loop_config,
-        scaling_config=ScalingConfig(num_workers=spec.resources.num_workers, use_gpu="GPU" in per_worker,
-                                     resources_per_worker=per_worker),
+        scaling_config=scaling_config(spec),
         run_config=RunConfig(
             storage_path=storage_path, storage_filesystem=storage_filesystem, name=job_id,
-            failure_config=FailureConfig(max_failures=spec.max_failures),
-            callbacks=[_restart_reporter(loop_config["api_url"], job_id, int(loop_config["attempt_base"]),
-                                         spec.max_failures)]),
+            failure_config=FailureConfig(max_failures=spec.max_failures), callbacks=callbacks),
     )
 
 
@@ -340,6 +439,7 @@ class RayTrainRuntime:
         ray.init(log_to_driver=True)
         counter = start_attempt_counter(job_id)
         wait_for_resources(spec, job_id)
+        shorten_elastic_start_timeout(spec)
         with fail_fast_on_user_errors():
             build_trainer(spec, {**loop_config, "attempt_counter": counter_name(job_id)}).fit()
         ray.kill(counter)
