@@ -384,7 +384,12 @@ class ZeroSpec(SpecModel):
     bucket_mb: float = Field(default=25.0, gt=0)
     prefetch: int = Field(default=1, ge=0, le=MAX_INT32)
     activation_checkpointing: bool = False
-    reshard_after_forward: bool = True
+    # stage 3: free each unit's gathered parameters after its forward (true), keep them all
+    # (false: 2Φ per step), or keep the last block unit only ("all_but_last", as torchtitan does)
+    reshard_after_forward: bool | Literal["all_but_last"] = True
+    # stage 3: keep units gathered from their forward to their backward while they fit this many
+    # bytes per rank, oldest let go first (0: off); each kept unit saves its re-gather
+    keep_gathered_bytes: int = Field(default=0, ge=0, le=2**50)
     # rank 0's buffers (BatchNorm running statistics) to every rank after each training forward,
     # as DDP does; false: each rank keeps its own (workers/zero/module_buffers.py)
     broadcast_buffers: bool = True
@@ -553,17 +558,20 @@ class JobSpec(SpecModel):
                 "({num_workers}) must split train.global_batch_size ({gbs}) into whole micro-batches of "
                 "train.micro_batch_size ({mbs}) per rank, so that a resized job keeps the same global batch "
                 "(as DeepSpeed's elasticity, which needs a precomputed set of compatible sizes for the same "
-                "reason); world sizes {bad_list} do not ({good_text})",
+                "reason); {bad_list} ({good_text})",
                 {"min_workers": resources.min_workers, "num_workers": resources.num_workers, "gbs": gbs,
-                 "mbs": mbs, "bad_list": ", ".join(map(str, bad)),
+                 "mbs": mbs, "bad_list": (f"world size {bad[0]} does not" if len(bad) == 1
+                                          else f"world sizes {', '.join(map(str, bad))} do not"),
                  "good_text": f"these do: {', '.join(map(str, good))}",
                  "incompatible": bad, "field": "resources.min_workers"})
 
     @property
     def accumulation_steps(self) -> int:
-        return self.train.global_batch_size // (
-            self.train.micro_batch_size * self.resources.num_workers
-        )
+        return self.accumulation_steps_at(self.resources.num_workers)
+
+    def accumulation_steps_at(self, world_size: int) -> int:
+        """Micro-batches per rank and step at ``world_size`` ranks (an elastic job's grow as it shrinks)."""
+        return self.train.global_batch_size // (self.train.micro_batch_size * world_size)
 
     @property
     def tokens_per_step(self) -> int | None:

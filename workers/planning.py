@@ -34,39 +34,45 @@ def inputs_for_spec(
 ) -> PlanInputs:
     """PlanInputs for a job: Φ and activations from the real model.
 
-    N is ``resources.num_workers`` (one data-parallel rank per worker). Activations are
+    N is the smallest world the job may run at: ``resources.min_workers`` (``num_workers`` unless
+    the job is elastic). Each rank holds 1/N of the sharded states, so a shrunk elastic job holds
+    the most per rank, and a plan that fits there fits at every size it may grow to; its
+    accumulation steps are those of that world too. Activations are
     profiled on ``activations_on`` (meta by default: the control plane has no GPU to spare);
     if the model cannot run that way the term is left out and the plan says so (None).
     """
     zero, resources = spec.zero, spec.resources
+    n_ranks = resources.min_workers or resources.num_workers
     device = "cuda" if resources.gpus_per_worker > 0 else "cpu"
     profiles = measured_activations(
         spec.model,
         micro_batch=spec.train.micro_batch_size,
         seq_len=spec.data.seq_len or DEFAULT_SEQ_LEN,
         precision=zero.precision,
-        n_ranks=resources.num_workers,
+        n_ranks=n_ranks,
         bucket_mb=zero.bucket_mb,
         device=device,
         activations_on=activations_on,
         prefetch=zero.prefetch,
         reshard_after_forward=zero.reshard_after_forward,
+        keep_gathered_bytes=zero.keep_gathered_bytes,
         vocab_size=spec.data.vocab_size,
         activation_checkpointing=zero.activation_checkpointing,
     )
     return PlanInputs(
         shape=model_shape(model_block(spec.model)),
-        n_ranks=resources.num_workers,
+        n_ranks=n_ranks,
         precision=zero.precision,
         bucket_mb=zero.bucket_mb,
         prefetch=zero.prefetch,
         **profiles,
-        accumulation_steps=spec.accumulation_steps,
+        accumulation_steps=spec.accumulation_steps_at(n_ranks),
         device=device,
         bandwidth_bytes_per_s=bandwidth_bytes_per_s,
         compute_s=compute_s,
         target_efficiency=target_efficiency,
         reshard_after_forward=zero.reshard_after_forward,
+        keep_gathered_bytes=zero.keep_gathered_bytes,
         optimizer_states=optimizer_state_tensors(spec.train.optimizer, spec.train.momentum),
         deferred_init=builds_on_meta(spec),
         checkpoint=checkpoint_kind(spec),
@@ -98,7 +104,8 @@ def measured_activations(
     device: str,
     activations_on: str = "meta",
     prefetch: int = 1,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: Any = True,
+    keep_gathered_bytes: int = 0,
     **profile_options: Any,
 ) -> dict[str, int | None]:
     """``activation_bytes``, the forward's alone and the stage-2/3 joint peaks (forward too at stage 3,
@@ -106,7 +113,8 @@ def measured_activations(
     profiled on ``activations_on``; ``device`` is where the job runs ("cpu" means Gloo, whose
     scratch pages appear as gradients are written). All None when the model cannot be profiled
     that way (a user model that does not run on meta, say)."""
-    layouts = activation_profiles(n_ranks, bucket_mb, precision, device, prefetch, reshard_after_forward)
+    layouts = activation_profiles(n_ranks, bucket_mb, precision, device, prefetch, reshard_after_forward,
+                                  keep_gathered_bytes)
     block = model_block(model)
     try:
         return {
@@ -119,11 +127,13 @@ def measured_activations(
 
 
 def activation_profiles(n_ranks: int, bucket_mb: float, precision: str, device: str, prefetch: int = 1,
-                        reshard_after_forward: bool = True) -> dict[str, tuple[Stage2Layout | None, bool]]:
+                        reshard_after_forward: Any = True,
+                        keep_gathered_bytes: int = 0) -> dict[str, tuple[Stage2Layout | None, bool]]:
     """The activation profiles ``PlanInputs`` takes, by field: (the engine's scratch replayed on the
     profile's timeline, or None; whether the forward alone is profiled)."""
     layout = Stage2Layout(n_ranks, bucket_elements(bucket_mb, precision), pages_on_write=device == "cpu")
-    units = replace(layout, per_unit=True, prefetch=prefetch, reshard_after_forward=reshard_after_forward)
+    units = replace(layout, per_unit=True, prefetch=prefetch, reshard_after_forward=reshard_after_forward,
+                    keep_gathered_bytes=keep_gathered_bytes)
     return {"activation_bytes": (None, False), "activation_bytes_forward": (None, True),
             "activation_bytes_stage2": (layout, False), "activation_bytes_stage3": (units, False),
             "activation_bytes_forward_stage3": (units, True)}

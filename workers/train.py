@@ -276,6 +276,7 @@ def build_engine(spec: JobSpec, model: torch.nn.Module, device: torch.device,
         grad_clip=train.grad_clip,
         activation_checkpointing=zero.activation_checkpointing,
         reshard_after_forward=zero.reshard_after_forward,
+        keep_gathered_bytes=zero.keep_gathered_bytes,
         broadcast_buffers=zero.broadcast_buffers,
         sync_batchnorm=zero.sync_batchnorm,
     )

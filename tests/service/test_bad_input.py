@@ -171,7 +171,7 @@ def test_an_elastic_range_that_breaks_the_global_batch_is_refused_with_the_sizes
     assert response.status_code == 422
     (error,) = response.json()["errors"]
     assert error["field"] == "resources.min_workers" and error["type"] == "elastic_batch_arithmetic"
-    assert "world sizes 3 do not (these do: 1, 2, 4)" in error["message"]
+    assert "world size 3 does not (these do: 1, 2, 4)" in error["message"]
     assert "DeepSpeed" in error["message"] and "global_batch_size (16)" in error["message"]
     assert counts(service) == (0, 0, 0)
 

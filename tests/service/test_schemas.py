@@ -56,7 +56,7 @@ def test_every_elastic_world_size_must_keep_whole_micro_batches_per_rank():
     (error,) = refused.value.errors()
     assert error["type"] == "elastic_batch_arithmetic" and error["ctx"]["field"] == "resources.min_workers"
     assert error["ctx"]["incompatible"] == [3]
-    assert "world sizes 3 do not (these do: 1, 2, 4)" in error["msg"]
+    assert "world size 3 does not (these do: 1, 2, 4)" in error["msg"]
     # 48 samples of 2: whole at 3 and 4 ranks, not at 5, 7; the full size (8) is checked as always
     with pytest.raises(ValidationError, match=r"world sizes 5, 7 do not \(these do: 3, 4, 6, 8\)"):
         JobSpec.model_validate(spec(48, 3, 8))

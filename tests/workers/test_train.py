@@ -147,3 +147,34 @@ def test_outside_a_ray_train_worker_there_is_no_ray_assignment():
     from workers.train import ray_assigned_device
 
     assert ray_assigned_device() is None
+
+
+@pytest.mark.parametrize(("reshard", "keep"), [("all_but_last", 0), (True, 1 << 20), (False, 0)])
+def test_a_specs_stage3_policies_reach_the_engine_and_the_planner(reshard, keep):
+    """``zero.reshard_after_forward`` / ``zero.keep_gathered_bytes`` of a job spec are what its
+    engine runs with and what its plan prices (docs/engine.md, "Stage 3 policies")."""
+    from workers.planning import inputs_for_spec
+
+    spec = nano_spec(1)
+    spec["zero"] = {"stage": 3, "precision": "fp32", "reshard_after_forward": reshard, "keep_gathered_bytes": keep}
+    job = JobSpec.model_validate(spec)
+    inputs = inputs_for_spec(job)
+    assert (inputs.reshard_after_forward, inputs.keep_gathered_bytes) == (reshard, keep)
+    model, init_weights = train.build_job_model(job, resuming=False)
+    engine = train.build_engine(job, model, torch.device("cpu"), init_weights=init_weights)
+    try:
+        assert (engine.config.reshard_after_forward, engine.config.keep_gathered_bytes) == (reshard, keep)
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("bad", [{"reshard_after_forward": "all"}, {"keep_gathered_bytes": -1},
+                                 {"keep_gathered_bytes": 1.5}])
+def test_a_bad_stage3_policy_is_refused_naming_its_field(bad):
+    from pydantic import ValidationError
+
+    spec = nano_spec(1)
+    spec["zero"] = {"stage": 3, **bad}
+    with pytest.raises(ValidationError) as refused:
+        JobSpec.model_validate(spec)
+    assert {error["loc"][:2] for error in refused.value.errors()} <= {("zero", *bad)}

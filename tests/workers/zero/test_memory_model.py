@@ -312,6 +312,15 @@ def test_accumulation_steps_come_from_the_spec():
     assert inputs_for_spec(spec).accumulation_steps == 4
 
 
+def test_an_elastic_job_is_planned_at_its_smallest_world():
+    """Shrunk to ``min_workers``, each rank holds the most: the plan (and so "auto") is made there."""
+    fixed, elastic = _spec(global_batch_size=24, num_workers=4), _spec(global_batch_size=24, num_workers=4,
+                                                                          min_workers=2)
+    assert (inputs_for_spec(fixed).n_ranks, inputs_for_spec(fixed).accumulation_steps) == (4, 3)
+    assert (inputs_for_spec(elastic).n_ranks, inputs_for_spec(elastic).accumulation_steps) == (2, 6)
+    assert plan_for_spec(elastic, stages=(1,)).chosen.gpu["optimizer"] > plan_for_spec(fixed, stages=(1,)).chosen.gpu["optimizer"]
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     phi=st.floats(1e6, 1e12),
