@@ -37,14 +37,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def load_module(module: str, path: str | os.PathLike) -> Any:
+    """``module`` imported from ``path`` and registered under that name: how a spawned rank
+    loads a test file that is not importable as a package (nor its siblings)."""
+    spec = importlib.util.spec_from_file_location(module, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[module] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def _resolve(module: str, qualname: str, path: str) -> Callable:
     try:
         mod = importlib.import_module(module)
     except ImportError:
-        spec = importlib.util.spec_from_file_location(module, path)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[module] = mod
-        spec.loader.exec_module(mod)
+        mod = load_module(module, path)
     obj: Any = mod
     for part in qualname.split("."):
         obj = getattr(obj, part)

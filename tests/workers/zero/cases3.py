@@ -20,15 +20,11 @@ from workers.zero import ZeroConfig, ZeroEngine
 try:
     from .cases import DIM, HID, MICRO_B, OPTIMIZERS, VOCAB, ToyNet, make_batches, reference_train, uses_extra
 except ImportError:  # a spawned rank loads this file by path (``testing._resolve``): so its sibling
-    import importlib.util
     import pathlib
-    import sys
 
-    _spec = importlib.util.spec_from_file_location("tests.workers.zero.cases",
-                                                   pathlib.Path(__file__).with_name("cases.py"))
-    _cases = importlib.util.module_from_spec(_spec)
-    sys.modules[_spec.name] = _cases
-    _spec.loader.exec_module(_cases)
+    from workers.zero.testing import load_module
+
+    _cases = load_module("tests.workers.zero.cases", pathlib.Path(__file__).with_name("cases.py"))
     DIM, HID, MICRO_B, OPTIMIZERS, VOCAB = _cases.DIM, _cases.HID, _cases.MICRO_B, _cases.OPTIMIZERS, _cases.VOCAB
     ToyNet, make_batches, reference_train, uses_extra = (_cases.ToyNet, _cases.make_batches, _cases.reference_train,
                                                          _cases.uses_extra)

@@ -20,15 +20,11 @@ from workers.zero.collectives import Pending
 try:
     from .cases import MICRO_B, OPTIMIZERS, make_batches, make_model, uses_extra
 except ImportError:  # a spawned rank loads this file by path (``testing._resolve``): so its sibling
-    import importlib.util
     import pathlib
-    import sys
 
-    _spec = importlib.util.spec_from_file_location("tests.workers.zero.cases",
-                                                   pathlib.Path(__file__).with_name("cases.py"))
-    _cases = importlib.util.module_from_spec(_spec)
-    sys.modules[_spec.name] = _cases
-    _spec.loader.exec_module(_cases)
+    from workers.zero.testing import load_module
+
+    _cases = load_module("tests.workers.zero.cases", pathlib.Path(__file__).with_name("cases.py"))
     MICRO_B, OPTIMIZERS, make_batches, make_model, uses_extra = (
         _cases.MICRO_B, _cases.OPTIMIZERS, _cases.make_batches, _cases.make_model, _cases.uses_extra)
 
