@@ -143,8 +143,11 @@ def test_a_scoped_job_holds_no_storage_key_and_writes_its_own_prefix_as_its_own_
 
     import boto3
 
-    listed = boto3.client("s3", endpoint_url=sts.endpoint, region_name=REGION).list_objects_v2(
-        Bucket=BUCKET, Prefix=f"storage/{job.id}/")
+    # explicit keys: boto3's default session keeps the first credentials it found in this process
+    service_s3 = boto3.client("s3", endpoint_url=sts.endpoint, region_name=REGION,
+                              aws_access_key_id=sts.service_keys["AWS_ACCESS_KEY_ID"],
+                              aws_secret_access_key=sts.service_keys["AWS_SECRET_ACCESS_KEY"])
+    listed = service_s3.list_objects_v2(Bucket=BUCKET, Prefix=f"storage/{job.id}/")
     assert [entry["Key"] for entry in listed.get("Contents", [])] == [f"storage/{job.id}/checkpoints/probe.bin"]
 
     # the job has ended: its token is dead, and with it the job's way to new credentials
