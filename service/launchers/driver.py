@@ -42,6 +42,7 @@ import re
 from collections.abc import Mapping
 
 from service.launchers.base import LaunchRequest
+from workers import storage_credentials
 
 DRIVER_MODULE = "workers.launch"
 
@@ -51,9 +52,8 @@ ATTEMPT_ENV = "ZEROTRAIN_ATTEMPT"
 API_URL_ENV = "ZEROTRAIN_API_URL"
 INGEST_TOKEN_ENV = "ZEROTRAIN_INGEST_TOKEN"  # secret: environment only, never argv
 STORAGE_URI_ENV = "ZEROTRAIN_STORAGE_URI"
-# "api": the job's processes get storage credentials from the control plane (workers.storage_credentials)
-STORAGE_CREDENTIALS_ENV = "ZEROTRAIN_STORAGE_CREDENTIALS"
-STORAGE_CREDENTIALS_FROM_API = "api"
+# "api": the job's processes get storage credentials from the control plane (named where they read it)
+STORAGE_CREDENTIALS_ENV, STORAGE_CREDENTIALS_FROM_API = storage_credentials.SOURCE_ENV, storage_credentials.FROM_API
 
 # [Note: Ray Train settings every job runs with]
 # They travel with the job's own variables (``job_environment``), so the driver, the Ray Train

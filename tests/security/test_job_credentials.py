@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -39,6 +38,7 @@ import pytest
 
 from contract.spec import JobSpec
 from service.job_credentials import job_access, session_policy
+from tests.conftest import free_port
 from tests.service.conftest import make_spec
 
 PROBE_DRIVER = os.path.join(os.path.dirname(__file__), "storage_probe_driver.py")
@@ -46,12 +46,6 @@ BUCKET = "zt-scoped"
 ROLE = "zerotrain-jobs"
 REGION = "us-east-1"
 ACCOUNT = "123456789012"  # moto's default account
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)
@@ -68,7 +62,7 @@ def sts_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StsServer]:
     signed by known credentials and allowed by IAM."""
     import boto3
 
-    port = _free_port()
+    port = free_port()
     endpoint = f"http://127.0.0.1:{port}"
     log = open(tmp_path_factory.mktemp("moto") / "moto.log", "wb")
     server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
