@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from functools import lru_cache
 from typing import Annotated
 
@@ -57,12 +56,13 @@ def _issuer(role_arn: str, ttl_s: int, endpoint_url: str | None, region: str | N
 
 
 def issuer_for(settings: Settings) -> StsIssuer:
-    """One STS client per configuration (creating a botocore client costs tens of milliseconds)."""
-    from workers.checkpointing.storage import ENDPOINT_ENV
+    """One STS client per configuration (creating a botocore client costs tens of milliseconds),
+    at the object store's endpoint and region unless ``sts_endpoint_url`` says otherwise."""
+    from workers.checkpointing.storage import storage_options
 
+    store = storage_options("s3").get("client_kwargs", {})
     return _issuer(settings.job_storage_role_arn, settings.job_storage_credentials_ttl_s,
-                   settings.sts_endpoint_url or os.environ.get(ENDPOINT_ENV) or None,
-                   os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION"))
+                   settings.sts_endpoint_url or store.get("endpoint_url"), store.get("region_name"))
 
 
 @router.post("/storage-credentials", response_model=StorageCredentialsOut, name="issue_storage_credentials",
