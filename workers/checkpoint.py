@@ -55,7 +55,9 @@ class CheckpointManager:
     Build it on every rank (it creates a Gloo group for the background commit when a process
     group is initialised). ``register(record)``, ``forget(step)`` and ``report_failure(step,
     error)`` tell the control plane about committed, deleted and failed checkpoints (rank 0
-    calls them). ``upload_attempts`` defaults to ``ZEROTRAIN_CHECKPOINT_UPLOAD_ATTEMPTS`` or 3.
+    calls them). ``before_commit(step) -> bool`` runs on every rank before a save is committed
+    (``MetricReporter.wait_delivered``: the step's metrics reach the control plane first).
+    ``upload_attempts`` defaults to ``ZEROTRAIN_CHECKPOINT_UPLOAD_ATTEMPTS`` or 3.
     ``model`` (``ModelSpec.architecture()``) goes into each manifest, for ``config.json`` when
     the checkpoint is consolidated.
     """
@@ -63,7 +65,7 @@ class CheckpointManager:
     def __init__(self, uri: str, *, job_id: str, every_steps: Optional[int] = None, keep_last: Optional[int] = None,
                  register: Optional[Callable[[dict], None]] = None, forget: Optional[Callable[[int], None]] = None,
                  report_failure: Optional[Callable[[int, str], None]] = None, upload_attempts: Optional[int] = None,
-                 model: Optional[dict] = None):
+                 model: Optional[dict] = None, before_commit: Optional[Callable[[int], bool]] = None):
         self.job_id = job_id
         self.every_steps, self.keep_last = every_steps, keep_last
         distributed = dist.is_available() and dist.is_initialized()
@@ -74,7 +76,7 @@ class CheckpointManager:
         self.writer = AsyncCheckpointWriter(self.storage, job_id=job_id, rank=self.rank, world_size=self.world_size,
                                             group=self.group, keep_last=keep_last, register=register, forget=forget,
                                             report_failure=report_failure, upload_attempts=upload_attempts,
-                                            model=model)
+                                            model=model, before_commit=before_commit)
         self.last_load: Optional[reader.LoadReport] = None
         self.failed_saves: list[str] = []  # why each save that did not commit failed, in order
 
@@ -82,10 +84,12 @@ class CheckpointManager:
     def due(self, step: int) -> bool:
         return bool(self.every_steps) and step > 0 and step % self.every_steps == 0
 
-    def save(self, step: int, engine: Any, loader: Any = None, *, wait: bool = False) -> float:
+    def save(self, step: int, engine: Any, loader: Any = None, *, wait: bool = False, final: bool = False) -> float:
         """Checkpoint completed ``step``; return the seconds the caller was blocked.
 
-        ``wait=True`` also waits for the commit (the last checkpoint of a run).
+        ``wait=True`` also waits for the commit. ``final=True``: nothing will change the engine's
+        tensors until ``wait()`` (the last checkpoint of a run), so they are written without a
+        host copy -- also the default with ``wait=True``.
         """
         started = time.perf_counter()
         try:
@@ -94,7 +98,7 @@ class CheckpointManager:
             self.failed_saves.append(str(error))  # the checkpoint before it stays the latest
             log.error("%s; training continues", error)
         # waited for: nothing changes the live host tensors before they are written, so no copy of them
-        snap = snapshot.take_snapshot(engine, loader, step, self.rank, self.world_size, copy=not wait)
+        snap = snapshot.take_snapshot(engine, loader, step, self.rank, self.world_size, copy=not (wait or final))
         self.writer.submit(snap)
         if wait:
             self.writer.wait()
@@ -205,19 +209,29 @@ class TrainCheckpointHook:
         return 0
 
     def maybe_save(self, step: int, engine: Any, loader: Any) -> float:
+        """Start a due save; the run's last one too, which ``finish()`` then waits for (the loop
+        hands in the step's metric record first: [Note: metrics before checkpoints])."""
         last = step >= self.total_steps
         if not (self.manager.due(step) or last):
             return 0.0
-        return self.manager.save(step, engine, loader, wait=last)
+        return self.manager.save(step, engine, loader, final=last)
+
+    def finish(self) -> float:
+        """Wait for the run's last checkpoint (its product: a failure to commit it fails the
+        attempt); return the seconds waited."""
+        started = time.perf_counter()
+        self.manager.wait()
+        return time.perf_counter() - started
 
     def close(self) -> None:
         self.manager.close()
 
 
-def make_checkpoint_hook(spec: JobSpec, *, job_id: str, storage_uri: Optional[str],
-                         api: Any = None) -> TrainCheckpointHook:
+def make_checkpoint_hook(spec: JobSpec, *, job_id: str, storage_uri: Optional[str], api: Any = None,
+                         metrics_delivered: Optional[Callable[[int], bool]] = None) -> TrainCheckpointHook:
     """The hook for one job's train loop: its ``checkpoint`` block, under ``checkpoint.uri`` or else
-    the service's ``storage_uri``; ``api`` (a ``WorkerAPI``) registers what is saved."""
+    the service's ``storage_uri``; ``api`` (a ``WorkerAPI``) registers what is saved;
+    ``metrics_delivered`` (``MetricReporter.wait_delivered``) runs before each commit."""
     root = spec.checkpoint.uri or storage_uri
     registry = ControlPlaneRegistry(api) if api is not None else None
     manager = CheckpointManager(checkpoints_uri(root, job_id), job_id=job_id,
@@ -225,7 +239,7 @@ def make_checkpoint_hook(spec: JobSpec, *, job_id: str, storage_uri: Optional[st
                                 register=registry.register if registry else None,
                                 forget=registry.forget if registry else None,
                                 report_failure=registry.failed if registry else None,
-                                model=spec.model.architecture())
+                                model=spec.model.architecture(), before_commit=metrics_delivered)
     resume = spec.resume_from
     resume_uri = checkpoints_uri(root, resume.job_id) if resume else None
     return TrainCheckpointHook(manager, total_steps=spec.train.steps, resume_from=resume, resume_uri=resume_uri)

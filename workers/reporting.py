@@ -16,6 +16,16 @@ Three parts, used by ``workers.train`` and ``workers.launch``:
                     records (unique on job, attempt, rank, step), so a batch whose answer was
                     lost is simply sent again. The buffer is bounded: only past the bound are
                     the oldest records dropped, counted and warned about.
+
+[Note: metrics before checkpoints]
+A restarted attempt resumes after the latest committed checkpoint, so a record of a step at
+or before it is never produced again: if it is still in a dead rank's buffer, it is lost for
+good. So a checkpoint of step N is committed only once every rank's record of step N (and so,
+records going out oldest first, of every earlier step) has been answered:
+``workers.checkpointing.writer`` calls ``MetricReporter.wait_delivered(N)`` on each rank
+before the commit's gather. A control plane that stays unreachable longer than the wait
+(``DELIVERY_WAIT_S``) does not hold checkpoints back for ever: the checkpoint is committed
+with a warning, and only then can a lost rank take records at or before it with it.
 """
 
 from __future__ import annotations
@@ -36,6 +46,7 @@ from workers.peak_flops import peak_flops
 log = logging.getLogger(__name__)
 
 RETRYABLE_STATUS = {408, 425, 429, 500, 502, 503, 504}
+DELIVERY_WAIT_S = 120.0  # how long a checkpoint's commit waits for the metrics of its step
 
 
 class JobNotActive(RuntimeError):
@@ -225,6 +236,9 @@ class MetricReporter:
         self.max_buffer, self.max_batch, self.max_backoff_s = max_buffer, max_batch, max_backoff_s
         self._buffer: deque[dict[str, Any]] = deque()
         self._lock = threading.Lock()
+        self._answered = threading.Condition(self._lock)  # notified when a batch is answered
+        self.answered_through = 0  # the highest step whose record the control plane has answered
+        self._awaited_step: int | None = None  # a wait_delivered() in progress, so report() wakes the sender
         self._wake = threading.Event()
         self._closing = threading.Event()
         self.sent = 0
@@ -242,6 +256,9 @@ class MetricReporter:
                 self._buffer.popleft()
             if overflow > 0:
                 self.dropped += overflow
+            awaited = self._awaited_step is not None and record.get("step", 0) >= self._awaited_step
+        if awaited:
+            self._wake.set()  # a checkpoint commit waits for this record: send it now, not in a second
         if overflow > 0:
             log.warning("metric buffer full (%d records): dropped %d oldest, %d dropped in total",
                         self.max_buffer, overflow, self.dropped)
@@ -260,10 +277,30 @@ class MetricReporter:
             return [self._buffer[i] for i in range(min(self.max_batch, len(self._buffer)))]
 
     def _drop_sent(self, batch: list[dict[str, Any]]) -> None:
+        """The control plane answered ``batch`` (stored, duplicate or refused): out of the buffer."""
         with self._lock:  # the batch is still the oldest records unless overflow dropped some
             for record in batch:
                 if self._buffer and self._buffer[0] is record:
                     self._buffer.popleft()
+            self.answered_through = max([self.answered_through, *(record.get("step", 0) for record in batch)])
+            self._answered.notify_all()
+
+    def wait_delivered(self, step: int, timeout_s: float = DELIVERY_WAIT_S) -> bool:
+        """Block until the record of ``step`` (and every one before it) has been answered by the
+        control plane; False after ``timeout_s`` (see [Note: metrics before checkpoints])."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            self._awaited_step = step
+            self._wake.set()
+            try:
+                while self.answered_through < step:
+                    left = deadline - time.monotonic()
+                    if left <= 0 or not self._thread.is_alive():
+                        return False
+                    self._answered.wait(left)
+                return True
+            finally:
+                self._awaited_step = None
 
     def _flush_once(self) -> bool:
         """Send the oldest batch; True when the buffer made progress (or is empty)."""

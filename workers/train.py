@@ -86,7 +86,12 @@ class CheckpointHook(Protocol):
         ...
 
     def maybe_save(self, step: int, engine: ZeroEngine, loader: ShardedBatchLoader) -> float:
-        """Save after completed ``step`` when due; return the seconds training was blocked."""
+        """Save after completed ``step`` when due (the last step always); return the seconds
+        training was blocked. The save is committed in the background."""
+        ...
+
+    def finish(self) -> float:
+        """After the last step's record is reported: wait for the last save's commit."""
         ...
 
 
@@ -100,15 +105,21 @@ class NoCheckpoints:
     def maybe_save(self, step: int, engine: ZeroEngine, loader: ShardedBatchLoader) -> float:
         return 0.0
 
+    def finish(self) -> float:
+        return 0.0
 
-def make_checkpoint_hook(spec: JobSpec, config: dict[str, Any], api: WorkerAPI | None) -> CheckpointHook:
-    """The job's checkpoint hook (``workers.checkpoint``); none when there is nowhere to write."""
+
+def make_checkpoint_hook(spec: JobSpec, config: dict[str, Any], api: WorkerAPI | None,
+                         reporter: MetricReporter | None) -> CheckpointHook:
+    """The job's checkpoint hook (``workers.checkpoint``); none when there is nowhere to write.
+    A save is committed once ``reporter`` has delivered its step's record (``workers.reporting``)."""
     storage_uri = config.get("storage_uri")
     if not (storage_uri or spec.checkpoint.uri):
         return NoCheckpoints()
     from workers.checkpoint import make_checkpoint_hook as checkpoint_hook
 
-    return checkpoint_hook(spec, job_id=config["job_id"], storage_uri=storage_uri, api=api)
+    return checkpoint_hook(spec, job_id=config["job_id"], storage_uri=storage_uri, api=api,
+                           metrics_delivered=reporter.wait_delivered if reporter else None)
 
 
 # ----------------------------------------------------------------------------- who am I
@@ -385,7 +396,8 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
 
     if world.device.type == "cpu":  # freed tensors leave the resident set (workers/host_memory.py)
         map_large_blocks()
-    checkpoints = make_checkpoint_hook(spec, config, api)
+    reporter = MetricReporter(api.post_metrics) if api is not None else None
+    checkpoints = make_checkpoint_hook(spec, config, api, reporter)
     peak = PeakMemoryMeter(world.device)  # the job's peak, part by part, as the planner predicts it
     peak.start()  # what the process held before the model is not the job's
     torch.manual_seed(train.seed)
@@ -403,9 +415,7 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
                       flops_per_token=flops_per_token(model, seq_len),
                       comm_element_bytes=engine.precision.compute_dtype.itemsize, device=world.device,
                       precision=engine.config.precision)
-    sinks: list[Any] = []
-    if api is not None:
-        sinks.append(MetricReporter(api.post_metrics))
+    sinks: list[Any] = [reporter] if reporter is not None else []
     if config.get("metrics_path"):
         sinks.append(JsonlSink(f"{config['metrics_path']}.rank{world.rank}.jsonl"))
     peak.lap("construction")
@@ -457,6 +467,8 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
             # an evaluation is rare and costly enough to be worth its line
             if world.rank == 0 and (shows_progress(step, total_steps) or eval_loss is not None):
                 print(progress_line(record, total_steps, world.world_size), flush=True)
+        if checkpoints.finish():  # the last save, committed once its step's record is delivered
+            peak.lap("checkpoint")
     finally:
         unsent = sum(sink.close(timeout_s=120.0) for sink in sinks)
         if api is not None:

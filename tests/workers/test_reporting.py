@@ -115,6 +115,22 @@ def test_an_outage_loses_nothing_and_duplicates_nothing(server):
         revived.stop()
 
 
+def test_wait_delivered_returns_once_the_step_is_stored_and_gives_up_while_the_plane_is_down(server):
+    """What a checkpoint's commit waits for (``workers.checkpointing.writer``): the step's record
+    answered by the control plane -- sent at once, not at the next flush -- or, with the control
+    plane down, False after the wait, so checkpoints are not held back for ever."""
+    reporter = MetricReporter(api_for(server).post_metrics, flush_interval_s=3600, max_backoff_s=0.2)
+    reporter.extend(records(4, start=1))  # steps 1..4
+    assert reporter.wait_delivered(4, timeout_s=10)  # the hour-long flush interval is not waited for
+    assert sorted(k[2] for k in server.stored) == [1, 2, 3, 4]
+    server.stop()
+    reporter.extend(records(1, start=5))
+    started = time.monotonic()
+    assert not reporter.wait_delivered(5, timeout_s=0.5)
+    assert time.monotonic() - started < 5
+    assert reporter.pending == 1  # still kept, sent when the control plane is back
+
+
 def test_close_keeps_retrying_until_its_deadline(server):
     port = server.port
     server.stop()

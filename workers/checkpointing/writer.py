@@ -2,7 +2,10 @@
 
 [Note: the commit protocol]
 1. Every rank streams its shard (``stfile`` header first, then each tensor in 8 MiB chunks)
-   into ``step_{N:08d}/``, computing size and sha256 on the way.
+   into ``step_{N:08d}/``, computing size and sha256 on the way, then waits (``before_commit``)
+   until its metric record of step N has reached the control plane: a resumed attempt never
+   produces the records of steps at or before its checkpoint again ([Note: metrics before
+   checkpoints] in ``workers.reporting``).
 2. Every rank sends ``{file, size, sha256, its pieces, RNG state, error}`` to rank 0
    (``gather_object`` on a dedicated Gloo group).
 3. Rank 0 writes ``manifest.json`` -- atomically, and only if every rank reported success --
@@ -206,8 +209,10 @@ class AsyncCheckpointWriter:
                  group: Optional[dist.ProcessGroup], keep_last: Optional[int] = None,
                  register: Optional[Callable[[dict], None]] = None, forget: Optional[Callable[[int], None]] = None,
                  report_failure: Optional[Callable[[int, str], None]] = None, upload_attempts: Optional[int] = None,
-                 first_retry_delay_s: float = FIRST_RETRY_DELAY_S, model: Optional[dict] = None):
+                 first_retry_delay_s: float = FIRST_RETRY_DELAY_S, model: Optional[dict] = None,
+                 before_commit: Optional[Callable[[int], bool]] = None):
         self.checkpoints = checkpoints
+        self.before_commit = before_commit
         self.model = model
         self.job_id, self.rank, self.world_size, self.group = job_id, rank, world_size, group
         self.keep_last, self.register, self.forget = keep_last, register, forget
@@ -258,6 +263,7 @@ class AsyncCheckpointWriter:
             status["error"] = f"rank {self.rank} could not write {step_storage.uri}/{snap.file}: {error}"
         upload_s = time.perf_counter() - started
         snap.tensors.clear()  # the host copy is no longer needed
+        self._wait_before_commit(snap.step)
         statuses = self._gather(status)
         outcome = self._commit(step_storage, snap.step, statuses) if self.rank == 0 else None
         outcome = self._broadcast(outcome)
@@ -269,6 +275,20 @@ class AsyncCheckpointWriter:
         log.info("checkpoint step %d: rank %d uploaded %.1f MB in %.2f s (%.1f MB/s)", snap.step, self.rank,
                  report.shard_bytes / 1e6, upload_s, report.upload_bytes_per_s / 1e6)
         return report
+
+    def _wait_before_commit(self, step: int) -> None:
+        """This rank's part of step 1's last sentence: a wait that gives up commits anyway, warned."""
+        if self.before_commit is None:
+            return
+        try:
+            ready = self.before_commit(step)
+        except Exception:  # noqa: BLE001 - the checkpoint matters more than its step's metrics
+            log.exception("rank %d: waiting for the metrics of step %d failed; committing anyway", self.rank, step)
+            return
+        if not ready:
+            log.warning("rank %d: the metrics of step %d have not reached the control plane; the checkpoint is "
+                        "committed anyway, and if this rank is lost before they are sent, they are lost",
+                        self.rank, step)
 
     def _report_failure(self, step: int, error: str) -> None:
         """Rank 0 tells the control plane now, not at the next save (which may be far off)."""

@@ -4,10 +4,16 @@
 ``flaky_data(fail_after=N, marker=path)``: the restart test's fault -- the dataset raises on
 its N+1-th item in this process unless ``marker`` exists, and creates ``marker`` as it fails,
 so the restarted run trains through. Items are the synthetic Markov chain's samples.
+``dies_after_commit(after=N, manifest=path)``: a lost node -- on its N+1-th item the process
+waits until ``path`` (a checkpoint's manifest) exists, then kills itself with SIGKILL: no
+``finally``, no last flush of anything it buffered.
 """
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from pathlib import Path
 
 from workers.data import SyntheticDataset
@@ -36,3 +42,22 @@ class FailsOnce:
 
 def flaky_data(vocab_size: int = 32, seq_len: int = 8, fail_after: int | None = None, marker: str | None = None):
     return FailsOnce(vocab_size, seq_len, fail_after, marker)
+
+
+class DiesAfterCommit(FailsOnce):
+    def __init__(self, vocab_size: int, seq_len: int, after: int, manifest: str):
+        super().__init__(vocab_size, seq_len, None, None)
+        self.after, self.manifest = after, Path(manifest)
+
+    def __getitem__(self, index: int):
+        self.calls += 1
+        if self.calls > self.after:
+            deadline = time.monotonic() + 60
+            while not self.manifest.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)  # the commit happens in another thread of this process
+            os.kill(os.getpid(), signal.SIGKILL)
+        return self.samples.sample(index)
+
+
+def dies_after_commit(vocab_size: int = 32, seq_len: int = 8, *, after: int, manifest: str):
+    return DiesAfterCommit(vocab_size, seq_len, after, manifest)

@@ -5,6 +5,8 @@ raises); its checkpoints are registered with the control plane and listed by
 ``GET /api/v1/jobs/{id}/checkpoints``. Run again under the same job id -- a restarted attempt
 -- it resumes from its latest committed checkpoint and its losses continue exactly those of
 an uninterrupted run. A new job with ``resume_from: {job_id, step: 2}`` starts from step 2.
+Ranks killed outright the moment a checkpoint is committed have delivered the metric record
+of every step up to it: a resumed attempt never trains those steps again.
 """
 
 from __future__ import annotations
@@ -78,3 +80,24 @@ def test_restarted_attempt_and_resume_from(make_live_service, tmp_path, monkeypa
                        "api_url": None, "storage_uri": storage}, 2)
     assert len(child[0]["losses"]) == STEPS - 6
     assert child[0]["losses"] == pytest.approx(straight[0]["losses"][6:], rel=1e-6)
+
+
+def test_ranks_killed_right_after_a_commit_delivered_every_step_up_to_it(make_live_service, tmp_path, monkeypatch):
+    """A node lost just after a commit: the steps at or before the checkpoint are never trained
+    again, so their records must be stored already. Before the fix, the commit did not wait
+    for them and the last ones died in the ranks' buffers (``workers.reporting``)."""
+    monkeypatch.syspath_prepend(REPO)
+    storage = f"file://{tmp_path}/storage"
+    service = make_live_service(scheduler_enabled=False, storage_uri=storage)
+    client = service.client()
+    job_id = client.submit(SPEC).id
+    (_, ingest), = service.app.state.scheduler.claim()
+    monkeypatch.setenv("ZEROTRAIN_INGEST_TOKEN", ingest)
+    manifest = tmp_path / "storage" / job_id / "checkpoints" / "step_00000004" / "manifest.json"
+    dying = spec_with(data={"factory": "tests.workers.checkpoint.job_parts:dies_after_commit",
+                            "kwargs": {"after": 4 * SAMPLES_PER_RANK_AND_STEP, "manifest": str(manifest)}})
+    with pytest.raises(mp.ProcessExitedException, match="SIGKILL"):
+        run_local({"spec": dying, "job_id": job_id, "api_url": service.url, "storage_uri": storage}, 2)
+    assert manifest.exists()
+    stored = {(m.rank, m.step) for m in client.metrics(job_id)}
+    assert {(rank, step) for rank in (0, 1) for step in range(1, 5)} <= stored
