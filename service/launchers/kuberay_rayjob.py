@@ -272,10 +272,13 @@ def build_rayjob(request: LaunchRequest, settings: Any) -> dict[str, Any]:
                 "rayStartParams": {"num-cpus": "0", "dashboard-host": "0.0.0.0"},
                 "template": head,
             },
+            # An elastic job (min_workers < num_workers) asks for num_workers pods and can go on
+            # with min_workers of them: Ray Train starts the worker group at the largest size in
+            # that range the cluster holds, so a pod that cannot be (re)scheduled does not stall it.
             "workerGroupSpecs": [{
                 "groupName": "workers",
                 "replicas": num_workers,
-                "minReplicas": num_workers,
+                "minReplicas": resources.min_workers,
                 "maxReplicas": num_workers,
                 "rayStartParams": {},
                 "template": worker,

@@ -104,6 +104,13 @@ def test_rayjob_is_sized_from_the_job_and_cleans_up_after_itself():
     assert all(c["image"] == SETTINGS.kuberay_image for c in containers(rayjob))
 
 
+def test_an_elastic_job_asks_for_num_workers_pods_and_accepts_min_workers(need_crds):
+    rayjob = kuberay.build_rayjob(request(num_workers=2, min_workers=1), SETTINGS)
+    deploy_schemas.validate_crd(rayjob)
+    (group,) = rayjob["spec"]["rayClusterSpec"]["workerGroupSpecs"]
+    assert (group["replicas"], group["minReplicas"], group["maxReplicas"]) == (2, 1, 2)
+
+
 def test_fractional_resources_round_to_what_kubernetes_can_give(need_crds):
     rayjob = kuberay.build_rayjob(request(gpus_per_worker=0.5, cpus_per_worker=1.5), SETTINGS)
     (group,) = rayjob["spec"]["rayClusterSpec"]["workerGroupSpecs"]
