@@ -27,7 +27,8 @@ class Across(str, enum.Enum):
 
     MEAN = "mean"
     # Each rank reports its own share (its tokens, its FLOPs): the job's value is the ranks'
-    # mean times the world size, so a step whose ranks are still arriving does not dip.
+    # mean times the world size of their attempt (the record's ``world_size``), so a step whose
+    # ranks are still arriving does not dip and an elastic job's shrunk attempt is not inflated.
     TOTAL = "total"
     # Not combined: the memory bars show each rank's newest value side by side.
     LATEST_PER_RANK = "latest per rank"

@@ -2,7 +2,7 @@
 
 Both readers of aggregated metrics use this: the downsampled ``GET /metrics`` (a mean per rank
 and bucket of steps) and the dashboard's charts and progress (a mean over ranks, times the
-world size for the fields the table marks ``Across.TOTAL``).
+world size of each record's attempt for the fields the table marks ``Across.TOTAL``).
 
 [Note: float8 first, numeric when it overflows]
 PostgreSQL's float8 ``AVG`` fails ("value out of range: overflow", a DataError the API answers
@@ -43,10 +43,15 @@ class Averaging:
             return func.avg(cast(column, Numeric), type_=Float)  # read back as a Python float
         return func.avg(column, type_=Float)
 
-    def across_ranks(self, field: MetricField, column: Any, world: int) -> ColumnElement:
-        """One chart point from every rank's ``column``: the mean, or the job's total."""
-        mean = self.mean(column)
-        return mean * world if field.across is Across.TOTAL else mean
+    def across_ranks(self, field: MetricField, column: Any, world: int, world_size: Any = None) -> ColumnElement:
+        """One chart point from every rank's ``column``: the mean, or the job's total -- each
+        record's share times its attempt's world size (``world_size``, the records' column),
+        or ``world`` (the spec's ``num_workers``) for records that do not carry one."""
+        if field.across is not Across.TOTAL:
+            return self.mean(column)
+        if world_size is None:
+            return self.mean(column) * world
+        return self.mean(column * func.coalesce(world_size, world))
 
 
 FLOAT8 = Averaging(exact=False)

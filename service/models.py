@@ -121,6 +121,7 @@ class Metric(_metric_columns(), Base):
     rank: Mapped[int] = mapped_column(Integer)
     step: Mapped[int] = mapped_column(Integer)
     time: Mapped[float | None] = mapped_column(Float)
+    world_size: Mapped[int | None] = mapped_column(Integer)  # of the attempt's worker group
     # then one nullable column per row of the metric table (_metric_columns)
 
 

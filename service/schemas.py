@@ -155,6 +155,9 @@ MetricRecord = create_model(
     rank=(int, Field(ge=0, le=MAX_INT32)),
     step=(int, Field(ge=0, le=MAX_INT32)),
     time=(float | None, None),
+    world_size=(int | None, Field(None, ge=1, le=MAX_INT32,
+                                  description="ranks in the worker group of the record's attempt (an elastic "
+                                              "job's attempts may differ); absent from older workers")),
     **{field.name: (field.type | None, None) for field in METRICS},
     user=(UserMetricValues | None, None),
 )

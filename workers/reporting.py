@@ -181,8 +181,8 @@ class StepMeter:
     """
 
     def __init__(self, *, rank: int, attempt: int, flops_per_token: float, comm_element_bytes: int,
-                 device: Any, precision: str = "bf16"):
-        self.rank, self.attempt = rank, attempt
+                 device: Any, precision: str = "bf16", world_size: int = 1):
+        self.rank, self.attempt, self.world_size = rank, attempt, world_size
         self.flops_per_token = flops_per_token
         self.comm_element_bytes = comm_element_bytes
         self.device = device
@@ -204,7 +204,7 @@ class StepMeter:
             eval_loss=_finite_or_none(eval_loss),
         )
         record = {"attempt": self.attempt, "rank": self.rank, "step": step, "time": time.time(),
-                  **record_values(observation)}
+                  "world_size": self.world_size, **record_values(observation)}
         if user:
             record["user"] = dict(user)
         return record

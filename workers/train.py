@@ -414,7 +414,7 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
     meter = StepMeter(rank=world.rank, attempt=attempt,
                       flops_per_token=flops_per_token(model, seq_len),
                       comm_element_bytes=engine.precision.compute_dtype.itemsize, device=world.device,
-                      precision=engine.config.precision)
+                      precision=engine.config.precision, world_size=world.world_size)
     sinks: list[Any] = [reporter] if reporter is not None else []
     if config.get("metrics_path"):
         sinks.append(JsonlSink(f"{config['metrics_path']}.rank{world.rank}.jsonl"))

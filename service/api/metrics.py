@@ -67,8 +67,8 @@ def ingest_metrics(batch: MetricBatch, job: WorkerJob, request: Request, session
 # sends 1,000-row statements and reads every id back); this statement with Python lists as
 # parameters 0.7 s, half of it psycopg quoting 190,000 elements one by one; with each array
 # written as one PostgreSQL array literal here (numbers only: validated ints and floats) 0.3 s.
-_STORED_COLUMNS = ("attempt", "rank", "step", "time", *METRIC_FIELDS)
-_INT_COLUMNS = frozenset({"attempt", "rank", "step"})
+_STORED_COLUMNS = ("attempt", "rank", "step", "time", "world_size", *METRIC_FIELDS)
+_INT_COLUMNS = frozenset({"attempt", "rank", "step", "world_size"})
 _QUOTED_COLUMNS = ", ".join('"%s"' % name for name in _STORED_COLUMNS)  # "rank", "time" are keywords
 _PG_INSERT = text(
     f"INSERT INTO metrics (job_id, {_QUOTED_COLUMNS}) "

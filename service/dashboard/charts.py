@@ -7,9 +7,11 @@ A job may hold 100,000+ metric records (steps × ranks × attempts); the page dr
   spec bounds the step range, so no extra pass is needed to find it); each bucket becomes
   one point at its last step;
 * a point holds the fields the metric table charts (``contract.metrics.CHARTED_FIELDS``): the
-  mean over the bucket's records, times the job's world size for the fields each rank
-  reports its own share of (``Across.TOTAL``: tokens/s, TFLOPs), i.e. the job's total, so a
-  step whose ranks are still arriving does not dip; the means are overflow-safe
+  mean over the bucket's records, for the fields each rank reports its own share of
+  (``Across.TOTAL``: tokens/s, TFLOPs) of each record's share times its attempt's world size
+  (the record's ``world_size``; the spec's ``num_workers`` for records without one), i.e. the
+  job's total -- right for an elastic job's shrunk attempts too -- so a step whose ranks are
+  still arriving does not dip; the means are overflow-safe
   (``service.metric_sql``) and a mean past the float limit is served as null;
 * after a restart two attempts may hold the same steps; only then (a bucket mixes attempts)
   a second, slower query keeps each step's latest attempt before bucketing.
@@ -48,7 +50,7 @@ def _bucketed(averaging: Averaging, source: Any, width: int, world: int, extra: 
     return (
         select(
             func.max(source.c.step).label("step"),
-            *(averaging.across_ranks(field, source.c[field.name], world).label(field.name)
+            *(averaging.across_ranks(field, source.c[field.name], world, source.c.world_size).label(field.name)
               for field in CHARTED_FIELDS),
             *extra,
         )
@@ -152,9 +154,9 @@ def progress(session: Session, job_ids: list[str], worlds: dict[str, int]) -> di
         .subquery("top")
     )
 
-    def query(averaging: Averaging) -> Select:  # the ranks' mean; × world below (an Across.TOTAL field)
+    def query(averaging: Averaging) -> Select:  # the ranks' mean × their world size (an Across.TOTAL field)
         return (
-            select(Metric.job_id, Metric.attempt, Metric.step,
+            select(Metric.job_id, Metric.attempt, Metric.step, func.max(Metric.world_size).label("world_size"),
                    averaging.mean(getattr(Metric, THROUGHPUT)).label("speed"))
             .join(top, and_(Metric.job_id == top.c.job_id, Metric.step == top.c.step))
             .group_by(Metric.job_id, Metric.attempt, Metric.step)
@@ -163,7 +165,8 @@ def progress(session: Session, job_ids: list[str], worlds: dict[str, int]) -> di
 
     out: dict[str, dict[str, Any]] = {}
     for row in execute_overflow_safe(session, query):  # ordered by attempt: the latest attempt wins
-        speed = None if row.speed is None else float(row.speed) * worlds.get(row.job_id, 1)
+        world = row.world_size or worlds.get(row.job_id, 1)
+        speed = None if row.speed is None else float(row.speed) * world
         out[row.job_id] = {"step": row.step, "attempt": row.attempt,
                            THROUGHPUT: speed if speed is None or math.isfinite(speed) else None}
     return out

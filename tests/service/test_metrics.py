@@ -168,3 +168,29 @@ def test_incremental_query_after_an_id_returns_newer_records_in_storage_order(ru
     assert [p.step for p in stored] == list(range(10))
     later = client.metrics(job_id, after_id=stored[9].id)  # step 9 was stored fifth
     assert [p.step for p in later] == [0, 1, 2, 3, 4]
+
+
+def test_an_elastic_jobs_throughput_total_counts_the_ranks_of_each_attempt(running_job):
+    """The chart's and the jobs list's job total is each rank's share times the world size of
+    the record's attempt: a job shrunk from 2 workers to 1 reports one rank's tokens/s as the
+    total, not twice it (the spec's num_workers)."""
+    service, job_id, worker = running_job
+    two = [{"attempt": 1, "rank": r, "step": s, "world_size": 2, "tokens_per_s": 100.0}
+           for s in range(1, 11) for r in range(2)]
+    one = [{"attempt": 2, "rank": 0, "step": s, "world_size": 1, "tokens_per_s": 100.0} for s in range(11, 21)]
+    worker.post("/metrics", json={"records": two + one}).raise_for_status()
+    auth = {"Authorization": f"Bearer {service.admin_token}"}
+    chart = httpx.get(f"{service.url}/api/v1/jobs/{job_id}/metrics/chart", params={"max_points": 100},
+                      headers=auth).raise_for_status().json()
+    totals = dict(zip(chart["series"]["step"], chart["series"]["tokens_per_s"]))
+    assert {totals[s] for s in range(1, 11)} == {200.0} and {totals[s] for s in range(11, 21)} == {100.0}
+    progress = httpx.get(f"{service.url}/api/v1/dashboard/progress", params={"job_id": job_id},
+                         headers=auth).raise_for_status().json()
+    assert progress["items"][job_id]["tokens_per_s"] == 100.0
+    assert {p.world_size for p in service.client().metrics(job_id)} == {1, 2}
+
+
+def test_a_records_world_size_is_bounded(running_job):
+    _, _, worker = running_job
+    response = worker.post("/metrics", json={"records": [{"attempt": 1, "rank": 0, "step": 1, "world_size": 0}]})
+    assert response.status_code == 422 and "world_size" in response.text

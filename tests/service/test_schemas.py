@@ -82,7 +82,7 @@ def test_preset_parameter_counts_are_those_of_the_built_models():
 
 
 def test_metric_columns_match_the_metric_record():
-    assert set(METRIC_FIELDS) | {"attempt", "rank", "step", "time", "user"} == set(MetricRecord.model_fields)
+    assert set(METRIC_FIELDS) | {"attempt", "rank", "step", "time", "world_size", "user"} == set(MetricRecord.model_fields)
     # the user's scalars are rows of their own table (service.user_metrics)
     assert set(Metric.__table__.columns.keys()) == set(MetricRecord.model_fields) - {"user"} | {"id", "job_id"}
 

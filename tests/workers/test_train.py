@@ -15,7 +15,7 @@ from workers import train
 from workers.reporting import JobNotActive
 from workers.train import World, lr_at, run_local, start_attempt
 
-METRIC_KEYS = {"attempt", "rank", "step", "time", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s",
+METRIC_KEYS = {"attempt", "rank", "step", "time", "world_size", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s",
                "samples_per_s", "tflops", "mfu", "mem_params_bytes", "mem_grads_bytes", "mem_optimizer_bytes",
                "mem_buffers_bytes", "mem_peak_bytes", "comm_bytes", "comm_exposed_s", "checkpoint_blocked_s",
                "eval_loss"}
@@ -57,7 +57,7 @@ def test_two_rank_gloo_world_trains_and_records_every_step(tmp_path: Path):
             assert set(r) == METRIC_KEYS
             # no GPU peak on CPU; no eval block
             assert all(r[k] is not None for k in METRIC_KEYS - {"mfu", "eval_loss"}) and r["eval_loss"] is None
-            assert r["tokens_per_s"] > 0 and r["tflops"] > 0 and r["comm_bytes"] > 0
+            assert r["tokens_per_s"] > 0 and r["tflops"] > 0 and r["comm_bytes"] > 0 and r["world_size"] == 2
         last = records[-1]
         memory = summary["memory"]  # what engine.memory() said after the last step
         assert (last["mem_params_bytes"], last["mem_grads_bytes"], last["mem_optimizer_bytes"],

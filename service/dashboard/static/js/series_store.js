@@ -3,7 +3,8 @@
  * records from the stream combined per step exactly as the server combines them (see
  * service/dashboard/charts.py). Which fields there are and how each combines ranks comes with
  * the chart answer (`aggregation`, from the metric table, contract/metrics.py): `mean` over
- * ranks, or `total`, the mean × world size (each rank reports its own share). A restart
+ * ranks, or `total`, the mean of each rank's share × its attempt's world size (the record's
+ * `world_size`; the spec's num_workers for records without one). A restart
  * repeats steps with a newer attempt; its records replace what was drawn from that step on.
  * The number of points stays bounded: when it doubles past the limit, neighbouring points
  * are merged pairwise.
@@ -100,8 +101,10 @@ export class SeriesStore {
   combine(step, records) {
     const point = { step };
     for (const [f, across] of Object.entries(this.aggregation)) {
-      const m = mean(records.map((r) => r[f]));
-      point[f] = m !== null && across === "total" ? m * this.world : m;
+      // a total is each rank's share times its attempt's world size (an elastic job's shrink)
+      point[f] = across === "total"
+        ? mean(records.map((r) => (Number.isFinite(r[f]) ? r[f] * (r.world_size || this.world) : null)))
+        : mean(records.map((r) => r[f]));
     }
     return point;
   }
