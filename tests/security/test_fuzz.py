@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 SCHEMATHESIS = str(Path(sys.executable).with_name("schemathesis"))
 CHECKS = "not_a_server_error,status_code_conformance,content_type_conformance,no_stack_trace_in_body"
 MAX_EXAMPLES = 25  # per operation and caller in the fuzzing phase (no --max-time: it repeats fuzzing)
+MIN_LINKS_FOLLOWED = 5  # of the schema's links (ours and the ones schemathesis infers), per stateful run
 
 
 @pytest.fixture
@@ -52,12 +54,18 @@ def jobs(make_live_service):
 def fuzz(service, plan: list[list], tmp_path: Path, phases: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "NO_COLOR": "1", "PYTHONPATH": str(REPO), "ZT_FUZZ_PLAN": json.dumps(plan),
            "SCHEMATHESIS_HOOKS": "tests.security.fuzz_hooks"}
+    if phases == "stateful":
+        env["ZT_FUZZ_VALID_SUBMITS"] = "1"  # chains that start with a real job (fuzz_hooks.py)
+    # Each run in a folder of its own: schemathesis keeps its state, and Hypothesis its example
+    # database, in the working directory, and a stateful run that replays the fuzzing phase's
+    # examples never reaches a 201 to follow a link from.
+    cwd = tmp_path / re.sub(r"[^a-z0-9]+", "-", f"{plan}-{phases}".lower())[:80]
+    cwd.mkdir(exist_ok=True)
     return subprocess.run(
         [SCHEMATHESIS, "run", f"{service.url}/openapi.json", "--checks", CHECKS,
          "--phases", phases, "--max-examples", str(MAX_EXAMPLES), "--seed", "1", "--workers", "1",
          "--request-timeout", "20", "--no-color"],
-        capture_output=True, text=True, timeout=300, env=env,
-        cwd=tmp_path,  # schemathesis keeps its state in ./.schemathesis
+        capture_output=True, text=True, timeout=300, env=env, cwd=cwd,
     )
 
 
@@ -76,17 +84,23 @@ def test_no_caller_gets_a_5xx_or_a_leak_from_any_route(jobs, tmp_path):
         "a user": [["/metrics/stream$", finished, alice], [".", running, alice]],
         "the admin": [["/metrics/stream$", finished, service.admin_token], [".", running, service.admin_token]],
     }
-    runs = [(caller, plan, "coverage") for caller, plan in unauthenticated.items()]
-    runs += [(caller, plan, "coverage,fuzzing") for caller, plan in authenticated.items()]
-    # chained calls along the schema's OpenAPI links (service/api/links.py): submit, then
-    # follow, cancel, read *that* job; create a token, then revoke it
-    runs += [(f"{caller}, stateful", plan, "stateful") for caller, plan in authenticated.items()
-             if caller in ("a user", "the admin")]
+    runs = [(caller, lambda plan=plan: plan, "coverage") for caller, plan in unauthenticated.items()]
+    runs += [(caller, lambda plan=plan: plan, "coverage,fuzzing") for caller, plan in authenticated.items()]
+    # Chained calls along the schema's OpenAPI links (service/api/links.py): submit, then
+    # follow, cancel, read *that* job; create a token, then revoke it. With tokens made for
+    # them: the fuzzing phase may have revoked the caller's own (DELETE /tokens/{id} is a route).
+    runs += [("a user, stateful", lambda: [[".", running, service.create_user("alice")]], "stateful"),
+             ("the admin, stateful", lambda: [[".", running, service.create_user("root", is_admin=True)]], "stateful")]
     failures = {}
-    for caller, plan, phases in runs:
+    for caller, make_plan, phases in runs:
+        plan = make_plan()
         result = fuzz(service, plan, tmp_path, phases)
         (tmp_path / f"{caller}.log").write_text(result.stdout + result.stderr)  # kept for a look afterwards
         if result.returncode != 0:
             failures[caller] = result.stdout[-5000:] + result.stderr[-1500:]
+        elif phases == "stateful":  # the chains really followed links to the jobs and tokens they made
+            covered = re.search(r"API Links:\s+(\d+) covered", result.stdout)
+            if not covered or int(covered.group(1)) < MIN_LINKS_FOLLOWED:
+                failures[caller] = f"the stateful run followed too few links:\n{result.stdout[-2000:]}"
     assert not failures, "\n\n".join(f"=== {caller}\n{output}" for caller, output in failures.items())
     assert httpx.get(f"{service.url}/healthz").status_code == 200
