@@ -18,7 +18,6 @@ import pytest
 
 from workers.checkpointing.storage import Storage
 
-from .ranks import train_tasks
 from .test_resume import _run_phase, assert_same_params
 
 pytestmark = pytest.mark.slow
