@@ -395,6 +395,10 @@ class ZeroSpec(SpecModel):
     broadcast_buffers: bool = True
     # BatchNorm statistics over every rank's rows (workers/zero/sync_batchnorm.py)
     sync_batchnorm: bool = False
+    # hybrid sharding (HSDP, stages 1-3): shard within groups of this many contiguous ranks (a
+    # node) and replicate across the groups; null: the whole world. Must divide every world size
+    # the job may run at (JobSpec checks it against resources). Stage 0 ignores it.
+    shard_group_size: int | None = Field(default=None, ge=1, le=MAX_INT32)
 
 
 class ResourcesSpec(SpecModel):
@@ -525,6 +529,7 @@ class JobSpec(SpecModel):
                  "field": "train.global_batch_size"},
             )
         self._elastic_batch_arithmetic()
+        self._shard_groups()
         preset = PRESETS.get(self.model.preset or "")
         context = None if preset is None else preset.context
         for where, data in self.data_blocks():
@@ -564,6 +569,23 @@ class JobSpec(SpecModel):
                                           else f"world sizes {', '.join(map(str, bad))} do not"),
                  "good_text": f"these do: {', '.join(map(str, good))}",
                  "incompatible": bad, "field": "resources.min_workers"})
+
+    def _shard_groups(self) -> None:
+        """``zero.shard_group_size`` splits every world the job may run at into whole groups."""
+        g, resources = self.zero.shard_group_size, self.resources
+        if g is None:
+            return
+        bad = [n for n in resources.world_sizes if n % g]
+        if bad:
+            raise PydanticCustomError(
+                "shard_group_size",
+                "zero.shard_group_size ({g}) must divide resources.num_workers ({num_workers}){elastic}: "
+                "the ranks are split into shard groups of {g} contiguous ranks; world size {bad_list}",
+                {"g": g, "num_workers": resources.num_workers,
+                 "elastic": (f" and every world size down to resources.min_workers ({resources.min_workers})"
+                             if resources.elastic else ""),
+                 "bad_list": ", ".join(map(str, bad)) + (" does not" if len(bad) == 1 else " do not"),
+                 "incompatible": bad, "field": "zero.shard_group_size"})
 
     @property
     def accumulation_steps(self) -> int:

@@ -40,16 +40,19 @@ def inputs_for_spec(
     accumulation steps are those of that world too. Activations are
     profiled on ``activations_on`` (meta by default: the control plane has no GPU to spare);
     if the model cannot run that way the term is left out and the plan says so (None).
+    With ``zero.shard_group_size`` G the states are sharded over G ranks (stages 1-3): the
+    predictions price memory (and the engine's scratch in the profiles) at G.
     """
     zero, resources = spec.zero, spec.resources
     n_ranks = resources.min_workers or resources.num_workers
+    shard_ranks = min(zero.shard_group_size or n_ranks, n_ranks)  # the spec checks that G divides N
     device = "cuda" if resources.gpus_per_worker > 0 else "cpu"
     profiles = measured_activations(
         spec.model,
         micro_batch=spec.train.micro_batch_size,
         seq_len=spec.data.seq_len or DEFAULT_SEQ_LEN,
         precision=zero.precision,
-        n_ranks=n_ranks,
+        n_ranks=shard_ranks,  # the profiles only replay the sharding stages' scratch (stage 0 has none)
         bucket_mb=zero.bucket_mb,
         device=device,
         activations_on=activations_on,
@@ -73,6 +76,7 @@ def inputs_for_spec(
         target_efficiency=target_efficiency,
         reshard_after_forward=zero.reshard_after_forward,
         keep_gathered_bytes=zero.keep_gathered_bytes,
+        shard_group_size=zero.shard_group_size,
         optimizer_states=optimizer_state_tensors(spec.train.optimizer, spec.train.momentum),
         deferred_init=builds_on_meta(spec),
         checkpoint=checkpoint_kind(spec),

@@ -290,6 +290,7 @@ def build_engine(spec: JobSpec, model: torch.nn.Module, device: torch.device,
         keep_gathered_bytes=zero.keep_gathered_bytes,
         broadcast_buffers=zero.broadcast_buffers,
         sync_batchnorm=zero.sync_batchnorm,
+        shard_group_size=zero.shard_group_size,
     )
     if any(p.is_meta for p in model.parameters()):
         return ZeroEngine(model, optimizer=optimizer_factory(train), config=config, init_weights=init_weights)

@@ -82,6 +82,8 @@ BAD_SPECS: list[tuple[str, dict]] = [
     ("zero.keep_gathered_bytes", with_value("zero.keep_gathered_bytes", 1.5)),
     ("zero.broadcast_buffers", with_value("zero.broadcast_buffers", "sometimes")),
     ("zero.sync_batchnorm", with_value("zero.sync_batchnorm", 2)),
+    ("zero.shard_group_size", with_value("zero.shard_group_size", 0)),
+    ("zero.shard_group_size", with_value("zero.shard_group_size", 3)),  # does not divide num_workers (2)
     ("resources.num_workers", with_value("resources.num_workers", 0)),
     ("resources.min_workers", with_value("resources.min_workers", 0)),
     ("resources.min_workers", with_value("resources.min_workers", 3)),  # more than num_workers (2)
@@ -176,6 +178,20 @@ def test_an_elastic_range_that_breaks_the_global_batch_is_refused_with_the_sizes
     assert error["field"] == "resources.min_workers" and error["type"] == "elastic_batch_arithmetic"
     assert "world size 3 does not (these do: 1, 2, 4)" in error["message"]
     assert "DeepSpeed" in error["message"] and "global_batch_size (16)" in error["message"]
+    assert counts(service) == (0, 0, 0)
+
+
+def test_a_shard_group_size_that_does_not_split_an_elastic_range_is_refused_with_the_sizes(service):
+    # 24 samples split into whole micro-batches of 2 at 2, 3 and 4 ranks; 3 ranks are no whole groups of 2
+    spec = with_value("zero.shard_group_size", 2, with_value(
+        "train.global_batch_size", 24, with_value("resources", {"num_workers": 4, "min_workers": 2})))
+    response = httpx.post(f"{service.url}/api/v1/jobs", json=spec,
+                          headers={"Authorization": f"Bearer {service.admin_token}"})
+    assert response.status_code == 422
+    (error,) = response.json()["errors"]
+    assert error["field"] == "zero.shard_group_size" and error["type"] == "shard_group_size"
+    assert "must divide resources.num_workers (4)" in error["message"]
+    assert "world size 3 does not" in error["message"]
     assert counts(service) == (0, 0, 0)
 
 

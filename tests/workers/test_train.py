@@ -168,6 +168,19 @@ def test_a_specs_stage3_policies_reach_the_engine_and_the_planner(reshard, keep)
         engine.close()
 
 
+def test_a_specs_shard_group_size_reaches_the_engine():
+    spec = nano_spec(1)
+    spec["resources"] = {"num_workers": 1}
+    spec["zero"] = {"stage": 2, "precision": "fp32", "shard_group_size": 1}
+    job = JobSpec.model_validate(spec)
+    model, init_weights = train.build_job_model(job, resuming=False)
+    engine = train.build_engine(job, model, torch.device("cpu"), init_weights=init_weights)
+    try:
+        assert engine.config.shard_group_size == 1 and engine.shard_world == 1
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("bad", [{"reshard_after_forward": "all"}, {"keep_gathered_bytes": -1},
                                  {"keep_gathered_bytes": 1.5}])
 def test_a_bad_stage3_policy_is_refused_naming_its_field(bad):

@@ -18,6 +18,9 @@ At stage 0 every rank holds the same full state (``shard_world_size == 1``); onl
 writes tensors and the others write an empty shard, so the checkpoint holds each value once.
 In general rank ``r`` writes tensors iff ``r < shard_world_size``. Frozen parameters and
 buffers are identical on every rank (the engine broadcasts them) and live in rank 0's shard.
+The same rule covers hybrid sharding (``ZeroConfig.shard_group_size`` G): ``shard_world_size``
+is G and rank r holds shard r % G, so ranks 0..G-1 (replica 0) write the one copy of every
+shard and the replicas write empty files, as stage 0's ranks do.
 """
 
 from __future__ import annotations

@@ -49,6 +49,19 @@ pair of timing events around that stream wait: the gap is how long the compute s
 for communication. On the CPU (Gloo) collectives are launched ``async_op=True`` and
 ``wait()`` blocks the host, as before.
 
+[Note: hybrid sharding's two steps]
+With ``shard_group_size`` (``hybrid.py``) ``group`` is this rank's shard group and a
+reduce-scatter is two collectives: the reduce-scatter inside the shard group, then an all-reduce
+of its output shard across the replicate group (the ranks holding the same shard); the caller
+pre-divided by the whole world ``dp_size``, so the result is the mean over every rank. The
+second must see the first's result. On CUDA both are queued on the reduce stream, in order, and
+nothing blocks. On the CPU Gloo runs each group's work on its own threads, so the host waits for
+the shard group's part before launching the all-reduce (launches stay in the one deterministic
+order every rank follows; the all-reduce is what the caller's ``Pending`` waits for). The
+all-reduce is counted under ``all_reduce`` (twice its elements) and under ``inter_group``;
+everything else a step sends stays inside one shard group (``intra_group``). Control messages,
+set-up broadcasts and barriers go over the whole world (``dp_group``).
+
 [Note: the watchdog]
 On NCCL ``work.wait()`` returns at once (it orders streams) and the host blocks later, in a
 ``synchronize()`` or a ``float(norm)``, where no timer runs. So the watchdog does not time
@@ -73,6 +86,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from .hybrid import check_shard_group_size, hybrid_groups, is_hybrid
+
 log = logging.getLogger(__name__)
 
 # torch >= 2.10 renamed the tensor-in/tensor-out collectives; keep both spellings working.
@@ -90,6 +105,7 @@ class CommCounter:
     reduce_scatter: int = 0
     all_reduce: int = 0  # already doubled
     control: int = 0  # scalars/masks; not part of "total"
+    inter_group: int = 0  # of the above (not control): across shard groups (hybrid sharding, ``hybrid.py``)
     exposed_s: float = 0.0
     calls: int = 0
 
@@ -100,6 +116,8 @@ class CommCounter:
             "all_reduce": self.all_reduce,
             "total": self.all_gather + self.reduce_scatter + self.all_reduce,
             "control": self.control,
+            "intra_group": self.all_gather + self.reduce_scatter + self.all_reduce - self.inter_group,
+            "inter_group": self.inter_group,
         }
 
 
@@ -238,13 +256,28 @@ class Collectives:
     """The engine's only door to ``torch.distributed``."""
 
     def __init__(self, group: Optional[dist.ProcessGroup], device: torch.device, timeout_s: float = 300.0,
-                 force_distributed: bool = False):
+                 force_distributed: bool = False, shard_group_size: Optional[int] = None):
+        #: the whole data-parallel world: control messages, set-up broadcasts, stage 0's all-reduce
+        self.dp_group = group
+        self.dp_rank, self.dp_size = (dist.get_rank(group), dist.get_world_size(group)) if group is not None \
+            else (0, 1)
+        check_shard_group_size(shard_group_size, self.dp_size)
+        #: hybrid sharding (``hybrid.py``): ``group`` is this rank's shard group, and every
+        #: reduce-scatter is followed by an all-reduce of its shard over ``replicate_group``
+        self.replicate_group: Optional[dist.ProcessGroup] = None
+        self.replicas = 1
+        if group is not None and is_hybrid(shard_group_size, self.dp_size):
+            groups = hybrid_groups(group, shard_group_size)
+            group, self.replicate_group, self.replicas = groups.shard, groups.replicate, groups.replicas
+        #: the group parameters and gradients are sharded over (the world, or the shard group)
         self.group = group
         if group is not None:
             self.rank = dist.get_rank(group)
             self.world_size = dist.get_world_size(group)
         else:
             self.rank, self.world_size = 0, 1
+        #: which copy of the shards this rank holds (0 .. replicas-1); 0 without hybrid sharding
+        self.replica_index = self.dp_rank // self.world_size if self.replicate_group is not None else 0
         if force_distributed and group is None:
             raise ValueError("force_distributed needs a process group (dist.init_process_group first)")
         self.force_distributed = force_distributed
@@ -265,7 +298,7 @@ class Collectives:
     @property
     def distributed(self) -> bool:
         """Whether collectives go through the process group (a world of one copies locally unless forced)."""
-        return self.group is not None and (self.world_size > 1 or self.force_distributed)
+        return self.group is not None and (self.dp_size > 1 or self.force_distributed)
 
     def own_slot(self, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's 1/N slice of the flat ``tensor``: a reduce-scatter into it runs in place when
@@ -314,7 +347,7 @@ class Collectives:
         _WATCHDOG.exit(watch)  # a Gloo wait returns when the work is done (the note on the watchdog)
 
     def _watch(self, work, label: str, seq: int) -> int:
-        return _WATCHDOG.enter(label, seq, self.rank, self.timeout_s, work.is_completed)
+        return _WATCHDOG.enter(label, seq, self.dp_rank, self.timeout_s, work.is_completed)
 
     def _issue(self, stream: Optional["torch.cuda.Stream"], op: Callable[[bool], object]):
         """Run ``op(async_op)`` the way this device wants it; returns something to ``wait()`` on.
@@ -374,7 +407,7 @@ class Collectives:
         if not self.distributed:
             return Pending(None, label, seq, self, done=True)
         self.counter.all_reduce += 2 * tensor.numel()
-        work = self._issue(self.reduce_stream, lambda a: dist.all_reduce(tensor, group=self.group, async_op=a))
+        work = self._issue(self.reduce_stream, lambda a: dist.all_reduce(tensor, group=self.dp_group, async_op=a))
         return self._launched(work, label, seq, (tensor,), async_op)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, label: str, async_op: bool = True) -> Pending:
@@ -390,10 +423,27 @@ class Collectives:
         self.counter.reduce_scatter += input.numel()
         if self.in_place and _is_slot(output, input, self.rank, self.world_size):  # the note on Gloo's copies
             work = dist.all_reduce(input, group=self.group, async_op=True)
+        elif self.replicate_group is not None and self._cuda:  # the note on hybrid sharding's two steps
+            def both(a: bool) -> None:
+                _reduce_scatter(output, input, group=self.group, async_op=a)
+                dist.all_reduce(output, group=self.replicate_group, async_op=a)
+
+            self._count_replicate(output)
+            work = self._issue(self.reduce_stream, both)
+            return self._launched(work, label, seq, (output, input), async_op)
         else:
             work = self._issue(self.reduce_stream,
                                lambda a: _reduce_scatter(output, input, group=self.group, async_op=a))
+        if self.replicate_group is not None:  # CPU: the shard group's part is done before the second
+            self._timed_wait(work, self._watch(work, label, seq))
+            self._count_replicate(output)
+            work = dist.all_reduce(output, group=self.replicate_group, async_op=True)
         return self._launched(work, label, seq, (output, input), async_op)
+
+    def _count_replicate(self, shard: torch.Tensor) -> None:
+        """The all-reduce of a reduced shard across the replicate group: all-reduce, and inter-group."""
+        self.counter.all_reduce += 2 * shard.numel()
+        self.counter.inter_group += 2 * shard.numel()
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, label: str, async_op: bool = True) -> Pending:
         """Concatenate every rank's ``input`` into ``output`` (``input`` may alias its slot)."""
@@ -440,7 +490,7 @@ class Collectives:
         if not self.distributed:
             return
         self.counter.control += 2 * tensor.numel()
-        self._control(lambda a: dist.all_reduce(tensor, group=self.group, async_op=a), label, seq)
+        self._control(lambda a: dist.all_reduce(tensor, group=self.dp_group, async_op=a), label, seq)
 
     def control_broadcast(self, tensor: torch.Tensor, label: str, elements: int) -> None:
         """A small synchronous broadcast from rank 0 (module buffers): ``elements`` under ``control``."""
@@ -448,19 +498,19 @@ class Collectives:
         if not self.distributed:
             return
         self.counter.control += elements
-        src = dist.get_global_rank(self.group, 0)
-        self._control(lambda a: dist.broadcast(tensor, src=src, group=self.group, async_op=a), label, seq)
+        src = dist.get_global_rank(self.dp_group, 0)
+        self._control(lambda a: dist.broadcast(tensor, src=src, group=self.dp_group, async_op=a), label, seq)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """Set-up traffic (initial parameters, buffers); not part of any step's volume."""
         if not self.distributed:
             return
-        dist.broadcast(tensor, src=dist.get_global_rank(self.group, src), group=self.group)
+        dist.broadcast(tensor, src=dist.get_global_rank(self.dp_group, src), group=self.dp_group)
 
     def barrier(self) -> None:
         """Every rank of the group reaches this point (nothing once the default group is destroyed)."""
         if self.distributed and dist.is_initialized():
-            dist.barrier(group=self.group)
+            dist.barrier(group=self.dp_group)
 
 
 class _StreamWork:

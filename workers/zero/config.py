@@ -91,6 +91,11 @@ class ZeroConfig:
     comm_timeout_s      a rank blocked longer than this on one collective logs which bucket and
                         sequence number it waits on (it keeps waiting; the process group's own
                         timeout is what aborts).
+    shard_group_size    stages 1-3: hybrid sharding (HSDP, ``hybrid.py``): shard within groups of
+                        this many contiguous ranks (a node) and replicate across the groups --
+                        reduce-scatter in the group, all-reduce of the shard across groups,
+                        all-gather in the group. None: the whole world (plain ZeRO). Must divide
+                        the world size. Stage 0 shards nothing and ignores it.
     force_distributed   a world of one still runs every collective through its process group
                         instead of copying locally (a one-GPU run that exercises NCCL:
                         ``benchmarks/gpu_check.py``); needs an initialized process group.
@@ -113,6 +118,7 @@ class ZeroConfig:
     loss_scale_growth_interval: int = 2000
     comm_timeout_s: float = 300.0
     force_distributed: bool = False
+    shard_group_size: Optional[int] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or not isinstance(self.stage, int) or self.stage not in STAGES:
@@ -159,6 +165,11 @@ class ZeroConfig:
             )
         if not _is_real(self.comm_timeout_s) or not self.comm_timeout_s > 0:
             raise ValueError(f"comm_timeout_s must be a positive number of seconds, got {self.comm_timeout_s!r}")
+        if self.shard_group_size is not None and (isinstance(self.shard_group_size, bool)
+                                                  or not isinstance(self.shard_group_size, int)
+                                                  or self.shard_group_size < 1):
+            raise ValueError(f"shard_group_size must be None (the whole world) or an integer >= 1, "
+                             f"got {self.shard_group_size!r}")
         if self.precision != "fp32" and not torch.cuda.is_available():
             # Only the CPU can run this job here; refuse a dtype it cannot compute in.
             if not dtype_usable(PRECISIONS[self.precision], "cpu"):

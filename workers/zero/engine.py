@@ -44,7 +44,7 @@ import torch.nn as nn
 
 from . import engine_state, optim_groups
 from .buckets import FlatBucket
-from .collectives import Collectives, stop_watchdog
+from .collectives import Collectives, CommCounter, stop_watchdog
 from .config import ZeroConfig
 from .flat import FlatLayout
 from .materialize import InitWeights, Materializer, bind
@@ -118,12 +118,15 @@ class ZeroEngine:
         self.materializer = Materializer(model, init_weights, _compute_device(model))
         self.device = self.materializer.device
         self.precision.check_device(self.device)
-        self.comm = Collectives(process_group, self.device, config.comm_timeout_s, config.force_distributed)
-        self.rank, self.world_size = self.comm.rank, self.comm.world_size
         traits = config.traits
-        # A stage that shards nothing (0): its "shard" is the whole bucket on every rank.
-        self.shard_world = traits.shard_world(self.world_size)
-        self.shard_rank = self.rank if traits.shards_optimizer else 0
+        # hybrid sharding (hybrid.py) needs something sharded: stage 0 all-reduces over the world
+        self.comm = Collectives(process_group, self.device, config.comm_timeout_s, config.force_distributed,
+                                config.shard_group_size if traits.shards_optimizer else None)
+        self.rank, self.world_size = self.comm.dp_rank, self.comm.dp_size
+        # A stage that shards nothing (0): its "shard" is the whole bucket on every rank. With
+        # hybrid sharding the buffers are split over the shard group (rank % G), not the world.
+        self.shard_world = traits.shard_world(self.comm.world_size)
+        self.shard_rank = self.comm.rank if traits.shards_optimizer else 0
 
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self._frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
@@ -164,7 +167,7 @@ class ZeroEngine:
         self._micro_open = False
         self._micro_steps = 0
         self._step = 0
-        self._last_comm = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0, "total": 0, "control": 0}
+        self._last_comm = CommCounter().snapshot()
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._make_hook(bucket_index, pos))
             for bucket_index, b in enumerate(self.buckets)
@@ -372,7 +375,7 @@ class ZeroEngine:
         for g in grads:  # bucket by bucket: at most one bucket's fp32 copy at a time
             sq += torch.linalg.vector_norm(_fp32_grad(g, inv_scale)).double() ** 2
         control = torch.zeros(1 + len(self._got_grad), dtype=torch.float64, device=self.device)
-        if self.strategy.sharded_grads:
+        if self.strategy.sharded_grads and self.comm.replica_index == 0:  # each shard counted once (hybrid.py)
             control[0] = sq
         control[1:] = torch.tensor(self._got_grad, dtype=torch.float64)
         self.comm.control_all_reduce(control, label="grad norm + used mask")
@@ -468,6 +471,9 @@ class ZeroEngine:
         ``all_reduce`` counts twice its elements; ``total`` = all_gather + reduce_scatter +
         all_reduce. ``control`` (norm and mask messages, a few hundred elements) is reported
         apart and is not in ``total``. Nothing is counted on one rank without a process group.
+        ``intra_group`` + ``inter_group`` = ``total``: with hybrid sharding (``shard_group_size``)
+        ``inter_group`` is the all-reduce of the reduced shards across the groups, 2Φ/G per
+        reduce-scatter of Φ; without it everything is intra-group (``docs/engine.md``).
         """
         return dict(self._last_comm)
 

@@ -41,7 +41,9 @@ rank thus issues bucket 0, 1, 2, ... in the same order every micro-step.
 
 [Note: averaging]
 Each bucket is divided by N before it is summed (DDP's "pre-divide"), which keeps fp16 sums
-in range; the result is the mean over ranks of each rank's summed micro-step gradients.
+in range; the result is the mean over ranks of each rank's summed micro-step gradients. With
+hybrid sharding N is the whole world, not the shard group: the reduce-scatter sums over the G
+ranks of the shard group and the all-reduce after it over the R groups (``hybrid.py``).
 """
 
 from __future__ import annotations
@@ -93,7 +95,7 @@ class Strategy:
                  module: Optional[nn.Module] = None):
         self.buckets = buckets
         self.comm = comm
-        self.world_size = comm.world_size
+        self.world_size = comm.dp_size  # what gradients are averaged over: every rank, replicas included
         self.overlap_comm = overlap_comm
         self._sync = False
         self._next_launch = 0

@@ -5,6 +5,8 @@ on the same Gloo world, each described by a dict:
 
     uri, job_id     where its checkpoints go ({uri}/{job_id}/checkpoints)
     stage           ZeRO stage of this run
+    shard_group_size  hybrid sharding's group size (ZeroConfig), or None
+    global_batch    samples per step (default GLOBAL_BATCH)
     until           train until this many completed steps, then save (waiting for the commit)
     every           also save every this many steps (asynchronously), or None
     keep_last       retention
@@ -48,8 +50,9 @@ def tiny_gpt(seed: int, dropout: float = 0.0) -> GPT:
     return model
 
 
-def make_engine(stage: int, seed: int, dropout: float = 0.0) -> ZeroEngine:
-    config = ZeroConfig(stage=stage, precision="fp32", bucket_mb=0.002, grad_clip=1.0)
+def make_engine(stage: int, seed: int, dropout: float = 0.0, shard_group_size: int | None = None) -> ZeroEngine:
+    config = ZeroConfig(stage=stage, precision="fp32", bucket_mb=0.002, grad_clip=1.0,
+                        shard_group_size=shard_group_size)
     return ZeroEngine(tiny_gpt(seed, dropout), lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.1), config)
 
 
@@ -64,9 +67,11 @@ def needed_bytes(engine: ZeroEngine) -> int:
 
 
 def run_task(rank: int, world_size: int, task: dict[str, Any]) -> dict[str, Any]:
-    engine = make_engine(task["stage"], task.get("init_seed", 0), task.get("dropout", 0.0))
+    engine = make_engine(task["stage"], task.get("init_seed", 0), task.get("dropout", 0.0),
+                         task.get("shard_group_size"))
     torch.manual_seed(1000 + rank)  # dropout streams differ per rank, as in workers.train
-    loader = ShardedBatchLoader(SyntheticDataset(VOCAB, SEQ, seed=0), global_batch_size=GLOBAL_BATCH,
+    loader = ShardedBatchLoader(SyntheticDataset(VOCAB, SEQ, seed=0),
+                                global_batch_size=task.get("global_batch", GLOBAL_BATCH),
                                 micro_batch_size=MICRO, rank=rank, world_size=world_size)
     manager = CheckpointManager(checkpoints_uri(task["uri"], task["job_id"]), job_id=task["job_id"],
                                 every_steps=task.get("every"), keep_last=task.get("keep_last"))

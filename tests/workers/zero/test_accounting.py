@@ -45,7 +45,8 @@ def test_comm_volume_is_two_phi_padded(world, stage):
         assert comm["total"] == 2 * padded
         if stage == 0:
             assert comm == {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 2 * padded,
-                            "total": 2 * padded, "control": comm["control"]}
+                            "total": 2 * padded, "control": comm["control"],
+                            "intra_group": 2 * padded, "inter_group": 0}
         else:
             assert comm["reduce_scatter"] == padded and comm["all_gather"] == padded
             assert comm["all_reduce"] == 0

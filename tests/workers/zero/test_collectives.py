@@ -22,7 +22,8 @@ def test_values_and_counts(world):
         assert shard.tolist() == (torch.arange(6.0) * 3)[rank * 3:(rank + 1) * 3].tolist()
         assert full.tolist() == [1.0] * 3 + [2.0] * 3
         # all-reduce counts 2x, reduce-scatter its input, all-gather its output
-        assert out["counts"] == {"all_gather": 6, "reduce_scatter": 6, "all_reduce": 12, "total": 24, "control": 0}
+        assert out["counts"] == {"all_gather": 6, "reduce_scatter": 6, "all_reduce": 12, "total": 24, "control": 0,
+                                 "intra_group": 24, "inter_group": 0}  # one group: everything is intra
 
 
 def test_watchdog_names_bucket_and_sequence_number(world):
@@ -64,7 +65,8 @@ def test_a_world_of_one_forced_through_its_group_communicates(forced):
     x, shard, full = forced["values"]
     assert x.tolist() == [0.0, 1.0, 2.0, 3.0] and shard.tolist() == [0.0, 2.0, 4.0, 6.0]
     assert full.tolist() == [7.0] * 4
-    assert forced["counts"] == {"all_gather": 4, "reduce_scatter": 4, "all_reduce": 8, "total": 16, "control": 0}
+    assert forced["counts"] == {"all_gather": 4, "reduce_scatter": 4, "all_reduce": 8, "total": 16, "control": 0,
+                                "intra_group": 16, "inter_group": 0}
 
 
 def test_watchdog_fires_on_a_collective_whose_wait_returns_but_never_completes(forced):

@@ -3,6 +3,8 @@ themselves: tests/contract/test_zero_math.py)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -454,3 +456,39 @@ def test_a_process_started_with_its_own_mmap_threshold_keeps_it(monkeypatch):
 
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "33554432")  # what a job that prefers speed sets
     assert map_large_blocks() is False  # the environment's choice stands (glibc applied it at start)
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_hybrid_sharding_is_priced_at_the_shard_group_and_splits_its_communication(offload):
+    """With ``shard_group_size`` G a rank of N holds what a rank of a world of G holds (stages 1-3),
+    and sends the all-reduce of its Φ/G shard across groups besides (docs/engine.md, "Hybrid sharding")."""
+    phi = 1.3e9
+    hybrid = PlanInputs(shape=ModelShape.from_count(phi), n_ranks=8, activation_bytes=GB, shard_group_size=2)
+    alone = PlanInputs(shape=ModelShape.from_count(phi), n_ranks=2, activation_bytes=GB)
+    plain = PlanInputs(shape=ModelShape.from_count(phi), n_ranks=8, activation_bytes=GB)
+    for stage in (1, 2, 3):
+        h, a = predict(hybrid, stage, offload), predict(alone, stage, offload)
+        assert (h.gpu, h.cpu, h.peak) == (a.gpu, a.cpu, a.peak), stage
+        assert h.n_ranks == 8
+        assert h.comm_intra_elements == a.comm_elements  # reduce-scatter + all-gather inside the group
+        assert h.comm_inter_elements == 2 * int(phi) // 2  # 2Φ/G across groups
+        assert h.comm_elements == h.comm_intra_elements + h.comm_inter_elements
+        assert predict(plain, stage, offload).comm_inter_elements == 0
+    if not offload:  # stage 0 shards nothing: G changes nothing
+        assert predict(hybrid, 0).to_dict() == {**predict(plain, 0).to_dict()}
+
+
+def test_a_specs_shard_group_size_reaches_the_plan():
+    spec = JobSpec.model_validate({
+        "name": "plan-test", "model": {"preset": "gpt-nano"}, "data": {"kind": "synthetic", "vocab_size": 256,
+                                                                        "seq_len": 64},
+        "train": {"steps": 1, "global_batch_size": 4, "micro_batch_size": 2},
+        "zero": {"stage": 2, "precision": "fp32", "shard_group_size": 1}, "resources": {"num_workers": 2}})
+    inputs = inputs_for_spec(spec)
+    assert (inputs.n_ranks, inputs.shard_group_size) == (2, 1)
+    plan = plan_for_spec(spec)
+    chosen = plan.chosen
+    assert plan.inputs["shard_group_size"] == 1
+    assert chosen.comm_inter_elements == 2 * inputs.shape.phi  # G = 1: every rank replicates everything
+    unsharded = predict(replace(inputs, shard_group_size=None, n_ranks=1), 2)
+    assert chosen.gpu["params"] == unsharded.gpu["params"] and chosen.gpu["optimizer"] == unsharded.gpu["optimizer"]

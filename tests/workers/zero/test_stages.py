@@ -24,6 +24,7 @@ class RecordingComm:
     """Stands in for Collectives with world size 2: records what would be launched, in order."""
 
     world_size = 2
+    dp_size = 2  # the world gradients are averaged over (no hybrid sharding: the same)
     in_place = False  # a backend with native reduce-scatter and all-gather (NCCL's kind)
 
     def __init__(self):

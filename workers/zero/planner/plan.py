@@ -70,6 +70,9 @@ class StagePrediction:
     peak: dict[str, Any]  # the job's parts (peak.summarize): bytes per part, the worst part, host peaks
     comm_elements: int
     comm_bytes: int
+    #: of comm_elements: inside a shard group / across groups (hybrid sharding; 0 without it)
+    comm_intra_elements: int = 0
+    comm_inter_elements: int = 0
     comm_time_s: float | None = None
     efficiency: float | None = None
     bandwidth_needed_bytes_per_s: float | None = None
@@ -104,6 +107,7 @@ class PlanInputs:
     target_efficiency: float = DEFAULT_TARGET_EFFICIENCY
     reshard_after_forward: Any = True  # stage 3: True, False or "all_but_last" (ZeroConfig)
     keep_gathered_bytes: int = 0  # stage 3: cap on units kept gathered into the backward (ZeroConfig)
+    shard_group_size: int | None = None  # hybrid sharding (ZeroConfig): states sharded over G ranks, not N
     optimizer_states: int = 2  # fp32 optimizer state tensors per parameter (Adam: m, v)
     deferred_init: bool = True  # built on the meta device, one bucket at a time; False: eagerly, in fp32
     checkpoint: str = "none"  # peak.CHECKPOINTS: "none", "at_end", "periodic"
@@ -122,6 +126,7 @@ class PlanInputs:
             "largest_unit": max(self.shape.unit_numels, default=0),
             "units": len(self.shape.unit_numels) + bool(self.shape.root_numel),
             "n_ranks": self.n_ranks,
+            "shard_group_size": self.shard_group_size,
             "precision": self.precision,
             "bucket_mb": self.bucket_mb,
             "prefetch": self.prefetch,
@@ -143,9 +148,17 @@ class PlanInputs:
 
 def predict(inputs: PlanInputs, stage: int, offload: bool = False) -> StagePrediction:
     """Every term of one rank's memory for one (stage, offload), its peak part by part, plus
-    communication and time."""
-    shape, n, precision = inputs.shape, inputs.n_ranks, inputs.precision
+    communication and time.
+
+    With hybrid sharding (``shard_group_size`` G) a rank holds what a rank of a world of G holds
+    (stages 1-3; stage 0 ignores G), so every memory term is priced at G; the communication
+    adds the all-reduce of the Φ/G shard across the N/G groups, 2Φ/G elements, the inter-group
+    part (``hybrid.py``).
+    """
+    shape, precision = inputs.shape, inputs.precision
     traits = stage_traits(stage)
+    hybrid = hybrid_group_size(inputs, stage)
+    n = hybrid or inputs.n_ranks  # the ranks the states are sharded over
     if traits.shards_parameters:  # one bucket per unit (workers/zero/stage3.py)
         buckets = shape.unit_bucket_numels(n)
     else:
@@ -203,11 +216,13 @@ def predict(inputs: PlanInputs, stage: int, offload: bool = False) -> StagePredi
         "peak": peak["host_bytes"],
     }
     # stage 3: the units kept gathered are not gathered again for their backward
-    elements = comm_elements(shape.phi, stage) - kept_elements
+    intra = comm_elements(shape.phi, stage) - kept_elements
+    inter = 2 * (shape.phi // hybrid) if hybrid else 0  # the shard's all-reduce across groups (Φ/G, twice)
+    elements = intra + inter
     prediction = StagePrediction(
         stage=stage,
         offload=offload,
-        n_ranks=n,
+        n_ranks=inputs.n_ranks,
         precision=precision,
         device=inputs.device,
         gpu=gpu,
@@ -216,9 +231,20 @@ def predict(inputs: PlanInputs, stage: int, offload: bool = False) -> StagePredi
         peak=peak,
         comm_elements=elements,
         comm_bytes=elements * low_precision_bytes(precision),
+        comm_intra_elements=intra,
+        comm_inter_elements=inter,
     )
     _add_time_model(prediction, inputs)
     return prediction
+
+
+def hybrid_group_size(inputs: PlanInputs, stage: int) -> int | None:
+    """G when ``stage`` runs hybrid-sharded (it shards something and G < N: the engine's
+    ``hybrid.is_hybrid``), else None."""
+    g = inputs.shard_group_size
+    if g is None or g >= inputs.n_ranks or not stage_traits(stage).shards_optimizer:
+        return None
+    return g
 
 
 def _replayed_activations(inputs: PlanInputs, stage: int) -> int | None:

@@ -1,0 +1,80 @@
+"""Hybrid sharding (HSDP) runs: training equivalence and the intra/inter-group split of the
+communication, measured below the engine (importable by spawned ranks)."""
+
+from __future__ import annotations
+
+import torch
+
+from workers.zero import ZeroConfig, ZeroEngine
+
+try:
+    from . import cases3
+    from .cases import MICRO_B, OPTIMIZERS, make_batches
+except ImportError:  # a spawned rank loads this file by path (``testing._resolve``): so its siblings
+    import pathlib
+
+    from workers.zero.testing import load_module
+
+    _here = pathlib.Path(__file__)
+    _cases = load_module("tests.workers.zero.cases", _here.with_name("cases.py"))
+    cases3 = load_module("tests.workers.zero.cases3", _here.with_name("cases3.py"))
+    MICRO_B, OPTIMIZERS, make_batches = _cases.MICRO_B, _cases.OPTIMIZERS, _cases.make_batches
+
+
+def count_by_group(replicate_group) -> dict:
+    """Elements of every fp32 collective torch.distributed is asked for, split by whether it runs
+    over ``replicate_group`` (inter) or not (intra). On Gloo/CPU a reduce-scatter is an in-place
+    all-reduce of its input over the shard group and an all-gather one broadcast per slot
+    (``collectives.py``); control messages are float64/int64 and not counted here."""
+    import torch.distributed as dist
+
+    counts = {"intra": 0, "inter": 0}
+    real_broadcast, real_all_reduce = dist.broadcast, dist.all_reduce
+
+    def where(kwargs) -> str:
+        return "inter" if replicate_group is not None and kwargs.get("group") is replicate_group else "intra"
+
+    def broadcast(tensor, *args, **kwargs):
+        if tensor.dtype == torch.float32:
+            counts[where(kwargs)] += tensor.numel()
+        return real_broadcast(tensor, *args, **kwargs)
+
+    def all_reduce(tensor, *args, **kwargs):
+        if tensor.dtype == torch.float32:
+            counts[where(kwargs)] += tensor.numel()
+        return real_all_reduce(tensor, *args, **kwargs)
+
+    dist.broadcast, dist.all_reduce = broadcast, all_reduce
+    counts["restore"] = lambda: (setattr(dist, "broadcast", real_broadcast),
+                                 setattr(dist, "all_reduce", real_all_reduce))
+    return counts
+
+
+def comm_run(rank: int, world_size: int, kind: str, cfg: dict, steps: int = 2):
+    """One micro-step per step, a fixed forward: per step comm_volume() and what was dispatched."""
+    model = cases3.make(kind, seed=rank)
+    engine = ZeroEngine(model, OPTIMIZERS["adamw"], ZeroConfig(**{"precision": "fp32", **cfg}))
+    counts = count_by_group(engine.comm.replicate_group)
+    sl = slice(rank * MICRO_B, (rank + 1) * MICRO_B)
+    volumes, dispatched = [], []
+    try:
+        for ((idx, tgt),) in make_batches(world_size, steps, 1):
+            loss = cases3.forward(engine, kind, idx[sl], tgt[sl], rank, 0)
+            engine.backward(loss)
+            engine.step()
+            volumes.append(engine.comm_volume())
+            dispatched.append({k: counts[k] for k in ("intra", "inter")})
+            counts["intra"] = counts["inter"] = 0
+    finally:
+        counts["restore"]()
+    out = {"comm": volumes, "dispatched": dispatched, "padded": engine.layout.numel,
+           "shard_world": engine.shard_world, "shard_rank": engine.shard_rank,
+           "replicas": engine.comm.replicas}
+    engine.close()
+    return out
+
+
+def world(rank: int, world_size: int, train_cases: list[tuple], comm_cases: list[tuple]):
+    torch.set_num_threads(1)
+    trained = [cases3.run(rank, world_size, *case) for case in train_cases]
+    return trained, [comm_run(rank, world_size, *case) for case in comm_cases]
