@@ -104,9 +104,10 @@ function metaList(job, prediction) {
     ["Job id", h("code", { text: job.id })],
     ["Owner", job.owner],
     ["Model", (spec.model || {}).preset || (spec.model || {}).factory || "–"],
+    ...(zero.shard_group_size ? [["Sharding", `hybrid: shards within groups of ${zero.shard_group_size} ranks, replicated across groups`]] : []),
     ["ZeRO stage", `${zero.stage ?? "auto"}${zero.stage === "auto" && prediction && Number.isFinite(prediction.stage) ? ` (running ${prediction.stage})` : ""}`],
     ["Precision", zero.precision || "–"],
-    ["Workers", `${resources.num_workers ?? 1} × (${resources.cpus_per_worker ?? 1} CPU, ${resources.gpus_per_worker ?? 0} GPU)`],
+    ["Workers", workersText(resources)],
     ["Batch", `${train.global_batch_size} global, ${train.micro_batch_size} per micro-batch`],
     ["Attempt", String(job.attempt ?? 0)],
     ["Created", timestamp(job.created_at)],
@@ -422,4 +423,12 @@ export function jobPage({ jobId, signal }) {
     replaceChildren(element, h("h1", { text: "Job not available" }), h("p", { role: "alert", text: error.message }), h("p", {}, h("a", { href: "/", "data-nav": true, text: "← All jobs" })));
   });
   return { element, title: "Job" };
+}
+
+/** "2 × (1 CPU, 0 GPU)", or for an elastic job "1–2 × (…), elastic": the range it may run at. */
+function workersText(resources) {
+  const most = resources.num_workers ?? 1;
+  const least = resources.min_workers ?? most;
+  const each = `(${resources.cpus_per_worker ?? 1} CPU, ${resources.gpus_per_worker ?? 0} GPU)`;
+  return least < most ? `${least}–${most} × ${each}, elastic` : `${most} × ${each}`;
 }

@@ -105,7 +105,7 @@ export function jobsPage({ navigate, signal }) {
       h("td", { text: job.owner }),
       h("td", { text: modelName(spec) }),
       h("td", { text: String((spec.zero && spec.zero.stage) ?? "auto") }),
-      h("td", { text: String((spec.resources && spec.resources.num_workers) ?? "–") }),
+      h("td", { text: workerRange(spec.resources) }),
       h(
         "td",
         { class: "progress-cell" },
@@ -185,4 +185,11 @@ export function jobsPage({ navigate, signal }) {
   });
   load();
   return { element, title: "Jobs" };
+}
+
+/** The jobs list's workers column: "2", or "1–2" for an elastic job. */
+function workerRange(resources) {
+  if (!resources || resources.num_workers === undefined) return "–";
+  const least = resources.min_workers ?? resources.num_workers;
+  return least < resources.num_workers ? `${least}–${resources.num_workers}` : String(resources.num_workers);
 }
