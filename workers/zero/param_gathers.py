@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Optional
 import torch.nn as nn
 
 from .collectives import Collectives, Pending
+from .parameter_guards import remove_guards
 
 if TYPE_CHECKING:
     from .buckets import FlatBucket
@@ -115,12 +116,8 @@ class ParamGathers:
 
     def remove_hooks(self) -> None:
         """Remove the waits (``ZeroEngine.remove_hooks``; the delayed-gather test shows what they do)."""
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-        for m in self._guarded:
-            m._parameters = dict(m._parameters)
-        self._guarded = []
+        remove_guards(self._handles, self._guarded)
+        self._handles, self._guarded = [], []
 
 
 def _wait_dropped(pending: dict) -> None:

@@ -115,6 +115,7 @@ from contract.zero_math import STAGE_TRAITS
 
 from .buckets import FlatBucket
 from .collectives import Collectives, Pending, tagged_all_gather
+from .parameter_guards import remove_guards
 from .stages import ReduceScatterInBackwardStrategy
 from .units import KeptUnits, UnitPlan
 
@@ -369,12 +370,8 @@ class ParamShardStrategy(ReduceScatterInBackwardStrategy):
         return watched
 
     def remove_hooks(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-        for m in self._watched:
-            m._parameters = dict(m._parameters)
-        self._watched = []
+        remove_guards(self._handles, self._watched)
+        self._handles, self._watched = [], []
 
     # -- storage accounting -------------------------------------------------------------------------
     def param_tensors(self) -> list[torch.Tensor]:
