@@ -51,7 +51,10 @@ class Averaging:
             return self.mean(column)
         if world_size is None:
             return self.mean(column) * world
-        return self.mean(column * func.coalesce(world_size, world))
+        ranks = func.coalesce(world_size, world)
+        if self.exact:  # numeric before the product: a share near the float limit times 2 is past it
+            return func.avg(cast(column, Numeric) * ranks, type_=Float)
+        return func.avg(column * ranks, type_=Float)
 
 
 FLOAT8 = Averaging(exact=False)
