@@ -175,8 +175,8 @@ def check(preset: str, rank: int, measured: dict) -> list[str]:
     return failures
 
 
-def run_preset(preset: str) -> None:
-    per_rank = spawn_world(measure_rank, world_size=WORLD, args=(preset,), timeout_s=600)
+def run_preset(preset: str, timeout_s: float = 600) -> None:
+    per_rank = spawn_world(measure_rank, world_size=WORLD, args=(preset,), timeout_s=timeout_s)
     assert [len(results) for results in per_rank] == [
         len(configs(preset)) * sum(rank < n for n in SIZES) for rank in range(WORLD)]
     print(f"\nplanner vs engine, {preset} (model states error; peak predicted/measured, worst part):")
@@ -189,8 +189,9 @@ def test_predicted_peak_matches_the_engine_on_gpt_nano():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)  # a hang guard: on two busy cores the ranks took over the default 600 s
 def test_predicted_peak_matches_the_engine_on_gpt_mini():
-    run_preset("gpt-mini")
+    run_preset("gpt-mini", timeout_s=1400)
 
 
 @pytest.mark.slow
