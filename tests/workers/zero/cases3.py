@@ -95,6 +95,35 @@ def reference(kind: str, world_size: int, opt: str, steps: int, micro: int, clip
                            world_size, opt, steps, micro, clip)
 
 
+def check_against_reference(world_size: int, cases: list[tuple], results_per_rank, label) -> list[tuple]:
+    """Each case's rank-0 result against one process with torch.optim (``reference``, built once per
+    (kind, optimizer, steps, micro-steps, clip)): the state dict and every step's gradient norm at
+    rtol 1e-5; every other rank bitwise equal to rank 0 (parameters and norms).
+
+    ``results_per_rank[r][i]`` is rank r's ``run()`` result of ``cases[i]``; ``label(case)`` names a
+    case in failures. Returns, per case, each rank's result, for the caller's own checks.
+    """
+    refs: dict = {}
+    for i, (kind, _cfg, opt, steps, micro, clip, *_) in enumerate(cases):
+        key = (kind, opt, steps, micro, clip)
+        if key not in refs:
+            refs[key] = reference(kind, world_size, opt, steps, micro, clip)
+        ref_sd, ref_norms = refs[key]
+        what = f"world {world_size} {label(cases[i])}"
+        full0, infos0 = results_per_rank[0][i][:2]
+        assert set(full0) == set(ref_sd), what
+        for k, ref in ref_sd.items():
+            torch.testing.assert_close(full0[k], ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{what} {k}: {m}")
+        norms = torch.tensor([info["grad_norm"] for info in infos0])
+        torch.testing.assert_close(norms, torch.tensor(ref_norms), rtol=1e-5, atol=1e-6, msg=lambda m: f"{what}: {m}")
+        for r in range(1, world_size):
+            full_r, infos_r = results_per_rank[r][i][:2]
+            for k in full0:
+                assert torch.equal(full_r[k], full0[k]), f"{what}: rank {r} differs on {k}"
+            assert [x["grad_norm"] for x in infos_r] == [x["grad_norm"] for x in infos0], (what, r)
+    return [[per_rank[i] for per_rank in results_per_rank] for i in range(len(cases))]
+
+
 def run(rank: int, world_size: int, kind: str, cfg: dict, opt: str = "adamw", steps: int = 6, micro: int = 2,
         clip: float | None = 0.5, direct: bool = False):
     """One rank's run with ZeroConfig(**cfg); an evaluation forward in another order between steps."""
@@ -116,6 +145,25 @@ def run(rank: int, world_size: int, kind: str, cfg: dict, opt: str = "adamw", st
     out = engine.full_state_dict(), infos, peak, engine.memory()["buffers"] - _buffer_bytes(engine.module)
     engine.close()  # how a run ends (docs/engine.md, "Ending a run")
     return out
+
+
+def recorded_steps(engine, kind: str, rank: int, world_size: int, steps: int, counts: dict,
+                   keys: tuple[str, ...], vary_order: bool = True) -> tuple[list, list, list]:
+    """``steps`` steps of one micro-step each; per step the rank's loss, ``comm_volume()`` and the
+    ``counts[k]`` for ``keys`` (what a patched torch.distributed was asked to send), reset after
+    each step. ``vary_order``: the blocks' order changes from step to step (else step 0's)."""
+    sl = slice(rank * MICRO_B, (rank + 1) * MICRO_B)
+    losses, volumes, dispatched = [], [], []
+    for step, ((idx, tgt),) in enumerate(make_batches(world_size, steps, 1)):
+        loss = forward(engine, kind, idx[sl], tgt[sl], rank, step if vary_order else 0)
+        losses.append(loss.detach().clone())
+        engine.backward(loss)
+        engine.step()
+        volumes.append(engine.comm_volume())
+        dispatched.append({k: counts[k] for k in keys})
+        for k in keys:
+            counts[k] = 0
+    return losses, volumes, dispatched
 
 
 def _buffer_bytes(model: nn.Module) -> int:

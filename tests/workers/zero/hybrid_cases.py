@@ -9,7 +9,7 @@ from workers.zero import ZeroConfig, ZeroEngine
 
 try:
     from . import cases3
-    from .cases import MICRO_B, OPTIMIZERS, make_batches
+    from .cases import OPTIMIZERS
 except ImportError:  # a spawned rank loads this file by path (``testing._resolve``): so its siblings
     import pathlib
 
@@ -18,7 +18,7 @@ except ImportError:  # a spawned rank loads this file by path (``testing._resolv
     _here = pathlib.Path(__file__)
     _cases = load_module("tests.workers.zero.cases", _here.with_name("cases.py"))
     cases3 = load_module("tests.workers.zero.cases3", _here.with_name("cases3.py"))
-    MICRO_B, OPTIMIZERS, make_batches = _cases.MICRO_B, _cases.OPTIMIZERS, _cases.make_batches
+    OPTIMIZERS = _cases.OPTIMIZERS
 
 
 def count_by_group(replicate_group) -> dict:
@@ -55,16 +55,9 @@ def comm_run(rank: int, world_size: int, kind: str, cfg: dict, steps: int = 2):
     model = cases3.make(kind, seed=rank)
     engine = ZeroEngine(model, OPTIMIZERS["adamw"], ZeroConfig(**{"precision": "fp32", **cfg}))
     counts = count_by_group(engine.comm.replicate_group)
-    sl = slice(rank * MICRO_B, (rank + 1) * MICRO_B)
-    volumes, dispatched = [], []
     try:
-        for ((idx, tgt),) in make_batches(world_size, steps, 1):
-            loss = cases3.forward(engine, kind, idx[sl], tgt[sl], rank, 0)
-            engine.backward(loss)
-            engine.step()
-            volumes.append(engine.comm_volume())
-            dispatched.append({k: counts[k] for k in ("intra", "inter")})
-            counts["intra"] = counts["inter"] = 0
+        _, volumes, dispatched = cases3.recorded_steps(engine, kind, rank, world_size, steps, counts,
+                                                       ("intra", "inter"), vary_order=False)
     finally:
         counts["restore"]()
     out = {"comm": volumes, "dispatched": dispatched, "padded": engine.layout.numel,

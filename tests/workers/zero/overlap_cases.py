@@ -175,17 +175,9 @@ def policy_run(rank: int, world_size: int, kind: str, cfg: dict, steps: int):
     engine = ZeroEngine(model, OPTIMIZERS["adamw"], ZeroConfig(**{
         "stage": 3, "precision": "fp32", "grad_clip": None, "broadcast_buffers": False, **cfg}))
     counts = count_dispatched()
-    sl = slice(rank * MICRO_B, (rank + 1) * MICRO_B)
-    losses, volumes, dispatched = [], [], []
     try:
-        for step, ((idx, tgt),) in enumerate(make_batches(world_size, steps, 1)):
-            loss = c3.forward(engine, kind, idx[sl], tgt[sl], rank, step)
-            losses.append(loss.detach().clone())
-            engine.backward(loss)
-            engine.step()
-            volumes.append(engine.comm_volume())
-            dispatched.append({k: counts[k] for k in ("all_gather", "reduce_scatter")})
-            counts["all_gather"] = counts["reduce_scatter"] = 0
+        losses, volumes, dispatched = c3.recorded_steps(engine, kind, rank, world_size, steps, counts,
+                                                        ("all_gather", "reduce_scatter"))
     finally:
         counts["restore"]()
     units = {u.name: u.flat.numel() for u in engine.strategy.units}

@@ -7,13 +7,12 @@ torch.distributed was asked to send over each group."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from workers.zero import ZeroConfig, ZeroEngine
 from workers.zero.testing import spawn_world
 
 from .cases import OPTIMIZERS, make_model
-from .cases3 import reference
+from .cases3 import check_against_reference
 from .hybrid_cases import world
 
 STEPS, MICRO, CLIP = 3, 2, 0.5
@@ -32,24 +31,7 @@ COMM = [("toy", dict(stage=s, shard_group_size=G)) for s in (1, 2, 3)] + [("toy"
 
 
 def check_training(world_size: int, trained_per_rank, train: list[tuple]) -> None:
-    refs: dict = {}
-    for i, (kind, cfg, opt, steps, micro, clip) in enumerate(train):
-        key = (kind, opt, steps, micro, clip)
-        if key not in refs:
-            refs[key] = reference(kind, world_size, opt, steps, micro, clip)
-        ref_sd, ref_norms = refs[key]
-        what = f"world {world_size} {kind} {cfg} {opt}"
-        full0, infos0, _, _ = trained_per_rank[0][i]
-        assert set(full0) == set(ref_sd), what
-        for k, ref in ref_sd.items():
-            torch.testing.assert_close(full0[k], ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{what} {k}: {m}")
-        norms = torch.tensor([info["grad_norm"] for info in infos0])
-        torch.testing.assert_close(norms, torch.tensor(ref_norms), rtol=1e-5, atol=1e-6, msg=lambda m: f"{what}: {m}")
-        for r in range(1, world_size):  # replicas and shard-group peers end identical
-            full_r, infos_r, _, _ = trained_per_rank[r][i]
-            for k in full0:
-                assert torch.equal(full_r[k], full0[k]), f"{what}: rank {r} differs on {k}"
-            assert [x["grad_norm"] for x in infos_r] == [x["grad_norm"] for x in infos0], (what, r)
+    check_against_reference(world_size, train, trained_per_rank, lambda case: f"{case[0]} {case[1]} {case[2]}")
 
 
 def check_comm(world_size: int, comm_per_rank, comm: list[tuple]) -> None:
