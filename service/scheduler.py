@@ -40,6 +40,7 @@ from service.models import Job, utcnow
 from service.schemas import JobState
 from service.settings import Settings
 from service.states import IllegalTransition, note_waiting, transition
+from workers.checkpointing import shared_storage
 
 log = logging.getLogger(__name__)
 S = JobState
@@ -161,7 +162,8 @@ class Scheduler:
             request = LaunchRequest(job_id=job.id, attempt=job.attempt, spec=JobSpec.model_validate(job.spec),
                                     api_url=self.settings.api_url, ingest_token=ingest_token,
                                     storage_uri=self.settings.storage_uri,
-                                    scoped_storage=self.settings.scoped_storage)
+                                    scoped_storage=self.settings.scoped_storage,
+                                    storage_marker=shared_storage.write_marker(self.settings.storage_uri, job.id))
             handle = self.launcher.start(request)
         except Exception as error:
             log.exception("launcher failed to start %s", job_id)

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from contract.metrics import THROUGHPUT
 from contract.reasons import Reason
 from contract.spec import MIN_LR_RATIO, JobSpec, TrainSpec
+from workers.checkpointing.shared_storage import check_marker
 from workers.data import IndexedDataset, ShardedBatchLoader, build_dataset
 from workers.models import build_model, flops_per_token
 from workers.host_memory import map_large_blocks
@@ -393,6 +394,8 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
     token = os.environ.get("ZEROTRAIN_INGEST_TOKEN")
     api = WorkerAPI(config["api_url"], config["job_id"], token) if config.get("api_url") and token else None
     attempt = start_attempt(config, world, api)
+    with user_code("checking the job's storage"):  # a node without the shared file:// root: no restart
+        check_marker(config.get("storage_uri"), config["job_id"], rank=world.rank)
     USER_METRICS.reset()  # from here on, what the user's code reports (factories included) is this run's
 
     if world.device.type == "cpu":  # freed tensors leave the resident set (workers/host_memory.py)

@@ -41,6 +41,9 @@ class LaunchRequest:
     # the job holds no storage keys and fetches credentials for its own prefixes from the API
     # (Settings.scoped_storage, service.job_credentials)
     scoped_storage: bool = False
+    # the nonce of the marker the control plane wrote under a file:// root for this launch; every
+    # rank checks it is there (workers.checkpointing.shared_storage); None: not a file:// root
+    storage_marker: str | None = None
 
 
 @dataclass(frozen=True)

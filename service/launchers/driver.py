@@ -43,6 +43,7 @@ from collections.abc import Mapping
 
 from service.launchers.base import LaunchRequest
 from workers import storage_credentials
+from workers.checkpointing import shared_storage
 
 DRIVER_MODULE = "workers.launch"
 
@@ -54,6 +55,8 @@ INGEST_TOKEN_ENV = "ZEROTRAIN_INGEST_TOKEN"  # secret: environment only, never a
 STORAGE_URI_ENV = "ZEROTRAIN_STORAGE_URI"
 # "api": the job's processes get storage credentials from the control plane (named where they read it)
 STORAGE_CREDENTIALS_ENV, STORAGE_CREDENTIALS_FROM_API = storage_credentials.SOURCE_ENV, storage_credentials.FROM_API
+# the nonce of this launch's storage marker (a file:// root: workers.checkpointing.shared_storage)
+STORAGE_MARKER_ENV = shared_storage.MARKER_ENV
 
 # [Note: Ray Train settings every job runs with]
 # They travel with the job's own variables (``job_environment``), so the driver, the Ray Train
@@ -148,6 +151,7 @@ def job_environment(request: LaunchRequest) -> dict[str, str]:
         INGEST_TOKEN_ENV: request.ingest_token,
         STORAGE_URI_ENV: request.storage_uri,
         **({STORAGE_CREDENTIALS_ENV: STORAGE_CREDENTIALS_FROM_API} if request.scoped_storage else {}),
+        **({STORAGE_MARKER_ENV: request.storage_marker} if request.storage_marker else {}),
         **RAY_TRAIN_ENV,
     }
 

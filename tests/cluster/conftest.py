@@ -74,6 +74,9 @@ class RayNode:
                  gcs_address: str | None = None, trace: bool = True):
         self.name, self.num_cpus, self.env, self.gcs_address = name, num_cpus, env, gcs_address
         self.root, self.trace = root, trace
+        # directories this node sees as an empty disk of its own (a mount namespace with a tmpfs
+        # over each): a node that does not share a file:// storage root
+        self.private_dirs: tuple[Path, ...] = ()
         self.process: subprocess.Popen | None = None
         self.starts = 0
         self.temp_dir = ""
@@ -118,6 +121,11 @@ class RayNode:
         if self.trace:
             # what a worker node sends, too (its DNS queries); the head's sends are too many to trace
             command = connect_watch.traced(command, self.strace_log, dns=not self.is_head)
+        if self.private_dirs:
+            mounts = " && ".join(f'mount -t tmpfs zt-private-disk "${i + 1}"' for i in range(len(self.private_dirs)))
+            command = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                       f'{mounts} && shift {len(self.private_dirs)} && exec "$@"', "sh",
+                       *map(str, self.private_dirs), *command]
         with open(self.root / f"{self.name}.log", "ab") as out:
             self.process = subprocess.Popen(command, env=self.env, stdin=subprocess.DEVNULL, stdout=out,
                                             stderr=subprocess.STDOUT, start_new_session=True)

@@ -138,3 +138,36 @@ def test_losing_a_worker_node_mid_job_resumes_from_the_latest_checkpoint(loopbac
           f"from step {resumed_from}; {final.state.value}; "
           f"{loopback_cluster.loopback_reverse_lookups()} loopback reverse lookups so far\n"
           + "\n".join(f"  {e.from_state} -> {e.to_state} a{e.attempt} [{e.reason}] {(e.message or '')[:150]}" for e in events))
+
+
+@pytest.mark.timeout(600)
+def test_a_node_without_the_shared_file_storage_root_fails_the_job_in_its_first_attempt_naming_the_path(
+        loopback_cluster: LoopbackCluster, cluster_plane, tmp_path_factory):
+    """A ``file://`` storage root that one node does not share (``workers.checkpointing.shared_storage``):
+    worker2 comes back with a disk of its own mounted at the root's path (a mount namespace with a
+    tmpfs there). The job's rank on it finds no marker of this launch before it writes anything:
+    the job FAILS in attempt 1, not retried, and its message names the node's view and the path.
+    Before the check, such a job ran on, each rank writing its shards to its own disk."""
+    root = tmp_path_factory.mktemp("file-storage")
+    private = loopback_cluster.worker(WORKERS[1])
+    loopback_cluster.kill_worker(private.name)
+    private.private_dirs = (root,)
+    try:
+        loopback_cluster.restart_worker(private.name)
+        plane = cluster_plane(storage_uri=f"file://{root}")
+        with plane.client() as client:
+            job = client.submit(cluster_job(30, max_failures=2))
+            final = client.wait(job.id, timeout=300)
+            events = client.events(job.id)
+            explained = explain(client, job.id)
+        assert final.state is JobState.FAILED, explained
+        assert (final.reason, final.attempt) == ("user_code_error", 1), explained
+        assert "checking the job's storage failed: StorageNotShared: " in final.message, final.message
+        assert f"the storage root file://{root} is not shared with this node" in final.message
+        assert f"{root / job.id / 'storage-marker.json'} and it is not there" in final.message
+        assert not any(e.to_state is JobState.RESTARTING for e in events), explained
+        assert (root / job.id / "storage-marker.json").is_file()  # the control plane's own view
+    finally:
+        loopback_cluster.kill_worker(private.name)
+        private.private_dirs = ()
+        loopback_cluster.restart_worker(private.name)

@@ -214,7 +214,8 @@ def test_a_rayjob_carries_none_of_the_control_planes_secrets(kubeconfig, make_li
         (container,) = template["spec"]["containers"]
         assert {e["name"] for e in container["env"]} == {
             "ZEROTRAIN_JOB_ID", "ZEROTRAIN_ATTEMPT", "ZEROTRAIN_API_URL", "ZEROTRAIN_INGEST_TOKEN",
-            "ZEROTRAIN_STORAGE_URI", *RAY_TRAIN_ENV}, container["name"]
+            "ZEROTRAIN_STORAGE_URI", *RAY_TRAIN_ENV,
+            "ZEROTRAIN_STORAGE_MARKER"}, container["name"]  # the service's storage is file:// here: checked
         assert container["envFrom"] == [{"secretRef": {"name": "zerotrain-storage", "optional": True}}]
     assert set(secret["stringData"]) == {kuberay.TOKEN_KEY}
     service.client().cancel(job.id)

@@ -278,3 +278,25 @@ def test_admission_starts_jobs_in_order_as_capacity_frees_and_says_why_the_rest_
                                                          JobEvent.from_state == JobEvent.to_state)).scalars().all()
     assert len(notices) == 1
     assert ids[:2] == ["job-0000", "job-0001"]
+
+
+def test_each_launch_under_a_file_root_writes_a_new_storage_marker_and_tells_the_job_its_nonce(db):
+    """Issue 19: the control plane proves a file:// root is shared (workers.checkpointing.shared_storage)."""
+    import json
+
+    from service.launchers.driver import STORAGE_MARKER_ENV, job_environment
+    from workers.checkpointing.shared_storage import check_marker
+
+    make_session, settings = db
+    (job_id,) = add_jobs(make_session, 1)
+    launcher = RecordingLauncher()
+    requests: list[LaunchRequest] = []
+    launcher.start = lambda request: requests.append(request) or LaunchHandle(launcher.name, request.job_id)
+    Scheduler(make_session, launcher, settings).run_once()
+    (request,) = requests
+    marker = settings.home / "storage" / job_id / "storage-marker.json"
+    assert settings.storage_uri == f"file://{settings.home / 'storage'}"
+    assert json.loads(marker.read_text())["nonce"] == request.storage_marker
+    assert job_environment(request)[STORAGE_MARKER_ENV] == request.storage_marker
+    check_marker(settings.storage_uri, job_id, request.storage_marker)  # what every rank does first
+

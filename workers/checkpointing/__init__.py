@@ -9,6 +9,7 @@ Torch-free (the CLI's ``verify``/``consolidate``/``list`` import only these):
 ``verify``       every file against the manifest's sizes and sha256
 ``consolidate``  one ordinary weights file, streamed chunk by chunk in bounded memory
 ``retention``    ``keep_last``: decommit, delete objects, then forget the record
+``shared_storage``  a ``file://`` root proven to be one filesystem for the control plane and every rank
 
 With torch (the training side):
 
