@@ -4,9 +4,11 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
-# Loopback only: Ray keeps 127.0.0.1 and Gloo stays on lo (docs/design.md, "Real components").
+# Loopback only: Ray keeps 127.0.0.1 and Gloo stays on lo (docs/design.md, "Real components"),
+# and torch's store names its loopback peers from /etc/hosts, not the DNS (scripts/loopback-names).
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export GLOO_SOCKET_IFNAME := lo
+LOOPBACK := scripts/loopback-names
 
 .PHONY: install demo test test-slow bench bench-install services lint clean
 
@@ -24,16 +26,16 @@ services:
 	@bash scripts/ensure-services.sh
 
 demo: install
-	$(PY) -m examples.demo
+	$(LOOPBACK) $(PY) -m examples.demo
 
 # `make test` leaves the suites marked `slow` (real Ray jobs end to end, fault injection on a
 # Ray cluster) to `make test-slow`, so that it stays under 30 minutes on two cores; CI
 # (.ci/run) runs both.
 test: install services
-	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" $(PYTEST_ARGS)
+	$(LOOPBACK) $(PY) -m pytest -q -p no:cacheprovider --durations=25 -m "not slow" $(PYTEST_ARGS)
 
 test-slow: install services
-	$(PY) -m pytest -q -p no:cacheprovider -m slow $(PYTEST_ARGS)
+	$(LOOPBACK) $(PY) -m pytest -q -p no:cacheprovider --durations=25 -m slow $(PYTEST_ARGS)
 
 # The engine benchmark's DeepSpeed rows need DeepSpeed, which zerotrain itself does not: installed
 # here only, beside the CPU torch (the constraints keep pip from replacing it and pin what it pulls

@@ -28,8 +28,9 @@ and in the head's ``--address`` to the interface address (``resolve_ip_for_local
 * Gloo follows ``GLOO_SOCKET_IFNAME=lo``; every node has ``quiet_ray_environment`` (no
   cloud-metadata probe, no usage report off the machine);
 * every node runs under strace (``tests.connect_watch``) when it is installed, so that a test
-  can assert that no process of the cluster connected anywhere outside loopback (but for
-  torch's reverse lookups of loopback peers, counted apart: see ``tests.connect_watch``).
+  can assert that no process of the cluster connected anywhere outside loopback, DNS servers
+  included (torch's reverse lookups of loopback peers stay local under
+  ``scripts/loopback-names``: see ``tests.connect_watch``).
 """
 
 from __future__ import annotations

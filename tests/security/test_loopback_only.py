@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+import subprocess
+import sys
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -122,6 +124,34 @@ def test_a_real_head_connects_nowhere_outside_loopback(tmp_path):
     finally:
         head.stop()
     assert connect_watch.outside_loopback(trace) == []
+
+
+STORE_PAIR = """
+import datetime
+from torch.distributed import TCPStore
+server = TCPStore("127.0.0.1", 0, 2, True, timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
+client = TCPStore("127.0.0.1", server.port, 2, False, timeout=datetime.timedelta(seconds=30))
+client.set("key", "value")
+assert server.get("key") == b"value"
+"""
+
+
+@pytest.mark.skipif(not connect_watch.available(), reason="needs strace")
+def test_a_torch_store_on_loopback_asks_no_dns_server(tmp_path):
+    """What every multi-rank job does first (Ray Train, run_local, the tests' spawned worlds): a
+    c10d store server and a client on 127.0.0.1. torch names both ends with getnameinfo(); under
+    ``scripts/loopback-names`` (make test) /etc/hosts names ``::ffff:127.0.0.1``, so no lookup
+    leaves the machine. Run outside it, on a host whose /etc/hosts lacks that line and whose
+    resolver is not on loopback, this fails with the resolver's address."""
+    trace = tmp_path / "store.strace"
+    done = subprocess.run(connect_watch.traced([sys.executable, "-c", STORE_PAIR], trace, dns=True),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert any(port > 0 and connect_watch.is_loopback(address) for _, _, address, port, _ in connect_watch.connects(trace))
+    outside = connect_watch.outside_loopback(trace)
+    assert outside == [], (f"{connect_watch.loopback_reverse_lookups(trace)} reverse lookups of loopback names "
+                           f"went to a DNS server (run under scripts/loopback-names, as make test does):\n"
+                           + "\n".join(outside))
 
 
 def test_quiet_home_is_idempotent(tmp_path):
