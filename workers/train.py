@@ -13,6 +13,8 @@ a Gloo world of local processes, without Ray, for tests and quick experiments.
     attempt_base   the job's attempt before this run; worker group k of the run is
                    attempt ``attempt_base + k`` (k counted by ``attempt_counter``)
     attempt_counter  name of the driver's attempt counter (``workers.runtime.ray_train``; Ray only)
+    resize_at_checkpoints  an elastic run on Ray: at each checkpoint step, park for a resize the
+                   controller asks for (``workers.runtime.resize_at_checkpoint``)
     metrics_path   optional: also append every record to ``{metrics_path}.rank{r}.jsonl``
     storage_uri    the storage root (checkpoints go under ``{storage}/{job_id}/checkpoints``)
 
@@ -396,6 +398,11 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
     attempt = start_attempt(config, world, api)
     with user_code("checking the job's storage"):  # a node without the shared file:// root: no restart
         check_marker(config.get("storage_uri"), config["job_id"], rank=world.rank)
+    resize_gate = None  # an elastic run on Ray: parks at a checkpoint for a resize (runtime/resize_at_checkpoint.py)
+    if config.get("resize_at_checkpoints"):
+        from workers.runtime.resize_at_checkpoint import ResizeChannel, ResizeGate
+
+        resize_gate = ResizeGate(ResizeChannel.ray(config["job_id"]), rank=world.rank, device=world.device)
     USER_METRICS.reset()  # from here on, what the user's code reports (factories included) is this run's
 
     if world.device.type == "cpu":  # freed tensors leave the resident set (workers/host_memory.py)
@@ -471,6 +478,8 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
             # an evaluation is rare and costly enough to be worth its line
             if world.rank == 0 and (shows_progress(step, total_steps) or eval_loss is not None):
                 print(progress_line(record, total_steps, world.world_size), flush=True)
+            if resize_gate is not None and blocked and step < total_steps:
+                resize_gate.at_checkpoint(step, wait_commit=checkpoints.finish)
         if checkpoints.finish():  # the last save, committed once its step's record is delivered
             peak.lap("checkpoint")
     finally:

@@ -23,11 +23,13 @@ job drifts from the world-2 run by up to 2.5e-2 relative within 60 steps (measur
 allows 2e-3 for the steps after the first. (One cluster run: 0 before the loss, 3.0e-08 for
 the first step at world size 1, 5.9e-05 at worst after it.)
 
-When the node comes back, Ray Train 2.60 grows the group back (docs/contracts.md, "Elastic
-jobs"): at its next look for capacity, 60 s after the world-1 group started, it replaces that
-group with one of 2 workers, which resumes from the latest checkpoint (saved at world size 1,
-resharded to 2); the second test shows both resizes, a RESTARTING for each, and every step
-trained from a checkpoint on with none lost.
+When the node comes back, Ray Train 2.60's elastic policy wants the group back at 2 workers at
+its next look for capacity, 60 s after the world-1 group started (docs/contracts.md, "Elastic
+jobs"); our policy holds that back until the ranks park at their next checkpoint
+(``workers/runtime/resize_at_checkpoint.py``), and the group of 2 resumes from that very
+checkpoint (saved at world size 1, resharded to 2): the second test shows both resizes, a
+RESTARTING for each, every step trained from a checkpoint on with none lost, and none of the
+world-1 attempt's steps trained again.
 """
 
 from __future__ import annotations
@@ -182,6 +184,9 @@ def test_an_elastic_job_grows_back_to_2_workers_once_the_node_returns(loopback_c
         resumed_from = steps[later][0] - 1
         assert resumed_from > 0 and resumed_from % EVERY == 0, (later, resumed_from)  # from a checkpoint
         assert set(range(1, resumed_from + 1)) <= {s for a in range(1, later) for s in steps[a]}, "a step lost"
+    # the grow-back came at a checkpoint boundary: the world-1 group stopped at the checkpoint the
+    # world-2 group resumes from, so no step of it was trained twice
+    assert steps[2][-1] == steps[3][0] - 1, (steps[2][-1], steps[3][0] - 1)
     # the last attempt trains every step from its checkpoint to the end, on both ranks, once
     assert sorted((m.rank, m.step) for m in rows if m.attempt == 3) == [
         (rank, step) for rank in (0, 1) for step in range(steps[3][0], GROW_STEPS + 1)]

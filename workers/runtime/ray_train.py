@@ -138,12 +138,11 @@ def _resize_reporter(api_url: str, job_id: str, attempt_base: int):
       no ``max_failures``.
     * Capacity returns: while a group runs, every ``elastic_resize_monitor_interval_s`` (60 s,
       counted from the group's start) the policy compares the reservation with the group's
-      size; when more workers fit it shuts the group down wherever it is and starts one of the
-      new size, which resumes from the latest checkpoint: the steps since it are trained again
-      (no step is lost or kept twice), so a grow-back is not at a checkpoint boundary and costs
-      up to ``checkpoint.every_steps`` steps. No error is raised for it, so no
-      ``RestartReporter`` call: this callback reports that RESTARTING itself (reason
-      ``workers_resized``).
+      size; when more workers fit, Ray's policy would shut the group down wherever it is --
+      ours holds that back until the ranks park at a checkpoint
+      (``workers.runtime.resize_at_checkpoint``), and the group of the new size resumes from
+      that checkpoint. No error is raised for it, so no ``RestartReporter`` call: this callback
+      reports that RESTARTING itself (reason ``workers_resized``).
     Every start of a group goes through ``before_controller_execute_resize_decision`` with its
     size; a size other than the previous group's is a resize, recorded with both sizes
     (``POST /worker/resized``) once the group that runs at the new size has its attempt.
@@ -344,6 +343,27 @@ def fail_fast_on_user_errors():
         trainer_module.create_failure_policy = original
 
 
+@contextlib.contextmanager
+def resize_at_checkpoints(job_id: str):
+    """``TorchTrainer.fit()`` inside gives an elastic run ``resize_at_checkpoint``'s policy, which
+    holds a running group's resize back until its ranks park at a checkpoint (the note there);
+    installed as ``FailFastPolicy`` is (its note), and checked by the same kind of test."""
+    import ray.train.v2.api.data_parallel_trainer as trainer_module
+
+    from workers.runtime.resize_at_checkpoint import boundary_scaling_policy
+
+    original = trainer_module.create_scaling_policy
+
+    def create_scaling_policy(config: Any) -> Any:
+        return boundary_scaling_policy(config, job_id) if config.elasticity_enabled else original(config)
+
+    trainer_module.create_scaling_policy = create_scaling_policy
+    try:
+        yield
+    finally:
+        trainer_module.create_scaling_policy = original
+
+
 # Exceptions that mean a worker process or actor was lost, not that the training code raised.
 LOST_WORKER_ERRORS = {"ActorDiedError", "RayActorError", "ActorUnavailableError", "WorkerCrashedError",
                       "NodeDiedError", "OutOfMemoryError", "NCCLHangError", "WorkerHealthCheckFailedError",
@@ -440,8 +460,9 @@ class RayTrainRuntime:
         counter = start_attempt_counter(job_id)
         wait_for_resources(spec, job_id)
         shorten_elastic_start_timeout(spec)
-        with fail_fast_on_user_errors():
-            build_trainer(spec, {**loop_config, "attempt_counter": counter_name(job_id)}).fit()
+        with fail_fast_on_user_errors(), resize_at_checkpoints(job_id):
+            build_trainer(spec, {**loop_config, "attempt_counter": counter_name(job_id),
+                                 "resize_at_checkpoints": spec.resources.elastic}).fit()
         ray.kill(counter)
 
     def failure_reason(self, error: BaseException) -> str:
