@@ -11,7 +11,7 @@ Two claims (issue 8, "must show" 2; issue 14, "must show" 5):
 
 Fast: gpt-nano in bf16, built on the meta device as the worker builds a preset (stages 0–3, stage 3
 with the optimizer offloaded) and eagerly (stages 0 and 3), N = 2 and 3 (under a minute). Slow:
-gpt-mini (10× larger) in fp32 and bf16, eagerly; on meta in bf16 with stages 2 and 3 offloaded and
+gpt-mini (10× larger, N = 2) in fp32 and bf16, eagerly; on meta in bf16 with stages 2 and 3 offloaded and
 stage 2 with 3 micro-steps per step; gpt-small at N=1 (fp32, stage 0).
 
 How the peak is measured, per rank, as the worker measures it (``planner.PeakMemoryMeter``; the
@@ -24,8 +24,8 @@ engine; two steps run, a lap at the end of each part;
 growth = VmHWM − RSS before the model. The prediction uses device="cpu" (host and device are one
 memory, no CUDA context) and activations profiled on the meta device.
 
-One Gloo world of 3 processes per preset serves N = 2 and 3 through subgroups of its first N
-ranks (spawning costs more than the measurements).
+One Gloo world of 3 processes serves gpt-nano's N = 2 and 3 through subgroups of its first N
+ranks (spawning costs more than the measurements); gpt-mini runs at N = 2 in a world of 2.
 """
 
 from __future__ import annotations
@@ -56,7 +56,6 @@ from workers.zero.testing import spawn_world  # noqa: E402
 
 MICRO_BATCH, SEQ_LEN, BUCKET_MB = 4, 128, 1.0
 PEAK_TOLERANCE = 0.10
-WORLD = 3
 SIZES = (2, 3)
 
 
@@ -90,11 +89,11 @@ def _engine(model, stage: int, precision: str, group, offload: bool = False):  #
     return ZeroEngine(model, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), config=config, process_group=group)
 
 
-def measure_rank(rank: int, world_size: int, preset: str) -> list[dict]:
-    """On each rank of subgroups of size 2 and 3: per configuration, memory() and the peak by part."""
+def measure_rank(rank: int, world_size: int, preset: str, sizes: tuple[int, ...] = SIZES) -> list[dict]:
+    """On each rank of subgroups of each size: per configuration, memory() and the peak by part."""
     map_large_blocks()
     results = []
-    for n in SIZES:
+    for n in sizes:
         group = dist.new_group(list(range(n)))  # every rank takes part in creating it
         if rank < n:
             results += [measure_one(preset, n, group, **config) for config in configs(preset)]
@@ -175,10 +174,11 @@ def check(preset: str, rank: int, measured: dict) -> list[str]:
     return failures
 
 
-def run_preset(preset: str, timeout_s: float = 600) -> None:
-    per_rank = spawn_world(measure_rank, world_size=WORLD, args=(preset,), timeout_s=timeout_s)
+def run_preset(preset: str, timeout_s: float = 600, sizes: tuple[int, ...] = SIZES) -> None:
+    world = max(sizes)
+    per_rank = spawn_world(measure_rank, world_size=world, args=(preset, sizes), timeout_s=timeout_s)
     assert [len(results) for results in per_rank] == [
-        len(configs(preset)) * sum(rank < n for n in SIZES) for rank in range(WORLD)]
+        len(configs(preset)) * sum(rank < n for n in sizes) for rank in range(world)]
     print(f"\nplanner vs engine, {preset} (model states error; peak predicted/measured, worst part):")
     failures = [f for rank, results in enumerate(per_rank) for m in results for f in check(preset, rank, m)]
     assert not failures, "\n".join(failures)
@@ -189,9 +189,11 @@ def test_predicted_peak_matches_the_engine_on_gpt_nano():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1500)  # a hang guard: on two busy cores the ranks took over the default 600 s
+@pytest.mark.timeout(1500)  # a hang guard: on two busy cores N = 2 and 3 took over the default 600 s
 def test_predicted_peak_matches_the_engine_on_gpt_mini():
-    run_preset("gpt-mini", timeout_s=1400)
+    """At N = 2 only: N = 3 put three ranks on CI's two cores and took most of this test's time
+    (up to 10 minutes of CI's 90); gpt-nano checks N = 3 through the same prediction code."""
+    run_preset("gpt-mini", timeout_s=1400, sizes=(2,))
 
 
 @pytest.mark.slow
