@@ -29,15 +29,12 @@ to run the gate on a plain Gloo world.
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
-
-log = logging.getLogger("zerotrain.resize")
 
 NAMESPACE = "zerotrain"
 PARK_POLL_S = 0.5
