@@ -2,8 +2,8 @@
 to it (``workers.checkpointing.shared_storage``).
 
 "A node with its own disk at that path" is made for real: a process in a mount namespace of its
-own with an empty tmpfs mounted over the storage root (``unshare``; the tests run as root, as CI
-does). The cluster test (``tests/cluster/test_multinode.py``) runs a whole Ray worker node so.
+own with an empty tmpfs mounted over the storage root (``unshare``; as root, as CI runs, or in a
+user namespace of its own otherwise). The cluster test (``tests/cluster/test_multinode.py``) runs a whole Ray worker node so.
 """
 
 from __future__ import annotations
@@ -31,10 +31,11 @@ CHECK = ("import sys; from workers.checkpointing.shared_storage import check_mar
 
 def private_disk_command(root: Path, *command: str) -> list[str]:
     """``command`` in a mount namespace of its own, an empty tmpfs over ``root``: a node whose own
-    disk is mounted at the storage root's path."""
-    if os.geteuid() != 0 or shutil.which("unshare") is None:
-        pytest.fail("these tests make a private mount with unshare, as root (CI runs as root)")
-    return ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+    disk is mounted at the storage root's path (as root; otherwise in a user namespace too)."""
+    if shutil.which("unshare") is None:
+        pytest.fail("this test makes a private mount with unshare(1) (util-linux)")
+    user = [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
+    return ["unshare", *user, "--mount", "--propagation", "private", "sh", "-c",
             'mount -t tmpfs zt-private-disk "$0" && exec "$@"', str(root), *command]
 
 
