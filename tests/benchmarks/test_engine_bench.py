@@ -35,6 +35,9 @@ def test_engine_benchmark_tiny(tmp_path: Path) -> None:
         assert row["comm_elements"] > 0
         assert len(row["step_times_s"]) == 2
         assert len(row["peak_bytes_per_rank"]) == 2 and max(row["peak_bytes_per_rank"]) == row["peak_bytes"]
+        # the peaks of an interleaved run are measured again, each row in a world of its own
+        assert row["peak_source"].endswith("each row in a world of its own (a separate pass)"), row["peak_source"]
+        assert row["shared_world_peak_bytes"] >= 0
     by = {r["row"]: r for r in report["rows"]}
     phi = report["parameters"]
     ddp_kinds = by["ddp"]["collectives_per_rank"][0]["kinds"]
