@@ -94,7 +94,8 @@ class CheckpointHook(Protocol):
         ...
 
     def finish(self) -> float:
-        """After the last step's record is reported: wait for the last save's commit."""
+        """After the step's record is reported: wait for the save in flight to commit (the run's
+        last; or, mid-run, the checkpoint a resize parks at: ``resize_at_checkpoint``)."""
         ...
 
 

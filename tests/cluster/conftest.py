@@ -52,6 +52,7 @@ import pytest
 from tests import connect_watch
 from tests.faults.test_s3_outage import S3Server
 from tests.integration.conftest import ControlPlane, control_planes, wait_for
+from tests.private_disk import private_disk_command
 
 NODE_IP = "127.0.0.1"
 WORKERS = ("worker1", "worker2")
@@ -123,10 +124,7 @@ class RayNode:
             # what a worker node sends, too (its DNS queries); the head's sends are too many to trace
             command = connect_watch.traced(command, self.strace_log, dns=not self.is_head)
         if self.private_dirs:
-            mounts = " && ".join(f'mount -t tmpfs zt-private-disk "${i + 1}"' for i in range(len(self.private_dirs)))
-            command = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
-                       f'{mounts} && shift {len(self.private_dirs)} && exec "$@"', "sh",
-                       *map(str, self.private_dirs), *command]
+            command = private_disk_command(self.private_dirs, command)
         with open(self.root / f"{self.name}.log", "ab") as out:
             self.process = subprocess.Popen(command, env=self.env, stdin=subprocess.DEVNULL, stdout=out,
                                             stderr=subprocess.STDOUT, start_new_session=True)

@@ -2,20 +2,20 @@
 to it (``workers.checkpointing.shared_storage``).
 
 "A node with its own disk at that path" is made for real: a process in a mount namespace of its
-own with an empty tmpfs mounted over the storage root (``unshare``; as root, as CI runs, or in a
-user namespace of its own otherwise). The cluster test (``tests/cluster/test_multinode.py``) runs a whole Ray worker node so.
+own with an empty tmpfs mounted over the storage root (``tests.private_disk``). The cluster test
+(``tests/cluster/test_multinode.py``) runs a whole Ray worker node so.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.private_disk import private_disk_command
 from workers.checkpointing.shared_storage import (
     MARKER_ENV,
     StorageNotShared,
@@ -29,20 +29,10 @@ CHECK = ("import sys; from workers.checkpointing.shared_storage import check_mar
          "check_marker(sys.argv[1], sys.argv[2], rank=1)")
 
 
-def private_disk_command(root: Path, *command: str) -> list[str]:
-    """``command`` in a mount namespace of its own, an empty tmpfs over ``root``: a node whose own
-    disk is mounted at the storage root's path (as root; otherwise in a user namespace too)."""
-    if shutil.which("unshare") is None:
-        pytest.fail("this test makes a private mount with unshare(1) (util-linux)")
-    user = [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
-    return ["unshare", *user, "--mount", "--propagation", "private", "sh", "-c",
-            'mount -t tmpfs zt-private-disk "$0" && exec "$@"', str(root), *command]
-
-
 def run_check(root_uri: str, job_id: str, nonce: str, root: Path | None = None) -> subprocess.CompletedProcess:
     command = [sys.executable, "-c", CHECK, root_uri, job_id]
     if root is not None:
-        command = private_disk_command(root, *command)
+        command = private_disk_command([root], command)
     return subprocess.run(command, env={**os.environ, MARKER_ENV: nonce, "PYTHONPATH": str(REPO)},
                           capture_output=True, text=True, timeout=120)
 
