@@ -27,7 +27,7 @@ Columns (step times: per step, the slowest rank; then the median over the measur
     tokens/s       (JSON) world_size x micro_batch x seq_len / median step time
     vs DDP         step time / DDP's step time
     state/rank     model-state bytes per rank, measured: zerotrain ``engine.memory()`` params +
-                   grads + optimizer; DDP/FSDP2: the distinct storages of the parameters, their
+                   grads (as ``step()`` begins: the engine drops them when it ends) + optimizer; DDP/FSDP2: the distinct storages of the parameters, their
                    .grad and every optimizer.state tensor (FSDP2's DTensors by ``.to_local()``),
                    taken after the last optimizer step, before zero_grad; DeepSpeed: the same
                    groups found in its ZeRO optimizer (the note in ``DeepSpeedRunner``); the largest rank.
@@ -252,8 +252,8 @@ class ZeroRunner(Runner):
         loss = self.engine(x, y)
         self.engine.backward(loss, sync=True)
         info = self.engine.step()
-        if measure:
-            mem = self.engine.memory()
+        if measure:  # gradients as the step began (the engine drops them when it ends), the others' before zero_grad
+            mem = self.engine.step_memory()
             self.measured = {k: int(mem[k]) for k in ("params", "grads", "optimizer")}
             self.measured["total"] = sum(self.measured.values())
             if "host" in mem:  # offload: master weights + optimizer state in host memory

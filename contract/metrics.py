@@ -166,7 +166,7 @@ METRICS: tuple[MetricField, ...] = (
                 Series("compute", "MFU", "percent", axis="right")),
     MetricField("mem_params_bytes", float, "bytes", "parameters this rank holds", Across.LATEST_PER_RANK,
                 lambda o: o.memory["params"]),
-    MetricField("mem_grads_bytes", float, "bytes", "gradients this rank holds", Across.LATEST_PER_RANK,
+    MetricField("mem_grads_bytes", float, "bytes", "gradients this rank holds as the step begins", Across.LATEST_PER_RANK,
                 lambda o: o.memory["grads"]),
     MetricField("mem_optimizer_bytes", float, "bytes", "optimizer state this rank holds", Across.LATEST_PER_RANK,
                 lambda o: o.memory["optimizer"]),

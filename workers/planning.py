@@ -139,6 +139,7 @@ def activation_profiles(n_ranks: int, bucket_mb: float, precision: str, device: 
     units = replace(layout, per_unit=True, prefetch=prefetch, reshard_after_forward=reshard_after_forward,
                     keep_gathered_bytes=keep_gathered_bytes)
     return {"activation_bytes": (None, False), "activation_bytes_forward": (None, True),
+            "activation_bytes_stage0": (replace(layout, in_flight=None, holds_shards=False), False),
             "activation_bytes_stage2": (layout, False), "activation_bytes_stage3": (units, False),
             "activation_bytes_forward_stage3": (units, True)}
 

@@ -7,7 +7,7 @@ Three parts, used by ``workers.train`` and ``workers.launch``:
 ``StepMeter``       turns one step's observations into a metric record, the way
                     torchtitan's metrics component does: the fields and how each is derived
                     (tokens/s, TFLOPs from FLOPs per token, MFU only when the device's peak
-                    is known, memory from ``engine.memory()`` plus the rank's peak (the
+                    is known, memory from ``engine.step_memory()`` plus the rank's peak (the
                     worker's ``PeakMemoryMeter``: ``contract.metrics.PEAK_MEASURE``),
                     communication bytes) are the metric table's (``contract.metrics``).
 ``MetricReporter``  a per-rank buffer flushed by a background thread about once a second.

@@ -470,7 +470,7 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
                                      micro_batch_size=train.micro_batch_size, world=world)
             samples = accumulation * loader.micro_batch_size
             record = meter.record(step=step, loss=loss_value, lr=lr, step_time_s=step_time, samples=samples,
-                                  tokens=samples * seq_len, info=info, memory=engine.memory(),
+                                  tokens=samples * seq_len, info=info, memory=engine.step_memory(),
                                   peak_memory_bytes=peak.peak_growth(), comm_volume=engine.comm_volume(),
                                   checkpoint_blocked_s=blocked, eval_loss=eval_loss, user=USER_METRICS.take())
             losses.append(loss_value)
@@ -489,9 +489,9 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
             api.close()
     if unsent:
         raise RuntimeError(f"{unsent} metric records could not be delivered to the control plane")
-    measured = {**engine.memory(), **peak.report()}
+    measured = {**engine.step_memory(), **peak.report()}
     report_measured_memory(config, world, attempt, measured)
-    summary = {"rank": world.rank, "attempt": attempt, "losses": losses, "memory": engine.memory(),
+    summary = {"rank": world.rank, "attempt": attempt, "losses": losses, "memory": engine.step_memory(),
                "comm_volume": engine.comm_volume(), "stage": engine.config.stage,
                "group_lrs": [group["lr"] for group in engine.optimizer.param_groups]}
     # Only on the way out of a run that succeeded: close() is collective (a barrier), and after a
@@ -501,7 +501,7 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def report_measured_memory(config: dict[str, Any], world: World, attempt: int, measured: dict[str, float]) -> None:
-    """Rank 0 sends every rank's ``engine.memory()`` and peak growth (``peak``, and ``peak_<part>``
+    """Rank 0 sends every rank's ``engine.step_memory()`` and peak growth (``peak``, and ``peak_<part>``
     for each part of the job: ``PeakMemoryMeter.report``) once, at the end of the run, so the
     control plane can check the planner's prediction term by term and part by part."""
     ranks = [measured]

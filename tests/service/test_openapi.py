@@ -7,7 +7,6 @@ from typing import Any, Iterator
 
 import httpx
 import jsonschema
-import pytest
 
 CORE_OPERATIONS = {
     ("post", "/api/v1/jobs"): "submit_job",

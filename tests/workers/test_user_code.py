@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pickle
 
-import pytest
 import torch.distributed as dist
 from ray.train import WorkerGroupError
 from ray.train.v2._internal.execution.failure_handling import FailureDecision

@@ -10,7 +10,7 @@ One bucket is what is communicated together (FSDP2's "param group"). It owns
 * ``master_views`` -- one 1-D view of ``master`` per parameter piece this rank holds: these are
   what the user's optimizer receives, so ``grad=None`` skips a parameter exactly as torch.optim
   does and ``foreach`` implementations run over them;
-* gradient storage, whose shape depends on the stage (see ``stages.py``).
+* the step's gradient storage, whose shape depends on the stage (see ``stages.py``).
 """
 
 from __future__ import annotations
@@ -33,19 +33,18 @@ class FlatBucket:
     master: torch.Tensor
     master_views: list[tuple[ShardPiece, torch.Tensor]]
     shard_rank: int
-    # gradient state (stage-dependent; unused fields stay None)
-    grad_full: Optional[torch.Tensor] = None  # stage 0/1: full gradient, accumulates micro-steps
-    grad_shard: Optional[torch.Tensor] = None  # stage 2: this rank's reduced shard, accumulates
-    scratch: Optional[torch.Tensor] = None  # stage 2: this micro-step's full gradient, in flight
-    scratch_out: Optional[torch.Tensor] = None  # stage 2: reduce-scatter output before accumulate
-    scratch_written: Optional[list[bool]] = None  # stage 2: which slots of the scratch hold a gradient
+    # gradient state of the current step; none of it outlives step() (``stages.py``, the note on
+    # gradients' lifetime)
+    grad_full: Optional[torch.Tensor] = None  # the full gradient being summed, from its first gradient
+    grad_written: Optional[list[bool]] = None  # which slots of ``grad_full`` hold a gradient
+    grad_shard: Optional[torch.Tensor] = None  # stages 1-3: this rank's reduced shard (2, 3: accumulates)
+    scratch_out: Optional[torch.Tensor] = None  # a reduce-scatter's output before it becomes the shard
     pending: Optional[Pending] = None
     # stage 3: this rank's compute-dtype parameter shard (the master itself for fp32); the flat
     # buffer's storage is freed between uses
     param_shard: Optional[torch.Tensor] = None
     ready: int = 0  # parameters whose gradient arrived this micro-step
     launched: bool = False
-    micro_steps_reduced: int = 0
     expected: int = field(init=False)
 
     def __post_init__(self) -> None:

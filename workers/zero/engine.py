@@ -168,6 +168,7 @@ class ZeroEngine:
         self._micro_steps = 0
         self._step = 0
         self._last_comm = CommCounter().snapshot()
+        self._step_grad_bytes = 0  # gradient storage the last step() began with (step_memory)
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._make_hook(bucket_index, pos))
             for bucket_index, b in enumerate(self.buckets)
@@ -362,6 +363,7 @@ class ZeroEngine:
         self._check_open("step")
         self.strategy.wait_params()  # a second step() without a forward: the optimizer writes what is sent
         self._end_micro_step()
+        self._step_grad_bytes = distinct_storage_bytes(self.strategy.grad_tensors(), set())
         scale = self.scaler.scale if self.scaler is not None else None
         inv_scale = None if scale is None else 1.0 / scale
         grads = self.strategy.reduced_grads()
@@ -481,7 +483,8 @@ class ZeroEngine:
         """Bytes of the tensors this engine holds right now, by role; shared storage counted once.
 
         params: compute-dtype flat parameters (+ frozen parameters and their fp32 originals);
-        grads: gradient storage (full buckets at stages 0/1, the shard accumulator at stage 2);
+        grads: the step's gradient storage (full buckets at stages 0/1, reduced shards; stage 2's
+        shard accumulator), 0 after ``step()`` (``stages.py``, the note on gradients' lifetime);
         optimizer: fp32 master shard when it is a separate copy + every tensor in the optimizer
         state; buffers: in-flight communication scratch, stage 3's gathered units and the
         module's registered buffers (and the originals of cast ones). At stage 3 ``params`` is the
@@ -510,6 +513,16 @@ class ZeroEngine:
                "total": params + grads + optimizer + buffers}
         if self.offload is not None:
             out["host"] = host
+        return out
+
+    def step_memory(self) -> dict[str, int]:
+        """``memory()`` with ``grads`` as the last ``step()`` began (0 before the first), ``total``
+        to match: this step's model states, each at its high point -- gradients live from backward
+        to the end of ``step()`` (``stages.py``, the note on gradients' lifetime), the optimizer's
+        state from the first ``step()`` on. What the worker reports per step and at the end."""
+        out = self.memory()
+        out["total"] += self._step_grad_bytes - out["grads"]
+        out["grads"] = self._step_grad_bytes
         return out
 
     # -- state (engine_state.py) ---------------------------------------------------------------------

@@ -8,11 +8,11 @@ Three strategies over the same flat buckets. The engine calls them in one fixed 
 =======  ===================================  ================================  ======================
 stage    gradient storage per rank             communication per step            when
 =======  ===================================  ================================  ======================
-0        full, compute dtype (2Φ)              all-reduce each bucket (2Φ)       step(), or the last
-                                                                                 backward if sync=True
-1        full, compute dtype (2Φ)              reduce-scatter Φ + all-gather Φ   same; gather launched
-                                                                                 by step(), waited by
-                                                                                 the next forward
+0        full, compute dtype (2Φ), from the    all-reduce each bucket (2Φ)       step(), or the last
+         first gradient to the step's end                                        backward if sync=True
+1        full (2Φ) across micro-steps; each    reduce-scatter Φ + all-gather Φ   same; gather launched
+         bucket freed once reduced into its                                      by step(), waited by
+         shard (2Φ/N)                                                            the next forward
 2        shard, compute dtype (2Φ/N), plus     reduce-scatter Φ per micro-step   every backward;
          ≤ 3 bucket-sized scratches during     + all-gather Φ                    gather as stage 1
          backward (2 in flight + 1 filling)
@@ -20,6 +20,25 @@ stage    gradient storage per rank             communication per step           
 
 Stages 1/2 launch the parameter all-gather at the end of ``step()`` and wait for each bucket
 just before its first use in the next forward (``param_gathers.py``), so that forward overlaps it.
+
+[Note: gradients live from their first arrival to the end of step()]
+No stage holds gradient storage between steps (torch's ``zero_grad(set_to_none=True)``, its
+default): a bucket's full gradient (``FlatBucket.grad_full``) is allocated, uninitialised, when
+its first gradient of the step arrives; each parameter's gradient is copied into its slot
+(added from the second one on, ``grad_written``) and only what no gradient wrote -- padding,
+parameters without a gradient -- is zeroed just before the bucket is reduced. The reduced shard
+(``grad_shard``, stages 1-3) is allocated when the bucket is reduced; ``zero_grads`` drops
+both. So at the end of a forward, when activations peak, no gradient is held (with one
+micro-step per step), and backward's gradients grow while the activations of the layers it has
+passed are freed. A CPU rank gains more: a fresh uninitialised block's pages become resident
+only as gradients are written into them (the worker maps large host blocks fresh,
+``workers/host_memory.py``), where a zero-filled one would be resident whole at once.
+DeepSpeed's ZeRO-1/2 do the same with ``param.grad`` (gpt-mini, N=2, fp32: stage 1's peak went
+from 1.12x DeepSpeed ZeRO-1's to 0.89x, ``docs/engine.md``). A stage that reduces a
+bucket (1, and 2 every micro-step) frees its full gradient once the reduce-scatter is folded
+into the shard, at most ``MAX_INFLIGHT_BUCKETS`` in flight. A CUDA allocator hands out a
+bucket's block whole at its first gradient; the planner counts each device its way
+(``planner/activations.py``, ``GradientReplay``).
 
 [Note: who pays for gradient accumulation]
 Stages 0 and 1 keep a full local gradient, so non-final micro-steps communicate nothing: the
@@ -68,7 +87,8 @@ MAX_INFLIGHT_BUCKETS = 2
 
 
 class Strategy:
-    """Shared machinery: gradient arrival, bucket readiness and in-order launching."""
+    """Shared machinery: gradient arrival into lazily allocated full buckets, bucket readiness,
+    in-order launching (the note on gradients' lifetime)."""
 
     #: what the stage shards and communicates (``contract.zero_math``)
     traits: StageTraits
@@ -102,29 +122,29 @@ class Strategy:
         self._inflight: list[FlatBucket] = []  # launched, not yet folded in, in launch order
         #: stages 1/2: the parameter gathers in flight after step(); without ``module`` they are waited at once
         self.gathers = ParamGathers(buckets, comm, module) if self.gathers_params else None
-        self.allocate_grad_storage()
 
     # -- storage --------------------------------------------------------------------------------
-    def allocate_grad_storage(self) -> None:
-        for b in self.buckets:
-            b.grad_full = torch.zeros_like(b.flat_param)
-
     def param_tensors(self) -> list[torch.Tensor]:
         """Compute-dtype parameter storage the stage keeps (stage 3: shards only)."""
         return [b.flat_param for b in self.buckets]
 
     def grad_tensors(self) -> list[torch.Tensor]:
-        return [b.grad_full for b in self.buckets if b.grad_full is not None]
+        """The gradients this step has summed so far: full buckets, reduced shards."""
+        return [t for b in self.buckets for t in (b.grad_full, b.grad_shard) if t is not None]
 
     def scratch_tensors(self) -> list[torch.Tensor]:
-        out = []
-        for b in self.buckets:
-            out += [t for t in (b.scratch, b.scratch_out) if t is not None]
-        return out
+        return [b.scratch_out for b in self.buckets if b.scratch_out is not None]
 
     def _grad_target(self, b: FlatBucket) -> torch.Tensor:
-        """Where arriving gradients of ``b`` are summed during a micro-step."""
+        """``b``'s full gradient for this step, allocated uninitialised on first use (the note on
+        gradients' lifetime)."""
+        if b.grad_full is None:
+            b.grad_full = torch.empty_like(b.flat_param)
+            b.grad_written = [False] * len(b.spec.slots)
         return b.grad_full
+
+    def _new_shard(self, b: FlatBucket) -> torch.Tensor:
+        return torch.empty(b.spec.shard_numel, dtype=b.flat_param.dtype, device=b.flat_param.device)
 
     # -- backward -------------------------------------------------------------------------------
     def begin_micro_step(self, sync: bool) -> None:
@@ -152,9 +172,25 @@ class Strategy:
             self._launch_ready()
 
     def _accumulate(self, bucket: FlatBucket, pos: int, grad: torch.Tensor) -> None:
-        """Sum one parameter's gradient into its slot of the bucket's gradient target."""
+        """A slot's first gradient of the step is copied into the bucket's full gradient, later ones added."""
         lo, hi = bucket.slot_range(pos)
-        self._grad_target(bucket)[lo:hi].add_(grad.reshape(-1))
+        target = self._grad_target(bucket)[lo:hi]
+        if bucket.grad_written[pos]:
+            target.add_(grad.reshape(-1))
+        else:
+            target.copy_(grad.reshape(-1))
+            bucket.grad_written[pos] = True
+
+    def _zero_unwritten(self, b: FlatBucket) -> None:
+        """Zeros where no gradient was written: padding and parameters that got none."""
+        full, end = self._grad_target(b), 0
+        for pos, slot in sorted(enumerate(b.spec.slots), key=lambda item: item[1].offset):
+            if slot.offset > end:
+                full[end:slot.offset].zero_()
+            if not b.grad_written[pos]:
+                full[slot.offset:slot.offset + slot.numel].zero_()
+            end = max(end, slot.offset + slot.numel)
+        full[end:].zero_()
 
     @property
     def launches_during_backward(self) -> bool:
@@ -165,12 +201,10 @@ class Strategy:
 
         Counting it as arrived keeps its bucket from waiting for the end of backward, which
         would hold back every later bucket too (launches are in order) -- DDP's
-        ``find_unused_parameters``. Its contribution is the zeros already in the buffer.
+        ``find_unused_parameters``. Its slot is zeroed when the bucket is launched.
         """
         bucket.ready += 1
         if self.launches_during_backward:
-            if self.communicates_every_micro_step:
-                self._grad_target(bucket)  # a zero scratch, for a bucket no gradient touches
             self._launch_ready()
 
     def _launch_ready(self) -> None:
@@ -186,7 +220,8 @@ class Strategy:
         self._launch_bucket(b)
 
     def _launch_bucket(self, b: FlatBucket) -> None:
-        """Pre-divide ``b``'s gradient, start its collective, and retire what has finished."""
+        """Complete ``b``'s gradient, pre-divide it, start its collective, and retire what has finished."""
+        self._zero_unwritten(b)
         if self.world_size > 1:
             self._grad_target(b).div_(self.world_size)
         b.pending = self._launch(b)
@@ -274,16 +309,12 @@ class Strategy:
             self.gathers.remove_hooks()
 
     def zero_grads(self) -> None:
+        """Drop every gradient of the step (the note on gradients' lifetime)."""
         self.drain()
         for b in self.buckets:
-            if b.grad_full is not None:
-                b.grad_full.zero_()
-            if b.grad_shard is not None:
-                b.grad_shard.zero_()
-            b.scratch = b.scratch_out = b.scratch_written = None
+            b.grad_full = b.grad_written = b.grad_shard = b.scratch_out = None
             b.launched = False
             b.ready = 0
-            b.micro_steps_reduced = 0
 
 
 class AllReduceStrategy(Strategy):
@@ -304,106 +335,80 @@ class AllReduceStrategy(Strategy):
 
 
 class ReduceScatterAtStepStrategy(Strategy):
-    """Stage 1: full local gradients; reduce-scatter them into the shard once per step."""
+    """Stage 1: full local gradients across micro-steps; reduce-scattered into the shard once per
+    step, each bucket's full gradient freed once its shard is in (at most ``MAX_INFLIGHT_BUCKETS``
+    in flight, as stage 2)."""
 
     traits = STAGE_TRAITS[1]
+    max_inflight = MAX_INFLIGHT_BUCKETS
     gathers_params = True
 
     def _launch(self, b: FlatBucket) -> Pending:
-        # in place (Gloo): the gradient's own slot receives the shard, nothing else is allocated;
-        # the full gradient is zeroed after the step anyway
-        b.scratch_out = self.comm.own_slot(b.grad_full) if self.comm.in_place else \
-            torch.empty(b.spec.shard_numel, dtype=b.grad_full.dtype, device=b.grad_full.device)
-        return self.comm.reduce_scatter(b.scratch_out, b.grad_full, label=f"reduce_scatter bucket {b.spec.index}")
+        # in place (Gloo): the gradient's own slot receives the shard, copied out in _finish
+        out = self.comm.own_slot(b.grad_full) if self.comm.in_place else self._new_shard(b)
+        if self.comm.in_place:
+            b.scratch_out = out
+        else:
+            b.grad_shard = out
+        return self.comm.reduce_scatter(out, b.grad_full, label=f"reduce_scatter bucket {b.spec.index}")
+
+    def _finish(self, b: FlatBucket) -> None:
+        if b.scratch_out is not None:
+            b.grad_shard = b.scratch_out.clone()
+            b.scratch_out = None
+        b.grad_full = b.grad_written = None
 
     def _reduced(self, b: FlatBucket) -> torch.Tensor:
-        return b.scratch_out
+        return b.grad_shard
 
 
 class ReduceScatterInBackwardStrategy(Strategy):
     """Stage 2: no full gradient kept; each bucket is reduce-scattered as soon as it is full.
 
-    A bucket's full-size scratch lives from its first gradient until its reduce-scatter is
-    folded into the shard accumulator. Finished buckets are folded in as later ones launch, and
-    at most ``MAX_INFLIGHT_BUCKETS`` stay in flight (a launch beyond that waits for the
-    oldest), so scratch stays at a few buckets however slow the network is. The last buckets
-    of a micro-step are waited for when backward ends (``drain``): nothing is in flight between
-    a backward and whatever the script does next.
-
-    [Note: the scratch's pages]
-    The scratch is allocated uninitialised; each parameter's gradient is copied into its slot
-    (added from the second one on) and only what no gradient wrote -- padding, parameters
-    without a gradient in this micro-step -- is zeroed before the bucket is reduced. Besides
-    sparing a pass over the bucket, on a CPU rank this keeps the bucket's pages out of the
-    resident set until gradients reach them (the worker maps large host blocks fresh,
-    ``workers/host_memory.py``), so the scratch grows while backward frees the activations of
-    the layers it has passed, instead of appearing whole at the first gradient, when
-    activations are at their peak (gpt-mini, N=2, two buckets: 25 MiB less peak per rank). A
-    CUDA allocator hands out the whole block at once; the planner counts each device its way.
+    A bucket's full gradient lives, as scratch, from its first gradient of the micro-step until
+    its reduce-scatter is folded into the shard accumulator. Finished buckets are folded in as
+    later ones launch, and at most ``MAX_INFLIGHT_BUCKETS`` stay in flight (a launch beyond that
+    waits for the oldest), so scratch stays at a few buckets however slow the network is. The
+    last buckets of a micro-step are waited for when backward ends (``drain``): nothing is in
+    flight between a backward and whatever the script does next. The accumulator is allocated by
+    the step's first reduce-scatter of the bucket (the note on gradients' lifetime).
     """
 
     traits = STAGE_TRAITS[2]
     max_inflight = MAX_INFLIGHT_BUCKETS
     gathers_params = True
 
-    def allocate_grad_storage(self) -> None:
-        for b in self.buckets:
-            b.grad_shard = torch.zeros(b.spec.shard_numel, dtype=b.flat_param.dtype, device=b.flat_param.device)
-
     def grad_tensors(self) -> list[torch.Tensor]:
-        return [b.grad_shard for b in self.buckets]
+        return [b.grad_shard for b in self.buckets if b.grad_shard is not None]
 
-    def _grad_target(self, b: FlatBucket) -> torch.Tensor:
-        if b.scratch is None:  # uninitialised: see the note on the scratch's pages
-            b.scratch = torch.empty_like(b.flat_param)
-            b.scratch_written = [False] * len(b.spec.slots)
-        return b.scratch
-
-    def _accumulate(self, bucket: FlatBucket, pos: int, grad: torch.Tensor) -> None:
-        """The first gradient of a slot in this micro-step is copied into the scratch, later ones added."""
-        lo, hi = bucket.slot_range(pos)
-        target = self._grad_target(bucket)[lo:hi]
-        if bucket.scratch_written[pos]:
-            target.add_(grad.reshape(-1))
-        else:
-            target.copy_(grad.reshape(-1))
-            bucket.scratch_written[pos] = True
-
-    def _zero_unwritten(self, b: FlatBucket) -> None:
-        """Zeros where no gradient was written: padding and parameters that got none this micro-step."""
-        scratch, end = self._grad_target(b), 0
-        for pos, slot in sorted(enumerate(b.spec.slots), key=lambda item: item[1].offset):
-            if slot.offset > end:
-                scratch[end:slot.offset].zero_()
-            if not b.scratch_written[pos]:
-                scratch[slot.offset:slot.offset + slot.numel].zero_()
-            end = max(end, slot.offset + slot.numel)
-        scratch[end:].zero_()
-
-    def _launch_bucket(self, b: FlatBucket) -> None:
-        self._zero_unwritten(b)
-        super()._launch_bucket(b)
+    def scratch_tensors(self) -> list[torch.Tensor]:
+        return [b.grad_full for b in self.buckets if b.grad_full is not None] + super().scratch_tensors()
 
     def _launch(self, b: FlatBucket) -> Pending:
-        scratch = self._grad_target(b)
-        if self.comm.in_place:  # Gloo: reduce into the scratch's own slot (no copy), added in _finish
-            out = b.scratch_out = self.comm.own_slot(scratch)
-        elif b.micro_steps_reduced == 0:
-            out = b.grad_shard  # first micro-step of this step: reduce straight into the accumulator
+        full = self._grad_target(b)
+        if self.comm.in_place:  # Gloo: reduce into the scratch's own slot (no copy), folded in by _finish
+            out = b.scratch_out = self.comm.own_slot(full)
+        elif b.grad_shard is None:
+            out = b.grad_shard = self._new_shard(b)  # the step's first: straight into the accumulator
         else:
-            out = b.scratch_out = torch.empty_like(b.grad_shard)
-        return self.comm.reduce_scatter(out, scratch, label=f"reduce_scatter bucket {b.spec.index}")
+            out = b.scratch_out = self._new_shard(b)
+        return self.comm.reduce_scatter(out, full, label=f"reduce_scatter bucket {b.spec.index}")
 
     def _finish(self, b: FlatBucket) -> None:
         if b.scratch_out is not None:
-            b.grad_shard.add_(b.scratch_out)
+            if b.grad_shard is None:
+                b.grad_shard = b.scratch_out.clone()
+            else:
+                b.grad_shard.add_(b.scratch_out)
             b.scratch_out = None
-        b.scratch = b.scratch_written = None
+        b.grad_full = b.grad_written = None
         b.launched = False
-        b.micro_steps_reduced += 1
 
     def reduced_grads(self) -> list[torch.Tensor]:
         self.drain()  # every micro-step already launched all its buckets
+        for b in self.buckets:  # step() without a backward: nothing was reduced
+            if b.grad_shard is None:
+                b.grad_shard = self._new_shard(b).zero_()
         return [b.grad_shard for b in self.buckets]
 
 

@@ -167,8 +167,10 @@ def gpt_engine(rank: int, precision: str, stage: int, seed: int = 0, n_layer: in
     return ZeroEngine(model, lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.1), config)
 
 
-def gpt_steps(engine, rank: int, start: int, stop: int, accum: int = 1, overflow: dict | None = None):
-    """Train steps [start, stop); ``overflow[step]`` = ranks whose loss is blown up to inf in fp16."""
+def gpt_steps(engine, rank: int, start: int, stop: int, accum: int = 1, overflow: dict | None = None,
+              after_backward=None):
+    """Train steps [start, stop); ``overflow[step]`` = ranks whose loss is blown up to inf in fp16;
+    ``after_backward(step, micro)`` is called after each micro-step's backward."""
     losses, infos = [], []
     for step in range(start, stop):
         total = 0.0
@@ -179,6 +181,8 @@ def gpt_steps(engine, rank: int, start: int, stop: int, accum: int = 1, overflow
             if overflow and rank in overflow.get(step, ()):
                 loss = loss * 1e30  # × loss scale -> inf in the fp16 gradients
             engine.backward(loss / accum)
+            if after_backward is not None:
+                after_backward(step, micro)
         losses.append(total)
         infos.append(engine.step())
     return losses, infos
@@ -203,7 +207,8 @@ def precision_world(rank: int, world_size: int, steps: int, stage: int, overflow
 
 
 def accounting_world(rank: int, world_size: int, stages: list[int], precision: str):
-    """memory() and comm_volume() after one step (1 micro-step) and after a 2-micro-step step."""
+    """memory() and comm_volume() after one step (1 micro-step) and after a 2-micro-step step, and
+    memory() between that step's two micro-steps (what gradient accumulation holds)."""
     from workers.models import num_parameters
 
     out = {}
@@ -212,7 +217,10 @@ def accounting_world(rank: int, world_size: int, stages: list[int], precision: s
         phi = num_parameters(engine.module)
         gpt_steps(engine, rank, 0, 1)
         one = (engine.memory(), engine.comm_volume())
-        gpt_steps(engine, rank, 1, 2, accum=2)
+        step_memory = engine.step_memory()
+        between = []
+        gpt_steps(engine, rank, 1, 2, accum=2,
+                  after_backward=lambda step, micro: between.append(engine.memory()) if micro == 0 else None)
         two = (engine.memory(), engine.comm_volume())
         out[stage] = {
             "phi": phi,
@@ -220,6 +228,8 @@ def accounting_world(rank: int, world_size: int, stages: list[int], precision: s
             "buckets": len(engine.layout.buckets),
             "one": one,
             "two": two,
+            "between_micro_steps": between[0],
+            "step_memory": step_memory,
         }
     return out
 

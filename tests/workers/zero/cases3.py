@@ -180,7 +180,7 @@ def world(rank: int, world_size: int, cases: list[tuple]):
 
 
 def accounting_world(rank: int, world_size: int, precision: str = "bf16"):
-    """Stage 3 on the small GPT: memory() mid-forward and after a step, comm per step, both
+    """Stage 3 on the small GPT: memory() mid-forward, after backward and after a step, comm per step, both
     ``reshard_after_forward`` settings, and the per-unit sizes the checks need."""
     from workers.models import num_parameters
 
@@ -193,7 +193,8 @@ def accounting_world(rank: int, world_size: int, precision: str = "bf16"):
         seen = []
         block = engine.module.blocks[1]
         handle = block.register_forward_pre_hook(lambda *_: seen.append(engine.memory()) if not seen else None)
-        _, infos = gpt_steps(engine, rank, 0, 1)
+        after_backward = []
+        _, infos = gpt_steps(engine, rank, 0, 1, after_backward=lambda *_: after_backward.append(engine.memory()))
         handle.remove()
         mem_step = engine.memory()
         out[reshard] = {
@@ -202,6 +203,7 @@ def accounting_world(rank: int, world_size: int, precision: str = "bf16"):
             "units": [(u.name, u.flat.numel() * u.flat.element_size()) for u in engine.strategy.units],
             "module_buffers": sum(b.numel() * b.element_size() for b in engine.module.buffers()),
             "mid_forward": seen[0],
+            "after_backward": after_backward[0],
             "after_step": mem_step,
             "comm": engine.comm_volume(),
             "info": infos[0],

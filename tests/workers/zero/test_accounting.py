@@ -22,17 +22,27 @@ TABLE = {0: (2, 2, 12), 1: (2, 2, 12 / N), 2: (2, 2 / N, 12 / N)}
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_memory_matches_the_table(world, stage):
+    """Between micro-steps a rank holds the table's gradients (stages 0/1 the full ones, stage 2 its
+    shard); after step() it holds no gradient at all (stages.py, the note on gradients' lifetime)."""
     for rank_out in world:
         r = rank_out[stage]
         phi, pad = r["phi"], r["padded"] - r["phi"]
-        mem, _ = r["one"]
+        held = r["between_micro_steps"]
         for key, k in zip(("params", "grads", "optimizer"), TABLE[stage]):
             expected = k * phi
             pad_bytes = k * pad
-            assert abs(mem[key] - expected) <= 0.01 * expected + pad_bytes, (stage, key, mem[key], expected)
-        assert mem["total"] == mem["params"] + mem["grads"] + mem["optimizer"] + mem["buffers"]
-        assert mem["buffers"] == 0  # no bucket scratch survives a step
+            assert abs(held[key] - expected) <= 0.01 * expected + pad_bytes, (stage, key, held[key], expected)
+        assert held["total"] == held["params"] + held["grads"] + held["optimizer"] + held["buffers"]
+        assert held["buffers"] == 0  # stage 2's scratch is folded in when a backward ends
+        mem, _ = r["one"]
+        assert mem["grads"] == 0 and mem["buffers"] == 0  # no gradient and no scratch survives a step
+        assert {k: mem[k] for k in ("params", "optimizer")} == {k: held[k] for k in ("params", "optimizer")}
+        assert mem["total"] == mem["params"] + mem["optimizer"]
         assert rank_out[stage]["two"][0] == mem  # accumulation allocates nothing lasting
+        # what the worker reports: the gradients the step began with (here backward never ran with
+        # sync=True, so stage 1 reduced in step(): its full ones), the rest after the step
+        step_memory = r["step_memory"]
+        assert step_memory == {**mem, "grads": held["grads"], "total": mem["total"] + held["grads"]}
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])

@@ -96,29 +96,34 @@ def test_step_scratch_follows_the_engine():
     assert step(0, "bf16", buckets, n, "cpu") == 4 * 800 + adam_cpu  # one bucket's fp32 gradient at a time
     assert step(0, "bf16", buckets, n, "cpu", per_bucket=False) == 4 * 1200 + adam_cpu  # every bucket's
     assert step(0, "fp32", buckets, n, "cpu") == adam_cpu  # the gradient is fp32 already
-    assert step(1, "bf16", buckets, n, "cpu") == 4 * 800 // n + adam_cpu  # Gloo reduces into the gradient
-    assert step(1, "bf16", buckets, n, "cuda") == 2 * 1200 // n + 4 * 200 + 4 * 200  # + reduce-scatter
+    assert step(1, "bf16", buckets, n, "cpu") == 4 * 800 // n + adam_cpu
+    assert step(1, "bf16", buckets, n, "cuda") == 4 * 200 + 4 * 200  # the shards are gradients, not scratch
     assert step(2, "bf16", buckets, n, "cpu") == 4 * 200 + adam_cpu
     assert step(2, "bf16", buckets, n, "cuda") == 8 * 200  # + foreach Adam temporaries of one bucket
     assert step(2, "bf16", buckets, n, "cpu", optimizer_states=1) == 4 * 200 + 4 * piece  # SGD: one
-    assert backward_buffer_bytes(0, "bf16", buckets, n) == 0
-    assert backward_buffer_bytes(1, "bf16", buckets, n, "cpu") == 0
-    assert backward_buffer_bytes(1, "bf16", buckets, n, "cuda") == 2 * 1200 // n  # sync=True outputs
+    # gradients live within a step: backward brings them (stage 1: the full ones and the shards)
+    assert backward_buffer_bytes(0, "bf16", buckets, n) == 2 * 1200
+    assert backward_buffer_bytes(1, "bf16", buckets, n, "cpu") == 2 * 1200 + 2 * 1200 // n
+    assert backward_buffer_bytes(1, "bf16", buckets, n, "cuda") == 2 * 1200 + 2 * 1200 // n
 
 
 def test_stage_2_scratch_is_the_largest_buckets_in_flight():
     buckets = [40, 10, 30, 20, 50]  # padded bucket sizes; in flight: 2, plus one filling
     assert MAX_INFLIGHT_BUCKETS == 2
-    assert backward_buffer_bytes(2, "bf16", buckets, 2, "cuda") == 2 * (50 + 40 + 30)
+    shard = 2 * sum(buckets) // 2  # the shard accumulator, which backward allocates
+    assert backward_buffer_bytes(2, "bf16", buckets, 2, "cuda") == 2 * (50 + 40 + 30) + shard
     # Gloo reduces in place; on CUDA accumulation adds shard-sized outputs
-    assert backward_buffer_bytes(2, "bf16", buckets, 2, "cpu") == 2 * (50 + 40 + 30)
-    assert backward_buffer_bytes(2, "bf16", buckets, 2, "cpu", accumulation_steps=4) == 2 * (50 + 40 + 30)
+    assert backward_buffer_bytes(2, "bf16", buckets, 2, "cpu") == 2 * (50 + 40 + 30) + shard
+    assert backward_buffer_bytes(2, "bf16", buckets, 2, "cpu", accumulation_steps=4) == 2 * (50 + 40 + 30) + shard
     assert backward_buffer_bytes(2, "bf16", buckets, 2, "cuda", accumulation_steps=4) == (
-        2 * (50 + 40 + 30) + 2 * (25 + 20))
+        2 * (50 + 40 + 30) + shard + 2 * (25 + 20))
     inputs = PlanInputs(shape=ModelShape.from_count(1e6), n_ranks=4, device="cuda", precision="fp32",
                         activation_bytes=100)
-    states = 4 * 1_000_000 + 4 * 250_000 + 8 * 250_000
-    assert predict(inputs, 2).peak["parts"]["backward"] == states + 100 + 4 * 1_000_000  # one tensor, one bucket
+    held = 4 * 1_000_000 + 8 * 250_000  # between steps: parameters (the fp32 master is them) and Adam
+    parts = predict(inputs, 2).peak["parts"]
+    assert parts["backward"] == held + 100 + 4 * 1_000_000 + 4 * 250_000  # one tensor, one bucket, its shard
+    assert parts["forward"] == held + 100  # no gradient is held in forward (one micro-step)
+    assert predict(replace(inputs, accumulation_steps=2), 2).peak["parts"]["forward"] == held + 100 + 4 * 250_000
 
 
 def test_a_stage_2_engine_never_holds_more_scratch_than_the_bound():
@@ -279,7 +284,7 @@ def test_compare_gives_per_term_errors():
 def test_offload_moves_the_step_scratch_off_the_device():
     assert step_buffer_bytes(2, "bf16", [1200], 4, "cuda", offload=True, largest_param=100) == {
         "device": 0, "host": 2 * 4 * 100}  # the host's Adam temporaries
-    assert step_buffer_bytes(1, "bf16", [1200], 4, "cuda", offload=True)["device"] == 2 * 300  # reduce-scatter out
+    assert step_buffer_bytes(1, "bf16", [1200], 4, "cuda", offload=True)["device"] == 0  # the shard is a gradient
 
 
 def test_activation_checkpointing_keeps_only_unit_inputs():
@@ -369,6 +374,8 @@ def test_stage_2_replay_lies_between_the_activations_and_the_bound(precision):
     buckets = bucket_numels(list(model_shape(spec).param_numels), n, elems)
     bound = backward_buffer_bytes(2, precision, buckets, n, "cpu")
     assert plain <= joint <= plain + bound
+    stage0 = profile_activations(spec, 4, 128, precision, stage2=replace(layout, in_flight=None, holds_shards=False))
+    assert joint <= stage0 <= plain + backward_buffer_bytes(0, precision, buckets, n, "cpu")
     assert joint == pytest.approx(on_cpu, rel=0.02)
 
 
@@ -403,11 +410,12 @@ def test_peak_parts_follow_the_job():
     states = sum(at_end.gpu[k] for k in ("params", "grads", "optimizer"))
     shard = at_end.gpu["grads"] // 2  # elements of this rank's padded shard (bf16 gradient shard)
     copy = 4 * 3 * shard  # fp32 master + Adam's two moments
-    assert at_end.peak["parts"]["checkpoint"] == states  # a CPU rank's last save is written as it lives
+    held = states - at_end.gpu["grads"]  # saves happen between steps, when no gradient is held
+    assert at_end.peak["parts"]["checkpoint"] == held  # a CPU rank's last save is written as it lives
     worst_training = max(periodic.peak["parts"][p] for p in ("forward", "backward", "step"))
     assert periodic.peak["parts"]["checkpoint"] == worst_training + copy  # an upload overlapping training
     assert periodic.peak["part"] == "checkpoint" and periodic.peak["bytes"] == worst_training + copy
-    assert periodic.peak["parts"]["resume"] == states + 4 * shard  # CPU: the optimizer adopts what was read
+    assert periodic.peak["parts"]["resume"] == held + 4 * shard  # CPU: the optimizer adopts what was read
     assert list(periodic.peak["parts"]) == ["construction", "resume", "forward", "backward", "step", "checkpoint"]
     with pytest.raises(ValueError, match="checkpoint must be one of"):
         _gpt_nano_inputs(checkpoint="sometimes")
@@ -429,8 +437,8 @@ def test_a_gpu_ranks_checkpoint_copy_is_host_memory():
     inputs = PlanInputs(shape=model_shape({"preset": "gpt-nano"}), n_ranks=2, precision="bf16",
                         activation_bytes=10**6, device="cuda", checkpoint="at_end")
     prediction = predict(inputs, 3)
-    states = sum(prediction.gpu[k] for k in ("params", "grads", "optimizer"))
-    assert prediction.peak["parts"]["checkpoint"] == states  # the device holds no copy
+    held = sum(prediction.gpu[k] for k in ("params", "optimizer"))  # between steps: no gradient
+    assert prediction.peak["parts"]["checkpoint"] == held  # the device holds no copy
     copy = prediction.peak["host_parts"]["checkpoint"]
     assert copy == 4 * 3 * prediction.gpu["grads"] // 2 and prediction.cpu["peak"] == copy  # master + moments
 

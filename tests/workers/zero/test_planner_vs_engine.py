@@ -2,9 +2,11 @@
 
 Two claims (issue 8, "must show" 2; issue 14, "must show" 5):
 
-* model states: predicted params/grads/optimizer bytes (+ host bytes under offload) equal
-  ``engine.memory()`` within 1% plus the padding (the engine pads each bucket to a multiple
-  of N; Adam's moments and its ``step`` scalars cover real elements only);
+* model states held between steps: predicted params/optimizer bytes (+ host bytes under offload)
+  equal ``engine.memory()`` after the last step within 1% plus the padding (the engine pads each
+  bucket to a multiple of N; Adam's moments and its ``step`` scalars cover real elements only),
+  and no gradient is held then (``stages.py``, the note on gradients' lifetime; the gradients
+  within a step are ``test_accounting.py``'s);
 * peak: the predicted peak of the whole job -- the worst of its parts (``planner/peak.py``:
   construction, forward, backward, step) -- is within 10% of the measured peak growth of every
   rank. Each part's prediction is printed beside its measurement.
@@ -152,9 +154,9 @@ def check(preset: str, rank: int, measured: dict) -> list[str]:
     n, stage, precision = measured["n"], measured["stage"], measured["precision"]
     micro_steps, offload, deferred = measured["micro_steps"], measured["offload"], measured["deferred"]
     pred = predicted(preset, n, stage, precision, micro_steps, offload, deferred)
-    states_pred = pred.gpu["params"] + pred.gpu["grads"] + pred.gpu["optimizer"] + pred.cpu["total"]
+    states_pred = pred.gpu["params"] + pred.gpu["optimizer"] + pred.cpu["total"]
     states_meas = measured["params"] + measured["grads"] + measured["optimizer"] + measured.get("host", 0)
-    # padding elements, each carrying params + grads + optimizer bytes
+    # padding elements, each carrying params + optimizer bytes (and the host's gradient shard)
     per_elem = 2 * low_precision_bytes(precision) + optimizer_bytes_per_param(precision)
     allowed = 0.01 * states_meas + pred.padding_bytes // low_precision_bytes(precision) * per_elem
     errors = compare(pred.to_dict(), measured)
@@ -167,6 +169,8 @@ def check(preset: str, rank: int, measured: dict) -> list[str]:
           f"{peak['predicted'] / 2**20:.1f}/{peak['measured'] / 2**20:.1f} MiB {peak['rel_error']:+.1%} "
           f"({pred.peak['part']}; predicted/measured MiB: {parts})")
     failures = []
+    if measured["grads"]:
+        failures.append(f"{label}: {measured['grads']} bytes of gradients held after step()")
     if abs(states_pred - states_meas) > allowed:
         failures.append(f"{label}: model states {states_pred} predicted, {states_meas} measured")
     if abs(peak["rel_error"]) > PEAK_TOLERANCE:

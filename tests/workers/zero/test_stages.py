@@ -140,13 +140,13 @@ def test_stage_2_scratch_stays_bounded_when_the_network_is_slow():
     for b in strategy.buckets:
         for pos in range(len(b.spec.slots)):
             strategy.on_grad(b, pos, torch.ones(b.spec.slots[pos].shape))
-            most = max(most, sum(x.scratch is not None for x in strategy.buckets))
+            most = max(most, sum(x.grad_full is not None for x in strategy.buckets))
     strategy.end_micro_step()
     assert comm.launched == [f"reduce_scatter bucket {i}" for i in range(len(layout.buckets))]
     assert most <= MAX_INFLIGHT_BUCKETS + 1  # in flight + the one being filled
-    assert sum(x.scratch is not None for x in strategy.buckets) <= MAX_INFLIGHT_BUCKETS  # tail overlaps
+    assert sum(x.grad_full is not None for x in strategy.buckets) <= MAX_INFLIGHT_BUCKETS  # tail overlaps
     strategy.reduced_grads()
-    assert all(x.scratch is None for x in strategy.buckets)
+    assert all(x.grad_full is None for x in strategy.buckets)
 
 
 def test_params_absent_from_the_graph_do_not_hold_back_later_buckets():
@@ -193,3 +193,70 @@ def test_make_strategy_picks_by_what_the_stage_shards():
         assert strategy.sharded_grads == (stage > 0) and strategy.communicates_every_micro_step == (stage == 2)
     with pytest.raises(ValueError, match="unit plan"):
         build(3)  # stage 3 shards parameters: without the units its buckets came from it cannot run
+
+
+def _backward(strategy, sync: bool, record=None) -> None:
+    strategy.begin_micro_step(sync)
+    for b in strategy.buckets:
+        for pos in range(len(b.spec.slots)):
+            strategy.on_grad(b, pos, torch.ones(b.spec.slots[pos].shape))
+            if record is not None:
+                record()
+    strategy.end_micro_step()
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_no_gradient_is_held_before_the_first_gradient_or_after_the_step(stage):
+    """The note on gradients' lifetime: nothing at construction, nothing after zero_grads."""
+    strategy, _, _ = build(stage)
+    assert strategy.grad_tensors() == [] and strategy.scratch_tensors() == []
+    first = strategy.buckets[0]
+    strategy.begin_micro_step(True)
+    strategy.on_grad(first, 0, torch.ones(first.spec.slots[0].shape))
+    assert [b.grad_full is not None for b in strategy.buckets] == [True] + [False] * (len(strategy.buckets) - 1)
+    for b in strategy.buckets:
+        for pos in range(len(b.spec.slots)):
+            if (b, pos) != (first, 0):
+                strategy.on_grad(b, pos, torch.ones(b.spec.slots[pos].shape))
+    strategy.end_micro_step()
+    strategy.reduced_grads()
+    assert strategy.grad_tensors() != []
+    strategy.zero_grads()
+    assert strategy.grad_tensors() == [] and strategy.scratch_tensors() == []
+
+
+def test_stage_1_frees_each_full_gradient_once_reduced_and_keeps_few_in_flight():
+    """The sync=True micro-step of stage 1 reduces as stage 2 does: what a slow network leaves in
+    flight is bounded, and the step ends with shards only."""
+    strategy, comm, layout = build(1, n_params=30, bucket_numel=20, comm=SlowComm())
+    assert len(layout.buckets) > 6
+    _backward(strategy, sync=False)  # accumulation: every full gradient is held, nothing communicated
+    assert comm.launched == [] and all(b.grad_full is not None for b in strategy.buckets)
+    in_flight = []
+    strategy.begin_micro_step(True)
+    for b in strategy.buckets:
+        for pos in range(len(b.spec.slots)):
+            strategy.on_grad(b, pos, torch.ones(b.spec.slots[pos].shape))
+            in_flight.append(sum(x.launched and x.grad_full is not None for x in strategy.buckets))
+    strategy.end_micro_step()
+    assert max(in_flight) <= MAX_INFLIGHT_BUCKETS
+    grads = strategy.reduced_grads()
+    assert all(b.grad_full is None for b in strategy.buckets)
+    assert [g.numel() for g in grads] == [b.spec.shard_numel for b in strategy.buckets]
+    held = strategy.grad_tensors()
+    assert sum(t.numel() for t in held) == sum(b.spec.shard_numel for b in strategy.buckets)
+
+
+def test_padding_and_unwritten_slots_are_zero_when_reduced():
+    """The full gradient is allocated uninitialised: only what no gradient wrote is zeroed, before the reduce."""
+    strategy, _, _ = build(0)
+    b = strategy.buckets[0]
+    strategy.begin_micro_step(False)
+    strategy.on_grad(b, 0, torch.full(b.spec.slots[0].shape, 3.0))
+    b.grad_full.fill_(float("nan"))  # what an uninitialised block may hold
+    lo, hi = b.slot_range(0)
+    b.grad_full[lo:hi] = 3.0
+    strategy.end_micro_step()
+    grad = strategy.reduced_grads()[0]
+    assert grad[lo:hi].eq(1.5).all()
+    assert torch.cat([grad[:lo], grad[hi:]]).eq(0).all()

@@ -111,11 +111,16 @@ def checkpoint_units(model: nn.Module) -> None:
 
 @dataclass(frozen=True)
 class Stage2Layout:
-    """What the stage-2 scratch replay needs: N, bucket size, in-flight limit, how pages appear."""
+    """What the gradient replay needs: N, bucket size, in-flight limit, how pages appear.
+
+    The default is stages 1 and 2 (one micro-step, ``sync=True``: stage 1 then reduces as stage 2
+    does); stage 0 keeps every full bucket to the step (``in_flight=None``, ``holds_shards=False``).
+    """
 
     n_ranks: int
     bucket_elems: int
-    in_flight: int = MAX_INFLIGHT_BUCKETS
+    in_flight: int | None = MAX_INFLIGHT_BUCKETS  # None: a full bucket is kept until backward ends
+    holds_shards: bool = True  # a reduced bucket leaves its shard (compute dtype, 1/N) behind
     # CPU: a scratch's pages become resident as gradients are written into them (the engine's note
     # on the scratch's pages, ``stages.py``); CUDA: the whole bucket is allocated at its first gradient
     pages_on_write: bool = False
@@ -217,14 +222,16 @@ class _Stage3Gathers:
             handle.remove()
 
 
-class _Stage2Scratch:
-    """Replays the engine's stage-2 scratch policy (``workers/zero/stages.py``) on the tracker's
-    timeline: a bucket's full-size scratch appears with its first gradient (``pages_on_write``: each
-    parameter's slot when its gradient is written, the rest when the bucket is launched); a bucket
-    whose gradients all arrived is launched, strictly in bucket order; beyond ``in_flight``
-    launched buckets the oldest is folded in and freed. (The engine also folds in buckets that
-    finished early; assuming none did makes this an upper bound.) Buckets still in flight when
-    backward ends stay held until it ends (the engine drains them then)."""
+class _GradientReplay:
+    """Replays the engine's gradient storage (``workers/zero/stages.py``, the note on gradients'
+    lifetime) on the tracker's timeline: a bucket's full gradient appears with its first gradient
+    (``pages_on_write``: each parameter's slot when its gradient is written, the rest when the
+    bucket is launched); a bucket whose gradients all arrived is launched, strictly in bucket
+    order, and its shard (``holds_shards``) is held from then on; beyond ``in_flight`` launched
+    buckets the oldest is folded in and its full gradient freed (never, with ``in_flight=None``).
+    (The engine also folds in buckets that finished early; assuming none did makes this an upper
+    bound.) Buckets still in flight when backward ends stay held until it ends (the engine drains
+    them then)."""
 
     def __init__(self, model: nn.Module, params: Sequence[torch.Tensor], layout: Stage2Layout,
                  tracker: ActivationTracker):
@@ -239,7 +246,9 @@ class _Stage2Scratch:
         self.nbytes = [b.numel * self.element for b in flat.buckets]
         self.layout, self.tracker = layout, tracker
         self.ready = [0] * len(self.buckets)
-        self.held = [0] * len(self.buckets)  # bytes of each bucket's scratch that are resident
+        self.shard_nbytes = [b.numel // layout.n_ranks * self.element if layout.holds_shards else 0
+                             for b in flat.buckets]
+        self.held = [0] * len(self.buckets)  # bytes of each bucket's full gradient that are resident
         self.in_flight: list[int] = []
         self.next_launch = 0
 
@@ -260,6 +269,9 @@ class _Stage2Scratch:
 
     def _launch(self, bucket: int) -> None:
         self._hold(bucket, self.nbytes[bucket])  # padding (and what no gradient wrote) is zeroed now
+        self.tracker.hold(self.shard_nbytes[bucket])
+        if self.layout.in_flight is None:
+            return
         self.in_flight.append(bucket)
         if len(self.in_flight) > self.layout.in_flight:
             oldest = self.in_flight.pop(0)
@@ -291,15 +303,15 @@ def measure_activation_bytes(
 
     Gradients are dropped as soon as each is accumulated, as the engine adds them into its own
     buffers: what remains is activations, saved tensors, transients and one parameter's
-    gradient at a time. With ``stage2``, the engine's stage-2 bucket scratch is replayed on the
-    same timeline (``_Stage2Scratch``), giving the joint peak; with ``stage2.per_unit`` stage 3's
-    per-unit scratch and its gathered parameters (``_Stage3Gathers``). On CUDA the allocator's own peak
+    gradient at a time. With ``stage2``, the engine's gradient buckets (full, then shards) are
+    replayed on the same timeline (``_GradientReplay``), giving the joint peak; with
+    ``stage2.per_unit`` stage 3's per-unit buckets and its gathered parameters (``_Stage3Gathers``). On CUDA the allocator's own peak
     (``max_memory_allocated``) is read as well and the larger is kept (kernels' workspaces are
     invisible to the tracker).
     """
     tracker = ActivationTracker(ignore=[*model.parameters(), *model.buffers(), *batch])
     trainable = [p for p in model.parameters() if p.requires_grad]
-    scratch = None if stage2 is None else _Stage2Scratch(model, trainable, stage2, tracker)
+    scratch = None if stage2 is None else _GradientReplay(model, trainable, stage2, tracker)
     gathers = _Stage3Gathers(model, trainable, stage2, tracker) if stage2 is not None and stage2.per_unit else None
 
     def on_grad(param: torch.Tensor) -> None:

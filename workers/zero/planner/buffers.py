@@ -28,26 +28,28 @@ def backward_buffer_bytes(
     device: str = "cuda",
     accumulation_steps: int = 1,
 ) -> int:
-    """Communication scratch alive during backward on top of activations, for THIS engine.
+    """Gradient storage and communication scratch alive during backward, on top of what a rank
+    holds between steps (no gradient: ``workers/zero/stages.py``, the note on gradients'
+    lifetime), for THIS engine, as a bound that needs no profile.
 
-    Stages that keep a full gradient (0/1, ``workers/zero/stages.py``): autograd's gradient is
-    added into the gradient buffer and dropped at once; on CUDA stage 1's last micro-step
-    (``sync=True``) reduce-scatters each bucket into a shard-sized output that lives into
-    ``step()`` (on Gloo the gradient's own slot receives it). Stages that shard gradients: a
-    bucket's full-size scratch (compute dtype) lives from its first gradient until its
-    reduce-scatter is folded in; at most ``MAX_INFLIGHT_BUCKETS`` are in flight plus the one
-    filling, so the bound is the largest ``in_flight + 1`` buckets; from the second micro-step on,
+    Stages that keep a full gradient (0/1): every bucket's full gradient (compute dtype); stage 1
+    also the shards its reduce-scatters leave (on the last micro-step, ``sync=True``, a bucket's
+    full gradient is freed once reduced; counting both is the bound). Stages that shard gradients:
+    a bucket's full-size scratch lives from its first gradient until its reduce-scatter is folded
+    in; at most ``MAX_INFLIGHT_BUCKETS`` are in flight plus the one filling, so the bound is the
+    largest ``in_flight + 1`` buckets, plus the shard accumulator; from the second micro-step on,
     a CUDA reduce-scatter writes a shard-sized output before accumulating it. A profile replaying
-    the policy (``activations.Stage2Layout``) replaces this bound in ``predict``: scratch grows
+    the policy (``activations.Stage2Layout``) replaces this bound in ``predict``: gradients grow
     while activations shrink, so the sum overestimates. Stage 3 (``workers/zero/stage3.py``) runs
     the same machinery with one bucket per unit: pass the padded unit sizes as ``buckets``.
     """
     traits = stage_traits(stage)
     p = low_precision_bytes(precision)
+    shards = p * sum(b // n_ranks for b in buckets) if traits.shards_optimizer else 0
     if not traits.shards_gradients:
-        return p * sum(b // n_ranks for b in buckets) if traits.reduces_at_step and device == "cuda" else 0
+        return p * sum(buckets) + shards
     largest = sorted(buckets, reverse=True)
-    return p * sum(largest[: MAX_INFLIGHT_BUCKETS + 1]) + stage2_tail_bytes(
+    return p * sum(largest[: MAX_INFLIGHT_BUCKETS + 1]) + shards + stage2_tail_bytes(
         precision, buckets, n_ranks, device, accumulation_steps)
 
 
@@ -83,23 +85,21 @@ def step_buffer_bytes(
     at a time; ``per_bucket``), so one bucket's fp32 copy lives at once; otherwise every bucket's.
     The update's own temporaries: torch's foreach Adam on CUDA one fp32 tensor per element of the
     call (one bucket's, or everything); on CPU it loops per tensor, and Adam's ``sqrt`` and
-    division hold two temporaries of the largest piece (SGD's weight decay one). On CUDA stage 1
-    holds its reduce-scatter outputs (the shard, compute dtype) through the step. Under offload
-    the fp32 gradient and the optimizer live on the host: their temporaries are the host's.
+    division hold two temporaries of the largest piece (SGD's weight decay one). Under offload
+    the fp32 gradient and the optimizer live on the host: their temporaries are the host's. The
+    reduced gradients themselves are not scratch: ``peak.job_peak`` counts them.
     """
     traits = stage_traits(stage)
-    p = low_precision_bytes(precision)
     world = traits.shard_world(n_ranks)
     reduced = [b // world for b in buckets] or [0]
     at_once = max(reduced) if per_bucket else sum(reduced)
     piece = min(largest_param or max(reduced), max(reduced))
     optimizer = (4 * at_once if device == "cuda" and not offload
                  else 4 * piece * (2 if optimizer_states >= 2 else 1))
-    device_bytes = p * sum(reduced) if traits.reduces_at_step and device == "cuda" else 0
     if offload:  # host: the optimizer's temporaries (the fp32 gradient shard is kept, a model state)
-        return {"device": device_bytes, "host": optimizer}
+        return {"device": 0, "host": optimizer}
     casts = 4 * at_once if precision_traits(precision).master_bytes else 0
-    return {"device": device_bytes + casts + optimizer, "host": 0}
+    return {"device": casts + optimizer, "host": 0}
 
 
 def gathered_unit_bytes(

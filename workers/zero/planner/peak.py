@@ -1,7 +1,10 @@
 """A rank's peak over the whole job, part by part: the one formula the planner's total rests on.
 
-Model states are what a rank keeps; its peak is where something transient comes on top of
-them, and that happens in different parts of a job, never in two at once. ``job_peak`` adds,
+Model states are what a rank keeps -- its gradients only within a step: the engine allocates them
+as backward reaches them and drops them when ``step()`` ends (``stages.py``, the note on
+gradients' lifetime), so between steps a rank holds the parameters and the optimizer's state
+only. Its peak is where something transient comes on top of that, and that happens in different
+parts of a job, never in two at once. ``job_peak`` adds,
 for each part, what is alive at that part's worst moment (bytes of live tensors: what CUDA's
 ``max_memory_allocated`` counts, and a CPU rank's resident-set growth when the worker maps
 large blocks fresh, ``workers/host_memory.py``):
@@ -9,14 +12,17 @@ large blocks fresh, ``workers/host_memory.py``):
 =============  ===================================================================================
 part           kept + transient
 =============  ===================================================================================
-construction   parameters, gradient buffers, fp32 master (no optimizer state yet: torch creates it
+construction   parameters, fp32 master (no gradients; no optimizer state yet: torch creates it
                at the first step) + one bucket's (stage 3: unit's) staging; a model built eagerly
                (not on the meta device) first holds itself whole in fp32
-forward        model states + the forward's activations + stage 3's gathered units
-backward       model states + activations, gradient scratch and stage 3's gathered units, replayed
-               on one timeline (``activations.py``; without a replay: their bounds added up)
-step           model states + the step's scratch: one bucket's fp32 gradient, the optimizer's
-               temporaries (``buffers.step_buffer_bytes``); no activations, no gathered units
+forward        what is held between steps + the forward's activations + stage 3's gathered units;
+               with several micro-steps per step, the gradients they accumulate (the table's)
+backward       held between steps + activations, gradients (full buckets, then shards) and stage
+               3's gathered units, replayed on one timeline (``activations.py``; without a
+               replay: their bounds added up)
+step           held between steps + the reduced gradients (stage 0 full, stages 1-3 the shard) +
+               the step's scratch: one bucket's fp32 gradient, the optimizer's temporaries
+               (``buffers.step_buffer_bytes``); no activations, no gathered units
 checkpoint     the host copy of this rank's shard (``snapshot.py``) on top of the model states;
                when saves happen before the last step, the copy may still be uploading while the
                next steps run: then on top of the largest of forward, backward and step. The last
@@ -42,7 +48,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from contract.metrics import PEAK_PARTS
-from contract.zero_math import ModelStateBytes, precision_traits, shard_numel, stage_traits
+from contract.zero_math import ModelStateBytes, low_precision_bytes, precision_traits, shard_numel, stage_traits
 
 from .buffers import construction_staging_bytes, snapshot_bytes, step_buffer_bytes
 
@@ -69,11 +75,13 @@ class PeakInputs:
     largest_param: int
     optimizer_states: int
     forward_bytes: int  # on top of the model states at the forward's worst moment (activations, gathers)
-    backward_bytes: int  # the same for backward (activations, gradient scratch, stage 3's gathers)
+    backward_bytes: int  # the same for backward, over what is held between steps (activations,
+    # gradients, scratch, stage 3's gathers)
     deferred_init: bool = True
     checkpoint: str = "none"
     resume: bool = False
     per_bucket_step: bool = True
+    accumulation_steps: int = 1  # micro-batches per step: from the second on, gradients are held in forward
 
 
 def job_peak(states: ModelStateBytes, x: PeakInputs) -> dict[str, dict[str, int]]:
@@ -83,28 +91,31 @@ def job_peak(states: ModelStateBytes, x: PeakInputs) -> dict[str, dict[str, int]
     traits = stage_traits(x.stage)
     world = traits.shard_world(x.n_ranks)
     master = precision_traits(x.precision).master_bytes * shard_numel(x.phi_padded, world)
-    kept_device = states.gpu_total  # params (+ frozen), grads, master + optimizer state (device)
+    # between steps: params (+ frozen), master + optimizer state on the device; no gradient
+    kept_device = states.gpu_total - states.gpu_grads
     kept_host = states.cpu_total
+    step_grads = step_gradient_bytes(states, x.stage, x.precision, x.phi_padded, x.n_ranks)
     # before the first step: no optimizer state yet, only the master it will update
     opt_state_device = 0 if x.offload else states.gpu_optimizer - master
     opt_state_host = states.cpu_optimizer if x.offload else 0
 
     parts: dict[str, dict[str, int]] = {}
     staging = construction_staging_bytes(x.stage, x.precision, x.buckets)
-    # buckets are built one by one (the master on the device until offload moves it; the gradient
-    # buffers come after them), then the gradient buffers, then offload's host state
-    params_and_master = kept_device - opt_state_device - states.gpu_grads + (master if x.offload else 0)
+    # buckets are built one by one (the master on the device until offload moves it), then offload's
+    # host state; gradients come with the first backward
+    params_and_master = kept_device - opt_state_device + (master if x.offload else 0)
     building = {"device": params_and_master + staging, "host": 0}
     if not x.deferred_init:  # the whole fp32 model first, freed bucket by bucket as the engine takes it
         building["device"] = max(building["device"], 4 * x.phi_model + staging - 4 * max(x.buckets, default=0))
-    built = {"device": params_and_master + states.gpu_grads, "host": 0}
+    built = {"device": params_and_master, "host": 0}
     moved = {"device": kept_device - opt_state_device, "host": kept_host - opt_state_host}
     parts["construction"] = max(building, built, moved, key=lambda v: _seen(v, x.device))
-    parts["forward"] = {"device": kept_device + x.forward_bytes, "host": kept_host}
+    accumulated = states.gpu_grads if x.accumulation_steps > 1 else 0
+    parts["forward"] = {"device": kept_device + accumulated + x.forward_bytes, "host": kept_host}
     parts["backward"] = {"device": kept_device + x.backward_bytes, "host": kept_host}
     scratch = step_buffer_bytes(x.stage, x.precision, x.buckets, x.n_ranks, x.device, x.offload,
                                 x.largest_param, x.optimizer_states, x.per_bucket_step)
-    parts["step"] = {"device": kept_device + scratch["device"], "host": kept_host + scratch["host"]}
+    parts["step"] = {"device": kept_device + step_grads + scratch["device"], "host": kept_host + scratch["host"]}
     if x.checkpoint != "none":
         copy = snapshot_bytes(x.stage, x.phi_padded, x.n_ranks, x.optimizer_states, x.frozen)
         if x.checkpoint == "at_end" and (x.device == "cpu" or x.offload):
@@ -119,6 +130,16 @@ def job_peak(states: ModelStateBytes, x: PeakInputs) -> dict[str, dict[str, int]
             read = 4 * shard_numel(x.phi_padded, world) + 4 * x.frozen
         parts["resume"] = {"device": kept_device, "host": kept_host + read}
     return parts
+
+
+def step_gradient_bytes(states: ModelStateBytes, stage: int, precision: str, phi_padded: int, n_ranks: int) -> int:
+    """The reduced gradients a rank holds through ``step()``: stage 0 the full ones (the table's),
+    stages 1-3 this rank's compute-dtype shard (stage 1 keeps the table's full gradients only
+    between micro-steps, ``stages.py``)."""
+    traits = stage_traits(stage)
+    if not traits.shards_optimizer:
+        return states.gpu_grads
+    return low_precision_bytes(precision) * shard_numel(phi_padded, traits.shard_world(n_ranks))
 
 
 def _seen(part: dict[str, int], device: str) -> int:

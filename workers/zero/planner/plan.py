@@ -49,7 +49,7 @@ from .buffers import (
     stage2_tail_bytes,
     step_buffer_bytes,
 )
-from .peak import CHECKPOINTS, PeakInputs, job_peak, summarize
+from .peak import CHECKPOINTS, PeakInputs, job_peak, step_gradient_bytes, summarize
 from .shape import DEFAULT_UNITS, ModelShape, bucket_elements, bucket_numels
 
 DEFAULT_MARGIN = 0.10  # a plan fits when its total is at most (1 - margin) of the budget
@@ -96,7 +96,8 @@ class PlanInputs:
     bucket_mb: float = 25.0
     prefetch: int = 1
     activation_bytes: int | None = None  # None: not estimated (counted as 0, said so)
-    activation_bytes_stage2: int | None = None  # joint peak with the stage-2 scratch replayed
+    activation_bytes_stage0: int | None = None  # joint peak with stage 0's full gradients replayed
+    activation_bytes_stage2: int | None = None  # the same with stages 1-2's buckets (full, then shards)
     activation_bytes_stage3: int | None = None  # the same with stage 3's per-unit buckets and gathers
     activation_bytes_forward: int | None = None  # the forward alone (None: taken as activation_bytes)
     activation_bytes_forward_stage3: int | None = None  # the forward with stage 3's gathers replayed
@@ -131,6 +132,7 @@ class PlanInputs:
             "bucket_mb": self.bucket_mb,
             "prefetch": self.prefetch,
             "activation_bytes": self.activation_bytes,
+            "activation_bytes_stage0": self.activation_bytes_stage0,
             "activation_bytes_stage2": self.activation_bytes_stage2,
             "activation_bytes_stage3": self.activation_bytes_stage3,
             "activation_bytes_forward": self.activation_bytes_forward,
@@ -176,9 +178,14 @@ def predict(inputs: PlanInputs, stage: int, offload: bool = False) -> StagePredi
     gathered = gathered_unit_bytes(shape.root_numel, shape.unit_numels, precision, inputs.prefetch, n) \
         + kept_bytes if traits.shards_parameters else 0
     replayed = _replayed_activations(inputs, stage)
-    if replayed is not None:  # the joint peak of activations, the engine's scratch (and stage 3's gathers)
+    if replayed is not None:  # the joint peak of activations, the engine's gradients (and stage 3's gathers)
         backward_transient = replayed + stage2_tail_bytes(precision, buckets, n, inputs.device,
                                                           inputs.accumulation_steps)
+        if inputs.accumulation_steps > 1:  # later micro-steps start with the step's gradients held:
+            # stage 2/3's shard under the replay (which counts it again: a bound); stage 0/1's full
+            # gradients under the activations (their replay would count them twice)
+            backward_transient = backward_transient + states.gpu_grads if traits.shards_gradients \
+                else backward + gathered
         backward = backward_transient - (gathered if traits.shards_parameters else 0)  # for the terms below
     else:
         backward_transient = backward + gathered
@@ -192,12 +199,15 @@ def predict(inputs: PlanInputs, stage: int, offload: bool = False) -> StagePredi
         largest_param=largest_param, optimizer_states=inputs.optimizer_states,
         forward_bytes=forward, backward_bytes=backward_transient, deferred_init=inputs.deferred_init,
         checkpoint=inputs.checkpoint, resume=inputs.resume, per_bucket_step=inputs.per_bucket_step,
+        accumulation_steps=inputs.accumulation_steps,
     ))
     step = step_buffer_bytes(stage, precision, buckets, n, inputs.device, offload, largest_param,
                              inputs.optimizer_states, inputs.per_bucket_step)
     gpu = {
         "params": states.gpu_params,
-        "grads": states.gpu_grads,
+        # as the step begins, what the worker measures (workers/train.py): stage 0 the full gradients,
+        # stages 1-3 the reduced shard (stage 1 holds the table's full ones only between micro-steps)
+        "grads": step_gradient_bytes(states, stage, precision, phi_padded, n),
         "optimizer": states.gpu_optimizer,
         "gathered_units": gathered,
         "activations": activations,
@@ -248,12 +258,13 @@ def hybrid_group_size(inputs: PlanInputs, stage: int) -> int | None:
 
 
 def _replayed_activations(inputs: PlanInputs, stage: int) -> int | None:
-    """The profile with the engine's gradient scratch replayed, for a stage that shards
-    gradients: per bucket (stage 2) or per unit (stage 3); None when there is none."""
+    """The profile with the engine's gradients replayed: stage 0's full buckets kept to the step;
+    stages 1-2 per bucket, reduced (stage 1 reduces as stage 2 does on its ``sync=True`` micro-step,
+    the one a single-micro-step job has); stage 3 per unit; None when there is none."""
     traits = stage_traits(stage)
-    if not traits.shards_gradients:
-        return None
-    return inputs.activation_bytes_stage3 if traits.shards_parameters else inputs.activation_bytes_stage2
+    if traits.shards_parameters:
+        return inputs.activation_bytes_stage3
+    return inputs.activation_bytes_stage2 if traits.shards_optimizer else inputs.activation_bytes_stage0
 
 
 def _add_time_model(prediction: StagePrediction, inputs: PlanInputs) -> None:
