@@ -34,9 +34,14 @@ from workers.zero.stages import MAX_INFLIGHT_BUCKETS
 GB = 1e9
 
 
-def test_padding_packs_in_reverse_and_pads_each_bucket_to_a_multiple_of_n():
-    # reversed: [5, 4] -> bucket 9 -> 12; [3] -> 3; [10] alone (larger than a bucket) -> 12
-    assert padded_numel([10, 3, 4, 5], n_ranks=4, bucket_elems=9) == 12 + 4 + 12
+def test_padding_packs_tapered_from_the_forward_and_pads_each_bucket_to_a_multiple_of_n():
+    # bucket 16: the forward's first buckets hold 2, 4, 8 elements (flat.TAPER), then 16:
+    # [1, 1] | [3] | [4] | [5, 6] | [7] -> padded to 4 each: 4 + 4 + 4 + 12 + 8
+    assert padded_numel([1, 1, 3, 4, 5, 6, 7], n_ranks=4, bucket_elems=16) == 32
+    assert [b.numel for b in FlatLayout.build([(str(i), (k,)) for i, k in enumerate([1, 1, 3, 4, 5, 6, 7])],
+                                              4, 16).buckets] == [8, 12, 4, 4, 4]  # backward's order
+    # a parameter larger than its bucket gets one of its own
+    assert padded_numel([10, 3, 4, 5], n_ranks=4, bucket_elems=9) == 12 + 4 + 4 + 8
     assert padded_numel([10, 3, 4, 5], n_ranks=4, bucket_elems=None) == 24
     assert padded_numel([10, 3, 4, 5], n_ranks=1, bucket_elems=9) == 22
 

@@ -78,8 +78,9 @@ def bucket_elements(bucket_mb: float, precision: str) -> int:
 def bucket_layout(numels: Sequence[int], n_ranks: int, bucket_elems: int | None = None) -> FlatLayout:
     """The engine's bucket layout of parameters of these sizes (registration order); ``None``
     means one flat buffer."""
-    limit = max(1, sum(numels)) if bucket_elems is None else bucket_elems
-    return FlatLayout.build(_as_shapes(numels), n_ranks, limit)
+    if bucket_elems is None:
+        return FlatLayout.build(_as_shapes(numels), n_ranks, max(1, sum(numels)), taper=False)
+    return FlatLayout.build(_as_shapes(numels), n_ranks, bucket_elems)
 
 
 def bucket_numels(numels: Sequence[int], n_ranks: int, bucket_elems: int | None = None) -> list[int]:
