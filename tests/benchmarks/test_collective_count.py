@@ -37,8 +37,12 @@ with counter.mode:
     funcol.all_gather_single(torch.ones(5), 0, dist.group.WORLD).wait()    # functional all-gather: 10
     dist.barrier()                                                         # not a data collective
 assert gathered.tolist() == [0.0] * 5 + [1.0] * 5 and summed.tolist() == [3.0] * 7 and shard.tolist() == [2.0] * 3
-print(json.dumps(counter.report()))
+print(json.dumps(counter.report()), flush=True)
 dist.destroy_process_group()
+# What is checked is above. Once in a few hundred runs on a loaded machine, the interpreter's own
+# teardown after a functional collective aborted in Gloo ("terminate called without an active
+# exception", SIGABRT) after the report was printed; leave without that teardown.
+os._exit(0)
 """
 
 
