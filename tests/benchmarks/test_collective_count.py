@@ -39,7 +39,7 @@ with counter.mode:
 assert gathered.tolist() == [0.0] * 5 + [1.0] * 5 and summed.tolist() == [3.0] * 7 and shard.tolist() == [2.0] * 3
 print(json.dumps(counter.report()), flush=True)
 dist.destroy_process_group()
-# What is checked is above. Once in a few hundred runs on a loaded machine, the interpreter's own
+# What is checked is above. In 1 of 10 runs on a loaded machine (2026-12-02), the interpreter's own
 # teardown after a functional collective aborted in Gloo ("terminate called without an active
 # exception", SIGABRT) after the report was printed; leave without that teardown.
 os._exit(0)
