@@ -38,7 +38,7 @@ from 1.12x DeepSpeed ZeRO-1's to 0.89x, ``docs/engine.md``). A stage that reduce
 bucket (1, and 2 every micro-step) frees its full gradient once the reduce-scatter is folded
 into the shard, at most ``MAX_INFLIGHT_BUCKETS`` in flight. A CUDA allocator hands out a
 bucket's block whole at its first gradient; the planner counts each device its way
-(``planner/activations.py``, ``GradientReplay``).
+(``planner/activations.py``, ``_GradientReplay``).
 
 [Note: who pays for gradient accumulation]
 Stages 0 and 1 keep a full local gradient, so non-final micro-steps communicate nothing: the
@@ -275,6 +275,33 @@ class Strategy:
     def _finish(self, b: FlatBucket) -> None:
         pass
 
+    def _reduce_scatter_into_shard(self, b: FlatBucket) -> Pending:
+        """Stages 1-3: reduce-scatter ``b``'s full gradient towards this rank's shard.
+
+        On Gloo into the gradient's own slot (``collectives.py``, the note on Gloo's copies), which
+        ``_fold_into_shard`` copies out; otherwise straight into a new shard, or, when this step
+        already has one (stage 2's later micro-steps), into an output added to it afterwards.
+        """
+        full = self._grad_target(b)
+        if self.comm.in_place:
+            out = b.scratch_out = self.comm.own_slot(full)
+        elif b.grad_shard is None:
+            out = b.grad_shard = self._new_shard(b)
+        else:
+            out = b.scratch_out = self._new_shard(b)
+        return self.comm.reduce_scatter(out, full, label=f"reduce_scatter bucket {b.spec.index}")
+
+    def _fold_into_shard(self, b: FlatBucket) -> None:
+        """A finished ``_reduce_scatter_into_shard``: its output becomes (or is added to) the
+        shard, and the full gradient is freed."""
+        if b.scratch_out is not None:
+            if b.grad_shard is None:
+                b.grad_shard = b.scratch_out.clone()
+            else:
+                b.grad_shard.add_(b.scratch_out)
+            b.scratch_out = None
+        b.grad_full = b.grad_written = None
+
     # -- step -----------------------------------------------------------------------------------
     def reduced_grads(self) -> list[torch.Tensor]:
         """Per bucket, this rank's averaged gradient (its shard; the whole bucket at stage 0)."""
@@ -344,19 +371,10 @@ class ReduceScatterAtStepStrategy(Strategy):
     gathers_params = True
 
     def _launch(self, b: FlatBucket) -> Pending:
-        # in place (Gloo): the gradient's own slot receives the shard, copied out in _finish
-        out = self.comm.own_slot(b.grad_full) if self.comm.in_place else self._new_shard(b)
-        if self.comm.in_place:
-            b.scratch_out = out
-        else:
-            b.grad_shard = out
-        return self.comm.reduce_scatter(out, b.grad_full, label=f"reduce_scatter bucket {b.spec.index}")
+        return self._reduce_scatter_into_shard(b)
 
     def _finish(self, b: FlatBucket) -> None:
-        if b.scratch_out is not None:
-            b.grad_shard = b.scratch_out.clone()
-            b.scratch_out = None
-        b.grad_full = b.grad_written = None
+        self._fold_into_shard(b)
 
     def _reduced(self, b: FlatBucket) -> torch.Tensor:
         return b.grad_shard
@@ -385,24 +403,11 @@ class ReduceScatterInBackwardStrategy(Strategy):
         return [b.grad_full for b in self.buckets if b.grad_full is not None] + super().scratch_tensors()
 
     def _launch(self, b: FlatBucket) -> Pending:
-        full = self._grad_target(b)
-        if self.comm.in_place:  # Gloo: reduce into the scratch's own slot (no copy), folded in by _finish
-            out = b.scratch_out = self.comm.own_slot(full)
-        elif b.grad_shard is None:
-            out = b.grad_shard = self._new_shard(b)  # the step's first: straight into the accumulator
-        else:
-            out = b.scratch_out = self._new_shard(b)
-        return self.comm.reduce_scatter(out, full, label=f"reduce_scatter bucket {b.spec.index}")
+        return self._reduce_scatter_into_shard(b)
 
     def _finish(self, b: FlatBucket) -> None:
-        if b.scratch_out is not None:
-            if b.grad_shard is None:
-                b.grad_shard = b.scratch_out.clone()
-            else:
-                b.grad_shard.add_(b.scratch_out)
-            b.scratch_out = None
-        b.grad_full = b.grad_written = None
-        b.launched = False
+        self._fold_into_shard(b)
+        b.launched = False  # the next micro-step reduces this bucket again
 
     def reduced_grads(self) -> list[torch.Tensor]:
         self.drain()  # every micro-step already launched all its buckets
