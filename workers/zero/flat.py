@@ -22,11 +22,17 @@ of 2; ``python -m benchmarks.engine --interleave --repeats 2 --rows ddp,zero1,ze
 after): median exposed communication per step 0.035 -> 0.028 s at stage 1, 0.038 -> 0.025 s at
 stage 2; step time against DDP's 1.007x -> 1.004x and 1.010x -> 1.007x.
 
-[Note: padding]
-Each bucket's flat length is rounded up to a multiple of the shard world size so that rank r
-owns exactly ``[r*S, (r+1)*S)``; ``reduce_scatter``/``all_gather`` need equal pieces. Padding
-elements are zero in parameters and gradients, are never handed to the optimizer, and are the
-"+ padding" of the memory and communication formulas.
+[Note: padding and alignment]
+Each bucket's flat length is rounded up to a multiple of ``ALIGN_ELEMENTS`` times the shard world
+size so that rank r owns exactly ``[r*S, (r+1)*S)`` (``reduce_scatter``/``all_gather`` need equal
+pieces) and every rank's shard starts at a multiple of ``ALIGN_ELEMENTS``. Every parameter
+starts at such a multiple too: its view into the flat buffer, the master shard and the fp32
+gradient (and each optimizer-state piece) is then 16-byte aligned in a 2-byte compute dtype
+(32 in fp32) when the buffer is, as every allocator's blocks are. CUDA's vectorized kernels
+(the foreach and fused optimizers' 16-byte loads, copies, NCCL's) take their fast path only on
+aligned addresses; FSDP2 pads each parameter to 16 bytes for the same reason. The gaps and the
+tail are padding: zero in parameters and gradients, never handed to the optimizer, and the
+"+ padding" of the memory and communication formulas (a few elements per parameter).
 """
 
 from __future__ import annotations
@@ -39,6 +45,37 @@ from contract.zero_math import shard_numel
 
 #: the first buckets of the forward, as fractions of ``bucket_numel`` (the note on tapered buckets)
 TAPER = (1 / 8, 1 / 4, 1 / 2)
+#: parameters and shards start at multiples of this many elements (the note on padding and alignment)
+ALIGN_ELEMENTS = 8
+
+
+def aligned(numel: int) -> int:
+    """``numel`` rounded up to a multiple of ``ALIGN_ELEMENTS``: where the next parameter may start."""
+    return -(-int(numel) // ALIGN_ELEMENTS) * ALIGN_ELEMENTS
+
+
+def slot_offsets(numels: Sequence[int]) -> tuple[list[int], int]:
+    """Where parameters of these sizes start when packed in this order into one bucket, and where
+    the last one ends (the note on padding and alignment)."""
+    offsets, end = [], 0
+    for n in numels:
+        offsets.append(aligned(end))
+        end = offsets[-1] + int(n)
+    return offsets, end
+
+
+def padded_bucket_numel(used_end: int, world_size: int) -> int:
+    """A bucket's flat length for parameters ending at ``used_end``: a multiple of ``ALIGN_ELEMENTS``
+    times ``world_size``, so that each rank's equal shard starts aligned (never 0: an empty
+    bucket still has one aligned shard per rank)."""
+    step = ALIGN_ELEMENTS * world_size
+    return shard_numel(max(int(used_end), 1), step) * step
+
+
+def packed_numel(numels: Sequence[int], world_size: int) -> int:
+    """The padded flat length of one bucket holding parameters of these sizes in this order:
+    what ``FlatLayout`` gives it (for the planner, which knows sizes, not parameters)."""
+    return padded_bucket_numel(slot_offsets(numels)[1], world_size)
 
 
 @dataclass(frozen=True)
@@ -151,16 +188,14 @@ class FlatLayout:
         slots: dict[int, ParamSlot] = {}
         buckets = []
         for b, members in enumerate(groups):
-            offset = 0
+            offsets, end = slot_offsets([numels[i] for i in members])  # the note on padding and alignment
             bucket_slots = []
-            for i in members:
+            for i, offset in zip(members, offsets):
                 name, shape = params[i]
                 slot = ParamSlot(i, name, tuple(int(d) for d in shape), numels[i], b, offset)
                 slots[i] = slot
                 bucket_slots.append(slot)
-                offset += numels[i]
-            padded = shard_numel(max(offset, 1), world_size) * world_size
-            buckets.append(Bucket(b, tuple(bucket_slots), padded, world_size))
+            buckets.append(Bucket(b, tuple(bucket_slots), padded_bucket_numel(end, world_size), world_size))
         return cls(tuple(buckets), tuple(slots[i] for i in range(len(params))), world_size)
 
     @property

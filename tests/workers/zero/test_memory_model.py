@@ -15,7 +15,7 @@ from contract.zero_math import PRECISIONS, STAGES, gbps_to_bytes_per_s
 from workers.models import GPT, PRESETS
 from workers.planning import inputs_for_spec, plan_for_spec
 from workers.zero import ZeroConfig, ZeroEngine
-from workers.zero.flat import FlatLayout
+from workers.zero.flat import ALIGN_ELEMENTS, FlatLayout
 from workers.zero.planner.activations import ActivationTracker, Stage2Layout, profile_activations
 from workers.zero.planner.buffers import backward_buffer_bytes, gathered_unit_bytes, step_buffer_bytes
 from workers.zero.planner.check import PeakMemoryMeter, compare
@@ -34,16 +34,20 @@ from workers.zero.stages import MAX_INFLIGHT_BUCKETS
 GB = 1e9
 
 
-def test_padding_packs_tapered_from_the_forward_and_pads_each_bucket_to_a_multiple_of_n():
+def test_padding_packs_tapered_from_the_forward_aligns_each_parameter_and_pads_each_bucket():
     # bucket 16: the forward's first buckets hold 2, 4, 8 elements (flat.TAPER), then 16:
-    # [1, 1] | [3] | [4] | [5, 6] | [7] -> padded to 4 each: 4 + 4 + 4 + 12 + 8
-    assert padded_numel([1, 1, 3, 4, 5, 6, 7], n_ranks=4, bucket_elems=16) == 32
-    assert [b.numel for b in FlatLayout.build([(str(i), (k,)) for i, k in enumerate([1, 1, 3, 4, 5, 6, 7])],
-                                              4, 16).buckets] == [8, 12, 4, 4, 4]  # backward's order
+    # [1, 1] | [3] | [4] | [5, 6] | [7]; every parameter starts at a multiple of 8 elements
+    # (flat.ALIGN_ELEMENTS) and each bucket is a multiple of 8 x 4 ranks: [1, _7, 1] ends at 9 -> 32,
+    # [5, _3, 6] at 14 -> 32, the others -> 32
+    assert ALIGN_ELEMENTS == 8
+    assert padded_numel([1, 1, 3, 4, 5, 6, 7], n_ranks=4, bucket_elems=16) == 5 * 32
+    layout = FlatLayout.build([(str(i), (k,)) for i, k in enumerate([1, 1, 3, 4, 5, 6, 7])], 4, 16)
+    assert [b.numel for b in layout.buckets] == [32] * 5  # backward's order
+    assert [s.offset for s in layout.slots] == [8, 0, 0, 0, 8, 0, 0]  # each bucket holds its parameters reversed
     # a parameter larger than its bucket gets one of its own
-    assert padded_numel([10, 3, 4, 5], n_ranks=4, bucket_elems=9) == 12 + 4 + 4 + 8
-    assert padded_numel([10, 3, 4, 5], n_ranks=4, bucket_elems=None) == 24
-    assert padded_numel([10, 3, 4, 5], n_ranks=1, bucket_elems=9) == 22
+    assert padded_numel([10, 3, 4, 5], n_ranks=4, bucket_elems=9) == 4 * 32
+    assert padded_numel([10, 3, 4, 5], n_ranks=4, bucket_elems=None) == 64  # offsets 0, 16, 24, 32; ends at 37
+    assert padded_numel([10, 3, 4, 5], n_ranks=1, bucket_elems=9) == 16 + 8 + 8 + 8
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 8])
@@ -72,10 +76,10 @@ def test_stage3_units_are_blocks_plus_a_root_holding_the_tied_embedding():
     assert sum(shape.unit_numels) + shape.root_numel == shape.phi
     d = cfg.n_embd
     assert shape.root_numel == cfg.vocab_size * d + cfg.block_size * d + 2 * d  # wte (= lm_head), wpe, ln_f
-    block = shape.unit_numels[0]
+    root, blocks = shape.unit_buckets(1)
+    assert root >= shape.root_numel and blocks[0] >= shape.unit_numels[0]  # padded flat lengths
     # the root stays gathered; with prefetch 1 two blocks are gathered besides it
-    assert gathered_unit_bytes(shape.root_numel, shape.unit_numels, "bf16", prefetch=1) == 2 * (
-        shape.root_numel + 2 * block)
+    assert gathered_unit_bytes(root, blocks, "bf16", prefetch=1) == 2 * (root + 2 * blocks[0])
 
 
 def test_stage3_units_are_the_buckets_a_stage_3_engine_builds():
@@ -87,9 +91,10 @@ def test_stage3_units_are_the_buckets_a_stage_3_engine_builds():
                         config=ZeroConfig(stage=3, precision="fp32"))
     try:
         built = [b.used_numel for b in engine.layout.buckets]
-        assert sorted(built) == sorted(u for u in (*blocks, root) if u)
+        assert sorted(built) == sorted(sum(u) for u in (*blocks, root) if u)
         assert shape.unit_bucket_numels(1) == [b.numel for b in engine.layout.buckets]
-        assert predict(PlanInputs(shape=shape, n_ranks=1, precision="fp32", device="cpu"), 3).padding_bytes == 0
+        padding = 4 * (engine.layout.numel - engine.layout.used_numel)  # the alignment gaps and tails
+        assert predict(PlanInputs(shape=shape, n_ranks=1, precision="fp32", device="cpu"), 3).padding_bytes == padding
     finally:
         engine.remove_hooks()
 
@@ -124,11 +129,14 @@ def test_stage_2_scratch_is_the_largest_buckets_in_flight():
         2 * (50 + 40 + 30) + shard + 2 * (25 + 20))
     inputs = PlanInputs(shape=ModelShape.from_count(1e6), n_ranks=4, device="cuda", precision="fp32",
                         activation_bytes=100)
-    held = 4 * 1_000_000 + 8 * 250_000  # between steps: parameters (the fp32 master is them) and Adam
+    # one bucket of 32 tensors of 31,250 elements, each starting aligned (flat.py): Φ padded
+    phi = padded_numel(inputs.shape.param_numels, 4, bucket_elements(inputs.bucket_mb, "fp32"))
+    assert 1_000_000 < phi < 1_000_000 + 32 * 8 and phi % 32 == 0
+    held = 4 * phi + 8 * phi // 4  # between steps: parameters (the fp32 master is them) and Adam
     parts = predict(inputs, 2).peak["parts"]
-    assert parts["backward"] == held + 100 + 4 * 1_000_000 + 4 * 250_000  # one tensor, one bucket, its shard
+    assert parts["backward"] == held + 100 + 4 * phi + 4 * phi // 4  # one bucket, its shard
     assert parts["forward"] == held + 100  # no gradient is held in forward (one micro-step)
-    assert predict(replace(inputs, accumulation_steps=2), 2).peak["parts"]["forward"] == held + 100 + 4 * 250_000
+    assert predict(replace(inputs, accumulation_steps=2), 2).peak["parts"]["forward"] == held + 100 + 4 * phi // 4
 
 
 def test_a_stage_2_engine_never_holds_more_scratch_than_the_bound():
@@ -193,9 +201,10 @@ def test_choice_lowest_stage_that_fits_then_offload_then_refuse():
     squeezed = choose_plan(inputs, int(16 * GB))
     assert squeezed.stage in (1, 2) and not squeezed.offload
     assert choose_plan(inputs, int(6.5 * GB)).stage == 3
-    offload = choose_plan(_inputs(7.5e9, 8, 2), int(16 * GB))  # stage 3 alone needs 15 GB of states
+    big = _inputs(7.5e9, 8, 2)
+    offload = choose_plan(big, int(16 * GB))  # stage 3 alone needs 15 GB of states
     assert (offload.stage, offload.offload) == (3, True) and offload.chosen.gpu["optimizer"] == 0
-    assert offload.chosen.cpu["total"] == 16 * 7.5e9 / 8
+    assert offload.chosen.cpu["total"] == 16 * sum(big.shape.unit_bucket_numels(8)) / 8  # Φ padded, 16 bytes
     with pytest.raises(NoPlanFits) as err:
         choose_plan(_inputs(7.5e9, 8, 30), int(24 * GB))
     detail = err.value.detail
@@ -365,8 +374,10 @@ def test_frozen_parameters_are_replicated_without_grads_or_optimizer_state():
     assert (shape.phi, shape.frozen) == (1010, 10100)
     inputs = PlanInputs(shape=shape, n_ranks=2, precision="bf16", device="cpu")
     stage3 = predict(inputs, 3)
-    assert stage3.gpu["params"] == 2 * 505 + 2 * 10100
-    assert stage3.gpu["grads"] == 2 * 505 and stage3.gpu["optimizer"] == 12 * 505
+    shard = 512  # the trainable unit: weight (1000) and bias (10) at offsets 0 and 1000, padded to 16 x 2 ranks
+    assert shape.unit_bucket_numels(2) == [2 * shard]
+    assert stage3.gpu["params"] == 2 * shard + 2 * 10100
+    assert stage3.gpu["grads"] == 2 * shard and stage3.gpu["optimizer"] == 12 * shard
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

@@ -129,8 +129,9 @@ def test_the_planner_prices_each_policy():
     assert comm(reshard_after_forward=False) == 2 * phi
     assert comm(keep_gathered_bytes=1 << 30) == 2 * phi
     assert comm(reshard_after_forward="all_but_last") == 3 * phi - blocks[-1]
-    # a cap with room for the root and the last block keeps exactly those
-    cap = 4 * (shape.root_numel + 1 + blocks[-1] + 1)
+    # a cap with room for the root and the last block (their padded flat buffers) keeps exactly those
+    root_bucket, block_buckets = shape.unit_buckets(N)
+    cap = 4 * (root_bucket + [b for b in block_buckets if b][-1])
     assert comm(keep_gathered_bytes=cap) == 3 * phi - shape.root_numel - blocks[-1]
     assert gathered(reshard_after_forward="all_but_last") > gathered()
     assert gathered(keep_gathered_bytes=1 << 30) >= gathered(keep_gathered_bytes=cap) > gathered()

@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..config import PRECISIONS
-from ..flat import FlatLayout
+from ..flat import FlatLayout, packed_numel
 from ..stages import MAX_INFLIGHT_BUCKETS
 from ..units import checkpoint_forward, kept_after_forward, plan_units, unit_modules
 from .shape import unit_buckets
@@ -149,8 +149,8 @@ class _Stage3Gathers:
                  tracker: ActivationTracker):
         plan = plan_units(model, [(str(i), p) for i, p in enumerate(params)])
         element = params[0].element_size() if params else 0
-        pad = lambda k: -(-k // layout.n_ranks) * layout.n_ranks  # noqa: E731
-        self.nbytes = [element * pad(sum(params[i].numel() for i in owned)) for owned in plan.owned]
+        self.nbytes = [element * packed_numel([params[i].numel() for i in owned], layout.n_ranks) if owned else 0
+                       for owned in plan.owned]
         self.blocks = [u for u in range(plan.root) if plan.owned[u]]  # forward order; the root is last
         self.root = plan.root
         self.waiting = {u: len(plan.owned[u]) for u in self.blocks}  # gradients still to arrive

@@ -102,36 +102,35 @@ def step_buffer_bytes(
     return {"device": casts + optimizer, "host": 0}
 
 
-def gathered_unit_bytes(
-    root_numel: int, block_numels: Sequence[int], precision: str, prefetch: int = 1, n_ranks: int = 1
-) -> int:
+def gathered_unit_bytes(root_bucket: int, block_buckets: Sequence[int], precision: str, prefetch: int = 1) -> int:
     """Stage 3, as ``workers/zero/stage3.py`` gathers: the root unit (embeddings, tied head)
     stays gathered through forward and backward, plus at most ``prefetch + 1`` blocks (the
-    current one and the prefetched), each a padded flat buffer in the compute dtype."""
-    pad = lambda numel: shard_numel(numel, n_ranks) * n_ranks  # noqa: E731
-    blocks = sorted((pad(b) for b in block_numels), reverse=True)[: prefetch + 1]
-    return low_precision_bytes(precision) * ((pad(root_numel) if root_numel else 0) + sum(blocks))
+    current one and the prefetched), each a padded flat buffer in the compute dtype (the padded
+    lengths: ``ModelShape.unit_buckets``)."""
+    blocks = sorted(block_buckets, reverse=True)[: prefetch + 1]
+    return low_precision_bytes(precision) * (root_bucket + sum(blocks))
 
 
-def kept_unit_elements(root_numel: int, block_numels: Sequence[int], precision: str, n_ranks: int,
-                       reshard_after_forward=True, keep_gathered_bytes: int = 0) -> tuple[int, int]:
+def kept_unit_elements(root_numel: int, block_numels: Sequence[int], root_bucket: int, block_buckets: Sequence[int],
+                       precision: str, reshard_after_forward=True, keep_gathered_bytes: int = 0) -> tuple[int, int]:
     """Stage 3: ``(elements, block bytes)`` of the units kept gathered from forward to backward.
 
     The engine's rule (``stage3.py``, the note on kept units; ``units.kept_after_forward``),
-    with the blocks in registration order and the root last (its forward ends last).
+    with the blocks in registration order and the root last (its forward ends last);
+    ``*_bucket(s)`` are the units' padded lengths (``ModelShape.unit_buckets``).
     ``elements`` (unpadded) is what the step does not gather again: the step communicates
     3Φ - elements. ``block bytes`` (padded, compute dtype) is what the kept blocks hold on
     top of ``gathered_unit_bytes`` (which already holds the root for the whole step) -- an
     upper bound: a kept block may be one of the ``prefetch + 1`` counted there.
     """
-    pad = lambda numel: shard_numel(numel, n_ranks) * n_ranks  # noqa: E731
-    sizes = [b for b in block_numels if b] + ([root_numel] if root_numel else [])
-    root = len(sizes) - 1 if root_numel else None
-    blocks = [i for i in range(len(sizes)) if i != root]
-    nbytes = {i: low_precision_bytes(precision) * pad(k) for i, k in enumerate(sizes)}
-    kept = kept_after_forward(reshard_after_forward, keep_gathered_bytes, list(range(len(sizes))), nbytes,
+    units = [(b, p) for b, p in zip(block_numels, block_buckets) if b] + ([(root_numel, root_bucket)] if root_numel
+                                                                         else [])
+    root = len(units) - 1 if root_numel else None
+    blocks = [i for i in range(len(units)) if i != root]
+    nbytes = {i: low_precision_bytes(precision) * padded for i, (_, padded) in enumerate(units)}
+    kept = kept_after_forward(reshard_after_forward, keep_gathered_bytes, list(range(len(units))), nbytes,
                               blocks[-1] if blocks else None)
-    return sum(sizes[i] for i in kept), sum(nbytes[i] for i in kept if i != root)
+    return sum(units[i][0] for i in kept), sum(nbytes[i] for i in kept if i != root)
 
 
 def construction_staging_bytes(stage: int, precision: str, buckets: Sequence[int]) -> int:

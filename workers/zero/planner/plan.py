@@ -172,11 +172,13 @@ def predict(inputs: PlanInputs, stage: int, offload: bool = False) -> StagePredi
     backward = activations + backward_buffer_bytes(
         stage, precision, buckets, n, inputs.device, inputs.accumulation_steps
     )
-    kept_elements, kept_bytes = kept_unit_elements(
-        shape.root_numel, shape.unit_numels, precision, n, inputs.reshard_after_forward,
-        inputs.keep_gathered_bytes) if traits.shards_parameters else (0, 0)
-    gathered = gathered_unit_bytes(shape.root_numel, shape.unit_numels, precision, inputs.prefetch, n) \
-        + kept_bytes if traits.shards_parameters else 0
+    kept_elements, kept_bytes, gathered = 0, 0, 0
+    if traits.shards_parameters:
+        root_bucket, block_buckets = shape.unit_buckets(n)
+        kept_elements, kept_bytes = kept_unit_elements(
+            shape.root_numel, shape.unit_numels, root_bucket, block_buckets, precision, inputs.reshard_after_forward,
+            inputs.keep_gathered_bytes)
+        gathered = gathered_unit_bytes(root_bucket, block_buckets, precision, inputs.prefetch) + kept_bytes
     replayed = _replayed_activations(inputs, stage)
     if replayed is not None:  # the joint peak of activations, the engine's gradients (and stage 3's gathers)
         backward_transient = replayed + stage2_tail_bytes(precision, buckets, n, inputs.device,

@@ -21,7 +21,7 @@ import torch.nn as nn
 from contract.zero_math import low_precision_bytes
 
 from ..config import elements_per_bucket
-from ..flat import FlatLayout
+from ..flat import FlatLayout, packed_numel
 from ..units import plan_units
 
 DEFAULT_UNITS = 32
@@ -42,13 +42,17 @@ class ModelShape:
     unit_numels: tuple[int, ...]
     frozen: int = 0
     root_numel: int = 0
+    #: each block's trainable parameter sizes in the engine's order inside its unit, then the
+    #: root's: where the layout's alignment gaps fall (``flat.py``); empty when only Φ is known
+    #: (each unit is then one tensor)
+    unit_params: tuple[tuple[int, ...], ...] = ()
 
     @classmethod
     def of(cls, model: nn.Module) -> "ModelShape":
         numels = tuple(p.numel() for p in model.parameters() if p.requires_grad)
         frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
         root, blocks = stage3_units(model)
-        return cls(sum(numels), numels, tuple(blocks), frozen, root)
+        return cls(sum(numels), numels, tuple(sum(b) for b in blocks), frozen, sum(root), (*blocks, root))
 
     @classmethod
     def from_count(cls, phi: float, n_units: int = DEFAULT_UNITS) -> "ModelShape":
@@ -65,9 +69,15 @@ class ModelShape:
     def unit_bucket_numels(self, n_ranks: int) -> list[int]:
         """Stage 3's padded buckets: one per non-empty unit (blocks, then the root), as the engine
         lays them out (``FlatLayout.from_groups``)."""
-        units = [u for u in (*self.unit_numels, self.root_numel) if u]
-        return [b.numel for b in FlatLayout.from_groups(_as_shapes(units), [[i] for i in range(len(units))],
-                                                         n_ranks).buckets]
+        root, blocks = self.unit_buckets(n_ranks)
+        return [b for b in (*blocks, root) if b]
+
+    def unit_buckets(self, n_ranks: int) -> tuple[int, tuple[int, ...]]:
+        """``(root, blocks)``: each stage-3 unit's padded flat length (0 for an empty one), the blocks
+        in ``unit_numels``' order, as the engine lays each unit out (``flat.packed_numel``)."""
+        units = self.unit_params or tuple((u,) if u else () for u in (*self.unit_numels, self.root_numel))
+        out = tuple(packed_numel(unit, n_ranks) if unit else 0 for unit in units)
+        return out[-1], out[:-1]
 
 
 def bucket_elements(bucket_mb: float, precision: str) -> int:
@@ -110,14 +120,14 @@ def unit_buckets(model: nn.Module) -> list[list[int]]:
     return [g for g in (*reversed(owned[:-1]), owned[-1]) if g]
 
 
-def stage3_units(model: nn.Module) -> tuple[int, list[int]]:
-    """Trainable parameters of the stage-3 root unit and of each block (the engine's
-    ``plan_units``: the blocks of every ``ModuleList``). The root holds every parameter
-    outside the blocks (embeddings, final norm, and tied weights, which belong to the unit
-    enclosing both uses); each counts once."""
+def stage3_units(model: nn.Module) -> tuple[tuple[int, ...], list[tuple[int, ...]]]:
+    """The sizes of the trainable parameters of the stage-3 root unit and of each block, in the
+    order the engine lays each unit out (the engine's ``plan_units``: the blocks of every
+    ``ModuleList``). The root holds every parameter outside the blocks (embeddings, final norm,
+    and tied weights, which belong to the unit enclosing both uses); each counts once."""
     trainable = trainable_named(model)
     owned = plan_units(model, trainable).owned
-    sizes = [sum(trainable[i][1].numel() for i in group) for group in owned]
+    sizes = [tuple(trainable[i][1].numel() for i in group) for group in owned]
     return sizes[-1], sizes[:-1]
 
 
