@@ -35,8 +35,12 @@ with counter.mode:
     dist.reduce(torch.ones(3), dst=0)                                      # reduce: 3
     dist.all_gather([torch.empty(5), torch.empty(5)], torch.ones(5))       # all-gather (list): output 10
     funcol.all_gather_single(torch.ones(5), 0, dist.group.WORLD).wait()    # functional all-gather: 10
+    inbox = torch.empty(8)                                                 # an exchange: send 8, receive 8
+    works = [dist.irecv(inbox, src=1 - rank), dist.isend(torch.full((8,), float(rank)), dst=1 - rank)]
+    [w.wait() for w in works]
     dist.barrier()                                                         # not a data collective
 assert gathered.tolist() == [0.0] * 5 + [1.0] * 5 and summed.tolist() == [3.0] * 7 and shard.tolist() == [2.0] * 3
+assert inbox.tolist() == [float(1 - rank)] * 8
 print(json.dumps(counter.report()), flush=True)
 dist.destroy_process_group()
 # What is checked is above. In 1 of 10 runs on a loaded machine (2026-12-02), the interpreter's own
@@ -69,7 +73,12 @@ def test_counter_counts_each_kind_on_two_gloo_ranks() -> None:
         "all_reduce": {"calls": 1, "elements": 7},
         "broadcast": {"calls": 1, "elements": 4},
         "reduce": {"calls": 1, "elements": 3},
+        "send": {"calls": 1, "elements": 8},
+        "recv": {"calls": 1, "elements": 8},
     }
     for report in reports:  # every rank dispatches the same collectives
         assert report["kinds"] == expected
-        assert report["volume"] == 30 + 6 + 2 * 7 + 4 + 3  # an all-reduce counts twice its elements
+        # an all-reduce counts twice its elements, a send (at N = 2) the reduce-scatter input of 16 it
+        # stands for, a receive nothing (the peer's send)
+        assert report["send_volume"] == 16
+        assert report["volume"] == 30 + 6 + 2 * 7 + 4 + 3 + 16

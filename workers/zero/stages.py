@@ -283,7 +283,7 @@ class Strategy:
         already has one (stage 2's later micro-steps), into an output added to it afterwards.
         """
         full = self._grad_target(b)
-        if self.comm.in_place:
+        if self.comm.in_place and not self.comm.exchanges:
             out = b.scratch_out = self.comm.own_slot(full)
         elif b.grad_shard is None:
             out = b.grad_shard = self._new_shard(b)

@@ -24,12 +24,13 @@ except ImportError:  # a spawned rank loads this file by path (``testing._resolv
 def count_by_group(replicate_group) -> dict:
     """Elements of every fp32 collective torch.distributed is asked for, split by whether it runs
     over ``replicate_group`` (inter) or not (intra). On Gloo/CPU a reduce-scatter is an in-place
-    all-reduce of its input over the shard group and an all-gather one broadcast per slot
+    all-reduce of its input over the shard group (over a group of two, a send of the half the
+    peer owns) and an all-gather one broadcast per slot
     (``collectives.py``); control messages are float64/int64 and not counted here."""
     import torch.distributed as dist
 
     counts = {"intra": 0, "inter": 0}
-    real_broadcast, real_all_reduce = dist.broadcast, dist.all_reduce
+    real_broadcast, real_all_reduce, real_isend = dist.broadcast, dist.all_reduce, dist.isend
 
     def where(kwargs) -> str:
         return "inter" if replicate_group is not None and kwargs.get("group") is replicate_group else "intra"
@@ -44,9 +45,14 @@ def count_by_group(replicate_group) -> dict:
             counts[where(kwargs)] += tensor.numel()
         return real_all_reduce(tensor, *args, **kwargs)
 
-    dist.broadcast, dist.all_reduce = broadcast, all_reduce
+    def isend(tensor, *args, **kwargs):  # a two-rank reduce-scatter sends the half of its input the peer owns
+        if tensor.dtype == torch.float32:
+            counts[where(kwargs)] += 2 * tensor.numel()
+        return real_isend(tensor, *args, **kwargs)
+
+    dist.broadcast, dist.all_reduce, dist.isend = broadcast, all_reduce, isend
     counts["restore"] = lambda: (setattr(dist, "broadcast", real_broadcast),
-                                 setattr(dist, "all_reduce", real_all_reduce))
+                                 setattr(dist, "all_reduce", real_all_reduce), setattr(dist, "isend", real_isend))
     return counts
 
 

@@ -145,12 +145,13 @@ def _cases3():
 def count_dispatched() -> dict:
     """Count, below the engine, the elements of every fp32 ``broadcast``/``all_reduce`` torch.distributed
     is asked for. On Gloo a parameter all-gather is one broadcast per rank slot (their sum: the
-    gathered elements) and a reduce-scatter an in-place all-reduce of its input (``collectives.py``);
+    gathered elements) and a reduce-scatter an in-place all-reduce of its input, or, over two ranks,
+    a send of the half the peer owns (``collectives.py``);
     control messages travel as float64/int64 and are not counted here."""
     import torch.distributed as dist
 
     counts = {"all_gather": 0, "reduce_scatter": 0}
-    real_broadcast, real_all_reduce = dist.broadcast, dist.all_reduce
+    real_broadcast, real_all_reduce, real_isend = dist.broadcast, dist.all_reduce, dist.isend
 
     def broadcast(tensor, *args, **kwargs):
         if tensor.dtype == torch.float32:
@@ -162,9 +163,14 @@ def count_dispatched() -> dict:
             counts["reduce_scatter"] += tensor.numel()
         return real_all_reduce(tensor, *args, **kwargs)
 
-    dist.broadcast, dist.all_reduce = broadcast, all_reduce
+    def isend(tensor, *args, **kwargs):  # a two-rank reduce-scatter sends the half of its input the peer owns
+        if tensor.dtype == torch.float32:
+            counts["reduce_scatter"] += 2 * tensor.numel()
+        return real_isend(tensor, *args, **kwargs)
+
+    dist.broadcast, dist.all_reduce, dist.isend = broadcast, all_reduce, isend
     counts["restore"] = lambda: (setattr(dist, "broadcast", real_broadcast),
-                                 setattr(dist, "all_reduce", real_all_reduce))
+                                 setattr(dist, "all_reduce", real_all_reduce), setattr(dist, "isend", real_isend))
     return counts
 
 
