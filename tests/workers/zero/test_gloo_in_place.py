@@ -1,5 +1,6 @@
-"""Gloo on CPU: a reduce-scatter into its input's own slot and an all-gather allocate nothing of
-their size (``collectives.py``, the note on Gloo's copies), and give what the collectives give.
+"""Gloo on CPU: a reduce-scatter into its input's own slot, a two-rank reduce-scatter (an exchange
+of halves) and an all-gather allocate nothing of their size (``collectives.py``, the note on
+Gloo's copies), and give what the collectives give.
 
 Measured as the worker measures (``PeakMemoryMeter``, large blocks mapped fresh): torch's own Gloo
 reduce-scatter and all-gather each hold a full-size copy (+100% of the tensor), which is what
@@ -59,3 +60,52 @@ def test_in_place_reduce_scatter_and_all_gather_allocate_nothing_of_their_size()
         # counted as the collectives they stand for (warm-ups included)
         assert out["counts"]["reduce_scatter"] == ELEMENTS + n and out["counts"]["all_gather"] == ELEMENTS + n
         assert out["counts"]["all_reduce"] == 0
+
+
+def exchange_world(rank: int, world_size: int) -> dict:
+    import torch.distributed as dist
+
+    from benchmarks.collective_count import CollectiveCounter
+    from workers.host_memory import map_large_blocks
+    from workers.zero.collectives import Collectives
+    from workers.zero.planner.check import PeakMemoryMeter
+
+    map_large_blocks()
+    comm = Collectives(dist.group.WORLD, torch.device("cpu"))
+    out = {"exchanges": comm.exchanges}
+    grad = torch.arange(ELEMENTS, dtype=torch.float32) * (rank + 1)
+    shard = torch.empty(ELEMENTS // 2)
+    comm.reduce_scatter(torch.empty(1), torch.empty(2), label="warm").wait()
+    meter = PeakMemoryMeter("cpu")
+    meter.start()
+    comm.reduce_scatter(shard, grad, label="exchange").wait()
+    out["growth"] = meter.peak_growth()  # the shard's pages, received into
+    out["shard"] = shard[::1024].clone()
+    counter = CollectiveCounter()  # a dispatch mode allocates on its own: counted on a second exchange
+    with counter.mode:
+        comm.reduce_scatter(torch.empty(ELEMENTS // 2), grad, label="counted").wait()
+    out["dispatched"] = counter.report()
+    # two in flight at once, waited in the reverse order: each gets its own sum (tags keep them apart)
+    a, b = torch.full((64,), 1.0 + rank), torch.full((64,), 10.0 * (rank + 1))
+    out_a, out_b = torch.empty(32), torch.empty(32)
+    first, second = comm.reduce_scatter(out_a, a, label="a"), comm.reduce_scatter(out_b, b, label="b")
+    second.wait()
+    first.wait()
+    out["two"] = (out_a.tolist(), out_b.tolist())
+    out["counts"] = comm.counter.snapshot()
+    return out
+
+
+def test_a_two_rank_reduce_scatter_is_an_exchange_of_halves_into_the_shard():
+    world = spawn_world(exchange_world, 2)
+    expected = (torch.arange(ELEMENTS, dtype=torch.float32) * 3).view(2, -1)
+    for rank, out in enumerate(world):
+        assert out["exchanges"]
+        assert torch.equal(out["shard"], expected[rank][::1024])  # the peer's half plus ours
+        # the received half becomes resident in the shard; no copy of the input (an all-reduce's +100%)
+        assert out["growth"] < 0.6 * 4 * ELEMENTS, out["growth"]
+        kinds = out["dispatched"]["kinds"]  # half the input on the wire each way, nothing else
+        assert kinds == {"send": {"calls": 1, "elements": ELEMENTS // 2}, "recv": {"calls": 1, "elements": ELEMENTS // 2}}
+        assert out["dispatched"]["send_volume"] == ELEMENTS  # counted as the reduce-scatter it is
+        assert out["two"] == ([3.0] * 32, [30.0] * 32)
+        assert out["counts"]["reduce_scatter"] == 2 + 2 * ELEMENTS + 2 * 64 and out["counts"]["all_reduce"] == 0
