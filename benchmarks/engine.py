@@ -56,7 +56,11 @@ Columns (step times: per step, the slowest rank; then the median over the measur
     = DDP          whether the row's loss trajectory (every rank, every step, warm-up included,
                    every repeat) equals DDP's bitwise (``benchmarks/loss_check.py``)
     exposed s      zerotrain: median ``step()["comm_exposed_s"]`` (time waiting on collectives
-                   that did not overlap compute); DDP/FSDP2: n/a (not measured)
+                   that did not overlap compute) of each step's slowest rank -- the rank whose
+                   time is the step's, so what communication added to the step -- and in
+                   brackets the largest rank's wait, which also counts a faster rank waiting
+                   for a slower peer to reach the collective (load imbalance, not
+                   communication); DDP/FSDP2: n/a (not measured)
 
     python -m benchmarks.engine --interleave --repeats 5 --json bench-results/engine.json   # make bench
     python -m benchmarks.engine --json bench-results/engine.json   # each row in a world of its own
@@ -512,9 +516,12 @@ def aggregate(row: str, ranks: list[dict[str, Any]], args: dict, wall: float, cr
     median = statistics.median(per_step)
     tokens = world * args["micro_batch"] * args["seq_len"]
     state = max((r["model_state"] for r in ranks), key=lambda m: m.get("total", 0))
-    exposed = None
-    if all(e is not None for r in ranks for e in r["exposed_s"]):
-        exposed = statistics.median(max(r["exposed_s"][i] for r in ranks) for i in range(steps))
+    exposed = critical = waits = None
+    if all(e is not None for r in ranks for e in r["exposed_s"]):  # the column's note: the slowest rank's
+        slowest = [max(ranks, key=lambda r: r["step_times_s"][i]) for i in range(steps)]
+        critical = [slowest[i]["exposed_s"][i] for i in range(steps)]
+        waits = [max(r["exposed_s"][i] for r in ranks) for i in range(steps)]
+        exposed = statistics.median(critical)
     result.update(
         ok=True, step_time_s=median, best_step_time_s=min(per_step), tokens_per_s=tokens / median,
         step_times_s=per_step,
@@ -538,7 +545,8 @@ def aggregate(row: str, ranks: list[dict[str, Any]], args: dict, wall: float, cr
     if row.startswith("zero") or row in deepspeed_row.ROWS:  # working buffers, apart from the model state
         result["engine_buffers_bytes"] = max(r.get("buffers") or 0 for r in ranks)
     if exposed is not None:
-        result["comm_exposed_per_step_s"] = [max(r["exposed_s"][i] for r in ranks) for i in range(steps)]
+        result.update(comm_exposed_per_step_s=critical, comm_wait_max_per_step_s=waits,
+                      comm_wait_max_s=statistics.median(waits))
     return result
 
 
@@ -602,6 +610,9 @@ def merge_repeats(runs: list[dict[str, Any]], args: dict) -> dict[str, Any]:
         pooled = [e for r in good for e in r["comm_exposed_per_step_s"]]
         out["comm_exposed_per_step_s"] = pooled
         out["comm_exposed_s"] = statistics.median(pooled)
+        waits = [e for r in good for e in r["comm_wait_max_per_step_s"]]
+        out["comm_wait_max_per_step_s"] = waits
+        out["comm_wait_max_s"] = statistics.median(waits)
     out["wall_s"] = round(sum(r["wall_s"] for r in good), 2)
     out["repeats"] = len(runs)
     return out
@@ -684,7 +695,7 @@ def print_table(rows: list[dict[str, Any]], summary: dict[str, Any], losses: dic
             f"{r['comm_elements']:,}", describe_collectives(kinds),
             "-" if own is None else f"{own['total']:,} " + ("agrees" if all(c["agrees"] for c in r["own_comm_check"])
                                                              else "DIFFERS"),
-            "n/a" if r["comm_exposed_s"] is None else f"{r['comm_exposed_s']:.3f}",
+            "n/a" if r["comm_exposed_s"] is None else f"{r['comm_exposed_s']:.3f} ({r['comm_wait_max_s']:.3f})",
             f"{r['final_loss']:.4f}", "-" if same is None else ("yes" if same else "NO"),
         )
     console = Console(width=max(Console().width, 230))
@@ -698,10 +709,14 @@ def print_table(rows: list[dict[str, Any]], summary: dict[str, Any], losses: dic
                   "on a CPU-only machine); peak/rank: "
                   f"{next((r['peak_source'] for r in rows if r['ok']), '-')}; planned: the planner's predicted "
                   "peak (its error against peak/rank). comm el/step: the collectives counted from the dispatched "
-                  "c10d ops of one untimed step (an all-reduce counts 2x its elements); collectives: rank 0's, "
-                  "per kind (AR all-reduce, RS reduce-scatter, AG all-gather, R reduce, B broadcast); own count: "
-                  "zerotrain's comm_volume() total, and whether it agrees with the dispatched ops (its Gloo "
-                  "reduce-scatter runs as an all-reduce, its all-gather as broadcasts; up to its control messages).", highlight=False)
+                  "c10d ops of one untimed step (an all-reduce counts 2x its elements, a send N/(N-1)x: the "
+                  "reduce-scatter input it stands for); collectives: rank 0's, per kind (AR all-reduce, RS "
+                  "reduce-scatter, AG all-gather, R reduce, B broadcast, S send, Rv receive); own count: "
+                  "zerotrain's comm_volume() total, and whether it agrees with the dispatched ops (on Gloo its "
+                  "reduce-scatter runs as an exchange of halves between two ranks, else as an all-reduce, its "
+                  "all-gather as broadcasts; up to its control messages). exposed s: time blocked on collectives "
+                  "of each step's slowest rank (the largest rank's, which includes waiting for a slower peer).",
+                  highlight=False)
     for row, verdict in losses.items():
         text = ("identical to DDP's (bitwise, every rank and step)" if verdict["equal"] else
                 f"DIFFERS from DDP's: first at {verdict['first_difference']}, "
