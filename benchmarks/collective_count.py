@@ -14,11 +14,11 @@ A dispatch mode is thread-local: a collective launched from another Python threa
 seen. None of the benchmarked systems launches collectives off the training thread on CPU
 (autograd runs a CPU backward on the calling thread), and the zerotrain row shows its own
 ``comm_volume()`` beside the count as a check. Point-to-point ops (send/recv) and barriers are
-counted under their own kinds; a send is part of the volume as the reduce-scatter it stands for
-in zerotrain (the only system here that sends point to point: over two Gloo ranks a reduce-scatter
-is an exchange in which each rank sends the half of its input the peer owns,
-``workers/zero/collectives.py``, the note on Gloo's copies), its elements times N/(N-1); a
-receive is the peer's send and is not counted again.
+counted under their own kinds, each its elements in the volume: zerotrain is the only system here
+that sends point to point -- over two Gloo ranks a reduce-scatter is an exchange in which each
+rank sends the part of its input the peer owns and receives the peer's part of its own
+(``workers/zero/collectives.py``, the note on Gloo's copies) -- and a rank's sends and receives
+of one exchange add up to the input it reduces, as a reduce-scatter counts.
 """
 
 from __future__ import annotations
@@ -29,16 +29,9 @@ import torch
 
 #: kinds, in the order the table shows them
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "reduce", "broadcast", "all_to_all", "send", "recv", "other")
-#: how many times its elements a kind's call counts in the volume (comm_volume()'s convention); a
-#: send's weight depends on the world size (``send_weight``)
+#: how many times its elements a kind's call counts in the volume (comm_volume()'s convention)
 VOLUME_WEIGHT = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "reduce": 1, "broadcast": 1,
-                 "all_to_all": 1, "recv": 0, "other": 0}
-
-
-def send_weight(world_size: int) -> float:
-    """A sent element's weight in the volume: N/(N-1), the reduce-scatter input it stands for (the
-    note on what the mode can see)."""
-    return world_size / (world_size - 1) if world_size > 1 else 0.0
+                 "all_to_all": 1, "send": 1, "recv": 1, "other": 0}
 
 
 def numel(x: Any) -> int:
@@ -103,13 +96,8 @@ class CollectiveCounter:
     ``calls[kind]`` and ``elements[kind]``; ``volume`` is the weighted sum (``VOLUME_WEIGHT``).
     """
 
-    def __init__(self, world_size: int | None = None) -> None:
-        import torch.distributed as dist
+    def __init__(self) -> None:
         from torch.utils._python_dispatch import TorchDispatchMode
-
-        if world_size is None:
-            world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        self.world_size = world_size
 
         self.calls: dict[str, int] = dict.fromkeys(KINDS, 0)
         self.elements: dict[str, int] = dict.fromkeys(KINDS, 0)
@@ -127,18 +115,13 @@ class CollectiveCounter:
         self.mode = Mode()
 
     @property
-    def send_volume(self) -> int:
-        """The sends' part of the volume: the reduce-scatter input they stand for."""
-        return round(send_weight(self.world_size) * self.elements["send"])
-
-    @property
     def volume(self) -> int:
-        return sum(VOLUME_WEIGHT[k] * n for k, n in self.elements.items() if k != "send") + self.send_volume
+        return sum(VOLUME_WEIGHT[k] * n for k, n in self.elements.items())
 
     def report(self) -> dict[str, Any]:
         """The JSON form: the kinds that occurred, with calls and elements, and the volume."""
         kinds = {k: {"calls": self.calls[k], "elements": self.elements[k]} for k in KINDS if self.calls[k]}
-        return {"kinds": kinds, "volume": self.volume, "send_volume": self.send_volume}
+        return {"kinds": kinds, "volume": self.volume}
 
 
 def describe(report: dict[str, Any]) -> str:
@@ -156,8 +139,8 @@ def check_own_volume(own: dict[str, int], report: dict[str, Any]) -> dict[str, A
     """Does a system's own account (zerotrain's ``comm_volume()``) match what was dispatched?
 
     Compared by what the elements do, not by op name: on Gloo zerotrain runs a reduce-scatter
-    as an in-place all-reduce (over two ranks: an exchange of halves, its sends weighted as the
-    input they stand for) and an all-gather as one broadcast per rank
+    as an in-place all-reduce (over two ranks: an exchange, whose sends and receives add up to
+    the input) and an all-gather as one broadcast per rank
     (``workers/zero/collectives.py``, the note on Gloo's copies), counted as the collectives
     they stand for. So the reducing elements (all-reduce, reduce-scatter, reduce, sends) must equal
     the account's reduce-scatter plus half its (doubled) all-reduce, and the gathering elements
@@ -165,7 +148,7 @@ def check_own_volume(own: dict[str, int], report: dict[str, Any]) -> dict[str, A
     norm, the gradient mask, buffer broadcasts, gather tags), which it keeps apart.
     """
     elements = {k: v["elements"] for k, v in report["kinds"].items()}
-    reducing = sum(elements.get(k, 0) for k in ("all_reduce", "reduce_scatter", "reduce")) + report.get("send_volume", 0)
+    reducing = sum(elements.get(k, 0) for k in ("all_reduce", "reduce_scatter", "reduce", "send", "recv"))
     gathering = sum(elements.get(k, 0) for k in ("all_gather", "broadcast"))
     own_reducing = own["reduce_scatter"] + own["all_reduce"] // 2
     slack = own.get("control", 0)

@@ -78,7 +78,5 @@ def test_counter_counts_each_kind_on_two_gloo_ranks() -> None:
     }
     for report in reports:  # every rank dispatches the same collectives
         assert report["kinds"] == expected
-        # an all-reduce counts twice its elements, a send (at N = 2) the reduce-scatter input of 16 it
-        # stands for, a receive nothing (the peer's send)
-        assert report["send_volume"] == 16
-        assert report["volume"] == 30 + 6 + 2 * 7 + 4 + 3 + 16
+        # an all-reduce counts twice its elements, a send and a receive theirs
+        assert report["volume"] == 30 + 6 + 2 * 7 + 4 + 3 + 8 + 8

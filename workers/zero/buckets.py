@@ -37,6 +37,9 @@ class FlatBucket:
     # gradients' lifetime)
     grad_full: Optional[torch.Tensor] = None  # the full gradient being summed, from its first gradient
     grad_written: Optional[list[bool]] = None  # which slots of ``grad_full`` hold a gradient
+    #: two-rank exchanges: the parameters' own gradients by slot, held instead of ``grad_full``
+    #: (``stages.py``, the note on exchanging the gradients themselves)
+    grad_pieces: Optional[dict[int, torch.Tensor]] = None
     grad_shard: Optional[torch.Tensor] = None  # stages 1-3: this rank's reduced shard (2, 3: accumulates)
     scratch_out: Optional[torch.Tensor] = None  # a reduce-scatter's output before it becomes the shard
     pending: Optional[Pending] = None

@@ -41,9 +41,12 @@ the pages. So on Gloo/CPU (``in_place``):
 * an all-gather is one broadcast per rank, from its slot into every rank's same slot of
   ``output``: no temporary, and the same bytes on the wire as a ring all-gather.
 
-Each is counted as the reduce-scatter or all-gather it stands for. The exchange's sends and
-receives carry the collective's sequence number as their tag, the same on every rank, so two
-exchanges in flight never take each other's messages. NCCL has native collectives without
+Each is counted as the reduce-scatter or all-gather it stands for. Every message of an
+exchange has a tag of its own, the same on every rank (``_p2p_tags``, counted per process group,
+so engines sharing a group never reuse one): Gloo matches a receive to a send by tag alone and
+aborts the process when their sizes differ, so no match may depend on the order in which
+messages of one tag are paired. Both sides' sizes follow from the layout and the dtype, which
+``reduce_scatter_pieces`` checks. NCCL has native collectives without
 copies; nothing changes there.
 
 [Note: CUDA streams]
@@ -107,6 +110,12 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+#: exchange message tags wrap around here (torch takes a 32-bit int); a tag comes back only after
+#: this many messages, long after the one that last had it completed
+P2P_TAGS = 2**30
+P2P_TAG_BASE = 2**30
+#: the next exchange message tag of each process group (by name), shared by every engine on it
+_P2P_NEXT_TAG: dict[str, int] = {}
 
 
 @dataclass
@@ -462,10 +471,70 @@ class Collectives:
         ours into ``output``, and add our own half once both are done (the note on Gloo's copies)."""
         halves = input.view(-1).chunk(2)
         peer = self._global_ranks[1 - self.rank]
-        recv = dist.irecv(output.view(-1), src=peer, group=self.group, tag=seq)
-        send = dist.isend(halves[1 - self.rank], dst=peer, group=self.group, tag=seq)
+        tags = self._p2p_tags(2)  # the message into rank r's half: tags[r]
+        recv = dist.irecv(output.view(-1), src=peer, group=self.group, tag=tags[self.rank])
+        send = dist.isend(halves[1 - self.rank], dst=peer, group=self.group, tag=tags[1 - self.rank])
         own = halves[self.rank]
         return _Then([send, recv], lambda: output.view(-1).add_(own))
+
+    def reduce_scatter_pieces(self, output: torch.Tensor, numel: int, pieces: list[tuple[int, torch.Tensor]],
+                              label: str) -> Pending:
+        """``reduce_scatter(output, input)`` of a flat ``input`` of ``numel`` elements that is given
+        as ``pieces`` -- ``(offset, 1-D tensor)``, in offset order, not overlapping; elements no
+        piece covers are zero, and never travel: the pieces' elements are what is counted -- over a two-rank Gloo exchange (``exchanges``): each piece's part
+        in the peer's half is sent from the piece itself, each part of ours is received from the
+        peer into its place in ``output`` and our own part added to it, so no flat input is ever
+        built (``stages.py``, the note on exchanging the gradients themselves). Every rank must
+        pass the same offsets and sizes: message k of the exchange is piece k's part on both.
+        """
+        if not self.exchanges:
+            raise RuntimeError(f"{label}: a reduce-scatter of pieces is a two-rank Gloo exchange")
+        for _, piece in pieces:  # the peer sizes its receives by the layout in output's dtype
+            if piece.dtype != output.dtype or piece.dim() != 1:
+                raise ValueError(f"{label}: a piece of {piece.dtype} {tuple(piece.shape)} for a {output.dtype} shard")
+        seq = self._next_seq()
+        self.counter.reduce_scatter += sum(piece.numel() for _, piece in pieces)  # what is handed over: no gaps
+        shard = numel // 2
+        lo, peer_lo = self.rank * shard, (1 - self.rank) * shard
+        peer = self._global_ranks[1 - self.rank]
+        flat = output.view(-1)
+        works, own, end = [], [], lo
+        tags = self._p2p_tags(2 * len(pieces))  # piece i's part in rank r's half: tags[2i + r]
+        for i, (offset, piece) in enumerate(pieces):
+            stop = offset + piece.numel()
+            a, b = max(offset, lo), min(stop, lo + shard)
+            if a < b:  # ours: the peer's part arrives here, ours is added once it has
+                if a > end:
+                    flat[end - lo:a - lo].zero_()
+                works.append(dist.irecv(flat[a - lo:b - lo], src=peer, group=self.group, tag=tags[2 * i + self.rank]))
+                own.append((flat[a - lo:b - lo], piece[a - offset:b - offset]))
+                end = b
+            a, b = max(offset, peer_lo), min(stop, peer_lo + shard)
+            if a < b:
+                works.append(dist.isend(piece[a - offset:b - offset], dst=peer, group=self.group,
+                                        tag=tags[2 * i + 1 - self.rank]))
+        if end < lo + shard:
+            flat[end - lo:].zero_()
+
+        def add_own() -> None:
+            for received, mine in own:
+                received.add_(mine)
+
+        work = _Then(works, add_own)
+        if self.replicate_group is not None:  # the note on hybrid sharding's two steps
+            self._timed_wait(work, self._watch(work, label, seq))
+            self._count_replicate(output)
+            work = dist.all_reduce(output, group=self.replicate_group, async_op=True)
+        return self._launched(work, label, seq, (output, *(t for _, t in pieces)), True)
+
+    def _p2p_tags(self, count: int) -> list[int]:
+        """``count`` fresh tags for an exchange's messages, the same on every rank (the exchanges
+        happen in the same order everywhere): Gloo matches a receive to a send by tag, and two
+        messages of one tag may be matched out of order."""
+        key = self.group.group_name
+        first = _P2P_NEXT_TAG.get(key, 0)
+        _P2P_NEXT_TAG[key] = first + count
+        return [P2P_TAG_BASE + (first + k) % P2P_TAGS for k in range(count)]
 
     def _count_replicate(self, shard: torch.Tensor) -> None:
         """The all-reduce of a reduced shard across the replicate group: all-reduce, and inter-group."""

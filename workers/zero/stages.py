@@ -40,6 +40,25 @@ into the shard, at most ``MAX_INFLIGHT_BUCKETS`` in flight. A CUDA allocator han
 bucket's block whole at its first gradient; the planner counts each device its way
 (``planner/activations.py``, ``_GradientReplay``).
 
+[Note: exchanging the gradients themselves]
+Over two Gloo ranks a reduce-scatter is an exchange of halves (``collectives.py``, the note on
+Gloo's copies), which needs no flat input: each parameter's gradient can be sent, and received
+into the shard, where it lies. So when a stage that reduces into shards (1-3) reduces a bucket
+in the same micro-step its gradients arrive (stage 2 and 3 always, stage 1 in its ``sync``
+backward), and the bucket holds no gradient from an earlier micro-step, the gradients autograd
+produced are kept as they are (``FlatBucket.grad_pieces``, a second arrival added in place)
+instead of being copied into a newly allocated ``grad_full``: pre-divided in place at launch
+(a slot without a gradient gets zeros), exchanged piece by piece
+(``Collectives.reduce_scatter_pieces``), dropped once the shard is in. Whether a bucket's
+gradients came this way or through ``grad_full`` (a bucket no gradient reached on this rank, one
+that accumulated an earlier micro-step) differs between ranks, so the messages must not: either
+way an exchange is one message per slot part, its size fixed by the layout. The same bytes are held
+for the same time (autograd's tensors instead of the bucket's copy of them); what goes is one
+allocation and one copy of every gradient per step -- on a CPU rank the fresh pages of a
+model's worth of buckets (the worker maps large blocks fresh, ``workers/host_memory.py``).
+gpt-mini, 2 Gloo ranks, fp32: see ``docs/engine.md``. Anywhere else (NCCL, more ranks, stage 0,
+accumulating micro-steps) the bucket path below is taken.
+
 [Note: who pays for gradient accumulation]
 Stages 0 and 1 keep a full local gradient, so non-final micro-steps communicate nothing: the
 gradients accumulate locally and are reduced once -- in ``step()``, or, when the caller marks
@@ -96,6 +115,8 @@ class Strategy:
     max_inflight: int | None = None
     #: republishes parameters with an all-gather that the next forward waits for (stages 1/2)
     gathers_params: bool = False
+    #: reduce-scatters buckets into shards (stages 1-3): may exchange the gradients themselves
+    reduces_to_shards: bool = False
 
     @property
     def stage(self) -> int:
@@ -129,8 +150,12 @@ class Strategy:
         return [b.flat_param for b in self.buckets]
 
     def grad_tensors(self) -> list[torch.Tensor]:
-        """The gradients this step has summed so far: full buckets, reduced shards."""
-        return [t for b in self.buckets for t in (b.grad_full, b.grad_shard) if t is not None]
+        """The gradients this step has summed so far: full buckets (or the gradients held in their
+        place), reduced shards."""
+        return [t for b in self.buckets for t in (b.grad_full, b.grad_shard) if t is not None] + self._held_pieces()
+
+    def _held_pieces(self) -> list[torch.Tensor]:
+        return [g for b in self.buckets if b.grad_pieces for g in b.grad_pieces.values()]
 
     def scratch_tensors(self) -> list[torch.Tensor]:
         return [b.scratch_out for b in self.buckets if b.scratch_out is not None]
@@ -171,8 +196,25 @@ class Strategy:
         if self._sync and self.overlap_comm:
             self._launch_ready()
 
+    def _exchanges_pieces(self, bucket: FlatBucket) -> bool:
+        """Whether ``bucket``'s gradients of this micro-step are held as they are and exchanged from
+        there (the note on exchanging the gradients themselves)."""
+        if bucket.grad_pieces is not None:
+            return True
+        return (self.reduces_to_shards and self.comm.exchanges and self._sync and bucket.grad_full is None)
+
     def _accumulate(self, bucket: FlatBucket, pos: int, grad: torch.Tensor) -> None:
-        """A slot's first gradient of the step is copied into the bucket's full gradient, later ones added."""
+        """A slot's first gradient of the step is copied into the bucket's full gradient, later ones
+        added -- or, exchanging pieces, kept as it is."""
+        if self._exchanges_pieces(bucket):
+            pieces = bucket.grad_pieces = bucket.grad_pieces if bucket.grad_pieces is not None else {}
+            if pos in pieces:
+                pieces[pos].add_(grad.reshape(-1))
+            elif grad.dtype == bucket.flat_param.dtype:  # autograd's own tensor (param.grad, which the engine drops next)
+                pieces[pos] = grad.reshape(-1)
+            else:  # a gradient autograd left in another dtype: the bucket's, as the copy into grad_full casts
+                pieces[pos] = grad.reshape(-1).to(bucket.flat_param.dtype)
+            return
         lo, hi = bucket.slot_range(pos)
         target = self._grad_target(bucket)[lo:hi]
         if bucket.grad_written[pos]:
@@ -221,9 +263,17 @@ class Strategy:
 
     def _launch_bucket(self, b: FlatBucket) -> None:
         """Complete ``b``'s gradient, pre-divide it, start its collective, and retire what has finished."""
-        self._zero_unwritten(b)
-        if self.world_size > 1:
-            self._grad_target(b).div_(self.world_size)
+        if b.grad_pieces is not None:  # the note on exchanging the gradients themselves
+            for pos, slot in enumerate(b.spec.slots):
+                piece = b.grad_pieces.get(pos)
+                if piece is None:
+                    b.grad_pieces[pos] = torch.zeros(slot.numel, dtype=b.flat_param.dtype, device=b.flat_param.device)
+                elif self.world_size > 1:
+                    piece.div_(self.world_size)
+        else:
+            self._zero_unwritten(b)
+            if self.world_size > 1:
+                self._grad_target(b).div_(self.world_size)
         b.pending = self._launch(b)
         b.launched = True
         self._inflight.append(b)
@@ -282,14 +332,30 @@ class Strategy:
         ``_fold_into_shard`` copies out; otherwise straight into a new shard, or, when this step
         already has one (stage 2's later micro-steps), into an output added to it afterwards.
         """
+        label = f"reduce_scatter bucket {b.spec.index}"
+        if self.comm.exchanges:  # the note on exchanging the gradients themselves: one message per slot
+            out = self._shard_output(b)
+            if b.grad_pieces is not None:
+                pieces = [(slot.offset, b.grad_pieces[pos]) for pos, slot in enumerate(b.spec.slots)]
+            else:
+                full = self._grad_target(b)
+                pieces = [(slot.offset, full[slot.offset:slot.offset + slot.numel]) for slot in b.spec.slots]
+            return self.comm.reduce_scatter_pieces(out, b.spec.numel, sorted(pieces, key=lambda p: p[0]), label)
         full = self._grad_target(b)
-        if self.comm.in_place and not self.comm.exchanges:
+        if self.comm.in_place:
             out = b.scratch_out = self.comm.own_slot(full)
-        elif b.grad_shard is None:
-            out = b.grad_shard = self._new_shard(b)
         else:
-            out = b.scratch_out = self._new_shard(b)
-        return self.comm.reduce_scatter(out, full, label=f"reduce_scatter bucket {b.spec.index}")
+            out = self._shard_output(b)
+        return self.comm.reduce_scatter(out, full, label=label)
+
+    def _shard_output(self, b: FlatBucket) -> torch.Tensor:
+        """Where ``b``'s reduce-scatter writes: a new shard, or, when this step already has one
+        (stage 2's later micro-steps), an output added to it afterwards."""
+        if b.grad_shard is None:
+            b.grad_shard = self._new_shard(b)
+            return b.grad_shard
+        b.scratch_out = self._new_shard(b)
+        return b.scratch_out
 
     def _fold_into_shard(self, b: FlatBucket) -> None:
         """A finished ``_reduce_scatter_into_shard``: its output becomes (or is added to) the
@@ -300,7 +366,7 @@ class Strategy:
             else:
                 b.grad_shard.add_(b.scratch_out)
             b.scratch_out = None
-        b.grad_full = b.grad_written = None
+        b.grad_full = b.grad_written = b.grad_pieces = None
 
     # -- step -----------------------------------------------------------------------------------
     def reduced_grads(self) -> list[torch.Tensor]:
@@ -339,7 +405,7 @@ class Strategy:
         """Drop every gradient of the step (the note on gradients' lifetime)."""
         self.drain()
         for b in self.buckets:
-            b.grad_full = b.grad_written = b.grad_shard = b.scratch_out = None
+            b.grad_full = b.grad_written = b.grad_shard = b.scratch_out = b.grad_pieces = None
             b.launched = False
             b.ready = 0
 
@@ -369,6 +435,7 @@ class ReduceScatterAtStepStrategy(Strategy):
     traits = STAGE_TRAITS[1]
     max_inflight = MAX_INFLIGHT_BUCKETS
     gathers_params = True
+    reduces_to_shards = True
 
     def _launch(self, b: FlatBucket) -> Pending:
         return self._reduce_scatter_into_shard(b)
@@ -395,12 +462,14 @@ class ReduceScatterInBackwardStrategy(Strategy):
     traits = STAGE_TRAITS[2]
     max_inflight = MAX_INFLIGHT_BUCKETS
     gathers_params = True
+    reduces_to_shards = True
 
     def grad_tensors(self) -> list[torch.Tensor]:
         return [b.grad_shard for b in self.buckets if b.grad_shard is not None]
 
     def scratch_tensors(self) -> list[torch.Tensor]:
-        return [b.grad_full for b in self.buckets if b.grad_full is not None] + super().scratch_tensors()
+        return ([b.grad_full for b in self.buckets if b.grad_full is not None] + self._held_pieces()
+                + super().scratch_tensors())
 
     def _launch(self, b: FlatBucket) -> Pending:
         return self._reduce_scatter_into_shard(b)

@@ -30,7 +30,7 @@ def count_by_group(replicate_group) -> dict:
     import torch.distributed as dist
 
     counts = {"intra": 0, "inter": 0}
-    real_broadcast, real_all_reduce, real_isend = dist.broadcast, dist.all_reduce, dist.isend
+    real_broadcast, real_all_reduce, real_isend, real_irecv = dist.broadcast, dist.all_reduce, dist.isend, dist.irecv
 
     def where(kwargs) -> str:
         return "inter" if replicate_group is not None and kwargs.get("group") is replicate_group else "intra"
@@ -45,14 +45,20 @@ def count_by_group(replicate_group) -> dict:
             counts[where(kwargs)] += tensor.numel()
         return real_all_reduce(tensor, *args, **kwargs)
 
-    def isend(tensor, *args, **kwargs):  # a two-rank reduce-scatter sends the half of its input the peer owns
+    def isend(tensor, *args, **kwargs):  # an exchange: a rank's sends and receives add up to the input it reduces
         if tensor.dtype == torch.float32:
-            counts[where(kwargs)] += 2 * tensor.numel()
+            counts[where(kwargs)] += tensor.numel()
         return real_isend(tensor, *args, **kwargs)
 
-    dist.broadcast, dist.all_reduce, dist.isend = broadcast, all_reduce, isend
+    def irecv(tensor, *args, **kwargs):
+        if tensor.dtype == torch.float32:
+            counts[where(kwargs)] += tensor.numel()
+        return real_irecv(tensor, *args, **kwargs)
+
+    dist.broadcast, dist.all_reduce, dist.isend, dist.irecv = broadcast, all_reduce, isend, irecv
     counts["restore"] = lambda: (setattr(dist, "broadcast", real_broadcast),
-                                 setattr(dist, "all_reduce", real_all_reduce), setattr(dist, "isend", real_isend))
+                                 setattr(dist, "all_reduce", real_all_reduce), setattr(dist, "isend", real_isend),
+                                 setattr(dist, "irecv", real_irecv))
     return counts
 
 
@@ -66,7 +72,7 @@ def comm_run(rank: int, world_size: int, kind: str, cfg: dict, steps: int = 2):
                                                        ("intra", "inter"), vary_order=False)
     finally:
         counts["restore"]()
-    out = {"comm": volumes, "dispatched": dispatched, "padded": engine.layout.numel,
+    out = {"comm": volumes, "dispatched": dispatched, "padded": engine.layout.numel, "used": engine.layout.used_numel,
            "shard_world": engine.shard_world, "shard_rank": engine.shard_rank,
            "replicas": engine.comm.replicas}
     engine.close()

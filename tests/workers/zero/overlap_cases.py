@@ -151,7 +151,7 @@ def count_dispatched() -> dict:
     import torch.distributed as dist
 
     counts = {"all_gather": 0, "reduce_scatter": 0}
-    real_broadcast, real_all_reduce, real_isend = dist.broadcast, dist.all_reduce, dist.isend
+    real_broadcast, real_all_reduce, real_isend, real_irecv = dist.broadcast, dist.all_reduce, dist.isend, dist.irecv
 
     def broadcast(tensor, *args, **kwargs):
         if tensor.dtype == torch.float32:
@@ -163,14 +163,20 @@ def count_dispatched() -> dict:
             counts["reduce_scatter"] += tensor.numel()
         return real_all_reduce(tensor, *args, **kwargs)
 
-    def isend(tensor, *args, **kwargs):  # a two-rank reduce-scatter sends the half of its input the peer owns
+    def isend(tensor, *args, **kwargs):  # an exchange: a rank's sends and receives add up to the input it reduces
         if tensor.dtype == torch.float32:
-            counts["reduce_scatter"] += 2 * tensor.numel()
+            counts["reduce_scatter"] += tensor.numel()
         return real_isend(tensor, *args, **kwargs)
 
-    dist.broadcast, dist.all_reduce, dist.isend = broadcast, all_reduce, isend
+    def irecv(tensor, *args, **kwargs):
+        if tensor.dtype == torch.float32:
+            counts["reduce_scatter"] += tensor.numel()
+        return real_irecv(tensor, *args, **kwargs)
+
+    dist.broadcast, dist.all_reduce, dist.isend, dist.irecv = broadcast, all_reduce, isend, irecv
     counts["restore"] = lambda: (setattr(dist, "broadcast", real_broadcast),
-                                 setattr(dist, "all_reduce", real_all_reduce), setattr(dist, "isend", real_isend))
+                                 setattr(dist, "all_reduce", real_all_reduce), setattr(dist, "isend", real_isend),
+                                 setattr(dist, "irecv", real_irecv))
     return counts
 
 
@@ -188,7 +194,8 @@ def policy_run(rank: int, world_size: int, kind: str, cfg: dict, steps: int):
         counts["restore"]()
     units = {u.name: u.flat.numel() for u in engine.strategy.units}
     out = {"losses": losses, "comm": volumes, "dispatched": dispatched, "units": units,
-           "gathers": engine.strategy.counts["gathers"], "full": engine.full_state_dict()}
+           "gathers": engine.strategy.counts["gathers"], "full": engine.full_state_dict(),
+           "padded": engine.layout.numel, "used": engine.layout.used_numel}
     engine.close()
     return out
 

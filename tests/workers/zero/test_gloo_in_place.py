@@ -106,6 +106,39 @@ def test_a_two_rank_reduce_scatter_is_an_exchange_of_halves_into_the_shard():
         assert out["growth"] < 0.6 * 4 * ELEMENTS, out["growth"]
         kinds = out["dispatched"]["kinds"]  # half the input on the wire each way, nothing else
         assert kinds == {"send": {"calls": 1, "elements": ELEMENTS // 2}, "recv": {"calls": 1, "elements": ELEMENTS // 2}}
-        assert out["dispatched"]["send_volume"] == ELEMENTS  # counted as the reduce-scatter it is
+        assert out["dispatched"]["volume"] == ELEMENTS  # counted as the reduce-scatter it is
         assert out["two"] == ([3.0] * 32, [30.0] * 32)
         assert out["counts"]["reduce_scatter"] == 2 + 2 * ELEMENTS + 2 * 64 and out["counts"]["all_reduce"] == 0
+
+
+def pieces_world(rank: int, world_size: int) -> dict:
+    import torch.distributed as dist
+
+    from workers.zero.collectives import Collectives
+
+    comm = Collectives(dist.group.WORLD, torch.device("cpu"))
+    # a 48-element bucket: pieces at 0 (10), 16 (20: straddles the halves at 24), 40 (5); the gaps are zeros
+    layout = [(0, 10), (16, 20), (40, 5)]
+    pieces = [(offset, torch.arange(n, dtype=torch.float32) + 100 * rank + offset) for offset, n in layout]
+    shard = torch.full((24,), float("nan"))
+    comm.reduce_scatter_pieces(shard, 48, pieces, label="pieces").wait()
+    out = {"shard": shard}
+    try:
+        comm.reduce_scatter_pieces(torch.empty(24, dtype=torch.bfloat16), 48, pieces, label="mixed")
+    except ValueError as exc:
+        out["mixed"] = str(exc)
+    return out
+
+
+def test_a_reduce_scatter_of_pieces_sums_each_rank_s_half_and_zeros_the_gaps():
+    """The gradients of a bucket exchanged where they lie (stages.py, the note on exchanging the
+    gradients themselves) give exactly the reduce-scatter of the flat bucket they stand for."""
+    world = spawn_world(pieces_world, 2)
+    flat = [torch.zeros(48) for _ in range(2)]
+    for rank in range(2):
+        for offset, n in [(0, 10), (16, 20), (40, 5)]:
+            flat[rank][offset:offset + n] = torch.arange(n, dtype=torch.float32) + 100 * rank + offset
+    expected = (flat[0] + flat[1]).view(2, 24)
+    for rank, out in enumerate(world):
+        assert torch.equal(out["shard"], expected[rank]), (rank, out["shard"])
+        assert "bfloat16" in out["mixed"] and "float32" in out["mixed"]  # refused before anything is sent

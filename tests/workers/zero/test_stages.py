@@ -26,6 +26,7 @@ class RecordingComm:
     world_size = 2
     dp_size = 2  # the world gradients are averaged over (no hybrid sharding: the same)
     in_place = False  # a backend with native reduce-scatter and all-gather (NCCL's kind)
+    exchanges = False  # not a two-rank Gloo group (its exchanges: test_gloo_in_place.py, the equivalence suites)
 
     def __init__(self):
         self.launched: list[str] = []
