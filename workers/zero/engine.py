@@ -544,6 +544,7 @@ class ZeroEngine:
         """Load a ``state_dict()`` of a run with the same stage, world size and layout."""
         self._check_open("load_state_dict")
         self.strategy.wait_params()
+        self._fence_host_masters()
         engine_state.load_state_dict(self, sd)
         self.strategy.wait_params()
 
@@ -551,8 +552,15 @@ class ZeroEngine:
         """Set parameters (and buffers) from full tensors keyed as ``model.state_dict()``."""
         self._check_open("load_full_state_dict")
         self.strategy.wait_params()
+        self._fence_host_masters()
         engine_state.load_full_state_dict(self, full)
         self.strategy.wait_params()
+
+    def _fence_host_masters(self) -> None:
+        """Before a load overwrites offloaded masters: the last step's asynchronous copies of them
+        to the device must have read them (``offload.py``, the note on why the copies are safe)."""
+        if self.offload is not None:
+            self.offload.drain()
 
     def wait_params(self) -> None:
         """Wait until every parameter holds the values of the last ``step()``.

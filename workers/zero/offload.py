@@ -33,7 +33,9 @@ The host writes a master only in the next ``step()``'s optimizer update, after
 ``grads_to_host``: its side stream first waits for the compute stream -- which holds the
 previous step's H2D copies of the masters -- and the host then synchronizes with it. So every
 H2D copy has read its master before the host overwrites it. The host reads a gradient shard
-only after that synchronization too. ``drain()`` (``close()``) waits for both streams.
+only after that synchronization too. A load (``load_state_dict``, ``load_full_state_dict``,
+which a resume or a checkpoint reader calls between steps) overwrites the masters outside a
+step, so it ``drain()``s first, as ``close()`` does: both streams are done before it writes.
 """
 
 from __future__ import annotations

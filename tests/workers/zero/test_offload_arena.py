@@ -48,3 +48,27 @@ def test_host_memory_is_the_arena_plus_the_optimizer_state(stage):
     assert state  # AdamW's moments exist, on the host
     assert engine.memory()["host"] == arena.nbytes + _storage_bytes(state)
     engine.close()
+
+
+@pytest.mark.parametrize("load", ["load_state_dict", "load_full_state_dict"])
+def test_a_load_waits_for_the_copies_that_read_the_masters_before_it_overwrites_them(load):
+    """On CUDA the last step's copies of the masters to the device are asynchronous and read the
+    host arena (offload.py, the note on why the copies are safe); a load overwrites the masters
+    outside a step, so it must drain them first. Here the drain records the masters it finds: they
+    must still be the trained ones, not the loaded ones."""
+    engine = ZeroEngine(make_model(0), OPTIMIZERS["adamw"],
+                        ZeroConfig(stage=2, precision="fp32", bucket_mb=0.0002, offload_optimizer=True))
+    saved = engine.state_dict() if load == "load_state_dict" else engine.full_state_dict()
+    for step_batches in make_batches(1, 2, 1):
+        for idx, tgt in step_batches:
+            engine.backward(engine(idx[:MICRO_B], tgt[:MICRO_B], uses_extra(0)))
+        engine.step()
+    trained = [b.master.clone() for b in engine.buckets]
+    seen = []
+    drain = engine.offload.drain
+    engine.offload.drain = lambda: (seen.append([b.master.clone() for b in engine.buckets]), drain())
+    getattr(engine, load)(saved)
+    assert seen, "the load did not wait for the copies"
+    assert all(torch.equal(a, b) for a, b in zip(seen[0], trained))  # before any master was written
+    assert not all(torch.equal(b.master, t) for b, t in zip(engine.buckets, trained))  # and then it loaded
+    engine.close()
