@@ -222,3 +222,27 @@ def accounting_world(rank: int, world_size: int, precision: str = "bf16"):
 
 
 OVERFLOW = {2: (1,), 4: (0, 1)}  # step 2: only rank 1 overflows; step 4: both
+
+
+def count_sent(counts: dict, key) -> dict:
+    """Count, below the engine, the elements of every fp32 collective torch.distributed is asked
+    for: ``counts[key(op, kwargs)] += elements``, ``op`` one of "broadcast", "all_reduce", "isend",
+    "irecv". On Gloo/CPU a parameter all-gather is one broadcast per rank slot, a reduce-scatter an
+    in-place all-reduce of its input or, over two ranks, an exchange whose sends and receives add up
+    to the input (``collectives.py``, the note on Gloo's copies); control messages travel as
+    float64/int64 and are not counted. ``counts["restore"]()`` puts torch.distributed back."""
+    import torch.distributed as dist
+
+    real = {op: getattr(dist, op) for op in ("broadcast", "all_reduce", "isend", "irecv")}
+
+    def counted(op):
+        def call(tensor, *args, **kwargs):
+            if tensor.dtype == torch.float32:
+                counts[key(op, kwargs)] += tensor.numel()
+            return real[op](tensor, *args, **kwargs)
+        return call
+
+    for op in real:
+        setattr(dist, op, counted(op))
+    counts["restore"] = lambda: [setattr(dist, op, fn) for op, fn in real.items()]
+    return counts

@@ -22,44 +22,12 @@ except ImportError:  # a spawned rank loads this file by path (``testing._resolv
 
 
 def count_by_group(replicate_group) -> dict:
-    """Elements of every fp32 collective torch.distributed is asked for, split by whether it runs
-    over ``replicate_group`` (inter) or not (intra). On Gloo/CPU a reduce-scatter is an in-place
-    all-reduce of its input over the shard group (over a group of two, a send of the half the
-    peer owns) and an all-gather one broadcast per slot
-    (``collectives.py``); control messages are float64/int64 and not counted here."""
-    import torch.distributed as dist
-
-    counts = {"intra": 0, "inter": 0}
-    real_broadcast, real_all_reduce, real_isend, real_irecv = dist.broadcast, dist.all_reduce, dist.isend, dist.irecv
-
-    def where(kwargs) -> str:
+    """What torch.distributed was asked to send (``cases3.count_sent``), split by whether it runs
+    over ``replicate_group`` (inter) or not (intra)."""
+    def where(op, kwargs) -> str:
         return "inter" if replicate_group is not None and kwargs.get("group") is replicate_group else "intra"
 
-    def broadcast(tensor, *args, **kwargs):
-        if tensor.dtype == torch.float32:
-            counts[where(kwargs)] += tensor.numel()
-        return real_broadcast(tensor, *args, **kwargs)
-
-    def all_reduce(tensor, *args, **kwargs):
-        if tensor.dtype == torch.float32:
-            counts[where(kwargs)] += tensor.numel()
-        return real_all_reduce(tensor, *args, **kwargs)
-
-    def isend(tensor, *args, **kwargs):  # an exchange: a rank's sends and receives add up to the input it reduces
-        if tensor.dtype == torch.float32:
-            counts[where(kwargs)] += tensor.numel()
-        return real_isend(tensor, *args, **kwargs)
-
-    def irecv(tensor, *args, **kwargs):
-        if tensor.dtype == torch.float32:
-            counts[where(kwargs)] += tensor.numel()
-        return real_irecv(tensor, *args, **kwargs)
-
-    dist.broadcast, dist.all_reduce, dist.isend, dist.irecv = broadcast, all_reduce, isend, irecv
-    counts["restore"] = lambda: (setattr(dist, "broadcast", real_broadcast),
-                                 setattr(dist, "all_reduce", real_all_reduce), setattr(dist, "isend", real_isend),
-                                 setattr(dist, "irecv", real_irecv))
-    return counts
+    return cases3.count_sent({"intra": 0, "inter": 0}, where)
 
 
 def comm_run(rank: int, world_size: int, kind: str, cfg: dict, steps: int = 2):

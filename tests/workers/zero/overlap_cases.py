@@ -143,41 +143,9 @@ def _cases3():
 
 
 def count_dispatched() -> dict:
-    """Count, below the engine, the elements of every fp32 ``broadcast``/``all_reduce`` torch.distributed
-    is asked for. On Gloo a parameter all-gather is one broadcast per rank slot (their sum: the
-    gathered elements) and a reduce-scatter an in-place all-reduce of its input, or, over two ranks,
-    a send of the half the peer owns (``collectives.py``);
-    control messages travel as float64/int64 and are not counted here."""
-    import torch.distributed as dist
-
-    counts = {"all_gather": 0, "reduce_scatter": 0}
-    real_broadcast, real_all_reduce, real_isend, real_irecv = dist.broadcast, dist.all_reduce, dist.isend, dist.irecv
-
-    def broadcast(tensor, *args, **kwargs):
-        if tensor.dtype == torch.float32:
-            counts["all_gather"] += tensor.numel()
-        return real_broadcast(tensor, *args, **kwargs)
-
-    def all_reduce(tensor, *args, **kwargs):
-        if tensor.dtype == torch.float32:
-            counts["reduce_scatter"] += tensor.numel()
-        return real_all_reduce(tensor, *args, **kwargs)
-
-    def isend(tensor, *args, **kwargs):  # an exchange: a rank's sends and receives add up to the input it reduces
-        if tensor.dtype == torch.float32:
-            counts["reduce_scatter"] += tensor.numel()
-        return real_isend(tensor, *args, **kwargs)
-
-    def irecv(tensor, *args, **kwargs):
-        if tensor.dtype == torch.float32:
-            counts["reduce_scatter"] += tensor.numel()
-        return real_irecv(tensor, *args, **kwargs)
-
-    dist.broadcast, dist.all_reduce, dist.isend, dist.irecv = broadcast, all_reduce, isend, irecv
-    counts["restore"] = lambda: (setattr(dist, "broadcast", real_broadcast),
-                                 setattr(dist, "all_reduce", real_all_reduce), setattr(dist, "isend", real_isend),
-                                 setattr(dist, "irecv", real_irecv))
-    return counts
+    """What torch.distributed was asked to send, as gathers and reductions (``cases3.count_sent``)."""
+    return _cases3().count_sent({"all_gather": 0, "reduce_scatter": 0},
+                                lambda op, kwargs: "all_gather" if op == "broadcast" else "reduce_scatter")
 
 
 def policy_run(rank: int, world_size: int, kind: str, cfg: dict, steps: int):
