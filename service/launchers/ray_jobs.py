@@ -246,16 +246,18 @@ class LocalRayHead:
         log.info("local Ray head up: dashboard %s, GCS %s", self.dashboard_url, self.gcs_address)
         return self
 
-    def _wait_ready(self, deadline: float, attempt_log_from: int = 0) -> None:
+    def _wait_ready(self, deadline: float, attempt_log_from: int) -> None:
         """Until the Jobs API answers and the node is registered (a few seconds)."""
         with httpx.Client(base_url=self.dashboard_url, headers=self.auth_headers, timeout=5) as http:
             while True:
                 if self.process.poll() is not None:
-                    tail = self.log_tail()
-                    attempt_log = self.log_path.read_bytes()[attempt_log_from:].decode(errors="replace")
+                    with open(self.log_path, "rb") as log_file:
+                        log_file.seek(attempt_log_from)
+                        attempt_log = log_file.read().decode(errors="replace")
                     if RAY_SLOW_START in attempt_log and time.monotonic() < deadline:
-                        raise _RaySlowStart(tail)
-                    raise RuntimeError(f"`ray start` exited with code {self.process.returncode}: {tail}")
+                        raise _RaySlowStart()
+                    raise RuntimeError(f"`ray start` exited with code {self.process.returncode}: "
+                                       f"{self.log_tail()}")
                 try:
                     jobs = http.get("/api/jobs/")
                     nodes = http.get("/nodes", params={"view": "summary"})
