@@ -93,8 +93,23 @@ def _factory_path(value: str) -> str:
 MAX_URI_CHARS = 2048
 
 
+def _model_dir_uri(value: str) -> str:
+    """A directory the workers read: ``file://``/``s3://``, or a plain absolute path (made ``file://``)."""
+    if value.startswith("/"):
+        value = f"file://{value}"
+    if not value.startswith(STORAGE_SCHEMES):
+        raise PydanticCustomError(
+            "uri_scheme", "must be an absolute path or start with file:// or s3:// (got '{value}')", {"value": value})
+    return value.rstrip("/")
+
+
 class ModelSpec(SpecModel):
-    """Either a built-in preset or a user factory ``pkg.mod:fn`` called with ``kwargs``.
+    """A built-in preset, a Hugging Face model directory (``hf``), or a user factory ``pkg.mod:fn``
+    called with ``kwargs``: exactly one of the three.
+
+    ``hf`` names a directory holding a Hugging Face ``config.json`` (and usually the tokenizer
+    files): ``file://``, ``s3://``, or a plain absolute path the workers see (stored as
+    ``file://``). The workers build the model with transformers' own code from that config.
 
     ``init_from`` (fine-tuning): a ``file://`` or ``s3://`` URI of safetensors weights -- one
     ``.safetensors`` file, or a directory with ``model.safetensors.index.json`` as Hugging Face
@@ -106,6 +121,7 @@ class ModelSpec(SpecModel):
     """
 
     preset: str | None = None
+    hf: str | None = Field(default=None, max_length=MAX_URI_CHARS)
     factory: str | None = None
     kwargs: BoundedJson = Field(default_factory=dict)
     init_from: str | None = Field(default=None, max_length=MAX_URI_CHARS)
@@ -131,13 +147,18 @@ class ModelSpec(SpecModel):
     def _init_from(cls, value: str | None) -> str | None:
         return None if value is None else _storage_uri(value)
 
+    @field_validator("hf")
+    @classmethod
+    def _hf(cls, value: str | None) -> str | None:
+        return None if value is None else _model_dir_uri(value)
+
     @model_validator(mode="after")
     def _exactly_one(self) -> "ModelSpec":
-        if (self.preset is None) == (self.factory is None):
+        if sum(choice is not None for choice in (self.preset, self.hf, self.factory)) != 1:
             raise PydanticCustomError(
-                "model_choice", "give exactly one of model.preset or model.factory", {"field": "model"}
+                "model_choice", "give exactly one of model.preset, model.hf or model.factory", {"field": "model"}
             )
-        if self.preset is not None and self.kwargs:
+        if self.factory is None and self.kwargs:
             raise PydanticCustomError(
                 "model_kwargs", "model.kwargs applies to model.factory only", {"field": "model.kwargs"}
             )
@@ -149,6 +170,8 @@ class ModelSpec(SpecModel):
         where the weights came from is not what the model is)."""
         if self.preset is not None:
             return {"preset": self.preset, **dataclasses.asdict(PRESETS[self.preset])}
+        if self.hf is not None:
+            return {"hf": self.hf}
         return {"factory": self.factory, "kwargs": self.kwargs}
 
 
