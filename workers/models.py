@@ -1,6 +1,7 @@
 """Built-in GPT presets and user model factories.
 
-Jobs name a model either by preset (``{"preset": NAME}``, ``contract.presets``) or by a factory
+Jobs name a model by preset (``{"preset": NAME}``, ``contract.presets``), by a Hugging Face
+model directory (``{"hf": URI}``, ``workers.hf_models``) or by a factory
 (``{"factory": "pkg.mod:fn", "kwargs": {...}}``): the job spec's ``model`` block, a
 ``contract.spec.ModelSpec``. The GPT here is a plain GPT-2 style decoder
 (learned positions, pre-LayerNorm blocks in a ``ModuleList`` named ``blocks``, tied input and
@@ -183,4 +184,8 @@ def build_model(model_spec: ModelSpec | Mapping[str, Any]) -> nn.Module:
     model = ModelSpec.model_validate(model_spec)  # an instance comes back as it is
     if model.preset is not None:
         return GPT(preset_config(model.preset))
+    if model.hf is not None:  # parameters on meta whatever the device (workers.hf_models)
+        from workers.hf_models import build_hf_model
+
+        return build_hf_model(model.hf)
     return resolve_factory(model.factory)(**model.kwargs)

@@ -15,7 +15,7 @@ from contract.spec import JobSpec, ModelSpec
 from contract.zero_math import DEFAULT_TARGET_EFFICIENCY, GB, STAGES, optimizer_state_tensors
 from workers.zero.planner import DEFAULT_MARGIN, Plan, PlanInputs, choose_plan, fixed_plan, model_shape
 from workers.zero.planner.activations import Stage2Layout, profile_activations
-from workers.zero.planner.shape import bucket_elements
+from workers.zero.planner.shape import ModelShape, bucket_elements
 
 DEFAULT_SEQ_LEN = 256  # a factory data set may leave data.seq_len unset
 
@@ -63,7 +63,7 @@ def inputs_for_spec(
         activation_checkpointing=zero.activation_checkpointing,
     )
     return PlanInputs(
-        shape=model_shape(model_block(spec.model)),
+        shape=job_shape(spec.model),
         n_ranks=n_ranks,
         precision=zero.precision,
         bucket_mb=zero.bucket_mb,
@@ -84,11 +84,31 @@ def inputs_for_spec(
     )
 
 
+def job_shape(model: ModelSpec) -> ModelShape:
+    """The planner's shape of a job's model. An HF model of a family ``contract.hf_config`` knows
+    is worked out from its ``config.json`` alone (no torch model, no transformers: the control
+    plane plans it so); any other is built on the meta device. A ``config.json`` that cannot be
+    read here is a ``ValueError`` (the control plane then leaves the plan to the worker)."""
+    if model.hf is not None:
+        from contract.hf_config import UnsupportedConfig, unit_tensor_numels
+        from workers.checkpointing.hf_dir import read_config
+
+        try:
+            config = read_config(model.hf)
+        except Exception as unreadable:  # noqa: BLE001 - not here, or not a config: the worker plans it
+            raise ValueError(f"model.hf {model.hf}: config.json not read here ({unreadable})") from None
+        try:
+            return ModelShape.from_units(*unit_tensor_numels(config))
+        except UnsupportedConfig:
+            pass  # built with transformers below
+    return model_shape(model_block(model))
+
+
 def builds_on_meta(spec: JobSpec) -> bool:
     """Whether the worker builds the job's model on the meta device (``workers.train.build_job_model``:
-    presets, and any model loaded ``init_from`` a file), so that construction holds one bucket at a
+    presets, HF models, and any model loaded ``init_from`` a file), so that construction holds one bucket at a
     time; a factory model without ``init_from`` is built eagerly, whole, in fp32."""
-    return spec.model.preset is not None or spec.model.init_from is not None
+    return spec.model.preset is not None or spec.model.hf is not None or spec.model.init_from is not None
 
 
 def checkpoint_kind(spec: JobSpec) -> str:

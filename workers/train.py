@@ -255,7 +255,7 @@ def resolve_stage(spec: JobSpec, device: torch.device) -> tuple[int, bool]:
     return int(plan.stage), bool(plan.offload)
 
 
-def build_job_model(spec: JobSpec, *, resuming: bool) -> tuple[torch.nn.Module, str | None]:
+def build_job_model(spec: JobSpec, *, resuming: bool) -> tuple[torch.nn.Module, Any]:
     """The job's model and the engine's ``init_weights`` for it.
 
     [Note: which models are built on meta]
@@ -267,9 +267,16 @@ def build_job_model(spec: JobSpec, *, resuming: bool) -> tuple[torch.nn.Module, 
     is built eagerly, as always, since user code need not support meta construction. A job
     that resumes (a restarted attempt, ``resume_from``) loads its checkpoint over whatever the
     engine starts from, so ``init_from`` is not read then: the checkpoint wins, and a restart
-    does not depend on the pretrained files still being there.
+    does not depend on the pretrained files still being there. An HF model (``model.hf``) is
+    always built with its parameters on meta: ``init_from``, or else its own per-module init
+    seeded by ``train.seed`` (``workers.hf_models.init_weights_for``).
     """
     init_from = None if resuming else spec.model.init_from
+    if spec.model.hf is not None:  # built with its parameters on meta (workers.hf_models)
+        from workers.hf_models import init_weights_for
+
+        model = build_model(spec.model)
+        return model, init_from if init_from is not None else init_weights_for(model, spec.train.seed)
     if spec.model.preset is None and init_from is None:
         return build_model(spec.model), None
     with torch.device("meta"):
@@ -277,7 +284,7 @@ def build_job_model(spec: JobSpec, *, resuming: bool) -> tuple[torch.nn.Module, 
 
 
 def build_engine(spec: JobSpec, model: torch.nn.Module, device: torch.device,
-                 init_weights: str | None = None) -> ZeroEngine:
+                 init_weights: Any = None) -> ZeroEngine:
     """The job's ``ZeroEngine``: the spec's ``zero`` block (stage resolved here) and its optimizer;
     a model on meta is materialized on ``device`` from ``init_weights`` (``build_job_model``)."""
     zero, train = spec.zero, spec.train

@@ -83,7 +83,8 @@ def predict(spec: JobSpec | None, checkpoint_stage: int | None, planner: dict[st
     preset = PRESETS.get(spec.model.preset or "")
     stage = spec.zero.stage if isinstance(spec.zero.stage, int) else checkpoint_stage
     if preset is None:
-        return {"reason": "the model is a user factory: its size is known once the planner stores a prediction"}
+        return {"reason": "the model is a Hugging Face model or a user factory: its size is known once the planner "
+                          "stores a prediction"}
     if stage is None:
         return {"reason": "the stage is 'auto' and not resolved yet (no checkpoint records it)"}
     phi, world, precision = preset.parameters, spec.resources.num_workers, spec.zero.precision

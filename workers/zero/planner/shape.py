@@ -55,6 +55,16 @@ class ModelShape:
         return cls(sum(numels), numels, tuple(sum(b) for b in blocks), frozen, sum(root), (*blocks, root))
 
     @classmethod
+    def from_units(cls, numels: Sequence[int], root: Sequence[int], blocks: Sequence[Sequence[int]]) -> "ModelShape":
+        """A shape known tensor by tensor without building the model (an HF ``config.json``,
+        ``contract.hf_config.unit_tensor_numels``): every tensor's size in ``named_parameters``
+        order, and each block's and the root's in the engine's order; every parameter trainable."""
+        blocks = tuple(tuple(int(n) for n in b) for b in blocks)
+        root = tuple(int(n) for n in root)
+        numels = tuple(int(n) for n in numels)
+        return cls(sum(numels), numels, tuple(sum(b) for b in blocks), 0, sum(root), (*blocks, root))
+
+    @classmethod
     def from_count(cls, phi: float, n_units: int = DEFAULT_UNITS) -> "ModelShape":
         """A bare parameter count: no structure is known, so assume ``n_units`` equal blocks
         (32 by default: the depth of 7B-class transformers), each one tensor, and no root."""

@@ -1,0 +1,63 @@
+"""Issue 31: a Hugging Face config.json's tensors by arithmetic (``contract.hf_config``, no torch on
+the control plane) equal the real transformers model's, built on meta, for every family it knows,
+tied and untied; the planner's shape from it equals the shape of the built model."""
+
+from __future__ import annotations
+
+import pytest
+
+from . import tiny
+
+pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+
+from contract.hf_config import UnsupportedConfig, max_positions, state_dict_shapes, unit_tensor_numels  # noqa: E402
+from workers.checkpointing.pretrained import expected_tensors  # noqa: E402
+from workers.zero.planner.shape import ModelShape  # noqa: E402
+from workers.zero.units import plan_units  # noqa: E402
+
+
+def _on_meta(name: str):
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(tiny.config(name))
+
+
+def _saved_config(name: str) -> dict:
+    """The dict save_pretrained writes (what a user's config.json holds)."""
+    return tiny.config(name).to_dict()
+
+
+@pytest.mark.parametrize("name", list(tiny.CONFIGS))
+def test_state_dict_shapes_equal_the_real_model(name):
+    model = _on_meta(name)
+    real = expected_tensors(model.state_dict(keep_vars=True), lambda t: tuple(t.shape))
+    assert state_dict_shapes(_saved_config(name)) == real
+
+
+@pytest.mark.parametrize("name", list(tiny.CONFIGS))
+def test_planner_shape_equals_the_built_model(name):
+    model = _on_meta(name)
+    assert ModelShape.from_units(*unit_tensor_numels(_saved_config(name))) == ModelShape.of(model)
+
+
+@pytest.mark.parametrize("name", ["llama-tied", "qwen2-tied", "gpt2-tied", "mistral"])
+def test_default_units_are_the_decoder_layers(name):
+    model = _on_meta(name)
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    units = plan_units(model, trainable)
+    prefix = "transformer.h" if name.startswith("gpt2") else "model.layers"
+    assert units.names[:-1] == [f"{prefix}.{i}" for i in range(2)]
+    root = {trainable[i][0] for i in units.owned[-1]}
+    assert not any(n.startswith(prefix) for n in root)
+
+
+def test_unknown_family_and_bad_values():
+    with pytest.raises(UnsupportedConfig):
+        state_dict_shapes({"model_type": "t5"})
+    with pytest.raises(ValueError, match="'hidden_size'"):
+        state_dict_shapes({**_saved_config("llama-tied"), "hidden_size": "wide"})
+    assert max_positions(_saved_config("gpt2-tied")) == 64
+    assert max_positions(_saved_config("llama-tied")) == 64
