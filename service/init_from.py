@@ -20,6 +20,15 @@ Whether the user may read the URI at all is decided before, by the ``data.uri`` 
 * Storage that does not answer (an outage, a hung endpoint) must not turn a submit into a
   user error nor hold the request: the check runs in a thread with ``CHECK_TIMEOUT_S`` and an
   error that is not about the weights themselves accepts the job unverified (logged).
+
+[Note: a Hugging Face model (``model.hf``)]
+``check_model_hf`` reads ``config.json`` under the same rules and time bound: no ``config.json``
+in a directory the control plane sees, or a config transformers cannot build (an unknown
+``model_type``, a bad value), is a 422 naming ``model.hf`` and the key; a ``data.seq_len`` (or
+``eval.data.seq_len``) above the config's positions (``max_position_embeddings``, gpt2's
+``n_positions``) is a 422 naming that field; ``model.init_from`` is checked against the model's
+tensors (by arithmetic for the families ``contract.hf_config`` knows, else the model built on
+meta). Without transformers here, only what arithmetic can tell is checked (logged).
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 
+from contract.hf_config import UnsupportedConfig, max_positions, state_dict_shapes
 from contract.presets import PRESETS
 from contract.spec import JobSpec
 from service.storage_policy import UnsafeUri, is_within
@@ -38,11 +48,19 @@ _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix=
 
 
 class InitFromMismatch(ValueError):
-    """The weights at ``model.init_from`` cannot initialize the model (message names the key)."""
+    """The model or its weights cannot be what the spec says (message names the key); ``field`` is
+    the spec field to name in the 422 (``model.init_from`` unless said otherwise)."""
+
+    def __init__(self, message: str, field: str = "model.init_from"):
+        super().__init__(message)
+        self.field = field
 
 
 def check_init_from(spec: JobSpec, storage_root: str, timeout_s: float = CHECK_TIMEOUT_S) -> None:
     """Raise ``InitFromMismatch`` when ``spec.model.init_from`` is readable here and does not fit."""
+    if spec.model.hf is not None:
+        check_model_hf(spec, storage_root, timeout_s)
+        return
     uri, preset = spec.model.init_from, spec.model.preset
     if uri is None or preset is None:
         return
@@ -78,3 +96,81 @@ def _inside(uri: str, storage_root: str) -> bool:
         return is_within(uri, storage_root)
     except UnsafeUri:
         return False
+
+
+def check_model_hf(spec: JobSpec, storage_root: str, timeout_s: float = CHECK_TIMEOUT_S) -> None:
+    """Raise ``InitFromMismatch`` (field ``model.hf``, ``model.init_from`` or a ``seq_len``) when the
+    HF model the spec names is readable here and cannot be built, or its weights do not fit it."""
+    uri = spec.model.hf
+    inside = _inside(uri, storage_root)
+    if not (inside or uri.startswith("file://")):
+        return
+    try:
+        from workers.checkpointing.hf_dir import read_config
+        from workers.checkpointing.pretrained import PretrainedWeights, WeightsNotFound
+        from workers.checkpointing.storage import Storage
+    except ImportError as missing:  # a control plane installed without the worker extra
+        log.info("model.hf not checked at submit: %s", missing)
+        return
+
+    def check() -> None:
+        try:
+            config = read_config(uri)
+        except FileNotFoundError as absent:
+            if inside or Storage.at(uri).exists(""):
+                raise InitFromMismatch(str(absent), "model.hf") from None
+            log.info("model.hf %s not visible from the control plane; the workers will read it", uri)
+            return
+        except ValueError as bad:
+            raise InitFromMismatch(str(bad), "model.hf") from None
+        for where, data in spec.data_blocks():
+            context = max_positions(config)
+            if data.seq_len is not None and context is not None and data.seq_len > context:
+                key = "n_positions" if config.get("model_type") == "gpt2" else "max_position_embeddings"
+                raise InitFromMismatch(f"{where}.seq_len ({data.seq_len}) exceeds the model's {key} ({context}) "
+                                       f"in {uri}/config.json", f"{where}.seq_len")
+        expected = _hf_tensors(uri, config)
+        init_from = spec.model.init_from
+        if expected is None or init_from is None or not (_inside(init_from, storage_root)
+                                                         or init_from.startswith("file://")):
+            return
+        try:
+            PretrainedWeights.open(init_from).resolve(expected)
+        except WeightsNotFound as absent:
+            if _inside(init_from, storage_root):
+                raise InitFromMismatch(str(absent)) from None
+        except ValueError as mismatch:
+            raise InitFromMismatch(str(mismatch)) from None
+
+    try:
+        _POOL.submit(check).result(timeout=timeout_s)
+    except InitFromMismatch:
+        raise
+    except concurrent.futures.TimeoutError:
+        log.warning("model.hf %s: no answer within %.0f s; not checked", uri, timeout_s)
+    except Exception as error:  # noqa: BLE001 - storage trouble is not the user's mistake
+        log.warning("model.hf %s not checked at submit: %s: %s", uri, type(error).__name__, error)
+
+
+def _hf_tensors(uri: str, config: dict) -> list | None:
+    """The model's tensors as ``(names, shape)`` groups; ``InitFromMismatch`` (``model.hf``) when
+    transformers cannot build it. None when they cannot be known here (no transformers, and a
+    family the arithmetic does not know)."""
+    try:
+        from workers.hf_models import built_on_meta, hf_config
+    except ImportError as missing:
+        log.info("model.hf %s: transformers not importable here (%s); checked by arithmetic only", uri, missing)
+        try:
+            return state_dict_shapes(config)
+        except UnsupportedConfig:
+            return None
+        except ValueError as bad:
+            raise InitFromMismatch(f"{uri}/{bad}", "model.hf") from None
+    try:
+        model = built_on_meta(hf_config(config))
+    except Exception as bad:  # noqa: BLE001 - whatever transformers refuses the config with
+        raise InitFromMismatch(f"{uri}/config.json: transformers cannot build the model: "
+                               f"{type(bad).__name__}: {bad}", "model.hf") from None
+    from workers.checkpointing.pretrained import expected_tensors
+
+    return expected_tensors(model.state_dict(keep_vars=True), lambda t: tuple(t.shape))

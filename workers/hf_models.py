@@ -72,6 +72,15 @@ def params_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = original
 
 
+def built_on_meta(config) -> nn.Module:
+    """The causal LM of a transformers config wholly on the meta device (shapes only: the control
+    plane's check of a config and of the weights' names)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
 def build_hf_model(uri: str) -> nn.Module:
     """``AutoModelForCausalLM.from_config`` of ``uri``'s config.json, parameters on meta, training mode."""
     from transformers import AutoModelForCausalLM

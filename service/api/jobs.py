@@ -64,14 +64,15 @@ def _replay(session: Session, user: Principal, key: str, request_hash: str) -> J
              description="Validates the spec, records the planner's memory prediction and resolves "
                          "`zero.stage: \"auto\"` to the lowest stage that fits (422 with the numbers "
                          "when nothing fits). A `model.init_from` the control plane can read must fit "
-                         "the model (422 naming the key otherwise).")
+                         "the model, and a `model.hf` it can read must hold a config.json transformers "
+                         "builds (422 naming the field and the key otherwise).")
 def submit_job(spec: JobSpec, request: Request, response: Response, session: SessionDep, launcher: LauncherDep,
                user: CurrentUser, settings: SettingsDep, idempotency_key: IdempotencyKeyHeader = None) -> Job:
     check_spec_access(spec, user, session, settings)  # first: nothing is read that the user may not read
     try:
         check_init_from(spec, settings.storage_uri)
     except InitFromMismatch as mismatch:
-        raise field_error("model.init_from", str(mismatch), "init_from_mismatch") from None
+        raise field_error(mismatch.field, str(mismatch), "init_from_mismatch") from None
     check_admissible(spec, user, session, settings, launcher)
     spec_json = spec.model_dump(mode="json")
     if (size := len(json.dumps(spec_json))) > settings.max_spec_bytes:

@@ -1,7 +1,7 @@
 """What a submitted spec may reach beyond itself: checks that need the caller and the database.
 
 The schema alone cannot tell whose job ``resume_from.job_id`` names or whose storage
-``checkpoint.uri``, ``data.uri`` (and ``eval.data.uri``), ``model.init_from`` and
+``checkpoint.uri``, ``data.uri`` (and ``eval.data.uri``), ``model.init_from``, ``model.hf`` and
 ``runtime.working_dir`` (an uploaded package) point into, nor whether this service lets the caller run
 their own code in the workers (``Settings.allow_user_code``), so ``submit_job`` runs these
 before storing anything. A job the caller cannot see and a job that does not exist get the
@@ -40,6 +40,7 @@ def user_code_fields(spec: JobSpec) -> list[tuple[str, str]]:
          f"{_NO_USER_CODE}; leave runtime unset and use a built-in model.preset"),
         ((spec.model.init_from or "").startswith("file://"), "model.init_from",
          f"{_NO_LOCAL_FILES}; use s3:// weights"),
+        ((spec.model.hf or "").startswith("file://"), "model.hf", f"{_NO_LOCAL_FILES}; use an s3:// model directory"),
     ]
     return [(field, message) for value, field, message in used if value]
 
@@ -54,6 +55,7 @@ def check_spec_access(spec: JobSpec, user: Principal, session: Session, settings
     storage_checks = [("checkpoint.uri", spec.checkpoint.uri, check_checkpoint_root),
                       *((f"{where}.uri", data.uri, check_data_uri) for where, data in spec.data_blocks()),
                       ("model.init_from", spec.model.init_from, check_data_uri),
+                      ("model.hf", spec.model.hf, check_data_uri),
                       # a package the service keeps: the caller's own upload, and still there
                       ("runtime.working_dir", spec.runtime.working_dir if spec.runtime else None, check_working_dir)]
     if spec.runtime and spec.runtime.working_dir and stored_package_sha(spec.runtime.working_dir, settings.storage_uri):
