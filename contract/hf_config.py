@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 CONFIG_NAME = "config.json"
+GENERATION_CONFIG_NAME = "generation_config.json"  # generate()'s defaults; copied on export when present
 #: the tokenizer files an HF model directory may hold; export copies those present
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja")

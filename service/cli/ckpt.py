@@ -2,11 +2,14 @@
 
     zerotrain ckpt list URI                                   committed checkpoints under URI
     zerotrain ckpt verify URI                                 every file against the manifest
-    zerotrain ckpt consolidate URI OUT [--dtype fp32|bf16] [--max-shard-mb MB]
+    zerotrain ckpt consolidate URI OUT [--dtype fp32|bf16] [--max-shard-mb MB] [--layout zerotrain|gpt2]
 
 ``consolidate`` writes OUT as a Hugging Face-style directory (``model-0000k-of-0000N.safetensors``
 shards, ``model.safetensors.index.json``, ``config.json``), or one file when OUT ends in
-``.safetensors``; either is a valid ``model.init_from`` for a fine-tuning job.
+``.safetensors``; either is a valid ``model.init_from`` for a fine-tuning job. A ``model.hf`` job's
+output is what transformers loads (``from_pretrained(OUT)``): its names, its config.json and
+tokenizer files. ``--layout gpt2`` writes a GPT preset as ``GPT2LMHeadModel`` instead of
+zerotrain's own names (which stay the default: that is what ``model.init_from`` reads for a preset).
 URI is a checkpoint directory (``.../checkpoints/step_00000100``), a job's ``checkpoints``
 directory or its job directory (then: the latest committed checkpoint); ``file://``,
 a plain path or ``s3://`` (endpoint from ``ZEROTRAIN_S3_ENDPOINT_URL``, credentials from the
@@ -44,6 +47,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     consolidate.add_argument("--max-shard-mb", type=_positive_mb, default=None, metavar="MB",
                              help="largest shard of a directory, in MB (default 5000, Hugging Face's); "
                                   "a larger tensor gets a shard of its own")
+    consolidate.add_argument("--layout", choices=("zerotrain", "gpt2"), default="zerotrain",
+                             help="a GPT preset's names: zerotrain's own (default; what model.init_from reads) or "
+                                  "GPT2LMHeadModel's (transformers loads it). A model.hf job always gets its own names")
     for sub in (listing, verify, consolidate):
         sub.set_defaults(func=run)
     return parser
@@ -110,7 +116,7 @@ def _consolidate(args: argparse.Namespace) -> int:
     from workers.checkpointing.consolidate import consolidate
 
     shard = {} if args.max_shard_mb is None else {"max_shard_bytes": max(1, int(args.max_shard_mb * 1e6))}
-    report = consolidate(args.uri, args.out, dtype=args.dtype, **shard)
+    report = consolidate(args.uri, args.out, dtype=args.dtype, layout=args.layout, **shard)
     files = "" if report.files == 1 else f" in {report.files} files"
     config = "; config.json" if report.config else ""
     out.print(f"wrote {args.out}: {report.tensors} tensors{files}, {_mb(report.bytes_written)} "

@@ -35,6 +35,8 @@ from typing import IO, Any
 import fsspec
 import numpy as np
 
+from .export_hf import plan_export
+from .hf_dir import model_files
 from .manifest import numel, pieces_for, read_manifest, resolve
 from .stfile import FLOATS, INDEX_NAME, ITEMSIZE, TensorSpec, build_header, shard_file_name
 from .storage import Storage, protocol_of, storage_options
@@ -79,27 +81,37 @@ def convert(raw: bytes, src: str, dst: str) -> bytes | np.ndarray:
     return float32_to_bf16(values) if dst == "BF16" else values
 
 
-def output_specs(manifest: dict[str, Any], dtype: str) -> list[tuple[TensorSpec, dict]]:
+def output_specs(manifest: dict[str, Any], dtype: str, layout: str = "zerotrain"
+                 ) -> tuple[list[tuple[TensorSpec, dict]], bytes | None]:
+    """What to write (``export_hf.plan_export``: names, which tensors go transposed) and the
+    ``config.json`` bytes it implies (None: the manifest's ``model``, or copied for an HF job)."""
     out_float = OUT_DTYPES[dtype]
+    keys = [tuple(k) for k in manifest["model_state_dict"]]
+    plan, config = plan_export(manifest.get("model"), keys, layout, dtype)
     specs = []
-    for key, section, name in manifest["model_state_dict"]:
+    for key, section, name, transposed in plan:
         entry = manifest["tensors"][section][name]
         out = out_float if entry["dtype"] in FLOATS else entry["dtype"]
-        specs.append((TensorSpec(key, out, tuple(entry["shape"])), entry))
-    return specs
+        shape = tuple(entry["shape"])
+        if transposed:
+            shape, entry = shape[::-1], {**entry, "transpose": True}
+        specs.append((TensorSpec(key, out, shape), entry))
+    return specs, config
 
 
-def consolidate(uri: str, out_uri: str, dtype: str = "fp32", max_shard_bytes: int = DEFAULT_SHARD_BYTES
-                ) -> ConsolidateReport:
+def consolidate(uri: str, out_uri: str, dtype: str = "fp32", max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+                layout: str = "zerotrain") -> ConsolidateReport:
     """Write the checkpoint at ``uri`` (see ``manifest.resolve``) as weights at ``out_uri``: a
-    Hugging Face-style directory, or one file when ``out_uri`` ends in ``.safetensors``."""
+    Hugging Face-style directory, or one file when ``out_uri`` ends in ``.safetensors``.
+    ``layout="gpt2"`` writes a preset as ``GPT2LMHeadModel`` (``export_hf``); an HF job is always
+    written with its own names, config and tokenizer files."""
     if dtype not in OUT_DTYPES:
         raise ValueError(f"dtype must be one of {sorted(OUT_DTYPES)}, got {dtype!r}")
     if max_shard_bytes < 1:
         raise ValueError(f"the shard size must be at least 1 byte, got {max_shard_bytes}")
     checkpoint = resolve(uri)
     manifest = read_manifest(checkpoint)
-    specs = output_specs(manifest, dtype)
+    specs, config = output_specs(manifest, dtype, layout)
     metadata = {"format": "pt", "job_id": str(manifest["job_id"]), "step": str(manifest["step"]),
                 "dtype": dtype, "source": checkpoint.uri}
     largest = max((s.nbytes for s, _ in specs), default=0)
@@ -117,8 +129,13 @@ def consolidate(uri: str, out_uri: str, dtype: str = "fp32", max_shard_bytes: in
         with out.open_write(name) as sink:
             report.bytes_written += _write_file(checkpoint, shard, metadata, sink)
         weight_map.update({spec.name: name for spec, _ in shard})
-    if manifest.get("model") is not None:
-        out.write_atomic(CONFIG_NAME, json.dumps(manifest["model"], indent=1).encode())
+    model = manifest.get("model")
+    if model is not None and "hf" in model:  # the model's own config.json and tokenizer files
+        for name, data in model_files(model["hf"]).items():
+            out.write_atomic(name, data)
+        report.config = True
+    elif config is not None or model is not None:
+        out.write_atomic(CONFIG_NAME, config if config is not None else json.dumps(model, indent=1).encode())
         report.config = True
     index = {"metadata": {"total_size": sum(s.nbytes for s, _ in specs), **metadata}, "weight_map": weight_map}
     out.write_atomic(INDEX_NAME, json.dumps(index, indent=1).encode())
@@ -151,6 +168,8 @@ def _write_file(checkpoint: Storage, specs: list[tuple[TensorSpec, dict]], metad
 
 
 def _stream_tensor(checkpoint: Storage, entry: dict, out_dtype: str, out) -> int:
+    if entry.get("transpose"):
+        return _stream_transposed(checkpoint, entry, out_dtype, out)
     total, written = numel(entry["shape"]), 0
     for lo in range(0, total, CHUNK_ELEMENTS):
         hi = min(total, lo + CHUNK_ELEMENTS)
@@ -163,4 +182,41 @@ def _stream_tensor(checkpoint: Storage, entry: dict, out_dtype: str, out) -> int
         out.write(data)
         written += len(data)
         del raw, blobs, data
+    return written
+
+
+def _read(checkpoint: Storage, entry: dict, lo: int, hi: int) -> bytes:
+    """Elements ``[lo, hi)`` of a stored tensor, from whichever shards hold them."""
+    pieces = list(pieces_for(entry, lo, hi))
+    blobs = checkpoint.read_ranges([(p.file, p.start, p.end) for p in pieces])
+    raw = blobs[0] if len(blobs) == 1 else b"".join(blobs)
+    if len(raw) != (hi - lo) * ITEMSIZE[entry["dtype"]]:
+        raise ValueError(f"the checkpoint's pieces do not cover elements [{lo}, {hi})")
+    return raw
+
+
+def _stream_transposed(checkpoint: Storage, entry: dict, out_dtype: str, out) -> int:
+    """A stored ``[rows, cols]`` float tensor written as ``[cols, rows]``, in bounded memory.
+
+    [Note: transposing in chunks]
+    The output is written ``k`` of its rows at a time (``k · rows`` elements, at most a chunk);
+    each such block is columns ``[c0, c0 + k)`` of the stored tensor, gathered by reading the
+    stored rows a chunk at a time. Memory stays a few chunks; the tensor is read ``cols / k``
+    times (once for any tensor up to a chunk, four times for a 2048 x 8192 one).
+    """
+    rows, cols = entry["shape"]
+    k = max(1, CHUNK_ELEMENTS // max(1, rows))
+    step = max(1, CHUNK_ELEMENTS // max(1, cols))
+    written = 0
+    for c0 in range(0, cols, k):
+        c1 = min(cols, c0 + k)
+        block = np.empty((c1 - c0, rows), dtype=np.float32)
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            values = to_float32(_read(checkpoint, entry, r0 * cols, r1 * cols), entry["dtype"]).reshape(r1 - r0, cols)
+            block[:, r0:r1] = values[:, c0:c1].T
+        data = float32_to_bf16(block) if out_dtype == "BF16" else block
+        view = memoryview(np.ascontiguousarray(data)).cast("B")
+        out.write(view)
+        written += len(view)
     return written

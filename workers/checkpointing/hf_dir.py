@@ -11,7 +11,7 @@ import json
 import os
 from typing import Any
 
-from contract.hf_config import CONFIG_NAME, TOKENIZER_FILES
+from contract.hf_config import CONFIG_NAME, GENERATION_CONFIG_NAME, TOKENIZER_FILES
 
 from .storage import Storage
 
@@ -32,9 +32,11 @@ def read_config(uri: str) -> dict[str, Any]:
 
 
 def model_files(uri: str) -> dict[str, bytes]:
-    """``config.json`` and every tokenizer file present at ``uri``, by name (small files)."""
+    """``config.json``, ``generation_config.json`` and every tokenizer file present at ``uri``, by
+    name (small files)."""
     storage = Storage.at(uri)
-    return {name: storage.read_bytes(name) for name in (CONFIG_NAME, *TOKENIZER_FILES) if storage.exists(name)}
+    names = (CONFIG_NAME, GENERATION_CONFIG_NAME, *TOKENIZER_FILES)
+    return {name: storage.read_bytes(name) for name in names if storage.exists(name)}
 
 
 def fetch_dir(uri: str, dest: str) -> list[str]:
