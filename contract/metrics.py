@@ -145,9 +145,12 @@ def peak_part_key(part: str) -> str:
 # Every column is float8 and the ingest model accepts floats: a byte count is exact in a
 # float up to 2**53 (8 PiB), and one numeric type keeps the insert and the aggregates simple.
 METRICS: tuple[MetricField, ...] = (
-    MetricField("loss", float, "", "this rank's mean loss over its micro-batches", Across.MEAN,
+    MetricField("loss", float, "", "this rank's loss: its share of the global token mean, or a "
+                "factory model's mean over micro-batches (docs/user-code.md); the mean over ranks is the job's",
+                Across.MEAN,
                 lambda o: o.loss, Series("loss", "loss")),
-    MetricField("eval_loss", float, "", "mean loss over every rank's evaluation micro-batches (evaluated steps only)",
+    MetricField("eval_loss", float, "", "loss over every rank's evaluation micro-batches: their token mean, "
+                "or a factory model's mean (evaluated steps only)",
                 Across.MEAN, lambda o: o.eval_loss, Series("loss", "eval loss", place=1, sparse=True)),
     MetricField("lr", float, "", "learning rate", Across.NONE, lambda o: o.lr),
     MetricField("grad_norm", float, "", "global gradient norm (absent when not finite)", Across.NONE,

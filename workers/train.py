@@ -44,6 +44,7 @@ from workers.checkpointing.shared_storage import check_marker
 from workers.data import IndexedDataset, ShardedBatchLoader, build_dataset
 from workers.models import build_model, flops_per_token
 from workers.host_memory import map_large_blocks
+from workers.loss import IGNORE_INDEX, StepLoss, token_loss_sum
 from workers.reporting import MetricReporter, StepMeter, WorkerAPI
 from workers.user_code import user_code
 from workers.user_metrics import COLLECTOR as USER_METRICS
@@ -344,8 +345,12 @@ class JsonlSink:
 
 
 def evaluate(engine: ZeroEngine, dataset: IndexedDataset, *, batches: int, micro_batch_size: int,
-             world: World) -> float:
-    """The mean loss of ``batches`` micro-batches per rank of ``dataset``, over every rank.
+             world: World, token_weighted: bool = False) -> float:
+    """The loss of ``batches`` micro-batches per rank of ``dataset``, over every rank.
+
+    ``token_weighted`` (every model but a user factory): the mean over every unmasked target of
+    every rank's micro-batches (``workers.loss``); otherwise the mean of the factory model's
+    micro-batch losses.
 
     [Note: evaluation on every rank, from the same samples]
     A fresh loader from position 0 each time: every evaluation reads the same samples (rank r
@@ -356,22 +361,28 @@ def evaluate(engine: ZeroEngine, dataset: IndexedDataset, *, batches: int, micro
     activations; ``engine.eval()`` turns dropout off and BatchNorm to its running statistics,
     ``engine.train()`` back afterwards. The gathers are not the step's communication
     (``comm.uncounted``): ``comm_bytes`` stays what training moved. One ``all_reduce`` sums the
-    ranks' losses; what user code reports meanwhile is recorded as ``eval/<name>``.
+    ranks' (loss, count) pairs; what user code reports meanwhile is recorded as ``eval/<name>``.
     """
     loader = ShardedBatchLoader(dataset, global_batch_size=batches * micro_batch_size * world.world_size,
                                 micro_batch_size=micro_batch_size, rank=world.rank, world_size=world.world_size)
-    total = torch.zeros((), dtype=torch.float64, device=world.device)
+    total = torch.zeros(2, dtype=torch.float64, device=world.device)  # Σ loss, and what it is a sum of
     engine.eval()
     try:
         with torch.no_grad(), engine.comm.uncounted(), USER_METRICS.evaluating():
             for inputs, targets in loader.next_batch():
-                loss = engine(inputs.to(world.device, non_blocking=True), targets.to(world.device, non_blocking=True))
-                total += loss.detach().double()
+                inputs = inputs.to(world.device, non_blocking=True)
+                targets = targets.to(world.device, non_blocking=True)
+                if token_weighted:
+                    total[0] += token_loss_sum(engine(inputs), targets).double()
+                    total[1] += (targets != IGNORE_INDEX).sum()
+                else:
+                    total[0] += engine(inputs, targets).detach().double()
+                    total[1] += 1
     finally:
         engine.train()
     if world.world_size > 1:
         dist.all_reduce(total)
-    return float(total) / (batches * world.world_size)
+    return float(total[0]) / max(1.0, float(total[1]))
 
 
 PROGRESS_LINES = 20  # rank 0 prints about this many progress lines per run, plus the first and last step
@@ -444,6 +455,7 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
     peak.lap("resume" if step else "construction")
     first_step = step + 1  # of this attempt: an error in it is the user's code (user_code.py)
     accumulation = loader.accumulation_steps
+    token_weighted = spec.model.factory is None  # the loop's own loss (workers/loss.py), not the factory's
     losses: list[float] = []
     try:
         while step < total_steps:
@@ -452,20 +464,23 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
             for group in engine.optimizer.param_groups:
                 group["lr"] = lr * group.get("lr_scale", 1.0)
             started = time.perf_counter()
-            loss_sum = torch.zeros((), device=world.device)
             with user_code("the first training step") if step + 1 == first_step else contextlib.nullcontext():
-                for micro, (inputs, targets) in enumerate(loader.next_batch()):
-                    loss = engine(inputs.to(world.device, non_blocking=True),
-                                  targets.to(world.device, non_blocking=True))
+                micro_batches = loader.next_batch()
+                step_loss = StepLoss(micro_batches, token_weighted=token_weighted,
+                                     world_size=world.world_size, device=world.device)
+                for micro, (inputs, targets) in enumerate(micro_batches):
+                    inputs = inputs.to(world.device, non_blocking=True)
+                    targets = targets.to(world.device, non_blocking=True)
+                    output = engine(inputs) if token_weighted else engine(inputs, targets)
+                    loss = step_loss.micro_loss(output, targets)
                     peak.lap("forward")
                     # the engine sums micro-steps, like PyTorch; sync on the last one lets stages 0/1
                     # reduce during that backward instead of after it
-                    engine.backward(loss / accumulation, sync=micro == accumulation - 1)
+                    engine.backward(loss, sync=micro == accumulation - 1)
                     peak.lap("backward")
-                    loss_sum += loss.detach().float()
                 info = engine.step()
                 peak.lap("step")
-            loss_value = float(loss_sum) / accumulation  # .item() waits for the device
+            loss_value = step_loss.value()  # .item() waits for the device
             step_time = time.perf_counter() - started
             step += 1
             blocked = checkpoints.maybe_save(step, engine, loader)
@@ -474,7 +489,8 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
             eval_loss = None  # an evaluation's forward passes count in the next lap, the forward's
             if eval_data is not None and spec.eval.due(step, total_steps):
                 eval_loss = evaluate(engine, eval_data, batches=spec.eval.batches,
-                                     micro_batch_size=train.micro_batch_size, world=world)
+                                     micro_batch_size=train.micro_batch_size, world=world,
+                                     token_weighted=token_weighted)
             samples = accumulation * loader.micro_batch_size
             record = meter.record(step=step, loss=loss_value, lr=lr, step_time_s=step_time, samples=samples,
                                   tokens=samples * seq_len, info=info, memory=engine.step_memory(),
