@@ -1,4 +1,4 @@
-"""Does a job's ``model.init_from`` fit its model? Checked at submit, when the control plane can tell.
+"""Does a job's ``model.init_from`` fit its model (and its ``model.hf`` build)? Checked at submit, when the control plane can tell.
 
 A fine-tuning job that names weights whose tensors do not match the model would otherwise
 wait in the queue, start its workers, and fail in the engine with ``missing key ...``. So at
