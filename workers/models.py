@@ -150,6 +150,8 @@ def flops_per_token(model: nn.Module, seq_len: int) -> float:
     cfg = getattr(model, "config", None)
     if isinstance(cfg, GPTConfig):
         flops += 12.0 * cfg.n_layer * cfg.n_embd * seq_len
+    elif isinstance(getattr(cfg, "num_hidden_layers", None), int) and isinstance(getattr(cfg, "hidden_size", None), int):
+        flops += 12.0 * cfg.num_hidden_layers * cfg.hidden_size * seq_len  # an HF config (gpt2's maps its names)
     return flops
 
 

@@ -61,3 +61,23 @@ def test_unknown_family_and_bad_values():
         state_dict_shapes({**_saved_config("llama-tied"), "hidden_size": "wide"})
     assert max_positions(_saved_config("gpt2-tied")) == 64
     assert max_positions(_saved_config("llama-tied")) == 64
+
+
+@pytest.mark.parametrize("name", ["llama-tied", "gpt2-tied"])
+def test_flops_per_token_counts_attention_for_hf_models(name):
+    from workers.models import flops_per_token, num_parameters
+
+    model = _on_meta(name)
+    cfg = model.config
+    assert flops_per_token(model, 16) == 6.0 * num_parameters(model) + 12.0 * cfg.num_hidden_layers * cfg.hidden_size * 16
+
+
+def test_activations_of_an_hf_model_are_profiled_on_meta(tmp_path):
+    """The planner's activation terms for model.hf: the model called as the loop calls it
+    (``model(inputs)``, logits, the loop's loss), on the meta device."""
+    from contract.spec import ModelSpec
+    from workers.planning import measured_activations
+
+    tiny.save("llama-tied", str(tmp_path / "m"), weights=False)
+    got = measured_activations(ModelSpec(hf=f"file://{tmp_path}/m"), 2, 16, "fp32", 2, 25.0, "cpu")
+    assert all(isinstance(v, int) and v > 0 for v in got.values()), got

@@ -392,5 +392,14 @@ def _profile(
         checkpoint_units(model)
     config = getattr(model, "config", None)
     vocab = vocab or getattr(config, "vocab_size", None) or 256
+    loss_fn = hf_loss if json.loads(key).get("hf") else default_loss
     return measure_activation_bytes(model, token_batch(micro_batch, seq_len, vocab, device), stage2=stage2,
-                                    forward_only=forward_only)
+                                    forward_only=forward_only, loss_fn=loss_fn)
+
+
+def hf_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """An HF causal LM as the loop trains it: ``model(inputs)``'s logits, next-token cross-entropy
+    (``workers.loss``; its second positional argument would be the attention mask)."""
+    from workers.loss import token_loss_sum
+
+    return token_loss_sum(model(batch[0]), batch[1])
