@@ -101,8 +101,19 @@ def test_hf_model_checks_at_submit(make_live_service, tmp_path):
               str(mine / "w" / "twice.safetensors"))
     assert post(service, alice, spec(good, f"file://{mine}/w/twice.safetensors")).status_code == 201
 
-    # another user's directory: the data.uri rules, before anything is read
+    # /plan reads config.json alone: the same Φ, and the same model states as the job's prediction
+    question = {k: v for k, v in spec(good, good).items() if k != "name"}
+    planned = httpx.post(f"{service.url}/api/v1/plan", json=question, headers={"Authorization": f"Bearer {alice}"},
+                         timeout=60)
+    assert planned.status_code == 200, planned.text
+    assert planned.json()["inputs"]["parameters"] == n_params
+    chosen = got["prediction"]["chosen"]
+    assert planned.json()["chosen"]["gpu"]["params"] == chosen["gpu"]["params"]
+
+    # another user's directory: the data.uri rules, before anything is read (/plan too)
     bob = service.create_user("bob")
     refused(post(service, bob, spec(good)), "model.hf", "file://")
+    refused(httpx.post(f"{service.url}/api/v1/plan", json=question, headers={"Authorization": f"Bearer {bob}"}),
+            "model.hf", "file://")
     # outside the storage root and absent here: the workers decide
     assert post(service, alice, spec("file:///nonexistent/model")).status_code == 201
