@@ -14,17 +14,15 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
 from contract.zero_math import PRECISIONS
-from service.api.deps import CurrentUser, SettingsDep
-from service.auth import Principal
+from service.api.deps import current_user, get_settings
 from service.prediction import plan_for_question
 from service.schemas import ErrorOut
-from service.settings import Settings
 from service.storage_policy import UnsafeUri, check_data_uri
 
 router = APIRouter(tags=["plan"])
@@ -123,13 +121,13 @@ def no_plan_response(detail: dict[str, Any]) -> JSONResponse:
     response_model=PlanResponse,
     responses=NO_PLAN_RESPONSES,
 )
-def post_plan(req: PlanRequest, user: CurrentUser, settings: SettingsDep) -> Any:
+def post_plan(req: PlanRequest, request: Request) -> Any:
     try:
         from workers.zero.planner import NoPlanFits
     except ImportError as exc:  # a control plane installed without the worker extra (torch)
         message = f"the planner needs the worker extra (torch): {exc}"
         return JSONResponse({"detail": message, "errors": []}, status_code=503)
-    if (refused := hf_access(req, user, settings)) is not None:
+    if (refused := hf_access(req, request)) is not None:
         return refused
 
     try:
@@ -141,14 +139,18 @@ def post_plan(req: PlanRequest, user: CurrentUser, settings: SettingsDep) -> Any
                                                                "type": "value_error"}]}, status_code=422)
 
 
-def hf_access(req: PlanRequest, user: Principal, settings: Settings) -> JSONResponse | None:
+def hf_access(req: PlanRequest, request: Request) -> JSONResponse | None:
     """A 422 naming ``model.hf`` when the planner would read a model directory the caller may not
     read at submit (the ``data.uri`` rules; worker-local ``file://`` where user code is off): the
-    planner reads its ``config.json`` here."""
-    hf = (req.model or {}).get("hf") if isinstance(req.model, dict) else None
+    planner reads its ``config.json`` here. The caller is looked up only then (the router's own
+    dependency has authenticated them already)."""
+    hf = req.model.get("hf") if isinstance(req.model, dict) else None
     if not isinstance(hf, str):
         return None
     hf = f"file://{hf}" if hf.startswith("/") else hf  # as the spec stores a plain path
+    settings = get_settings(request)
+    with request.app.state.sessionmaker() as session:
+        user = current_user(request, session)
     try:
         check_data_uri(hf, settings.storage_uri, user.name, is_admin=user.is_admin)
         if hf.startswith("file://") and not settings.allow_user_code and not user.is_admin:

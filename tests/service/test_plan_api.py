@@ -6,23 +6,15 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from service.api.deps import current_user, get_settings
 from service.api.plan import router
-from service.auth import Principal
-from service.settings import Settings
 
 GB = 1e9
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory):
+def client():
     app = FastAPI()
     app.include_router(router, prefix="/api/v1")
-    # the planner alone: an admin caller (the service authenticates one; /plan reads who asks only
-    # to apply the storage rules to a model.hf), default settings
-    app.dependency_overrides[current_user] = lambda: Principal("admin", True)
-    storage = tmp_path_factory.mktemp("storage")
-    app.dependency_overrides[get_settings] = lambda: Settings(storage_uri=f"file://{storage}")
     with TestClient(app) as c:
         yield c
 
