@@ -95,7 +95,7 @@ def build_hf_model(uri: str) -> nn.Module:
 def init_weights_for(model: nn.Module, seed: int) -> Callable[[nn.Module], None]:
     """The engine's ``init_weights`` for an HF model without ``init_from`` (see the note)."""
     names = {id(m): n for n, m in model.named_modules()}
-    init = getattr(model, "_init_weights")
+    init = model._init_weights
 
     def init_module(module: nn.Module) -> None:
         digest = hashlib.sha256(f"{seed}:{names.get(id(module), '')}".encode()).digest()

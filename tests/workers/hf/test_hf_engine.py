@@ -11,8 +11,6 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from . import tiny
@@ -116,8 +114,8 @@ def test_random_init_is_one_model_on_every_rank_and_one_process_reproduces_it(di
 
 @pytest.mark.parametrize("case", [1, 2, 3])
 def test_init_from_loads_hf_names_tied_once_or_twice(dirs, runs, case):
-    root, made = dirs
-    cases, per_rank = runs
+    made = dirs[1]
+    per_rank = runs[1]
     name = "gpt2-untied-inner" if case == 3 else "llama-tied"
     ref = made[name]
     expected = ref.state_dict()
