@@ -305,8 +305,19 @@ def build_engine(spec: JobSpec, model: torch.nn.Module, device: torch.device,
         shard_group_size=zero.shard_group_size,
     )
     if any(p.is_meta for p in model.parameters()):
+        buffers_to(model, device)
         return ZeroEngine(model, optimizer=optimizer_factory(train), config=config, init_weights=init_weights)
     return ZeroEngine(model.to(device), optimizer=optimizer_factory(train), config=config)
+
+
+def buffers_to(model: torch.nn.Module, device: torch.device) -> None:
+    """Move the real buffers of a model whose parameters are on meta to ``device``. An HF model is
+    built with its buffers computed for real on the CPU (rotary tables, ``workers.hf_models``); the
+    engine computes where a meta model's first real tensor is, which must be the worker's device."""
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and not buffer.is_meta and buffer.device != device:
+                module._buffers[name] = buffer.to(device)
 
 
 TORCH_OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {

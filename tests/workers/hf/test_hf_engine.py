@@ -164,3 +164,18 @@ def test_planner_reads_config_json_alone(dirs, monkeypatch):
     monkeypatch.setattr(shape, "build_on_meta", lambda *a: pytest.fail("built the model to plan it"))
     got = job_shape(job(uri).model)
     assert got.phi == sum(p.numel() for p in dirs[1]["llama-tied"].parameters())
+
+
+def test_an_hf_models_real_buffers_go_to_the_workers_device(dirs, monkeypatch):
+    """The rotary tables are built for real on the CPU; a GPU worker's engine computes where a meta
+    model's first real tensor is, so build_engine moves them to the worker's device first (shown
+    with the meta device as the target: any device other than the CPU the buffers were built on)."""
+    import workers.train as train
+
+    uri = f"file://{dirs[0]}/llama-tied"
+    seen = {}
+    monkeypatch.setattr(train, "ZeroEngine", lambda model, **kw: seen.setdefault("model", model))
+    model, init = train.build_job_model(job(uri), resuming=False)
+    assert {b.device.type for b in model.buffers()} == {"cpu"}
+    train.build_engine(job(uri), model, torch.device("meta"), init)
+    assert {b.device.type for b in seen["model"].buffers()} == {"meta"}
