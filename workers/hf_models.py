@@ -29,6 +29,7 @@ import functools
 import hashlib
 import os
 import tempfile
+import threading
 from typing import Any, Callable, Iterator
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -54,22 +55,37 @@ def hf_config(config: dict[str, Any]):
         raise ValueError(f"config.json: transformers cannot build a {model_type} config: {exc}") from None
 
 
+_ORIGINAL_REGISTER = nn.Module.register_parameter
+_PATCH_LOCK = threading.Lock()
+_patch_users = 0
+_local = threading.local()
+
+
+def _register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+    _ORIGINAL_REGISTER(module, name, param)
+    if getattr(_local, "depth", 0) and param is not None and not param.is_meta:
+        module._parameters[name] = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+
+
 @contextlib.contextmanager
 def params_on_meta() -> Iterator[None]:
-    """Every parameter registered inside the block is created on the meta device (buffers are not)."""
-    original = nn.Module.register_parameter
-
-    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        original(module, name, param)
-        if param is not None and not param.is_meta:
-            kwargs = {"requires_grad": param.requires_grad}
-            module._parameters[name] = type(param)(param.to("meta"), **kwargs)
-
-    nn.Module.register_parameter = register
+    """Every parameter registered inside the block, by this thread, is created on the meta device
+    (buffers are not). ``nn.Module.register_parameter`` is patched while any thread is inside; other
+    threads' modules are left as they are (the control plane plans in a thread pool)."""
+    global _patch_users
+    with _PATCH_LOCK:
+        if _patch_users == 0:
+            nn.Module.register_parameter = _register_on_meta
+        _patch_users += 1
+    _local.depth = getattr(_local, "depth", 0) + 1
     try:
         yield
     finally:
-        nn.Module.register_parameter = original
+        _local.depth -= 1
+        with _PATCH_LOCK:
+            _patch_users -= 1
+            if _patch_users == 0:
+                nn.Module.register_parameter = _ORIGINAL_REGISTER
 
 
 def built_on_meta(config) -> nn.Module:

@@ -81,3 +81,28 @@ def test_activations_of_an_hf_model_are_profiled_on_meta(tmp_path):
     tiny.save("llama-tied", str(tmp_path / "m"), weights=False)
     got = measured_activations(ModelSpec(hf=f"file://{tmp_path}/m"), 2, 16, "fp32", 2, 25.0, "cpu")
     assert all(isinstance(v, int) and v > 0 for v in got.values()), got
+
+
+def test_params_on_meta_touches_only_its_own_thread():
+    import threading
+
+    import torch.nn as nn
+
+    from workers.hf_models import params_on_meta
+
+    inside, started, done = threading.Event(), threading.Event(), {}
+
+    def other():
+        inside.wait()
+        done["layer"] = nn.Linear(2, 2)  # built by another thread while the patch is in place
+        started.set()
+
+    t = threading.Thread(target=other)
+    t.start()
+    with params_on_meta():
+        mine = nn.Linear(2, 2)
+        inside.set()
+        started.wait(10)
+    t.join()
+    assert mine.weight.is_meta and not done["layer"].weight.is_meta
+    assert nn.Module.register_parameter.__name__ == "register_parameter"  # restored
