@@ -263,8 +263,13 @@ class DataSpec(SpecModel):
             return PydanticCustomError(code, message, {"where": where, "name": name, "kind": kind,
                                                        "field": f"{where}.{name}", **ctx})
 
-        for name in sorted(self.model_fields_set):
-            if kind not in _KIND_FIELDS.get(name, (kind,)):
+        # a field counts as given when it is not its default: a stored spec (every field written
+        # out, defaults included) validates again as it did at submit
+        fields = type(self).model_fields
+        given = {name for name in _KIND_FIELDS
+                 if getattr(self, name) != fields[name].get_default(call_default_factory=True)}
+        for name in sorted(given):
+            if kind not in _KIND_FIELDS[name]:
                 raise refuse(name, "field_for_kind", "{where}.{name} is not read when {where}.kind is '{kind}'")
         required = {"text": ("uri", "seq_len"), "tokens": ("uri", "seq_len", "format"),
                     "sft": ("uri", "seq_len", "format", "tokenizer"), "synthetic": ("seq_len",),
@@ -284,11 +289,11 @@ class DataSpec(SpecModel):
             if self.format not in formats:
                 raise refuse("format", "unknown_format", "{where}.format '{value}' is not one of {formats} "
                              "for {where}.kind '{kind}'", value=self.format, formats=list(formats))
-        if "dtype" in self.model_fields_set and self.format != "bin":
+        if "dtype" in given and self.format != "bin":
             raise refuse("dtype", "field_for_format", "{where}.dtype is read for {where}.format 'bin' only")
-        if "column" in self.model_fields_set and self.format != "parquet":
+        if "column" in given and self.format != "parquet":
             raise refuse("column", "field_for_format", "{where}.column is read for {where}.format 'parquet' only")
-        if "field" in self.model_fields_set and self.format not in ("jsonl", "parquet"):
+        if "field" in given and self.format not in ("jsonl", "parquet"):
             raise refuse("field", "field_for_format",
                          "{where}.field is read for {where}.format 'jsonl' or 'parquet' only")
         if kind == "synthetic" and self.vocab_size is None:

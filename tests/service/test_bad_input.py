@@ -57,7 +57,7 @@ BAD_SPECS: list[tuple[str, dict]] = [
     ("data.format", with_value("data.format", "csv", TOKENS)),  # not a format of the kind
     ("data.format", with_value("data.format", "jsonl", TEXT)),  # text without a tokenizer is bytes
     ("data.format", with_value("data.format", None, SFT)),
-    ("data.field", with_value("data.field", "text", TOKENS)),  # a field of another kind
+    ("data.field", with_value("data.field", "body", TOKENS)),  # a field of another kind
     ("data.field", with_value("data.field", "", with_value("data.format", "jsonl", with_value(
         "data.tokenizer", "file:///tok", TEXT)))),
     ("data.tokenizer", with_value("data.tokenizer", "http://example.com/tok", SFT)),
