@@ -26,6 +26,7 @@ SLUG_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
 FACTORY_PATTERN = r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$"
 STORAGE_SCHEMES = ("file://", "s3://")
 MAX_GLOB_CHARS = 1024
+MAX_FIELD_NAME_CHARS = 256  # a JSONL key or parquet column name (data.field, data.column, ...)
 _GLOB_FORBIDDEN = re.compile(r"[\\\x00-\x1f\x7f]")  # backslashes and control characters
 MAX_INT32 = 2**31 - 1  # integers are stored in 32-bit columns (and read by torch/numpy seeds)
 MAX_INT64 = 2**63 - 1
@@ -175,8 +176,23 @@ class ModelSpec(SpecModel):
         return {"factory": self.factory, "kwargs": self.kwargs}
 
 
+DATA_FORMATS: dict[str, tuple[str, ...]] = {"text": ("jsonl", "parquet", "txt"), "tokens": ("bin", "parquet"),
+                                            "sft": ("jsonl", "parquet")}
+"""``data.format`` of each kind that reads files of a format (``text`` only with a ``tokenizer``)."""
+TOKEN_DTYPES = ("uint16", "uint32")  # a ``.bin`` token stream's element type (``data.dtype``)
+MODEL_TOKENIZER = "model"  # ``data.tokenizer``: the tokenizer files in ``model.hf``
+# the fields only some kinds read, and those kinds
+_KIND_FIELDS: dict[str, tuple[str, ...]] = {
+    "uri": ("text", "tokens", "sft"), "glob": ("text", "tokens", "sft"), "format": ("text", "tokens", "sft"),
+    "field": ("text",), "tokenizer": ("text", "sft"), "dtype": ("tokens",), "column": ("tokens",),
+    "prompt_field": ("sft",), "completion_field": ("sft",), "shuffle": ("text", "tokens", "sft"),
+    "factory": ("factory",), "kwargs": ("factory",)}  # vocab_size: read by synthetic, accepted by every kind
+
+
 class DataSpec(SpecModel):
-    """``text`` (byte-level files under ``uri``), ``synthetic`` tokens, or a user ``factory``.
+    """The training data (docs/contracts.md, "Data"): ``text`` files (byte-level, or documents
+    tokenized with ``tokenizer``), pre-tokenized ``tokens``, prompt/completion rows (``sft``),
+    ``synthetic`` tokens, or a user ``factory``.
 
     ``WHERE`` is the block's place in the job spec, for the messages and the field an error
     names: ``data`` here, ``eval.data`` in ``EvalDataSpec`` (the same rules, one class).
@@ -184,9 +200,17 @@ class DataSpec(SpecModel):
 
     WHERE: ClassVar[str] = "data"
 
-    kind: Literal["text", "synthetic", "factory"]
+    kind: Literal["text", "tokens", "sft", "synthetic", "factory"]
     uri: str | None = None
     glob: str = "**/*"
+    format: str | None = None
+    field: str = Field(default="text", min_length=1, max_length=MAX_FIELD_NAME_CHARS)
+    tokenizer: str | None = Field(default=None, max_length=MAX_URI_CHARS)
+    dtype: Literal[TOKEN_DTYPES] = "uint16"
+    column: str = Field(default="input_ids", min_length=1, max_length=MAX_FIELD_NAME_CHARS)
+    prompt_field: str = Field(default="prompt", min_length=1, max_length=MAX_FIELD_NAME_CHARS)
+    completion_field: str = Field(default="completion", min_length=1, max_length=MAX_FIELD_NAME_CHARS)
+    shuffle: bool = True
     seq_len: int | None = Field(default=None, ge=1, le=MAX_INT32)
     vocab_size: int | None = Field(default=None, ge=2, le=MAX_INT32)
     factory: str | None = None
@@ -203,6 +227,12 @@ class DataSpec(SpecModel):
     @classmethod
     def _uri(cls, value: str | None) -> str | None:
         return None if value is None else _storage_uri(value)
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _tokenizer(cls, value: str | None) -> str | None:
+        """``"model"`` or a storage URI of a directory holding ``tokenizer.json`` (or of the file)."""
+        return value if value in (None, MODEL_TOKENIZER) else _storage_uri(value)
 
     @field_validator("glob")
     @classmethod
@@ -227,22 +257,46 @@ class DataSpec(SpecModel):
 
     @model_validator(mode="after")
     def _fields_of_kind(self) -> "DataSpec":
-        where = self.WHERE
-        required = {"text": ("uri", "seq_len"), "synthetic": ("seq_len",), "factory": ("factory",)}
-        for name in required[self.kind]:
+        where, kind = self.WHERE, self.kind
+
+        def refuse(name: str, code: str, message: str, **ctx: Any) -> PydanticCustomError:
+            return PydanticCustomError(code, message, {"where": where, "name": name, "kind": kind,
+                                                       "field": f"{where}.{name}", **ctx})
+
+        # a field counts as given when it is not its default: a stored spec (every field written
+        # out, defaults included) validates again as it did at submit
+        fields = type(self).model_fields
+        given = {name for name in _KIND_FIELDS
+                 if getattr(self, name) != fields[name].get_default(call_default_factory=True)}
+        for name in sorted(given):
+            if kind not in _KIND_FIELDS[name]:
+                raise refuse(name, "field_for_kind", "{where}.{name} is not read when {where}.kind is '{kind}'")
+        required = {"text": ("uri", "seq_len"), "tokens": ("uri", "seq_len", "format"),
+                    "sft": ("uri", "seq_len", "format", "tokenizer"), "synthetic": ("seq_len",),
+                    "factory": ("factory",)}[kind]
+        if kind == "text" and self.tokenizer is not None:
+            required += ("format",)
+        for name in required:
             if getattr(self, name) is None:
-                raise PydanticCustomError(
-                    "missing_for_kind",
-                    "{where}.{name} is required when {where}.kind is '{kind}'",
-                    {"name": name, "kind": self.kind, "where": where, "field": f"{where}.{name}"},
-                )
-        if self.kind != "factory" and self.factory is not None:
-            raise PydanticCustomError(
-                "factory_for_kind",
-                "{where}.factory is only allowed when {where}.kind is 'factory'",
-                {"where": where, "field": f"{where}.factory"},
-            )
-        if self.kind == "synthetic" and self.vocab_size is None:
+                raise refuse(name, "missing_for_kind", "{where}.{name} is required when {where}.kind is '{kind}'"
+                             + (" with a tokenizer" if kind == "text" else ""))
+        if self.format is not None:
+            formats = DATA_FORMATS[kind]
+            if kind == "text" and self.tokenizer is None:
+                raise refuse("format", "format_without_tokenizer",
+                             "{where}.format is read with {where}.tokenizer only: without one, text is the "
+                             "files' bytes")
+            if self.format not in formats:
+                raise refuse("format", "unknown_format", "{where}.format '{value}' is not one of {formats} "
+                             "for {where}.kind '{kind}'", value=self.format, formats=list(formats))
+        if "dtype" in given and self.format != "bin":
+            raise refuse("dtype", "field_for_format", "{where}.dtype is read for {where}.format 'bin' only")
+        if "column" in given and self.format != "parquet":
+            raise refuse("column", "field_for_format", "{where}.column is read for {where}.format 'parquet' only")
+        if "field" in given and self.format not in ("jsonl", "parquet"):
+            raise refuse("field", "field_for_format",
+                         "{where}.field is read for {where}.format 'jsonl' or 'parquet' only")
+        if kind == "synthetic" and self.vocab_size is None:
             self.vocab_size = 256
         return self
 
@@ -556,6 +610,11 @@ class JobSpec(SpecModel):
         preset = PRESETS.get(self.model.preset or "")
         context = None if preset is None else preset.context
         for where, data in self.data_blocks():
+            if data.tokenizer == MODEL_TOKENIZER and self.model.hf is None:
+                raise PydanticCustomError(
+                    "tokenizer_without_hf",
+                    "{where}.tokenizer 'model' names the tokenizer files in model.hf, and the model is not "
+                    "model.hf: give the tokenizer's URI", {"where": where, "field": f"{where}.tokenizer"})
             if context is not None and data.seq_len is not None and data.seq_len > context:
                 raise PydanticCustomError(
                     "seq_len_context",

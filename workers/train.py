@@ -41,7 +41,7 @@ from contract.metrics import THROUGHPUT
 from contract.reasons import Reason
 from contract.spec import MIN_LR_RATIO, JobSpec, TrainSpec
 from workers.checkpointing.shared_storage import check_marker
-from workers.data import IndexedDataset, ShardedBatchLoader, build_dataset
+from workers.data import IndexedDataset, ShardedBatchLoader, build_dataset, check_vocabulary
 from workers.models import build_model, flops_per_token
 from workers.host_memory import map_large_blocks
 from workers.loss import IGNORE_INDEX, StepLoss, token_loss_sum
@@ -446,10 +446,14 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
         model, init_weights = build_job_model(spec, resuming=checkpoints.resumes())
         engine = build_engine(spec, model, world.device, init_weights)
     torch.manual_seed(train.seed + world.rank)  # dropout differs per rank
-    with user_code("building the data"):
-        dataset = build_dataset(data, seed=train.seed)
-        eval_data = None if spec.eval is None else build_dataset(spec.eval.data, seed=train.seed)
-    loader = ShardedBatchLoader(dataset, global_batch_size=train.global_batch_size,
+    with user_code("building the data"):  # bad files, rows, fields or tokenizers: the user's to fix
+        dataset = build_dataset(data, seed=train.seed, model_dir=spec.model.hf)
+        check_vocabulary(dataset, model, where="data")
+        eval_data = None
+        if spec.eval is not None:
+            eval_data = build_dataset(spec.eval.data, seed=train.seed, model_dir=spec.model.hf)
+            check_vocabulary(eval_data, model, where="eval.data")
+    loader = ShardedBatchLoader(dataset, global_batch_size=train.global_batch_size, prefetch=True,
                                 micro_batch_size=train.micro_batch_size, rank=world.rank, world_size=world.world_size)
     seq_len = int(data.seq_len or getattr(getattr(model, "config", None), "block_size", 0))
     meter = StepMeter(rank=world.rank, attempt=attempt,
@@ -518,6 +522,7 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
         if checkpoints.finish():  # the last save, committed once its step's record is delivered
             peak.lap("checkpoint")
     finally:
+        loader.close()
         unsent = sum(sink.close(timeout_s=120.0) for sink in sinks)
         if api is not None:
             api.close()

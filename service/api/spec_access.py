@@ -1,9 +1,9 @@
 """What a submitted spec may reach beyond itself: checks that need the caller and the database.
 
 The schema alone cannot tell whose job ``resume_from.job_id`` names or whose storage
-``checkpoint.uri``, ``data.uri`` (and ``eval.data.uri``), ``model.init_from``, ``model.hf`` and
-``runtime.working_dir`` (an uploaded package) point into, nor whether this service lets the caller run
-their own code in the workers (``Settings.allow_user_code``), so ``submit_job`` runs these
+``checkpoint.uri``, ``data.uri`` and ``data.tokenizer`` (and ``eval.data``'s), ``model.init_from``,
+``model.hf`` and ``runtime.working_dir`` (an uploaded package) point into, nor whether this service
+lets the caller run their own code in the workers (``Settings.allow_user_code``), so ``submit_job`` runs these
 before storing anything. A job the caller cannot see and a job that does not exist get the
 same answer, so the 422 does not confirm that another user's job id exists (the same reason
 the job routes answer 404).
@@ -14,6 +14,7 @@ from __future__ import annotations
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from contract.spec import MODEL_TOKENIZER
 from service.api.errors import field_error
 from service.auth import Principal
 from service.code_package_retention import hold_packages_for_submit
@@ -34,7 +35,9 @@ def user_code_fields(spec: JobSpec) -> list[tuple[str, str]]:
     for where, data in spec.data_blocks():  # data and eval.data: the same rules
         used += [(data.factory, f"{where}.factory",
                   f"{_NO_USER_CODE}; use {where}.kind 'text' with an s3:// {where}.uri, or 'synthetic'"),
-                 ((data.uri or "").startswith("file://"), f"{where}.uri", f"{_NO_LOCAL_FILES}; use an s3:// dataset")]
+                 ((data.uri or "").startswith("file://"), f"{where}.uri", f"{_NO_LOCAL_FILES}; use an s3:// dataset"),
+                 ((data.tokenizer or "").startswith("file://"), f"{where}.tokenizer",
+                  f"{_NO_LOCAL_FILES}; use an s3:// tokenizer or 'model'")]
     used += [
         (spec.runtime and spec.runtime.working_dir, "runtime.working_dir",
          f"{_NO_USER_CODE}; leave runtime unset and use a built-in model.preset"),
@@ -54,6 +57,9 @@ def check_spec_access(spec: JobSpec, user: Principal, session: Session, settings
     # model.init_from is read like data: the same rules (what the workers read, not what they write)
     storage_checks = [("checkpoint.uri", spec.checkpoint.uri, check_checkpoint_root),
                       *((f"{where}.uri", data.uri, check_data_uri) for where, data in spec.data_blocks()),
+                      # a tokenizer URI is read like data ("model" is model.hf's, checked as the model)
+                      *((f"{where}.tokenizer", data.tokenizer, check_data_uri) for where, data in spec.data_blocks()
+                        if data.tokenizer != MODEL_TOKENIZER),
                       ("model.init_from", spec.model.init_from, check_data_uri),
                       ("model.hf", spec.model.hf, check_data_uri),
                       # a package the service keeps: the caller's own upload, and still there

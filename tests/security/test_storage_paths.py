@@ -251,6 +251,9 @@ def test_data_uri_inside_the_storage_root_must_be_the_users_own_area(world):
         assert_refused(post_job(alice, spec_with(data=text_data(uri))), "data.uri")
         # eval.data is read like data: the same rules, naming its own field
         assert_refused(post_job(alice, spec_with(eval=evaluating(text_data(uri)))), "eval.data.uri")
+        # a tokenizer is read like data: the same rules, naming its field
+        assert_refused(post_job(alice, spec_with(data=tokenized(uri))), "data.tokenizer")
+        assert_refused(post_job(alice, spec_with(eval=evaluating(tokenized(uri)))), "eval.data.tokenizer")
     for glob, _why in GLOB_ESCAPES:
         assert_refused(post_job(alice, spec_with(data=text_data(f"{root}/users/alice", glob))), "data.glob")
         assert_refused(post_job(alice, spec_with(eval=evaluating(text_data(f"{root}/users/alice", glob)))),
@@ -263,6 +266,11 @@ def test_data_uri_inside_the_storage_root_must_be_the_users_own_area(world):
     admin = service.client()
     assert post_job(admin, spec_with(data=text_data(f"{root}/users/bob"))).status_code == 201
     assert job_count(service) == 5
+
+
+def tokenized(tokenizer: str) -> dict:
+    """SFT rows from an allowed place, tokenized by ``tokenizer``."""
+    return {"kind": "sft", "uri": "s3://datasets/sft", "format": "jsonl", "seq_len": 64, "tokenizer": tokenizer}
 
 
 def evaluating(data: dict) -> dict:
@@ -284,6 +292,8 @@ USER_CODE = [
     ("model.init_from", {**preset_spec(), "model": {"preset": "gpt-nano", "init_from": "file:///srv/weights/nano"}}),
     ("eval.data.factory", preset_spec(eval=evaluating({"kind": "factory", "factory": "tests.fake:dataset"}))),
     ("eval.data.uri", preset_spec(eval=evaluating(text_data("file:///proc/self", "environ")))),
+    ("data.tokenizer", preset_spec(data=tokenized("file:///srv/tokenizers/bpe"))),
+    ("eval.data.tokenizer", preset_spec(eval=evaluating(tokenized("file:///srv/tokenizers/bpe")))),
 ]
 
 

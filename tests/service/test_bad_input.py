@@ -30,6 +30,9 @@ def with_value(path: str, value: Any, base: dict | None = None) -> dict:
 
 PRESET = with_value("model", {"preset": "gpt-mini"})
 TEXT = with_value("data", {"kind": "text", "uri": "file:///data", "seq_len": 64})
+TOKENS = with_value("data", {"kind": "tokens", "uri": "file:///data", "seq_len": 64, "format": "bin"})
+SFT = with_value("data", {"kind": "sft", "uri": "file:///data", "seq_len": 64, "format": "jsonl",
+                          "tokenizer": "file:///tok"})
 
 # (field that must be named, spec with a wrong value there)
 BAD_SPECS: list[tuple[str, dict]] = [
@@ -51,6 +54,21 @@ BAD_SPECS: list[tuple[str, dict]] = [
     ("data.vocab_size", with_value("data.vocab_size", 1)),
     ("data.factory", with_value("data", {"factory": "no colon"})),
     ("data.kwargs", with_value("data.kwargs", "x")),
+    ("data.format", with_value("data.format", "csv", TOKENS)),  # not a format of the kind
+    ("data.format", with_value("data.format", "jsonl", TEXT)),  # text without a tokenizer is bytes
+    ("data.format", with_value("data.format", None, SFT)),
+    ("data.field", with_value("data.field", "body", TOKENS)),  # a field of another kind
+    ("data.field", with_value("data.field", "", with_value("data.format", "jsonl", with_value(
+        "data.tokenizer", "file:///tok", TEXT)))),
+    ("data.tokenizer", with_value("data.tokenizer", "http://example.com/tok", SFT)),
+    ("data.tokenizer", with_value("data.tokenizer", None, SFT)),  # sft needs one
+    ("data.tokenizer", with_value("data.tokenizer", "model", SFT)),  # model.hf absent
+    ("data.dtype", with_value("data.dtype", "int8", TOKENS)),
+    ("data.dtype", with_value("data.dtype", "uint32", with_value("data.format", "parquet", TOKENS))),
+    ("data.column", with_value("data.column", "ids", TOKENS)),  # read for parquet only
+    ("data.prompt_field", with_value("data.prompt_field", 3, SFT)),
+    ("data.completion_field", with_value("data.completion_field", "answer", TEXT)),
+    ("data.shuffle", with_value("data.shuffle", "yes", TOKENS)),
     ("train", with_value("train", None)),
     ("train.steps", with_value("train.steps", 0)),
     ("train.steps", with_value("train.steps", "10")),
@@ -117,6 +135,16 @@ BAD_SPECS: list[tuple[str, dict]] = [
     ("eval.data.factory", with_value("eval", {"every_steps": 5, "data": {"kind": "synthetic", "seq_len": 8,
                                                                          "factory": "pkg.mod:fn"}})),
     ("eval.data.kwargs", with_value("eval", {"every_steps": 5, "data": {"factory": "pkg.mod:fn", "kwargs": "x"}})),
+    ("eval.data.format", with_value("eval", {"every_steps": 5, "data": {**TOKENS["data"], "format": "txt"}})),
+    ("eval.data.field", with_value("eval", {"every_steps": 5, "data": {**SFT["data"], "field": "x"}})),
+    ("eval.data.tokenizer", with_value("eval", {"every_steps": 5, "data": {**SFT["data"], "tokenizer": "model"}})),
+    ("eval.data.dtype", with_value("eval", {"every_steps": 5, "data": {**TOKENS["data"], "dtype": "float32"}})),
+    ("eval.data.column", with_value("eval", {"every_steps": 5, "data": {**TOKENS["data"], "column": ""}})),
+    ("eval.data.prompt_field", with_value("eval", {"every_steps": 5, "data": {**SFT["data"], "prompt_field": ""}})),
+    ("eval.data.completion_field", with_value("eval", {"every_steps": 5, "data": {**TOKENS["data"],
+                                                                                  "completion_field": "c"}})),
+    ("eval.data.shuffle", with_value("eval", {"every_steps": 5, "data": {"kind": "synthetic", "seq_len": 8,
+                                                                         "shuffle": False}})),
     ("nmae", with_value("nmae", "typo")),
 ]
 

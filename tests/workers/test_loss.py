@@ -9,11 +9,19 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from contract.spec import JobSpec
+from contract.spec import DataSpec, JobSpec
+from tests.workers.data_parts import (
+    DOCUMENTS,
+    PAIRS,
+    train_tokenizer,
+    write_jsonl,
+    write_parquet,
+)
 from workers.data import build_dataset
 from workers.loss import (
     IGNORE_INDEX,
@@ -56,7 +64,7 @@ def job(stage: int = 3) -> dict:
                      "data": {"factory": "tests.workers.test_loss:masked_rows", "seq_len": SEQ_LEN}}}
 
 
-def reference_losses(spec: JobSpec, weighting: str) -> tuple[list[float], float]:
+def reference_losses(spec: JobSpec, weighting: str, steps: int = STEPS) -> tuple[list[float], float]:
     """One process, the same model init, global batches and AdamW; the loss is the global token
     mean (``token``) or, the common mistake, the mean of each rank's own token mean (``per_rank``).
     Also the token mean of the trained model over the evaluation's samples (the first 8)."""
@@ -67,7 +75,7 @@ def reference_losses(spec: JobSpec, weighting: str) -> tuple[list[float], float]
     dataset = build_dataset(spec.data, seed=spec.train.seed)
     batch = spec.train.global_batch_size
     losses = []
-    for step in range(STEPS):
+    for step in range(steps):
         samples = [dataset.sample(i) for i in range(step * batch, (step + 1) * batch)]
         inputs = torch.stack([x for x, _ in samples])
         targets = torch.stack([y for _, y in samples])
@@ -134,3 +142,48 @@ def test_a_factory_models_own_mean_loss_is_averaged_over_micro_batches():
     assert float(step.micro_loss(torch.tensor(2.0), micro[0][1])) == 1.0
     step.micro_loss(torch.tensor(4.0), micro[1][1])
     assert step.value() == 3.0
+
+
+# ----------------------------------------------------------------------------- the data kinds
+
+
+def run(spec: dict) -> list[float]:
+    """The job's loss per step (the mean of the ranks' shares), 2 Gloo ranks."""
+    summaries = run_local({"spec": spec, "job_id": "loss", "api_url": None, "attempt_base": 0}, world_size=WORLD)
+    return [sum(s["losses"][k] for s in summaries) / WORLD for k in range(len(summaries[0]["losses"]))]
+
+
+def test_sft_rows_of_different_lengths_train_like_one_process(tmp_path):
+    """kind sft, a BPE tokenizer trained here: the prompt and padding are masked, rows differ in
+    length, micro-batches of 2 below each rank's 4: the global token mean, as one process."""
+    tokenizer = train_tokenizer(tmp_path / "tok")
+    write_jsonl(tmp_path / "sft" / "rows.jsonl", [{"prompt": p, "completion": c} for p, c in PAIRS])
+    spec = {**job(), "data": {"kind": "sft", "uri": (tmp_path / "sft").as_uri(), "format": "jsonl",
+                              "seq_len": 24, "tokenizer": tokenizer.as_uri()}}
+    del spec["eval"]
+    got = run(spec)
+    validated = JobSpec.model_validate(spec)
+    want, _ = reference_losses(validated, "token")
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-4, atol=0)
+    wrong, _ = reference_losses(validated, "per_rank")
+    assert not torch.allclose(torch.tensor(got), torch.tensor(wrong), rtol=1e-4, atol=0), (got, wrong)
+
+
+def test_tokens_bin_and_parquet_start_with_the_loss_of_text_on_the_same_stream(tmp_path):
+    """kind tokens (bin and parquet) holding the stream a text job tokenizes: the same first loss."""
+    tokenizer = train_tokenizer(tmp_path / "tok")
+    write_jsonl(tmp_path / "text" / "docs.jsonl", [{"text": d} for d in DOCUMENTS])
+    text = {"kind": "text", "uri": (tmp_path / "text").as_uri(), "format": "jsonl", "seq_len": 8,
+            "tokenizer": tokenizer.as_uri(), "shuffle": False}
+    stream = build_dataset(DataSpec.model_validate(text)).stream.tokens
+    (tmp_path / "bin").mkdir()
+    stream.astype(np.uint16).tofile(tmp_path / "bin" / "train.bin")
+    write_parquet(tmp_path / "parquet" / "train.parquet", {"input_ids": [stream[:50].tolist(), stream[50:].tolist()]})
+    base = {**job(), "train": {**job()["train"], "steps": 1}}
+    del base["eval"]
+    losses = [run({**base, "data": data})[0] for data in (
+        text,
+        {"kind": "tokens", "uri": (tmp_path / "bin").as_uri(), "format": "bin", "seq_len": 8, "shuffle": False},
+        {"kind": "tokens", "uri": (tmp_path / "parquet").as_uri(), "format": "parquet", "seq_len": 8,
+         "shuffle": False})]
+    assert losses[1] == losses[0] and losses[2] == losses[0], losses
