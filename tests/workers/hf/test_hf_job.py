@@ -10,6 +10,7 @@ with no missing or unexpected key, holding weights that moved from the start.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -17,7 +18,8 @@ pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
-from examples.tiny_hf import make_llama  # noqa: E402
+from contract.spec import DataSpec  # noqa: E402
+from examples.tiny_hf import make_all, make_llama  # noqa: E402
 from service.cli import main as cli  # noqa: E402
 from workers.train import run_local  # noqa: E402
 
@@ -52,3 +54,27 @@ def test_hf_job_builds_trains_checkpoints_and_exports(tmp_path):
     before = start.state_dict()
     moved = [n for n, p in model.state_dict().items() if not torch.equal(p, before[n])]
     assert "model.layers.1.mlp.down_proj.weight" in moved and "model.embed_tokens.weight" in moved
+
+
+@pytest.mark.skipif("tokenizer" not in DataSpec.model_fields, reason="data.tokenizer arrives with the data half")
+def test_the_example_fine_tune_runs_on_its_own_corpus_and_tokenizer(tmp_path):
+    """examples/tiny_hf.py's model, tokenizer and JSONL corpus, as examples/hf-finetune-tiny-llama.yaml
+    names them (a shorter run): trains, and the export loads with its tokenizer."""
+    import yaml
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    made = make_all(tmp_path / "tiny", vocab_size=300)
+    example = Path(__file__).resolve().parents[3] / "examples" / "hf-finetune-tiny-llama.yaml"
+    spec = yaml.safe_load(example.read_text().replace("/tmp/zerotrain-tiny-hf", str(tmp_path / "tiny")))
+    spec["train"].update(steps=6, warmup_steps=1, global_batch_size=4, micro_batch_size=1)
+    spec["data"]["seq_len"] = 32
+    storage = tmp_path / "storage"
+    summaries = run_local({"spec": spec, "job_id": "example", "api_url": None, "attempt_base": 0,
+                           "storage_uri": f"file://{storage}"}, world_size=2)
+    losses = summaries[0]["losses"]
+    assert len(losses) == 6 and all(loss == loss for loss in losses), losses
+    out = tmp_path / "out"
+    assert cli(["ckpt", "consolidate", str(next(p for p in storage.rglob("example") if p.is_dir())), str(out)]) == 0
+    model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert len(AutoTokenizer.from_pretrained(out)) <= model.config.vocab_size
