@@ -63,7 +63,7 @@ def test_the_example_fine_tune_runs_on_its_own_corpus_and_tokenizer(tmp_path):
     import yaml
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    made = make_all(tmp_path / "tiny", vocab_size=300)
+    make_all(tmp_path / "tiny", vocab_size=300)
     example = Path(__file__).resolve().parents[3] / "examples" / "hf-finetune-tiny-llama.yaml"
     spec = yaml.safe_load(example.read_text().replace("/tmp/zerotrain-tiny-hf", str(tmp_path / "tiny")))
     spec["train"].update(steps=6, warmup_steps=1, global_batch_size=4, micro_batch_size=1)
