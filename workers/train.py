@@ -280,22 +280,9 @@ def build_engine(spec: JobSpec, model: torch.nn.Module, device: torch.device,
                  init_weights: str | None = None) -> ZeroEngine:
     """The job's ``ZeroEngine``: the spec's ``zero`` block (stage resolved here) and its optimizer;
     a model on meta is materialized on ``device`` from ``init_weights`` (``build_job_model``)."""
-    zero, train = spec.zero, spec.train
+    train = spec.train
     stage, offload = resolve_stage(spec, device)
-    config = ZeroConfig(
-        stage=stage,
-        precision=zero.precision,
-        bucket_mb=zero.bucket_mb,
-        offload_optimizer=offload,
-        prefetch=zero.prefetch,
-        grad_clip=train.grad_clip,
-        activation_checkpointing=zero.activation_checkpointing,
-        reshard_after_forward=zero.reshard_after_forward,
-        keep_gathered_bytes=zero.keep_gathered_bytes,
-        broadcast_buffers=zero.broadcast_buffers,
-        sync_batchnorm=zero.sync_batchnorm,
-        shard_group_size=zero.shard_group_size,
-    )
+    config = ZeroConfig.from_spec(spec.zero, train, stage=stage, offload_optimizer=offload)
     if any(p.is_meta for p in model.parameters()):
         return ZeroEngine(model, optimizer=optimizer_factory(train), config=config, init_weights=init_weights)
     return ZeroEngine(model.to(device), optimizer=optimizer_factory(train), config=config)
