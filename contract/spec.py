@@ -18,7 +18,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchem
 from pydantic_core import PydanticCustomError
 
 from contract.presets import PRESETS
-from contract.zero_math import DEFAULT_BUCKET_MB, DEFAULT_PRECISION, OPTIMIZER_STATE_TENSORS, PRECISIONS, STAGES
+from contract.zero_math import (DEFAULT_BUCKET_MB, DEFAULT_PRECISION, DEFAULT_PREFETCH, OPTIMIZER_STATE_TENSORS,
+                                PRECISIONS, STAGES)
 from contract.zero_rules import ZeroRuleBroken, check_stage_fields, shard_group_misfits
 
 # --------------------------------------------------------------------------- job spec
@@ -413,7 +414,7 @@ class ZeroSpec(SpecModel):
     precision: Literal[PRECISIONS] = DEFAULT_PRECISION
     offload_optimizer: bool = False
     bucket_mb: float = Field(default=DEFAULT_BUCKET_MB, gt=0, allow_inf_nan=False)
-    prefetch: int = Field(default=1, ge=0, le=MAX_INT32)
+    prefetch: int = Field(default=DEFAULT_PREFETCH, ge=0, le=MAX_INT32)
     activation_checkpointing: bool = False
     # stage 3: free each unit's gathered parameters after its forward (true), keep them all
     # (false: 2Φ per step), or keep the last block unit only ("all_but_last", as torchtitan does)

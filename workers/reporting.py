@@ -41,6 +41,7 @@ import httpx
 
 from contract.metrics import StepObservation, record_values
 from contract.reasons import bounded_details
+from contract.zero_math import DEFAULT_PRECISION
 from workers.peak_flops import peak_flops
 
 log = logging.getLogger(__name__)
@@ -181,7 +182,7 @@ class StepMeter:
     """
 
     def __init__(self, *, rank: int, attempt: int, flops_per_token: float, comm_element_bytes: int,
-                 device: Any, precision: str = "bf16", world_size: int = 1):
+                 device: Any, precision: str = DEFAULT_PRECISION, world_size: int = 1):
         self.rank, self.attempt, self.world_size = rank, attempt, world_size
         self.flops_per_token = flops_per_token
         self.comm_element_bytes = comm_element_bytes

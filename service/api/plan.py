@@ -19,7 +19,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
-from contract.zero_math import DEFAULT_BUCKET_MB, DEFAULT_PRECISION, DEFAULT_TARGET_EFFICIENCY, PRECISIONS
+from contract.zero_math import (DEFAULT_BUCKET_MB, DEFAULT_PRECISION, DEFAULT_PREFETCH, DEFAULT_TARGET_EFFICIENCY,
+                                PRECISIONS)
 from service.prediction import plan_for_question
 from service.schemas import ErrorOut
 
@@ -56,7 +57,7 @@ class PlanRequest(BaseModel):
     compute_s: float | None = Field(default=None, gt=0, le=1e6, description="compute time of one step, s")
     target_efficiency: float = Field(default=DEFAULT_TARGET_EFFICIENCY, gt=0, lt=1)
     bucket_mb: float = Field(default=DEFAULT_BUCKET_MB, gt=0, le=1e6)
-    prefetch: int = Field(default=1, ge=0, le=1000)
+    prefetch: int = Field(default=DEFAULT_PREFETCH, ge=0, le=1000)
 
     @model_validator(mode="after")
     def _one_way(self) -> "PlanRequest":

@@ -19,7 +19,8 @@ import argparse
 import json
 from typing import Any
 
-from contract.zero_math import DEFAULT_BUCKET_MB, DEFAULT_PRECISION, DEFAULT_TARGET_EFFICIENCY, PRECISIONS
+from contract.zero_math import (DEFAULT_BUCKET_MB, DEFAULT_PRECISION, DEFAULT_PREFETCH, DEFAULT_TARGET_EFFICIENCY,
+                                PRECISIONS)
 from service.cli.errors import CliError
 
 GB = 1e9
@@ -51,7 +52,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--activation-gb", type=float, help="with --params: activations per GPU, GB")
     parser.add_argument("--units", type=int, default=32, help="with --params: stage-3 units assumed")
     parser.add_argument("--bucket-mb", type=float, default=DEFAULT_BUCKET_MB)
-    parser.add_argument("--prefetch", type=int, default=1)
+    parser.add_argument("--prefetch", type=int, default=DEFAULT_PREFETCH)
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.set_defaults(func=run)
     return parser

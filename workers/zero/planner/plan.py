@@ -31,6 +31,7 @@ from typing import Any, Sequence
 from contract.zero_math import (
     DEFAULT_BUCKET_MB,
     DEFAULT_PRECISION,
+    DEFAULT_PREFETCH,
     DEFAULT_TARGET_EFFICIENCY,
     GB,
     STAGES,
@@ -96,7 +97,7 @@ class PlanInputs:
     n_ranks: int
     precision: str = DEFAULT_PRECISION
     bucket_mb: float = DEFAULT_BUCKET_MB
-    prefetch: int = 1
+    prefetch: int = DEFAULT_PREFETCH
     activation_bytes: int | None = None  # None: not estimated (counted as 0, said so)
     activation_bytes_stage0: int | None = None  # joint peak with stage 0's full gradients replayed
     activation_bytes_stage2: int | None = None  # the same with stages 1-2's buckets (full, then shards)
@@ -435,7 +436,7 @@ def plan_for_count(
     compute_s: float | None = None,
     target_efficiency: float = DEFAULT_TARGET_EFFICIENCY,
     bucket_mb: float = DEFAULT_BUCKET_MB,
-    prefetch: int = 1,
+    prefetch: int = DEFAULT_PREFETCH,
     activation_bytes: int | None = None,
     units: int = DEFAULT_UNITS,
 ) -> Plan:
