@@ -37,6 +37,7 @@ from typing import Any, Callable, Protocol
 import torch
 import torch.distributed as dist
 
+from contract.environment import INGEST_TOKEN_ENV
 from contract.metrics import THROUGHPUT
 from contract.reasons import Reason
 from contract.spec import MIN_LR_RATIO, JobSpec, TrainSpec
@@ -381,7 +382,7 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
     spec = JobSpec.model_validate(config["spec"])  # this rank's boundary: attributes from here on
     train, data = spec.train, spec.data
     world = World.current(use_gpu=spec.resources.gpus_per_worker > 0)
-    token = os.environ.get("ZEROTRAIN_INGEST_TOKEN")
+    token = os.environ.get(INGEST_TOKEN_ENV)
     api = WorkerAPI(config["api_url"], config["job_id"], token) if config.get("api_url") and token else None
     attempt = start_attempt(config, world, api)
     with user_code("checking the job's storage"):  # a node without the shared file:// root: no restart
@@ -495,7 +496,7 @@ def report_measured_memory(config: dict[str, Any], world: World, attempt: int, m
     if world.world_size > 1:
         ranks = [None] * world.world_size
         dist.all_gather_object(ranks, measured)
-    token = os.environ.get("ZEROTRAIN_INGEST_TOKEN")
+    token = os.environ.get(INGEST_TOKEN_ENV)
     if world.rank != 0 or not (config.get("api_url") and token):
         return
     api = WorkerAPI(config["api_url"], config["job_id"], token)

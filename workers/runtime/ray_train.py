@@ -19,6 +19,7 @@ from typing import Any
 import ray
 from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy, FailureDecision
 
+from contract.environment import INGEST_TOKEN_ENV
 from contract.log_lines import rank_announcement
 from contract.reasons import Reason
 from contract.spec import JobSpec
@@ -108,7 +109,7 @@ def _restart_reporter(api_url: str, job_id: str, attempt_base: int, max_failures
                 attempt = attempt_base + groups + 1
                 what = "; ".join(f"rank {rank}: {type(error).__name__}: {str(error).splitlines()[0][:200]}"
                                  for rank, error in sorted(worker_exceptions.items()))
-                api = WorkerAPI(api_url, job_id, os.environ["ZEROTRAIN_INGEST_TOKEN"])
+                api = WorkerAPI(api_url, job_id, os.environ[INGEST_TOKEN_ENV])
                 try:
                     api.post_state("RESTARTING", attempt=attempt, reason=Reason.WORKER_FAILED,
                                    message=f"restart {self.failures} of {max_failures} (attempt {attempt}): {what}",
@@ -165,7 +166,7 @@ def _resize_reporter(api_url: str, job_id: str, attempt_base: int):
             if old is None or old == new:
                 return
             try:
-                api = WorkerAPI(api_url, job_id, os.environ["ZEROTRAIN_INGEST_TOKEN"])
+                api = WorkerAPI(api_url, job_id, os.environ[INGEST_TOKEN_ENV])
                 try:
                     if healthy:  # no error was raised for it: RestartReporter said nothing
                         groups = ray.get(ray.get_actor(counter_name(job_id)).current.remote())
