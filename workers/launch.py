@@ -25,6 +25,7 @@ import traceback
 from typing import Any
 
 from contract.environment import API_URL_ENV, INGEST_TOKEN_ENV, JOB_ID_ENV, STORAGE_URI_ENV
+from contract.job_states import JobState
 from contract.spec import JobSpec
 from workers.reporting import JobNotActive, WorkerAPI
 from workers.runtime import Runtime
@@ -81,13 +82,13 @@ def run(job_id: str, api_url: str, runtime: Runtime | None = None) -> int:
         full = traceback.format_exc()
         log.error("job %s failed: %s: %s\n%s", job_id, type(error).__name__, error, full)
         try:  # the summary is the job's message; the whole traceback its details (the page's fold)
-            api.post_state("FAILED", reason=runtime.failure_reason(error), message=runtime.failure_summary(error),
+            api.post_state(JobState.FAILED, reason=runtime.failure_reason(error), message=runtime.failure_summary(error),
                            details=full)
         except (JobNotActive, ConnectionError) as refused:
             log.warning("could not report FAILED: %s", refused)
         return 1
     try:
-        api.post_state("SUCCEEDED", message="training finished")
+        api.post_state(JobState.SUCCEEDED, message="training finished")
     except JobNotActive as refused:  # cancelled in the last second: the cancel wins
         log.warning("could not report SUCCEEDED: %s", refused)
     return 0

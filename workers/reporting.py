@@ -39,6 +39,7 @@ from typing import Any, Callable, Iterable
 
 import httpx
 
+from contract.job_states import JobState
 from contract.metrics import StepObservation, record_values
 from contract.reasons import bounded_details
 from contract.zero_math import DEFAULT_PRECISION
@@ -139,12 +140,12 @@ class WorkerAPI:
         response.raise_for_status()
         return response.json()
 
-    def post_state(self, state: str, *, reason: str | None = None, message: str | None = None,
+    def post_state(self, state: JobState, *, reason: str | None = None, message: str | None = None,
                    attempt: int | None = None, details: str | None = None,
                    deadline_s: float = 120.0) -> dict[str, Any]:
         """Report a state (with FAILED, ``details``: the traceback, bounded here); raises
         ``JobNotActive`` when the control plane refuses it (409/401)."""
-        body = {"state": state, "reason": reason, "message": message and message[-10_000:], "attempt": attempt}
+        body = {"state": JobState(state).value, "reason": reason, "message": message and message[-10_000:], "attempt": attempt}
         if details:
             body["details"] = bounded_details(details)
         response = self._with_retries(lambda: self.http.post(f"{self.base}/worker/state", json=body),

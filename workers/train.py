@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from contract.environment import INGEST_TOKEN_ENV
+from contract.job_states import JobState
 from contract.metrics import THROUGHPUT
 from contract.reasons import Reason
 from contract.spec import MIN_LR_RATIO, JobSpec, TrainSpec
@@ -224,7 +225,7 @@ def start_attempt(config: dict[str, Any], world: World, api: WorkerAPI | None) -
                 if group > 1:
                     api.post_state("RESTARTING", attempt=attempt, reason=Reason.WORKER_FAILED,
                                    message=f"Ray Train restarted the worker group (attempt {attempt})")
-                api.post_state("RUNNING", attempt=attempt,
+                api.post_state(JobState.RUNNING, attempt=attempt,
                                message=f"{world.world_size} workers training (attempt {attempt})")
             except Exception as error:  # noqa: BLE001 - every rank must learn about it
                 outcome = (attempt, f"{type(error).__name__}: {error}")
