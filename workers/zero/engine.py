@@ -44,7 +44,8 @@ import torch.nn as nn
 
 from . import engine_state, optim_groups
 from .buckets import FlatBucket
-from .collectives import Collectives, CommCounter, stop_watchdog
+from .collectives import Collectives, CommCounter
+from .watchdog import stop_watchdog
 from .config import ZeroConfig
 from .flat import FlatLayout
 from .materialize import InitWeights, Materializer, bind
