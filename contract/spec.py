@@ -18,7 +18,9 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchem
 from pydantic_core import PydanticCustomError
 
 from contract.presets import PRESETS
-from contract.zero_math import OPTIMIZER_STATE_TENSORS, PRECISIONS, STAGES
+from contract.zero_math import (DEFAULT_BUCKET_MB, DEFAULT_PRECISION, DEFAULT_PREFETCH, OPTIMIZER_STATE_TENSORS,
+                                PRECISIONS, STAGES)
+from contract.zero_rules import ZeroRuleBroken, check_stage_fields, shard_group_misfits
 
 # --------------------------------------------------------------------------- job spec
 
@@ -379,7 +381,7 @@ class TrainSpec(SpecModel):
     lr: float = Field(default=3e-4, gt=0)
     warmup_steps: int = Field(default=0, ge=0, le=MAX_INT32)
     weight_decay: float = Field(default=0.0, ge=0)
-    grad_clip: float | None = Field(default=1.0, gt=0)
+    grad_clip: float | None = Field(default=1.0, gt=0, allow_inf_nan=False)
     seed: int = Field(default=0, ge=0, le=MAX_INT32)
     optimizer: str = "adamw"
     betas: list[float] | None = Field(default=None, min_length=2, max_length=2)
@@ -455,11 +457,18 @@ Stage = Annotated[Literal[STAGES + ("auto",)], WithJsonSchema({
 
 
 class ZeroSpec(SpecModel):
+    """The ``zero`` block: the one definition of the engine's job-facing fields and their defaults.
+
+    The engine's ``ZeroConfig`` takes these defaults and is built from this block
+    (``ZeroConfig.from_spec``); the cross-field rules live in ``contract/zero_rules.py`` and are
+    checked here (a 422 naming the field) and by ``ZeroConfig`` (``ValueError``) alike.
+    """
+
     stage: Stage = "auto"
-    precision: Literal[PRECISIONS] = "fp32"
+    precision: Literal[PRECISIONS] = DEFAULT_PRECISION
     offload_optimizer: bool = False
-    bucket_mb: float = Field(default=25.0, gt=0)
-    prefetch: int = Field(default=1, ge=0, le=MAX_INT32)
+    bucket_mb: float = Field(default=DEFAULT_BUCKET_MB, gt=0, allow_inf_nan=False)
+    prefetch: int = Field(default=DEFAULT_PREFETCH, ge=0, le=MAX_INT32)
     activation_checkpointing: bool = False
     # stage 3: free each unit's gathered parameters after its forward (true), keep them all
     # (false: 2Φ per step), or keep the last block unit only ("all_but_last", as torchtitan does)
@@ -476,6 +485,14 @@ class ZeroSpec(SpecModel):
     # node) and replicate across the groups; null: the whole world. Must divide every world size
     # the job may run at (JobSpec checks it against resources). Stage 0 ignores it.
     shard_group_size: int | None = Field(default=None, ge=1, le=MAX_INT32)
+
+    @model_validator(mode="after")
+    def _rules(self) -> "ZeroSpec":
+        try:
+            check_stage_fields(self.stage, self.offload_optimizer, self.keep_gathered_bytes)
+        except ZeroRuleBroken as broken:
+            raise PydanticCustomError("zero_rule", "{message}", {"message": broken.message, "field": broken.field})
+        return self
 
 
 class ResourcesSpec(SpecModel):
@@ -655,9 +672,7 @@ class JobSpec(SpecModel):
     def _shard_groups(self) -> None:
         """``zero.shard_group_size`` splits every world the job may run at into whole groups."""
         g, resources = self.zero.shard_group_size, self.resources
-        if g is None:
-            return
-        bad = [n for n in resources.world_sizes if n % g]
+        bad = shard_group_misfits(g, resources.world_sizes)
         if bad:
             raise PydanticCustomError(
                 "shard_group_size",

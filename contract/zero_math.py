@@ -35,7 +35,11 @@ from typing import Literal
 GB = 1e9
 MIB = 2**20
 
-DEFAULT_TARGET_EFFICIENCY = 0.75
+DEFAULT_TARGET_EFFICIENCY = 0.75  # the planner's default share of a step that is not waiting on communication
+DEFAULT_PRECISION = "fp32"  # zero.precision, /plan and the engine: the one default (docs/contracts.md)
+DEFAULT_BUCKET_MB = 25.0  # zero.bucket_mb, /plan and the engine
+DEFAULT_PREFETCH = 1  # zero.prefetch, /plan and the planner
+DEFAULT_SEQ_LEN = 256  # the planner's sequence length when a spec or a plan question gives none
 
 
 # --------------------------------------------------------------------------- stages
@@ -172,7 +176,7 @@ def shard_numel(phi: int, n_ranks: int) -> int:
 def model_state_bytes(
     phi: int,
     n_ranks: int,
-    precision: str = "bf16",
+    precision: str = DEFAULT_PRECISION,
     stage: int = 0,
     offload: bool = False,
     phi_padded: int | None = None,

@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 
+from contract.environment import HOME_ENV, TOKEN_ENV, URL_ENV
 from service.schemas import (
     TERMINAL_STATES,
     CheckpointList,
@@ -92,11 +93,11 @@ _ERRORS_BY_STATUS: dict[int, type[ZerotrainError]] = {
 
 
 def _default_home() -> Path:
-    return Path(os.environ.get("ZEROTRAIN_HOME") or "~/.zerotrain").expanduser()
+    return Path(os.environ.get(HOME_ENV) or "~/.zerotrain").expanduser()
 
 
 def default_token() -> str | None:
-    token = os.environ.get("ZEROTRAIN_TOKEN")
+    token = os.environ.get(TOKEN_ENV)
     if token:
         return token
     token_file = _default_home() / "token"
@@ -107,7 +108,7 @@ def default_token() -> str | None:
 
 
 def default_url() -> str:
-    return (os.environ.get("ZEROTRAIN_URL") or DEFAULT_URL).rstrip("/")
+    return (os.environ.get(URL_ENV) or DEFAULT_URL).rstrip("/")
 
 
 def error_from_response(response: httpx.Response) -> ZerotrainError:

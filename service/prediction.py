@@ -19,11 +19,10 @@ import logging
 from typing import Any
 
 from contract.spec import JobSpec
-from contract.zero_math import gb_to_bytes, gbps_to_bytes_per_s
+from contract.zero_math import DEFAULT_PRECISION, DEFAULT_SEQ_LEN, gb_to_bytes, gbps_to_bytes_per_s
 
 log = logging.getLogger(__name__)
 
-QUESTION_SEQ_LEN = 256  # a plan question without data.seq_len: the planner's long-standing default
 
 
 class NothingFits(ValueError):
@@ -79,7 +78,7 @@ def plan_for_question(question: Any, spec: dict[str, Any] | None = None, allow_f
     ``gpu_mem_gb``, ``host_mem_gb``, ``margin``, ``bandwidth_gbps``, ``compute_s``,
     ``target_efficiency``. With a ``spec`` (a whole job spec or the part of one a plan needs,
     ``question_spec``) the model comes from it (``plan_for_spec``); without,
-    from a bare count: ``params``, ``gpus``, ``precision`` (None: bf16), ``bucket_mb``,
+    from a bare count: ``params``, ``gpus``, ``precision`` (None: ``DEFAULT_PRECISION``, as a job's), ``bucket_mb``,
     ``prefetch``, ``activation_gb``, ``units`` (``plan_for_count``).
     """
     from workers.planning import plan_for_spec
@@ -98,7 +97,7 @@ def plan_for_question(question: Any, spec: dict[str, Any] | None = None, allow_f
     return plan_for_count(
         question.params,
         question.gpus,
-        precision=question.precision or "bf16",
+        precision=question.precision or DEFAULT_PRECISION,
         bucket_mb=question.bucket_mb,
         prefetch=question.prefetch,
         activation_bytes=gb_to_bytes(question.activation_gb),
@@ -120,7 +119,7 @@ def question_spec(spec: dict[str, Any]) -> JobSpec:
     if "kind" not in data and "factory" not in data:
         data["kind"] = "synthetic"
     if data.get("kind") == "synthetic":
-        data.setdefault("seq_len", QUESTION_SEQ_LEN)
+        data.setdefault("seq_len", DEFAULT_SEQ_LEN)
     train = {"steps": 1, "micro_batch_size": 1, **(spec.get("train") or {})}
     train.setdefault("global_batch_size", train["micro_batch_size"] * (resources.get("num_workers") or 1))
     return JobSpec.model_validate({**spec, "name": spec.get("name") or "plan", "data": data, "train": train,

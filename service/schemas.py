@@ -7,7 +7,6 @@ ignored setting. Output models are lenient so that an older client keeps reading
 
 from __future__ import annotations
 
-import enum
 from datetime import datetime
 from typing import Annotated, Any, Generic, Literal, TypeVar
 
@@ -21,6 +20,8 @@ from contract.metrics import (  # noqa: F401  (METRIC_FIELDS: re-exported)
     METRICS,
     USER_METRIC_NAME_PATTERN,
 )
+
+from contract.job_states import ACTIVE_STATES, TERMINAL_STATES, JobState  # noqa: F401  (re-exported)
 
 # The spec lives in contract.spec (the workers read it too); re-exported for the SDK and the API.
 from contract.spec import (  # noqa: F401
@@ -48,21 +49,7 @@ from contract.spec import (  # noqa: F401
 # --------------------------------------------------------------------------- job states
 
 
-class JobState(str, enum.Enum):
-    QUEUED = "QUEUED"
-    STARTING = "STARTING"
-    RUNNING = "RUNNING"
-    RESTARTING = "RESTARTING"
-    CANCELLING = "CANCELLING"
-    SUCCEEDED = "SUCCEEDED"
-    FAILED = "FAILED"
-    CANCELLED = "CANCELLED"
-
-
-TERMINAL_STATES: frozenset[JobState] = frozenset(
-    {JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED}
-)
-ACTIVE_STATES: frozenset[JobState] = frozenset(set(JobState) - TERMINAL_STATES - {JobState.QUEUED})
+# JobState, TERMINAL_STATES, ACTIVE_STATES: contract/job_states.py (imported above, re-exported here)
 
 # --------------------------------------------------------------------------- outputs
 

@@ -24,6 +24,8 @@ import sys
 import traceback
 from typing import Any
 
+from contract.environment import API_URL_ENV, INGEST_TOKEN_ENV, JOB_ID_ENV, STORAGE_URI_ENV
+from contract.job_states import JobState
 from contract.spec import JobSpec
 from workers.reporting import JobNotActive, WorkerAPI
 from workers.runtime import Runtime
@@ -55,9 +57,9 @@ def _stop_now(signum: int, frame: Any) -> None:
 
 def run(job_id: str, api_url: str, runtime: Runtime | None = None) -> int:
     """Run the job to its end on ``runtime`` (Ray Train's when None); the driver's exit code."""
-    token = os.environ.get("ZEROTRAIN_INGEST_TOKEN")
+    token = os.environ.get(INGEST_TOKEN_ENV)
     if not token:
-        log.error("ZEROTRAIN_INGEST_TOKEN is not set; the driver cannot talk to the control plane")
+        log.error("%s is not set; the driver cannot talk to the control plane", INGEST_TOKEN_ENV)
         return 2
     if runtime is None:
         from workers.runtime.ray_train import RayTrainRuntime
@@ -65,7 +67,7 @@ def run(job_id: str, api_url: str, runtime: Runtime | None = None) -> int:
         runtime = RayTrainRuntime()
     api = WorkerAPI(api_url, job_id, token)
     worker_spec = api.get_spec()
-    storage_uri = os.environ.get("ZEROTRAIN_STORAGE_URI") or worker_spec["storage_uri"]
+    storage_uri = os.environ.get(STORAGE_URI_ENV) or worker_spec["storage_uri"]
     signal.signal(signal.SIGTERM, _stop_now)
     try:
         spec = JobSpec.model_validate(worker_spec["spec"])  # the driver's boundary: attributes from here on
@@ -80,13 +82,13 @@ def run(job_id: str, api_url: str, runtime: Runtime | None = None) -> int:
         full = traceback.format_exc()
         log.error("job %s failed: %s: %s\n%s", job_id, type(error).__name__, error, full)
         try:  # the summary is the job's message; the whole traceback its details (the page's fold)
-            api.post_state("FAILED", reason=runtime.failure_reason(error), message=runtime.failure_summary(error),
+            api.post_state(JobState.FAILED, reason=runtime.failure_reason(error), message=runtime.failure_summary(error),
                            details=full)
         except (JobNotActive, ConnectionError) as refused:
             log.warning("could not report FAILED: %s", refused)
         return 1
     try:
-        api.post_state("SUCCEEDED", message="training finished")
+        api.post_state(JobState.SUCCEEDED, message="training finished")
     except JobNotActive as refused:  # cancelled in the last second: the cancel wins
         log.warning("could not report SUCCEEDED: %s", refused)
     return 0
@@ -94,8 +96,8 @@ def run(job_id: str, api_url: str, runtime: Runtime | None = None) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m workers.launch", description=__doc__.splitlines()[0])
-    parser.add_argument("--job-id", default=os.environ.get("ZEROTRAIN_JOB_ID"), required="ZEROTRAIN_JOB_ID" not in os.environ)
-    parser.add_argument("--api", default=os.environ.get("ZEROTRAIN_API_URL"), required="ZEROTRAIN_API_URL" not in os.environ)
+    parser.add_argument("--job-id", default=os.environ.get(JOB_ID_ENV), required=JOB_ID_ENV not in os.environ)
+    parser.add_argument("--api", default=os.environ.get(API_URL_ENV), required=API_URL_ENV not in os.environ)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request is noise in a job's log

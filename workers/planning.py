@@ -12,12 +12,11 @@ from dataclasses import replace
 from typing import Any, Sequence
 
 from contract.spec import JobSpec, ModelSpec
-from contract.zero_math import DEFAULT_TARGET_EFFICIENCY, GB, STAGES, optimizer_state_tensors
+from contract.zero_math import DEFAULT_SEQ_LEN, DEFAULT_TARGET_EFFICIENCY, GB, STAGES, optimizer_state_tensors
+from contract.zero_rules import allowed_stages
 from workers.zero.planner import DEFAULT_MARGIN, Plan, PlanInputs, choose_plan, fixed_plan, model_shape
 from workers.zero.planner.activations import Stage2Layout, profile_activations
 from workers.zero.planner.shape import ModelShape, bucket_elements
-
-DEFAULT_SEQ_LEN = 256  # a factory data set may leave data.seq_len unset
 
 
 def model_block(model: ModelSpec) -> dict[str, Any]:
@@ -206,7 +205,8 @@ def plan_for_spec(
         budget = int(resources.gpu_memory_gb * GB)
     if budget is None and not gpu_job:
         budget = host_memory_bytes
-    if zero.stage == "auto":
+    if zero.stage == "auto":  # only among the stages the other zero fields allow (contract/zero_rules.py)
         host_budget = host_memory_bytes if gpu_job else None
-        return choose_plan(inputs, budget, margin, host_budget, allow_offload, stages)
+        open_stages = allowed_stages(zero.offload_optimizer, zero.keep_gathered_bytes, stages)
+        return choose_plan(inputs, budget, margin, host_budget, allow_offload, open_stages)
     return fixed_plan(inputs, zero.stage, zero.offload_optimizer, budget, margin)

@@ -39,8 +39,10 @@ from typing import Any, Callable, Iterable
 
 import httpx
 
+from contract.job_states import JobState
 from contract.metrics import StepObservation, record_values
 from contract.reasons import bounded_details
+from contract.zero_math import DEFAULT_PRECISION
 from workers.peak_flops import peak_flops
 
 log = logging.getLogger(__name__)
@@ -138,12 +140,12 @@ class WorkerAPI:
         response.raise_for_status()
         return response.json()
 
-    def post_state(self, state: str, *, reason: str | None = None, message: str | None = None,
+    def post_state(self, state: JobState, *, reason: str | None = None, message: str | None = None,
                    attempt: int | None = None, details: str | None = None,
                    deadline_s: float = 120.0) -> dict[str, Any]:
         """Report a state (with FAILED, ``details``: the traceback, bounded here); raises
         ``JobNotActive`` when the control plane refuses it (409/401)."""
-        body = {"state": state, "reason": reason, "message": message and message[-10_000:], "attempt": attempt}
+        body = {"state": JobState(state).value, "reason": reason, "message": message and message[-10_000:], "attempt": attempt}
         if details:
             body["details"] = bounded_details(details)
         response = self._with_retries(lambda: self.http.post(f"{self.base}/worker/state", json=body),
@@ -181,7 +183,7 @@ class StepMeter:
     """
 
     def __init__(self, *, rank: int, attempt: int, flops_per_token: float, comm_element_bytes: int,
-                 device: Any, precision: str = "bf16", world_size: int = 1):
+                 device: Any, precision: str = DEFAULT_PRECISION, world_size: int = 1):
         self.rank, self.attempt, self.world_size = rank, attempt, world_size
         self.flops_per_token = flops_per_token
         self.comm_element_bytes = comm_element_bytes

@@ -30,7 +30,9 @@ import time
 from collections.abc import MutableMapping
 from pathlib import Path
 
-SOURCE_ENV = "ZEROTRAIN_STORAGE_CREDENTIALS"  # what the launchers tell a scoped job (service.launchers.driver)
+from contract.environment import STORAGE_CREDENTIALS_ENV
+
+SOURCE_ENV = STORAGE_CREDENTIALS_ENV  # what the launchers tell a scoped job (service.launchers.driver)
 FROM_API = "api"
 CREDENTIAL_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN",
                         "AWS_PROFILE", "AWS_DEFAULT_PROFILE")

@@ -1,8 +1,10 @@
 """The per-worker training loop: one job spec in, ``steps`` ZeRO steps and their metrics out.
 
-``train_loop(config)`` is what Ray Train's ``TorchTrainer`` runs on every worker (the process
-group is already up there), and ``run_local(config, world_size)`` runs the very same loop on
-a Gloo world of local processes, without Ray, for tests and quick experiments.
+``train_loop(config, context)`` is what Ray Train's ``TorchTrainer`` runs on every worker (the
+process group is already up there), and ``run_local(config, world_size)`` runs the very same
+loop on a Gloo world of local processes, without Ray, for tests and quick experiments. What the
+runtime owns (which worker group this is, the resize gate) comes in ``context``
+(``workers.run_context.RunContext``); nothing here imports a runtime.
 
 ``config`` (plain JSON, it travels through the runtime to every rank):
 
@@ -11,10 +13,7 @@ a Gloo world of local processes, without Ray, for tests and quick experiments.
     job_id         the job's id
     api_url        where the control plane is; None: no state reports, no metric push
     attempt_base   the job's attempt before this run; worker group k of the run is
-                   attempt ``attempt_base + k`` (k counted by ``attempt_counter``)
-    attempt_counter  name of the driver's attempt counter (``workers.runtime.ray_train``; Ray only)
-    resize_at_checkpoints  an elastic run on Ray: at each checkpoint step, park for a resize the
-                   controller asks for (``workers.runtime.resize_at_checkpoint``)
+                   attempt ``attempt_base + k`` (k: ``RunContext.worker_group()``)
     metrics_path   optional: also append every record to ``{metrics_path}.rank{r}.jsonl``
     storage_uri    the storage root (checkpoints go under ``{storage}/{job_id}/checkpoints``)
 
@@ -37,6 +36,8 @@ from typing import Any, Callable, Protocol
 import torch
 import torch.distributed as dist
 
+from contract.environment import INGEST_TOKEN_ENV
+from contract.job_states import JobState
 from contract.metrics import THROUGHPUT
 from contract.reasons import Reason
 from contract.spec import MIN_LR_RATIO, JobSpec, TrainSpec
@@ -46,6 +47,7 @@ from workers.models import build_model, flops_per_token
 from workers.host_memory import map_large_blocks
 from workers.loss import IGNORE_INDEX, StepLoss, token_loss_sum
 from workers.reporting import MetricReporter, StepMeter, WorkerAPI
+from workers.run_context import RunContext
 from workers.user_code import user_code
 from workers.user_metrics import COLLECTOR as USER_METRICS
 from workers.zero import ZeroConfig, ZeroEngine
@@ -198,17 +200,8 @@ def ray_assigned_device() -> torch.device | None:
     return get_device()
 
 
-def _worker_group_number(config: dict[str, Any]) -> int:
-    """1 for the run's first worker group, 2 after Ray Train restarted it once, ..."""
-    name = config.get("attempt_counter")
-    if not name:
-        return 1
-    from workers.runtime.ray_train import next_worker_group
-
-    return next_worker_group(name)
-
-
-def start_attempt(config: dict[str, Any], world: World, api: WorkerAPI | None) -> int:
+def start_attempt(config: dict[str, Any], world: World, api: WorkerAPI | None,
+                  context: RunContext = RunContext()) -> int:
     """Agree on this worker group's attempt and tell the control plane it runs.
 
     Rank 0 decides and reports; the others learn the attempt (or the refusal) by broadcast,
@@ -216,15 +209,15 @@ def start_attempt(config: dict[str, Any], world: World, api: WorkerAPI | None) -
     """
     outcome: tuple[int, str | None] = (0, None)
     if world.rank == 0:
-        group = _worker_group_number(config)
+        group = context.worker_group()  # 1, or 2 and on after the runtime restarted the group
         attempt = int(config.get("attempt_base", 0)) + group
         outcome = (attempt, None)
         if api is not None:
             try:
                 if group > 1:
-                    api.post_state("RESTARTING", attempt=attempt, reason=Reason.WORKER_FAILED,
+                    api.post_state(JobState.RESTARTING, attempt=attempt, reason=Reason.WORKER_FAILED,
                                    message=f"Ray Train restarted the worker group (attempt {attempt})")
-                api.post_state("RUNNING", attempt=attempt,
+                api.post_state(JobState.RUNNING, attempt=attempt,
                                message=f"{world.world_size} workers training (attempt {attempt})")
             except Exception as error:  # noqa: BLE001 - every rank must learn about it
                 outcome = (attempt, f"{type(error).__name__}: {error}")
@@ -288,22 +281,9 @@ def build_engine(spec: JobSpec, model: torch.nn.Module, device: torch.device,
                  init_weights: Any = None) -> ZeroEngine:
     """The job's ``ZeroEngine``: the spec's ``zero`` block (stage resolved here) and its optimizer;
     a model on meta is materialized on ``device`` from ``init_weights`` (``build_job_model``)."""
-    zero, train = spec.zero, spec.train
+    train = spec.train
     stage, offload = resolve_stage(spec, device)
-    config = ZeroConfig(
-        stage=stage,
-        precision=zero.precision,
-        bucket_mb=zero.bucket_mb,
-        offload_optimizer=offload,
-        prefetch=zero.prefetch,
-        grad_clip=train.grad_clip,
-        activation_checkpointing=zero.activation_checkpointing,
-        reshard_after_forward=zero.reshard_after_forward,
-        keep_gathered_bytes=zero.keep_gathered_bytes,
-        broadcast_buffers=zero.broadcast_buffers,
-        sync_batchnorm=zero.sync_batchnorm,
-        shard_group_size=zero.shard_group_size,
-    )
+    config = ZeroConfig.from_spec(spec.zero, train, stage=stage, offload_optimizer=offload)
     if any(p.is_meta for p in model.parameters()):
         buffers_to(model, device)
         return ZeroEngine(model, optimizer=optimizer_factory(train), config=config, init_weights=init_weights)
@@ -418,21 +398,20 @@ def progress_line(record: dict[str, Any], total_steps: int, world_size: int) -> 
     return "  ".join(parts)
 
 
-def train_loop(config: dict[str, Any]) -> dict[str, Any]:
-    """Train the job's model for ``train.steps`` steps on this rank; return a short summary."""
+def train_loop(config: dict[str, Any], context: RunContext | None = None) -> dict[str, Any]:
+    """Train the job's model for ``train.steps`` steps on this rank; return a short summary.
+    ``context``: what the runtime injects (default: one worker group, no resizes)."""
+    context = context if context is not None else RunContext()
     spec = JobSpec.model_validate(config["spec"])  # this rank's boundary: attributes from here on
     train, data = spec.train, spec.data
     world = World.current(use_gpu=spec.resources.gpus_per_worker > 0)
-    token = os.environ.get("ZEROTRAIN_INGEST_TOKEN")
+    token = os.environ.get(INGEST_TOKEN_ENV)
     api = WorkerAPI(config["api_url"], config["job_id"], token) if config.get("api_url") and token else None
-    attempt = start_attempt(config, world, api)
+    attempt = start_attempt(config, world, api, context)
     with user_code("checking the job's storage"):  # a node without the shared file:// root: no restart
         check_marker(config.get("storage_uri"), config["job_id"], rank=world.rank)
-    resize_gate = None  # an elastic run on Ray: parks at a checkpoint for a resize (runtime/resize_at_checkpoint.py)
-    if config.get("resize_at_checkpoints"):
-        from workers.runtime.resize_at_checkpoint import ResizeChannel, ResizeGate
-
-        resize_gate = ResizeGate(ResizeChannel.ray(config["job_id"]), rank=world.rank, device=world.device)
+    # an elastic run on Ray: parks at a checkpoint for a resize (runtime/resize_at_checkpoint.py)
+    resize_gate = None if context.resize_gate is None else context.resize_gate(world.rank, world.device)
     USER_METRICS.reset()  # from here on, what the user's code reports (factories included) is this run's
 
     if world.device.type == "cpu":  # freed tensors leave the resident set (workers/host_memory.py)
@@ -547,7 +526,7 @@ def report_measured_memory(config: dict[str, Any], world: World, attempt: int, m
     if world.world_size > 1:
         ranks = [None] * world.world_size
         dist.all_gather_object(ranks, measured)
-    token = os.environ.get("ZEROTRAIN_INGEST_TOKEN")
+    token = os.environ.get(INGEST_TOKEN_ENV)
     if world.rank != 0 or not (config.get("api_url") and token):
         return
     api = WorkerAPI(config["api_url"], config["job_id"], token)

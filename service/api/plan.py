@@ -19,7 +19,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
-from contract.zero_math import PRECISIONS
+from contract.zero_math import (DEFAULT_BUCKET_MB, DEFAULT_PRECISION, DEFAULT_PREFETCH, DEFAULT_TARGET_EFFICIENCY,
+                                PRECISIONS)
 from service.api.deps import current_user, get_settings
 from service.prediction import plan_for_question
 from service.schemas import ErrorOut
@@ -40,7 +41,7 @@ class PlanRequest(BaseModel):
     params: float | None = Field(default=None, gt=0, le=1e15, description="Φ, number of parameters")
     gpus: int = Field(default=1, ge=1, le=1_000_000, description="data-parallel ranks (with params)")
     precision: Literal[PRECISIONS] | None = Field(
-        default=None, description="default: zero.precision of the spec, else bf16"
+        default=None, description=f"default: zero.precision of the spec, else {DEFAULT_PRECISION} (a job's default)"
     )
     activation_gb: float | None = Field(default=None, ge=0, le=1e6, description="activations per rank, GB (with params)")
     units: int = Field(default=32, ge=1, le=10_000, description="stage-3 units assumed for a bare count")
@@ -56,9 +57,9 @@ class PlanRequest(BaseModel):
     margin: float = Field(default=0.10, ge=0, lt=1, description="fraction of the budget kept free")
     bandwidth_gbps: float | None = Field(default=None, gt=0, le=1e6, description="per-rank link, gigabits/s")
     compute_s: float | None = Field(default=None, gt=0, le=1e6, description="compute time of one step, s")
-    target_efficiency: float = Field(default=0.75, gt=0, lt=1)
-    bucket_mb: float = Field(default=25.0, gt=0, le=1e6)
-    prefetch: int = Field(default=1, ge=0, le=1000)
+    target_efficiency: float = Field(default=DEFAULT_TARGET_EFFICIENCY, gt=0, lt=1)
+    bucket_mb: float = Field(default=DEFAULT_BUCKET_MB, gt=0, le=1e6)
+    prefetch: int = Field(default=DEFAULT_PREFETCH, ge=0, le=1000)
 
     @model_validator(mode="after")
     def _one_way(self) -> "PlanRequest":

@@ -19,6 +19,8 @@ import argparse
 import json
 from typing import Any
 
+from contract.zero_math import (DEFAULT_BUCKET_MB, DEFAULT_PRECISION, DEFAULT_PREFETCH, DEFAULT_TARGET_EFFICIENCY,
+                                PRECISIONS)
 from service.cli.errors import CliError
 
 GB = 1e9
@@ -35,7 +37,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     source.add_argument("--params", type=float, help="number of parameters Φ, e.g. 7.5e9")
     source.add_argument("--preset", help="a built-in model (gpt-nano … gpt-1b): Φ and activations from it")
     parser.add_argument("--gpus", type=int, default=1, help="data-parallel ranks N (default 1)")
-    parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="bf16")
+    parser.add_argument("--precision", choices=PRECISIONS, default=DEFAULT_PRECISION)
     # dest: the names POST /plan uses, which service.prediction.plan_for_question reads
     parser.add_argument("--gpu-mem", type=float, dest="gpu_mem_gb", metavar="GPU_MEM",
                         help="memory per GPU, GB (decimal); picks the stage")
@@ -44,13 +46,13 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--margin", type=float, default=0.10, help="budget fraction kept free (default 0.10)")
     parser.add_argument("--bandwidth-gbps", type=float, help="per-rank link bandwidth, gigabits per second")
     parser.add_argument("--compute-s", type=float, help="compute time of one step, seconds")
-    parser.add_argument("--target-efficiency", type=float, default=0.75)
+    parser.add_argument("--target-efficiency", type=float, default=DEFAULT_TARGET_EFFICIENCY)
     parser.add_argument("--seq-len", type=int, help="with --preset: tokens per sample (default: its context)")
     parser.add_argument("--micro-batch", type=int, default=1, help="with --preset: samples per micro-batch")
     parser.add_argument("--activation-gb", type=float, help="with --params: activations per GPU, GB")
     parser.add_argument("--units", type=int, default=32, help="with --params: stage-3 units assumed")
-    parser.add_argument("--bucket-mb", type=float, default=25.0)
-    parser.add_argument("--prefetch", type=int, default=1)
+    parser.add_argument("--bucket-mb", type=float, default=DEFAULT_BUCKET_MB)
+    parser.add_argument("--prefetch", type=int, default=DEFAULT_PREFETCH)
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.set_defaults(func=run)
     return parser

@@ -41,22 +41,27 @@ import os
 import re
 from collections.abc import Mapping
 
+from contract.environment import (
+    API_URL_ENV,
+    ATTEMPT_ENV,
+    ENV_PREFIX,
+    INGEST_TOKEN_ENV,
+    JOB_ENV_PASSTHROUGH_ENV,
+    JOB_ID_ENV,
+    S3_ENDPOINT_ENV,
+    STORAGE_CREDENTIALS_ENV,
+    STORAGE_MARKER_ENV,
+    STORAGE_URI_ENV,
+    UPLOAD_ATTEMPTS_ENV,
+)
 from service.launchers.base import LaunchRequest
 from workers import storage_credentials
-from workers.checkpointing import shared_storage
 
 DRIVER_MODULE = "workers.launch"
 
 # What a job is told (read by workers/launch.py and workers/train.py).
-JOB_ID_ENV = "ZEROTRAIN_JOB_ID"
-ATTEMPT_ENV = "ZEROTRAIN_ATTEMPT"
-API_URL_ENV = "ZEROTRAIN_API_URL"
-INGEST_TOKEN_ENV = "ZEROTRAIN_INGEST_TOKEN"  # secret: environment only, never argv
-STORAGE_URI_ENV = "ZEROTRAIN_STORAGE_URI"
-# "api": the job's processes get storage credentials from the control plane (named where they read it)
-STORAGE_CREDENTIALS_ENV, STORAGE_CREDENTIALS_FROM_API = storage_credentials.SOURCE_ENV, storage_credentials.FROM_API
-# the nonce of this launch's storage marker (a file:// root: workers.checkpointing.shared_storage)
-STORAGE_MARKER_ENV = shared_storage.MARKER_ENV
+# (the names: contract/environment.py; "api": the job's processes get storage credentials from the control plane)
+STORAGE_CREDENTIALS_FROM_API = storage_credentials.FROM_API
 
 # [Note: Ray Train settings every job runs with]
 # They travel with the job's own variables (``job_environment``), so the driver, the Ray Train
@@ -96,9 +101,9 @@ HOST_VARIABLES = frozenset({
     # loopback, devices and threads for Ray, Gloo and torch
     *LOOPBACK_ENV, "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS",
     # the object store as the workers reach it (endpoint; botocore's AWS_* below)
-    "ZEROTRAIN_S3_ENDPOINT_URL",
+    S3_ENDPOINT_ENV,
     # the workers' own knobs
-    "ZEROTRAIN_CHECKPOINT_UPLOAD_ATTEMPTS",
+    UPLOAD_ATTEMPTS_ENV,
 })
 HOST_PREFIXES = (
     "LC_",  # locale categories
@@ -118,8 +123,8 @@ STORAGE_KEY_VARIABLES = frozenset({
 
 # An operator's own additions to the allow-list: a comma-separated list of variable names
 # (e.g. HF_TOKEN, HTTPS_PROXY). The service's settings and Ray's token are never passed on.
-PASSTHROUGH_ENV = "ZEROTRAIN_JOB_ENV_PASSTHROUGH"
-NEVER_PASSED = re.compile(r"ZEROTRAIN_|RAY_AUTH_TOKEN|RAY_ADDRESS$|KUBECONFIG$")
+PASSTHROUGH_ENV = JOB_ENV_PASSTHROUGH_ENV
+NEVER_PASSED = re.compile(re.escape(ENV_PREFIX) + r"|RAY_AUTH_TOKEN|RAY_ADDRESS$|KUBECONFIG$")
 
 
 def passthrough_names(source: Mapping[str, str]) -> frozenset[str]:

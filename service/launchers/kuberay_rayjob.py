@@ -23,6 +23,7 @@ import shlex
 from dataclasses import dataclass, replace
 from typing import Any
 
+from contract.environment import ENV_PREFIX
 from contract.spec import ResourcesSpec
 from service.launchers.base import LaunchRequest
 from service.launchers.driver import INGEST_TOKEN_ENV, driver_command, job_environment
@@ -69,7 +70,7 @@ class KubeRayOptions:
         def pick(attr: str, default: Any) -> Any:
             value = getattr(settings, attr, None)
             if value in (None, ""):
-                value = os.environ.get(f"ZEROTRAIN_{attr.upper()}")
+                value = os.environ.get(ENV_PREFIX + attr.upper())
             return default if value in (None, "") else value
 
         api_url = pick("api_url_for_workers", "") or pick("api_url", "")

@@ -93,6 +93,21 @@ def test_nothing_fits_is_a_422_with_the_numbers_and_writes_nothing(quiet_service
     assert all(job["spec"]["resources"]["gpu_memory_gb"] != 0.2 for job in listed["items"])
 
 
+@pytest.mark.parametrize("fields, stages", [({"keep_gathered_bytes": 2**20}, {3}),
+                                            ({"offload_optimizer": True}, {1, 2, 3})])
+def test_auto_resolves_only_to_a_stage_the_other_fields_allow(quiet_service, fields, stages):
+    """80 GB fits stage 0 (the test above); the other zero fields rule it out (contract/zero_rules.py), so
+    "auto" picks among the stages they leave and never records an impossible combination."""
+    spec = medium_spec(80)
+    spec["zero"].update(fields)
+    response = submit(quiet_service, spec)
+    assert response.status_code == 201, response.text
+    job = response.json()
+    assert job["spec"]["zero"]["stage"] in stages and job["prediction"]["chosen"]["stage"] in stages
+    assert {c["stage"] for c in job["prediction"]["candidates"]} <= stages
+    assert min(stages) == job["spec"]["zero"]["stage"]  # still the lowest that fits
+
+
 def test_a_fixed_stage_is_kept_and_still_predicted(quiet_service):
     job = submit(quiet_service, medium_spec(80, stage=3)).json()
     assert job["spec"]["zero"]["stage"] == 3

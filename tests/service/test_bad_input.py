@@ -4,6 +4,7 @@ are refused; a refused request writes nothing."""
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
 import httpx
@@ -82,6 +83,7 @@ BAD_SPECS: list[tuple[str, dict]] = [
     ("train.warmup_steps", with_value("train.warmup_steps", -1)),
     ("train.weight_decay", with_value("train.weight_decay", -0.1)),
     ("train.grad_clip", with_value("train.grad_clip", 0)),
+    ("train.grad_clip", with_value("train.grad_clip", float("inf"))),  # the engine clips to a finite norm
     ("train.seed", with_value("train.seed", -1)),
     ("train.optimizer", with_value("train.optimizer", "muon")),
     ("train.betas", with_value("train.betas", [0.9, 1.5])),
@@ -99,12 +101,16 @@ BAD_SPECS: list[tuple[str, dict]] = [
     ("zero.activation_checkpointing", with_value("zero.activation_checkpointing", "no")),
     ("zero.reshard_after_forward", with_value("zero.reshard_after_forward", 1)),
     ("zero.reshard_after_forward", with_value("zero.reshard_after_forward", "all")),
+    ("zero.bucket_mb", with_value("zero.bucket_mb", float("inf"))),  # the engine needs a finite bucket
     ("zero.keep_gathered_bytes", with_value("zero.keep_gathered_bytes", -1)),
     ("zero.keep_gathered_bytes", with_value("zero.keep_gathered_bytes", 1.5)),
     ("zero.broadcast_buffers", with_value("zero.broadcast_buffers", "sometimes")),
     ("zero.sync_batchnorm", with_value("zero.sync_batchnorm", 2)),
     ("zero.shard_group_size", with_value("zero.shard_group_size", 0)),
     ("zero.shard_group_size", with_value("zero.shard_group_size", 3)),  # does not divide num_workers (2)
+    # the cross-field rules of contract/zero_rules.py, one case each (the engine's ZeroConfig checks the same)
+    ("zero.offload_optimizer", with_value("zero", {"stage": 0, "offload_optimizer": True})),
+    ("zero.keep_gathered_bytes", with_value("zero", {"stage": 2, "keep_gathered_bytes": 1024})),
     ("resources.num_workers", with_value("resources.num_workers", 0)),
     ("resources.min_workers", with_value("resources.min_workers", 0)),
     ("resources.min_workers", with_value("resources.min_workers", 3)),  # more than num_workers (2)
@@ -182,8 +188,8 @@ def counts(service) -> tuple[int, int, int]:
 
 def test_each_wrong_value_is_a_422_naming_the_field_and_nothing_is_written(service):
     http = httpx.Client(base_url=service.url, headers={"Authorization": f"Bearer {service.admin_token}"})
-    for field, spec in BAD_SPECS:
-        response = http.post("/api/v1/jobs", json=spec)
+    for field, spec in BAD_SPECS:  # json.dumps writes Infinity, as a client may (httpx's json= refuses it)
+        response = http.post("/api/v1/jobs", content=json.dumps(spec), headers={"content-type": "application/json"})
         assert response.status_code == 422, (field, response.text)
         body = response.json()
         named = [error["field"] for error in body["errors"]]
@@ -223,6 +229,17 @@ def test_a_shard_group_size_that_does_not_split_an_elastic_range_is_refused_with
     assert error["field"] == "zero.shard_group_size" and error["type"] == "shard_group_size"
     assert "must divide resources.num_workers (4)" in error["message"]
     assert "world size 3 does not" in error["message"]
+    assert counts(service) == (0, 0, 0)
+
+
+def test_stage_0_with_optimizer_offload_is_a_422_naming_the_field(service):
+    """A rule the engine enforces is refused at submit, with the engine's sentence, and nothing is written."""
+    response = httpx.post(f"{service.url}/api/v1/jobs", json=with_value("zero", {"stage": 0, "offload_optimizer": True}),
+                          headers={"Authorization": f"Bearer {service.admin_token}"})
+    assert response.status_code == 422
+    (error,) = response.json()["errors"]
+    assert error["field"] == "zero.offload_optimizer" and error["type"] == "zero_rule"
+    assert "offload_optimizer needs stage 1, 2 or 3" in error["message"]
     assert counts(service) == (0, 0, 0)
 
 

@@ -61,7 +61,8 @@ def test_auto_picks_a_sharded_stage_when_stage_0_does_not_fit(client, gpu_memory
 
 
 def test_auto_offloads_when_even_stage_3_does_not_fit(client):
-    status, plan = post(client, {"params": 7.5e9, "gpus": 8, "gpu_mem_gb": 16, "activation_gb": 2})
+    status, plan = post(client, {"params": 7.5e9, "gpus": 8, "gpu_mem_gb": 16, "activation_gb": 2,
+                                 "precision": "bf16"})
     assert status == 200, plan
     assert (plan["stage"], plan["offload_optimizer"]) == (3, True)
     # 16 bytes per element of the padded shard on the host: master, Adam's two moments, the gradient
@@ -99,7 +100,8 @@ def test_cpu_job_without_a_budget_is_stage_0_and_says_why(client):
 
 
 def test_bare_count_with_time_model(client):
-    body = {"params": 7.5e9, "gpus": 64, "gpu_mem_gb": 80, "bandwidth_gbps": 400, "compute_s": 2.0}
+    body = {"params": 7.5e9, "gpus": 64, "gpu_mem_gb": 80, "bandwidth_gbps": 400, "compute_s": 2.0,
+            "precision": "bf16"}
     status, plan = post(client, body)
     assert status == 200, plan
     for c in plan["candidates"]:
@@ -153,7 +155,7 @@ def test_cli_plan_prints_a_row_per_candidate(capsys):
 
 def test_cli_plan_json_matches_the_api(client, capsys):
     assert _cli(["plan", "--preset", "gpt-nano", "--gpus", "2", "--seq-len", "64",
-                 "--micro-batch", "2", "--gpu-mem", "1", "--json"]) == 0
+                 "--micro-batch", "2", "--gpu-mem", "1", "--precision", "bf16", "--json"]) == 0
     import json
 
     from_cli = json.loads(capsys.readouterr().out)
@@ -180,3 +182,12 @@ def test_factory_models_are_not_run_on_the_server(client, tmp_path):
     status, body = post(client, spec)
     assert status == 422 and "factory" in body["detail"]
     assert not marker.exists()
+
+
+def test_a_bare_count_without_precision_is_planned_as_a_job_without_one(client):
+    """One default precision (contract.zero_math.DEFAULT_PRECISION): /plan, the CLI, the engine and a job agree."""
+    from contract.spec import ZeroSpec
+
+    status, plan = post(client, {"params": 1e9, "gpus": 8, "gpu_mem_gb": 80})
+    assert status == 200, plan
+    assert plan["inputs"]["precision"] == ZeroSpec().precision == "fp32"

@@ -236,9 +236,7 @@ def test_reading_ahead_gives_exactly_the_same_batches_and_positions():
     plain.load_state_dict({"position": 8, "global_batch_size": 8})
     assert [x.tolist() for x, _ in ahead.next_batch()] == [x.tolist() for x, _ in plain.next_batch()] == [[12, 13],
                                                                                                        [14, 15]]
-    ahead.close()
-    # read ahead: the batch at 24 (dropped), then 8 read in place, then the next one, at 16
-    assert ahead.dataset.reads[-12:] == [28, 29, 30, 31, 12, 13, 14, 15, 20, 21, 22, 23]
+    ahead.close()  # which samples the background thread had read by now depends on scheduling: not asserted
 
 
 @pytest.mark.parametrize("data", [

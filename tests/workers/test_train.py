@@ -13,6 +13,7 @@ import torch
 from contract.spec import JobSpec
 from workers import train
 from workers.reporting import JobNotActive
+from workers.run_context import RunContext
 from workers.train import World, lr_at, run_local, start_attempt
 
 METRIC_KEYS = {"attempt", "rank", "step", "time", "world_size", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s",
@@ -85,10 +86,10 @@ def test_first_worker_group_reports_running_with_the_next_attempt():
     assert api.posts == [("RUNNING", 1)]
 
 
-def test_restarted_worker_group_reports_restarting_then_running(monkeypatch):
+def test_restarted_worker_group_reports_restarting_then_running():
     api = RecordingAPI()
-    monkeypatch.setattr(train, "_worker_group_number", lambda config: 2)
-    assert start_attempt({"attempt_base": 0}, World(0, 1, 0, torch.device("cpu")), api) == 2
+    second = RunContext(worker_group=lambda: 2)  # what the runtime says after one restart
+    assert start_attempt({"attempt_base": 0}, World(0, 1, 0, torch.device("cpu")), api, second) == 2
     assert api.posts == [("RESTARTING", 2), ("RUNNING", 2)]
 
 
@@ -191,3 +192,16 @@ def test_a_bad_stage3_policy_is_refused_naming_its_field(bad):
     with pytest.raises(ValidationError) as refused:
         JobSpec.model_validate(spec)
     assert {error["loc"][:2] for error in refused.value.errors()} <= {("zero", *bad)}
+
+
+def test_the_ray_runtime_injects_its_worker_group_counter_and_resize_gate():
+    """train.py imports nothing from runtime/: Ray's entry builds the RunContext from its own config keys."""
+    from workers.runtime import ray_train
+
+    plain = ray_train.run_context({"job_id": "j"})
+    assert plain.worker_group() == 1 and plain.resize_gate is None
+    elastic = ray_train.run_context({"job_id": "j", "attempt_counter": "zerotrain-attempts-j",
+                                     "resize_at_checkpoints": True})
+    assert elastic.worker_group.func is ray_train.next_worker_group and elastic.worker_group.args == (
+        "zerotrain-attempts-j",)
+    assert elastic.resize_gate.func is ray_train._ray_resize_gate and elastic.resize_gate.args == ("j",)

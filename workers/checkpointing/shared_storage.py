@@ -30,8 +30,10 @@ import secrets
 import socket
 from pathlib import Path
 
+from contract.environment import STORAGE_MARKER_ENV
+
 #: the nonce a job is told, in its environment (``service.launchers.driver.job_environment``)
-MARKER_ENV = "ZEROTRAIN_STORAGE_MARKER"
+MARKER_ENV = STORAGE_MARKER_ENV
 MARKER_NAME = "storage-marker.json"
 
 

@@ -28,11 +28,12 @@ from typing import IO, Any, Iterable, Iterator
 
 import fsspec
 
+from contract.environment import S3_ENDPOINT_ENV
 from workers import storage_credentials
 
 log = logging.getLogger(__name__)
 
-ENDPOINT_ENV = "ZEROTRAIN_S3_ENDPOINT_URL"
+ENDPOINT_ENV = S3_ENDPOINT_ENV
 
 
 def protocol_of(uri: str) -> str:

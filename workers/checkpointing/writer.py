@@ -44,6 +44,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from contract.environment import UPLOAD_ATTEMPTS_ENV
+
 from . import retention
 from .manifest import FORMAT, MANIFEST, step_dir
 from .snapshot import ShardSnapshot
@@ -53,7 +55,6 @@ from .storage import Storage
 log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 8 << 20
-UPLOAD_ATTEMPTS_ENV = "ZEROTRAIN_CHECKPOINT_UPLOAD_ATTEMPTS"
 DEFAULT_UPLOAD_ATTEMPTS = 3
 FIRST_RETRY_DELAY_S = 1.0
 

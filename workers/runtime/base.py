@@ -25,7 +25,9 @@ class Runtime(Protocol):
         restarts worker groups does so at most ``spec.max_failures`` times first).
 
         ``loop_config`` is the runtime-independent part of ``workers.train``'s config; a runtime
-        may add its own entries (Ray Train adds ``attempt_counter``).
+        may add its own entries (Ray Train adds ``attempt_counter``) and hands ``train_loop`` a
+        ``workers.run_context.RunContext`` with what it owns (the worker group's number, the
+        resize gate).
         """
         ...
 

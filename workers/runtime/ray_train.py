@@ -11,6 +11,7 @@ driver (``workers.launch``) only sees ``RayTrainRuntime``, a ``workers.runtime.R
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import re
@@ -19,10 +20,12 @@ from typing import Any
 import ray
 from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy, FailureDecision
 
+from contract.environment import INGEST_TOKEN_ENV
 from contract.log_lines import rank_announcement
 from contract.reasons import Reason
 from contract.spec import JobSpec
 from workers.reporting import WorkerAPI
+from workers.run_context import RunContext, first_worker_group
 from workers.train import train_loop
 from workers.user_code import UserCodeError, is_user_code_error
 
@@ -108,7 +111,7 @@ def _restart_reporter(api_url: str, job_id: str, attempt_base: int, max_failures
                 attempt = attempt_base + groups + 1
                 what = "; ".join(f"rank {rank}: {type(error).__name__}: {str(error).splitlines()[0][:200]}"
                                  for rank, error in sorted(worker_exceptions.items()))
-                api = WorkerAPI(api_url, job_id, os.environ["ZEROTRAIN_INGEST_TOKEN"])
+                api = WorkerAPI(api_url, job_id, os.environ[INGEST_TOKEN_ENV])
                 try:
                     api.post_state("RESTARTING", attempt=attempt, reason=Reason.WORKER_FAILED,
                                    message=f"restart {self.failures} of {max_failures} (attempt {attempt}): {what}",
@@ -165,7 +168,7 @@ def _resize_reporter(api_url: str, job_id: str, attempt_base: int):
             if old is None or old == new:
                 return
             try:
-                api = WorkerAPI(api_url, job_id, os.environ["ZEROTRAIN_INGEST_TOKEN"])
+                api = WorkerAPI(api_url, job_id, os.environ[INGEST_TOKEN_ENV])
                 try:
                     if healthy:  # no error was raised for it: RestartReporter said nothing
                         groups = ray.get(ray.get_actor(counter_name(job_id)).current.remote())
@@ -231,6 +234,24 @@ def wait_for_resources(spec: JobSpec, job_id: str) -> None:
     remove_placement_group(gate)  # handed over to Ray Train's placement group right away
 
 
+def _ray_resize_gate(job_id: str, rank: int, device: Any) -> Any:
+    """This rank's ``ResizeGate`` on the job's channel in Ray's KV store."""
+    from workers.runtime.resize_at_checkpoint import ResizeChannel, ResizeGate
+
+    return ResizeGate(ResizeChannel.ray(job_id), rank=rank, device=device)
+
+
+def run_context(config: dict[str, Any]) -> RunContext:
+    """What this runtime owns, for ``train_loop``: the worker group's number from the driver's
+    ``AttemptCounter`` (``attempt_counter``), and for an elastic run (``resize_at_checkpoints``)
+    the gate that parks at checkpoints for a resize. Both keys are this runtime's own (``fit``)."""
+    name = config.get("attempt_counter")
+    return RunContext(
+        worker_group=functools.partial(next_worker_group, name) if name else first_worker_group,
+        resize_gate=functools.partial(_ray_resize_gate, config["job_id"]) if config.get("resize_at_checkpoints")
+        else None)
+
+
 def announced_train_loop(config: dict[str, Any]) -> dict[str, Any]:
     """``train_loop`` after this worker's first line in the job's log: which rank it is, so
     the log can be read per rank (``contract.log_lines``, ``zerotrain logs JOB --rank N``)."""
@@ -238,7 +259,7 @@ def announced_train_loop(config: dict[str, Any]) -> dict[str, Any]:
 
     context = get_context()
     print(rank_announcement(context.get_world_rank(), context.get_world_size()), flush=True)
-    return train_loop(config)
+    return train_loop(config, run_context(config))
 
 
 ELASTIC_START_TIMEOUT_S = 20.0

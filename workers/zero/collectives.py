@@ -8,10 +8,10 @@ Everything the engine sends goes through :class:`Collectives`, which
   or 2 adds up to 2Φ (padded). Small control messages (the gradient-norm scalar and the
   "which parameters got a gradient" mask) are counted apart, under ``control``.
 * times how long the caller is blocked waiting on them (``comm_exposed_s``);
-* numbers every collective (a per-group sequence number) and, through a watchdog thread,
+* numbers every collective (a per-group sequence number) and, through a watchdog thread (``watchdog.py``),
   logs which bucket and which sequence number a rank is stuck on when one collective has not
   completed ``timeout_s`` after its launch -- the first thing to look at when a job hangs
-  because ranks disagree on the order of collectives (the note on the watchdog);
+  because ranks disagree on the order of collectives (watchdog.py, the note on the watchdog);
 * runs on one rank without any process group (world size 1): nothing is sent and nothing is
   counted, the "collective" is a local copy. ``force_distributed`` runs a world of one through
   its process group anyway (a one-GPU check of the NCCL path, ``benchmarks/gpu_check.py``).
@@ -76,32 +76,21 @@ order every rank follows; the all-reduce is what the caller's ``Pending`` waits 
 all-reduce is counted under ``all_reduce`` (twice its elements) and under ``inter_group``;
 everything else a step sends stays inside one shard group (``intra_group``). Control messages,
 set-up broadcasts and barriers go over the whole world (``dp_group``).
-
-[Note: the watchdog]
-On NCCL ``work.wait()`` returns at once (it orders streams) and the host blocks later, in a
-``synchronize()`` or a ``float(norm)``, where no timer runs. So the watchdog does not time
-waits: every collective is registered when launched, with a probe of its completion
-(``work.is_completed()``; on CUDA the query of the event recorded after it), and the watchdog
-thread polls the probes: one that is still not complete ``timeout_s`` after the launch is
-logged once with its label and sequence number, whoever is blocked on it and wherever. A
-collective leaves the watch when its probe says complete or, on the CPU, when a host wait on it
-returned: Gloo's wait returns only once the work is done, while some of its works never report
-``is_completed()`` (a ``reduce_scatter_tensor``'s, torch 2.13).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import time
-from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from .hybrid import check_shard_group_size, hybrid_groups, is_hybrid
+from .work import CommCounter, Pending, _AllOf, _StreamWork, _Then  # noqa: F401  (Pending: re-exported)
+from .watchdog import WATCHDOG as _WATCHDOG
 
 log = logging.getLogger(__name__)
 
@@ -116,161 +105,6 @@ P2P_TAGS = 2**30
 P2P_TAG_BASE = 2**30
 #: the next exchange message tag of each process group (by name), shared by every engine on it
 _P2P_NEXT_TAG: dict[str, int] = {}
-
-
-@dataclass
-class CommCounter:
-    """Elements passed to collectives (and time blocked on them) since the last ``reset``."""
-
-    all_gather: int = 0
-    reduce_scatter: int = 0
-    all_reduce: int = 0  # already doubled
-    control: int = 0  # scalars/masks; not part of "total"
-    inter_group: int = 0  # of the above (not control): across shard groups (hybrid sharding, ``hybrid.py``)
-    exposed_s: float = 0.0
-    calls: int = 0
-
-    def snapshot(self) -> dict:
-        return {
-            "all_gather": self.all_gather,
-            "reduce_scatter": self.reduce_scatter,
-            "all_reduce": self.all_reduce,
-            "total": self.all_gather + self.reduce_scatter + self.all_reduce,
-            "control": self.control,
-            "intra_group": self.all_gather + self.reduce_scatter + self.all_reduce - self.inter_group,
-            "inter_group": self.inter_group,
-        }
-
-
-@dataclass
-class Pending:
-    """A launched collective. ``wait()`` once; the result is valid afterwards."""
-
-    work: Optional[object]
-    label: str
-    seq: int
-    owner: "Collectives"
-    done: bool = False
-    tensors: tuple = field(default_factory=tuple)  # kept alive until waited on
-    watch: Optional[int] = None  # the watchdog's token (the note on the watchdog)
-
-    def is_completed(self) -> bool:
-        return self.done or self.work is None or self.work.is_completed()
-
-    def wait(self) -> None:
-        if self.done:
-            return
-        self.done = True
-        if self.work is not None:
-            self.owner._timed_wait(self.work, self.watch)
-        self.tensors = ()
-
-
-class _Watchdog:
-    """Logs collectives that have not completed ``timeout_s`` after their launch (the note on the watchdog).
-
-    One daemon thread per process, shared by every engine, started on first use and stopped by
-    ``stop()`` (``ZeroEngine.close()``); a later launch starts it again, still watching what other
-    engines of the process have in flight. It polls each
-    registered collective's ``done`` probe, forgets the completed ones and logs, once each, the
-    ones past their timeout. It sleeps on an event, so ``stop()`` ends it at once rather than
-    after its next tick.
-    """
-
-    def __init__(self):
-        self._waiting: dict[int, _Watched] = {}
-        self._lock = threading.Lock()
-        self._thread: Optional[threading.Thread] = None
-        self._stop = threading.Event()
-        self._next = 0
-
-    def enter(self, label: str, seq: int, rank: int, timeout_s: float, done: Callable[[], bool]) -> int:
-        with self._lock:
-            token = self._next
-            self._next += 1
-            self._waiting[token] = _Watched(label, seq, rank, timeout_s, time.monotonic(), done)
-            if self._thread is None:
-                self._stop = threading.Event()
-                self._thread = threading.Thread(target=self._run, args=(self._stop,), name="zero-comm-watchdog",
-                                                daemon=True)
-                self._thread.start()
-        return token
-
-    def exit(self, token: Optional[int]) -> None:
-        """The collective is known complete (a Gloo wait returned, a stream synchronized): stop watching it."""
-        if token is None:
-            return
-        with self._lock:
-            self._waiting.pop(token, None)
-
-    def watched(self) -> list[str]:
-        """Labels of the collectives still watched (launched, not seen complete), oldest first."""
-        with self._lock:
-            return [w.label for _, w in sorted(self._waiting.items())]
-
-    @property
-    def running(self) -> bool:
-        with self._lock:
-            return self._thread is not None and self._thread.is_alive()
-
-    def stop(self, timeout_s: float = 5.0) -> None:
-        """End the thread (if running) and wait for it; safe to call any number of times."""
-        with self._lock:
-            thread, self._thread = self._thread, None
-            self._stop.set()
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout_s)
-
-    def _run(self, stop: threading.Event) -> None:
-        while True:
-            with self._lock:
-                tick = min([w.timeout_s / 4 for w in self._waiting.values()] + [1.0])
-            if stop.wait(max(0.01, tick)):
-                return
-            self.poll()
-
-    def poll(self) -> list[str]:
-        """One round: forget what completed, log what is overdue; returns the messages logged."""
-        with self._lock:
-            entries = list(self._waiting.items())
-        finished, messages = [], []
-        now = time.monotonic()
-        for token, w in entries:
-            if _probe(w.done):
-                finished.append(token)
-            elif now - w.start > w.timeout_s and not w.reported:
-                w.reported = True
-                messages.append(
-                    f"rank {w.rank}: collective #{w.seq} ({w.label}) has not completed {now - w.start:.1f}s after "
-                    "its launch; another rank may be slow, dead, or issuing collectives in a different order")
-        with self._lock:
-            for token in finished:
-                self._waiting.pop(token, None)
-        for message in messages:
-            log.warning("%s", message)
-        return messages
-
-
-@dataclass
-class _Watched:
-    label: str
-    seq: int
-    rank: int
-    timeout_s: float
-    start: float
-    done: Callable[[], bool]
-    reported: bool = False
-
-
-def _probe(done: Callable[[], bool]) -> bool:
-    """Whether a watched collective completed; one whose probe fails is over too (its waiter gets the error)."""
-    try:
-        return bool(done())
-    except Exception:  # noqa: BLE001 - a failed collective is not a hang
-        return True
-
-
-_WATCHDOG = _Watchdog()
 
 
 class Collectives:
@@ -368,7 +202,7 @@ class Collectives:
             work.wait()
         finally:
             self.counter.exposed_s += time.perf_counter() - t0
-        _WATCHDOG.exit(watch)  # a Gloo wait returns when the work is done (the note on the watchdog)
+        _WATCHDOG.exit(watch)  # a Gloo wait returns when the work is done (watchdog.py, the note on the watchdog)
 
     def _watch(self, work, label: str, seq: int) -> int:
         return _WATCHDOG.enter(label, seq, self.dp_rank, self.timeout_s, work.is_completed)
@@ -609,22 +443,6 @@ class Collectives:
             dist.barrier(group=self.dp_group)
 
 
-class _StreamWork:
-    """A collective queued on a CUDA side stream: complete when the event after it is; ``wait()``
-    makes the compute stream wait for it (the note on CUDA streams)."""
-
-    def __init__(self, event: "torch.cuda.Event", device: torch.device):
-        self.event = event
-        self.device = device
-
-    def is_completed(self) -> bool:
-        with torch.cuda.device(self.device):  # the watchdog's thread asks too
-            return self.event.query()
-
-    def wait(self) -> None:
-        torch.cuda.current_stream(self.device).wait_event(self.event)
-
-
 def _is_slot(part: torch.Tensor, whole: torch.Tensor, rank: int, world_size: int) -> bool:
     """Whether ``part`` is exactly ``rank``'s 1/N slice of the flat ``whole`` (same storage)."""
     n = part.numel()
@@ -632,38 +450,6 @@ def _is_slot(part: torch.Tensor, whole: torch.Tensor, rank: int, world_size: int
             and part.is_contiguous() and whole.is_contiguous()
             and part.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()
             and part.data_ptr() == whole.data_ptr() + rank * n * whole.element_size())
-
-
-class _Then:
-    """Works waited on as one, then a local step on their result, once (a two-rank exchange's sum)."""
-
-    def __init__(self, works, then: Callable[[], object]):
-        self.works = list(works)
-        self.then: Optional[Callable[[], object]] = then
-
-    def wait(self) -> None:
-        for work in self.works:
-            work.wait()
-        if self.then is not None:
-            then, self.then = self.then, None
-            then()
-
-    def is_completed(self) -> bool:
-        return all(work.is_completed() for work in self.works)
-
-
-class _AllOf:
-    """Several works waited on as one (a tag gather and the gather it describes; broadcasts)."""
-
-    def __init__(self, works):
-        self.works = list(works)
-
-    def wait(self) -> None:
-        for work in self.works:
-            work.wait()
-
-    def is_completed(self) -> bool:
-        return all(work.is_completed() for work in self.works)
 
 
 def tagged_all_gather(comm: Collectives, output: Optional[torch.Tensor], input: Optional[torch.Tensor],
@@ -694,8 +480,3 @@ def tagged_all_gather(comm: Collectives, output: Optional[torch.Tensor], input: 
     pending.work = _AllOf([tag_work, pending.work])
     pending.tensors = pending.tensors + (tags, tag)
     return pending, tags
-
-
-def stop_watchdog() -> None:
-    """Stop the process's collectives watchdog thread (``ZeroEngine.close``); the next launch restarts it."""
-    _WATCHDOG.stop()

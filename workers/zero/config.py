@@ -1,19 +1,31 @@
 """``ZeroConfig``: every knob of the engine, validated once, at construction.
 
 A bad value raises ``ValueError`` naming the field, the value and what would be accepted, so a
-job spec that reaches a worker with ``stage=7`` fails with a sentence, not a stack trace from
-deep inside a collective.
+caller that builds one with ``stage=7`` fails with a sentence, not a stack trace from deep
+inside a collective. The job-facing fields are the contract's ``ZeroSpec``: their defaults are
+read from it and the cross-field rules are its (``contract/zero_rules.py``), so a job is
+refused at submit for what the engine would refuse; a job's config is ``ZeroConfig.from_spec``.
+The knobs only the engine has (``overlap_comm``, ``wrap``, the loss scale, ``comm_timeout_s``,
+``force_distributed``) and ``grad_clip`` (a job's is ``train.grad_clip``) are defined here.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
+from contract.spec import ZeroSpec
 from contract.zero_math import PRECISION_TRAITS, STAGES, StageTraits, stage_traits
+from contract.zero_rules import check_stage_fields
+
+if TYPE_CHECKING:
+    from contract.spec import TrainSpec
+
+#: the job-facing fields' defaults, as ``ZeroSpec`` defines them (its "auto" stage is a job's only)
+_SPEC = {name: info.default for name, info in ZeroSpec.model_fields.items()}
 
 #: stage 3's ``reshard_after_forward`` values: every unit, none, all but the last block unit
 RESHARD_POLICIES = (True, False, "all_but_last")
@@ -101,24 +113,38 @@ class ZeroConfig:
                         ``benchmarks/gpu_check.py``); needs an initialized process group.
     """
 
-    stage: int = 2
-    precision: str = "bf16"
-    bucket_mb: float = 25.0
+    stage: int = 2  # the engine needs a stage; a job's "auto" is resolved by the planner first
+    precision: str = _SPEC["precision"]
+    bucket_mb: float = _SPEC["bucket_mb"]
     overlap_comm: bool = True
-    offload_optimizer: bool = False
-    prefetch: int = 1
-    grad_clip: Optional[float] = None
-    reshard_after_forward: Any = True  # True, False or "all_but_last" (RESHARD_POLICIES)
-    keep_gathered_bytes: int = 0
-    activation_checkpointing: bool = False
+    offload_optimizer: bool = _SPEC["offload_optimizer"]
+    prefetch: int = _SPEC["prefetch"]
+    grad_clip: Optional[float] = None  # no clipping unless asked (as torch DDP); a job's is train.grad_clip
+    reshard_after_forward: Any = _SPEC["reshard_after_forward"]  # True, False or "all_but_last"
+    keep_gathered_bytes: int = _SPEC["keep_gathered_bytes"]
+    activation_checkpointing: bool = _SPEC["activation_checkpointing"]
     wrap: Any = None
-    broadcast_buffers: bool = True
-    sync_batchnorm: bool = False
+    broadcast_buffers: bool = _SPEC["broadcast_buffers"]
+    sync_batchnorm: bool = _SPEC["sync_batchnorm"]
     initial_loss_scale: float = 2.0**16
     loss_scale_growth_interval: int = 2000
     comm_timeout_s: float = 300.0
     force_distributed: bool = False
-    shard_group_size: Optional[int] = None
+    shard_group_size: Optional[int] = _SPEC["shard_group_size"]
+
+    @classmethod
+    def from_spec(cls, zero: ZeroSpec, train: "TrainSpec", *, stage: int | None = None,
+                  offload_optimizer: bool | None = None, **engine_knobs: Any) -> "ZeroConfig":
+        """A job's config: every field of its ``zero`` block, ``train.grad_clip``, and ``stage`` /
+        ``offload_optimizer`` as resolved (required when the block says ``"auto"``); the
+        engine-only knobs keep their defaults unless given."""
+        fields = zero.model_dump()
+        fields["stage"] = fields["stage"] if stage is None else stage
+        if offload_optimizer is not None:
+            fields["offload_optimizer"] = offload_optimizer
+        if fields["stage"] == "auto":
+            raise ValueError("zero.stage is 'auto': resolve it (workers/train.py resolve_stage) before from_spec")
+        return cls(**fields, grad_clip=train.grad_clip, **engine_knobs)
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or not isinstance(self.stage, int) or self.stage not in STAGES:
@@ -131,9 +157,6 @@ class ZeroConfig:
                      "broadcast_buffers", "sync_batchnorm", "force_distributed"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if self.offload_optimizer and not stage_traits(self.stage).shards_optimizer:
-            raise ValueError("offload_optimizer needs stage 1, 2 or 3 (stage 0 keeps the whole optimizer on "
-                             "every rank); got stage=0")
         if not any(self.reshard_after_forward is p or self.reshard_after_forward == p and isinstance(p, str)
                    for p in RESHARD_POLICIES):
             raise ValueError(f"reshard_after_forward must be True, False or 'all_but_last', "
@@ -142,9 +165,7 @@ class ZeroConfig:
                 or self.keep_gathered_bytes < 0:
             raise ValueError(f"keep_gathered_bytes must be an integer number of bytes >= 0, "
                              f"got {self.keep_gathered_bytes!r}")
-        if self.keep_gathered_bytes and not stage_traits(self.stage).shards_parameters:
-            raise ValueError(f"keep_gathered_bytes needs stage 3 (only stage 3 gathers parameters for a "
-                             f"forward); got stage={self.stage}")
+        check_stage_fields(self.stage, self.offload_optimizer, self.keep_gathered_bytes)  # ZeroRuleBroken
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ValueError(f"prefetch must be an integer >= 0, got {self.prefetch!r}")
         if self.grad_clip is not None and (

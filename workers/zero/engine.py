@@ -44,14 +44,16 @@ import torch.nn as nn
 
 from . import engine_state, optim_groups
 from .buckets import FlatBucket
-from .collectives import Collectives, CommCounter, stop_watchdog
+from .collectives import Collectives, CommCounter
+from .watchdog import stop_watchdog
 from .config import ZeroConfig
 from .flat import FlatLayout
 from .materialize import InitWeights, Materializer, bind
 from .module_buffers import ModuleBuffers
 from .offload import HostOptimizerState
 from .precision import MixedPrecision
-from .stages import Strategy, make_strategy
+from .stages import Strategy
+from .strategies import make_strategy
 from .units import checkpoint_forward, plan_units, unit_modules
 
 log = logging.getLogger(__name__)
@@ -398,11 +400,10 @@ class ZeroEngine:
         del grads
         if self.scaler is not None:
             self.scaler.update(skipped)
-        self.strategy.zero_grads()
+        self._forget_grads()
         self._drain()
         if not skipped:  # last: stages 1/2 leave the all-gathers in flight for the next forward to overlap
             self.strategy.publish_params()
-        self._got_grad = [False] * len(self._got_grad)
         self._step += 1
         micro_steps, self._micro_steps = self._micro_steps, 0
         self._last_comm = self.comm.counter.snapshot()
@@ -454,9 +455,14 @@ class ZeroEngine:
         """Drop accumulated gradients without stepping (after a completed backward)."""
         self._check_open("zero_grad")
         self._end_micro_step()
+        self._forget_grads()
+        self._micro_steps = 0
+
+    def _forget_grads(self) -> None:
+        """Drop every accumulated gradient and which parameters received one (after a step, a
+        ``zero_grad`` or a load): the one place the engine's gradient bookkeeping is reset."""
         self.strategy.zero_grads()
         self._got_grad = [False] * len(self._got_grad)
-        self._micro_steps = 0
 
     # -- observation -------------------------------------------------------------------------------
     @property
@@ -532,20 +538,22 @@ class ZeroEngine:
         """Full fp32 parameters and buffers keyed as ``model.state_dict()`` (``engine_state``)."""
         self._check_open("full_state_dict")
         self.strategy.wait_params()
-        return engine_state.full_state_dict(self)
+        return engine_state.full_state_dict(self.state_view())
 
     def state_dict(self, copy: bool = True) -> dict[str, Any]:
         """This rank's shard, enough to continue bit-identically (format: ``engine_state``);
         ``copy=False``: the live host tensors, for a reader done before the next ``step()``."""
         self.strategy.wait_params()
-        return engine_state.state_dict(self, copy)
+        return engine_state.state_dict(self.state_view(), copy)
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Load a ``state_dict()`` of a run with the same stage, world size and layout."""
         self._check_open("load_state_dict")
         self.strategy.wait_params()
         self._fence_host_masters()
-        engine_state.load_state_dict(self, sd)
+        self._step = engine_state.load_state_dict(self.state_view(), sd)
+        self._publish_loaded()
+        self._forget_grads()
         self.strategy.wait_params()
 
     def load_full_state_dict(self, full: dict[str, torch.Tensor]) -> None:
@@ -553,8 +561,24 @@ class ZeroEngine:
         self._check_open("load_full_state_dict")
         self.strategy.wait_params()
         self._fence_host_masters()
-        engine_state.load_full_state_dict(self, full)
+        engine_state.load_full_state_dict(self.state_view(), full)
+        self._publish_loaded()
         self.strategy.wait_params()
+
+    def _publish_loaded(self) -> None:
+        """After a load wrote the masters: the compute parameters take their values (not counted
+        as training traffic)."""
+        with self.comm.uncounted():
+            self.strategy.publish_params()
+
+    def state_view(self) -> engine_state.EngineView:
+        """This engine's layout, tensors and collectives, as ``engine_state`` (de)serializes them."""
+        return engine_state.EngineView(
+            module=self.module, config=self.config, precision=self.precision, layout=self.layout,
+            buckets=self.buckets, comm=self.comm, device=self.device, world_size=self.world_size, rank=self.rank,
+            shard_world=self.shard_world, shard_rank=self.shard_rank, step=self._step, optimizer=self.optimizer,
+            opt_params=self._opt_params, opt_names=self._opt_names, trainable=self._trainable, frozen=self._frozen,
+            frozen_fp32=self._frozen_fp32, module_buffers=self.module_buffers, scaler=self.scaler)
 
     def _fence_host_masters(self) -> None:
         """Before a load overwrites offloaded masters: the last step's asynchronous copies of them
@@ -574,7 +598,7 @@ class ZeroEngine:
 
     def state_dict_meta(self) -> dict[str, Any]:
         """The layout part of ``state_dict()`` without copying any tensor."""
-        return engine_state.state_dict_meta(self)
+        return engine_state.state_dict_meta(self.state_view())
 
     def remove_hooks(self) -> None:
         for h in self._hooks:

@@ -2,27 +2,64 @@
 
 Kept apart from the engine because it is a format, not training: ``workers.checkpoint``
 writes and reshards what ``state_dict`` returns, and the format (``STATE_FORMAT``) must stay
-readable across engine changes. Every function takes the engine and reads its layout
-(``engine.layout``), its optimizer pieces (``engine._opt_params``) and its strategy.
+readable across engine changes. Every function takes an ``EngineView`` -- the engine's layout,
+tensors and collectives, handed out by ``ZeroEngine.state_view()`` -- and only (de)serializes:
+a loader writes values into the view's tensors and returns, and the engine then applies what
+follows from a load (its step counter, publishing parameters, forgetting gradients) itself.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
+import torch.nn as nn
 
 from . import optim_groups
 from .buckets import FlatBucket
-
-if TYPE_CHECKING:
-    from .engine import ZeroEngine
+from .collectives import Collectives
+from .config import ZeroConfig
+from .flat import FlatLayout
+from .module_buffers import ModuleBuffers
+from .precision import MixedPrecision
 
 STATE_FORMAT = "zerotrain.zero/v1"
 
 
+@dataclass(frozen=True)
+class EngineView:
+    """What the state of a ``ZeroEngine`` is made of, for (de)serialization (``ZeroEngine.state_view``).
+
+    ``opt_params`` are the optimizer's (piece, fp32 view) pairs in layout order and
+    ``opt_names`` their names; ``frozen`` the frozen ``(name, parameter)`` pairs, and
+    ``frozen_fp32`` the fp32 copies of those held in a lower precision, by ``id``.
+    """
+
+    module: nn.Module
+    config: ZeroConfig
+    precision: MixedPrecision
+    layout: FlatLayout
+    buckets: list[FlatBucket]
+    comm: Collectives
+    device: torch.device
+    world_size: int
+    rank: int
+    shard_world: int
+    shard_rank: int
+    step: int
+    optimizer: torch.optim.Optimizer
+    opt_params: list[tuple[Any, torch.Tensor]]
+    opt_names: list[str]
+    trainable: list[nn.Parameter]
+    frozen: list[tuple[str, nn.Parameter]]
+    frozen_fp32: dict[int, torch.Tensor]
+    module_buffers: ModuleBuffers
+    scaler: Optional[Any]
+
+
 @torch.no_grad()
-def full_master(engine: "ZeroEngine", b: FlatBucket) -> torch.Tensor:
+def full_master(engine: EngineView, b: FlatBucket) -> torch.Tensor:
     """The whole bucket's fp32 master values (a collective at stages 1/2 with a separate master)."""
     if not engine.precision.separate_master and not engine.config.traits.shards_parameters:
         return b.flat_param
@@ -34,7 +71,7 @@ def full_master(engine: "ZeroEngine", b: FlatBucket) -> torch.Tensor:
     return full
 
 @torch.no_grad()
-def full_state_dict(engine: "ZeroEngine") -> dict[str, torch.Tensor]:
+def full_state_dict(engine: EngineView) -> dict[str, torch.Tensor]:
     """Full fp32 parameters and buffers, keys as ``model.state_dict()``, identical on every rank.
 
     A collective at stages 1/2 with bf16/fp16 (all ranks must call it). Tensors are CPU copies.
@@ -52,15 +89,15 @@ def full_state_dict(engine: "ZeroEngine") -> dict[str, torch.Tensor]:
     for key, t in engine.module.state_dict(keep_vars=True).items():
         if id(t) in values:
             out[key] = values[id(t)].clone()  # tied weights: one copy per key, no shared storage
-        elif id(t) in engine._frozen_fp32:
-            out[key] = engine._frozen_fp32[id(t)].to("cpu", copy=True)
+        elif id(t) in engine.frozen_fp32:
+            out[key] = engine.frozen_fp32[id(t)].to("cpu", copy=True)
         elif id(t) in buffer_ids:
             out[key] = engine.module_buffers.export(t)
         else:
             out[key] = t.detach().to("cpu", copy=True)
     return out
 
-def state_dict(engine: "ZeroEngine", copy: bool = True) -> dict[str, Any]:
+def state_dict(engine: EngineView, copy: bool = True) -> dict[str, Any]:
     """This rank's shard: enough to continue bit-identically, or to reshard elsewhere.
 
     ``copy=False`` hands out the live tensors that already are in host memory (the master and
@@ -96,7 +133,7 @@ def state_dict(engine: "ZeroEngine", copy: bool = True) -> dict[str, Any]:
         config          ZeroConfig.to_dict()
     """
     params, master = {}, {}
-    held = {piece.slot.name: (piece, view) for piece, view in engine._opt_params}
+    held = {piece.slot.name: (piece, view) for piece, view in engine.opt_params}
     for s in engine.layout.slots:
         piece_view = held.get(s.name)
         entry = {"shape": list(s.shape), "numel": s.numel, "bucket": s.bucket, "offset": s.offset,
@@ -108,8 +145,8 @@ def state_dict(engine: "ZeroEngine", copy: bool = True) -> dict[str, Any]:
             master[s.name] = view.detach().to("cpu", copy=copy)
         params[s.name] = entry
     frozen = {}
-    for n, p in engine._frozen:
-        frozen[n] = engine._frozen_fp32.get(id(p), p.data).to("cpu", copy=copy)
+    for n, p in engine.frozen:
+        frozen[n] = engine.frozen_fp32.get(id(p), p.data).to("cpu", copy=copy)
     return {
         "format": STATE_FORMAT,
         "stage": engine.config.stage,
@@ -118,12 +155,12 @@ def state_dict(engine: "ZeroEngine", copy: bool = True) -> dict[str, Any]:
         "rank": engine.rank,
         "shard_world_size": engine.shard_world,
         "shard_rank": engine.shard_rank,
-        "step": engine._step,
+        "step": engine.step,
         "layout": engine.layout.describe(engine.shard_rank),
         "params": params,
         "master": master,
-        "optimizer": _to_cpu(optim_groups.export_state(engine.optimizer, _views(engine), engine._opt_names), copy),
-        "optimizer_params": [piece.slot.name for piece, _ in engine._opt_params],
+        "optimizer": _to_cpu(optim_groups.export_state(engine.optimizer, _views(engine), engine.opt_names), copy),
+        "optimizer_params": [piece.slot.name for piece, _ in engine.opt_params],
         "loss_scaler": engine.scaler.state_dict() if engine.scaler is not None else None,
         "frozen": frozen,
         "buffers": {n: engine.module_buffers.export(b) for n, b in engine.module.named_buffers()},
@@ -131,10 +168,10 @@ def state_dict(engine: "ZeroEngine", copy: bool = True) -> dict[str, Any]:
     }
 
 @torch.no_grad()
-def load_state_dict(engine: "ZeroEngine", sd: dict[str, Any]) -> None:
-    """Load a ``state_dict()`` saved by a run with the same stage, world size and layout.
-
-    Another world size or stage needs resharding first (``workers.checkpoint``).
+def load_state_dict(engine: EngineView, sd: dict[str, Any]) -> int:
+    """Load a ``state_dict()`` saved by a run with the same stage, world size and layout into the
+    engine's tensors; returns the saved step. Another world size or stage needs resharding first
+    (``workers.checkpoint``).
     """
     if sd.get("format") != STATE_FORMAT:
         raise ValueError(f"not an engine state dict (format {sd.get('format')!r}, want {STATE_FORMAT!r})")
@@ -148,29 +185,25 @@ def load_state_dict(engine: "ZeroEngine", sd: dict[str, Any]) -> None:
     if sd["params"] != mine["params"]:
         raise ValueError("state dict parameter layout (names, shapes or shard ranges) differs from this "
                          "engine's (bucket_mb or model changed?); reshard it with workers.checkpoint first")
-    if sd["optimizer_params"] != [piece.slot.name for piece, _ in engine._opt_params]:
+    if sd["optimizer_params"] != [piece.slot.name for piece, _ in engine.opt_params]:
         raise ValueError("state dict optimizer parameter order differs from this engine's")
-    for piece, view in engine._opt_params:
+    for piece, view in engine.opt_params:
         view.copy_(sd["master"][piece.slot.name])
-    optim_groups.import_state(engine.optimizer, _views(engine), engine._opt_names, sd["optimizer"])
-    for n, p in engine._frozen:
+    optim_groups.import_state(engine.optimizer, _views(engine), engine.opt_names, sd["optimizer"])
+    for n, p in engine.frozen:
         src = sd["frozen"][n]
-        if id(p) in engine._frozen_fp32:
-            engine._frozen_fp32[id(p)].copy_(src)
+        if id(p) in engine.frozen_fp32:
+            engine.frozen_fp32[id(p)].copy_(src)
         p.data.copy_(src)
     bufs = dict(engine.module.named_buffers())
     for n, t in sd["buffers"].items():
         engine.module_buffers.load(bufs[n], t)
     if engine.scaler is not None and sd.get("loss_scaler") is not None:
         engine.scaler.load_state_dict(sd["loss_scaler"])
-    engine._step = int(sd["step"])
-    with engine.comm.uncounted():
-        engine.strategy.publish_params()
-    engine.strategy.zero_grads()
-    engine._got_grad = [False] * len(engine._got_grad)
+    return int(sd["step"])
 
 @torch.no_grad()
-def load_full_state_dict(engine: "ZeroEngine", full: dict[str, torch.Tensor]) -> None:
+def load_full_state_dict(engine: EngineView, full: dict[str, torch.Tensor]) -> None:
     """Set parameters (and buffers) from full tensors keyed as ``model.state_dict()``.
 
     The inverse of ``full_state_dict()``; optimizer state is left as it is. Every rank must
@@ -181,22 +214,20 @@ def load_full_state_dict(engine: "ZeroEngine", full: dict[str, torch.Tensor]) ->
         if key not in full:
             raise ValueError(f"full state dict lacks {key!r}")
         by_id.setdefault(id(t), full[key])
-    for piece, view in engine._opt_params:
-        src = by_id[id(engine._trainable[piece.slot.index])]
+    for piece, view in engine.opt_params:
+        src = by_id[id(engine.trainable[piece.slot.index])]
         view.copy_(src.reshape(-1)[piece.param_start : piece.param_end])
-    for _, p in engine._frozen:
-        if id(p) in engine._frozen_fp32:
-            engine._frozen_fp32[id(p)].copy_(by_id[id(p)])
+    for _, p in engine.frozen:
+        if id(p) in engine.frozen_fp32:
+            engine.frozen_fp32[id(p)].copy_(by_id[id(p)])
         p.data.copy_(by_id[id(p)])
     for b in engine.module.buffers():
         engine.module_buffers.load(b, by_id[id(b)])
-    with engine.comm.uncounted():
-        engine.strategy.publish_params()
 
-def state_dict_meta(engine: "ZeroEngine") -> dict[str, Any]:
+def state_dict_meta(engine: EngineView) -> dict[str, Any]:
     """The layout part of ``state_dict()`` without copying any tensor, and the optimizer's param
     groups (hyperparameters, held ``params`` and ``param_names``) in the state dict's numbering."""
-    held = {piece.slot.name: piece for piece, _ in engine._opt_params}
+    held = {piece.slot.name: piece for piece, _ in engine.opt_params}
     params = {}
     for s in engine.layout.slots:
         piece = held.get(s.name)
@@ -204,13 +235,13 @@ def state_dict_meta(engine: "ZeroEngine") -> dict[str, Any]:
                           "shard_range": [piece.param_start, piece.param_end] if piece else None,
                           "shard_offset": piece.shard_offset if piece else None}
     return {"shard_world_size": engine.shard_world, "shard_rank": engine.shard_rank, "params": params,
-            "optimizer_params": [piece.slot.name for piece, _ in engine._opt_params],
-            "param_groups": optim_groups.export_groups(engine.optimizer, _views(engine), engine._opt_names)}
+            "optimizer_params": [piece.slot.name for piece, _ in engine.opt_params],
+            "param_groups": optim_groups.export_groups(engine.optimizer, _views(engine), engine.opt_names)}
 
 
-def _views(engine: "ZeroEngine") -> list[torch.Tensor]:
+def _views(engine: EngineView) -> list[torch.Tensor]:
     """The optimizer's tensors in ``optimizer_params`` order."""
-    return [view for _, view in engine._opt_params]
+    return [view for _, view in engine.opt_params]
 
 
 def _to_cpu(obj, copy: bool = True):

@@ -27,6 +27,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from contract.zero_rules import shard_group_misfits
+
 
 @dataclass(frozen=True)
 class HybridGroups:
@@ -40,9 +42,7 @@ class HybridGroups:
 
 def check_shard_group_size(shard_group_size: Optional[int], world_size: int) -> None:
     """``ValueError`` naming the field unless ``shard_group_size`` is None or divides ``world_size``."""
-    if shard_group_size is None:
-        return
-    if world_size % shard_group_size:
+    if shard_group_misfits(shard_group_size, [world_size]):  # the spec's rule (contract/zero_rules.py)
         raise ValueError(f"shard_group_size={shard_group_size} must divide the world size {world_size} "
                          f"(groups of contiguous ranks: the world must be a whole number of groups)")
 

@@ -49,35 +49,13 @@ Collectives are issued in the order of the forward (module hooks) and of the aut
 which is the same on every rank as long as every rank runs the same units in the same order
 in every forward, evaluation forwards included (an evaluation on rank 0 alone would gather
 alone and hang) -- FSDP's rule too; a branch taken by some ranks only must stay inside one
-unit (e.g. the root), else the divergence check below raises. The forward prefetch follows the order recorded in the previous
+unit (e.g. the root), else the divergence check (``divergence.py``) raises. The forward prefetch follows the order recorded in the previous
 forward; when the order changes (eval mode, a branch), the prediction stops at the first
 mismatch, and a prefetched unit that is not among the next units predicted at the current
 unit -- or that is still unused when the forward or backward ends -- is freed (after its
 gather completes). At most ``prefetch + 1`` non-root units are gathered at any time when
 ``reshard_after_forward=True`` and ``keep_gathered_bytes=0`` (plus units held for a use
 outside, below, and the units other policies keep); ``max_gathered`` records the peak.
-
-[Note: divergence check]
-Ranks that run different units at the same point (rank 0 ``linears[0]``, rank 1 ``linears[1]``)
-issue gathers that match in count and size, so the collectives "succeed" and every rank trains
-on a mix of both units' shards. So every gather is preceded, on the same stream and group, by
-an all-gather of a 6-element int64 tag (``collectives.tagged_all_gather``): the step, the
-gather's number in the step, the unit, and the reduce-scatters issued so far in the step (count,
-last unit, an order-sensitive digest). After the collective every rank holds every rank's tag,
-so every rank finds the same first disagreement and raises the same error, naming the unit each
-rank wanted -- after waiting for everything it has in flight, so no collective is left
-half-issued. Tags are compared in issue order (``_Ledger.check``), so an unchecked stale
-prefetch is checked by the next wait. The backward's reduce-scatters are covered by the digest
-in the next gather's tag and by one tag-only gather when backward ends, checked by the next
-micro-step or by ``step()`` before the optimizer sees a gradient. Cost: one extra small
-collective per gather (launched with it, waited with it) and one per micro-step, counted under
-``control``; the step's volume stays 3Φ. A CPU rank checks each tag when its gather is waited;
-a CUDA rank would have to synchronize to read one, so it checks them all in ``step()`` (one
-synchronization, which ``step()``'s norm message makes anyway) -- still before any update.
-Units of different sizes gathered at the same point are not caught before the gather runs
-(the tag travels with it, not ahead of it, to keep the prefetch overlap): Gloo aborts the
-process on such a gather (SIGABRT), NCCL hangs or fails; silent only when the sizes agree,
-which is what the tag catches.
 
 [Note: parameters used outside their unit]
 A unit is freed after its forward, so a parameter used later outside it -- a module that
@@ -103,8 +81,6 @@ module outside the units instead (it then belongs to the root), or choose units 
 from __future__ import annotations
 
 import logging
-import weakref
-from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -115,185 +91,13 @@ from contract.zero_math import STAGE_TRAITS
 
 from .buckets import FlatBucket
 from .collectives import Collectives, Pending, tagged_all_gather
+from .divergence import Ledger
+from .stage3_units import FREE, GATHERED, GATHERING, Unit, _OrderPredictor, _PostBackward, _WatchedParameters
 from .parameter_guards import remove_guards
 from .stages import ReduceScatterInBackwardStrategy
 from .units import KeptUnits, UnitPlan
 
 log = logging.getLogger(__name__)
-
-FREE, GATHERING, GATHERED = "free", "gathering", "gathered"
-
-
-@dataclass
-class Unit:
-    index: int
-    name: str
-    module: nn.Module
-    bucket: FlatBucket
-    shard: torch.Tensor  # this rank's compute-dtype shard (the master itself for fp32)
-    is_root: bool
-    state: str = FREE
-    pending: Optional[Pending] = None
-    prefetched: bool = False  # gathered ahead of use and not used yet
-    # per micro-step backward bookkeeping
-    fwd_uses: int = 0  # forward calls with grad enabled
-    posts_pending: int = 0  # post-backward functions registered and not fired yet
-    post_at_end: bool = False  # some use had no input requiring grad: reduce when backward ends
-    pre_backward_done: bool = False
-    reduced: bool = False
-    # a parameter of this unit is used outside its forward: stay gathered until the end of the
-    # forward ("forward", no grad) or of the backward ("backward"); see the note on outside uses
-    held: Optional[str] = None
-    warned: set = field(default_factory=set)  # parameter names already reported as used outside
-
-    @property
-    def flat(self) -> torch.Tensor:
-        return self.bucket.flat_param
-
-
-class _PostBackward(torch.autograd.Function):
-    """Identity on the unit's inputs whose backward tells the strategy the unit's backward ended."""
-
-    @staticmethod
-    def forward(ctx, strategy: "ParamShardStrategy", unit: Unit, *inputs: torch.Tensor):
-        ctx.strategy, ctx.unit = strategy, unit
-        return inputs if len(inputs) != 1 else inputs[0]
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.strategy._post_backward(ctx.unit)
-        return (None, None) + grads
-
-
-class _OrderPredictor:
-    """Which units come next, according to the order recorded last time."""
-
-    def __init__(self, expected: list[int]):
-        self.expected = expected
-        self.pos = 0
-
-    def after(self, index: int, count: int) -> list[int]:
-        try:
-            i = self.expected.index(index, self.pos)
-        except ValueError:
-            self.pos = len(self.expected)  # the order changed: predict nothing until it is relearnt
-            return []
-        self.pos = i + 1
-        out: list[int] = []
-        for j in self.expected[i + 1:]:
-            if len(out) >= count:
-                break
-            if j != index and j not in out:
-                out.append(j)
-        return out
-
-
-_RULE = (" -- every rank must run the same units in the same order, evaluation forwards included "
-         "(docs/engine.md, \"Stage 3\"); this engine cannot continue")
-
-#: how many gathers a CUDA rank lets go unchecked before it synchronizes to check them
-MAX_UNCHECKED = 256
-
-
-class _Ledger:
-    """What this rank gathered and reduce-scattered, in order: the tags of the divergence check.
-
-    A tag is ``[step, gather number in the step, unit, reduce-scatters so far in the step, the
-    last one's unit, an order-sensitive digest of them all]`` (see the note on divergence).
-    """
-
-    def __init__(self, names: list[str], device: torch.device):
-        self.names = names
-        self.device = device
-        self.defer = device.type == "cuda"  # reading a tag on the host would synchronize: check at step()
-        self.step, self.gathers = 1, 0
-        self.rs_count, self.rs_last, self.rs_digest = 0, -1, 0
-        self.unchecked: list[tuple[Pending, torch.Tensor]] = []  # issue order
-
-    def tag(self, unit: int) -> torch.Tensor:
-        return torch.tensor([self.step, self.gathers, unit, self.rs_count, self.rs_last, self.rs_digest],
-                            dtype=torch.int64, device=self.device)
-
-    def next_gather(self, unit: int) -> torch.Tensor:
-        self.gathers += 1
-        return self.tag(unit)
-
-    def reduce_scattered(self, unit: int) -> None:
-        self.rs_count += 1
-        self.rs_last = unit
-        self.rs_digest = (self.rs_digest * 1_000_003 + unit + 1) % (1 << 61)
-
-    def next_step(self) -> None:
-        self.step += 1
-        self.gathers = self.rs_count = self.rs_digest = 0
-        self.rs_last = -1
-
-    def check(self, upto: Optional[Pending] = None) -> Optional[str]:
-        """The first disagreement among the tags issued up to ``upto`` (every one if None), if any.
-
-        Tags are compared in issue order, so every rank reports the same (first) disagreement
-        however its waits were ordered. A CUDA rank checks only when asked for every tag
-        (``upto=None``: ``step()``, or too many unchecked), since reading one synchronizes.
-        """
-        if upto is not None:
-            if self.defer and len(self.unchecked) < MAX_UNCHECKED:
-                return None
-            if not self.defer and not any(p is upto for p, _ in self.unchecked):
-                return None  # checked already, with an earlier one
-        n = len(self.unchecked) if upto is None or self.defer else \
-            next(i for i, (p, _) in enumerate(self.unchecked) if p is upto) + 1
-        batch, self.unchecked = self.unchecked[:n], self.unchecked[n:]
-        for p, _ in batch:
-            p.wait()
-        if self.defer and batch:
-            torch.cuda.current_stream(self.device).synchronize()
-        for _, tags in batch:
-            msg = self._compare(tags.tolist())
-            if msg is not None:
-                return msg
-        return None
-
-    def _name(self, unit: int) -> str:
-        return self.names[unit] if 0 <= unit < len(self.names) else "no unit"
-
-    def _compare(self, rows: list[list[int]]) -> Optional[str]:
-        if all(r == rows[0] for r in rows):
-            return None
-        step, gather = rows[0][0], rows[0][1]
-        if any(r[0] != step or r[1] != gather for r in rows):
-            at = ", ".join(f"rank {i} at gather #{r[1]} of step {r[0]} ({self._name(r[2])})" for i, r in enumerate(rows))
-            return f"stage 3: ranks gathered different numbers of units: {at}" + _RULE
-        if any(r[2] != rows[0][2] for r in rows):
-            wants = ", ".join(f"rank {i} wanted {self._name(r[2])}" for i, r in enumerate(rows))
-            return f"stage 3: ranks gathered different units at gather #{gather} of step {step}: {wants}" + _RULE
-        did = ", ".join(f"rank {i} {r[3]}, the last {self._name(r[4])}" for i, r in enumerate(rows))
-        return (f"stage 3: ranks reduce-scattered different units (by gather #{gather} of step {step}; "
-                f"reduce-scatters so far: {did})" + _RULE)
-
-
-class _WatchedParameters(dict):
-    """A module's ``_parameters`` that tells stage 3 when a unit's parameter is read.
-
-    ``nn.Module.__getattr__`` reads parameters through ``_parameters[name]``: this is the one
-    place every ``module.weight`` goes through (DeepSpeed's ``ZeROOrderedDict``). Pickled and
-    copied as a plain dict; ``remove_hooks`` puts the plain dict back.
-    """
-
-    def __init__(self, params: dict, strategy: "ParamShardStrategy", module: nn.Module):
-        super().__init__(params)
-        self._strategy = weakref.ref(strategy)
-        self._module = weakref.ref(module)
-
-    def __getitem__(self, name: str):
-        value = super().__getitem__(name)
-        strategy = self._strategy()
-        if strategy is not None and strategy._in_forward:
-            strategy._on_param_read(self._module(), name, value)
-        return value
-
-    def __reduce_ex__(self, protocol):
-        return dict, (dict(self),)
-
 
 class ParamShardStrategy(ReduceScatterInBackwardStrategy):
     """Stage 3: stage 2's gradient path, launched per unit, plus parameter gathering."""
@@ -326,7 +130,7 @@ class ParamShardStrategy(ReduceScatterInBackwardStrategy):
         self._always_kept = {u.index for u in self.units} if reshard_after_forward is False else \
             {blocks[-1].index} if reshard_after_forward == "all_but_last" and blocks else set()
         self._kept = KeptUnits(keep_gathered_bytes) if keep_gathered_bytes else None
-        self._ledger = _Ledger([u.name for u in self.units], comm.device)
+        self._ledger = Ledger([u.name for u in self.units], comm.device)
         self._rs_check: Optional[Pending] = None  # the end-of-backward tag, checked before the next use
         self._in_forward = False  # between the root's pre- and post-forward hooks
         self._active: list[int] = []  # non-root units whose forward is running
@@ -435,7 +239,7 @@ class ParamShardStrategy(ReduceScatterInBackwardStrategy):
         self.counts["stale_freed"] += 1
         self._reshard(unit)
 
-    # -- divergence check (see the note) ----------------------------------------------------------------
+    # -- divergence check (divergence.py) ------------------------------------------------------------------
     def _verify(self, upto: Optional[Pending] = None) -> None:
         """Raise on every rank if the tags gathered so far (up to ``upto``) disagree."""
         msg = self._ledger.check(upto)

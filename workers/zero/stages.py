@@ -86,19 +86,16 @@ ranks of the shard group and the all-reduce after it over the R groups (``hybrid
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Optional
 
 import torch
 import torch.nn as nn
 
-from contract.zero_math import STAGE_TRAITS, StageTraits, stage_traits
+from contract.zero_math import STAGE_TRAITS, StageTraits
 
 from .buckets import FlatBucket
 from .collectives import Collectives, Pending
 from .param_gathers import ParamGathers
-
-if TYPE_CHECKING:
-    from .units import UnitPlan
 
 
 #: stage 2: reduce-scatters in flight at once (each holds one bucket-sized scratch)
@@ -484,37 +481,3 @@ class ReduceScatterInBackwardStrategy(Strategy):
             if b.grad_shard is None:
                 b.grad_shard = self._new_shard(b).zero_()
         return [b.grad_shard for b in self.buckets]
-
-
-def make_strategy(
-    stage: int,
-    buckets: list[FlatBucket],
-    comm: Collectives,
-    overlap_comm: bool,
-    units: "UnitPlan | None" = None,
-    prefetch: int = 1,
-    reshard_after_forward: Any = True,
-    module: Optional[nn.Module] = None,
-    keep_gathered_bytes: int = 0,
-) -> Strategy:
-    """The strategy that runs ``stage`` over ``buckets``, chosen by what the stage shards.
-
-    A stage that shards parameters (3) needs the unit plan its buckets were built from (one
-    bucket per non-empty unit), the prefetch depth and which units to keep gathered after
-    forward (``reshard_after_forward``, ``keep_gathered_bytes``).
-    Stages 1/2 hook ``module`` to wait for their parameter gathers (None: they wait in ``step()``).
-    """
-    traits = stage_traits(stage)
-    if traits.shards_parameters:
-        if units is None:
-            raise ValueError(f"stage {stage} shards parameters: it needs the unit plan (units.plan_units)")
-        # stage3 builds on this module's stage-2 strategy, so it is imported when first needed
-        from .stage3 import ParamShardStrategy
-
-        return ParamShardStrategy(buckets, comm, overlap_comm, units, prefetch, reshard_after_forward,
-                                  keep_gathered_bytes)
-    if traits.shards_gradients:
-        return ReduceScatterInBackwardStrategy(buckets, comm, overlap_comm, module)
-    if traits.reduces_at_step:
-        return ReduceScatterAtStepStrategy(buckets, comm, overlap_comm, module)
-    return AllReduceStrategy(buckets, comm, overlap_comm)

@@ -125,7 +125,7 @@ def test_consolidate_to_a_hugging_face_directory(saved, tmp_path, capsys):
 
     with torch.device("meta"):
         model = tiny_gpt(seed=99)
-    engine = ZeroEngine(model, lambda ps: torch.optim.AdamW(ps, lr=1e-3), ZeroConfig(stage=1, bucket_mb=0.002),
+    engine = ZeroEngine(model, lambda ps: torch.optim.AdamW(ps, lr=1e-3), ZeroConfig(stage=1, precision="bf16", bucket_mb=0.002),
                         init_weights=f"file://{out}")
     loaded = engine.full_state_dict()
     engine.close()

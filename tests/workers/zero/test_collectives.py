@@ -91,7 +91,7 @@ def test_forced_world_of_one_trains_bit_identically_to_the_local_path(forced, st
 
 
 def test_watchdog_forgets_a_collective_once_it_completed():
-    from workers.zero.collectives import _WATCHDOG
+    from workers.zero.watchdog import WATCHDOG as _WATCHDOG
 
     class Done:
         completed = False

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
+from pydantic import ValidationError
 
+from contract.spec import TrainSpec, ZeroSpec
 from workers.zero import ZeroConfig, ZeroEngine
 from workers.zero import config as config_mod
 
@@ -45,7 +47,7 @@ def test_good_values():
                      prefetch=1, grad_clip=None)
     assert cfg.compute_dtype == torch.bfloat16
     assert ZeroConfig.from_dict(cfg.to_dict()) == cfg
-    ZeroConfig(stage=3, wrap=["Block"], grad_clip=1, bucket_mb=0.5)
+    ZeroConfig(stage=3, precision="bf16", wrap=["Block"], grad_clip=1, bucket_mb=0.5)
     with pytest.raises(ValueError, match="unknown ZeroConfig field"):
         ZeroConfig.from_dict({"stag": 1})
 
@@ -101,3 +103,37 @@ def test_precisions_are_the_contracts_with_the_element_sizes_it_states():
 def test_bucket_numel_is_bucket_mb_of_the_compute_dtype():
     assert ZeroConfig(precision="fp32", bucket_mb=1).bucket_numel == 2**20 // 4
     assert config_mod.elements_per_bucket(1e-9, 4) == 1  # never an empty bucket
+
+
+def test_the_job_facing_defaults_are_the_contracts():
+    """One definition: a field ZeroSpec and ZeroConfig share has ZeroSpec's default on both sides."""
+    spec, cfg = ZeroSpec(), ZeroConfig()
+    shared = set(ZeroSpec.model_fields) & set(ZeroConfig.__dataclass_fields__) - {"stage"}  # "auto" is a job's
+    assert shared == set(ZeroSpec.model_fields) - {"stage"}
+    assert {name: getattr(cfg, name) for name in shared} == {name: getattr(spec, name) for name in shared}
+    assert cfg.precision == "fp32"
+
+
+def test_from_spec_takes_every_field_of_the_block_and_the_jobs_grad_clip():
+    zero = ZeroSpec(stage="auto", precision="bf16", bucket_mb=0.5, prefetch=2, activation_checkpointing=True,
+                    reshard_after_forward="all_but_last", keep_gathered_bytes=1024, broadcast_buffers=False,
+                    sync_batchnorm=True, shard_group_size=2)
+    train = TrainSpec(steps=1, global_batch_size=2, micro_batch_size=1, grad_clip=0.5)
+    cfg = ZeroConfig.from_spec(zero, train, stage=3, offload_optimizer=True)
+    want = {**zero.model_dump(), "stage": 3, "offload_optimizer": True, "grad_clip": 0.5}
+    assert {name: getattr(cfg, name) for name in want} == want
+    with pytest.raises(ValueError, match="resolve it"):
+        ZeroConfig.from_spec(zero, train)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"stage": 0, "offload_optimizer": True}, "offload_optimizer needs stage 1, 2 or 3"),
+    ({"stage": 2, "keep_gathered_bytes": 1}, "keep_gathered_bytes needs stage 3"),
+])
+def test_the_cross_field_rules_are_the_contracts(kwargs, message):
+    """The engine refuses with the sentence the control plane's 422 carries (contract/zero_rules.py)."""
+    with pytest.raises(ValueError, match=message) as engine_refused:
+        ZeroConfig(**kwargs)
+    with pytest.raises(ValidationError) as submit_refused:
+        ZeroSpec(**kwargs)
+    assert str(engine_refused.value) in str(submit_refused.value)

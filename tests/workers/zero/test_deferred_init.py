@@ -36,7 +36,7 @@ def test_preset_deferred_is_bitwise_eager(name):
     with torch.device("meta"):
         model = GPT(PRESETS[name])
     assert all(p.is_meta for p in model.parameters())
-    with ZeroEngine(model, dc.adamw, ZeroConfig(stage=0)) as engine:
+    with ZeroEngine(model, dc.adamw, ZeroConfig(stage=0, precision="bf16")) as engine:
         full = engine.full_state_dict()
     assert model.lm_head.weight is model.wte.weight  # the tie survives materialization
     assert set(full) == set(eager)
@@ -133,19 +133,19 @@ def test_a_file_that_does_not_fit_is_refused_naming_the_key(tmp_path, spoil, lay
     source = dc.write_single(state, str(tmp_path / "w.safetensors")) if layout == "single" \
         else dc.write_hf_dir(state, str(tmp_path / "hf"))
     with pytest.raises(ValueError, match=error):
-        ZeroEngine(_meta_small(), dc.adamw, ZeroConfig(stage=stage), init_weights=source)
+        ZeroEngine(_meta_small(), dc.adamw, ZeroConfig(stage=stage, precision="bf16"), init_weights=source)
 
 
 def test_not_a_weights_source(tmp_path):
     with pytest.raises(ValueError, match="neither a .safetensors file nor a directory"):
-        ZeroEngine(_meta_small(), dc.adamw, ZeroConfig(stage=1), init_weights=str(tmp_path))
+        ZeroEngine(_meta_small(), dc.adamw, ZeroConfig(stage=1, precision="bf16"), init_weights=str(tmp_path))
 
 
 def test_parameter_without_initializer_is_named():
     with torch.device("meta"):
         model = dc.NoReset()
     with pytest.raises(ValueError, match=r"parameter 'scale' was built on the meta device .*\(NoReset\) has no reset_parameters"):
-        ZeroEngine(model, dc.adamw, ZeroConfig(stage=0))
+        ZeroEngine(model, dc.adamw, ZeroConfig(stage=0, precision="bf16"))
 
 
 def test_callable_initializer_runs_on_each_module():
@@ -158,7 +158,7 @@ def test_callable_initializer_runs_on_each_module():
 
     with torch.device("meta"):
         model = dc.NoReset()
-    with ZeroEngine(model, dc.adamw, ZeroConfig(stage=0), init_weights=init) as engine:
+    with ZeroEngine(model, dc.adamw, ZeroConfig(stage=0, precision="bf16"), init_weights=init) as engine:
         full = engine.full_state_dict()
     assert sorted(seen) == ["Linear", "NoReset"]
     assert all(torch.equal(v, torch.full_like(v, 0.5)) for v in full.values())
@@ -170,7 +170,7 @@ def test_reset_parameters_is_the_default():
     with torch.device("meta"):
         model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.BatchNorm1d(8))
     torch.manual_seed(3)
-    with ZeroEngine(model, dc.adamw, ZeroConfig(stage=0)) as engine:
+    with ZeroEngine(model, dc.adamw, ZeroConfig(stage=0, precision="bf16")) as engine:
         full = engine.full_state_dict()
     assert torch.equal(full["1.weight"], torch.ones(8)) and torch.equal(full["2.running_var"], torch.ones(8))
     assert full["0.weight"].abs().max() <= 8 ** -0.5  # kaiming-uniform bound of Linear(8, 8)

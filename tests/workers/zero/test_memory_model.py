@@ -192,7 +192,8 @@ def test_tracker_ignores_parameters_and_counts_views_once():
 
 
 def _inputs(phi: float, n: int, activation_gb: float = 0.0) -> PlanInputs:
-    return PlanInputs(shape=ModelShape.from_count(phi), n_ranks=n, activation_bytes=int(activation_gb * GB))
+    return PlanInputs(shape=ModelShape.from_count(phi), n_ranks=n, precision="bf16",
+                      activation_bytes=int(activation_gb * GB))
 
 
 def test_choice_lowest_stage_that_fits_then_offload_then_refuse():
@@ -228,6 +229,7 @@ def test_plan_records_every_term_and_is_json():
         PlanInputs(
             shape=model_shape({"preset": "gpt-small"}),
             n_ranks=8,
+            precision="bf16",
             activation_bytes=10**9,
             bandwidth_bytes_per_s=gbps_to_bytes_per_s(100),
             compute_s=0.5,

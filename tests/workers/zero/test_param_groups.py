@@ -254,7 +254,7 @@ def test_resharded_resume_keeps_groups_and_continues_like_one_process(worlds):
 
 def test_the_optimizer_must_hold_each_view_once_and_nothing_else():
     model = make_model()
-    cfg = ZeroConfig(stage=0)
+    cfg = ZeroConfig(stage=0, precision="bf16")
     with pytest.raises(ValueError, match="leaves out"):
         ZeroEngine(make_model(), named_factory(lambda ps: torch.optim.SGD([p.tensor for p in ps[1:]], lr=0.1)), cfg)
     with pytest.raises(ValueError, match="twice"), pytest.warns(UserWarning, match="duplicate"):  # torch only warns

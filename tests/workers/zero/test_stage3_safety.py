@@ -220,7 +220,7 @@ def test_parameters_used_outside_their_unit_train_like_one_process():
 def test_tags_name_what_differs():
     """The tag comparison on its own (no world): it sees a reduce-scatter order that differs even
     when count and last unit agree (the digest), and ranks that gathered different numbers of units."""
-    from workers.zero.stage3 import _Ledger
+    from workers.zero.divergence import Ledger as _Ledger
 
     names = ["blocks.0", "blocks.1", "blocks.2"]
     a, b = _Ledger(names, torch.device("cpu")), _Ledger(names, torch.device("cpu"))

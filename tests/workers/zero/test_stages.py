@@ -16,8 +16,8 @@ from workers.zero.stages import (
     AllReduceStrategy,
     ReduceScatterAtStepStrategy,
     ReduceScatterInBackwardStrategy,
-    make_strategy,
 )
+from workers.zero.strategies import make_strategy
 
 
 class RecordingComm:

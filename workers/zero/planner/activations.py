@@ -23,6 +23,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from contract.zero_math import DEFAULT_PRECISION
+
 from ..config import PRECISIONS
 from ..flat import FlatLayout, packed_numel
 from ..stages import MAX_INFLIGHT_BUCKETS
@@ -349,7 +351,7 @@ def profile_activations(
     model_spec: dict[str, Any],
     micro_batch: int,
     seq_len: int,
-    precision: str = "bf16",
+    precision: str = DEFAULT_PRECISION,
     device: str = "meta",
     vocab_size: int | None = None,
     activation_checkpointing: bool = False,

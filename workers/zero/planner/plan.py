@@ -29,6 +29,9 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Sequence
 
 from contract.zero_math import (
+    DEFAULT_BUCKET_MB,
+    DEFAULT_PRECISION,
+    DEFAULT_PREFETCH,
     DEFAULT_TARGET_EFFICIENCY,
     GB,
     STAGES,
@@ -92,9 +95,9 @@ class PlanInputs:
 
     shape: ModelShape
     n_ranks: int
-    precision: str = "bf16"
-    bucket_mb: float = 25.0
-    prefetch: int = 1
+    precision: str = DEFAULT_PRECISION
+    bucket_mb: float = DEFAULT_BUCKET_MB
+    prefetch: int = DEFAULT_PREFETCH
     activation_bytes: int | None = None  # None: not estimated (counted as 0, said so)
     activation_bytes_stage0: int | None = None  # joint peak with stage 0's full gradients replayed
     activation_bytes_stage2: int | None = None  # the same with stages 1-2's buckets (full, then shards)
@@ -425,15 +428,15 @@ def _host_fits(candidate: StagePrediction, host_limit: int | None) -> bool:
 def plan_for_count(
     params: float,
     gpus: int,
-    precision: str = "bf16",
+    precision: str = DEFAULT_PRECISION,
     gpu_memory_bytes: int | None = None,
     margin: float = DEFAULT_MARGIN,
     host_memory_bytes: int | None = None,
     bandwidth_bytes_per_s: float | None = None,
     compute_s: float | None = None,
     target_efficiency: float = DEFAULT_TARGET_EFFICIENCY,
-    bucket_mb: float = 25.0,
-    prefetch: int = 1,
+    bucket_mb: float = DEFAULT_BUCKET_MB,
+    prefetch: int = DEFAULT_PREFETCH,
     activation_bytes: int | None = None,
     units: int = DEFAULT_UNITS,
 ) -> Plan:

@@ -1,0 +1,68 @@
+"""The cross-field rules of the ``zero`` block, written once and torch-free.
+
+``ZeroSpec`` (contract/spec.py) calls them at submit, so a broken combination is a 422 naming
+the field (``zero.offload_optimizer``); the engine's ``ZeroConfig`` (workers/zero/config.py)
+calls the same functions and raises ``ValueError`` with the same sentence. A rule added here
+is enforced on both sides.
+
+[Note: rules that depend on the stage, and ``stage: "auto"``]
+A rule such as "offload_optimizer needs stage 1-3" cannot be checked against ``"auto"``: the
+planner picks the stage later. Instead of refusing such a spec, ``allowed_stages`` tells the
+planner which stages the other fields leave open, and the planner only chooses among them
+(``workers/planning.py``). So ``{stage: "auto", keep_gathered_bytes: 1e9}`` resolves to stage 3
+and ``{stage: "auto", offload_optimizer: true}`` to stage 1-3, and a fixed stage the other
+fields forbid is refused at submit. No combination is refused for "auto" that some stage runs.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+from contract.zero_math import STAGES, stage_traits
+
+
+class ZeroRuleBroken(ValueError):
+    """One broken rule: the spec field it names (``zero.offload_optimizer``) and the sentence."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+        self.message = message
+
+
+def _needs(stage: int, offload_optimizer: bool, keep_gathered_bytes: int) -> ZeroRuleBroken | None:
+    traits = stage_traits(stage)
+    if offload_optimizer and not traits.shards_optimizer:
+        return ZeroRuleBroken("zero.offload_optimizer",
+                              f"offload_optimizer needs stage 1, 2 or 3 (stage {stage} keeps the whole optimizer "
+                              f"on every rank); got stage={stage}")
+    if keep_gathered_bytes and not traits.shards_parameters:
+        return ZeroRuleBroken("zero.keep_gathered_bytes",
+                              f"keep_gathered_bytes needs stage 3 (only stage 3 gathers parameters for a "
+                              f"forward); got stage={stage}")
+    return None
+
+
+def check_stage_fields(stage: int | str, offload_optimizer: bool, keep_gathered_bytes: int) -> None:
+    """Raise ``ZeroRuleBroken`` when ``stage`` cannot run with the other fields; ``"auto"`` passes
+    when some stage can (``allowed_stages`` then limits the planner's choice)."""
+    if stage == "auto":
+        if not allowed_stages(offload_optimizer, keep_gathered_bytes):  # pragma: no cover - every rule leaves 3
+            raise ZeroRuleBroken("zero.stage", "no ZeRO stage runs with these zero fields")
+        return
+    broken = _needs(stage, offload_optimizer, keep_gathered_bytes)
+    if broken is not None:
+        raise broken
+
+
+def allowed_stages(offload_optimizer: bool, keep_gathered_bytes: int,
+                   stages: Sequence[int] = STAGES) -> tuple[int, ...]:
+    """The stages among ``stages`` that run with these fields: what ``"auto"`` may resolve to."""
+    return tuple(s for s in stages if _needs(s, offload_optimizer, keep_gathered_bytes) is None)
+
+
+def shard_group_misfits(shard_group_size: int | None, world_sizes: Iterable[int]) -> list[int]:
+    """The world sizes that ``shard_group_size`` does not split into whole groups of contiguous ranks."""
+    if shard_group_size is None:
+        return []
+    return [n for n in world_sizes if n % shard_group_size]

@@ -1,0 +1,50 @@
+"""``make_strategy``: the strategy object that runs a ZeRO stage, picked by what the stage shards.
+
+It sits above the stages (``stages.py`` for 0-2, ``stage3.py`` for 3, which builds on stage 2),
+so no stage module imports another's subclass.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch.nn as nn
+
+from contract.zero_math import stage_traits
+
+from .buckets import FlatBucket
+from .collectives import Collectives
+from .stage3 import ParamShardStrategy
+from .stages import AllReduceStrategy, ReduceScatterAtStepStrategy, ReduceScatterInBackwardStrategy, Strategy
+from .units import UnitPlan
+
+
+def make_strategy(
+    stage: int,
+    buckets: list[FlatBucket],
+    comm: Collectives,
+    overlap_comm: bool,
+    units: UnitPlan | None = None,
+    prefetch: int = 1,
+    reshard_after_forward: Any = True,
+    module: Optional[nn.Module] = None,
+    keep_gathered_bytes: int = 0,
+) -> Strategy:
+    """The strategy that runs ``stage`` over ``buckets``, chosen by what the stage shards.
+
+    A stage that shards parameters (3) needs the unit plan its buckets were built from (one
+    bucket per non-empty unit), the prefetch depth and which units to keep gathered after
+    forward (``reshard_after_forward``, ``keep_gathered_bytes``).
+    Stages 1/2 hook ``module`` to wait for their parameter gathers (None: they wait in ``step()``).
+    """
+    traits = stage_traits(stage)
+    if traits.shards_parameters:
+        if units is None:
+            raise ValueError(f"stage {stage} shards parameters: it needs the unit plan (units.plan_units)")
+        return ParamShardStrategy(buckets, comm, overlap_comm, units, prefetch, reshard_after_forward,
+                                  keep_gathered_bytes)
+    if traits.shards_gradients:
+        return ReduceScatterInBackwardStrategy(buckets, comm, overlap_comm, module)
+    if traits.reduces_at_step:
+        return ReduceScatterAtStepStrategy(buckets, comm, overlap_comm, module)
+    return AllReduceStrategy(buckets, comm, overlap_comm)

@@ -1,0 +1,108 @@
+"""What the collectives hand back and count: ``Pending`` (a launched collective, waited once),
+the work objects it may wrap (a CUDA side stream's, several as one, one then a local step),
+and ``CommCounter`` (elements sent, time blocked). ``collectives.py`` makes them; the stages
+hold and wait ``Pending``s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+
+@dataclass
+class CommCounter:
+    """Elements passed to collectives (and time blocked on them) since the last ``reset``."""
+
+    all_gather: int = 0
+    reduce_scatter: int = 0
+    all_reduce: int = 0  # already doubled
+    control: int = 0  # scalars/masks; not part of "total"
+    inter_group: int = 0  # of the above (not control): across shard groups (hybrid sharding, ``hybrid.py``)
+    exposed_s: float = 0.0
+    calls: int = 0
+
+    def snapshot(self) -> dict:
+        return {
+            "all_gather": self.all_gather,
+            "reduce_scatter": self.reduce_scatter,
+            "all_reduce": self.all_reduce,
+            "total": self.all_gather + self.reduce_scatter + self.all_reduce,
+            "control": self.control,
+            "intra_group": self.all_gather + self.reduce_scatter + self.all_reduce - self.inter_group,
+            "inter_group": self.inter_group,
+        }
+
+
+@dataclass
+class Pending:
+    """A launched collective. ``wait()`` once; the result is valid afterwards."""
+
+    work: Optional[object]
+    label: str
+    seq: int
+    owner: Any  # the Collectives that launched it: its _timed_wait times the wait
+    done: bool = False
+    tensors: tuple = field(default_factory=tuple)  # kept alive until waited on
+    watch: Optional[int] = None  # the watchdog's token (watchdog.py, the note on the watchdog)
+
+    def is_completed(self) -> bool:
+        return self.done or self.work is None or self.work.is_completed()
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        if self.work is not None:
+            self.owner._timed_wait(self.work, self.watch)
+        self.tensors = ()
+
+
+class _StreamWork:
+    """A collective queued on a CUDA side stream: complete when the event after it is; ``wait()``
+    makes the compute stream wait for it (collectives.py, the note on CUDA streams)."""
+
+    def __init__(self, event: "torch.cuda.Event", device: torch.device):
+        self.event = event
+        self.device = device
+
+    def is_completed(self) -> bool:
+        with torch.cuda.device(self.device):  # the watchdog's thread asks too
+            return self.event.query()
+
+    def wait(self) -> None:
+        torch.cuda.current_stream(self.device).wait_event(self.event)
+
+
+class _Then:
+    """Works waited on as one, then a local step on their result, once (a two-rank exchange's sum)."""
+
+    def __init__(self, works, then: Callable[[], object]):
+        self.works = list(works)
+        self.then: Optional[Callable[[], object]] = then
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+        if self.then is not None:
+            then, self.then = self.then, None
+            then()
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self.works)
+
+
+class _AllOf:
+    """Several works waited on as one (a tag gather and the gather it describes; broadcasts)."""
+
+    def __init__(self, works):
+        self.works = list(works)
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self.works)
