@@ -144,7 +144,7 @@ class ZeroConfig:
         """A job's config: every field of its ``zero`` block, ``train.grad_clip``, and ``stage`` /
         ``offload_optimizer`` as resolved (required when the block says ``"auto"``); the
         engine-only knobs keep their defaults unless given."""
-        fields = zero.model_dump()
+        fields = zero.model_dump() | {k: engine_knobs.pop(k) for k in ("nvme_path",) if k in engine_knobs}
         fields["stage"] = fields["stage"] if stage is None else stage
         if offload_optimizer is not None:
             fields["offload_optimizer"] = offload_optimizer
