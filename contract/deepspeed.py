@@ -18,7 +18,7 @@ A value of ``"auto"`` is left to the rest of the spec (its own field, or the def
 Trainer fills it from its arguments. A key zerotrain does not know, or a value it cannot
 honour (a static loss scale, parameter offload, a scheduler's floor it has no field for), is a
 ``DeepSpeedConfigError`` naming ``deepspeed.<path>`` and why; so is a mapped value that differs
-from a field the spec sets itself. Keys that only tune DeepSpeed's own machinery (bucket
+from a field the spec sets itself (a field the spec sets to ``"auto"`` counts as unset). Keys that only tune DeepSpeed's own machinery (bucket
 sizes, ``overlap_comm``, ``contiguous_gradients``, pinned buffers, monitors) are accepted and
 listed in ``notes`` as "ignored: ...", for the job's events. The result is plain spec fields:
 the stored spec shows what the block became.
@@ -303,7 +303,7 @@ def _check_conflicts(out: Translation, spec: dict[str, Any]) -> None:
     for section, values in out.fields.items():
         given = spec.get(section) or {}
         for name, value in values.items():
-            if name in given and given[name] != value and not (_is_number(value) and _is_number(given[name])
+            if name in given and given[name] not in (value, AUTO) and not (_is_number(value) and _is_number(given[name])
                                                                and float(value) == float(given[name])):
                 raise DeepSpeedConfigError(out.origins[(section, name)],
                                            f"sets {section}.{name} to {value!r}, but the spec sets it to "

@@ -190,9 +190,9 @@ METRICS: tuple[MetricField, ...] = (
     MetricField("mem_disk_bytes", float, "bytes", "optimizer state this rank keeps in swap files (NVMe offload)",
                 Across.LATEST_PER_RANK, lambda o: o.memory.get("disk")),
     MetricField("io_read_bytes", float, "bytes", "bytes this rank read from its swap files in the step",
-                Across.MEAN, lambda o: o.io_read_bytes),
+                Across.NONE, lambda o: o.io_read_bytes),
     MetricField("io_write_bytes", float, "bytes", "bytes this rank wrote to its swap files in the step",
-                Across.MEAN, lambda o: o.io_write_bytes),
+                Across.NONE, lambda o: o.io_write_bytes),
     MetricField("io_wait_s", float, "s", "swap-file I/O the step waited for (not hidden by the optimizer's work)",
                 Across.MEAN, lambda o: o.io_wait_s, Series("exposed", "exposed swap I/O", "seconds", place=2)),
 )

@@ -60,10 +60,13 @@ log = logging.getLogger(__name__)
 
 
 def lr_at(step: int, *, lr: float, warmup_steps: int, total_steps: int, schedule: str = "cosine",
-          min_ratio: float = MIN_LR_RATIO) -> float:
-    """LR for 0-based ``step``: linear warmup to ``lr``, then ``schedule`` (``train.schedule``):
-    ``cosine`` or ``linear`` down to ``min_ratio·lr`` at the last step, or ``constant``."""
+          min_ratio: float = MIN_LR_RATIO, warmup_type: str = "linear") -> float:
+    """LR for 0-based ``step``: warmup to ``lr`` (``train.warmup_type``: linear, or DeepSpeed's log
+    ``lr·log(step+1)/log(W)``), then ``schedule`` (``train.schedule``): ``cosine`` or ``linear``
+    down to ``min_ratio·lr`` at the last step, or ``constant``."""
     if warmup_steps and step < warmup_steps:
+        if warmup_type == "log":  # DeepSpeed's WarmupLR (which counts at least 2 warmup steps)
+            return lr * math.log(step + 1) / math.log(max(warmup_steps, 2))
         return lr * (step + 1) / warmup_steps
     decay_steps = max(1, total_steps - warmup_steps)
     progress = min(1.0, (step - warmup_steps) / decay_steps)
@@ -457,7 +460,7 @@ def train_loop(config: dict[str, Any], context: RunContext | None = None) -> dic
     try:
         while step < total_steps:
             lr = lr_at(step, lr=train.lr, warmup_steps=train.warmup_steps, total_steps=total_steps,
-                       schedule=train.schedule)
+                       schedule=train.schedule, min_ratio=train.min_lr_ratio, warmup_type=train.warmup_type)
             for group in engine.optimizer.param_groups:
                 group["lr"] = lr * group.get("lr_scale", 1.0)
             started = time.perf_counter()
