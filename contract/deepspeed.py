@@ -212,7 +212,7 @@ def _zero(zero: _Reader, out: Translation) -> None:
                 out.notes.append(f"ignored: {optimizer.path('nvme_path')} (read with device 'nvme' only)")
             else:
                 out.set("zero", "nvme_path", path, optimizer.path("nvme_path"))
-        if (ratio := optimizer.value("ratio", _number)) not in (None, 1, 1.0):
+        if optimizer.value("ratio", _number) not in (None, 1, 1.0):
             raise DeepSpeedConfigError(optimizer.path("ratio"), "a partial optimizer offload is not built; "
                                                                 "zerotrain offloads every bucket (ratio 1)")
         _ignore_rest(optimizer, IGNORED_OFFLOAD, out)
