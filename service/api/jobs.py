@@ -86,12 +86,13 @@ def submit_job(spec: JobSpec, request: Request, response: Response, session: Ses
         response.status_code = 200
         return earlier
     try:
-        stored_spec, prediction = plan_at_submit(spec_json)
+        to_store, prediction = plan_at_submit(spec)
     except NothingFits as refused:
         return no_plan_response(refused.detail)
     now = utcnow()
     job = Job(id=new_job_id(), name=spec.name, owner=user.name, state=JobState.QUEUED.value,
-              reason=Reason.SUBMITTED, attempt=0, spec=stored_spec, prediction=prediction,
+              reason=Reason.SUBMITTED, attempt=0,
+              spec=spec_json if to_store is spec else to_store.model_dump(mode="json"), prediction=prediction,
               created_at=now, updated_at=now)
     session.add(job)
     session.flush()

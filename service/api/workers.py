@@ -10,7 +10,6 @@ from fastapi import APIRouter, HTTPException, Path
 from sqlalchemy import delete, select
 from sqlalchemy.dialects import postgresql, sqlite
 
-from contract.spec import JobSpec
 from service.api.deps import SessionDep, SettingsDep, WorkerJob
 from service.api.errors import error_responses, field_error
 from service.job_credentials import CredentialsUnavailable, StsIssuer, job_access
@@ -73,7 +72,7 @@ def issue_storage_credentials(job: WorkerJob, settings: SettingsDep) -> StorageC
     if not settings.scoped_storage:
         raise HTTPException(409, "this service gives jobs its own storage keys (job_storage_credentials = "
                                  "'shared'): there are no scoped credentials to issue")
-    access = job_access(JobSpec.model_validate(job.spec), settings.storage_uri, job.id)
+    access = job_access(job.job_spec, settings.storage_uri, job.id)
     try:
         issued = issuer_for(settings).issue(job.id, access)
     except CredentialsUnavailable as error:
@@ -106,7 +105,7 @@ def register_checkpoint(checkpoint: CheckpointIn, job: WorkerJob, session: Sessi
     """Record a committed checkpoint; its URI must lie below this job's own checkpoint prefix,
     so a job's token cannot make another job's (or user's) data look like its own."""
     try:
-        check_registered_checkpoint(checkpoint.uri, JobSpec.model_validate(job.spec), settings.storage_uri, job.id)
+        check_registered_checkpoint(checkpoint.uri, job.job_spec, settings.storage_uri, job.id)
     except UnsafeUri as refused:
         raise field_error("uri", str(refused), "storage_prefix") from None
     dialect = postgresql if session.get_bind().dialect.name == "postgresql" else sqlite

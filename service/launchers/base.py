@@ -34,7 +34,7 @@ class LaunchRequest:
 
     job_id: str
     attempt: int
-    spec: JobSpec  # the job's stored spec, validated again (``JobSpec.model_validate(job.spec)``)
+    spec: JobSpec  # the job's stored spec, typed (``Job.job_spec``)
     api_url: str  # where the driver reaches the control plane
     ingest_token: str  # secret: pass through the environment only, never argv
     storage_uri: str
