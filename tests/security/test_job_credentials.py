@@ -263,7 +263,7 @@ def test_no_launcher_hands_a_scoped_job_the_storage_keys(tmp_path, monkeypatch):
         STORAGE_KEY_VARIABLES,
         driver_environment,
     )
-    from service.launchers.ray_jobs import LocalRayHead
+    from service.launchers.ray_local_head import LocalRayHead
 
     keys = {"AWS_ACCESS_KEY_ID": "AKIASERVICE", "AWS_SECRET_ACCESS_KEY": "service-secret",
             "AWS_SESSION_TOKEN": "service-session", "AWS_PROFILE": "service"}
