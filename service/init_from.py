@@ -41,6 +41,7 @@ from contract.hf_config import UnsupportedConfig, max_positions, state_dict_shap
 from contract.presets import PRESETS
 from contract.spec import JobSpec
 from service.storage_policy import UnsafeUri, is_within
+from storage.storage import Storage
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ def check_init_from(spec: JobSpec, storage_root: str, timeout_s: float = CHECK_T
 
 
 #: What the checks read with (the worker extra); a control plane installed without it checks nothing here.
-_READERS = ("workers.checkpointing.hf_dir", "workers.checkpointing.pretrained", "workers.checkpointing.storage")
+_READERS = ("workers.checkpointing.hf_dir", "workers.checkpointing.pretrained")
 
 
 def _checkable_here(field: str, uri: str, storage_root: str) -> bool | None:
@@ -125,7 +126,6 @@ def check_model_hf(spec: JobSpec, storage_root: str, timeout_s: float = CHECK_TI
         return
     from workers.checkpointing.hf_dir import read_config
     from workers.checkpointing.pretrained import PretrainedWeights, WeightsNotFound
-    from workers.checkpointing.storage import Storage
 
     def check() -> None:
         try:

@@ -39,7 +39,7 @@ from service.models import Job, typed_spec, utcnow
 from service.schemas import JobState
 from service.settings import Settings
 from service.states import IllegalTransition, note_waiting, transition
-from workers.checkpointing import shared_storage
+from storage import shared as shared_storage
 
 log = logging.getLogger(__name__)
 S = JobState

@@ -31,6 +31,7 @@ from service.schemas import (
 from service.settings import Settings
 from service.states import IllegalTransition, Reason, record_notice, transition
 from service.storage_policy import UnsafeUri, check_registered_checkpoint
+from storage.storage import storage_options
 
 router = APIRouter(prefix="/jobs/{job_id}/worker", tags=["workers"])
 log = logging.getLogger(__name__)
@@ -57,8 +58,6 @@ def _issuer(role_arn: str, ttl_s: int, endpoint_url: str | None, region: str | N
 def issuer_for(settings: Settings) -> StsIssuer:
     """One STS client per configuration (creating a botocore client costs tens of milliseconds),
     at the object store's endpoint and region unless ``sts_endpoint_url`` says otherwise."""
-    from workers.checkpointing.storage import storage_options
-
     store = storage_options("s3").get("client_kwargs", {})
     return _issuer(settings.job_storage_role_arn, settings.job_storage_credentials_ttl_s,
                    settings.sts_endpoint_url or store.get("endpoint_url"), store.get("region_name"))

@@ -42,7 +42,7 @@ class LaunchRequest:
     # (Settings.scoped_storage, service.job_credentials)
     scoped_storage: bool = False
     # the nonce of the marker the control plane wrote under a file:// root for this launch; every
-    # rank checks it is there (workers.checkpointing.shared_storage); None: not a file:// root
+    # rank checks it is there (storage.shared); None: not a file:// root
     storage_marker: str | None = None
 
 

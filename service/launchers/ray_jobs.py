@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import fsspec
 import httpx
 
 from contract.reasons import Reason
@@ -43,6 +44,7 @@ from service.launchers.driver import LOOPBACK_ENV, driver_command, job_environme
 from service.launchers.ray_local_head import LocalRayHead
 from service.log_text import plain_log
 from service.settings import Settings
+from storage.storage import protocol_of, storage_options
 
 log = logging.getLogger(__name__)
 
@@ -288,10 +290,6 @@ class RayJobsLauncher:
         """The filesystem and path of a log copy, reached with the same endpoint and credentials
         as the checkpoints (``storage_options``): a bare fsspec S3 client ignores
         ``ZEROTRAIN_S3_ENDPOINT_URL`` and looks for the bucket on AWS."""
-        import fsspec
-
-        from workers.checkpointing.storage import protocol_of, storage_options
-
         return fsspec.core.url_to_fs(path, **storage_options(protocol_of(path)))
 
     def _save_logs(self, handle: LaunchHandle) -> None:
