@@ -39,7 +39,7 @@ import pytest
 from contract.spec import JobSpec
 from service.job_credentials import job_access, session_policy
 from tests.conftest import free_port
-from tests.service.conftest import make_spec
+from tests.helpers.service_specs import make_spec
 
 PROBE_DRIVER = os.path.join(os.path.dirname(__file__), "storage_probe_driver.py")
 BUCKET = "zt-scoped"

@@ -18,7 +18,7 @@ from service.settings import Settings
 from service.states import transition
 
 from service.admission import Capacity
-from tests.service.conftest import make_spec
+from tests.helpers.service_specs import make_spec
 
 
 class RecordingLauncher:
