@@ -48,7 +48,8 @@ from contract.spec_data import (  # noqa: F401
 from contract.spec_model import ModelSpec
 from contract.zero_math import (DEFAULT_BUCKET_MB, DEFAULT_PRECISION, DEFAULT_PREFETCH, OPTIMIZER_STATE_TENSORS,
                                 PRECISIONS, STAGES)
-from contract.zero_rules import ZeroRuleBroken, check_stage_fields, shard_group_misfits
+from contract import deepspeed as deepspeed_config
+from contract.zero_rules import OFFLOAD_OPTIMIZER, ZeroRuleBroken, check_nvme_path, check_stage_fields, shard_group_misfits
 
 # --------------------------------------------------------------------------- job spec
 
@@ -65,7 +66,8 @@ not have, so running it sharded would silently be another optimizer."""
 ADAM_BETAS = (0.9, 0.95)  # adam/adamw without train.betas (what every job got before the field)
 ADAM_EPS = 1e-8
 SCHEDULES = ("cosine", "linear", "constant")
-MIN_LR_RATIO = 0.1  # cosine and linear decay to this fraction of the peak LR
+MIN_LR_RATIO = 0.1  # cosine and linear decay to this fraction of the peak LR (train.min_lr_ratio's default)
+WARMUP_TYPES = ("linear", "log")
 MAX_NO_DECAY_PATTERNS = 64
 MAX_PATTERN_CHARS = 256
 
@@ -92,9 +94,10 @@ class TrainSpec(SpecModel):
     also the output projection, a matrix like any other. Before these fields weight decay went
     to every parameter; with the default ``weight_decay`` (0.0) nothing changes.
 
-    ``schedule``: after ``warmup_steps`` of linear warmup, ``cosine`` (the default, as before)
-    and ``linear`` decay to ``MIN_LR_RATIO`` of ``lr`` at the last step; ``constant`` stays at
-    ``lr``.
+    ``schedule``: after ``warmup_steps`` of warmup, ``cosine`` (the default, as before) and
+    ``linear`` decay to ``min_lr_ratio`` (default ``MIN_LR_RATIO``) of ``lr`` at the last step;
+    ``constant`` stays at ``lr``. ``warmup_type``: ``linear`` (step ``s`` at ``lr·(s+1)/W``) or
+    ``log`` (DeepSpeed's WarmupLR default: ``lr·log(s+1)/log(W)``, 0 at the first step).
     """
 
     steps: int = Field(ge=1, le=MAX_INT32)
@@ -113,6 +116,8 @@ class TrainSpec(SpecModel):
     no_decay: list[str] = Field(default_factory=list, max_length=MAX_NO_DECAY_PATTERNS)
     no_decay_1d: bool = True
     schedule: Literal[SCHEDULES] = "cosine"
+    warmup_type: Literal[WARMUP_TYPES] = "linear"
+    min_lr_ratio: float = Field(default=MIN_LR_RATIO, ge=0, le=1)
 
     @field_validator("optimizer")
     @classmethod
@@ -178,6 +183,14 @@ Stage = Annotated[Literal[STAGES + ("auto",)], WithJsonSchema({
     "title": "Stage", "description": "ZeRO stage 0-3, or \"auto\": the planner picks one"})]
 
 
+# One literal, so a bad value is one error naming zero.offload_optimizer; published as the
+# equivalent anyOf (the note on zero.stage's schema above).
+OffloadOptimizer = Annotated[Literal[OFFLOAD_OPTIMIZER], WithJsonSchema({
+    "anyOf": [{"type": "boolean"}, {"type": "string", "enum": ["cpu", "nvme"]}],
+    "title": "Offload Optimizer",
+    "description": "false, true or \"cpu\" (host memory), or \"nvme\" (swap files under nvme_path)"})]
+
+
 class ZeroSpec(SpecModel):
     """The ``zero`` block: the one definition of the engine's job-facing fields and their defaults.
 
@@ -188,7 +201,12 @@ class ZeroSpec(SpecModel):
 
     stage: Stage = "auto"
     precision: Literal[PRECISIONS] = DEFAULT_PRECISION
-    offload_optimizer: bool = False
+    # False, True or "cpu" (host memory), "nvme": the optimizer state in swap files under nvme_path
+    # (workers/zero/optimizer_swap.py); stages 1-3
+    offload_optimizer: OffloadOptimizer = False
+    # with "nvme": an absolute folder on a fast local disk of every worker node; the job's files go
+    # to nvme_path/<job id>/<rank>/ and are removed when it ends
+    nvme_path: str | None = Field(default=None, min_length=1, max_length=MAX_URI_CHARS)
     bucket_mb: float = Field(default=DEFAULT_BUCKET_MB, gt=0, allow_inf_nan=False)
     prefetch: int = Field(default=DEFAULT_PREFETCH, ge=0, le=MAX_INT32)
     activation_checkpointing: bool = False
@@ -212,6 +230,7 @@ class ZeroSpec(SpecModel):
     def _rules(self) -> "ZeroSpec":
         try:
             check_stage_fields(self.stage, self.offload_optimizer, self.keep_gathered_bytes)
+            check_nvme_path(self.offload_optimizer, self.nvme_path)
         except ZeroRuleBroken as broken:
             raise PydanticCustomError("zero_rule", "{message}", {"message": broken.message, "field": broken.field})
         return self
@@ -321,6 +340,21 @@ class JobSpec(SpecModel):
     max_runtime_s: int | None = Field(default=None, ge=1, le=MAX_INT32)
     runtime: RuntimeSpec | None = None
     eval: EvalSpec | None = None
+    # a DeepSpeed config (ds_config.json) read as the fields above before they are validated
+    # (contract/deepspeed.py); always null once validated: the stored spec holds what it became
+    deepspeed: dict[str, Any] | None = Field(default=None, description=(
+        "A DeepSpeed config, mapped onto train/zero fields at submit (docs/contracts.md, DeepSpeed configs)"))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_deepspeed(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or data.get("deepspeed") is None:
+            return data
+        try:
+            spec, _notes = deepspeed_config.apply(data)
+        except deepspeed_config.DeepSpeedConfigError as refused:
+            raise PydanticCustomError("deepspeed", "{message}", {"message": refused.message, "field": refused.path})
+        return spec
 
     def data_blocks(self) -> list[tuple[str, DataSpec]]:
         """Every dataset the workers read, with its place in the spec (``data``, ``eval.data``):

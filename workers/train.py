@@ -60,10 +60,13 @@ log = logging.getLogger(__name__)
 
 
 def lr_at(step: int, *, lr: float, warmup_steps: int, total_steps: int, schedule: str = "cosine",
-          min_ratio: float = MIN_LR_RATIO) -> float:
-    """LR for 0-based ``step``: linear warmup to ``lr``, then ``schedule`` (``train.schedule``):
-    ``cosine`` or ``linear`` down to ``min_ratio·lr`` at the last step, or ``constant``."""
+          min_ratio: float = MIN_LR_RATIO, warmup_type: str = "linear") -> float:
+    """LR for 0-based ``step``: warmup to ``lr`` (``train.warmup_type``: linear, or DeepSpeed's log
+    ``lr·log(step+1)/log(W)``), then ``schedule`` (``train.schedule``): ``cosine`` or ``linear``
+    down to ``min_ratio·lr`` at the last step, or ``constant``."""
     if warmup_steps and step < warmup_steps:
+        if warmup_type == "log":  # DeepSpeed's WarmupLR (which counts at least 2 warmup steps)
+            return lr * math.log(step + 1) / math.log(max(warmup_steps, 2))
         return lr * (step + 1) / warmup_steps
     decay_steps = max(1, total_steps - warmup_steps)
     progress = min(1.0, (step - warmup_steps) / decay_steps)
@@ -230,8 +233,9 @@ def start_attempt(config: dict[str, Any], world: World, api: WorkerAPI | None,
 # ----------------------------------------------------------------------------- engine
 
 
-def resolve_stage(spec: JobSpec, device: torch.device) -> tuple[int, bool]:
-    """(stage, offload): the spec's, or the planner's choice for ``"auto"`` with this machine's memory.
+def resolve_stage(spec: JobSpec, device: torch.device) -> tuple[int, bool | str]:
+    """(stage, offload): the spec's, or the planner's choice for ``"auto"`` with this machine's memory
+    (an ``offload_optimizer: "nvme"`` stays "nvme": planning.py, the note on NVMe offload).
 
     The control plane resolves "auto" at submit for presets; it reaches a worker only for user
     factories, which are planned here (workers run user code by design).
@@ -246,7 +250,7 @@ def resolve_stage(spec: JobSpec, device: torch.device) -> tuple[int, bool]:
         host_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         budget = {"host_memory_bytes": host_bytes // spec.resources.num_workers}
     plan = plan_for_spec(spec, **budget)
-    return int(plan.stage), bool(plan.offload)
+    return int(plan.stage), "nvme" if spec.zero.offload_optimizer == "nvme" else bool(plan.offload)
 
 
 def build_job_model(spec: JobSpec, *, resuming: bool) -> tuple[torch.nn.Module, Any]:
@@ -278,12 +282,14 @@ def build_job_model(spec: JobSpec, *, resuming: bool) -> tuple[torch.nn.Module, 
 
 
 def build_engine(spec: JobSpec, model: torch.nn.Module, device: torch.device,
-                 init_weights: Any = None) -> ZeroEngine:
+                 init_weights: Any = None, job_id: str = "job") -> ZeroEngine:
     """The job's ``ZeroEngine``: the spec's ``zero`` block (stage resolved here) and its optimizer;
-    a model on meta is materialized on ``device`` from ``init_weights`` (``build_job_model``)."""
+    a model on meta is materialized on ``device`` from ``init_weights`` (``build_job_model``).
+    Swap files (``zero.nvme_path``) go to ``nvme_path/<job_id>/<rank>/``."""
     train = spec.train
     stage, offload = resolve_stage(spec, device)
-    config = ZeroConfig.from_spec(spec.zero, train, stage=stage, offload_optimizer=offload)
+    swap = {} if spec.zero.nvme_path is None else {"nvme_path": os.path.join(spec.zero.nvme_path, job_id)}
+    config = ZeroConfig.from_spec(spec.zero, train, stage=stage, offload_optimizer=offload, **swap)
     if any(p.is_meta for p in model.parameters()):
         buffers_to(model, device)
         return ZeroEngine(model, optimizer=optimizer_factory(train), config=config, init_weights=init_weights)
@@ -423,7 +429,7 @@ def train_loop(config: dict[str, Any], context: RunContext | None = None) -> dic
     torch.manual_seed(train.seed)
     with user_code("building the model"):  # an error here is the job's, not the cluster's: no restart
         model, init_weights = build_job_model(spec, resuming=checkpoints.resumes())
-        engine = build_engine(spec, model, world.device, init_weights)
+        engine = build_engine(spec, model, world.device, init_weights, job_id=config["job_id"])
     torch.manual_seed(train.seed + world.rank)  # dropout differs per rank
     with user_code("building the data"):  # bad files, rows, fields or tokenizers: the user's to fix
         dataset = build_dataset(data, seed=train.seed, model_dir=spec.model.hf)
@@ -454,7 +460,7 @@ def train_loop(config: dict[str, Any], context: RunContext | None = None) -> dic
     try:
         while step < total_steps:
             lr = lr_at(step, lr=train.lr, warmup_steps=train.warmup_steps, total_steps=total_steps,
-                       schedule=train.schedule)
+                       schedule=train.schedule, min_ratio=train.min_lr_ratio, warmup_type=train.warmup_type)
             for group in engine.optimizer.param_groups:
                 group["lr"] = lr * group.get("lr_scale", 1.0)
             started = time.perf_counter()

@@ -20,6 +20,7 @@ import yaml
 from rich.markup import escape
 from rich.table import Column, Table
 
+from contract.deepspeed import DeepSpeedConfigError, apply
 from contract.metrics import THROUGHPUT
 from service.cli.errors import CliError
 from service.cli.output import err, out
@@ -40,6 +41,8 @@ def register(commands: Any) -> None:
     submit.add_argument("file")
     submit.add_argument("--follow", "-f", action="store_true", help="show live progress until it ends")
     submit.add_argument("--idempotency-key")
+    submit.add_argument("--deepspeed", metavar="DS_CONFIG",
+                        help="a DeepSpeed config (JSON) read as the spec's train/zero fields (docs/contracts.md)")
     jobs = add("jobs", cmd_jobs, "list jobs, newest first")
     jobs.add_argument("--state", type=str.upper, choices=[state.value for state in JobState])
     jobs.add_argument("--limit", type=int, default=50)
@@ -71,6 +74,15 @@ def load_spec_file(path: str) -> dict[str, Any]:
     return data
 
 
+def deepspeed_notes(spec: dict[str, Any]) -> list[str]:
+    """What the spec's DeepSpeed config leaves aside ("ignored: ..."); a config the service would
+    refuse is left to it, so the refusal is the API's 422 naming the key."""
+    try:
+        return apply(spec)[1]
+    except DeepSpeedConfigError:
+        return []
+
+
 def ship_local_code(spec: dict[str, Any], spec_file: Path, client: Client) -> None:
     """A ``runtime.working_dir`` naming a local folder (relative: to the spec file's folder)
     is zipped, uploaded once and replaced by the stored package's URI (service.code_packages)."""
@@ -98,6 +110,12 @@ def ship_local_code(spec: dict[str, Any], spec_file: Path, client: Client) -> No
 
 def cmd_submit(args: argparse.Namespace) -> int:
     spec = load_spec_file(args.file)
+    if args.deepspeed:
+        if spec.get("deepspeed") is not None:
+            raise CliError(f"{args.file} has a deepspeed block already; give the DeepSpeed config in one place")
+        spec["deepspeed"] = load_spec_file(args.deepspeed)  # JSON (or YAML)
+        for note in deepspeed_notes(spec):
+            err.print(f"[dim]{escape(note)}[/]", highlight=False, soft_wrap=True)
     client = Client()
     ship_local_code(spec, Path(args.file), client)
     job = client.submit(spec, idempotency_key=args.idempotency_key)

@@ -75,6 +75,10 @@ BAD_SPECS: list[tuple[str, dict]] = [
     ("data.shuffle", with_value("data.shuffle", "yes", TOKENS)),
     ("train", with_value("train", None)),
     ("train.steps", with_value("train.steps", 0)),
+    ("train.warmup_type", with_value("train.warmup_type", "cosine")),
+    ("train.min_lr_ratio", with_value("train.min_lr_ratio", 1.5)),
+    ("deepspeed.zero_optimization.stage", with_value("deepspeed", {"zero_optimization": {"stage": 7}})),
+    ("deepspeed", with_value("deepspeed", ["not", "an", "object"])),
     ("train.steps", with_value("train.steps", "10")),
     ("train.global_batch_size", with_value("train.global_batch_size", 0)),
     ("train.global_batch_size", with_value("train.global_batch_size", 10)),
@@ -111,6 +115,12 @@ BAD_SPECS: list[tuple[str, dict]] = [
     # the cross-field rules of contract/zero_rules.py, one case each (the engine's ZeroConfig checks the same)
     ("zero.offload_optimizer", with_value("zero", {"stage": 0, "offload_optimizer": True})),
     ("zero.keep_gathered_bytes", with_value("zero", {"stage": 2, "keep_gathered_bytes": 1024})),
+    # NVMe offload: the swap folder is needed, absolute, and read with "nvme" only; stage 0 refused
+    ("zero.nvme_path", with_value("zero", {"stage": 2, "offload_optimizer": "nvme"})),
+    ("zero.nvme_path", with_value("zero", {"stage": 2, "offload_optimizer": "nvme", "nvme_path": "swap"})),
+    ("zero.nvme_path", with_value("zero", {"stage": 2, "nvme_path": "/mnt/nvme"})),
+    ("zero.offload_optimizer", with_value("zero", {"stage": 0, "offload_optimizer": "nvme", "nvme_path": "/x"})),
+    ("zero.offload_optimizer", with_value("zero.offload_optimizer", "disk")),
     ("resources.num_workers", with_value("resources.num_workers", 0)),
     ("resources.min_workers", with_value("resources.min_workers", 0)),
     ("resources.min_workers", with_value("resources.min_workers", 3)),  # more than num_workers (2)

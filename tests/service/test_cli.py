@@ -62,6 +62,24 @@ def test_submit_follow_show_logs_and_jobs(cli_env, capsys, tmp_path):
     assert code == 0 and "fake driver done" in stdout
 
 
+def test_submit_with_a_deepspeed_config(cli_env, capsys, tmp_path):
+    """``zerotrain submit JOB.yaml --deepspeed ds_config.json``: the stored spec holds what the
+    config became; what it leaves aside is said on stderr; a key it cannot take is one line."""
+    spec = make_spec()
+    spec["zero"] = {"stage": "auto"}
+    spec_file, ds_file = tmp_path / "job.yaml", tmp_path / "ds_config.json"
+    spec_file.write_text(yaml.safe_dump(spec))
+    ds_file.write_text(json.dumps({"zero_optimization": {"stage": 2, "overlap_comm": True}, "bf16": {"enabled": True}}))
+    code, stdout, stderr = run(capsys, "submit", str(spec_file), "--deepspeed", str(ds_file))
+    assert code == 0, stdout + stderr
+    stored = cli_env.client().get(stdout.split()[1]).spec
+    assert (stored["zero"]["stage"], stored["zero"]["precision"]) == (2, "bf16")
+    assert "ignored: deepspeed.zero_optimization.overlap_comm" in stderr
+    ds_file.write_text(json.dumps({"zero_optimization": {"offload_param": {"device": "cpu"}}}))
+    code, _, stderr = run(capsys, "submit", str(spec_file), "--deepspeed", str(ds_file))
+    assert_one_line_error(code, stderr, "deepspeed.zero_optimization.offload_param.device", "not built")
+
+
 @contextmanager
 def logs_follow(service, job_id: str, limit_s: float = 60) -> Iterator[subprocess.Popen]:
     """``zerotrain logs JOB --follow`` as a user runs it: its own process, read line by line as

@@ -93,13 +93,14 @@ def test_the_charts_combine_ranks_as_before_the_table():
     from service.dashboard.schemas import ChartSeries
 
     assert aggregation() == {"loss": "mean", "eval_loss": "mean", "step_time_s": "mean", "tokens_per_s": "total",
-                             "tflops": "total", "mfu": "mean", "comm_bytes": "mean", "comm_exposed_s": "mean"}
+                             "tflops": "total", "mfu": "mean", "comm_bytes": "mean", "comm_exposed_s": "mean",
+                             "io_wait_s": "mean"}
     assert set(ChartSeries.model_fields) == {"step", *aggregation()}
     charts = chart_list()
     assert [chart["id"] for chart in charts] == ["loss", "throughput", "compute", "exposed"]
     assert {key for chart in charts for key in (s["key"] for s in chart["series"])} <= set(aggregation())
     exposed = next(chart for chart in charts if chart["id"] == "exposed")
-    assert [s["key"] for s in exposed["series"]] == ["comm_exposed_s", "step_time_s"]
+    assert [s["key"] for s in exposed["series"]] == ["comm_exposed_s", "step_time_s", "io_wait_s"]
 
 
 @pytest.mark.parametrize("uri", ["s3://bucket/code/pkg.zip", "https://example.org/pkg.zip", "gs://b/p.zip"])

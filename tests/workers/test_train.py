@@ -40,6 +40,17 @@ def test_lr_warms_up_then_decays_by_cosine():
     assert lr_at(9, **kw) == pytest.approx(train.MIN_LR_RATIO + (1 - train.MIN_LR_RATIO) * 0.5)
 
 
+def test_deepspeeds_log_warmup_and_a_floor_of_zero():
+    """train.warmup_type "log" is DeepSpeed's WarmupLR curve (0 at the first step); min_lr_ratio 0
+    decays to nothing, as DeepSpeed's WarmupDecayLR does."""
+    import math
+
+    kw = {"lr": 1.0, "warmup_steps": 10, "total_steps": 20}
+    assert [lr_at(s, warmup_type="log", **kw) for s in (0, 4, 9)] == [0.0, math.log(5) / math.log(10), 1.0]
+    assert lr_at(20, schedule="linear", min_ratio=0.0, **kw) == pytest.approx(0.0)
+    assert lr_at(20, schedule="linear", **kw) == pytest.approx(train.MIN_LR_RATIO)
+
+
 def test_two_rank_gloo_world_trains_and_records_every_step(tmp_path: Path):
     steps = 16
     metrics = tmp_path / "metrics"

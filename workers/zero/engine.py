@@ -33,6 +33,7 @@ micro-steps and ranks.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import weakref
@@ -51,6 +52,8 @@ from .flat import FlatLayout
 from .materialize import InitWeights, Materializer, bind
 from .module_buffers import ModuleBuffers
 from .offload import HostOptimizerState
+from .optimizer_swap import OptimizerStateSwap
+from .swap_io import OffloadDiskFull
 from .precision import MixedPrecision
 from .stages import Strategy
 from .strategies import make_strategy
@@ -152,7 +155,7 @@ class ZeroEngine:
         self.strategy: Strategy = make_strategy(config.stage, self.buckets, self.comm, config.overlap_comm, units,
                                                 config.prefetch, config.reshard_after_forward, module=model,
                                                 keep_gathered_bytes=config.keep_gathered_bytes)
-        self.offload = HostOptimizerState(self.buckets, self.device) if config.offload_optimizer else None
+        self.offload = HostOptimizerState(self.buckets, self.device) if config.optimizer_offload == "cpu" else None
         self._opt_params = [(piece, view) for b in self.buckets for piece, view in b.master_views]
         # The factory's two forms, the placeholder of a rank holding only padding and the empty
         # stand-ins of a named factory: optim_groups.build. _placeholder: every tensor the
@@ -162,6 +165,7 @@ class ZeroEngine:
         self.optimizer, self._placeholder, self._opt_names = optim_groups.build(
             optimizer, held, self.layout.slots, opt_device)
         optim_groups.check(self.optimizer, held, self._placeholder)  # every view once, nothing foreign
+        self.swap = self._swap_files() if config.optimizer_offload == "nvme" else None
         self.scaler = self.precision.make_scaler(config.initial_loss_scale, config.loss_scale_growth_interval)
 
         self._got_grad = [False] * len(self.layout.slots)
@@ -178,6 +182,19 @@ class ZeroEngine:
         ]
 
     # -- construction ------------------------------------------------------------------------------
+    def _swap_files(self) -> OptimizerStateSwap:
+        """The optimizer state's swap files (``optimizer_swap.py``): bucket by bucket, so only an
+        optimizer that may step a bucket at a time, and on the CPU, where the state is stepped."""
+        if not optim_groups.steps_per_piece(self.optimizer):
+            raise ValueError(f"offload_optimizer='nvme' steps the optimizer bucket by bucket, which "
+                             f"{type(self.optimizer).__name__} does not allow; use one of "
+                             f"{sorted(t.__name__ for t in optim_groups.PER_PIECE_OPTIMIZERS)}")
+        if self.device.type != "cpu":
+            raise ValueError(f"offload_optimizer='nvme' runs the optimizer on the CPU; it is not built for "
+                             f"{self.device.type} devices yet: use offload_optimizer='cpu' there")
+        return OptimizerStateSwap([[view for _, view in b.master_views] for b in self.buckets], self.optimizer,
+                                  self.config.nvme_path, self.comm.rank)
+
     def _build_buckets(self, params: list[nn.Parameter]) -> list[FlatBucket]:
         """The flat buffers, one bucket at a time: values in, what the stage keeps out.
 
@@ -369,6 +386,8 @@ class ZeroEngine:
         scale = self.scaler.scale if self.scaler is not None else None
         inv_scale = None if scale is None else 1.0 / scale
         grads = self.strategy.reduced_grads()
+        if self.swap is not None:
+            self.swap.begin_step()  # the first buckets' state is read while the norm is computed
         if self.offload is not None:  # the optimizer lives on the host: so do its fp32 gradients
             grads = self.offload.grads_to_host(grads)
         for g in grads:  # an fp32 gradient is unscaled once, in place; the others per use (_fp32_grad)
@@ -393,7 +412,11 @@ class ZeroEngine:
             if self.config.grad_clip is not None:
                 norm32 = torch.tensor(norm, dtype=torch.float32, device=sq.device)
                 coef = torch.clamp(self.config.grad_clip / (norm32 + 1e-6), max=1.0)
-            self._update(grads, inv_scale, coef, used)
+            try:
+                self._update(grads, inv_scale, coef, used)
+            except OffloadDiskFull:
+                self._abandon()  # some buckets stepped, others not: this engine must not go on
+                raise
         else:
             log.warning("step %d: fp16 gradient overflow (norm=%s), skipped; loss scale %s -> %s",
                         self._step + 1, norm, scale, scale * self.scaler.backoff_factor)
@@ -409,7 +432,7 @@ class ZeroEngine:
         self._last_comm = self.comm.counter.snapshot()
         exposed = self.comm.exposed_seconds()
         self.comm.reset()
-        return {
+        out = {
             "grad_norm": norm,
             "skipped": skipped,
             "loss_scale": scale,
@@ -418,6 +441,10 @@ class ZeroEngine:
             "micro_steps": micro_steps,
             "comm_elements": self._last_comm["total"],
         }
+        if self.swap is not None:  # io_read_bytes, io_write_bytes, io_wait_s (exposed)
+            self.swap.end_step()
+            out.update(self.swap.step_io())
+        return out
 
     def _update(self, grads: list[torch.Tensor], inv_scale: Optional[float], coef: Optional[torch.Tensor],
                 used: list[bool]) -> None:
@@ -435,7 +462,7 @@ class ZeroEngine:
         it would on an unsharded model (group-level state, step hooks counting calls).
         """
         per_bucket = optim_groups.steps_per_piece(self.optimizer)
-        for b, g in zip(self.buckets, grads):
+        for index, (b, g) in enumerate(zip(self.buckets, grads)):
             g32 = _fp32_grad(g, inv_scale)
             if coef is not None:
                 g32.mul_(coef)
@@ -443,7 +470,11 @@ class ZeroEngine:
                 view.grad = g32[piece.shard_offset : piece.shard_offset + piece.numel] if used[piece.slot.index] \
                     else None
             if per_bucket:
+                if self.swap is not None:
+                    self.swap.acquire(index)
                 self.optimizer.step()
+                if self.swap is not None:
+                    self.swap.release(index)
                 for _, view in b.master_views:
                     view.grad = None
         if not per_bucket:  # the views' gradients keep every bucket's fp32 copy alive until here
@@ -519,6 +550,11 @@ class ZeroEngine:
                "total": params + grads + optimizer + buffers}
         if self.offload is not None:
             out["host"] = host
+        if self.swap is not None:  # the swap buffers are the optimizer's memory; the files, apart
+            swap_buffers = tally(self.swap.tensors())
+            out["optimizer"] += swap_buffers
+            out["total"] += swap_buffers
+            out["disk"] = self.swap.disk_bytes()
         return out
 
     def step_memory(self) -> dict[str, int]:
@@ -544,14 +580,16 @@ class ZeroEngine:
         """This rank's shard, enough to continue bit-identically (format: ``engine_state``);
         ``copy=False``: the live host tensors, for a reader done before the next ``step()``."""
         self.strategy.wait_params()
-        return engine_state.state_dict(self.state_view(), copy)
+        with self._optimizer_state_resident(write_back=False):
+            return engine_state.state_dict(self.state_view(), copy)
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Load a ``state_dict()`` of a run with the same stage, world size and layout."""
         self._check_open("load_state_dict")
         self.strategy.wait_params()
         self._fence_host_masters()
-        self._step = engine_state.load_state_dict(self.state_view(), sd)
+        with self._optimizer_state_resident(write_back=True):
+            self._step = engine_state.load_state_dict(self.state_view(), sd)
         self._publish_loaded()
         self._forget_grads()
         self.strategy.wait_params()
@@ -579,6 +617,10 @@ class ZeroEngine:
             shard_world=self.shard_world, shard_rank=self.shard_rank, step=self._step, optimizer=self.optimizer,
             opt_params=self._opt_params, opt_names=self._opt_names, trainable=self._trainable, frozen=self._frozen,
             frozen_fp32=self._frozen_fp32, module_buffers=self.module_buffers, scaler=self.scaler)
+
+    def _optimizer_state_resident(self, write_back: bool):
+        """The whole optimizer state in memory for the block (swap files: ``optimizer_swap.py``)."""
+        return self.swap.resident(write_back) if self.swap is not None else contextlib.nullcontext()
 
     def _fence_host_masters(self) -> None:
         """Before a load overwrites offloaded masters: the last step's asynchronous copies of them
@@ -634,6 +676,8 @@ class ZeroEngine:
         self._closed = True
         self.remove_hooks()
         stop_watchdog()
+        if self.swap is not None:
+            self.swap.close()
 
     @property
     def closed(self) -> bool:
