@@ -16,8 +16,8 @@ ATTEMPT_ENV = ENV_PREFIX + "ATTEMPT"
 API_URL_ENV = ENV_PREFIX + "API_URL"
 INGEST_TOKEN_ENV = ENV_PREFIX + "INGEST_TOKEN"  # secret: environment only, never argv
 STORAGE_URI_ENV = ENV_PREFIX + "STORAGE_URI"
-STORAGE_CREDENTIALS_ENV = ENV_PREFIX + "STORAGE_CREDENTIALS"  # "api": scoped credentials (workers/storage_credentials.py)
-STORAGE_MARKER_ENV = ENV_PREFIX + "STORAGE_MARKER"  # a file:// root's marker nonce (workers/checkpointing/shared_storage.py)
+STORAGE_CREDENTIALS_ENV = ENV_PREFIX + "STORAGE_CREDENTIALS"  # "api": scoped credentials (storage/credentials.py)
+STORAGE_MARKER_ENV = ENV_PREFIX + "STORAGE_MARKER"  # a file:// root's marker nonce (storage/shared.py)
 
 # The workers' own knobs, passed through from the host (service/launchers/driver.py HOST_VARIABLES).
 S3_ENDPOINT_ENV = ENV_PREFIX + "S3_ENDPOINT_URL"  # the object store as the workers reach it

@@ -5,331 +5,53 @@ workers validate the stored spec again at their boundary (``JobSpec.model_valida
 attributes from then on, so every default lives here and nowhere else. Input models are strict
 and forbid unknown fields: a typo in a spec is a 422 that names the field, never a silently
 ignored setting. Depends on pydantic alone (the SDK imports it).
+
+Parts live in modules of their own and are re-exported here: the base model, limits and field
+checks (``contract.spec_base``), the ``model`` block (``contract.spec_model``), the ``data`` and
+``eval`` blocks (``contract.spec_data``). This module holds the rest and ``JobSpec``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
-import re
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
+from pydantic import ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from contract.presets import PRESETS
+# the blocks and limits that live in their own modules, re-exported: callers import every part of
+# the spec from here
+from contract.spec_base import (  # noqa: F401
+    BACKSLASH_OR_CONTROL,
+    FACTORY_PATTERN,
+    MAX_INT32,
+    MAX_INT64,
+    MAX_JSON_DEPTH,
+    MAX_JSON_VALUES,
+    MAX_URI_CHARS,
+    SLUG_PATTERN,
+    STORAGE_SCHEMES,
+    BoundedJson,
+    SpecModel,
+    check_storage_uri,
+)
+from contract.spec_data import (  # noqa: F401
+    DATA_FORMATS,
+    MAX_FIELD_NAME_CHARS,
+    MAX_GLOB_CHARS,
+    MODEL_TOKENIZER,
+    TOKEN_DTYPES,
+    DataSpec,
+    EvalDataSpec,
+    EvalSpec,
+)
+from contract.spec_model import ModelSpec
 from contract.zero_math import (DEFAULT_BUCKET_MB, DEFAULT_PRECISION, DEFAULT_PREFETCH, OPTIMIZER_STATE_TENSORS,
                                 PRECISIONS, STAGES)
 from contract import deepspeed as deepspeed_config
 from contract.zero_rules import OFFLOAD_OPTIMIZER, ZeroRuleBroken, check_nvme_path, check_stage_fields, shard_group_misfits
 
 # --------------------------------------------------------------------------- job spec
-
-SLUG_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
-FACTORY_PATTERN = r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$"
-STORAGE_SCHEMES = ("file://", "s3://")
-MAX_GLOB_CHARS = 1024
-MAX_FIELD_NAME_CHARS = 256  # a JSONL key or parquet column name (data.field, data.column, ...)
-_GLOB_FORBIDDEN = re.compile(r"[\\\x00-\x1f\x7f]")  # backslashes and control characters
-MAX_INT32 = 2**31 - 1  # integers are stored in 32-bit columns (and read by torch/numpy seeds)
-MAX_INT64 = 2**63 - 1
-MAX_JSON_DEPTH = 32  # dicts/lists inside one another in a free-form block (kwargs)
-MAX_JSON_VALUES = 10_000  # values (containers and scalars) in one free-form block
-
-def _bounded_json(value: dict[str, Any]) -> dict[str, Any]:
-    """Free-form JSON (a factory's ``kwargs``) that can be stored and served back.
-
-    [Note: why bound it at validation] Whatever is accepted here is stored and later serialized
-    into every list page that shows the job; pydantic refuses to serialize deeper than ~255
-    levels, PostgreSQL refuses NaN/Infinity in JSON, and a huge block costs every reader. A
-    value refused now is one 422 naming the field; a value refused later is a page that 500s
-    for everyone who can see the job. Checked iteratively: a hostile depth cannot exhaust the
-    Python stack here.
-    """
-    pending: list[tuple[Any, int]] = [(value, 1)]
-    seen = 0
-    while pending:
-        node, depth = pending.pop()
-        seen += 1
-        if seen > MAX_JSON_VALUES:
-            raise PydanticCustomError("json_too_large", "holds more than {limit} values", {"limit": MAX_JSON_VALUES})
-        if isinstance(node, (dict, list)):
-            if depth > MAX_JSON_DEPTH:
-                raise PydanticCustomError(
-                    "json_too_deep", "is nested deeper than {limit} levels", {"limit": MAX_JSON_DEPTH})
-            children = node.values() if isinstance(node, dict) else node
-            pending.extend((child, depth + 1) for child in children)
-        elif isinstance(node, float) and not math.isfinite(node):
-            raise PydanticCustomError(
-                "json_not_finite", "holds a non-finite number ({value}); JSON has none", {"value": repr(node)})
-        elif not isinstance(node, (str, int, float, bool, type(None))):
-            raise PydanticCustomError(
-                "json_value", "holds a {kind}, which is not a JSON value", {"kind": type(node).__name__})
-    return value
-
-
-BoundedJson = Annotated[dict[str, Any], AfterValidator(_bounded_json)]
-"""A factory's keyword arguments: any JSON object within ``MAX_JSON_DEPTH`` / ``MAX_JSON_VALUES``."""
-
-
-class SpecModel(BaseModel):
-    """Base of every input model: strict types, unknown fields rejected."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-
-def _storage_uri(value: str) -> str:
-    if not value.startswith(STORAGE_SCHEMES):
-        raise PydanticCustomError(
-            "uri_scheme", "must start with file:// or s3:// (got '{value}')", {"value": value}
-        )
-    return value
-
-
-def _factory_path(value: str) -> str:
-    if not re.match(FACTORY_PATTERN, value):
-        raise PydanticCustomError(
-            "factory_path", "must look like 'package.module:function' (got '{value}')", {"value": value}
-        )
-    return value
-
-
-MAX_URI_CHARS = 2048
-
-
-def _model_dir_uri(value: str) -> str:
-    """A directory the workers read: ``file://``/``s3://``, or a plain absolute path (made ``file://``)."""
-    if value.startswith("/"):
-        value = f"file://{value}"
-    if not value.startswith(STORAGE_SCHEMES):
-        raise PydanticCustomError(
-            "uri_scheme", "must be an absolute path or start with file:// or s3:// (got '{value}')", {"value": value})
-    return value.rstrip("/")
-
-
-class ModelSpec(SpecModel):
-    """A built-in preset, a Hugging Face model directory (``hf``), or a user factory ``pkg.mod:fn``
-    called with ``kwargs``: exactly one of the three.
-
-    ``hf`` names a directory holding a Hugging Face ``config.json`` (and usually the tokenizer
-    files): ``file://``, ``s3://``, or a plain absolute path the workers see (stored as
-    ``file://``). The workers build the model with transformers' own code from that config.
-
-    ``init_from`` (fine-tuning): a ``file://`` or ``s3://`` URI of safetensors weights -- one
-    ``.safetensors`` file, or a directory with ``model.safetensors.index.json`` as Hugging Face
-    and ``zerotrain ckpt consolidate`` write it -- whose names and shapes are the model's
-    ``state_dict()``. The workers build the model on the meta device and every rank reads only
-    the bytes it keeps; a job resuming from a checkpoint (its own, or ``resume_from``) loads
-    that instead. The control plane refuses a URI the user may not read (the ``data.uri``
-    rules) and, when it can read it, weights that do not fit a preset.
-    """
-
-    preset: str | None = None
-    hf: str | None = Field(default=None, max_length=MAX_URI_CHARS)
-    factory: str | None = None
-    kwargs: BoundedJson = Field(default_factory=dict)
-    init_from: str | None = Field(default=None, max_length=MAX_URI_CHARS)
-
-    @field_validator("preset")
-    @classmethod
-    def _known_preset(cls, value: str | None) -> str | None:
-        if value is not None and value not in PRESETS:
-            raise PydanticCustomError(
-                "unknown_preset",
-                "unknown preset '{value}'; choose one of {known}",
-                {"value": value, "known": ", ".join(PRESETS)},
-            )
-        return value
-
-    @field_validator("factory")
-    @classmethod
-    def _factory(cls, value: str | None) -> str | None:
-        return None if value is None else _factory_path(value)
-
-    @field_validator("init_from")
-    @classmethod
-    def _init_from(cls, value: str | None) -> str | None:
-        return None if value is None else _storage_uri(value)
-
-    @field_validator("hf")
-    @classmethod
-    def _hf(cls, value: str | None) -> str | None:
-        return None if value is None else _model_dir_uri(value)
-
-    @model_validator(mode="after")
-    def _exactly_one(self) -> "ModelSpec":
-        if sum(choice is not None for choice in (self.preset, self.hf, self.factory)) != 1:
-            raise PydanticCustomError(
-                "model_choice", "give exactly one of model.preset, model.hf or model.factory", {"field": "model"}
-            )
-        if self.factory is None and self.kwargs:
-            raise PydanticCustomError(
-                "model_kwargs", "model.kwargs applies to model.factory only", {"field": "model.kwargs"}
-            )
-        return self
-
-    def architecture(self) -> dict[str, Any]:
-        """What the model is, as a consolidated checkpoint's ``config.json`` says it: a preset's
-        name and its ``GPTConfig`` fields, or the factory and its kwargs (not ``init_from``:
-        where the weights came from is not what the model is)."""
-        if self.preset is not None:
-            return {"preset": self.preset, **dataclasses.asdict(PRESETS[self.preset])}
-        if self.hf is not None:
-            return {"hf": self.hf}
-        return {"factory": self.factory, "kwargs": self.kwargs}
-
-
-DATA_FORMATS: dict[str, tuple[str, ...]] = {"text": ("jsonl", "parquet", "txt"), "tokens": ("bin", "parquet"),
-                                            "sft": ("jsonl", "parquet")}
-"""``data.format`` of each kind that reads files of a format (``text`` only with a ``tokenizer``)."""
-TOKEN_DTYPES = ("uint16", "uint32")  # a ``.bin`` token stream's element type (``data.dtype``)
-MODEL_TOKENIZER = "model"  # ``data.tokenizer``: the tokenizer files in ``model.hf``
-# the fields only some kinds read, and those kinds
-_KIND_FIELDS: dict[str, tuple[str, ...]] = {
-    "uri": ("text", "tokens", "sft"), "glob": ("text", "tokens", "sft"), "format": ("text", "tokens", "sft"),
-    "field": ("text",), "tokenizer": ("text", "sft"), "dtype": ("tokens",), "column": ("tokens",),
-    "prompt_field": ("sft",), "completion_field": ("sft",), "shuffle": ("text", "tokens", "sft"),
-    "factory": ("factory",), "kwargs": ("factory",)}  # vocab_size: read by synthetic, accepted by every kind
-
-
-class DataSpec(SpecModel):
-    """The training data (docs/contracts.md, "Data"): ``text`` files (byte-level, or documents
-    tokenized with ``tokenizer``), pre-tokenized ``tokens``, prompt/completion rows (``sft``),
-    ``synthetic`` tokens, or a user ``factory``.
-
-    ``WHERE`` is the block's place in the job spec, for the messages and the field an error
-    names: ``data`` here, ``eval.data`` in ``EvalDataSpec`` (the same rules, one class).
-    """
-
-    WHERE: ClassVar[str] = "data"
-
-    kind: Literal["text", "tokens", "sft", "synthetic", "factory"]
-    uri: str | None = None
-    glob: str = "**/*"
-    format: str | None = None
-    field: str = Field(default="text", min_length=1, max_length=MAX_FIELD_NAME_CHARS)
-    tokenizer: str | None = Field(default=None, max_length=MAX_URI_CHARS)
-    dtype: Literal[TOKEN_DTYPES] = "uint16"
-    column: str = Field(default="input_ids", min_length=1, max_length=MAX_FIELD_NAME_CHARS)
-    prompt_field: str = Field(default="prompt", min_length=1, max_length=MAX_FIELD_NAME_CHARS)
-    completion_field: str = Field(default="completion", min_length=1, max_length=MAX_FIELD_NAME_CHARS)
-    shuffle: bool = True
-    seq_len: int | None = Field(default=None, ge=1, le=MAX_INT32)
-    vocab_size: int | None = Field(default=None, ge=2, le=MAX_INT32)
-    factory: str | None = None
-    kwargs: BoundedJson = Field(default_factory=dict)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _factory_implies_kind(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "kind" not in data and "factory" in data:
-            return {**data, "kind": "factory"}
-        return data
-
-    @field_validator("uri")
-    @classmethod
-    def _uri(cls, value: str | None) -> str | None:
-        return None if value is None else _storage_uri(value)
-
-    @field_validator("tokenizer")
-    @classmethod
-    def _tokenizer(cls, value: str | None) -> str | None:
-        """``"model"`` or a storage URI of a directory holding ``tokenizer.json`` (or of the file)."""
-        return value if value in (None, MODEL_TOKENIZER) else _storage_uri(value)
-
-    @field_validator("glob")
-    @classmethod
-    def _glob(cls, value: str) -> str:
-        """A pattern relative to ``uri`` that cannot leave it (workers glob ``{uri}/{glob}``)."""
-        if len(value) > MAX_GLOB_CHARS:
-            problem = f"is longer than {MAX_GLOB_CHARS} characters"
-        elif value.startswith("/"):
-            problem = f"must be relative to {cls.WHERE}.uri, not an absolute path"
-        elif (bad := _GLOB_FORBIDDEN.search(value)) is not None:
-            problem = f"must not contain {bad.group()!r} (backslashes and control characters are refused)"
-        elif ".." in value.split("/"):
-            problem = f"must not contain a '..' segment (it must stay below {cls.WHERE}.uri)"
-        else:
-            return value
-        raise PydanticCustomError("glob_pattern", "{problem}", {"problem": problem})
-
-    @field_validator("factory")
-    @classmethod
-    def _factory(cls, value: str | None) -> str | None:
-        return None if value is None else _factory_path(value)
-
-    @model_validator(mode="after")
-    def _fields_of_kind(self) -> "DataSpec":
-        where, kind = self.WHERE, self.kind
-
-        def refuse(name: str, code: str, message: str, **ctx: Any) -> PydanticCustomError:
-            return PydanticCustomError(code, message, {"where": where, "name": name, "kind": kind,
-                                                       "field": f"{where}.{name}", **ctx})
-
-        # a field counts as given when it is not its default: a stored spec (every field written
-        # out, defaults included) validates again as it did at submit
-        fields = type(self).model_fields
-        given = {name for name in _KIND_FIELDS
-                 if getattr(self, name) != fields[name].get_default(call_default_factory=True)}
-        for name in sorted(given):
-            if kind not in _KIND_FIELDS[name]:
-                raise refuse(name, "field_for_kind", "{where}.{name} is not read when {where}.kind is '{kind}'")
-        required = {"text": ("uri", "seq_len"), "tokens": ("uri", "seq_len", "format"),
-                    "sft": ("uri", "seq_len", "format", "tokenizer"), "synthetic": ("seq_len",),
-                    "factory": ("factory",)}[kind]
-        if kind == "text" and self.tokenizer is not None:
-            required += ("format",)
-        for name in required:
-            if getattr(self, name) is None:
-                raise refuse(name, "missing_for_kind", "{where}.{name} is required when {where}.kind is '{kind}'"
-                             + (" with a tokenizer" if kind == "text" else ""))
-        if self.format is not None:
-            formats = DATA_FORMATS[kind]
-            if kind == "text" and self.tokenizer is None:
-                raise refuse("format", "format_without_tokenizer",
-                             "{where}.format is read with {where}.tokenizer only: without one, text is the "
-                             "files' bytes")
-            if self.format not in formats:
-                raise refuse("format", "unknown_format", "{where}.format '{value}' is not one of {formats} "
-                             "for {where}.kind '{kind}'", value=self.format, formats=list(formats))
-        if "dtype" in given and self.format != "bin":
-            raise refuse("dtype", "field_for_format", "{where}.dtype is read for {where}.format 'bin' only")
-        if "column" in given and self.format != "parquet":
-            raise refuse("column", "field_for_format", "{where}.column is read for {where}.format 'parquet' only")
-        if "field" in given and self.format not in ("jsonl", "parquet"):
-            raise refuse("field", "field_for_format",
-                         "{where}.field is read for {where}.format 'jsonl' or 'parquet' only")
-        if kind == "synthetic" and self.vocab_size is None:
-            self.vocab_size = 256
-        return self
-
-
-class EvalDataSpec(DataSpec):
-    """``eval.data``: every form and rule of ``data``; errors name ``eval.data.*``."""
-
-    WHERE: ClassVar[str] = "eval.data"
-
-
-MAX_EVAL_BATCHES = 10_000  # micro-batches per rank per evaluation
-
-
-class EvalSpec(SpecModel):
-    """Evaluation during training (docs/contracts.md, "Evaluation").
-
-    After every ``every_steps`` steps, and after the last step, every rank runs ``batches``
-    micro-batches (``train.micro_batch_size`` samples each) of ``data`` without gradients; the
-    mean of their losses over every rank is the step's ``eval_loss``. Each evaluation reads the
-    same samples (the dataset from its start), so evaluations are comparable with each other.
-    """
-
-    every_steps: int = Field(ge=1, le=MAX_INT32)
-    batches: int = Field(default=8, ge=1, le=MAX_EVAL_BATCHES)
-    data: EvalDataSpec
-
-    def due(self, step: int, total_steps: int) -> bool:
-        """Whether completed ``step`` (1-based) is evaluated."""
-        return step % self.every_steps == 0 or step == total_steps
-
 
 OPTIMIZERS = tuple(OPTIMIZER_STATE_TENSORS)  # ("adamw", "adam", "sgd")
 """``train.optimizer``: torch.optim's element-wise optimizers the engine is tested with."""
@@ -422,7 +144,7 @@ class TrainSpec(SpecModel):
     @classmethod
     def _patterns(cls, value: list[str]) -> list[str]:
         for pattern in value:
-            if not pattern or len(pattern) > MAX_PATTERN_CHARS or _GLOB_FORBIDDEN.search(pattern):
+            if not pattern or len(pattern) > MAX_PATTERN_CHARS or BACKSLASH_OR_CONTROL.search(pattern):
                 raise PydanticCustomError(
                     "name_pattern", "each pattern must be 1 to {limit} characters without control characters or "
                     "backslashes (got '{value}')", {"limit": MAX_PATTERN_CHARS, "value": pattern})
@@ -562,7 +284,7 @@ class CheckpointSpec(SpecModel):
     @field_validator("uri")
     @classmethod
     def _uri(cls, value: str | None) -> str | None:
-        return None if value is None else _storage_uri(value)
+        return None if value is None else check_storage_uri(value)
 
 
 class ResumeFrom(SpecModel):

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The import graph of the product packages, and its cycles.
 
-Reads every module of ``service/ workers/ contract/ migrations/`` with ``ast`` (nothing is
+Reads every module of ``service/ workers/ contract/ storage/ migrations/`` with ``ast`` (nothing is
 imported or run), takes every import in it -- at module level and inside functions, relative
 ones resolved -- and keeps the edges between product modules. A cycle is a strongly connected
 component of more than one module (or a module importing itself). An import of a package
@@ -20,7 +20,7 @@ import ast
 import sys
 from pathlib import Path
 
-PACKAGES = ("service", "workers", "contract", "migrations")
+PACKAGES = ("service", "workers", "contract", "storage", "migrations")
 
 
 def module_name(root: Path, path: Path) -> str:

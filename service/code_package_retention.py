@@ -31,6 +31,7 @@ from service.code_packages import code_prefix, package_uri, stored_package_sha
 from service.models import Job
 from service.schemas import TERMINAL_STATES, JobState
 from service.storage_policy import USERS_DIR
+from storage.storage import Storage
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +70,6 @@ def delete_unused_packages(session: Session, storage_root: str, retention: timed
                            now: datetime | None = None) -> list[str]:
     """Delete the packages nothing needs (module docstring); the URIs deleted. The lock it takes
     is held until the caller's transaction ends."""
-    from workers.checkpointing.storage import Storage
-
     now = now or datetime.now(timezone.utc)
     if session.get_bind().dialect.name == "postgresql":
         session.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": PACKAGE_LOCK_KEY})

@@ -184,7 +184,7 @@ class StoredPackage:
 
 def find_package(storage_root: str, owner: str, sha256: str) -> StoredPackage | None:
     """The stored package of ``owner`` with this sha256, or None."""
-    from workers.checkpointing.storage import Storage
+    from storage.storage import Storage
 
     if not _SHA256.match(sha256):
         return None
@@ -197,7 +197,7 @@ def find_package(storage_root: str, owner: str, sha256: str) -> StoredPackage | 
 
 def store_package(storage_root: str, owner: str, data: bytes) -> tuple[StoredPackage, bool]:
     """Keep ``data`` (already checked) under its sha256; ``(package, created)``."""
-    from workers.checkpointing.storage import Storage
+    from storage.storage import Storage
 
     sha256 = hashlib.sha256(data).hexdigest()
     found = find_package(storage_root, owner, sha256)
@@ -268,7 +268,7 @@ def local_zip(working_dir: str, storage_root: str, cache_dir: Path) -> Path:
     target = cache_dir / f"{stored[1]}.zip" if stored else None
     if target is not None and target.exists():
         return target
-    from workers.checkpointing.storage import Storage
+    from storage.storage import Storage
 
     parent, name = working_dir.rsplit("/", 1)
     data = Storage.at(parent).read_bytes(name)

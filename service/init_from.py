@@ -34,12 +34,14 @@ meta). Without transformers here, only what arithmetic can tell is checked (logg
 from __future__ import annotations
 
 import concurrent.futures
+import importlib
 import logging
 
 from contract.hf_config import UnsupportedConfig, max_positions, state_dict_shapes
 from contract.presets import PRESETS
 from contract.spec import JobSpec
 from service.storage_policy import UnsafeUri, is_within
+from storage.storage import Storage
 
 log = logging.getLogger(__name__)
 
@@ -64,14 +66,11 @@ def check_init_from(spec: JobSpec, storage_root: str, timeout_s: float = CHECK_T
     uri, preset = spec.model.init_from, spec.model.preset
     if uri is None or preset is None:
         return
-    inside = _inside(uri, storage_root)
-    if not (inside or uri.startswith("file://")):
+    inside = _checkable_here("model.init_from", uri, storage_root)
+    if inside is None:
         return
-    try:
-        from workers.checkpointing.pretrained import PretrainedWeights, WeightsNotFound
-    except ImportError as missing:  # a control plane installed without the worker extra
-        log.info("model.init_from not checked at submit: %s", missing)
-        return
+    from workers.checkpointing.pretrained import PretrainedWeights, WeightsNotFound
+
     expected = PRESETS[preset].state_dict_shapes()
 
     def fits() -> None:
@@ -91,6 +90,26 @@ def check_init_from(spec: JobSpec, storage_root: str, timeout_s: float = CHECK_T
         log.warning("model.init_from %s not checked at submit: %s: %s", uri, type(error).__name__, error)
 
 
+#: What the checks read with (the worker extra); a control plane installed without it checks nothing here.
+_READERS = ("workers.checkpointing.hf_dir", "workers.checkpointing.pretrained")
+
+
+def _checkable_here(field: str, uri: str, storage_root: str) -> bool | None:
+    """None when the control plane leaves ``uri`` (the spec's ``field``) to the workers: outside
+    the service's storage root and not a ``file://`` path, or no worker extra here to read it
+    with. Otherwise whether it lies inside the storage root, where absent is the user's mistake."""
+    inside = _inside(uri, storage_root)
+    if not (inside or uri.startswith("file://")):
+        return None
+    try:
+        for module in _READERS:
+            importlib.import_module(module)
+    except ImportError as missing:  # a control plane installed without the worker extra
+        log.info("%s not checked at submit: %s", field, missing)
+        return None
+    return inside
+
+
 def _inside(uri: str, storage_root: str) -> bool:
     try:
         return is_within(uri, storage_root)
@@ -102,16 +121,11 @@ def check_model_hf(spec: JobSpec, storage_root: str, timeout_s: float = CHECK_TI
     """Raise ``InitFromMismatch`` (field ``model.hf``, ``model.init_from`` or a ``seq_len``) when the
     HF model the spec names is readable here and cannot be built, or its weights do not fit it."""
     uri = spec.model.hf
-    inside = _inside(uri, storage_root)
-    if not (inside or uri.startswith("file://")):
+    inside = _checkable_here("model.hf", uri, storage_root)
+    if inside is None:
         return
-    try:
-        from workers.checkpointing.hf_dir import read_config
-        from workers.checkpointing.pretrained import PretrainedWeights, WeightsNotFound
-        from workers.checkpointing.storage import Storage
-    except ImportError as missing:  # a control plane installed without the worker extra
-        log.info("model.hf not checked at submit: %s", missing)
-        return
+    from workers.checkpointing.hf_dir import read_config
+    from workers.checkpointing.pretrained import PretrainedWeights, WeightsNotFound
 
     def check() -> None:
         try:

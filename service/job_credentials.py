@@ -6,7 +6,7 @@ their environment (``job_storage_credentials = "shared"``, the default, for a si
 service) any job could read or overwrite every other job's checkpoints and data. With
 ``"sts"`` a job holds no storage key at all: its processes ask the control plane, with the
 job's ingest token, for temporary credentials (``POST /api/v1/jobs/{id}/worker/storage-credentials``,
-``workers.storage_credentials``), which the control plane gets from the storage server's STS
+``storage.credentials``), which the control plane gets from the storage server's STS
 (``AssumeRole`` of ``job_storage_role_arn`` with a *session policy*, so the credentials can
 do at most what both the role and the policy allow). AWS S3, MinIO and Ceph RGW enforce
 session policies; the credentials expire after ``job_storage_credentials_ttl_s`` and botocore

@@ -29,6 +29,7 @@ from sqlalchemy import (
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from contract.metrics import MAX_USER_METRIC_NAME_CHARS, METRICS
+from contract.spec import JobSpec
 
 BigId = BigInteger().with_variant(Integer, "sqlite")  # SQLite autoincrements INTEGER keys only
 
@@ -80,6 +81,23 @@ class Job(Base):
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+    @property
+    def job_spec(self) -> JobSpec:
+        """The stored spec, typed (``typed_spec``). Raises pydantic's ``ValidationError`` (a
+        ``ValueError``) for a row that no longer validates under this version of the service."""
+        return typed_spec(self.spec)
+
+
+def typed_spec(stored: dict[str, Any]) -> JobSpec:
+    """A job row's ``spec`` column as a ``JobSpec``: the one place a stored spec is read back.
+
+    [Note: validated on each read] The column is plain JSON, written at submit from a validated
+    spec; reading it back validates it again rather than caching, so a row edited in place or
+    written by an older version is judged by today's rules. Callers that select the column
+    alone (not the whole row) call this directly.
+    """
+    return JobSpec.model_validate(stored)
 
 
 class JobEvent(Base):

@@ -14,11 +14,10 @@ code here), get no prediction at submit — the worker then plans for itself.
 
 from __future__ import annotations
 
-import copy
 import logging
 from typing import Any
 
-from contract.spec import JobSpec
+from contract.spec import DataSpec, JobSpec, ModelSpec, ResourcesSpec, TrainSpec, ZeroSpec
 from contract.zero_math import DEFAULT_PRECISION, DEFAULT_SEQ_LEN, gb_to_bytes, gbps_to_bytes_per_s
 
 log = logging.getLogger(__name__)
@@ -33,8 +32,12 @@ class NothingFits(ValueError):
         self.detail = detail
 
 
-def plan_at_submit(spec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """(the spec to store, the prediction or None). Raises ``NothingFits`` for an "auto" job."""
+def plan_at_submit(spec: JobSpec) -> tuple[JobSpec, dict[str, Any] | None]:
+    """(the spec to store, the prediction or None). Raises ``NothingFits`` for an "auto" job.
+
+    An "auto" stage comes back resolved in a copy of ``spec``: the planner's stage and offload
+    set in its ``zero`` block, nothing validated again (the chosen pair is one the rules allow).
+    """
     try:
         from workers.planning import plan_for_spec
         from workers.zero.planner import NoPlanFits
@@ -42,30 +45,29 @@ def plan_at_submit(spec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]
         log.info("no memory prediction at submit: %s", missing)
         return spec, None
     try:
-        plan = plan_for_spec(JobSpec.model_validate(spec), allow_factories=False)
+        plan = plan_for_spec(spec, allow_factories=False)
     except NoPlanFits as refused:
         raise NothingFits(refused.detail) from None
     except ValueError as unplannable:  # a user factory: the worker plans it
         log.info("no memory prediction at submit: %s", unplannable)
         return spec, None
-    prediction = {**plan.to_dict(), "requested_stage": spec["zero"]["stage"]}
-    if spec["zero"]["stage"] != "auto":
+    prediction = {**plan.to_dict(), "requested_stage": spec.zero.stage}
+    if spec.zero.stage != "auto":
         return spec, prediction
-    resolved = copy.deepcopy(spec)
-    resolved["zero"]["stage"] = plan.stage
-    if resolved["zero"].get("offload_optimizer") != "nvme":  # kept: workers/planning.py, NVMe offload
-        resolved["zero"]["offload_optimizer"] = plan.offload
-    return resolved, prediction
+    resolved = {"stage": plan.stage}
+    if spec.zero.offload_optimizer != "nvme":  # kept: workers/planning.py, NVMe offload
+        resolved["offload_optimizer"] = plan.offload
+    return spec.model_copy(update={"zero": spec.zero.model_copy(update=resolved)}), prediction
 
 
 def warm_up() -> None:
     """Import the planner and plan one tiny job, so the first real submission is not the one
     that pays for importing torch and tracing a model on the meta device (seconds)."""
     try:
-        plan_at_submit({"name": "planner-warm-up", "model": {"preset": "gpt-nano"},
-                        "data": {"kind": "synthetic", "seq_len": 16},
-                        "train": {"steps": 1, "global_batch_size": 1, "micro_batch_size": 1},
-                        "zero": {"stage": 0, "precision": "fp32"}, "resources": {"num_workers": 1}})
+        plan_at_submit(JobSpec(name="planner-warm-up", model=ModelSpec(preset="gpt-nano"),
+                               data=DataSpec(kind="synthetic", seq_len=16),
+                               train=TrainSpec(steps=1, global_batch_size=1, micro_batch_size=1),
+                               zero=ZeroSpec(stage=0, precision="fp32"), resources=ResourcesSpec(num_workers=1)))
     except Exception:  # a warm-up must never stop the service; the real submit reports errors
         log.exception("planner warm-up failed")
 

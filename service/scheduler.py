@@ -31,16 +31,15 @@ from sqlalchemy import select, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from contract.reasons import Reason
-from contract.spec import JobSpec
 from service import admission
 from service.auth import INGEST_TOKEN_PREFIX, hash_token, new_token
 from service.code_package_retention import delete_unused_packages
 from service.launchers.base import Launcher, LaunchHandle, LaunchPhase, LaunchRequest, LaunchStatus
-from service.models import Job, utcnow
+from service.models import Job, typed_spec, utcnow
 from service.schemas import JobState
 from service.settings import Settings
 from service.states import IllegalTransition, note_waiting, transition
-from workers.checkpointing import shared_storage
+from storage import shared as shared_storage
 
 log = logging.getLogger(__name__)
 S = JobState
@@ -159,7 +158,7 @@ class Scheduler:
         with self.make_session() as session:
             job = session.execute(select(Job).where(Job.id == job_id)).scalar_one()
         try:
-            request = LaunchRequest(job_id=job.id, attempt=job.attempt, spec=JobSpec.model_validate(job.spec),
+            request = LaunchRequest(job_id=job.id, attempt=job.attempt, spec=job.job_spec,
                                     api_url=self.settings.api_url, ingest_token=ingest_token,
                                     storage_uri=self.settings.storage_uri,
                                     scoped_storage=self.settings.scoped_storage,
@@ -280,7 +279,7 @@ class Scheduler:
     def _check_runtime(self, session: Session, job: Job, state: JobState) -> bool:
         if job.started_at is None or state is not S.RUNNING:
             return False
-        limit = JobSpec.model_validate(job.spec).max_runtime_s
+        limit = job.job_spec.max_runtime_s
         if not limit:
             return False
         if utcnow() - job.started_at < timedelta(seconds=limit):
@@ -297,6 +296,6 @@ def _candidate(job_id: str, owner: str, spec: dict) -> admission.Candidate:
     """A job's gang as admission sees it. A stored spec that no longer validates demands
     nothing here: it is admitted, and its launch fails it with the validation error."""
     try:
-        return admission.candidate(job_id, owner, JobSpec.model_validate(spec))
+        return admission.candidate(job_id, owner, typed_spec(spec))
     except ValueError:
         return admission.Candidate(job_id, owner, admission.NOTHING)

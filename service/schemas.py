@@ -43,7 +43,7 @@ from contract.spec import (  # noqa: F401
     SpecModel,
     TrainSpec,
     ZeroSpec,
-    _storage_uri,
+    check_storage_uri,
 )
 
 # --------------------------------------------------------------------------- job states
@@ -232,7 +232,7 @@ class CheckpointIn(BaseModel):
     @field_validator("uri")
     @classmethod
     def _uri(cls, value: str) -> str:
-        return _storage_uri(value)
+        return check_storage_uri(value)
 
 
 class WorkerResizeIn(BaseModel):

@@ -1,5 +1,5 @@
 """No import circles in the product (issue 30): scripts/import_graph.py reads every module of
-service/ workers/ contract/ migrations/ with ``ast`` and finds no cycle, and it does find one
+service/ workers/ contract/ storage/ migrations/ with ``ast`` and finds no cycle, and it does find one
 when there is one."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def test_a_cycle_through_a_function_level_relative_import_is_found(tmp_path):
     graph = _script()
     package = tmp_path / "workers" / "zero"
     package.mkdir(parents=True)
-    for root in ("workers", "workers/zero", "service", "contract", "migrations"):
+    for root in ("workers", "workers/zero", "service", "contract", "storage", "migrations"):
         (tmp_path / root).mkdir(parents=True, exist_ok=True)
         (tmp_path / root / "__init__.py").write_text("")
     (package / "base.py").write_text("def make():\n    from .sub import Sub\n    return Sub()\n")

@@ -12,7 +12,7 @@ reader). ``TrainCheckpointHook`` adapts it to ``workers.train.CheckpointHook``; 
 
 Where checkpoints go: ``{root}/{job_id}/checkpoints/step_{N:08d}/`` with ``root`` the job's
 ``checkpoint.uri`` when set, else the service's storage root (the loop's ``storage_uri``).
-S3 settings come from the environment (``workers.checkpointing.storage``).
+S3 settings come from the environment (``storage.storage``).
 
 [Note: what blocks the loop]
 ``save`` waits for the previous save to be committed (a rank never holds two host copies),
@@ -38,9 +38,9 @@ import torch.distributed as dist
 
 from contract.spec import JobSpec, ResumeFrom
 from workers.checkpointing import reader, snapshot
-from workers.checkpointing.manifest import (CheckpointNotFound, checkpoints_uri, committed_steps, find_checkpoint,
+from storage.manifest import (CheckpointNotFound, checkpoints_uri, committed_steps, find_checkpoint,
                                             read_manifest)
-from workers.checkpointing.storage import Storage
+from storage.storage import Storage
 from workers.checkpointing.writer import AsyncCheckpointWriter, CheckpointError, SaveReport
 
 log = logging.getLogger(__name__)

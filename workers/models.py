@@ -180,8 +180,9 @@ def build_model(model_spec: ModelSpec | Mapping[str, Any]) -> nn.Module:
 
     [Note: a plain mapping is validated here]
     The training loop passes the typed ``spec.model``. The planner also builds models from a
-    model block it keeps as JSON (its cache key), so a mapping is accepted and validated into a
-    ``ModelSpec`` first -- the same rules, and the same defaults, as every other reader.
+    model block it keeps frozen (its cache key, ``planner.model_key``), so a mapping is
+    accepted and validated into a ``ModelSpec`` first -- the same rules, and the same
+    defaults, as every other reader.
     """
     model = ModelSpec.model_validate(model_spec)  # an instance comes back as it is
     if model.preset is not None:

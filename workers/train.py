@@ -41,7 +41,7 @@ from contract.job_states import JobState
 from contract.metrics import THROUGHPUT
 from contract.reasons import Reason
 from contract.spec import MIN_LR_RATIO, JobSpec, TrainSpec
-from workers.checkpointing.shared_storage import check_marker
+from storage.shared import check_marker
 from workers.data import IndexedDataset, ShardedBatchLoader, build_dataset, check_vocabulary
 from workers.models import build_model, flops_per_token
 from workers.host_memory import map_large_blocks

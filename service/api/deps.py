@@ -7,7 +7,7 @@ a worker route accepts only the token issued for its own job.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Annotated
 
 from fastapi import Depends, HTTPException, Path, Request
@@ -35,9 +35,20 @@ def get_launcher(request: Request) -> Launcher:
     return request.app.state.launcher
 
 
+def _no_scheduler() -> None:
+    """This process runs no scheduler (``scheduler_enabled`` off): another one polls the queue."""
+
+
+def get_wake_scheduler(request: Request) -> Callable[[], None]:
+    """What a route calls once it has queued or cancelled a job, so that the scheduler acts now
+    instead of at its next poll (``Scheduler.wake``); a no-op where this process runs none."""
+    return request.app.state.wake_scheduler or _no_scheduler
+
+
 SessionDep = Annotated[Session, Depends(get_session)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 LauncherDep = Annotated[Launcher, Depends(get_launcher)]
+WakeScheduler = Annotated[Callable[[], None], Depends(get_wake_scheduler)]
 
 
 def unauthorized(message: str) -> HTTPException:

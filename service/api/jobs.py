@@ -1,61 +1,33 @@
-"""Jobs: submit (idempotent), list, get, cancel, events, logs."""
+"""Jobs: submit (idempotent; the logic is ``service.submission``), list, get, cancel, events, logs."""
 
 from __future__ import annotations
 
-import hashlib
 import json
-import uuid
 from typing import Annotated
 
-from fastapi import APIRouter, Header, HTTPException, Query, Request, Response
+from fastapi import APIRouter, Header, HTTPException, Query, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
-from sqlalchemy import func, select
-from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session
+from sqlalchemy import select
 
-from service import admission
-from service.api.deps import CurrentUser, LauncherDep, SessionDep, SettingsDep, VisibleJob
-from service.api.errors import error_responses, field_error, text_response
+from service.api.deps import CurrentUser, LauncherDep, SessionDep, SettingsDep, VisibleJob, WakeScheduler
+from service.api.errors import error_responses, text_response
 from service.api.links import links_for
 from service.api.plan import NO_PLAN_RESPONSES, no_plan_response
-from service.api.spec_access import check_spec_access
-from service.auth import Principal
-from service.init_from import InitFromMismatch, check_init_from
-from service.launchers.base import LaunchHandle, Launcher
+from service.launchers.base import LaunchHandle
 from service.log_ranks import rank_lines
 from service.log_text import plain_log
-from service.models import IdempotencyKey, Job, JobEvent, utcnow
-from service.prediction import NothingFits, plan_at_submit
+from service.models import Job, JobEvent
+from service.prediction import NothingFits
 from service.schemas import EventList, JobOut, JobPage, JobSpec, JobState
-from service.settings import Settings
-from service.states import IllegalTransition, Reason, load_job, record_created, transition
+from service.states import IllegalTransition, Reason, load_job, transition
+from service.submission import submit
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 
 IdempotencyKeyHeader = Annotated[
     str | None, Header(alias="Idempotency-Key", min_length=1, max_length=200)
 ]
-
-
-def new_job_id() -> str:
-    return f"job-{uuid.uuid4().hex[:16]}"
-
-
-def spec_sha256(spec_json: dict) -> str:
-    return hashlib.sha256(json.dumps(spec_json, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
-
-def _replay(session: Session, user: Principal, key: str, request_hash: str) -> Job | None:
-    """The job an earlier request with this key created, or None; 409 if the body differs."""
-    row = session.execute(
-        select(IdempotencyKey).where(IdempotencyKey.owner == user.name, IdempotencyKey.key == key)
-    ).scalar_one_or_none()
-    if row is None:
-        return None
-    if row.request_sha256 != request_hash:
-        raise HTTPException(409, f"Idempotency-Key {key!r} was already used with a different job spec")
-    return load_job(session, row.job_id)
 
 
 @router.post("", status_code=201, response_model=JobOut, name="submit_job",
@@ -66,70 +38,18 @@ def _replay(session: Session, user: Principal, key: str, request_hash: str) -> J
                          "when nothing fits). A `model.init_from` the control plane can read must fit "
                          "the model, and a `model.hf` it can read must hold a config.json transformers "
                          "builds (422 naming the field and the key otherwise).")
-def submit_job(spec: JobSpec, request: Request, response: Response, session: SessionDep, launcher: LauncherDep,
-               user: CurrentUser, settings: SettingsDep, idempotency_key: IdempotencyKeyHeader = None) -> Job:
-    check_spec_access(spec, user, session, settings)  # first: nothing is read that the user may not read
+def submit_job(spec: JobSpec, response: Response, session: SessionDep, launcher: LauncherDep, user: CurrentUser,
+               settings: SettingsDep, wake_scheduler: WakeScheduler,
+               idempotency_key: IdempotencyKeyHeader = None) -> Job:
     try:
-        check_init_from(spec, settings.storage_uri)
-    except InitFromMismatch as mismatch:
-        raise field_error(mismatch.field, str(mismatch), "init_from_mismatch") from None
-    check_admissible(spec, user, session, settings, launcher)
-    spec_json = spec.model_dump(mode="json")
-    if (size := len(json.dumps(spec_json))) > settings.max_spec_bytes:
-        kwargs = {"model.kwargs": spec.model.kwargs,
-                  **{f"{where}.kwargs": data.kwargs for where, data in spec.data_blocks()}}
-        raise field_error(max(kwargs, key=lambda field: len(json.dumps(kwargs[field]))),
-                          f"the spec is {size} bytes of JSON, more than this service stores "
-                          f"({settings.max_spec_bytes}, ZEROTRAIN_MAX_SPEC_BYTES)", "spec_too_large")
-    request_hash = spec_sha256(spec_json)
-    if idempotency_key and (earlier := _replay(session, user, idempotency_key, request_hash)):
-        response.status_code = 200
-        return earlier
-    try:
-        stored_spec, prediction = plan_at_submit(spec_json)
+        submitted = submit(spec, user, session, settings, launcher, idempotency_key)
     except NothingFits as refused:
         return no_plan_response(refused.detail)
-    now = utcnow()
-    job = Job(id=new_job_id(), name=spec.name, owner=user.name, state=JobState.QUEUED.value,
-              reason=Reason.SUBMITTED, attempt=0, spec=stored_spec, prediction=prediction,
-              created_at=now, updated_at=now)
-    session.add(job)
-    session.flush()
-    record_created(session, job)
-    if idempotency_key:
-        session.add(IdempotencyKey(owner=user.name, key=idempotency_key,
-                                   request_sha256=request_hash, job_id=job.id))
-    try:
-        session.commit()
-    except IntegrityError:  # a concurrent request with the same key won the race
-        session.rollback()
-        earlier = _replay(session, user, idempotency_key, request_hash) if idempotency_key else None
-        if earlier is None:
-            raise
+    if submitted.replayed:
         response.status_code = 200
-        return earlier
-    wake = getattr(request.app.state, "wake_scheduler", None)
-    if wake:
-        wake()
-    return job
-
-
-def check_admissible(spec: JobSpec, user: Principal, session: Session, settings: Settings, launcher: Launcher) -> None:
-    """Refuse now what could never start (422 with the numbers) or what exceeds the user's
-    queue (429), instead of queueing it: a 1,000,000-worker job used to be accepted, grew the
-    driver and Ray's GCS to 3 GB each and took the API down with it."""
-    refusal = admission.refusal_at_submit(admission.demand_of(spec), admission.cluster_capacity(launcher, settings),
-                                          settings.max_workers_per_job, least=admission.least_demand_of(spec))
-    if refusal is not None:
-        raise field_error(refusal.field, refusal.message, "not_admissible")
-    limit = settings.max_queued_jobs_per_user
-    if limit is not None:
-        queued = session.execute(select(func.count()).select_from(Job)
-                                 .where(Job.owner == user.name, Job.state == JobState.QUEUED.value)).scalar_one()
-        if queued >= limit:
-            raise HTTPException(429, f"{user.name} already has {queued} queued jobs, at most {limit} "
-                                     f"(ZEROTRAIN_MAX_QUEUED_JOBS_PER_USER); wait for some to start",
-                                headers={"Retry-After": "30"})
+    else:
+        wake_scheduler()
+    return submitted.job
 
 
 @router.get("", response_model=JobPage, name="list_jobs")
@@ -182,7 +102,7 @@ def get_job(job: VisibleJob) -> Response:
 
 
 @router.post("/{job_id}/cancel", response_model=JobOut, name="cancel_job", responses=error_responses(409))
-def cancel_job(job: VisibleJob, request: Request, session: SessionDep) -> Job:
+def cancel_job(job: VisibleJob, session: SessionDep, wake_scheduler: WakeScheduler) -> Job:
     """QUEUED jobs are cancelled at once; running ones go to CANCELLING until the launcher stops them."""
     for _ in range(10):
         current = JobState(load_job(session, job.id).state)
@@ -198,9 +118,7 @@ def cancel_job(job: VisibleJob, request: Request, session: SessionDep) -> Job:
                 continue
             raise HTTPException(409, f"job {job.id} is already {current.value}; it cannot be cancelled")
         session.commit()
-        wake = getattr(request.app.state, "wake_scheduler", None)
-        if wake:
-            wake()
+        wake_scheduler()
         return cancelled
     raise HTTPException(409, f"job {job.id} kept changing state; retry the cancel")
 

@@ -10,7 +10,6 @@ from fastapi import APIRouter, HTTPException, Path
 from sqlalchemy import delete, select
 from sqlalchemy.dialects import postgresql, sqlite
 
-from contract.spec import JobSpec
 from service.api.deps import SessionDep, SettingsDep, WorkerJob
 from service.api.errors import error_responses, field_error
 from service.job_credentials import CredentialsUnavailable, StsIssuer, job_access
@@ -32,6 +31,7 @@ from service.schemas import (
 from service.settings import Settings
 from service.states import IllegalTransition, Reason, record_notice, transition
 from service.storage_policy import UnsafeUri, check_registered_checkpoint
+from storage.storage import storage_options
 
 router = APIRouter(prefix="/jobs/{job_id}/worker", tags=["workers"])
 log = logging.getLogger(__name__)
@@ -58,8 +58,6 @@ def _issuer(role_arn: str, ttl_s: int, endpoint_url: str | None, region: str | N
 def issuer_for(settings: Settings) -> StsIssuer:
     """One STS client per configuration (creating a botocore client costs tens of milliseconds),
     at the object store's endpoint and region unless ``sts_endpoint_url`` says otherwise."""
-    from workers.checkpointing.storage import storage_options
-
     store = storage_options("s3").get("client_kwargs", {})
     return _issuer(settings.job_storage_role_arn, settings.job_storage_credentials_ttl_s,
                    settings.sts_endpoint_url or store.get("endpoint_url"), store.get("region_name"))
@@ -73,7 +71,7 @@ def issue_storage_credentials(job: WorkerJob, settings: SettingsDep) -> StorageC
     if not settings.scoped_storage:
         raise HTTPException(409, "this service gives jobs its own storage keys (job_storage_credentials = "
                                  "'shared'): there are no scoped credentials to issue")
-    access = job_access(JobSpec.model_validate(job.spec), settings.storage_uri, job.id)
+    access = job_access(job.job_spec, settings.storage_uri, job.id)
     try:
         issued = issuer_for(settings).issue(job.id, access)
     except CredentialsUnavailable as error:
@@ -106,7 +104,7 @@ def register_checkpoint(checkpoint: CheckpointIn, job: WorkerJob, session: Sessi
     """Record a committed checkpoint; its URI must lie below this job's own checkpoint prefix,
     so a job's token cannot make another job's (or user's) data look like its own."""
     try:
-        check_registered_checkpoint(checkpoint.uri, JobSpec.model_validate(job.spec), settings.storage_uri, job.id)
+        check_registered_checkpoint(checkpoint.uri, job.job_spec, settings.storage_uri, job.id)
     except UnsafeUri as refused:
         raise field_error("uri", str(refused), "storage_prefix") from None
     dialect = postgresql if session.get_bind().dialect.name == "postgresql" else sqlite

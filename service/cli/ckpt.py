@@ -57,7 +57,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Dispatch ``args.ckpt_command``; user mistakes raise ``CliError`` (one line, exit 2)."""
-    from workers.checkpointing.manifest import CheckpointNotFound
+    from storage.manifest import CheckpointNotFound
 
     handler = {"list": _list, "verify": _verify, "consolidate": _consolidate}[args.ckpt_command]
     try:
@@ -69,8 +69,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _list(args: argparse.Namespace) -> int:
-    from workers.checkpointing.manifest import committed_steps, read_manifest, step_dir, step_dirs, total_size
-    from workers.checkpointing.storage import Storage
+    from storage.manifest import committed_steps, read_manifest, step_dir, step_dirs, total_size
+    from storage.storage import Storage
 
     where = Storage.at(args.uri)
     if not step_dirs(where) and step_dirs(where.child("checkpoints")):
@@ -89,7 +89,7 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from workers.checkpointing.manifest import resolve
+    from storage.manifest import resolve
     from workers.checkpointing.verify import verify
 
     checkpoint = resolve(args.uri)

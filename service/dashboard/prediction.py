@@ -15,6 +15,7 @@ from contract import zero_math
 from contract.metrics import PEAK_PARTS, peak_part_key
 from contract.presets import PRESETS
 from contract.spec import JobSpec
+from service.models import typed_spec
 
 
 def model_state_bytes(phi: int, world: int, stage: int, precision: str,
@@ -103,6 +104,6 @@ def predict(spec: JobSpec | None, checkpoint_stage: int | None, planner: dict[st
 def stored_spec(spec_json: dict[str, Any]) -> JobSpec | None:
     """A job row's spec, typed; None when it no longer validates (a page shows that row anyway)."""
     try:
-        return JobSpec.model_validate(spec_json)
+        return typed_spec(spec_json)
     except ValueError:
         return None

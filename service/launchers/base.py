@@ -34,7 +34,7 @@ class LaunchRequest:
 
     job_id: str
     attempt: int
-    spec: JobSpec  # the job's stored spec, validated again (``JobSpec.model_validate(job.spec)``)
+    spec: JobSpec  # the job's stored spec, typed (``Job.job_spec``)
     api_url: str  # where the driver reaches the control plane
     ingest_token: str  # secret: pass through the environment only, never argv
     storage_uri: str
@@ -42,7 +42,7 @@ class LaunchRequest:
     # (Settings.scoped_storage, service.job_credentials)
     scoped_storage: bool = False
     # the nonce of the marker the control plane wrote under a file:// root for this launch; every
-    # rank checks it is there (workers.checkpointing.shared_storage); None: not a file:// root
+    # rank checks it is there (storage.shared); None: not a file:// root
     storage_marker: str | None = None
 
 

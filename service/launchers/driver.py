@@ -18,7 +18,7 @@ KubeRay pods' container env (the ingest token by Secret reference there).
 ``host_environment()`` is what any process needs from the machine it runs on, copied from the
 control plane's own environment through ``HOST_VARIABLES``/``HOST_PREFIXES``: where programs,
 modules and libraries are, home and locale, the loopback and collective-communication knobs,
-and the object-store endpoint and credentials the workers use (``workers.checkpointing.storage``
+and the object-store endpoint and credentials the workers use (``storage.storage``
 and botocore read them). Only what runs on this machine takes it: the local launcher's driver,
 and the Ray head the Ray launcher starts (its raylets spawn the drivers and the workers from
 its environment). A remote Ray cluster's nodes and a Kubernetes pod have their own.
@@ -29,7 +29,7 @@ the control plane's own, one set for every job, so a job's code can read and wri
 those keys can. With ``"sts"`` no storage key is copied (``STORAGE_KEY_VARIABLES``: not to a
 driver, not to the embedded Ray head); the job is told ``STORAGE_CREDENTIALS_ENV`` and its
 processes fetch temporary credentials for its own prefixes with its ingest token
-(``service.job_credentials``, ``workers.storage_credentials``). On a Ray cluster shared by
+(``service.job_credentials``, ``storage.credentials``). On a Ray cluster shared by
 several jobs, a job's code also holds that cluster's Ray token (Ray hands it to every process
 it starts), with which it can read other jobs' ``runtime_env`` through the Jobs API -- their
 ingest tokens included. docs/contracts.md and deploy/README.md say the same.
@@ -55,7 +55,7 @@ from contract.environment import (
     UPLOAD_ATTEMPTS_ENV,
 )
 from service.launchers.base import LaunchRequest
-from workers import storage_credentials
+from storage import credentials as storage_credentials
 
 DRIVER_MODULE = "workers.launch"
 

@@ -272,7 +272,7 @@ def node_environment(home: Path) -> dict[str, str]:
     Ray's cluster switch off, Gloo on lo; a worker node's ``ray start`` turns the switch on for
     itself, ``ray_worker_node.py``)."""
     from service.launchers.driver import LOOPBACK_ENV, host_environment
-    from service.launchers.ray_jobs import quiet_ray_environment
+    from service.launchers.ray_local_head import quiet_ray_environment
 
     env = host_environment()
     env.update(quiet_ray_environment(home), **LOOPBACK_ENV)

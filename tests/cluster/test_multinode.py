@@ -79,7 +79,7 @@ def assert_one_row_per_rank_and_step(rows, steps: int) -> None:
 
 
 def test_a_two_worker_job_spread_over_both_worker_nodes_succeeds(loopback_cluster, cluster_plane, cluster_s3):
-    from workers.checkpointing.storage import Storage
+    from storage.storage import Storage
     from workers.checkpointing.verify import verify
 
     plane = cluster_plane()
@@ -143,7 +143,7 @@ def test_losing_a_worker_node_mid_job_resumes_from_the_latest_checkpoint(loopbac
 @pytest.mark.timeout(600)
 def test_a_node_without_the_shared_file_storage_root_fails_the_job_in_its_first_attempt_naming_the_path(
         loopback_cluster: LoopbackCluster, cluster_plane, tmp_path_factory):
-    """A ``file://`` storage root that one node does not share (``workers.checkpointing.shared_storage``):
+    """A ``file://`` storage root that one node does not share (``storage.shared``):
     worker2 comes back with a disk of its own mounted at the root's path (a mount namespace with a
     tmpfs there). The job's rank on it finds no marker of this launch before it writes anything:
     the job FAILS in attempt 1, not retried, and its message names the node's view and the path.

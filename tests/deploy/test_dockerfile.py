@@ -20,7 +20,7 @@ except ModuleNotFoundError:  # Python 3.10
     tomllib = pytest.importorskip("tomli")
 
 DOCKERFILE = DEPLOY / "Dockerfile"
-ALLOWED_SOURCES = {"pyproject.toml", "README.md", "contract", "service", "workers", "migrations"}
+ALLOWED_SOURCES = {"pyproject.toml", "README.md", "contract", "service", "storage", "workers", "migrations"}
 
 
 def instructions() -> list[tuple[str, str]]:

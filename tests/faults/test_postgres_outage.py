@@ -23,7 +23,7 @@ from service.schemas import JobState
 from workers.reporting import MetricReporter, WorkerAPI
 
 from tests.conftest import _admin_execute as admin
-from tests.service.conftest import make_spec
+from tests.helpers.service_specs import make_spec
 
 pytestmark = pytest.mark.faults
 

@@ -24,8 +24,8 @@ import torch
 from tests.integration.conftest import wait_for
 from tests.workers.checkpoint.ranks import GLOBAL_BATCH, MICRO, SEQ, VOCAB, make_engine
 from workers.checkpoint import CheckpointManager, checkpoints_uri
-from workers.checkpointing.manifest import committed_steps
-from workers.checkpointing.storage import Storage
+from storage.manifest import committed_steps
+from storage.storage import Storage
 from workers.data import ShardedBatchLoader, SyntheticDataset
 
 pytestmark = pytest.mark.faults
@@ -51,7 +51,7 @@ class S3Server:
         self.up = False
 
     def use_in(self, env: pytest.MonkeyPatch) -> None:
-        """Point ``workers.checkpointing.storage`` in this process (and the processes it starts)
+        """Point ``storage.storage`` in this process (and the processes it starts)
         at this server, with test credentials and no AWS profile or session token.
 
         botocore's own retries are off (``AWS_MAX_ATTEMPTS=1``): an attempt against a stopped

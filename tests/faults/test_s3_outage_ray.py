@@ -62,8 +62,8 @@ def failed_steps(events) -> list[int]:
 
 
 def test_a_checkpoint_lost_to_an_s3_outage_is_reported_and_the_job_succeeds(s3, make_control_plane):
-    from workers.checkpointing.manifest import committed_steps
-    from workers.checkpointing.storage import Storage
+    from storage.manifest import committed_steps
+    from storage.storage import Storage
     from workers.checkpointing.verify import verify
 
     plane = make_control_plane(storage_uri=f"s3://{s3.bucket}")

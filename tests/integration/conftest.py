@@ -29,7 +29,7 @@ def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 def running_ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """The ``ray_head`` fixture's body: a module that needs a head started in a particular
     environment overrides ``ray_head`` with its own fixture that sets it up, then yields from this."""
-    from service.launchers.ray_jobs import LocalRayHead
+    from service.launchers.ray_local_head import LocalRayHead
 
     os.environ.update({"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "GLOO_SOCKET_IFNAME": "lo"})
     head = LocalRayHead(num_cpus=RAY_CPUS, log_path=tmp_path_factory.mktemp("ray") / "head.log").start()

@@ -1,6 +1,6 @@
 """A driver, run by path by the local launcher, that uses storage the way the workers do.
 
-It writes below its own checkpoint prefix through ``workers.checkpointing.storage`` (so with
+It writes below its own checkpoint prefix through ``storage.storage`` (so with
 scoped credentials botocore fetches them from the control plane), reads the object back, asks
 the storage server's STS who it is, and prints what it found as one ``PROBE=`` JSON line: its
 environment as it started, the caller's ARN, and what it read back.
@@ -23,7 +23,7 @@ def main() -> int:
     storage_uri = http.get("/worker/spec").raise_for_status().json()["storage_uri"]
     http.post("/worker/state", json={"state": "RUNNING"}).raise_for_status()
 
-    from workers.checkpointing.storage import Storage
+    from storage.storage import Storage
 
     own = Storage.at(f"{storage_uri.rstrip('/')}/{job_id}/checkpoints")
     own.write_atomic("probe.bin", f"written by {job_id}".encode())

@@ -16,7 +16,7 @@ import pytest
 from sqlalchemy import create_engine, text
 
 from contract.spec import MAX_JSON_DEPTH, MAX_JSON_VALUES
-from tests.service.conftest import make_spec
+from tests.helpers.service_specs import make_spec
 
 
 def nested(depth: int) -> dict:

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.service.conftest import make_spec
+from tests.helpers.service_specs import make_spec
 
 REPO = Path(__file__).resolve().parents[2]
 SCHEMATHESIS = str(Path(sys.executable).with_name("schemathesis"))

@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from tests.service.conftest import make_spec
+from tests.helpers.service_specs import make_spec
 
 MAX_BODY = 256 * 1024
 HUGE = 1.7976931348623157e308

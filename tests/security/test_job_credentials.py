@@ -2,7 +2,7 @@
 
 With ``job_storage_credentials = "sts"`` the control plane keeps the storage keys; a job's
 processes get temporary credentials from it (``service.job_credentials``,
-``workers.storage_credentials``), issued by the storage server's STS for the job's own session
+``storage.credentials``), issued by the storage server's STS for the job's own session
 with a session policy naming its prefixes. Shown here against a real S3+STS+IAM server (moto,
 in a process of its own, with request signing and IAM authorization switched on after set-up):
 
@@ -39,7 +39,7 @@ import pytest
 from contract.spec import JobSpec
 from service.job_credentials import job_access, session_policy
 from tests.conftest import free_port
-from tests.service.conftest import make_spec
+from tests.helpers.service_specs import make_spec
 
 PROBE_DRIVER = os.path.join(os.path.dirname(__file__), "storage_probe_driver.py")
 BUCKET = "zt-scoped"
@@ -263,7 +263,7 @@ def test_no_launcher_hands_a_scoped_job_the_storage_keys(tmp_path, monkeypatch):
         STORAGE_KEY_VARIABLES,
         driver_environment,
     )
-    from service.launchers.ray_jobs import LocalRayHead
+    from service.launchers.ray_local_head import LocalRayHead
 
     keys = {"AWS_ACCESS_KEY_ID": "AKIASERVICE", "AWS_SECRET_ACCESS_KEY": "service-secret",
             "AWS_SESSION_TOKEN": "service-session", "AWS_PROFILE": "service"}
@@ -296,7 +296,7 @@ def test_no_launcher_hands_a_scoped_job_the_storage_keys(tmp_path, monkeypatch):
 
 def test_a_process_told_to_ask_drops_every_other_credential_source(tmp_path):
     """``install`` leaves botocore one source: the control plane, through ``credential_process``."""
-    from workers import storage_credentials
+    from storage import credentials as storage_credentials
 
     environ = {"ZEROTRAIN_STORAGE_CREDENTIALS": "api", "AWS_ACCESS_KEY_ID": "AKIANODE",
                "AWS_SECRET_ACCESS_KEY": "node-secret", "AWS_PROFILE": "node", "AWS_DEFAULT_REGION": REGION}
@@ -304,7 +304,7 @@ def test_a_process_told_to_ask_drops_every_other_credential_source(tmp_path):
     assert not {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE"} & environ.keys()
     assert environ["AWS_DEFAULT_REGION"] == REGION
     config = Path(environ["AWS_CONFIG_FILE"]).read_text()
-    assert "credential_process" in config and "workers.storage_credentials" in config
+    assert "credential_process" in config and "storage.credentials" in config
     assert Path(environ["AWS_SHARED_CREDENTIALS_FILE"]).read_text() == ""
     assert not storage_credentials.install({"AWS_ACCESS_KEY_ID": "AKIANODE"})  # not told: untouched
 

@@ -27,7 +27,7 @@ from service.launchers.base import LaunchPhase, LaunchRequest
 from service.launchers.driver import HOST_VARIABLES, job_environment
 from service.launchers.local import LocalProcessLauncher
 from service.settings import Settings
-from tests.service.conftest import make_spec
+from tests.helpers.service_specs import make_spec
 
 DATABASE_URL = "postgresql+psycopg://zerotrain:db-password-4b7e1c@db.internal:5432/zerotrain"
 BOOTSTRAP_TOKEN = "zt_bootstrap_admin_9c2f7a1e5d3b8f60"

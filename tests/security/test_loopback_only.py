@@ -6,7 +6,7 @@ A Ray head's dashboard asks the cloud-metadata services which cloud it runs on (
 disabled" report to https://usage-stats.ray.io/ unless ``RAY_USAGE_STATS_REPORT_URL`` says
 otherwise. Every head the project starts (``LocalRayHead``: the embedded default and the
 tests' heads; the nodes of ``tests/cluster``) runs with ``quiet_ray_environment``, which
-answers both (``service.launchers.ray_jobs``). The last test watches a real head's every
+answers both (``service.launchers.ray_local_head``). The last test watches a real head's every
 ``connect()`` with strace (``tests.connect_watch``).
 """
 
@@ -23,7 +23,7 @@ import pytest
 from ray._common.usage import usage_lib
 
 from service.launchers.driver import host_environment
-from service.launchers.ray_jobs import LocalRayHead, quiet_ray_environment, quiet_ray_home
+from service.launchers.ray_local_head import LocalRayHead, quiet_ray_environment, quiet_ray_home
 from tests import connect_watch
 from tests.integration.conftest import wait_for
 

@@ -21,7 +21,7 @@ from service.states import transition
 from service.schemas import JobState
 from workers.reporting import HTTP_CLIENT_LOGGERS
 
-from tests.service.conftest import FAKE_DRIVER, make_spec
+from tests.helpers.service_specs import FAKE_DRIVER, make_spec
 
 
 def database_text(service) -> str:

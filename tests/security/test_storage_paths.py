@@ -24,7 +24,7 @@ from service.models import Checkpoint, Job
 from service.schemas import MAX_GLOB_CHARS, DataSpec, JobSpec
 from service.storage_policy import UnsafeUri, check_checkpoint_root, check_data_uri, check_registered_checkpoint
 
-from tests.service.conftest import VALID_SPEC, make_spec
+from tests.helpers.service_specs import VALID_SPEC, make_spec
 
 ROOT = "file:///srv/zerotrain/storage"
 

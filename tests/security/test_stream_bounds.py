@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from tests.service.conftest import make_spec
+from tests.helpers.service_specs import make_spec
 
 STREAMS = 300
 

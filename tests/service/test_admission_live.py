@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from tests.service.conftest import FAKE_DRIVER, make_spec
+from tests.helpers.service_specs import FAKE_DRIVER, make_spec
 
 JOBS = 20
 

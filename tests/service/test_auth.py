@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.service.conftest import make_spec
+from tests.helpers.service_specs import make_spec
 
 USER_JOB_ROUTES = [
     ("GET", "/api/v1/jobs/{id}"),

@@ -14,7 +14,7 @@ from sqlalchemy import func, select
 from service.models import Job, JobEvent, Metric
 from service.schemas import JobSpec
 
-from tests.service.conftest import VALID_SPEC
+from tests.helpers.service_specs import VALID_SPEC
 
 MAX_BODY = 1024 * 1024
 

@@ -20,7 +20,7 @@ from service.cli import main
 from service.schemas import TERMINAL_STATES, JobState
 
 from tests.conftest import free_port
-from tests.service.conftest import make_spec
+from tests.helpers.service_specs import make_spec
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from service.client import Client
 from service.code_packages import MANIFEST, BadPackage, build_package, check_package
 from service.schemas import JobState
 
-from tests.service.conftest import FAKE_DRIVER, make_spec
+from tests.helpers.service_specs import FAKE_DRIVER, make_spec
 
 
 def project(root: Path, message: str = "hello from mypkg") -> Path:

@@ -8,7 +8,7 @@ import stat
 from service.client import Client
 from service.schemas import JobState
 
-from tests.service.conftest import FAKE_DRIVER, make_spec
+from tests.helpers.service_specs import FAKE_DRIVER, make_spec
 
 
 def test_embedded_sqlite_service_runs_a_job_with_the_local_token(make_live_service, tmp_path, monkeypatch):

@@ -37,7 +37,7 @@ from contract.presets import PRESETS
 from service.cli import main as cli
 from service.models import Job
 from workers.checkpointing.pretrained import expected_tensors
-from workers.checkpointing.stfile import INDEX_NAME
+from storage.stfile import INDEX_NAME
 from workers.models import GPT
 from workers.reporting import WorkerAPI
 from workers.train import run_local, train_loop

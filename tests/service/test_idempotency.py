@@ -9,7 +9,7 @@ import pytest
 
 from service.client import Conflict
 
-from tests.service.conftest import make_spec
+from tests.helpers.service_specs import make_spec
 
 
 @pytest.fixture

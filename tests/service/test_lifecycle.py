@@ -13,7 +13,7 @@ from service.launchers.local import process_start_time
 from service.models import Job
 from service.schemas import JobState
 
-from tests.service.conftest import make_spec
+from tests.helpers.service_specs import make_spec
 
 
 def states(client: Client, job_id: str) -> list[tuple[str | None, str]]:
@@ -96,7 +96,7 @@ def test_job_logs_are_plain_text_without_terminal_colour_codes():
 
 
 def test_a_follower_reads_a_jobs_log_from_an_offset(make_live_service):
-    from tests.service.conftest import FAKE_DRIVER, make_spec
+    from tests.helpers.service_specs import FAKE_DRIVER, make_spec
 
     service = make_live_service(local_entrypoint=FAKE_DRIVER)
     client = service.client()

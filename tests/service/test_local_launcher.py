@@ -14,7 +14,7 @@ from contract.spec import JobSpec
 from service.launchers.base import LaunchHandle, LaunchPhase, LaunchRequest
 from service.launchers.local import LocalProcessLauncher, process_start_time
 from service.settings import Settings
-from tests.service.conftest import make_spec
+from tests.helpers.service_specs import make_spec
 
 DRIVER = """
 import os, sys, time

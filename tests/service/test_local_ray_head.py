@@ -13,7 +13,7 @@ import sys
 import httpx
 import pytest
 
-from service.launchers.ray_jobs import RAY_SLOW_START, LocalRayHead
+from service.launchers.ray_local_head import RAY_SLOW_START, LocalRayHead
 
 
 class _FirstStartFails(LocalRayHead):

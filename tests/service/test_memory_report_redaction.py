@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from service.log_text import MEMORY_REPORT_LEFT_OUT, plain_log
 
-from tests.service.conftest import make_spec
+from tests.helpers.service_specs import make_spec
 
 SECRET = "python /home/bob/secret_project/train.py --api-key=bob-s3cr3t"
 OTHER_TASK = "bobs_private_finetune"

@@ -11,7 +11,7 @@ import pytest
 from service.schemas import JobState
 
 from tests.conftest import drop_database
-from tests.service.conftest import make_spec
+from tests.helpers.service_specs import make_spec
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 from contract.spec import ADAM_BETAS, ADAM_EPS, JobSpec
 
-from tests.service.conftest import VALID_SPEC
+from tests.helpers.service_specs import VALID_SPEC
 
 
 def spec_with(**train) -> dict:

@@ -18,7 +18,7 @@ from service.settings import Settings
 from service.states import transition
 
 from service.admission import Capacity
-from tests.service.conftest import make_spec
+from tests.helpers.service_specs import make_spec
 
 
 class RecordingLauncher:
@@ -281,11 +281,11 @@ def test_admission_starts_jobs_in_order_as_capacity_frees_and_says_why_the_rest_
 
 
 def test_each_launch_under_a_file_root_writes_a_new_storage_marker_and_tells_the_job_its_nonce(db):
-    """Issue 19: the control plane proves a file:// root is shared (workers.checkpointing.shared_storage)."""
+    """Issue 19: the control plane proves a file:// root is shared (storage.shared)."""
     import json
 
     from service.launchers.driver import STORAGE_MARKER_ENV, job_environment
-    from workers.checkpointing.shared_storage import check_marker
+    from storage.shared import check_marker
 
     make_session, settings = db
     (job_id,) = add_jobs(make_session, 1)

@@ -9,7 +9,7 @@ from service.models import Metric
 from contract.presets import PRESETS
 from service.schemas import METRIC_FIELDS, JobSpec, MetricRecord
 
-from tests.service.conftest import VALID_SPEC
+from tests.helpers.service_specs import VALID_SPEC
 
 
 def test_accumulation_steps_and_tokens_per_step():

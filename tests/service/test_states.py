@@ -12,7 +12,7 @@ from service.models import Job, JobEvent, utcnow
 from service.schemas import TERMINAL_STATES, JobState
 from service.states import ALLOWED, IllegalTransition, transition
 
-from tests.service.conftest import make_spec
+from tests.helpers.service_specs import make_spec
 
 S = JobState
 

@@ -1,15 +1,14 @@
 """Sharded checkpoints in object storage, split by responsibility.
 
+The storage they write to, the file format and the checkpoint layout are the top-level
+``storage`` package (``storage.storage``, ``storage.stfile``, ``storage.manifest``), which the
+control plane imports too.
+
 Torch-free (the CLI's ``verify``/``consolidate``/``list`` import only these):
 
-``storage``      one fsspec filesystem behind a URI (``file://``, ``s3://`` + endpoint override),
-                 ranged reads, streamed writes, atomic small writes, idempotent deletion
-``stfile``       the safetensors file format: dtypes, header, incremental writing
-``manifest``     the checkpoint layout: directory names, the manifest, what is committed
 ``verify``       every file against the manifest's sizes and sha256
 ``consolidate``  one ordinary weights file, streamed chunk by chunk in bounded memory
 ``retention``    ``keep_last``: decommit, delete objects, then forget the record
-``shared_storage``  a ``file://`` root proven to be one filesystem for the control plane and every rank
 
 With torch (the training side):
 

@@ -37,9 +37,9 @@ import numpy as np
 
 from .export_hf import plan_export
 from .hf_dir import model_files
-from .manifest import numel, pieces_for, read_manifest, resolve
-from .stfile import FLOATS, INDEX_NAME, ITEMSIZE, TensorSpec, build_header, shard_file_name
-from .storage import Storage, protocol_of, storage_options
+from storage.manifest import numel, pieces_for, read_manifest, resolve
+from storage.stfile import FLOATS, INDEX_NAME, ITEMSIZE, TensorSpec, build_header, shard_file_name
+from storage.storage import Storage, protocol_of, storage_options
 
 CHUNK_ELEMENTS = 4 << 20  # 16 MiB of fp32
 OUT_DTYPES = {"fp32": "F32", "bf16": "BF16"}

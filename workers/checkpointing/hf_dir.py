@@ -13,7 +13,7 @@ from typing import Any
 
 from contract.hf_config import CONFIG_NAME, GENERATION_CONFIG_NAME, TOKENIZER_FILES
 
-from .storage import Storage
+from storage.storage import Storage
 
 
 def read_config(uri: str) -> dict[str, Any]:

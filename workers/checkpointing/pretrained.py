@@ -28,8 +28,8 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 
 from .consolidate import to_float32
-from .stfile import FLOATS, INDEX_NAME, ITEMSIZE, SINGLE_NAME, parse_header
-from .storage import Storage
+from storage.stfile import FLOATS, INDEX_NAME, ITEMSIZE, SINGLE_NAME, parse_header
+from storage.storage import Storage
 
 MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit on a header
 _NUMPY = {"I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,

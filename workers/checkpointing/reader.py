@@ -23,9 +23,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from .manifest import numel, pieces_for
+from storage.manifest import numel, pieces_for
 from .snapshot import TORCH_DTYPE
-from .storage import Storage
+from storage.storage import Storage
 
 READ_BATCH_BYTES = 64 << 20
 log = logging.getLogger(__name__)

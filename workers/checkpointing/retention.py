@@ -22,8 +22,8 @@ from __future__ import annotations
 import logging
 from typing import Callable, Optional
 
-from .manifest import MANIFEST, committed_steps, step_dirs
-from .storage import Storage
+from storage.manifest import MANIFEST, committed_steps, step_dirs
+from storage.storage import Storage
 
 log = logging.getLogger(__name__)
 

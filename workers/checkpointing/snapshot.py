@@ -34,7 +34,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from .manifest import shard_name
+from storage.manifest import shard_name
 
 SAFETENSORS_DTYPE = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",

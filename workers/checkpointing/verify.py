@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
-from .manifest import read_manifest
-from .stfile import sha256_of
-from .storage import Storage
+from storage.manifest import read_manifest
+from storage.stfile import sha256_of
+from storage.storage import Storage
 
 
 def verify(checkpoint: Storage) -> list[str]:

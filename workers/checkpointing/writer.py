@@ -47,10 +47,10 @@ import torch.distributed as dist
 from contract.environment import UPLOAD_ATTEMPTS_ENV
 
 from . import retention
-from .manifest import FORMAT, MANIFEST, step_dir
+from storage.manifest import FORMAT, MANIFEST, step_dir
 from .snapshot import ShardSnapshot
-from .stfile import ITEMSIZE, HashingWriter, TensorSpec, build_header
-from .storage import Storage
+from storage.stfile import ITEMSIZE, HashingWriter, TensorSpec, build_header
+from storage.storage import Storage
 
 log = logging.getLogger(__name__)
 

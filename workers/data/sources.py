@@ -19,7 +19,7 @@ def filesystem(uri: str) -> tuple[Any, str]:
     """(fsspec filesystem, path) of ``uri``, with the job's storage options."""
     import fsspec
 
-    from workers.checkpointing.storage import protocol_of, storage_options
+    from storage.storage import protocol_of, storage_options
 
     return fsspec.core.url_to_fs(uri, **storage_options(protocol_of(uri)))
 

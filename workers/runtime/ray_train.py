@@ -193,7 +193,7 @@ def ray_storage(storage_uri: str) -> tuple[str, Any]:
     """Where Ray Train keeps its own run state -- beside, not inside, our checkpoint layout --
     as ``(storage_path, storage_filesystem)`` for its ``RunConfig``.
 
-    An object store goes through our own fsspec filesystem (``workers.checkpointing.storage``),
+    An object store goes through our own fsspec filesystem (``storage.storage``),
     so Ray Train reaches it with the same endpoint and credentials as the checkpoints; left to
     itself, Ray Train's pyarrow S3 client ignores ``ZEROTRAIN_S3_ENDPOINT_URL`` and looks for
     the bucket on AWS.
@@ -202,7 +202,7 @@ def ray_storage(storage_uri: str) -> tuple[str, Any]:
         return storage_uri[len("file://"):].rstrip("/") + "/ray-train", None
     from pyarrow.fs import FSSpecHandler, PyFileSystem
 
-    from workers.checkpointing.storage import Storage
+    from storage.storage import Storage
 
     storage = Storage.at(storage_uri.rstrip("/") + "/ray-train")
     return storage.root, PyFileSystem(FSSpecHandler(storage.fs))

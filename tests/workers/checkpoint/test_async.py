@@ -13,8 +13,8 @@ import torch
 
 from workers.checkpoint import CheckpointError, CheckpointManager, checkpoints_uri
 from workers.checkpointing import writer
-from workers.checkpointing.manifest import committed_steps
-from workers.checkpointing.storage import Storage
+from storage.manifest import committed_steps
+from storage.storage import Storage
 from workers.data import ShardedBatchLoader, SyntheticDataset
 
 from .ranks import GLOBAL_BATCH, MICRO, SEQ, VOCAB, make_engine

@@ -24,7 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from workers.checkpoint import CheckpointManager, checkpoints_uri
-from workers.checkpointing.manifest import numel, read_manifest, resolve, total_size
+from storage.manifest import numel, read_manifest, resolve, total_size
 from workers.models import GPT, preset_config
 from workers.zero import ZeroConfig, ZeroEngine
 from workers.zero.testing import spawn_world

@@ -17,8 +17,8 @@ import torch
 import torch.multiprocessing as mp
 
 from workers.checkpoint import CheckpointManager, checkpoints_uri
-from workers.checkpointing.manifest import committed_steps, resolve, shard_name, step_dirs
-from workers.checkpointing.storage import Storage
+from storage.manifest import committed_steps, resolve, shard_name, step_dirs
+from storage.storage import Storage
 from workers.checkpointing.verify import verify
 from workers.zero.testing import _entry, free_port
 

@@ -13,7 +13,7 @@ pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
-from workers.checkpointing.storage import storage_options  # noqa: E402
+from storage.storage import storage_options  # noqa: E402
 from workers.zero.testing import spawn_world  # noqa: E402
 
 

@@ -16,7 +16,7 @@ import uuid
 
 import pytest
 
-from workers.checkpointing.storage import Storage
+from storage.storage import Storage
 
 from .test_resume import _run_phase, assert_same_params
 

@@ -12,7 +12,7 @@ import fsspec
 import pytest
 import torch
 
-from workers.checkpointing.storage import storage_options
+from storage.storage import storage_options
 from workers.zero.testing import spawn_world
 
 from ..zero import deferred_cases as dc

@@ -16,8 +16,8 @@ import uuid
 import pytest
 import torch
 
-from workers.checkpointing.manifest import committed_steps
-from workers.checkpointing.storage import Storage
+from storage.manifest import committed_steps
+from storage.storage import Storage
 from workers.zero.testing import spawn_world
 
 from .ranks import make_engine, train_tasks

@@ -1,5 +1,5 @@
 """Issue 19: a ``file://`` storage root that a node does not share is found before any rank writes
-to it (``workers.checkpointing.shared_storage``).
+to it (``storage.shared``).
 
 "A node with its own disk at that path" is made for real: a process in a mount namespace of its
 own with an empty tmpfs mounted over the storage root (``tests.private_disk``). The cluster test
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.private_disk import private_disk_command
-from workers.checkpointing.shared_storage import (
+from storage.shared import (
     MARKER_ENV,
     StorageNotShared,
     check_marker,
@@ -25,7 +25,7 @@ from workers.checkpointing.shared_storage import (
 )
 
 REPO = Path(__file__).resolve().parents[3]
-CHECK = ("import sys; from workers.checkpointing.shared_storage import check_marker; "
+CHECK = ("import sys; from storage.shared import check_marker; "
          "check_marker(sys.argv[1], sys.argv[2], rank=1)")
 
 
@@ -50,7 +50,7 @@ def test_a_rank_with_its_own_disk_at_the_roots_path_stops_the_job_naming_the_pat
     done = run_check(f"file://{tmp_path}", "job-1", nonce, root=tmp_path)
     assert done.returncode != 0
     message = done.stderr.strip().splitlines()[-1]
-    assert message.startswith("workers.checkpointing.shared_storage.StorageNotShared: "), done.stderr
+    assert message.startswith("storage.shared.StorageNotShared: "), done.stderr
     assert f"the storage root file://{tmp_path} is not shared with this node: rank 1" in message
     assert f"{marker_path(tmp_path, 'job-1')} and it is not there" in message
     assert "s3://" in message  # what to do instead

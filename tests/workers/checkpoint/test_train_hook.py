@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch.multiprocessing as mp
 
-from workers.checkpointing.manifest import committed_steps, read_manifest
-from workers.checkpointing.storage import Storage
+from storage.manifest import committed_steps, read_manifest
+from storage.storage import Storage
 from workers.train import run_local
 
 REPO = str(Path(__file__).resolve().parents[3])  # the factories are imported by name in the ranks

@@ -19,9 +19,9 @@ from safetensors.torch import load_file
 from service.cli import main as cli
 from workers.checkpoint import CheckpointManager, checkpoints_uri
 from workers.checkpointing.consolidate import float32_to_bf16
-from workers.checkpointing.manifest import shard_name
-from workers.checkpointing.stfile import INDEX_NAME, shard_file_name
-from workers.checkpointing.storage import Storage
+from storage.manifest import shard_name
+from storage.stfile import INDEX_NAME, shard_file_name
+from storage.storage import Storage
 from workers.data import ShardedBatchLoader, SyntheticDataset
 from workers.zero import ZeroConfig, ZeroEngine
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
@@ -29,6 +28,7 @@ from ..config import PRECISIONS
 from ..flat import FlatLayout, packed_numel
 from ..stages import MAX_INFLIGHT_BUCKETS
 from ..units import checkpoint_forward, kept_after_forward, plan_units, unit_modules
+from .model_key import ModelKey
 from .shape import unit_buckets
 
 
@@ -365,8 +365,7 @@ def profile_activations(
     for the presets: it is the estimate for devices the planner cannot run on. Results for
     meta are cached per (model, shape, precision).
     """
-    key = json.dumps(model_spec, sort_keys=True)
-    args = (key, micro_batch, seq_len, precision, vocab_size, activation_checkpointing, stage2, forward_only)
+    args = (ModelKey.of(model_spec), micro_batch, seq_len, precision, vocab_size, activation_checkpointing, stage2, forward_only)
     return _profile_on_meta(*args) if device == "meta" else _profile(device, *args)
 
 
@@ -377,7 +376,7 @@ def _profile_on_meta(*args: Any) -> int:
 
 def _profile(
     device: str,
-    key: str,
+    model_key: ModelKey,
     micro_batch: int,
     seq_len: int,
     precision: str,
@@ -388,13 +387,14 @@ def _profile(
 ) -> int:
     from workers.models import build_model
 
+    block = model_key.block()
     with torch.device(device):
-        model = build_model(json.loads(key)).to(PRECISIONS[precision])
+        model = build_model(block).to(PRECISIONS[precision])
     if recompute:
         checkpoint_units(model)
     config = getattr(model, "config", None)
     vocab = vocab or getattr(config, "vocab_size", None) or 256
-    loss_fn = hf_loss if json.loads(key).get("hf") else default_loss
+    loss_fn = hf_loss if block.get("hf") else default_loss
     return measure_activation_bytes(model, token_batch(micro_batch, seq_len, vocab, device), stage2=stage2,
                                     forward_only=forward_only, loss_fn=loss_fn)
 

@@ -11,7 +11,6 @@ plan a preset without spending memory on it.
 from __future__ import annotations
 
 import functools
-import json
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -23,6 +22,7 @@ from contract.zero_math import low_precision_bytes
 from ..config import elements_per_bucket
 from ..flat import FlatLayout, packed_numel
 from ..units import plan_units
+from .model_key import ModelKey
 
 DEFAULT_UNITS = 32
 
@@ -161,10 +161,10 @@ def model_shape(model: "nn.Module | dict[str, Any] | int | float") -> ModelShape
     if isinstance(model, nn.Module):
         return ModelShape.of(model)
     if isinstance(model, dict):
-        return _shape_of_spec(json.dumps(model, sort_keys=True))
+        return _shape_of_block(ModelKey.of(model))
     return ModelShape.from_count(model)
 
 
 @functools.lru_cache(maxsize=64)
-def _shape_of_spec(model_spec_json: str) -> ModelShape:
-    return ModelShape.of(build_on_meta(json.loads(model_spec_json)))
+def _shape_of_block(model: ModelKey) -> ModelShape:
+    return ModelShape.of(build_on_meta(model.block()))

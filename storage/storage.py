@@ -10,7 +10,7 @@ S3 settings come from the environment, the way the rest of the system is configu
 ``AWS_DEFAULT_REGION`` / ``AWS_REGION``   read by botocore itself (credentials, region)
 ``ZEROTRAIN_STORAGE_CREDENTIALS=api``   a job with no keys of its own: botocore fetches
                                           temporary ones from the control plane
-                                          (``workers.storage_credentials``)
+                                          (``storage.credentials``)
 
 [Note: listings are never cached]
 Other processes write checkpoints (other ranks, a previous attempt), so a cached directory
@@ -29,7 +29,7 @@ from typing import IO, Any, Iterable, Iterator
 import fsspec
 
 from contract.environment import S3_ENDPOINT_ENV
-from workers import storage_credentials
+from storage import credentials as storage_credentials
 
 log = logging.getLogger(__name__)
 

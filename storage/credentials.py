@@ -6,8 +6,8 @@ touch is decided by the control plane (``service.job_credentials``), which issue
 credentials for the job's own prefixes to whoever shows its ingest token. botocore already
 knows how to use -- and renew -- credentials that a program prints: its ``credential_process``
 setting. So each process of the job (the driver, every Ray Train worker) calls ``install()``
-before it first talks to S3 (``workers.checkpointing.storage.storage_options`` does): it writes
-a private AWS config whose ``credential_process`` is ``python -m workers.storage_credentials``,
+before it first talks to S3 (``storage.storage.storage_options`` does): it writes
+a private AWS config whose ``credential_process`` is ``python -m storage.credentials``,
 points botocore at it and drops every other credential source from its own environment.
 botocore runs the command on first use and again shortly before the credentials expire, for as
 long as the job runs; an ended job's token is refused, so it gets nothing more.
@@ -56,7 +56,7 @@ def install(environ: MutableMapping[str, str] | None = None) -> bool:
         return True
     folder = Path(tempfile.mkdtemp(prefix="zt-storage-credentials-"))  # mode 0700
     config_path, empty = folder / "zerotrain-job-aws-config", folder / "no-static-credentials"
-    config_path.write_text(f"[default]\ncredential_process = {sys.executable} -m workers.storage_credentials\n")
+    config_path.write_text(f"[default]\ncredential_process = {sys.executable} -m storage.credentials\n")
     empty.write_text("")
     for name in CREDENTIAL_VARIABLES:
         environ.pop(name, None)
