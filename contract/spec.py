@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, WithJsonSchema, field_validator, model_validator
+from pydantic import ConfigDict, Field, PrivateAttr, WithJsonSchema, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from contract.presets import PRESETS
@@ -345,16 +345,27 @@ class JobSpec(SpecModel):
     deepspeed: dict[str, Any] | None = Field(default=None, description=(
         "A DeepSpeed config, mapped onto train/zero fields at submit (docs/contracts.md, DeepSpeed configs)"))
 
-    @model_validator(mode="before")
+    # what the deepspeed block left aside ("ignored: ..."), for the job's events; not a field
+    _deepspeed_notes: list[str] = PrivateAttr(default_factory=list)
+
+    @model_validator(mode="wrap")
     @classmethod
-    def _from_deepspeed(cls, data: Any) -> Any:
-        if not isinstance(data, dict) or data.get("deepspeed") is None:
-            return data
-        try:
-            spec, _notes = deepspeed_config.apply(data)
-        except deepspeed_config.DeepSpeedConfigError as refused:
-            raise PydanticCustomError("deepspeed", "{message}", {"message": refused.message, "field": refused.path})
+    def _from_deepspeed(cls, data: Any, handler: Any) -> "JobSpec":
+        notes: list[str] = []
+        if isinstance(data, dict) and data.get("deepspeed") is not None:
+            try:
+                data, notes = deepspeed_config.apply(data)
+            except deepspeed_config.DeepSpeedConfigError as refused:
+                raise PydanticCustomError("deepspeed", "{message}",
+                                          {"message": refused.message, "field": refused.path}) from None
+        spec = handler(data)
+        spec._deepspeed_notes = notes
         return spec
+
+    @property
+    def deepspeed_notes(self) -> list[str]:
+        """What the submitted ``deepspeed`` block left aside (empty without one, or once stored)."""
+        return list(self._deepspeed_notes)
 
     def data_blocks(self) -> list[tuple[str, DataSpec]]:
         """Every dataset the workers read, with its place in the spec (``data``, ``eval.data``):

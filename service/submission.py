@@ -32,7 +32,7 @@ from service.models import IdempotencyKey, Job, utcnow
 from service.prediction import plan_at_submit
 from service.schemas import JobSpec, JobState
 from service.settings import Settings
-from service.states import Reason, load_job, record_created
+from service.states import Reason, load_job, record_created, record_notice
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,8 @@ def submit(spec: JobSpec, user: Principal, session: Session, settings: Settings,
     session.add(job)
     session.flush()
     record_created(session, job)
+    for note in spec.deepspeed_notes:  # what the DeepSpeed config left aside, beside the fields it became
+        record_notice(session, job, Reason.DEEPSPEED_CONFIG, note)
     if idempotency_key:
         session.add(IdempotencyKey(owner=user.name, key=idempotency_key,
                                    request_sha256=request_hash, job_id=job.id))

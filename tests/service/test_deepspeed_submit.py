@@ -28,6 +28,12 @@ BY_HAND = [
 ]
 
 
+def _ignored_keys(ds: dict):
+    from contract.deepspeed import translate
+
+    return translate(ds, {}).notes
+
+
 def _with(base: dict, fields: dict) -> dict:
     spec = copy.deepcopy(base)
     for section, values in fields.items():
@@ -50,6 +56,12 @@ def test_deepspeed_configs_store_what_the_hand_written_spec_stores(make_live_ser
         assert from_ds.status_code == by_hand.status_code == 201, (from_ds.text, by_hand.text)
         assert from_ds.json()["spec"] == by_hand.json()["spec"]
         assert from_ds.json()["spec"]["deepspeed"] is None  # what it became is in the fields
+        # what it left aside is in the job's events, as notices
+        events = [e for e in service.client(token).events(from_ds.json()["id"]) if e.reason == "deepspeed_config"]
+        notices = [e.message for e in events]
+        assert all(e.from_state == e.to_state for e in events)
+        assert len(notices) == sum(1 for key in _ignored_keys(ds)), notices
+        assert all(n.startswith("ignored: deepspeed.") for n in notices)
 
 
 @pytest.mark.parametrize("ds, path, words", [w for w in WRONG if w[1] != "deepspeed.train_micro_batch_size_per_gpu"]
