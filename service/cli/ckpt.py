@@ -25,7 +25,7 @@ from typing import Any
 from rich.table import Column, Table
 
 from service.cli.errors import CliError
-from service.cli.output import out
+from service.cli.output import out, output_option, print_json, wants_json
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
@@ -35,6 +35,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="ckpt_command", required=True, metavar="COMMAND")
     listing = commands.add_parser("list", help="committed checkpoints under URI (a job or its checkpoints dir)")
     listing.add_argument("uri")
+    output_option(listing)
     verify = commands.add_parser("verify", help="check every file of a checkpoint against its manifest")
     verify.add_argument("uri")
     consolidate = commands.add_parser("consolidate", help="write ordinary safetensors weights (a directory "
@@ -79,11 +80,18 @@ def _list(args: argparse.Namespace) -> int:
     if not steps:
         raise CliError(f"no committed checkpoint under {args.uri}")
     table = Table("step", "world", "stage", "precision", "size", "created (UTC)", Column("uri", overflow="fold"))
+    listed = []
     for step in steps:
         checkpoint = where.child(step_dir(step))
         manifest = read_manifest(checkpoint)
+        listed.append({"step": step, "uri": checkpoint.uri, "world_size": manifest["world_size"],
+                       "stage": manifest["stage"], "precision": manifest["precision"],
+                       "size_bytes": total_size(manifest), "created_at": manifest.get("created_at")})
         table.add_row(str(step), str(manifest["world_size"]), str(manifest["stage"]), manifest["precision"],
                       _mb(total_size(manifest)), manifest.get("created_at", "")[:19].replace("T", " "), checkpoint.uri)
+    if wants_json(args):
+        print_json({"items": listed})
+        return 0
     out.print(table)
     return 0
 

@@ -1,7 +1,8 @@
-"""Client-side commands: ``submit``, ``jobs``, ``show``, ``cancel``, ``logs``, ``events``.
+"""Client-side commands: ``submit``, ``jobs``, ``show``, ``cancel``, ``logs``, ``events``, ``checkpoints``.
 
-They talk to a running server through the SDK (``service.client.Client``, which picks up
-``ZEROTRAIN_URL``/``ZEROTRAIN_TOKEN`` or the local defaults). ``submit --follow`` shows live
+They talk to a running server through the SDK (``service.client.Client``: ``--url``/``--token``,
+else ``ZEROTRAIN_URL``/``ZEROTRAIN_TOKEN`` or the local defaults); ``-o json`` prints the API's
+objects instead of tables (``service.cli.output``). ``submit --follow`` shows live
 progress until the job ends and exits 0 only if it succeeded. A ``runtime.working_dir`` that
 names a local folder is uploaded first (``ship_local_code``).
 """
@@ -23,7 +24,7 @@ from rich.table import Column, Table
 from contract.deepspeed import DeepSpeedConfigError, apply
 from contract.metrics import THROUGHPUT
 from service.cli.errors import CliError
-from service.cli.output import err, out
+from service.cli.output import client_for, client_options, err, out, print_json, wants_json
 from service.client import Client, PayloadTooLarge, ZerotrainError
 from service.code_packages import BadPackage, build_package, is_local_working_dir, megabytes
 from service.schemas import JobOut, JobState
@@ -33,7 +34,7 @@ def register(commands: Any) -> None:
     """Add the job commands to an argparse ``subparsers`` object."""
 
     def add(name: str, handler: Callable[[argparse.Namespace], int], help_text: str) -> argparse.ArgumentParser:
-        sub = commands.add_parser(name, help=help_text, description=help_text)
+        sub = commands.add_parser(name, help=help_text, description=help_text, parents=[client_options])
         sub.set_defaults(func=handler)
         return sub
 
@@ -48,7 +49,8 @@ def register(commands: Any) -> None:
     jobs.add_argument("--limit", type=int, default=50)
     for name, handler, help_text in (("show", cmd_show, "show a job, its spec and events"),
                                      ("cancel", cmd_cancel, "cancel a job"),
-                                     ("events", cmd_events, "list a job's state transitions")):
+                                     ("events", cmd_events, "list a job's state transitions"),
+                                     ("checkpoints", cmd_checkpoints, "list a job's committed checkpoints")):
         add(name, handler, help_text).add_argument("job_id")
     logs = add("logs", cmd_logs, "print a job's driver log")
     logs.add_argument("job_id")
@@ -116,10 +118,13 @@ def cmd_submit(args: argparse.Namespace) -> int:
         spec["deepspeed"] = load_spec_file(args.deepspeed)  # JSON (or YAML)
         for note in deepspeed_notes(spec):
             err.print(f"[dim]{escape(note)}[/]", highlight=False, soft_wrap=True)
-    client = Client()
+    client = client_for(args)
     ship_local_code(spec, Path(args.file), client)
     job = client.submit(spec, idempotency_key=args.idempotency_key)
-    out.print(f"submitted [bold]{job.id}[/] ({job.name}), {job.state.value}")
+    if wants_json(args):
+        print_json(job)
+    else:
+        out.print(f"submitted [bold]{job.id}[/] ({job.name}), {job.state.value}")
     if not args.follow:
         return 0
     return follow(client, job)
@@ -171,7 +176,10 @@ def ending(job: JobOut) -> str:
 
 
 def cmd_jobs(args: argparse.Namespace) -> int:
-    page = Client().list(state=args.state, limit=args.limit)
+    page = client_for(args).list(state=args.state, limit=args.limit)
+    if wants_json(args):
+        print_json(page)
+        return 0
     out.print(_job_table(page.items))
     if page.next_cursor:
         out.print(f"[dim]more jobs exist; showing the newest {args.limit}[/]")
@@ -179,8 +187,11 @@ def cmd_jobs(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    client = Client()
+    client = client_for(args)
     job = client.get(args.job_id)
+    if wants_json(args):
+        print_json({"job": job, "events": client.events(job.id)})
+        return 0
     out.print(_job_table([job]))
     out.print_json(json.dumps(job.spec))
     _print_events(client, job.id)
@@ -188,7 +199,10 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    job = Client().cancel(args.job_id)
+    job = client_for(args).cancel(args.job_id)
+    if wants_json(args):
+        print_json(job)
+        return 0
     out.print(f"{job.id} {job.state.value}")
     return 0
 
@@ -198,7 +212,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
     stderr). Ctrl-C ends following quietly (``run_command``: exit status 130, no traceback)."""
     if args.tail is not None and args.tail < 1:
         raise CliError(f"--tail must be at least 1 byte, got {args.tail}")
-    client = Client()
+    client = client_for(args)
     if not args.follow:
         sys.stdout.write(client.logs(args.job_id, tail_bytes=args.tail, rank=args.rank))
         return 0
@@ -210,7 +224,23 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
 
 def cmd_events(args: argparse.Namespace) -> int:
-    _print_events(Client(), args.job_id)
+    client = client_for(args)
+    if wants_json(args):
+        print_json({"items": client.events(args.job_id)})
+        return 0
+    _print_events(client, args.job_id)
+    return 0
+
+
+def cmd_checkpoints(args: argparse.Namespace) -> int:
+    checkpoints = client_for(args).checkpoints(args.job_id)
+    if wants_json(args):
+        print_json({"items": checkpoints})
+        return 0
+    table = Table("step", "created", Column("uri", overflow="fold"))
+    for checkpoint in checkpoints:
+        table.add_row(str(checkpoint.step), checkpoint.created_at.strftime("%Y-%m-%d %H:%M:%S"), checkpoint.uri)
+    out.print(table)
     return 0
 
 

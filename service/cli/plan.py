@@ -16,12 +16,12 @@ profiled on the meta device, so even gpt-1b costs no memory). ``--json`` prints 
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 
 from contract.zero_math import (DEFAULT_BUCKET_MB, DEFAULT_PRECISION, DEFAULT_PREFETCH, DEFAULT_TARGET_EFFICIENCY,
                                 PRECISIONS)
 from service.cli.errors import CliError
+from service.cli.output import output_option, print_json
 
 GB = 1e9
 
@@ -53,7 +53,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--units", type=int, default=32, help="with --params: stage-3 units assumed")
     parser.add_argument("--bucket-mb", type=float, default=DEFAULT_BUCKET_MB)
     parser.add_argument("--prefetch", type=int, default=DEFAULT_PREFETCH)
-    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON (the same as -o json)")
+    output_option(parser)
     parser.set_defaults(func=run)
     return parser
 
@@ -98,8 +99,8 @@ def _print(plan: dict[str, Any], args: argparse.Namespace, chosen: tuple[int, bo
     console = Console()
     if not console.is_terminal:  # piped or captured: keep the 15 columns readable
         console = Console(width=200)
-    if args.json:
-        console.print_json(json.dumps(plan))
+    if args.json or args.output == "json":
+        print_json(plan)
         return
     console.print(plan_table(plan, chosen, args.target_efficiency))
     console.print(peak_table(plan, chosen))

@@ -8,16 +8,17 @@ from typing import Any
 
 from rich.table import Table
 
-from service.cli.output import out
-from service.client import Client
+from service.cli.output import client_for, client_options, out, print_json, wants_json
 
 
 def register(token_commands: Any) -> None:
     """Add ``list`` and ``revoke`` to the ``token`` command's subparsers."""
-    listing = token_commands.add_parser("list", help="your tokens (admins: everyone's), newest first")
+    listing = token_commands.add_parser("list", help="your tokens (admins: everyone's), newest first",
+                                        parents=[client_options])
     listing.add_argument("--name", help="admins: only this user's tokens")
     listing.set_defaults(func=cmd_token_list)
-    revoke = token_commands.add_parser("revoke", help="revoke the token with this id (see `token list`)")
+    revoke = token_commands.add_parser("revoke", help="revoke the token with this id (see `token list`)",
+                                       parents=[client_options])
     revoke.add_argument("token_id", type=int, metavar="ID")
     revoke.set_defaults(func=cmd_token_revoke)
 
@@ -27,8 +28,12 @@ def _when(value: Any) -> str:
 
 
 def cmd_token_list(args: argparse.Namespace) -> int:
+    tokens = client_for(args).tokens(name=args.name)
+    if wants_json(args):
+        print_json({"items": tokens})
+        return 0
     table = Table("id", "name", "admin", "created", "expires", "last used", "revoked")
-    for token in Client().tokens(name=args.name):
+    for token in tokens:
         table.add_row(str(token.id), token.name, "yes" if token.is_admin else "", _when(token.created_at),
                       _when(token.expires_at), _when(token.last_used_at), _when(token.revoked_at))
     out.print(table)
@@ -36,6 +41,9 @@ def cmd_token_list(args: argparse.Namespace) -> int:
 
 
 def cmd_token_revoke(args: argparse.Namespace) -> int:
-    token = Client().revoke_token(args.token_id)
+    token = client_for(args).revoke_token(args.token_id)
+    if wants_json(args):
+        print_json(token)
+        return 0
     out.print(f"token {token.id} of {token.name} revoked at {_when(token.revoked_at)}")
     return 0

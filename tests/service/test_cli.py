@@ -62,6 +62,37 @@ def test_submit_follow_show_logs_and_jobs(cli_env, capsys, tmp_path):
     assert code == 0 and "fake driver done" in stdout
 
 
+def test_every_read_command_prints_the_apis_objects_as_json(cli_env, capsys, tmp_path):
+    """``-o json`` (Must show 3 of issue 33): what each command prints is one JSON document, the
+    API's own objects, and ``--url``/``--token`` reach the service without the environment."""
+    spec_file = tmp_path / "job.yaml"
+    spec_file.write_text(yaml.safe_dump(make_spec()))
+    code, stdout, _ = run(capsys, "submit", str(spec_file), "-o", "json")
+    job = json.loads(stdout)
+    api = httpx.Client(base_url=f"{cli_env.url}/api/v1", timeout=30,
+                       headers={"Authorization": f"Bearer {cli_env.admin_token}"})
+    cli_env.client().wait(job["id"], timeout=60)
+    reads = {("jobs",): "/jobs", ("show", job["id"]): None, ("events", job["id"]): f"/jobs/{job['id']}/events",
+             ("checkpoints", job["id"]): f"/jobs/{job['id']}/checkpoints", ("token", "list"): "/tokens"}
+    for argv, path in reads.items():
+        code, stdout, _ = run(capsys, *argv, "-o", "json")
+        assert code == 0, argv
+        printed = json.loads(stdout)  # one document, nothing else on stdout
+        if path is not None:
+            assert printed == api.get(path).json(), argv
+    code, stdout, _ = run(capsys, "show", job["id"], "-o", "json")
+    shown = json.loads(stdout)
+    assert shown["job"] == api.get(f"/jobs/{job['id']}").json() and shown["events"] == \
+        api.get(f"/jobs/{job['id']}/events").json()["items"]
+    code, stdout, _ = run(capsys, "plan", "--preset", "gpt-nano", "--gpus", "2", "-o", "json")
+    assert code == 0 and json.loads(stdout)["stage"] in (0, 1, 2, 3)
+    # the flags instead of the environment
+    for name in ("ZEROTRAIN_URL", "ZEROTRAIN_TOKEN"):
+        os.environ.pop(name)
+    code, stdout, _ = run(capsys, "jobs", "-o", "json", "--url", cli_env.url, "--token", cli_env.admin_token)
+    assert code == 0 and [j["id"] for j in json.loads(stdout)["items"]] == [job["id"]]
+
+
 def test_submit_with_a_deepspeed_config(cli_env, capsys, tmp_path):
     """``zerotrain submit JOB.yaml --deepspeed ds_config.json``: the stored spec holds what the
     config became; what it leaves aside is said on stderr; a key it cannot take is one line."""
