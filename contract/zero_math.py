@@ -166,6 +166,13 @@ class ModelStateBytes:
         return self.cpu_params + self.cpu_grads + self.cpu_optimizer
 
 
+# NVMe optimizer offload (workers/zero/optimizer_swap.py, swap_io.py): swap files and transfers are
+# whole pages, and a pool of this many buffers, each as large as the largest bucket's state, cycles
+# through stepping, reading ahead and writing behind
+SWAP_PAGE = 4096
+SWAP_BUFFERS = 3
+
+
 def shard_numel(phi: int, n_ranks: int) -> int:
     """Elements of one rank's shard: the flat buffer split evenly (rounded up) over N ranks."""
     if n_ranks < 1:

@@ -54,9 +54,7 @@ def plan_at_submit(spec: JobSpec) -> tuple[JobSpec, dict[str, Any] | None]:
     prediction = {**plan.to_dict(), "requested_stage": spec.zero.stage}
     if spec.zero.stage != "auto":
         return spec, prediction
-    resolved = {"stage": plan.stage}
-    if spec.zero.offload_optimizer != "nvme":  # kept: workers/planning.py, NVMe offload
-        resolved["offload_optimizer"] = plan.offload
+    resolved = {"stage": plan.stage, "offload_optimizer": plan.offload}  # "nvme" stays (planning.py)
     return spec.model_copy(update={"zero": spec.zero.model_copy(update=resolved)}), prediction
 
 

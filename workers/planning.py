@@ -205,12 +205,19 @@ def plan_for_spec(
         budget = int(resources.gpu_memory_gb * GB)
     if budget is None and not gpu_job:
         budget = host_memory_bytes
-    # [Note: NVMe offload in the plan] The planner does not price swap files yet: a job with
-    # offload_optimizer "nvme" is predicted as the same job in memory (an upper bound on what its
-    # ranks hold) and "auto" picks its stage among 1-3 that way, never CPU offload instead.
-    nvme = offload_target(zero.offload_optimizer) == "nvme"
+    # [Note: NVMe offload in the plan] A job with offload_optimizer "nvme" is priced with its state
+    # in swap files (plan.predict: disk_bytes, and the buffer pool in memory). "auto" picks its
+    # stage among 1-3 as it would in memory (a bound: the state on disk only lowers it), never CPU
+    # offload instead; the planner never chooses NVMe by itself.
+    target = offload_target(zero.offload_optimizer)
+    offload = "nvme" if target == "nvme" else target == "cpu"
     if zero.stage == "auto":  # only among the stages the other zero fields allow (contract/zero_rules.py)
         host_budget = host_memory_bytes if gpu_job else None
         open_stages = allowed_stages(zero.offload_optimizer, zero.keep_gathered_bytes, stages)
-        return choose_plan(inputs, budget, margin, host_budget, allow_offload and not nvme, open_stages)
-    return fixed_plan(inputs, zero.stage, offload_target(zero.offload_optimizer) == "cpu", budget, margin)
+        chosen = choose_plan(inputs, budget, margin, host_budget, allow_offload and target != "nvme", open_stages)
+        if target != "nvme":
+            return chosen
+        plan = fixed_plan(inputs, chosen.stage, "nvme", budget, margin)  # priced with its swap files
+        plan.reason = f"{chosen.reason}; the optimizer state on NVMe (zero.offload_optimizer)"
+        return plan
+    return fixed_plan(inputs, zero.stage, offload, budget, margin)

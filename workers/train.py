@@ -250,7 +250,7 @@ def resolve_stage(spec: JobSpec, device: torch.device) -> tuple[int, bool | str]
         host_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         budget = {"host_memory_bytes": host_bytes // spec.resources.num_workers}
     plan = plan_for_spec(spec, **budget)
-    return int(plan.stage), "nvme" if spec.zero.offload_optimizer == "nvme" else bool(plan.offload)
+    return int(plan.stage), plan.offload
 
 
 def build_job_model(spec: JobSpec, *, resuming: bool) -> tuple[torch.nn.Module, Any]:

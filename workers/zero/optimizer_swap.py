@@ -42,9 +42,11 @@ from typing import Iterator
 
 import torch
 
+from contract.zero_math import SWAP_BUFFERS
+
 from .swap_io import AlignedBuffer, BlockIO, DirectFile, SwapFolder, aligned, finish
 
-BUFFERS = 3  # one stepping, one being read ahead, one being written behind
+BUFFERS = SWAP_BUFFERS  # one stepping, one being read ahead, one being written behind
 ENTRY_ALIGN = 64  # bytes: every state tensor in a file starts on a cache line
 
 

@@ -34,9 +34,11 @@ from pathlib import Path
 
 import torch
 
+from contract.zero_math import SWAP_PAGE
+
 log = logging.getLogger(__name__)
 
-PAGE = 4096  # alignment of buffers, offsets and lengths (a multiple of every logical block size in use)
+PAGE = SWAP_PAGE  # alignment of buffers, offsets and lengths (a multiple of every logical block size in use)
 BLOCK_BYTES = 1 << 20  # one request to the disk
 QUEUE_DEPTH = 8  # requests in flight per transfer
 

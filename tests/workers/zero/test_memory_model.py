@@ -518,3 +518,30 @@ def test_a_specs_shard_group_size_reaches_the_plan():
     assert chosen.comm_inter_elements == 2 * inputs.shape.phi  # G = 1: every rank replicates everything
     unsharded = predict(replace(inputs, shard_group_size=None, n_ranks=1), 2)
     assert chosen.gpu["params"] == unsharded.gpu["params"] and chosen.gpu["optimizer"] == unsharded.gpu["optimizer"]
+
+
+@pytest.mark.parametrize("stage, precision", [(1, "fp32"), (3, "fp32"), (3, "bf16")])
+def test_nvme_offload_is_priced_as_the_engine_holds_it(stage, precision, tmp_path):
+    """The planner's NVMe prediction (``plan.swap_bytes``): the swap files on disk and, in memory,
+    the buffer pool (plus a separate fp32 master in bf16) instead of the optimizer state."""
+    torch.manual_seed(0)
+    model = GPT(PRESETS["gpt-nano"])
+    shape = model_shape(model)
+    config = ZeroConfig(stage=stage, precision=precision, bucket_mb=0.25, offload_optimizer="nvme",
+                        nvme_path=str(tmp_path / "swap"))
+    engine = ZeroEngine(model, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), config=config)
+    try:
+        for _ in range(3):
+            x = torch.randint(0, 256, (2, 32))
+            engine.backward(engine(x, x))
+            engine.step()
+        measured = engine.memory()
+        buckets = [b.numel for b in engine.layout.buckets]
+    finally:
+        engine.close()
+    inputs = PlanInputs(shape=shape, n_ranks=1, precision=precision, bucket_mb=0.25, device="cpu")
+    nvme, in_memory = predict(inputs, stage, "nvme"), predict(inputs, stage)
+    assert nvme.offload == "nvme" and in_memory.disk_bytes == 0
+    slack = 4096 * len(buckets)  # each file's state entries start on 64 bytes; the planner rounds files only
+    assert abs(measured["disk"] - nvme.disk_bytes) <= slack
+    assert abs(measured["optimizer"] - nvme.gpu["optimizer"]) <= 3 * 4096 + 64 * 2 * len(list(model.parameters()))

@@ -35,12 +35,15 @@ from contract.zero_math import (
     DEFAULT_TARGET_EFFICIENCY,
     GB,
     STAGES,
+    SWAP_BUFFERS,
+    SWAP_PAGE,
     bandwidth_for_efficiency,
     comm_elements,
     comm_time_s,
     efficiency,
     low_precision_bytes,
     model_state_bytes,
+    shard_numel,
     stage_traits,
 )
 
@@ -63,7 +66,7 @@ class StagePrediction:
     """One candidate (stage, offload): every term in bytes, communication and time."""
 
     stage: int
-    offload: bool
+    offload: bool | str  # False, True (the host), or "nvme" (the optimizer state in swap files)
     n_ranks: int
     precision: str
     device: str  # "cuda", or "cpu" (Gloo; host and device are the same memory)
@@ -80,6 +83,7 @@ class StagePrediction:
     efficiency: float | None = None
     bandwidth_needed_bytes_per_s: float | None = None
     fits: bool | None = None
+    disk_bytes: int = 0  # "nvme": the optimizer state's swap files
 
     @property
     def total(self) -> int:
@@ -151,7 +155,7 @@ class PlanInputs:
         }
 
 
-def predict(inputs: PlanInputs, stage: int, offload: bool = False) -> StagePrediction:
+def predict(inputs: PlanInputs, stage: int, offload: bool | str = False) -> StagePrediction:
     """Every term of one rank's memory for one (stage, offload), its peak part by part, plus
     communication and time.
 
@@ -169,7 +173,15 @@ def predict(inputs: PlanInputs, stage: int, offload: bool = False) -> StagePredi
     else:
         buckets = bucket_numels(shape.param_numels, traits.shard_world(n), bucket_elements(inputs.bucket_mb, precision))
     phi_padded = sum(buckets)
-    states = model_state_bytes(shape.phi, n, precision, stage, offload, phi_padded, inputs.optimizer_states)
+    nvme = offload == "nvme"
+    states = model_state_bytes(shape.phi, n, precision, stage, False if nvme else offload, phi_padded,
+                               inputs.optimizer_states)
+    disk = 0
+    if nvme:  # the state in swap files; three buffers of the largest bucket's state in memory
+        disk, pool = swap_bytes(buckets, traits.shard_world(n), inputs.optimizer_states)
+        states = replace(states, gpu_optimizer=states.gpu_optimizer - 4 * inputs.optimizer_states
+                         * shard_numel(phi_padded, traits.shard_world(n)) + pool)
+        offload = "nvme"
     states = replace(states, gpu_params=states.gpu_params + shape.frozen * low_precision_bytes(precision))
     activations = inputs.activation_bytes or 0
     backward = activations + backward_buffer_bytes(
@@ -199,14 +211,14 @@ def predict(inputs: PlanInputs, stage: int, offload: bool = False) -> StagePredi
     if traits.shards_parameters and inputs.activation_bytes_forward_stage3 is not None:
         forward = inputs.activation_bytes_forward_stage3  # the gathers replayed on the forward's timeline
     parts = job_peak(states, PeakInputs(
-        stage=stage, offload=offload, precision=precision, n_ranks=n, device=inputs.device, buckets=buckets,
+        stage=stage, offload=bool(offload) and not nvme, precision=precision, n_ranks=n, device=inputs.device, buckets=buckets,
         phi_padded=phi_padded, phi_model=shape.phi + shape.frozen, frozen=shape.frozen,
         largest_param=largest_param, optimizer_states=inputs.optimizer_states,
         forward_bytes=forward, backward_bytes=backward_transient, deferred_init=inputs.deferred_init,
         checkpoint=inputs.checkpoint, resume=inputs.resume, per_bucket_step=inputs.per_bucket_step,
         accumulation_steps=inputs.accumulation_steps,
     ))
-    step = step_buffer_bytes(stage, precision, buckets, n, inputs.device, offload, largest_param,
+    step = step_buffer_bytes(stage, precision, buckets, n, inputs.device, bool(offload) and not nvme, largest_param,
                              inputs.optimizer_states, inputs.per_bucket_step)
     gpu = {
         "params": states.gpu_params,
@@ -248,9 +260,21 @@ def predict(inputs: PlanInputs, stage: int, offload: bool = False) -> StagePredi
         comm_bytes=elements * low_precision_bytes(precision),
         comm_intra_elements=intra,
         comm_inter_elements=inter,
+        disk_bytes=disk,
     )
     _add_time_model(prediction, inputs)
     return prediction
+
+
+def swap_bytes(buckets: Sequence[int], world: int, optimizer_states: int) -> tuple[int, int]:
+    """(bytes in swap files, bytes of the buffer pool) of the NVMe offload (``optimizer_swap.py``):
+    a page-aligned file per bucket of its shard's fp32 state, and three buffers of the largest."""
+    per_bucket = [_page(4 * optimizer_states * shard_numel(b, world)) for b in buckets]
+    return sum(per_bucket), SWAP_BUFFERS * max(per_bucket, default=0)
+
+
+def _page(nbytes: int) -> int:
+    return -(-nbytes // SWAP_PAGE) * SWAP_PAGE
 
 
 def hybrid_group_size(inputs: PlanInputs, stage: int) -> int | None:
@@ -300,7 +324,7 @@ class Plan:
     """The chosen (stage, offload), why, and every candidate's full prediction (JSON-able)."""
 
     stage: int
-    offload: bool
+    offload: bool | str
     reason: str
     budget_bytes: int | None
     host_budget_bytes: int | None
@@ -456,7 +480,12 @@ def plan_for_count(
     return choose_plan(inputs, gpu_memory_bytes, margin, host_budget_bytes=host_memory_bytes)
 
 
-def fixed_plan(inputs: PlanInputs, stage: int, offload: bool, budget_bytes: int | None, margin: float) -> Plan:
+def _offload_words(offload: bool | str) -> str:
+    return " with the optimizer state on NVMe" if offload == "nvme" else " with optimizer offload" if offload else ""
+
+
+def fixed_plan(inputs: PlanInputs, stage: int, offload: bool | str, budget_bytes: int | None,
+               margin: float) -> Plan:
     """The prediction for a stage the user fixed; ``fits`` says whether the budget holds it."""
     candidates = predict_all(inputs)
     if not any((c.stage, c.offload) == (stage, offload) for c in candidates):
@@ -467,7 +496,7 @@ def fixed_plan(inputs: PlanInputs, stage: int, offload: bool, budget_bytes: int 
     return Plan(
         stage=stage,
         offload=offload,
-        reason=f"stage {stage}{' with optimizer offload' if offload else ''} fixed by the job spec",
+        reason=f"stage {stage}{_offload_words(offload)} fixed by the job spec",
         budget_bytes=budget_bytes,
         host_budget_bytes=None,
         margin=margin,
