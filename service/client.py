@@ -123,6 +123,24 @@ def error_from_response(response: httpx.Response) -> ZerotrainError:
     return kind(message, response.status_code, errors)
 
 
+RETRY_AFTER_BUDGET_S = 60.0  # the most one call waits on Retry-After answers before raising
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    """The seconds a 429/503 asks the client to wait (``Retry-After`` in seconds), else None."""
+    if response.status_code not in (429, 503):
+        return None
+    try:
+        return max(0.0, float(response.headers["Retry-After"]))
+    except (KeyError, ValueError):  # absent, or an HTTP date: not waited on
+        return None
+
+
+def _repeatable(method: str, response: httpx.Response, kwargs: dict[str, Any]) -> bool:
+    headers = {k.lower() for k in (kwargs.get("headers") or {})}
+    return response.status_code == 429 or method.upper() in ("GET", "HEAD") or "idempotency-key" in headers
+
+
 class Client:
     def __init__(self, url: str | None = None, token: str | None = None, *, timeout: float = 30.0,
                  transport: httpx.BaseTransport | None = None):
@@ -143,10 +161,21 @@ class Client:
     # ------------------------------------------------------------------ plumbing
 
     def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        try:
-            response = self._http.request(method, path, **kwargs)
-        except httpx.TransportError as error:
-            raise ServiceUnavailable(f"cannot reach zerotrain at {self.url}: {error}") from None
+        """One API call. A 429 or 503 that says ``Retry-After`` is tried again after that many
+        seconds, up to ``RETRY_AFTER_BUDGET_S`` of waiting in all, when repeating it is safe: the
+        server refused it before doing anything (429), or it reads, or it carries an
+        ``Idempotency-Key``; then the last answer is raised as usual."""
+        waited = 0.0
+        while True:
+            try:
+                response = self._http.request(method, path, **kwargs)
+            except httpx.TransportError as error:
+                raise ServiceUnavailable(f"cannot reach zerotrain at {self.url}: {error}") from None
+            delay = _retry_after(response)
+            if delay is None or waited + delay > RETRY_AFTER_BUDGET_S or not _repeatable(method, response, kwargs):
+                break
+            time.sleep(delay)
+            waited += delay
         if response.status_code >= 400:
             raise error_from_response(response)
         return response

@@ -1,0 +1,82 @@
+"""The SDK honours ``Retry-After`` (issue 33): a busy service's 429/503 is tried again after the
+seconds it asks for, when repeating is safe; otherwise, or past the budget, the error is raised.
+
+The service here is a small real HTTP server on loopback that answers a scripted sequence."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from service import client as sdk
+from service.client import Client, ServiceUnavailable, ZerotrainError
+
+JOB = {"id": "j1", "name": "n", "owner": "alice", "state": "QUEUED", "reason": "submitted", "attempt": 0,
+       "spec": {}, "created_at": "2026-12-04T00:00:00Z", "updated_at": "2026-12-04T00:00:00Z"}
+
+
+class Scripted(BaseHTTPRequestHandler):
+    answers: list[tuple[int, dict]] = []
+    seen: list[tuple[str, float]] = []
+
+    def _answer(self) -> None:
+        Scripted.seen.append((self.command, time.monotonic()))
+        status, headers = Scripted.answers.pop(0) if Scripted.answers else (200, {})
+        body = json.dumps(JOB if status == 200 else {"detail": "busy", "errors": []}).encode()
+        self.send_response(status)
+        for name, value in {"Content-Type": "application/json", **headers}.items():
+            self.send_header(name, value)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_POST = _answer
+
+    def log_message(self, *args) -> None:  # quiet
+        pass
+
+
+@pytest.fixture
+def server():
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Scripted)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    Scripted.answers, Scripted.seen = [], []
+    try:
+        yield Client(f"http://127.0.0.1:{httpd.server_address[1]}", "token")
+    finally:
+        httpd.shutdown()
+
+
+def test_a_read_waits_as_long_as_a_503_asks_then_succeeds(server):
+    Scripted.answers = [(503, {"Retry-After": "1"}), (503, {"Retry-After": "0.5"})]
+    assert server.get("j1").id == "j1"
+    times = [t for _, t in Scripted.seen]
+    assert len(times) == 3 and times[1] - times[0] >= 1.0 and times[2] - times[1] >= 0.5
+
+
+def test_a_submit_is_repeated_after_a_429_or_with_an_idempotency_key_only(server):
+    Scripted.answers = [(429, {"Retry-After": "0.2"})]
+    assert server.submit({"name": "n"}).id == "j1" and len(Scripted.seen) == 2
+    Scripted.answers, Scripted.seen = [(503, {"Retry-After": "0.2"})], []
+    with pytest.raises(ServiceUnavailable):  # a 503 POST might have been half done: not repeated
+        server.submit({"name": "n"})
+    assert len(Scripted.seen) == 1
+    Scripted.answers, Scripted.seen = [(503, {"Retry-After": "0.2"})], []
+    assert server.submit({"name": "n"}, idempotency_key="k").id == "j1" and len(Scripted.seen) == 2
+
+
+def test_past_the_budget_or_without_retry_after_the_error_is_raised(server, monkeypatch):
+    monkeypatch.setattr(sdk, "RETRY_AFTER_BUDGET_S", 1.0)
+    Scripted.answers = [(503, {"Retry-After": "0.6"}), (503, {"Retry-After": "0.6"})]
+    with pytest.raises(ZerotrainError) as raised:
+        server.get("j1")
+    assert raised.value.status == 503 and len(Scripted.seen) == 2
+    Scripted.answers, Scripted.seen = [(503, {})], []
+    with pytest.raises(ZerotrainError):
+        server.get("j1")
+    assert len(Scripted.seen) == 1
