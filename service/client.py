@@ -22,6 +22,7 @@ import httpx
 
 from contract.environment import HOME_ENV, TOKEN_ENV, URL_ENV
 from service.schemas import (
+    LOG_SIZE_HEADER,
     TERMINAL_STATES,
     CheckpointList,
     CheckpointOut,
@@ -228,28 +229,26 @@ class Client:
         """Yield the job's log (``rank``'s lines only, with it) as it grows -- first what there is (its last ``tail_bytes``), then
         each new part -- and return once the job has ended and its whole log was yielded.
 
-        [Note: following by polling] The logs endpoint answers the whole log (the launchers
-        read a file or Ray's job log, neither with offsets). Each poll yields the part past what
-        was already seen; a shorter answer (a log not readable for a moment) yields nothing,
-        and a log that no longer starts with what was seen (a new attempt's driver) is yielded
-        whole. The job's state is read before the log, so the read after the job ended is the
-        complete log and the last one.
+        [Note: following by offset] Each poll asks for the log from the size the last answer
+        reported (``offset``, the ``LOG_SIZE_HEADER``), so only the new part travels. A log
+        that shrank (a new attempt's driver) is answered whole by the service and yielded whole;
+        an empty answer after text (a log not readable for a moment) is skipped. The job's state
+        is read before the log, so the read after the job ended is the complete log and the last one.
         """
-        seen = ""
-        first = True
+        offset: int | None = None
         while True:
             ended = self.get(job_id).state in TERMINAL_STATES
-            text = self.logs(job_id, rank=rank)
-            if first:
+            params = {key: value for key, value in {"rank": rank, "offset": offset}.items() if value is not None}
+            response = self.request("GET", f"/api/v1/jobs/{job_id}/logs", params=params)
+            size = int(response.headers.get(LOG_SIZE_HEADER, len(response.content)))
+            text = response.text
+            if offset is None:
                 yield text.encode()[-tail_bytes:].decode(errors="replace") if tail_bytes else text
-                seen, first = text, False
-            elif text.startswith(seen):
-                if len(text) > len(seen):
-                    yield text[len(seen):]
-                seen = text
-            elif not seen.startswith(text):
-                yield text
-                seen = text
+                offset = size
+            elif size or not offset:
+                if text:
+                    yield text
+                offset = size
             if ended:
                 return
             time.sleep(poll)

@@ -54,6 +54,9 @@ from contract.spec import (  # noqa: F401
 # --------------------------------------------------------------------------- outputs
 
 
+#: the logs endpoint's header: the whole answer's size in bytes, the next ``offset`` of a reader following it
+LOG_SIZE_HEADER = "Zerotrain-Log-Bytes"
+
 class OutModel(BaseModel):
     model_config = ConfigDict(from_attributes=True)
 

@@ -19,7 +19,7 @@ from service.log_ranks import rank_lines
 from service.log_text import plain_log
 from service.models import Job, JobEvent
 from service.prediction import NothingFits
-from service.schemas import EventList, JobOut, JobPage, JobSpec, JobState
+from service.schemas import LOG_SIZE_HEADER, EventList, JobOut, JobPage, JobSpec, JobState
 from service.states import IllegalTransition, Reason, load_job, transition
 from service.submission import submit
 
@@ -132,7 +132,6 @@ def list_job_events(job: VisibleJob, session: SessionDep) -> EventList:
 #: Read past a tail's start, so a memory monitor's table cut by the tail still shows as left out
 #: (service.log_text reads it line by line; its rows carry their own shape too).
 TAIL_CONTEXT_BYTES = 64 * 1024
-LOG_SIZE_HEADER = "Zerotrain-Log-Bytes"
 
 
 @router.get("/{job_id}/logs", name="get_job_logs", response_class=Response,

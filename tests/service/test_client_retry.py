@@ -80,3 +80,46 @@ def test_past_the_budget_or_without_retry_after_the_error_is_raised(server, monk
     with pytest.raises(ZerotrainError):
         server.get("j1")
     assert len(Scripted.seen) == 1
+
+
+class GrowingLog(BaseHTTPRequestHandler):
+    """A job that ends on the third poll, its log growing by a line each poll; answers from ``offset``
+    as the service does (past the end: the whole log)."""
+
+    polls = 0
+    offsets: list[str | None] = []
+
+    def do_GET(self) -> None:
+        from urllib.parse import parse_qs, urlparse
+
+        url = urlparse(self.path)
+        if url.path.endswith("/logs"):
+            GrowingLog.polls += 1
+            log = "".join(f"line {i}\n" for i in range(GrowingLog.polls)).encode()
+            offset = parse_qs(url.query).get("offset", [None])[0]
+            GrowingLog.offsets.append(offset)
+            body = log[int(offset):] if offset is not None and int(offset) <= len(log) else log
+            headers = {"Content-Type": "text/plain", "Zerotrain-Log-Bytes": str(len(log))}
+        else:
+            body = json.dumps({**JOB, "state": "SUCCEEDED" if GrowingLog.polls >= 2 else "RUNNING"}).encode()
+            headers = {"Content-Type": "application/json"}
+        self.send_response(200)
+        for name, value in {**headers, "Content-Length": str(len(body))}.items():
+            self.send_header(name, value)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def test_following_a_log_fetches_only_what_is_new():
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), GrowingLog)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    GrowingLog.polls, GrowingLog.offsets = 0, []
+    try:
+        parts = list(Client(f"http://127.0.0.1:{httpd.server_address[1]}", "t").follow_logs("j1", poll=0.01))
+    finally:
+        httpd.shutdown()
+    assert "".join(parts) == "line 0\nline 1\nline 2\n" and parts == ["line 0\n", "line 1\n", "line 2\n"]
+    assert GrowingLog.offsets == [None, "7", "14"]  # each poll from the size the last answer reported
