@@ -52,6 +52,7 @@ from .materialize import InitWeights, Materializer, bind
 from .module_buffers import ModuleBuffers
 from .offload import HostOptimizerState
 from .precision import MixedPrecision
+from .reports import MemoryReport, StepInfo
 from .stages import Strategy
 from .strategies import make_strategy
 from .units import checkpoint_forward, plan_units, unit_modules
@@ -355,13 +356,9 @@ class ZeroEngine:
 
     # -- step --------------------------------------------------------------------------------------
     @torch.no_grad()
-    def step(self) -> dict[str, Any]:
-        """Average over ranks, unscale, clip, update, republish parameters, zero gradients.
-
-        Returns ``{"grad_norm", "skipped", "loss_scale", "comm_exposed_s", "step",
-        "micro_steps", "comm_elements"}``; ``grad_norm`` is the global pre-clip L2 norm of the
-        averaged, unscaled gradient (``inf``/``nan`` on an fp16 overflow).
-        """
+    def step(self) -> StepInfo:
+        """Average over ranks, unscale, clip, update, republish parameters, zero gradients;
+        what happened is the ``StepInfo`` returned (``reports.py``)."""
         self._check_open("step")
         self.strategy.wait_params()  # a second step() without a forward: the optimizer writes what is sent
         self._end_micro_step()
@@ -409,15 +406,8 @@ class ZeroEngine:
         self._last_comm = self.comm.counter.snapshot()
         exposed = self.comm.exposed_seconds()
         self.comm.reset()
-        return {
-            "grad_norm": norm,
-            "skipped": skipped,
-            "loss_scale": scale,
-            "comm_exposed_s": exposed,
-            "step": self._step,
-            "micro_steps": micro_steps,
-            "comm_elements": self._last_comm["total"],
-        }
+        return StepInfo(grad_norm=norm, skipped=skipped, loss_scale=scale, comm_exposed_s=exposed, step=self._step,
+                        micro_steps=micro_steps, comm_elements=self._last_comm["total"])
 
     def _update(self, grads: list[torch.Tensor], inv_scale: Optional[float], coef: Optional[torch.Tensor],
                 used: list[bool]) -> None:
@@ -485,7 +475,7 @@ class ZeroEngine:
         """
         return dict(self._last_comm)
 
-    def memory(self) -> dict[str, int]:
+    def memory(self) -> MemoryReport:
         """Bytes of the tensors this engine holds right now, by role; shared storage counted once.
 
         params: compute-dtype flat parameters (+ frozen parameters and their fp32 originals);
@@ -515,13 +505,13 @@ class ZeroEngine:
         else:
             optimizer = tally(opt_tensors)
         buffers = tally(self.strategy.scratch_tensors() + list(self.module_buffers.tensors()))
-        out = {"params": params, "grads": grads, "optimizer": optimizer, "buffers": buffers,
-               "total": params + grads + optimizer + buffers}
+        out = MemoryReport(params=params, grads=grads, optimizer=optimizer, buffers=buffers,
+                           total=params + grads + optimizer + buffers)
         if self.offload is not None:
             out["host"] = host
         return out
 
-    def step_memory(self) -> dict[str, int]:
+    def step_memory(self) -> MemoryReport:
         """``memory()`` with ``grads`` as the last ``step()`` began (0 before the first), ``total``
         to match: this step's model states, each at its high point -- gradients live from backward
         to the end of ``step()`` (``stages.py``, the note on gradients' lifetime), the optimizer's
