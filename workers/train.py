@@ -6,18 +6,8 @@ loop on a Gloo world of local processes, without Ray, for tests and quick experi
 runtime owns (which worker group this is, the resize gate) comes in ``context``
 (``workers.run_context.RunContext``); nothing here imports a runtime.
 
-``config`` (plain JSON, it travels through the runtime to every rank):
-
-    spec           the job spec as JSON; each rank validates it into ``contract.spec.JobSpec``
-                   on arrival and reads attributes from then on (every default is the spec's)
-    job_id         the job's id
-    api_url        where the control plane is; None: no state reports, no metric push
-    attempt_base   the job's attempt before this run; worker group k of the run is
-                   attempt ``attempt_base + k`` (k: ``RunContext.worker_group()``)
-    metrics_path   optional: also append every record to ``{metrics_path}.rank{r}.jsonl``
-    storage_uri    the storage root (checkpoints go under ``{storage}/{job_id}/checkpoints``)
-
-The ingest token comes from the environment (``ZEROTRAIN_INGEST_TOKEN``), never the config.
+``config`` is a ``workers.loop_config.LoopConfig``; the ingest token comes from the environment
+(``ZEROTRAIN_INGEST_TOKEN``), never the config.
 Rank 0 reports RUNNING (and, on a restarted worker group, RESTARTING first) with the attempt;
 every rank pushes its own per-step record. Checkpoints plug in through ``CheckpointHook``.
 """
@@ -45,6 +35,7 @@ from workers.checkpointing.shared_storage import check_marker
 from workers.data import IndexedDataset, ShardedBatchLoader, build_dataset, check_vocabulary
 from workers.models import build_model, flops_per_token
 from workers.host_memory import map_large_blocks
+from workers.loop_config import LoopConfig
 from workers.loss import IGNORE_INDEX, StepLoss, token_loss_sum
 from workers.reporting import MetricReporter, StepMeter, WorkerAPI
 from workers.run_context import RunContext
@@ -116,16 +107,16 @@ class NoCheckpoints:
         return 0.0
 
 
-def make_checkpoint_hook(spec: JobSpec, config: dict[str, Any], api: WorkerAPI | None,
+def make_checkpoint_hook(spec: JobSpec, config: LoopConfig, api: WorkerAPI | None,
                          reporter: MetricReporter | None) -> CheckpointHook:
     """The job's checkpoint hook (``workers.checkpoint``); none when there is nowhere to write.
     A save is committed once ``reporter`` has delivered its step's record (``workers.reporting``)."""
-    storage_uri = config.get("storage_uri")
+    storage_uri = config.storage_uri
     if not (storage_uri or spec.checkpoint.uri):
         return NoCheckpoints()
     from workers.checkpoint import make_checkpoint_hook as checkpoint_hook
 
-    return checkpoint_hook(spec, job_id=config["job_id"], storage_uri=storage_uri, api=api,
+    return checkpoint_hook(spec, job_id=config.job_id, storage_uri=storage_uri, api=api,
                            metrics_delivered=reporter.wait_delivered if reporter else None)
 
 
@@ -200,9 +191,10 @@ def ray_assigned_device() -> torch.device | None:
     return get_device()
 
 
-def start_attempt(config: dict[str, Any], world: World, api: WorkerAPI | None,
+def start_attempt(attempt_base: int, world: World, api: WorkerAPI | None,
                   context: RunContext = RunContext()) -> int:
-    """Agree on this worker group's attempt and tell the control plane it runs.
+    """Agree on this worker group's attempt (``attempt_base`` + the worker group's number) and
+    tell the control plane it runs.
 
     Rank 0 decides and reports; the others learn the attempt (or the refusal) by broadcast,
     so a cancelled job stops every rank before the first step.
@@ -210,7 +202,7 @@ def start_attempt(config: dict[str, Any], world: World, api: WorkerAPI | None,
     outcome: tuple[int, str | None] = (0, None)
     if world.rank == 0:
         group = context.worker_group()  # 1, or 2 and on after the runtime restarted the group
-        attempt = int(config.get("attempt_base", 0)) + group
+        attempt = attempt_base + group
         outcome = (attempt, None)
         if api is not None:
             try:
@@ -398,18 +390,18 @@ def progress_line(record: dict[str, Any], total_steps: int, world_size: int) -> 
     return "  ".join(parts)
 
 
-def train_loop(config: dict[str, Any], context: RunContext | None = None) -> dict[str, Any]:
+def train_loop(config: LoopConfig, context: RunContext | None = None) -> dict[str, Any]:
     """Train the job's model for ``train.steps`` steps on this rank; return a short summary.
     ``context``: what the runtime injects (default: one worker group, no resizes)."""
     context = context if context is not None else RunContext()
-    spec = JobSpec.model_validate(config["spec"])  # this rank's boundary: attributes from here on
+    spec = JobSpec.model_validate(config.spec)  # this rank's boundary: attributes from here on
     train, data = spec.train, spec.data
     world = World.current(use_gpu=spec.resources.gpus_per_worker > 0)
     token = os.environ.get(INGEST_TOKEN_ENV)
-    api = WorkerAPI(config["api_url"], config["job_id"], token) if config.get("api_url") and token else None
-    attempt = start_attempt(config, world, api, context)
+    api = WorkerAPI(config.api_url, config.job_id, token) if config.api_url and token else None
+    attempt = start_attempt(config.attempt_base, world, api, context)
     with user_code("checking the job's storage"):  # a node without the shared file:// root: no restart
-        check_marker(config.get("storage_uri"), config["job_id"], rank=world.rank)
+        check_marker(config.storage_uri, config.job_id, rank=world.rank)
     # an elastic run on Ray: parks at a checkpoint for a resize (runtime/resize_at_checkpoint.py)
     resize_gate = None if context.resize_gate is None else context.resize_gate(world.rank, world.device)
     USER_METRICS.reset()  # from here on, what the user's code reports (factories included) is this run's
@@ -440,8 +432,8 @@ def train_loop(config: dict[str, Any], context: RunContext | None = None) -> dic
                       comm_element_bytes=engine.precision.compute_dtype.itemsize, device=world.device,
                       precision=engine.config.precision, world_size=world.world_size)
     sinks: list[Any] = [reporter] if reporter is not None else []
-    if config.get("metrics_path"):
-        sinks.append(JsonlSink(f"{config['metrics_path']}.rank{world.rank}.jsonl"))
+    if config.metrics_path:
+        sinks.append(JsonlSink(f"{config.metrics_path}.rank{world.rank}.jsonl"))
     peak.lap("construction")
 
     total_steps = train.steps
@@ -518,7 +510,7 @@ def train_loop(config: dict[str, Any], context: RunContext | None = None) -> dic
     return summary
 
 
-def report_measured_memory(config: dict[str, Any], world: World, attempt: int, measured: dict[str, float]) -> None:
+def report_measured_memory(config: LoopConfig, world: World, attempt: int, measured: dict[str, float]) -> None:
     """Rank 0 sends every rank's ``engine.step_memory()`` and peak growth (``peak``, and ``peak_<part>``
     for each part of the job: ``PeakMemoryMeter.report``) once, at the end of the run, so the
     control plane can check the planner's prediction term by term and part by part."""
@@ -527,9 +519,9 @@ def report_measured_memory(config: dict[str, Any], world: World, attempt: int, m
         ranks = [None] * world.world_size
         dist.all_gather_object(ranks, measured)
     token = os.environ.get(INGEST_TOKEN_ENV)
-    if world.rank != 0 or not (config.get("api_url") and token):
+    if world.rank != 0 or not (config.api_url and token):
         return
-    api = WorkerAPI(config["api_url"], config["job_id"], token)
+    api = WorkerAPI(config.api_url, config.job_id, token)
     try:
         api.post_memory(attempt, [{k: float(v) for k, v in r.items()} for r in ranks])
     except Exception as error:  # noqa: BLE001 - a missing check must not fail a finished training
@@ -541,11 +533,11 @@ def report_measured_memory(config: dict[str, Any], world: World, attempt: int, m
 # ----------------------------------------------------------------------------- without Ray
 
 
-def _local_rank_entry(rank: int, world_size: int, config: dict[str, Any]) -> dict[str, Any]:
+def _local_rank_entry(rank: int, world_size: int, config: LoopConfig) -> dict[str, Any]:
     return train_loop(config)
 
 
-def run_local(config: dict[str, Any], world_size: int) -> list[dict[str, Any]]:
+def run_local(config: LoopConfig, world_size: int) -> list[dict[str, Any]]:
     """Run ``train_loop`` on a fresh local Gloo world of ``world_size`` processes; per-rank summaries."""
     from workers.zero.testing import spawn_world
 

@@ -14,6 +14,7 @@ from contract.spec import JobSpec
 from workers import train
 from workers.reporting import JobNotActive
 from workers.run_context import RunContext
+from workers.loop_config import LoopConfig
 from workers.train import World, lr_at, run_local, start_attempt
 
 METRIC_KEYS = {"attempt", "rank", "step", "time", "world_size", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s",
@@ -43,8 +44,8 @@ def test_lr_warms_up_then_decays_by_cosine():
 def test_two_rank_gloo_world_trains_and_records_every_step(tmp_path: Path):
     steps = 16
     metrics = tmp_path / "metrics"
-    summaries = run_local({"spec": nano_spec(steps), "job_id": "unit", "api_url": None,
-                           "attempt_base": 0, "metrics_path": str(metrics)}, world_size=2)
+    summaries = run_local(LoopConfig(spec=nano_spec(steps), job_id="unit", api_url=None,
+                                      attempt_base=0, metrics_path=str(metrics)), world_size=2)
     assert [s["rank"] for s in summaries] == [0, 1]
     for summary in summaries:
         losses = summary["losses"]
@@ -82,14 +83,14 @@ class RecordingAPI:
 def test_first_worker_group_reports_running_with_the_next_attempt():
     api = RecordingAPI()
     world = World(0, 1, 0, torch.device("cpu"))
-    assert start_attempt({"attempt_base": 0}, world, api) == 1
+    assert start_attempt(0, world, api) == 1
     assert api.posts == [("RUNNING", 1)]
 
 
 def test_restarted_worker_group_reports_restarting_then_running():
     api = RecordingAPI()
     second = RunContext(worker_group=lambda: 2)  # what the runtime says after one restart
-    assert start_attempt({"attempt_base": 0}, World(0, 1, 0, torch.device("cpu")), api, second) == 2
+    assert start_attempt(0, World(0, 1, 0, torch.device("cpu")), api, second) == 2
     assert api.posts == [("RESTARTING", 2), ("RUNNING", 2)]
 
 
@@ -99,7 +100,7 @@ def test_a_refused_start_stops_the_worker():
             raise JobNotActive("409: job is CANCELLING")
 
     with pytest.raises(RuntimeError, match="CANCELLING"):
-        start_attempt({"attempt_base": 0}, World(0, 1, 0, torch.device("cpu")), Refusing())
+        start_attempt(0, World(0, 1, 0, torch.device("cpu")), Refusing())
 
 
 def test_auto_stage_is_resolved_by_the_planner_with_this_machines_memory():
@@ -195,13 +196,12 @@ def test_a_bad_stage3_policy_is_refused_naming_its_field(bad):
 
 
 def test_the_ray_runtime_injects_its_worker_group_counter_and_resize_gate():
-    """train.py imports nothing from runtime/: Ray's entry builds the RunContext from its own config keys."""
+    """train.py imports nothing from runtime/: Ray's entry builds the RunContext from what it owns."""
     from workers.runtime import ray_train
 
-    plain = ray_train.run_context({"job_id": "j"})
+    plain = ray_train.run_context("j")
     assert plain.worker_group() == 1 and plain.resize_gate is None
-    elastic = ray_train.run_context({"job_id": "j", "attempt_counter": "zerotrain-attempts-j",
-                                     "resize_at_checkpoints": True})
+    elastic = ray_train.run_context("j", attempt_counter="zerotrain-attempts-j", resize_at_checkpoints=True)
     assert elastic.worker_group.func is ray_train.next_worker_group and elastic.worker_group.args == (
         "zerotrain-attempts-j",)
     assert elastic.resize_gate.func is ray_train._ray_resize_gate and elastic.resize_gate.args == ("j",)

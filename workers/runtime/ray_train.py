@@ -24,6 +24,7 @@ from contract.environment import INGEST_TOKEN_ENV
 from contract.log_lines import rank_announcement
 from contract.reasons import Reason
 from contract.spec import JobSpec
+from workers.loop_config import LoopConfig
 from workers.reporting import WorkerAPI
 from workers.run_context import RunContext, first_worker_group
 from workers.train import train_loop
@@ -241,25 +242,28 @@ def _ray_resize_gate(job_id: str, rank: int, device: Any) -> Any:
     return ResizeGate(ResizeChannel.ray(job_id), rank=rank, device=device)
 
 
-def run_context(config: dict[str, Any]) -> RunContext:
+def run_context(job_id: str, attempt_counter: str | None = None, resize_at_checkpoints: bool = False) -> RunContext:
     """What this runtime owns, for ``train_loop``: the worker group's number from the driver's
-    ``AttemptCounter`` (``attempt_counter``), and for an elastic run (``resize_at_checkpoints``)
-    the gate that parks at checkpoints for a resize. Both keys are this runtime's own (``fit``)."""
-    name = config.get("attempt_counter")
+    ``AttemptCounter`` named ``attempt_counter``, and for an elastic run (``resize_at_checkpoints``)
+    the gate that parks at checkpoints for a resize."""
     return RunContext(
-        worker_group=functools.partial(next_worker_group, name) if name else first_worker_group,
-        resize_gate=functools.partial(_ray_resize_gate, config["job_id"]) if config.get("resize_at_checkpoints")
-        else None)
+        worker_group=functools.partial(next_worker_group, attempt_counter) if attempt_counter
+        else first_worker_group,
+        resize_gate=functools.partial(_ray_resize_gate, job_id) if resize_at_checkpoints else None)
 
 
 def announced_train_loop(config: dict[str, Any]) -> dict[str, Any]:
     """``train_loop`` after this worker's first line in the job's log: which rank it is, so
-    the log can be read per rank (``contract.log_lines``, ``zerotrain logs JOB --rank N``)."""
+    the log can be read per rank (``contract.log_lines``, ``zerotrain logs JOB --rank N``).
+    ``config`` is ``build_trainer``'s ``train_loop_config``: the job's ``LoopConfig`` under
+    ``loop`` and this runtime's own keys beside it."""
     from ray.train import get_context
 
     context = get_context()
     print(rank_announcement(context.get_world_rank(), context.get_world_size()), flush=True)
-    return train_loop(config, run_context(config))
+    loop: LoopConfig = config["loop"]
+    return train_loop(loop, run_context(loop.job_id, config.get("attempt_counter"),
+                                        config.get("resize_at_checkpoints", False)))
 
 
 ELASTIC_START_TIMEOUT_S = 20.0
@@ -297,21 +301,22 @@ def scaling_config(spec: JobSpec):
     return ScalingConfig(num_workers=workers, use_gpu="GPU" in per_worker, resources_per_worker=per_worker)
 
 
-def build_trainer(spec: JobSpec, loop_config: dict[str, Any]):
+def build_trainer(spec: JobSpec, loop_config: LoopConfig, attempt_counter: str | None = None):
     """The job's ``TorchTrainer``: ``train_loop(loop_config)`` on each worker, Ray Train restarting
-    a failed worker group up to ``spec.max_failures`` times (an elastic one at the size that fits)."""
+    a failed worker group up to ``spec.max_failures`` times (an elastic one at the size that fits);
+    each worker group learns its number from the ``AttemptCounter`` named ``attempt_counter``."""
     from ray.train import FailureConfig, RunConfig
     from ray.train.torch import TorchTrainer
 
-    job_id = loop_config["job_id"]
-    api_url, attempt_base = loop_config["api_url"], int(loop_config["attempt_base"])
-    storage_path, storage_filesystem = ray_storage(loop_config["storage_uri"])
+    job_id, api_url, attempt_base = loop_config.job_id, loop_config.api_url, loop_config.attempt_base
+    storage_path, storage_filesystem = ray_storage(loop_config.storage_uri)
     callbacks = [_restart_reporter(api_url, job_id, attempt_base, spec.max_failures)]
     if spec.resources.elastic:
         callbacks.append(_resize_reporter(api_url, job_id, attempt_base))
     return TorchTrainer(
         announced_train_loop,
-        train_loop_config=loop_config,
+        train_loop_config={"loop": loop_config, "attempt_counter": attempt_counter,
+                           "resize_at_checkpoints": spec.resources.elastic},
         scaling_config=scaling_config(spec),
         run_config=RunConfig(
             storage_path=storage_path, storage_filesystem=storage_filesystem, name=job_id,
@@ -475,15 +480,14 @@ def failure_summary(error: BaseException) -> str:
 class RayTrainRuntime:
     """``workers.runtime.Runtime`` on the Ray cluster this driver was submitted to."""
 
-    def fit(self, spec: JobSpec, loop_config: dict[str, Any]) -> None:
-        job_id = loop_config["job_id"]
+    def fit(self, spec: JobSpec, loop_config: LoopConfig) -> None:
+        job_id = loop_config.job_id
         ray.init(log_to_driver=True)
         counter = start_attempt_counter(job_id)
         wait_for_resources(spec, job_id)
         shorten_elastic_start_timeout(spec)
         with fail_fast_on_user_errors(), resize_at_checkpoints(job_id):
-            build_trainer(spec, {**loop_config, "attempt_counter": counter_name(job_id),
-                                 "resize_at_checkpoints": spec.resources.elastic}).fit()
+            build_trainer(spec, loop_config, attempt_counter=counter_name(job_id)).fit()
         ray.kill(counter)
 
     def failure_reason(self, error: BaseException) -> str:
