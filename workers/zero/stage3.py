@@ -143,7 +143,7 @@ class ParamShardStrategy(ReduceScatterInBackwardStrategy):
     def _make_unit(index: int, name: str, module: nn.Module, b: FlatBucket, is_root: bool) -> Unit:
         """A unit over a bucket the engine built sharded: its flat buffer freed, ``param_shard`` kept."""
         if b.param_shard is None or b.flat_param.untyped_storage().nbytes() != 0:
-            raise RuntimeError(f"stage 3 needs bucket {b.spec.index} built sharded (engine._build_buckets)")
+            raise RuntimeError(f"stage 3 needs bucket {b.spec.index} built sharded (initial_state.BucketBuilder)")
         return Unit(index, name, module, b, b.param_shard, is_root)
 
     def _install_hooks(self) -> list:

@@ -481,3 +481,21 @@ class ReduceScatterInBackwardStrategy(Strategy):
             if b.grad_shard is None:
                 b.grad_shard = self._new_shard(b).zero_()
         return [b.grad_shard for b in self.buckets]
+
+
+def params_reached(loss: torch.Tensor) -> set[int]:
+    """ids of the leaf tensors the autograd graph of ``loss`` accumulates gradients into: a
+    parameter not among them gets no gradient in that backward (``Strategy.mark_absent``)."""
+    found: set[int] = set()
+    seen: set = set()
+    stack = [loss.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        variable = getattr(fn, "variable", None)  # AccumulateGrad nodes
+        if variable is not None:
+            found.add(id(variable))
+        stack.extend(nxt for nxt, _ in fn.next_functions)
+    return found
