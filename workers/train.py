@@ -15,12 +15,10 @@ every rank pushes its own per-step record. Checkpoints plug in through ``Checkpo
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import os
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 import torch
@@ -28,19 +26,21 @@ import torch.distributed as dist
 
 from contract.environment import INGEST_TOKEN_ENV
 from contract.job_states import JobState
-from contract.metrics import THROUGHPUT
 from contract.reasons import Reason
 from contract.spec import MIN_LR_RATIO, JobSpec, TrainSpec
 from workers.checkpointing.shared_storage import check_marker
-from workers.data import IndexedDataset, ShardedBatchLoader, build_dataset, check_vocabulary
+from workers.data import ShardedBatchLoader, build_dataset, check_vocabulary
+from workers.evaluation import evaluate
 from workers.models import build_model, flops_per_token
 from workers.host_memory import map_large_blocks
 from workers.loop_config import LoopConfig
-from workers.loss import IGNORE_INDEX, StepLoss, token_loss_sum
+from workers.loss import StepLoss
+from workers.progress import JsonlSink, progress_line, shows_progress
 from workers.reporting import MetricReporter, StepMeter, WorkerAPI
 from workers.run_context import RunContext
 from workers.user_code import user_code
 from workers.user_metrics import COLLECTOR as USER_METRICS
+from workers.world import World
 from workers.zero import ZeroConfig, ZeroEngine
 from workers.zero.planner.check import PeakMemoryMeter
 from workers.zero.optim_groups import NamedFactory, below_2d, named_factory, param_groups
@@ -120,75 +120,7 @@ def make_checkpoint_hook(spec: JobSpec, config: LoopConfig, api: WorkerAPI | Non
                            metrics_delivered=reporter.wait_delivered if reporter else None)
 
 
-# ----------------------------------------------------------------------------- who am I
-
-
-@dataclass(frozen=True)
-class World:
-    rank: int
-    world_size: int
-    local_rank: int
-    device: torch.device
-
-    @classmethod
-    def current(cls, use_gpu: bool) -> "World":
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        world_size = dist.get_world_size() if dist.is_initialized() else 1
-        local_rank = int(os.environ.get("LOCAL_RANK", rank))
-        gpus = torch.cuda.device_count() if use_gpu and torch.cuda.is_available() else 0
-        device = choose_device(use_gpu, gpus=gpus, local_rank=local_rank,
-                               ray_device=ray_assigned_device() if gpus else None)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        return cls(rank, world_size, local_rank, device)
-
-    def broadcast(self, value: Any) -> Any:
-        """Rank 0's ``value`` on every rank."""
-        if self.world_size == 1:
-            return value
-        box = [value]
-        dist.broadcast_object_list(box, src=0, device=self.device if self.device.type == "cuda" else None)
-        return box[0]
-
-
-def choose_device(use_gpu: bool, *, gpus: int, local_rank: int, ray_device: torch.device | None) -> torch.device:
-    """The device this rank computes on.
-
-    [Note: which GPU is this rank's]
-    Under Ray Train, the one Ray assigned to this worker (``ray.train.torch.get_device()``, the
-    lowest of its GPUs with ``gpus_per_worker > 1``, indexed within the ``CUDA_VISIBLE_DEVICES``
-    Ray set): ``LOCAL_RANK % device_count`` is not it once a worker holds two GPUs or workers
-    share a ``CUDA_VISIBLE_DEVICES``, and a worker would take another's GPU. Elsewhere
-    (``run_local``, torchrun) GPU ``LOCAL_RANK``; a local rank beyond the visible GPUs is an
-    error rather than a GPU shared with another rank. ``gpus`` is how many this process sees
-    (0 without CUDA, or a CPU job: the CPU).
-    """
-    if not use_gpu or gpus == 0:
-        return torch.device("cpu")
-    if ray_device is not None:
-        if ray_device.type != "cuda":
-            raise RuntimeError(f"resources.gpus_per_worker asks for GPUs, but Ray assigned this worker {ray_device} "
-                               "(no GPU among its resources)")
-        if ray_device.index is not None and ray_device.index >= gpus:
-            raise RuntimeError(f"Ray assigned this worker {ray_device}, but only {gpus} GPU(s) are visible to it")
-        return torch.device("cuda", 0 if ray_device.index is None else ray_device.index)
-    if not 0 <= local_rank < gpus:
-        raise RuntimeError(f"local rank {local_rank} has no GPU of its own: {gpus} visible on this machine "
-                           "(fewer ranks per machine, or resources.gpus_per_worker 0)")
-    return torch.device("cuda", local_rank)
-
-
-def ray_assigned_device() -> torch.device | None:
-    """Ray Train's device for this worker, or None outside a Ray Train worker."""
-    try:
-        from ray.train.utils import _in_ray_train_worker
-
-        if not _in_ray_train_worker():
-            return None
-        from ray.train.torch import get_device
-    except ImportError:
-        return None
-    return get_device()
+# ----------------------------------------------------------------------------- starting
 
 
 def start_attempt(attempt_base: int, world: World, api: WorkerAPI | None,
@@ -307,87 +239,6 @@ def optimizer_factory(train: TrainSpec) -> NamedFactory:
 
 
 # ----------------------------------------------------------------------------- the loop
-
-
-class JsonlSink:
-    """Every record of this rank appended to a local file (offline runs and tests)."""
-
-    def __init__(self, path: str):
-        self.file = open(path, "a", encoding="utf-8")
-
-    def report(self, record: dict[str, Any]) -> None:
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
-
-    def close(self, timeout_s: float = 0.0) -> int:
-        self.file.close()
-        return 0
-
-
-# ----------------------------------------------------------------------------- evaluation
-
-
-def evaluate(engine: ZeroEngine, dataset: IndexedDataset, *, batches: int, micro_batch_size: int,
-             world: World, token_weighted: bool = False) -> float:
-    """The loss of ``batches`` micro-batches per rank of ``dataset``, over every rank.
-
-    ``token_weighted`` (every model but a user factory): the mean over every unmasked target of
-    every rank's micro-batches (``workers.loss``); otherwise the mean of the factory model's
-    micro-batch losses.
-
-    [Note: evaluation on every rank, from the same samples]
-    A fresh loader from position 0 each time: every evaluation reads the same samples (rank r
-    its own slice of the first ``batches × micro_batch_size × world`` of them), so one
-    evaluation's loss is comparable with the next. Every rank runs the same forwards because
-    stage 3 gathers each unit collectively in every forward (docs/engine.md: evaluating on rank
-    0 alone hangs). Under ``torch.no_grad()`` the engine neither broadcasts buffers nor keeps
-    activations; ``engine.eval()`` turns dropout off and BatchNorm to its running statistics,
-    ``engine.train()`` back afterwards. The gathers are not the step's communication
-    (``comm.uncounted``): ``comm_bytes`` stays what training moved. One ``all_reduce`` sums the
-    ranks' (loss, count) pairs; what user code reports meanwhile is recorded as ``eval/<name>``.
-    """
-    loader = ShardedBatchLoader(dataset, global_batch_size=batches * micro_batch_size * world.world_size,
-                                micro_batch_size=micro_batch_size, rank=world.rank, world_size=world.world_size)
-    total = torch.zeros(2, dtype=torch.float64, device=world.device)  # Σ loss, and what it is a sum of
-    engine.eval()
-    try:
-        with torch.no_grad(), engine.comm.uncounted(), USER_METRICS.evaluating():
-            for inputs, targets in loader.next_batch():
-                inputs = inputs.to(world.device, non_blocking=True)
-                targets = targets.to(world.device, non_blocking=True)
-                if token_weighted:
-                    total[0] += token_loss_sum(engine(inputs), targets).double()
-                    total[1] += (targets != IGNORE_INDEX).sum()
-                else:
-                    total[0] += engine(inputs, targets).detach().double()
-                    total[1] += 1
-    finally:
-        engine.train()
-    if world.world_size > 1:
-        dist.all_reduce(total)
-    return float(total[0]) / max(1.0, float(total[1]))
-
-
-PROGRESS_LINES = 20  # rank 0 prints about this many progress lines per run, plus the first and last step
-
-
-def shows_progress(step: int, total_steps: int) -> bool:
-    return step in (1, total_steps) or step % max(1, total_steps // PROGRESS_LINES) == 0
-
-
-def progress_line(record: dict[str, Any], total_steps: int, world_size: int) -> str:
-    """One readable line of the job's log (rank 0): what ``zerotrain logs`` and the dashboard show.
-    Throughput is the job's (this rank's share times the world size, as the dashboard counts it)."""
-    parts = [f"step {record['step']}/{total_steps}", f"loss {record['loss']:.4f}"]
-    if record.get("lr") is not None:
-        parts.append(f"lr {record['lr']:.2e}")
-    if record.get("step_time_s") is not None:
-        parts.append(f"{record['step_time_s']:.2f} s/step")
-    if record.get(THROUGHPUT) is not None:
-        parts.append(f"{record[THROUGHPUT] * world_size:,.0f} tokens/s")
-    if record.get("eval_loss") is not None:
-        parts.append(f"eval loss {record['eval_loss']:.4f}")
-    return "  ".join(parts)
 
 
 def train_loop(config: LoopConfig, context: RunContext | None = None) -> dict[str, Any]:

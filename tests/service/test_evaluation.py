@@ -23,7 +23,9 @@ from contract.spec import JobSpec
 from workers.data import ShardedBatchLoader, SyntheticDataset, build_dataset
 from workers.reporting import WorkerAPI
 from workers.loop_config import LoopConfig
-from workers.train import World, build_engine, evaluate, run_local
+from workers.evaluation import evaluate
+from workers.train import build_engine, run_local
+from workers.world import World
 from workers.user_metrics import Collector
 from workers.zero.testing import spawn_world
 

@@ -38,9 +38,9 @@ from service.cli import main as cli
 from service.models import Job
 from workers.checkpointing.pretrained import expected_tensors
 from workers.checkpointing.stfile import INDEX_NAME
+from workers.loop_config import LoopConfig
 from workers.models import GPT
 from workers.reporting import WorkerAPI
-from workers.loop_config import LoopConfig
 from workers.train import run_local, train_loop
 
 PRESET = "gpt-nano"

@@ -23,6 +23,7 @@ from tests.workers.data_parts import (
     write_parquet,
 )
 from workers.data import build_dataset
+from workers.loop_config import LoopConfig
 from workers.loss import (
     IGNORE_INDEX,
     StepLoss,
@@ -31,7 +32,6 @@ from workers.loss import (
     token_loss_sum,
 )
 from workers.models import build_model
-from workers.loop_config import LoopConfig
 from workers.train import run_local
 
 SEQ_LEN = 16

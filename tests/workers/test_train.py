@@ -12,10 +12,11 @@ import torch
 
 from contract.spec import JobSpec
 from workers import train
+from workers.loop_config import LoopConfig
 from workers.reporting import JobNotActive
 from workers.run_context import RunContext
-from workers.loop_config import LoopConfig
-from workers.train import World, lr_at, run_local, start_attempt
+from workers.train import lr_at, run_local, start_attempt
+from workers.world import World
 
 METRIC_KEYS = {"attempt", "rank", "step", "time", "world_size", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s",
                "samples_per_s", "tflops", "mfu", "mem_params_bytes", "mem_grads_bytes", "mem_optimizer_bytes",
@@ -114,7 +115,7 @@ def test_auto_stage_is_resolved_by_the_planner_with_this_machines_memory():
 
 
 def test_rank_zero_prints_a_readable_progress_line_about_twenty_times():
-    from workers.train import progress_line, shows_progress
+    from workers.progress import progress_line, shows_progress
 
     shown = [step for step in range(1, 201) if shows_progress(step, 200)]
     assert shown[0] == 1 and shown[-1] == 200 and 20 <= len(shown) <= 22
@@ -124,7 +125,7 @@ def test_rank_zero_prints_a_readable_progress_line_about_twenty_times():
 
 
 def test_device_is_the_one_ray_assigned_not_local_rank_modulo_the_count():
-    from workers.train import choose_device
+    from workers.world import choose_device
 
     cuda = torch.device
     # Ray: two workers, two GPUs each, all four visible -> worker 1 is on GPU 2, not LOCAL_RANK 1
@@ -146,7 +147,7 @@ def test_device_is_the_one_ray_assigned_not_local_rank_modulo_the_count():
 
 
 def test_outside_a_ray_train_worker_there_is_no_ray_assignment():
-    from workers.train import ray_assigned_device
+    from workers.world import ray_assigned_device
 
     assert ray_assigned_device() is None
 

@@ -11,8 +11,8 @@ import torch
 
 from contract.spec import JobSpec
 from workers import train
-from workers.models import build_model
 from workers.loop_config import LoopConfig
+from workers.models import build_model
 from workers.train import build_engine, lr_at, run_local
 
 
