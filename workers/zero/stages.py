@@ -152,21 +152,10 @@ class Strategy:
         return [t for b in self.buckets for t in (b.grad_full, b.grad_shard) if t is not None] + self._held_pieces()
 
     def _held_pieces(self) -> list[torch.Tensor]:
-        return [g for b in self.buckets if b.grad_pieces for g in b.grad_pieces.values()]
+        return [g for b in self.buckets for g in b.held_pieces()]
 
     def scratch_tensors(self) -> list[torch.Tensor]:
         return [b.scratch_out for b in self.buckets if b.scratch_out is not None]
-
-    def _grad_target(self, b: FlatBucket) -> torch.Tensor:
-        """``b``'s full gradient for this step, allocated uninitialised on first use (the note on
-        gradients' lifetime)."""
-        if b.grad_full is None:
-            b.grad_full = torch.empty_like(b.flat_param)
-            b.grad_written = [False] * len(b.spec.slots)
-        return b.grad_full
-
-    def _new_shard(self, b: FlatBucket) -> torch.Tensor:
-        return torch.empty(b.spec.shard_numel, dtype=b.flat_param.dtype, device=b.flat_param.device)
 
     # -- backward -------------------------------------------------------------------------------
     def begin_micro_step(self, sync: bool) -> None:
@@ -204,32 +193,9 @@ class Strategy:
         """A slot's first gradient of the step is copied into the bucket's full gradient, later ones
         added -- or, exchanging pieces, kept as it is."""
         if self._exchanges_pieces(bucket):
-            pieces = bucket.grad_pieces = bucket.grad_pieces if bucket.grad_pieces is not None else {}
-            if pos in pieces:
-                pieces[pos].add_(grad.reshape(-1))
-            elif grad.dtype == bucket.flat_param.dtype:  # autograd's own tensor (param.grad, which the engine drops next)
-                pieces[pos] = grad.reshape(-1)
-            else:  # a gradient autograd left in another dtype: the bucket's, as the copy into grad_full casts
-                pieces[pos] = grad.reshape(-1).to(bucket.flat_param.dtype)
-            return
-        lo, hi = bucket.slot_range(pos)
-        target = self._grad_target(bucket)[lo:hi]
-        if bucket.grad_written[pos]:
-            target.add_(grad.reshape(-1))
+            bucket.hold_piece(pos, grad)
         else:
-            target.copy_(grad.reshape(-1))
-            bucket.grad_written[pos] = True
-
-    def _zero_unwritten(self, b: FlatBucket) -> None:
-        """Zeros where no gradient was written: padding and parameters that got none."""
-        full, end = self._grad_target(b), 0
-        for pos, slot in sorted(enumerate(b.spec.slots), key=lambda item: item[1].offset):
-            if slot.offset > end:
-                full[end:slot.offset].zero_()
-            if not b.grad_written[pos]:
-                full[slot.offset:slot.offset + slot.numel].zero_()
-            end = max(end, slot.offset + slot.numel)
-        full[end:].zero_()
+            bucket.add_grad(pos, grad)
 
     @property
     def launches_during_backward(self) -> bool:
@@ -260,17 +226,7 @@ class Strategy:
 
     def _launch_bucket(self, b: FlatBucket) -> None:
         """Complete ``b``'s gradient, pre-divide it, start its collective, and retire what has finished."""
-        if b.grad_pieces is not None:  # the note on exchanging the gradients themselves
-            for pos, slot in enumerate(b.spec.slots):
-                piece = b.grad_pieces.get(pos)
-                if piece is None:
-                    b.grad_pieces[pos] = torch.zeros(slot.numel, dtype=b.flat_param.dtype, device=b.flat_param.device)
-                elif self.world_size > 1:
-                    piece.div_(self.world_size)
-        else:
-            self._zero_unwritten(b)
-            if self.world_size > 1:
-                self._grad_target(b).div_(self.world_size)
+        b.complete_grad(self.world_size)
         b.pending = self._launch(b)
         b.launched = True
         self._inflight.append(b)
@@ -326,44 +282,24 @@ class Strategy:
         """Stages 1-3: reduce-scatter ``b``'s full gradient towards this rank's shard.
 
         On Gloo into the gradient's own slot (``collectives.py``, the note on Gloo's copies), which
-        ``_fold_into_shard`` copies out; otherwise straight into a new shard, or, when this step
+        ``FlatBucket.fold_into_shard`` copies out; otherwise straight into a new shard, or, when this step
         already has one (stage 2's later micro-steps), into an output added to it afterwards.
         """
         label = f"reduce_scatter bucket {b.spec.index}"
         if self.comm.exchanges:  # the note on exchanging the gradients themselves: one message per slot
-            out = self._shard_output(b)
+            out = b.shard_output()
             if b.grad_pieces is not None:
                 pieces = [(slot.offset, b.grad_pieces[pos]) for pos, slot in enumerate(b.spec.slots)]
             else:
-                full = self._grad_target(b)
+                full = b.grad_target()
                 pieces = [(slot.offset, full[slot.offset:slot.offset + slot.numel]) for slot in b.spec.slots]
             return self.comm.reduce_scatter_pieces(out, b.spec.numel, sorted(pieces, key=lambda p: p[0]), label)
-        full = self._grad_target(b)
+        full = b.grad_target()
         if self.comm.in_place:
-            out = b.scratch_out = self.comm.own_slot(full)
+            out = b.scratch_output(self.comm.own_slot(full))
         else:
-            out = self._shard_output(b)
+            out = b.shard_output()
         return self.comm.reduce_scatter(out, full, label=label)
-
-    def _shard_output(self, b: FlatBucket) -> torch.Tensor:
-        """Where ``b``'s reduce-scatter writes: a new shard, or, when this step already has one
-        (stage 2's later micro-steps), an output added to it afterwards."""
-        if b.grad_shard is None:
-            b.grad_shard = self._new_shard(b)
-            return b.grad_shard
-        b.scratch_out = self._new_shard(b)
-        return b.scratch_out
-
-    def _fold_into_shard(self, b: FlatBucket) -> None:
-        """A finished ``_reduce_scatter_into_shard``: its output becomes (or is added to) the
-        shard, and the full gradient is freed."""
-        if b.scratch_out is not None:
-            if b.grad_shard is None:
-                b.grad_shard = b.scratch_out.clone()
-            else:
-                b.grad_shard.add_(b.scratch_out)
-            b.scratch_out = None
-        b.grad_full = b.grad_written = b.grad_pieces = None
 
     # -- step -----------------------------------------------------------------------------------
     def reduced_grads(self) -> list[torch.Tensor]:
@@ -402,9 +338,7 @@ class Strategy:
         """Drop every gradient of the step (the note on gradients' lifetime)."""
         self.drain()
         for b in self.buckets:
-            b.grad_full = b.grad_written = b.grad_shard = b.scratch_out = b.grad_pieces = None
-            b.launched = False
-            b.ready = 0
+            b.drop_grads()
 
 
 class AllReduceStrategy(Strategy):
@@ -438,7 +372,7 @@ class ReduceScatterAtStepStrategy(Strategy):
         return self._reduce_scatter_into_shard(b)
 
     def _finish(self, b: FlatBucket) -> None:
-        self._fold_into_shard(b)
+        b.fold_into_shard()
 
     def _reduced(self, b: FlatBucket) -> torch.Tensor:
         return b.grad_shard
@@ -472,15 +406,12 @@ class ReduceScatterInBackwardStrategy(Strategy):
         return self._reduce_scatter_into_shard(b)
 
     def _finish(self, b: FlatBucket) -> None:
-        self._fold_into_shard(b)
+        b.fold_into_shard()
         b.launched = False  # the next micro-step reduces this bucket again
 
     def reduced_grads(self) -> list[torch.Tensor]:
         self.drain()  # every micro-step already launched all its buckets
-        for b in self.buckets:  # step() without a backward: nothing was reduced
-            if b.grad_shard is None:
-                b.grad_shard = self._new_shard(b).zero_()
-        return [b.grad_shard for b in self.buckets]
+        return [b.reduced_shard() for b in self.buckets]  # step() without a backward: zeros
 
 
 def params_reached(loss: torch.Tensor) -> set[int]:
