@@ -65,9 +65,9 @@ def on_this_node() -> Any:
 
     [Note: nothing the driver relies on lives on a worker node]
     A ``num_cpus=0`` actor may be placed on any node, a worker node among them, and a worker
-    node is what a node failure takes away: the attempt counter placed there died with it,
-    every restarted rank 0 then failed asking it for its number, the restarts ran out and
-    no RESTARTING was recorded (issue 19: 2 runs of 4 on a 3-node cluster). The driver's node
+    node is what a node failure takes away: an attempt counter placed there dies with it,
+    every restarted rank 0 then fails asking it for its number, the restarts run out and
+    no RESTARTING is recorded. The driver's node
     is the one node the run cannot outlive anyway (the driver and Ray Train's controller,
     which Ray Train pins there itself, live on it), so the counter goes there, ``soft=False``:
     rather not at all than somewhere else.
@@ -279,8 +279,8 @@ def shorten_elastic_start_timeout(spec: JobSpec, environ: dict[str, str] | None 
     view of the nodes, which is up to 20 s old and still counts the lost node until the GCS has
     declared it dead: the first restart asks for the old size, and its placement group waits
     for the whole start timeout before Ray retries (a controller failure, which spends no
-    ``max_failures``) with a fresh decision. On a loopback cluster that was 60 s of a job doing
-    nothing while one worker could have trained. A placement group that fits is placed in well
+    ``max_failures``) with a fresh decision: with Ray's 60 s a job does nothing for a minute
+    while one worker could train. A placement group that fits is placed in well
     under a second, and the elastic policy only asks for sizes its reservation holds, so a short
     timeout only cuts that wait short. Set in the driver's environment, which Ray Train hands
     to its controller (``ENV_VARS_TO_PROPAGATE``).

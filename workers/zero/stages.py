@@ -18,70 +18,47 @@ stage    gradient storage per rank             communication per step           
          backward (2 in flight + 1 filling)
 =======  ===================================  ================================  ======================
 
-Stages 1/2 launch the parameter all-gather at the end of ``step()`` and wait for each bucket
-just before its first use in the next forward (``param_gathers.py``), so that forward overlaps it.
+Stages 0/1 keep a full gradient, so a micro-step before the last communicates nothing; stage 2
+keeps none (that is its point) and pays a reduce-scatter every micro-step. Stages 1/2 launch the
+parameter all-gather at the end of ``step()`` and wait for each bucket just before its first use
+in the next forward (``param_gathers.py``), so that forward overlaps it.
 
 [Note: gradients live from their first arrival to the end of step()]
-No stage holds gradient storage between steps (torch's ``zero_grad(set_to_none=True)``, its
-default): a bucket's full gradient (``FlatBucket.grad_full``) is allocated, uninitialised, when
-its first gradient of the step arrives; each parameter's gradient is copied into its slot
-(added from the second one on, ``grad_written``) and only what no gradient wrote -- padding,
-parameters without a gradient -- is zeroed just before the bucket is reduced. The reduced shard
-(``grad_shard``, stages 1-3) is allocated when the bucket is reduced; ``zero_grads`` drops
-both. So at the end of a forward, when activations peak, no gradient is held (with one
-micro-step per step), and backward's gradients grow while the activations of the layers it has
-passed are freed. A CPU rank gains more: a fresh uninitialised block's pages become resident
-only as gradients are written into them (the worker maps large host blocks fresh,
-``workers/host_memory.py``), where a zero-filled one would be resident whole at once.
-DeepSpeed's ZeRO-1/2 do the same with ``param.grad`` (gpt-mini, N=2, fp32: stage 1's peak went
-from 1.12x DeepSpeed ZeRO-1's to 0.89x, ``docs/engine.md``). A stage that reduces a
-bucket (1, and 2 every micro-step) frees its full gradient once the reduce-scatter is folded
-into the shard, at most ``MAX_INFLIGHT_BUCKETS`` in flight. A CUDA allocator hands out a
-bucket's block whole at its first gradient; the planner counts each device its way
-(``planner/activations.py``, ``_GradientReplay``).
+No stage holds gradient storage between steps (torch's ``zero_grad(set_to_none=True)``): a
+bucket's full gradient (``FlatBucket.grad_full``) is allocated uninitialised when its first
+gradient of the step arrives, each gradient is copied into its slot (added from the second on,
+``grad_written``), and only what no gradient wrote -- padding, parameters without a gradient --
+is zeroed just before the bucket is reduced. The reduced shard (``grad_shard``, stages 1-3) is
+allocated by the reduce; ``zero_grads`` drops both. So at the end of a forward, when activations
+peak, no gradient is held (with one micro-step per step), and on a CPU rank a fresh block's
+pages become resident only as gradients are written into them (``workers/host_memory.py``). A
+stage that reduces a bucket (1, and 2 every micro-step) frees its full gradient once the
+reduce-scatter is folded into the shard, at most ``MAX_INFLIGHT_BUCKETS`` in flight. The
+planner counts the allocator's blocks its way (``planner/activations.py``, ``_GradientReplay``);
+``docs/engine.md`` has the peak this saves.
 
 [Note: exchanging the gradients themselves]
 Over two Gloo ranks a reduce-scatter is an exchange of halves (``collectives.py``, the note on
-Gloo's copies), which needs no flat input: each parameter's gradient can be sent, and received
-into the shard, where it lies. So when a stage that reduces into shards (1-3) reduces a bucket
-in the same micro-step its gradients arrive (stage 2 and 3 always, stage 1 in its ``sync``
-backward), and the bucket holds no gradient from an earlier micro-step, the gradients autograd
-produced are kept as they are (``FlatBucket.grad_pieces``, a second arrival added in place)
-instead of being copied into a newly allocated ``grad_full``: pre-divided in place at launch
-(a slot without a gradient gets zeros), exchanged piece by piece
-(``Collectives.reduce_scatter_pieces``), dropped once the shard is in. Whether a bucket's
-gradients came this way or through ``grad_full`` (a bucket no gradient reached on this rank, one
-that accumulated an earlier micro-step) differs between ranks, so the messages must not: either
-way an exchange is one message per slot part, its size fixed by the layout. The same bytes are held
-for the same time (autograd's tensors instead of the bucket's copy of them); what goes is one
-allocation and one copy of every gradient per step -- on a CPU rank the fresh pages of a
-model's worth of buckets (the worker maps large blocks fresh, ``workers/host_memory.py``).
-gpt-mini, 2 Gloo ranks, fp32: see ``docs/engine.md``. Anywhere else (NCCL, more ranks, stage 0,
-accumulating micro-steps) the bucket path below is taken.
-
-[Note: who pays for gradient accumulation]
-Stages 0 and 1 keep a full local gradient, so non-final micro-steps communicate nothing: the
-gradients accumulate locally and are reduced once -- in ``step()``, or, when the caller marks
-the last micro-batch with ``engine.backward(loss, sync=True)``, bucket by bucket during that
-backward (DDP's overlap; another backward before ``step()`` is then an error). Stage 2 does
-not keep a full gradient (that is its point), so it reduce-scatters *every* micro-step into a shard-sized
-accumulator: k micro-steps cost k·Φ of reduce-scatter. That is the memory/communication trade
-stage 2 makes; the accumulator is kept in the compute dtype (2Φ/N bytes; docs/design.md, "The math"), the same
-dtype autograd accumulates full gradients in at stages 0 and 1.
+Gloo's copies), which needs no flat input. So when a stage that reduces into shards (1-3)
+reduces a bucket in the micro-step its gradients arrive, and the bucket holds none from an
+earlier micro-step, autograd's gradients are kept as they are (``FlatBucket.grad_pieces``, a
+second arrival added in place) instead of being copied into a new ``grad_full``: pre-divided
+in place at launch (zeros for a slot without one), exchanged piece by piece
+(``Collectives.reduce_scatter_pieces``), dropped once the shard is in -- one allocation and one
+copy of every gradient fewer per step. Which way a bucket went can differ between ranks, so
+the messages must not: either way an exchange is one message per slot part, its size fixed by
+the layout. Anywhere else (NCCL, more ranks, stage 0, accumulating micro-steps) the bucket
+path is taken.
 
 [Note: deterministic collective order]
 Post-accumulate-grad hooks fire in data-dependent order (and not at all for a parameter this
-rank did not use). Hooks therefore never issue a collective for "their" bucket directly: a
-bucket counts as ready when all its parameters reported, and buckets are launched strictly in
-index order -- a ready bucket waits until every earlier one was launched. Whatever did not
-become ready (unused parameters) is launched, still in index order, when backward ends. Every
-rank thus issues bucket 0, 1, 2, ... in the same order every micro-step.
+rank did not use), so a hook never launches "its" bucket: a bucket is ready when all its
+parameters reported, and buckets launch strictly in index order. What never became ready is
+launched, in order, when backward ends: every rank issues bucket 0, 1, 2, ... in the same order.
 
 [Note: averaging]
-Each bucket is divided by N before it is summed (DDP's "pre-divide"), which keeps fp16 sums
-in range; the result is the mean over ranks of each rank's summed micro-step gradients. With
-hybrid sharding N is the whole world, not the shard group: the reduce-scatter sums over the G
-ranks of the shard group and the all-reduce after it over the R groups (``hybrid.py``).
+Each bucket is divided by N before it is summed (DDP's "pre-divide"), which keeps fp16 sums in
+range. With hybrid sharding N is the whole world (``hybrid.py``).
 """
 
 from __future__ import annotations
