@@ -103,7 +103,7 @@ class ParamShardStrategy(ReduceScatterInBackwardStrategy):
     """Stage 3: stage 2's gradient path, launched per unit, plus parameter gathering."""
 
     traits = STAGE_TRAITS[3]
-    launches_during_backward = False  # units launch from their post-backward, never by bucket readiness
+    launches_when_ready = False  # units launch from their post-backward, never by bucket readiness
     gathers_params = False  # the next forward gathers each unit itself
 
     def __init__(self, buckets: list[FlatBucket], comm: Collectives, overlap_comm: bool, plan: UnitPlan,

@@ -91,6 +91,8 @@ class Strategy:
     gathers_params: bool = False
     #: reduce-scatters buckets into shards (stages 1-3): may exchange the gradients themselves
     reduces_to_shards: bool = False
+    #: launches a bucket once its gradients are in (stage 3 launches units from their post-backward)
+    launches_when_ready: bool = True
 
     @property
     def stage(self) -> int:
@@ -176,7 +178,9 @@ class Strategy:
 
     @property
     def launches_during_backward(self) -> bool:
-        return self._sync and self.overlap_comm
+        """Whether buckets launch as they become ready in this backward (the engine then marks
+        the parameters the loss does not reach as absent)."""
+        return self.launches_when_ready and self._sync and self.overlap_comm
 
     def mark_absent(self, bucket: FlatBucket, pos: int) -> None:
         """This parameter will get no gradient in this backward (unreachable from the loss).
