@@ -16,6 +16,9 @@ into the next row's numbers. Rows:
                    ``backward(loss, sync=True)`` as its API asks for the last micro-batch, so
                    stages 0/1 reduce during backward the way DDP does
     zero3-offload  stage 3 with offload_optimizer=True
+    zero1-nvme .. zero3-nvme  (not in the default rows) stages 1-3 with offload_optimizer="nvme": the
+                   optimizer state in swap files under --nvme-dir (a fresh folder per row, removed by
+                   close()); the table shows the bytes on disk and the exposed swap I/O per step
     local          (not in the default rows) the plain model, no communication at all: each rank
                    trains alone -- the compute-only step time the others can be read against
 
@@ -118,6 +121,9 @@ ROWS: dict[str, str] = {
     "zero2": "zerotrain stage 2",
     "zero3": "zerotrain stage 3",
     "zero3-offload": "zerotrain stage 3 + offload",
+    "zero1-nvme": "zerotrain stage 1 + NVMe",
+    "zero2-nvme": "zerotrain stage 2 + NVMe",
+    "zero3-nvme": "zerotrain stage 3 + NVMe",
     "local": "no communication (local)",
 }
 DEFAULT_ROWS = ["ddp", "fsdp2", *deepspeed_row.ROWS, "zero0", "zero1", "zero2", "zero3", "zero3-offload"]
@@ -242,11 +248,13 @@ class ZeroRunner(Runner):
     is the last; without the flag stages 0/1 would reduce everything at once in ``step()``.
     """
 
-    def __init__(self, stage: int, offload: bool, model: torch.nn.Module, args: dict):
+    def __init__(self, stage: int, offload: bool | str, model: torch.nn.Module, args: dict):
         from workers.zero import ZeroConfig, ZeroEngine
 
+        swap = {"nvme_path": tempfile.mkdtemp(prefix="zerotrain-bench-nvme-", dir=args["nvme_dir"])} \
+            if offload == "nvme" else {}
         cfg = ZeroConfig(stage=stage, precision=args["precision"], bucket_mb=args["bucket_mb"],
-                         offload_optimizer=offload, prefetch=1, grad_clip=None)
+                         offload_optimizer=offload, prefetch=1, grad_clip=None, **swap)
         lr = args["lr"]
         self.engine = ZeroEngine(model, lambda ps: torch.optim.AdamW(ps, lr=lr, weight_decay=0.1), cfg)
         self.measured: dict[str, int] = {}
@@ -262,6 +270,9 @@ class ZeroRunner(Runner):
             self.measured["total"] = sum(self.measured.values())
             if "host" in mem:  # offload: master weights + optimizer state in host memory
                 self.measured["host"] = int(mem["host"])
+            if "disk" in mem:  # NVMe offload: optimizer state in swap files; the step's swap I/O
+                self.measured["disk"] = int(mem["disk"])
+                self.measured.update({k: getattr(info, k) for k in ("io_read_bytes", "io_write_bytes", "io_wait_s")})
             self.buffers = int(mem.get("buffers", 0))
         return float(loss.detach()), float(info.comm_exposed_s)
 
@@ -273,7 +284,7 @@ def build_runner(row: str, model: torch.nn.Module, args: dict, device: torch.dev
     if row in ("ddp", "fsdp2", "local"):
         return TorchRunner(row, model, args, device)
     if row.startswith("zero"):
-        return ZeroRunner(int(row[4]), row.endswith("-offload"), model, args)
+        return ZeroRunner(int(row[4]), "nvme" if row.endswith("-nvme") else row.endswith("-offload"), model, args)
     if row in deepspeed_row.ROWS:
         return deepspeed_row.DeepSpeedRunner(row, model, args, device)
     raise ValueError(f"unknown row {row!r}")
@@ -357,7 +368,8 @@ def run_one(row: str, rank: int, args: dict, device: torch.device,
         if i >= args["warmup"]:
             times.append(dt)
             exposed.append(exp)
-    result.update(step_times_s=times, exposed_s=exposed, losses=losses, peak_bytes=peak.peak_growth(),
+    result.update(step_times_s=times, exposed_s=exposed, losses=losses, training_peak_bytes=peak.since_lap(),
+                  peak_bytes=peak.peak_growth(),
                   construction_peak_bytes=peak.parts["construction"], peak_source=peak_source(args))
     finish(result, runner, batches[total_steps])
     del runner
@@ -530,6 +542,7 @@ def aggregate(row: str, ranks: list[dict[str, Any]], args: dict, wall: float, cr
         peak_bytes=None if any(r["peak_bytes"] is None for r in ranks) else max(r["peak_bytes"] for r in ranks),
         peak_bytes_per_rank=[r["peak_bytes"] for r in ranks],
         construction_peak_bytes_per_rank=[r.get("construction_peak_bytes") for r in ranks],
+        training_peak_bytes_per_rank=[r.get("training_peak_bytes") for r in ranks],
         planned_peak_bytes=planned_peak(row, args),
         peak_source=ranks[0]["peak_source"] + ("" if not args["shared_world"] or args.get("interleave") else
                                                ", rows share one process: freed memory may be reused"),
@@ -689,7 +702,8 @@ def print_table(rows: list[dict[str, Any]], summary: dict[str, Any], losses: dic
             f"{r['step_time_range_s'][0]:.3f}-{r['step_time_range_s'][1]:.3f}",
             "-" if r["ratio_to_ddp"] is None else f"{r['ratio_to_ddp']:.2f}x",
             mib(r["model_state_bytes"]["total"]) + (f" +{mib(r['model_state_bytes']['host'])} host"
-                                                    if "host" in r["model_state_bytes"] else ""),
+                                                    if "host" in r["model_state_bytes"] else "")
+            + (f" +{mib(r['model_state_bytes']['disk'])} disk" if "disk" in r["model_state_bytes"] else ""),
             mib(r["peak_bytes"]),
             "-" if not planned else mib(planned) + (f" ({planned / r['peak_bytes'] - 1:+.1%})" if r["peak_bytes"] else ""),
             f"{r['comm_elements']:,}", describe_collectives(kinds),
@@ -763,6 +777,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb and zerotrain bucket_mb")
+    p.add_argument("--nvme-dir", help="where the -nvme rows keep their swap files (default: the temp folder)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--row-timeout", type=float, default=900.0, help="seconds before a row is abandoned")
@@ -810,6 +825,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": args.device, "bucket_mb": args.bucket_mb, "lr": args.lr, "seed": args.seed,
         "timeout": 300, "row_timeout": args.row_timeout, "shared_world": args.shared_world,
         "repeats": args.repeats, "interleave": args.interleave, "host_malloc": args.host_malloc,
+        "nvme_dir": args.nvme_dir,
     }
     runs: dict[str, list[dict[str, Any]]] = {row: [] for row in args.rows}
     for rep in range(args.repeats):

@@ -84,6 +84,10 @@ class StepObservation:
     comm_exposed_s: float | None
     checkpoint_blocked_s: float
     eval_loss: float | None = None  # on evaluated steps only (the job's ``eval`` block)
+    # NVMe offload (``zero.offload_optimizer: nvme``): swap-file traffic and the step's wait on it
+    io_read_bytes: float | None = None
+    io_write_bytes: float | None = None
+    io_wait_s: float | None = None
 
     def per_second(self, amount: float) -> float:
         return amount / self.step_time_s if self.step_time_s > 0 else 0.0
@@ -183,6 +187,14 @@ METRICS: tuple[MetricField, ...] = (
                 lambda o: o.comm_exposed_s, Series("exposed", "exposed communication", "seconds")),
     MetricField("checkpoint_blocked_s", float, "s", "time the step waited for a checkpoint", Across.NONE,
                 lambda o: o.checkpoint_blocked_s),
+    MetricField("mem_disk_bytes", float, "bytes", "optimizer state this rank keeps in swap files (NVMe offload)",
+                Across.LATEST_PER_RANK, lambda o: o.memory.get("disk")),
+    MetricField("io_read_bytes", float, "bytes", "bytes this rank read from its swap files in the step",
+                Across.MEAN, lambda o: o.io_read_bytes),
+    MetricField("io_write_bytes", float, "bytes", "bytes this rank wrote to its swap files in the step",
+                Across.MEAN, lambda o: o.io_write_bytes),
+    MetricField("io_wait_s", float, "s", "swap-file I/O the step waited for (not hidden by the optimizer's work)",
+                Across.MEAN, lambda o: o.io_wait_s, Series("exposed", "exposed swap I/O", "seconds", place=2)),
 )
 
 METRIC_FIELDS: tuple[str, ...] = tuple(field.name for field in METRICS)

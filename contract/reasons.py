@@ -28,6 +28,7 @@ class Reason:
     MAX_RUNTIME_EXCEEDED = "max_runtime_exceeded"
     CHECKPOINT_FAILED = "checkpoint_failed"
     WORKERS_RESIZED = "workers_resized"  # an elastic job's worker group now runs at another size
+    OFFLOAD_DISK_FULL = "offload_disk_full"  # zero.nvme_path's filesystem cannot hold the swap files
 
 
 #: The longest ``details`` a failed job keeps: the full traceback behind its one-line message,

@@ -20,7 +20,7 @@ from pydantic_core import PydanticCustomError
 from contract.presets import PRESETS
 from contract.zero_math import (DEFAULT_BUCKET_MB, DEFAULT_PRECISION, DEFAULT_PREFETCH, OPTIMIZER_STATE_TENSORS,
                                 PRECISIONS, STAGES)
-from contract.zero_rules import ZeroRuleBroken, check_stage_fields, shard_group_misfits
+from contract.zero_rules import OFFLOAD_OPTIMIZER, ZeroRuleBroken, check_nvme_path, check_stage_fields, shard_group_misfits
 
 # --------------------------------------------------------------------------- job spec
 
@@ -456,6 +456,14 @@ Stage = Annotated[Literal[STAGES + ("auto",)], WithJsonSchema({
     "title": "Stage", "description": "ZeRO stage 0-3, or \"auto\": the planner picks one"})]
 
 
+# One literal, so a bad value is one error naming zero.offload_optimizer; published as the
+# equivalent anyOf (the note on zero.stage's schema above).
+OffloadOptimizer = Annotated[Literal[OFFLOAD_OPTIMIZER], WithJsonSchema({
+    "anyOf": [{"type": "boolean"}, {"type": "string", "enum": ["cpu", "nvme"]}],
+    "title": "Offload Optimizer",
+    "description": "false, true or \"cpu\" (host memory), or \"nvme\" (swap files under nvme_path)"})]
+
+
 class ZeroSpec(SpecModel):
     """The ``zero`` block: the one definition of the engine's job-facing fields and their defaults.
 
@@ -466,7 +474,12 @@ class ZeroSpec(SpecModel):
 
     stage: Stage = "auto"
     precision: Literal[PRECISIONS] = DEFAULT_PRECISION
-    offload_optimizer: bool = False
+    # False, True or "cpu" (host memory), "nvme": the optimizer state in swap files under nvme_path
+    # (workers/zero/optimizer_swap.py); stages 1-3
+    offload_optimizer: OffloadOptimizer = False
+    # with "nvme": an absolute folder on a fast local disk of every worker node; the job's files go
+    # to nvme_path/<job id>/<rank>/ and are removed when it ends
+    nvme_path: str | None = Field(default=None, min_length=1, max_length=MAX_URI_CHARS)
     bucket_mb: float = Field(default=DEFAULT_BUCKET_MB, gt=0, allow_inf_nan=False)
     prefetch: int = Field(default=DEFAULT_PREFETCH, ge=0, le=MAX_INT32)
     activation_checkpointing: bool = False
@@ -490,6 +503,7 @@ class ZeroSpec(SpecModel):
     def _rules(self) -> "ZeroSpec":
         try:
             check_stage_fields(self.stage, self.offload_optimizer, self.keep_gathered_bytes)
+            check_nvme_path(self.offload_optimizer, self.nvme_path)
         except ZeroRuleBroken as broken:
             raise PydanticCustomError("zero_rule", "{message}", {"message": broken.message, "field": broken.field})
         return self

@@ -61,6 +61,30 @@ def allowed_stages(offload_optimizer: bool, keep_gathered_bytes: int,
     return tuple(s for s in stages if _needs(s, offload_optimizer, keep_gathered_bytes) is None)
 
 
+#: ``zero.offload_optimizer``'s values: False, True and "cpu" (host memory; True is "cpu") or "nvme" (swap files)
+OFFLOAD_OPTIMIZER = (False, True, "cpu", "nvme")
+
+
+def offload_target(offload_optimizer: bool | str) -> str | None:
+    """Where ``offload_optimizer`` keeps the optimizer state: None (with the parameters), "cpu" or "nvme"."""
+    if offload_optimizer is True:
+        return "cpu"
+    return offload_optimizer or None
+
+
+def check_nvme_path(offload_optimizer: bool | str, nvme_path: str | None) -> None:
+    """``zero.nvme_path`` is an absolute folder, given exactly when the state goes to "nvme"."""
+    nvme = offload_target(offload_optimizer) == "nvme"
+    if nvme and nvme_path is None:
+        raise ZeroRuleBroken("zero.nvme_path", "offload_optimizer 'nvme' needs nvme_path, the local folder "
+                                               "of the swap files (on a fast disk of every worker node)")
+    if not nvme and nvme_path is not None:
+        raise ZeroRuleBroken("zero.nvme_path", "nvme_path is read with offload_optimizer 'nvme' only; got "
+                                               f"offload_optimizer={offload_optimizer!r}")
+    if nvme_path is not None and not nvme_path.startswith("/"):
+        raise ZeroRuleBroken("zero.nvme_path", f"nvme_path must be an absolute path; got {nvme_path!r}")
+
+
 def shard_group_misfits(shard_group_size: int | None, world_sizes: Iterable[int]) -> list[int]:
     """The world sizes that ``shard_group_size`` does not split into whole groups of contiguous ranks."""
     if shard_group_size is None:

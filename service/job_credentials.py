@@ -18,8 +18,9 @@ ended job's ingest token is refused, so an ended job gets nothing.
 checked at submit:
 - read and write: its own checkpoint prefix ``{root}/{job_id}/`` (``root`` = the spec's
   ``checkpoint.uri`` or the storage root; ``job_checkpoints_prefix``);
-- read only: the job it resumes from (``{root}/{resume_from.job_id}/checkpoints/``), its
-  ``data.uri``, ``eval.data.uri`` and ``model.init_from`` when they are ``s3://`` (the owner's own or public data,
+- read only: the job it resumes from (``{root}/{resume_from.job_id}/checkpoints/``), what it
+  reads like data when it is ``s3://`` (``service.storage_policy.read_uris``: the data blocks'
+  ``uri`` and tokenizer, ``model.init_from``, ``model.hf``; the owner's own or public data,
   refused at submit otherwise), and an ``s3://`` ``runtime.working_dir``.
 Everything else -- other jobs, other users' areas, the code packages of others -- is outside
 the policy and denied. ``ListBucket`` is granted per prefix by an ``s3:prefix`` condition, as
@@ -34,7 +35,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from contract.spec import JobSpec
-from service.storage_policy import job_checkpoints_prefix, split_uri
+from service.storage_policy import job_checkpoints_prefix, read_uris, split_uri
 
 SESSION_NAME_PREFIX = "zerotrain-job-"
 MAX_SESSION_NAME = 64  # STS RoleSessionName limit
@@ -52,8 +53,12 @@ class Prefix:
         _scheme, segments = split_uri(uri)
         return cls(segments[0], "/".join(segments[1:]))
 
-    def objects_arn(self) -> str:
-        return f"arn:aws:s3:::{self.bucket}/{self.key}/*" if self.key else f"arn:aws:s3:::{self.bucket}/*"
+    def object_arns(self) -> list[str]:
+        """The objects below the prefix, and the object of that very name (a URI may name one file:
+        a ``.safetensors`` ``init_from``, a ``tokenizer.json``)."""
+        if not self.key:
+            return [f"arn:aws:s3:::{self.bucket}/*"]
+        return [f"arn:aws:s3:::{self.bucket}/{self.key}", f"arn:aws:s3:::{self.bucket}/{self.key}/*"]
 
     def list_patterns(self) -> list[str]:
         return [self.key, f"{self.key}/*"] if self.key else ["*"]
@@ -79,9 +84,8 @@ def job_access(spec: JobSpec, storage_root: str, job_id: str) -> JobAccess:
     read_only: list[str] = []
     if spec.resume_from is not None:
         read_only.append(f"{root}/{spec.resume_from.job_id}/checkpoints")
-    read_only += [block.uri for _where, block in spec.data_blocks() if _s3(block.uri)]
-    read_only += [uri for uri in (spec.model.init_from, spec.runtime.working_dir if spec.runtime else None)
-                  if _s3(uri)]
+    read_only += [uri for _field, uri in read_uris(spec)]
+    read_only += [spec.runtime.working_dir] if spec.runtime and spec.runtime.working_dir else []
     return JobAccess(read_write, tuple(Prefix.of(uri) for uri in read_only if _s3(uri)))
 
 
@@ -95,7 +99,7 @@ def session_policy(access: JobAccess) -> dict[str, Any]:
     ):
         if prefixes:
             statements.append({"Sid": sid, "Effect": "Allow", "Action": actions,
-                               "Resource": sorted({p.objects_arn() for p in prefixes})})
+                               "Resource": sorted({arn for p in prefixes for arn in p.object_arns()})})
     buckets = sorted({p.bucket for p in (*access.read_write, *access.read_only)})
     for index, bucket in enumerate(buckets):
         patterns = sorted({pattern for p in (*access.read_write, *access.read_only) if p.bucket == bucket

@@ -53,7 +53,8 @@ def plan_at_submit(spec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]
         return spec, prediction
     resolved = copy.deepcopy(spec)
     resolved["zero"]["stage"] = plan.stage
-    resolved["zero"]["offload_optimizer"] = plan.offload
+    if resolved["zero"].get("offload_optimizer") != "nvme":  # kept: workers/planning.py, NVMe offload
+        resolved["zero"]["offload_optimizer"] = plan.offload
     return resolved, prediction
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import re
 
-from contract.spec import JobSpec
+from contract.spec import MODEL_TOKENIZER, JobSpec
 from service.schemas import SLUG_PATTERN
 
 USERS_DIR = "users"
@@ -93,6 +93,23 @@ def check_data_uri(uri: str, storage_root: str, owner: str, *, is_admin: bool) -
     if is_within(uri, storage_root) and not is_within(uri, user_prefix(storage_root, owner)):
         raise UnsafeUri(f"must lie below {user_prefix(storage_root, owner)} (your storage area) when it "
                         f"is inside the storage root {storage_root.rstrip('/')}")
+
+
+def read_uris(spec: JobSpec) -> list[tuple[str, str]]:
+    """Every URI the workers read like data, with the spec field that names it: each data block's
+    ``uri`` and ``tokenizer`` (a URI, or the folder of a ``.json`` one, whose config files the workers
+    read too; ``"model"`` is ``model.hf``'s own), ``model.init_from`` and
+    ``model.hf``. Submit checks each with ``check_data_uri``; a job's scoped credentials may read
+    each (``service.job_credentials``): one list, so the two cannot disagree."""
+    uris = []
+    for where, data in spec.data_blocks():
+        uris.append((f"{where}.uri", data.uri))
+        if data.tokenizer not in (None, MODEL_TOKENIZER):  # a tokenizer.json is read with its folder's configs
+            tokenizer = data.tokenizer.rstrip("/")
+            uris.append((f"{where}.tokenizer", tokenizer.rsplit("/", 1)[0] if tokenizer.endswith(".json")
+                         else tokenizer))
+    uris += [("model.init_from", spec.model.init_from), ("model.hf", spec.model.hf)]
+    return [(field, uri) for field, uri in uris if uri is not None]
 
 
 def job_checkpoints_prefix(spec: JobSpec, storage_root: str, job_id: str) -> str:

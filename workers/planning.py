@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 from contract.spec import JobSpec, ModelSpec
 from contract.zero_math import DEFAULT_SEQ_LEN, DEFAULT_TARGET_EFFICIENCY, GB, STAGES, optimizer_state_tensors
-from contract.zero_rules import allowed_stages
+from contract.zero_rules import allowed_stages, offload_target
 from workers.zero.planner import DEFAULT_MARGIN, Plan, PlanInputs, choose_plan, fixed_plan, model_shape
 from workers.zero.planner.activations import Stage2Layout, profile_activations
 from workers.zero.planner.shape import ModelShape, bucket_elements
@@ -205,8 +205,12 @@ def plan_for_spec(
         budget = int(resources.gpu_memory_gb * GB)
     if budget is None and not gpu_job:
         budget = host_memory_bytes
+    # [Note: NVMe offload in the plan] The planner does not price swap files yet: a job with
+    # offload_optimizer "nvme" is predicted as the same job in memory (an upper bound on what its
+    # ranks hold) and "auto" picks its stage among 1-3 that way, never CPU offload instead.
+    nvme = offload_target(zero.offload_optimizer) == "nvme"
     if zero.stage == "auto":  # only among the stages the other zero fields allow (contract/zero_rules.py)
         host_budget = host_memory_bytes if gpu_job else None
         open_stages = allowed_stages(zero.offload_optimizer, zero.keep_gathered_bytes, stages)
-        return choose_plan(inputs, budget, margin, host_budget, allow_offload, open_stages)
-    return fixed_plan(inputs, zero.stage, zero.offload_optimizer, budget, margin)
+        return choose_plan(inputs, budget, margin, host_budget, allow_offload and not nvme, open_stages)
+    return fixed_plan(inputs, zero.stage, offload_target(zero.offload_optimizer) == "cpu", budget, margin)

@@ -206,7 +206,8 @@ class StepMeter:
             memory=memory, peak_memory_bytes=peak_memory_bytes,
             comm_bytes=comm_volume.get("total", 0) * self.comm_element_bytes,
             comm_exposed_s=info.comm_exposed_s, checkpoint_blocked_s=checkpoint_blocked_s,
-            eval_loss=_finite_or_none(eval_loss),
+            eval_loss=_finite_or_none(eval_loss), io_read_bytes=info.io_read_bytes,
+            io_write_bytes=info.io_write_bytes, io_wait_s=info.io_wait_s,
         )
         record = {"attempt": self.attempt, "rank": self.rank, "step": step, "time": time.time(),
                   "world_size": self.world_size, **record_values(observation)}

@@ -154,8 +154,9 @@ def start_attempt(attempt_base: int, world: World, api: WorkerAPI | None,
 # ----------------------------------------------------------------------------- engine
 
 
-def resolve_stage(spec: JobSpec, device: torch.device) -> tuple[int, bool]:
-    """(stage, offload): the spec's, or the planner's choice for ``"auto"`` with this machine's memory.
+def resolve_stage(spec: JobSpec, device: torch.device) -> tuple[int, bool | str]:
+    """(stage, offload): the spec's, or the planner's choice for ``"auto"`` with this machine's memory
+    (an ``offload_optimizer: "nvme"`` stays "nvme": planning.py, the note on NVMe offload).
 
     The control plane resolves "auto" at submit for presets; it reaches a worker only for user
     factories, which are planned here (workers run user code by design).
@@ -170,7 +171,7 @@ def resolve_stage(spec: JobSpec, device: torch.device) -> tuple[int, bool]:
         host_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         budget = {"host_memory_bytes": host_bytes // spec.resources.num_workers}
     plan = plan_for_spec(spec, **budget)
-    return int(plan.stage), bool(plan.offload)
+    return int(plan.stage), "nvme" if spec.zero.offload_optimizer == "nvme" else bool(plan.offload)
 
 
 def build_job_model(spec: JobSpec, *, resuming: bool) -> tuple[torch.nn.Module, Any]:
@@ -202,12 +203,14 @@ def build_job_model(spec: JobSpec, *, resuming: bool) -> tuple[torch.nn.Module, 
 
 
 def build_engine(spec: JobSpec, model: torch.nn.Module, device: torch.device,
-                 init_weights: Any = None) -> ZeroEngine:
+                 init_weights: Any = None, job_id: str = "job") -> ZeroEngine:
     """The job's ``ZeroEngine``: the spec's ``zero`` block (stage resolved here) and its optimizer;
-    a model on meta is materialized on ``device`` from ``init_weights`` (``build_job_model``)."""
+    a model on meta is materialized on ``device`` from ``init_weights`` (``build_job_model``).
+    Swap files (``zero.nvme_path``) go to ``nvme_path/<job_id>/<rank>/``."""
     train = spec.train
     stage, offload = resolve_stage(spec, device)
-    config = ZeroConfig.from_spec(spec.zero, train, stage=stage, offload_optimizer=offload)
+    swap = {} if spec.zero.nvme_path is None else {"nvme_path": os.path.join(spec.zero.nvme_path, job_id)}
+    config = ZeroConfig.from_spec(spec.zero, train, stage=stage, offload_optimizer=offload, **swap)
     if any(p.is_meta for p in model.parameters()):
         buffers_to(model, device)
         return ZeroEngine(model, optimizer=optimizer_factory(train), config=config, init_weights=init_weights)
@@ -266,7 +269,7 @@ def train_loop(config: LoopConfig, context: RunContext | None = None) -> dict[st
     torch.manual_seed(train.seed)
     with user_code("building the model"):  # an error here is the job's, not the cluster's: no restart
         model, init_weights = build_job_model(spec, resuming=checkpoints.resumes())
-        engine = build_engine(spec, model, world.device, init_weights)
+        engine = build_engine(spec, model, world.device, init_weights, job_id=config.job_id)
     torch.manual_seed(train.seed + world.rank)  # dropout differs per rank
     with user_code("building the data"):  # bad files, rows, fields or tokenizers: the user's to fix
         dataset = build_dataset(data, seed=train.seed, model_dir=spec.model.hf)

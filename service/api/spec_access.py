@@ -14,7 +14,6 @@ from __future__ import annotations
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from contract.spec import MODEL_TOKENIZER
 from service.api.errors import field_error
 from service.auth import Principal
 from service.code_package_retention import hold_packages_for_submit
@@ -22,7 +21,7 @@ from service.code_packages import check_working_dir, stored_package_sha
 from service.models import Job
 from service.schemas import JobSpec
 from service.settings import Settings
-from service.storage_policy import UnsafeUri, check_checkpoint_root, check_data_uri
+from service.storage_policy import UnsafeUri, check_checkpoint_root, check_data_uri, read_uris
 
 _NO_USER_CODE = "user code is disabled on this service"
 _NO_LOCAL_FILES = "worker-local files are disabled on this service"
@@ -54,14 +53,9 @@ def check_spec_access(spec: JobSpec, user: Principal, session: Session, settings
     if not settings.allow_user_code and not user.is_admin and (refused := user_code_fields(spec)):
         field, message = refused[0]
         raise field_error(field, message, "user_code_disabled")
-    # model.init_from is read like data: the same rules (what the workers read, not what they write)
+    # data, a tokenizer, the model and its weights are read alike: the same rules (read_uris)
     storage_checks = [("checkpoint.uri", spec.checkpoint.uri, check_checkpoint_root),
-                      *((f"{where}.uri", data.uri, check_data_uri) for where, data in spec.data_blocks()),
-                      # a tokenizer URI is read like data ("model" is model.hf's, checked as the model)
-                      *((f"{where}.tokenizer", data.tokenizer, check_data_uri) for where, data in spec.data_blocks()
-                        if data.tokenizer != MODEL_TOKENIZER),
-                      ("model.init_from", spec.model.init_from, check_data_uri),
-                      ("model.hf", spec.model.hf, check_data_uri),
+                      *((field, uri, check_data_uri) for field, uri in read_uris(spec)),
                       # a package the service keeps: the caller's own upload, and still there
                       ("runtime.working_dir", spec.runtime.working_dir if spec.runtime else None, check_working_dir)]
     if spec.runtime and spec.runtime.working_dir and stored_package_sha(spec.runtime.working_dir, settings.storage_uri):

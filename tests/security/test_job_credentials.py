@@ -307,3 +307,29 @@ def test_a_process_told_to_ask_drops_every_other_credential_source(tmp_path):
     assert "credential_process" in config and "workers.storage_credentials" in config
     assert Path(environ["AWS_SHARED_CREDENTIALS_FILE"]).read_text() == ""
     assert not storage_credentials.install({"AWS_ACCESS_KEY_ID": "AKIANODE"})  # not told: untouched
+
+
+def test_the_session_policy_lets_an_hf_job_read_its_model_tokenizer_and_weights():
+    """Whatever a job reads like data, its scoped credentials may read (one list,
+    ``service.storage_policy.read_uris``): the ``model.hf`` folder, a tokenizer named by its
+    ``tokenizer.json`` (with the config files beside it) and an ``init_from`` that is one file."""
+    spec = make_spec()
+    spec["model"] = {"hf": "s3://models/users/alice/tiny-llama",
+                     "init_from": "s3://models/users/alice/tuned/model.safetensors"}
+    spec["data"] = {"kind": "sft", "format": "jsonl", "uri": "s3://datasets/users/alice/pairs", "seq_len": 64,
+                    "tokenizer": "s3://models/users/alice/tok/tokenizer.json"}
+    policy = session_policy(job_access(JobSpec.model_validate(spec), "s3://zt/storage", "job-b"))
+    for resource in ("arn:aws:s3:::models/users/alice/tiny-llama/config.json",
+                     "arn:aws:s3:::models/users/alice/tiny-llama/tokenizer.json",
+                     "arn:aws:s3:::models/users/alice/tuned/model.safetensors",
+                     "arn:aws:s3:::models/users/alice/tok/tokenizer.json",
+                     "arn:aws:s3:::models/users/alice/tok/tokenizer_config.json",
+                     "arn:aws:s3:::datasets/users/alice/pairs/a.jsonl"):
+        assert _permits(policy, "s3:GetObject", resource), resource
+        assert not _permits(policy, "s3:PutObject", resource), resource
+    for resource in ("arn:aws:s3:::models/users/alice/tuned/other.safetensors",
+                     "arn:aws:s3:::models/users/alice/tiny-llama-sibling/config.json",
+                     "arn:aws:s3:::models/users/bob/tiny-llama/config.json"):
+        assert not _permits(policy, "s3:GetObject", resource), resource
+    assert _lists(policy, "models", "users/alice/tiny-llama/")
+    assert not _lists(policy, "models", "users/bob/")

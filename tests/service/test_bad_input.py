@@ -111,6 +111,12 @@ BAD_SPECS: list[tuple[str, dict]] = [
     # the cross-field rules of contract/zero_rules.py, one case each (the engine's ZeroConfig checks the same)
     ("zero.offload_optimizer", with_value("zero", {"stage": 0, "offload_optimizer": True})),
     ("zero.keep_gathered_bytes", with_value("zero", {"stage": 2, "keep_gathered_bytes": 1024})),
+    # NVMe offload: the swap folder is needed, absolute, and read with "nvme" only; stage 0 refused
+    ("zero.nvme_path", with_value("zero", {"stage": 2, "offload_optimizer": "nvme"})),
+    ("zero.nvme_path", with_value("zero", {"stage": 2, "offload_optimizer": "nvme", "nvme_path": "swap"})),
+    ("zero.nvme_path", with_value("zero", {"stage": 2, "nvme_path": "/mnt/nvme"})),
+    ("zero.offload_optimizer", with_value("zero", {"stage": 0, "offload_optimizer": "nvme", "nvme_path": "/x"})),
+    ("zero.offload_optimizer", with_value("zero.offload_optimizer", "disk")),
     ("resources.num_workers", with_value("resources.num_workers", 0)),
     ("resources.min_workers", with_value("resources.min_workers", 0)),
     ("resources.min_workers", with_value("resources.min_workers", 3)),  # more than num_workers (2)

@@ -104,6 +104,13 @@ def test_ray_train_reads_what_fit_raised_as_a_reason():
     assert ray_train.failure_reason(group_error(lost(), lost())) == Reason.WORKER_FAILED
     assert ray_train.failure_reason(group_error(lost(), KeyError("x"))) == Reason.USER_CODE_ERROR
     assert ray_train.failure_reason(_named("ControllerError")()) == Reason.WORKER_FAILED
+    from workers.zero.swap_io import OffloadDiskFull
+
+    full = OffloadDiskFull("/nvme/job/1", 3 << 30, 1 << 20)
+    assert ray_train.failure_reason(group_error(lost(), full)) == Reason.OFFLOAD_DISK_FULL
+    assert "offload_disk_full: /nvme/job/1 needs 3,221,225,472 bytes" in ray_train.failure_summary(group_error(full))
+    assert ray_train.user_code_failed({0: full, 1: KeyError("peer")})  # not restarted: it needs the same bytes
+    assert not ray_train.user_code_failed({0: full, 1: lost()})
 
 
 def test_ray_train_asks_for_gpus_only_when_the_spec_has_them():

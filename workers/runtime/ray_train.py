@@ -29,6 +29,7 @@ from workers.reporting import WorkerAPI
 from workers.run_context import RunContext, first_worker_group
 from workers.train import train_loop
 from workers.user_code import UserCodeError, is_user_code_error
+from workers.zero.swap_io import OffloadDiskFull
 
 log = logging.getLogger("zerotrain.launch")
 
@@ -328,12 +329,13 @@ def build_trainer(spec: JobSpec, loop_config: LoopConfig, attempt_counter: str |
 
 
 def user_code_failed(worker_failures: dict[int, BaseException]) -> bool:
-    """Some rank's error is the user's (``workers.user_code``) and no rank was lost: a restart
-    would fail the same way. A lost rank beside it (a peer's error may be the loss seen from
-    the other side) keeps the restart."""
+    """Some rank's error is the user's (``workers.user_code``) or a full swap disk (the swap files
+    of every bucket are allocated at once, so a restart needs the same bytes) and no rank was
+    lost: a restart would fail the same way. A lost rank beside it (a peer's error may be the
+    loss seen from the other side) keeps the restart."""
     errors = list(worker_failures.values())
-    return any(is_user_code_error(e) for e in errors) and not any(
-        type(e).__name__ in LOST_WORKER_ERRORS for e in errors)
+    again = any(is_user_code_error(e) or any(isinstance(c, OffloadDiskFull) for c in _chain(e)) for e in errors)
+    return again and not any(type(e).__name__ in LOST_WORKER_ERRORS for e in errors)
 
 
 class FailFastPolicy(DefaultFailurePolicy):
@@ -405,6 +407,8 @@ def failure_reason(error: BaseException) -> str:
     names = {type(e).__name__ for e in chain}
     if "InsufficientClusterResourcesError" in names:
         return Reason.INSUFFICIENT_RESOURCES
+    if any(isinstance(e, OffloadDiskFull) for e in _chain(error)):  # on any rank (workers.zero.swap_io)
+        return Reason.OFFLOAD_DISK_FULL
     failures = getattr(error, "worker_failures", None)  # ray.train.WorkerGroupError
     if failures:
         lost = all(type(e).__name__ in LOST_WORKER_ERRORS for e in failures.values())

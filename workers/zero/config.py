@@ -19,7 +19,7 @@ import torch
 
 from contract.spec import ZeroSpec
 from contract.zero_math import PRECISION_TRAITS, STAGES, StageTraits, stage_traits
-from contract.zero_rules import check_stage_fields
+from contract.zero_rules import OFFLOAD_OPTIMIZER, check_nvme_path, check_stage_fields, offload_target
 
 if TYPE_CHECKING:
     from contract.spec import TrainSpec
@@ -73,8 +73,13 @@ class ZeroConfig:
     overlap_comm        launch each bucket's collective during backward as soon as the bucket
                         is full -- always at stage 2, on ``backward(loss, sync=True)`` at stages
                         0/1 (False: launch them all, in order, when backward ends).
-    offload_optimizer   stages 1-3: keep fp32 master weights and optimizer state in host memory
-                        and run the optimizer step there (``offload.py``).
+    offload_optimizer   stages 1-3: False, True or "cpu" (the same): keep fp32 master weights and
+                        optimizer state in host memory and run the optimizer step there
+                        (``offload.py``); "nvme": keep the optimizer's per-element state in swap
+                        files under ``nvme_path``, read and written around each bucket's step
+                        (``optimizer_swap.py``; an element-wise torch optimizer, on the CPU).
+    nvme_path           the folder of the swap files (with "nvme"): each rank uses
+                        ``nvme_path/<rank>/``, emptied when the engine starts and removed by ``close()``.
     prefetch            stage 3: how many units ahead to all-gather parameters.
     grad_clip           max global L2 norm of the averaged gradient, or None for no clipping.
     reshard_after_forward  stage 3: free gathered parameters after each unit's forward and gather
@@ -117,7 +122,8 @@ class ZeroConfig:
     precision: str = _SPEC["precision"]
     bucket_mb: float = _SPEC["bucket_mb"]
     overlap_comm: bool = True
-    offload_optimizer: bool = _SPEC["offload_optimizer"]
+    offload_optimizer: bool | str = _SPEC["offload_optimizer"]
+    nvme_path: Optional[str] = None
     prefetch: int = _SPEC["prefetch"]
     grad_clip: Optional[float] = None  # no clipping unless asked (as torch DDP); a job's is train.grad_clip
     reshard_after_forward: Any = _SPEC["reshard_after_forward"]  # True, False or "all_but_last"
@@ -138,7 +144,7 @@ class ZeroConfig:
         """A job's config: every field of its ``zero`` block, ``train.grad_clip``, and ``stage`` /
         ``offload_optimizer`` as resolved (required when the block says ``"auto"``); the
         engine-only knobs keep their defaults unless given."""
-        fields = zero.model_dump()
+        fields = zero.model_dump() | {k: engine_knobs.pop(k) for k in ("nvme_path",) if k in engine_knobs}
         fields["stage"] = fields["stage"] if stage is None else stage
         if offload_optimizer is not None:
             fields["offload_optimizer"] = offload_optimizer
@@ -153,7 +159,10 @@ class ZeroConfig:
             raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {self.precision!r}")
         if not _is_real(self.bucket_mb) or not self.bucket_mb > 0 or math.isinf(self.bucket_mb):
             raise ValueError(f"bucket_mb must be a positive number of MiB, got {self.bucket_mb!r}")
-        for name in ("overlap_comm", "offload_optimizer", "activation_checkpointing",
+        if not any(self.offload_optimizer is v or isinstance(v, str) and self.offload_optimizer == v
+                   for v in OFFLOAD_OPTIMIZER):
+            raise ValueError(f"offload_optimizer must be False, True, 'cpu' or 'nvme', got {self.offload_optimizer!r}")
+        for name in ("overlap_comm", "activation_checkpointing",
                      "broadcast_buffers", "sync_batchnorm", "force_distributed"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -166,6 +175,7 @@ class ZeroConfig:
             raise ValueError(f"keep_gathered_bytes must be an integer number of bytes >= 0, "
                              f"got {self.keep_gathered_bytes!r}")
         check_stage_fields(self.stage, self.offload_optimizer, self.keep_gathered_bytes)  # ZeroRuleBroken
+        check_nvme_path(self.offload_optimizer, self.nvme_path)
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ValueError(f"prefetch must be an integer >= 0, got {self.prefetch!r}")
         if self.grad_clip is not None and (
@@ -198,6 +208,11 @@ class ZeroConfig:
                     f"precision={self.precision!r} is not supported by this CPU (a {self.precision} "
                     "matmul failed); use precision='fp32' or 'bf16'"
                 )
+
+    @property
+    def optimizer_offload(self) -> Optional[str]:
+        """Where the optimizer's state is kept away from the device: None, "cpu" or "nvme"."""
+        return offload_target(self.offload_optimizer)
 
     @property
     def compute_dtype(self) -> torch.dtype:

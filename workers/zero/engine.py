@@ -34,6 +34,7 @@ micro-steps and ranks.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import weakref
@@ -47,18 +48,19 @@ from . import engine_state, optim_groups
 from .buckets import FlatBucket
 from .collectives import Collectives, CommCounter
 from .config import ZeroConfig
-from .flat import FlatLayout
-from .initial_state import BucketBuilder, sync_frozen
+from .initial_state import BucketBuilder, plan_layout, sync_frozen
 from .materialize import InitWeights, Materializer, compute_device
 from .memory_report import at_step_start, distinct_storage_bytes, memory_report
 from .module_buffers import ModuleBuffers
 from .offload import HostOptimizerState
+from .optimizer_swap import swap_files
 from .precision import MixedPrecision
 from .reports import MemoryReport, StepInfo
 from .stages import Strategy, params_reached
-from .update import fp32_grad, optimizer_step
 from .strategies import make_strategy
-from .units import checkpoint_forward, plan_units, unit_modules
+from .swap_io import OffloadDiskFull
+from .units import checkpoint_forward, unit_modules
+from .update import clip_coef, norm_and_usage, optimizer_step
 from .watchdog import stop_watchdog
 
 log = logging.getLogger(__name__)
@@ -117,13 +119,9 @@ class ZeroEngine:
 
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self._frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
-        shapes = [(n, tuple(p.shape)) for n, p in trainable]
-        units = plan_units(model, trainable, config.wrap) if traits.shards_parameters else None
-        if units is not None:  # parameters sharded: one bucket per unit, gathered together
+        self.layout, units = plan_layout(model, trainable, config, self.shard_world)
+        if units is not None:
             log.info("stage %d units: %s", config.stage, units.describe())
-            self.layout = FlatLayout.from_groups(shapes, units.groups, self.shard_world)
-        else:
-            self.layout = FlatLayout.build(shapes, self.shard_world, config.bucket_numel)
         self._trainable = [p for _, p in trainable]
         builder = BucketBuilder(self.materializer, self.comm, self.precision, self.device, self.shard_rank,
                                 self.shard_world, traits.shards_parameters)
@@ -140,7 +138,7 @@ class ZeroEngine:
         self.strategy: Strategy = make_strategy(config.stage, self.buckets, self.comm, config.overlap_comm, units,
                                                 config.prefetch, config.reshard_after_forward, module=model,
                                                 keep_gathered_bytes=config.keep_gathered_bytes)
-        self.offload = HostOptimizerState(self.buckets, self.device) if config.offload_optimizer else None
+        self.offload = HostOptimizerState(self.buckets, self.device) if config.optimizer_offload == "cpu" else None
         self._opt_params = [(piece, view) for b in self.buckets for piece, view in b.master_views]
         # The factory's two forms, the placeholder of a rank holding only padding and the empty
         # stand-ins of a named factory: optim_groups.build. _placeholder: every tensor the
@@ -150,6 +148,8 @@ class ZeroEngine:
         self.optimizer, self._placeholder, self._opt_names = optim_groups.build(
             optimizer, held, self.layout.slots, opt_device)
         optim_groups.check(self.optimizer, held, self._placeholder)  # every view once, nothing foreign
+        self.swap = swap_files(self.optimizer, [[view for _, view in b.master_views] for b in self.buckets], self.device,
+                               config.nvme_path, self.comm.rank) if config.optimizer_offload == "nvme" else None
         self.scaler = self.precision.make_scaler(config.initial_loss_scale, config.loss_scale_growth_interval)
 
         self._got_grad = [False] * len(self.layout.slots)
@@ -261,31 +261,26 @@ class ZeroEngine:
         scale = self.scaler.scale if self.scaler is not None else None
         inv_scale = None if scale is None else 1.0 / scale
         grads = self.strategy.reduced_grads()
+        if self.swap is not None:
+            self.swap.begin_step()  # the first buckets' state is read while the norm is computed
         if self.offload is not None:  # the optimizer lives on the host: so do its fp32 gradients
             grads = self.offload.grads_to_host(grads)
         for g in grads:  # an fp32 gradient is unscaled once, in place; the others per use (fp32_grad)
             if g.dtype == torch.float32 and inv_scale is not None:
                 g.mul_(inv_scale)
 
-        sq = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else self.device)
-        for g in grads:  # bucket by bucket: at most one bucket's fp32 copy at a time
-            sq += torch.linalg.vector_norm(fp32_grad(g, inv_scale)).double() ** 2
-        control = torch.zeros(1 + len(self._got_grad), dtype=torch.float64, device=self.device)
-        if self.strategy.sharded_grads and self.comm.replica_index == 0:  # each shard counted once (hybrid.py)
-            control[0] = sq
-        control[1:] = torch.tensor(self._got_grad, dtype=torch.float64)
-        self.comm.control_all_reduce(control, label="grad norm + used mask")
-        total_sq = control[0] if self.strategy.sharded_grads else sq
-        norm = float(total_sq.sqrt())
-        used = (control[1:] > 0).tolist()
-
+        grad_device = grads[0].device if grads else self.device
+        norm, used = norm_and_usage(grads, inv_scale, self._got_grad, self.comm, self.strategy.sharded_grads,
+                                    grad_device, self.device)
         skipped = self.scaler is not None and not math.isfinite(norm)
         if not skipped:
-            coef = None
-            if self.config.grad_clip is not None:
-                norm32 = torch.tensor(norm, dtype=torch.float32, device=sq.device)
-                coef = torch.clamp(self.config.grad_clip / (norm32 + 1e-6), max=1.0)
-            optimizer_step(self.optimizer, self.buckets, self._opt_params, grads, inv_scale, coef, used)
+            coef = clip_coef(self.config.grad_clip, norm, grad_device)
+            try:
+                optimizer_step(self.optimizer, self.buckets, self._opt_params, grads, inv_scale, coef, used,
+                               self.swap)
+            except OffloadDiskFull:
+                self._abandon()  # some buckets stepped, others not: this engine must not go on
+                raise
         else:
             log.warning("step %d: fp16 gradient overflow (norm=%s), skipped; loss scale %s -> %s",
                         self._step + 1, norm, scale, scale * self.scaler.backoff_factor)
@@ -301,8 +296,12 @@ class ZeroEngine:
         self._last_comm = self.comm.counter.snapshot()
         exposed = self.comm.exposed_seconds()
         self.comm.reset()
+        io = {}
+        if self.swap is not None:  # io_read_bytes, io_write_bytes, io_wait_s (exposed)
+            self.swap.end_step()
+            io = self.swap.step_io()
         return StepInfo(grad_norm=norm, skipped=skipped, loss_scale=scale, comm_exposed_s=exposed, step=self._step,
-                        micro_steps=micro_steps, comm_elements=self._last_comm["total"])
+                        micro_steps=micro_steps, comm_elements=self._last_comm["total"], **io)
 
     def zero_grad(self) -> None:
         """Drop accumulated gradients without stepping (after a completed backward)."""
@@ -342,7 +341,7 @@ class ZeroEngine:
         """Bytes of the tensors this engine holds right now, by role (``memory_report.py``)."""
         frozen = [p.data for _, p in self._frozen] + list(self._frozen_fp32.values())
         return memory_report(self.strategy, [b.master for b in self.buckets], self.optimizer, self.offload,
-                             self.module_buffers, frozen)
+                             self.module_buffers, frozen, self.swap)
 
     def step_memory(self) -> MemoryReport:
         """``memory()`` with ``grads`` as the last ``step()`` began (0 before the first), ``total``
@@ -363,14 +362,16 @@ class ZeroEngine:
         """This rank's shard, enough to continue bit-identically (format: ``engine_state``);
         ``copy=False``: the live host tensors, for a reader done before the next ``step()``."""
         self.strategy.wait_params()
-        return engine_state.state_dict(self.state_view(), copy)
+        with self._optimizer_state_resident(write_back=False):
+            return engine_state.state_dict(self.state_view(), copy)
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Load a ``state_dict()`` of a run with the same stage, world size and layout."""
         self._check_open("load_state_dict")
         self.strategy.wait_params()
         self._fence_host_masters()
-        self._step = engine_state.load_state_dict(self.state_view(), sd)
+        with self._optimizer_state_resident(write_back=True):
+            self._step = engine_state.load_state_dict(self.state_view(), sd)
         self._publish_loaded()
         self._forget_grads()
         self.strategy.wait_params()
@@ -398,6 +399,10 @@ class ZeroEngine:
             shard_world=self.shard_world, shard_rank=self.shard_rank, step=self._step, optimizer=self.optimizer,
             opt_params=self._opt_params, opt_names=self._opt_names, trainable=self._trainable, frozen=self._frozen,
             frozen_fp32=self._frozen_fp32, module_buffers=self.module_buffers, scaler=self.scaler)
+
+    def _optimizer_state_resident(self, write_back: bool):
+        """The whole optimizer state in memory for the block (swap files: ``optimizer_swap.py``)."""
+        return self.swap.resident(write_back) if self.swap is not None else contextlib.nullcontext()
 
     def _fence_host_masters(self) -> None:
         """Before a load overwrites offloaded masters: the last step's asynchronous copies of them
@@ -453,6 +458,8 @@ class ZeroEngine:
         self._closed = True
         self.remove_hooks()
         stop_watchdog()
+        if self.swap is not None:
+            self.swap.close()
 
     @property
     def closed(self) -> bool:

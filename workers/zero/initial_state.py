@@ -1,5 +1,5 @@
-"""The engine's starting tensors: every bucket's flat buffer and fp32 master, and the frozen
-parameters, with the same values on every rank.
+"""The engine's starting tensors: where every parameter lives (``plan_layout``), every bucket's
+flat buffer and fp32 master, and the frozen parameters, with the same values on every rank.
 
 Values come from the parameters themselves (eager) or their initializer (meta), as rank 0 has
 them, broadcast; or, from a weights file, each rank reads the part it keeps (``materialize.py``).
@@ -9,15 +9,29 @@ Buckets are built one at a time, so a stage that shards parameters never holds t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn as nn
 
 from .buckets import FlatBucket
 from .collectives import Collectives
+from .config import ZeroConfig
 from .flat import Bucket, FlatLayout
 from .materialize import Materializer, bind
 from .precision import MixedPrecision
+from .units import UnitPlan, plan_units
+
+
+def plan_layout(model: nn.Module, trainable: list[tuple[str, nn.Parameter]], config: ZeroConfig,
+                shard_world: int) -> tuple[FlatLayout, Optional[UnitPlan]]:
+    """The buckets of ``trainable`` over ``shard_world`` ranks: with parameters sharded (stage 3)
+    one bucket per unit, gathered together (and the units); otherwise buckets of ``bucket_mb``."""
+    shapes = [(n, tuple(p.shape)) for n, p in trainable]
+    units = plan_units(model, trainable, config.wrap) if config.traits.shards_parameters else None
+    if units is not None:
+        return FlatLayout.from_groups(shapes, units.groups, shard_world), units
+    return FlatLayout.build(shapes, shard_world, config.bucket_numel), None
 
 
 @dataclass

@@ -12,6 +12,7 @@ import torch
 
 from .module_buffers import ModuleBuffers
 from .offload import HostOptimizerState
+from .optimizer_swap import OptimizerStateSwap
 from .reports import MemoryReport
 from .stages import Strategy
 
@@ -37,7 +38,7 @@ def distinct_storage_bytes(tensors: Iterable[Any], seen: set[int]) -> int:
 
 def memory_report(strategy: Strategy, masters: list[torch.Tensor], optimizer: torch.optim.Optimizer,
                   offload: Optional[HostOptimizerState], module_buffers: ModuleBuffers,
-                  frozen: list[torch.Tensor]) -> MemoryReport:
+                  frozen: list[torch.Tensor], swap: Optional[OptimizerStateSwap] = None) -> MemoryReport:
     """Bytes of the tensors an engine holds right now, by role; shared storage counted once.
 
     params: compute-dtype flat parameters (+ ``frozen``: frozen parameters and the fp32 originals
@@ -48,7 +49,8 @@ def memory_report(strategy: Strategy, masters: list[torch.Tensor], optimizer: to
     units and the module's registered buffers (and the originals of cast ones). At stage 3
     ``params`` is the shards only. With ``offload`` the host's master, optimizer state and fp32
     gradient shard are under an extra key ``host``, ``optimizer`` is 0 and ``total`` counts the
-    device only.
+    device only. With ``swap`` (NVMe offload) its buffers count as ``optimizer`` and the bytes of
+    its files are under an extra key ``disk``, not in ``total``.
     """
     seen: set[int] = set()
 
@@ -70,6 +72,11 @@ def memory_report(strategy: Strategy, masters: list[torch.Tensor], optimizer: to
                        total=params + grads + optimizer_bytes + buffers)
     if offload is not None:
         out["host"] = host
+    if swap is not None:  # the swap buffers are the optimizer's memory; the files, apart
+        swap_buffers = tally(swap.tensors())
+        out["optimizer"] += swap_buffers
+        out["total"] += swap_buffers
+        out["disk"] = swap.disk_bytes()
     return out
 
 

@@ -24,7 +24,8 @@ class StepInfo:
     scale this step's loss was multiplied by (None without fp16); ``comm_exposed_s``: time blocked
     on collectives during the step; ``step``: steps completed so far; ``micro_steps``: backward
     passes accumulated into this step; ``comm_elements``: elements handed to collectives
-    (``ZeroEngine.comm_volume()["total"]``).
+    (``ZeroEngine.comm_volume()["total"]``). With NVMe optimizer offload only: ``io_read_bytes``
+    and ``io_write_bytes`` of the swap files in this step, ``io_wait_s`` the time it waited on them.
     """
 
     grad_norm: float
@@ -34,11 +35,14 @@ class StepInfo:
     step: int
     micro_steps: int
     comm_elements: int
+    io_read_bytes: Optional[int] = None
+    io_write_bytes: Optional[int] = None
+    io_wait_s: Optional[float] = None
 
 
 class MemoryReport(TypedDict):
     """Bytes the engine holds, by role (``ZeroEngine.memory()`` says what each role counts).
-    ``host`` only with ``offload_optimizer``; ``total`` is the device's."""
+    ``host`` only with ``offload_optimizer`` to the CPU, ``disk`` only to NVMe; ``total`` is the device's."""
 
     params: int
     grads: int
@@ -46,3 +50,4 @@ class MemoryReport(TypedDict):
     buffers: int
     total: int
     host: NotRequired[int]
+    disk: NotRequired[int]

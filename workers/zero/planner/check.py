@@ -59,6 +59,10 @@ class PeakMemoryMeter:
         self.reset_peak()
         return grown
 
+    def since_lap(self) -> int:
+        """The peak growth since the last ``lap`` (or ``start``): the part running now."""
+        return self._since_lap()
+
     def peak_growth(self) -> int:
         return max(self._peak, self._since_lap())
 
