@@ -202,7 +202,7 @@ def test_the_ray_runtime_injects_its_worker_group_counter_and_resize_gate():
 
     plain = ray_train.run_context("j")
     assert plain.worker_group() == 1 and plain.resize_gate is None
-    elastic = ray_train.run_context("j", attempt_counter="zerotrain-attempts-j", resize_at_checkpoints=True)
+    elastic = ray_train.run_context("j", attempt_counter="zerotrain-attempts-j", elastic=True)
     assert elastic.worker_group.func is ray_train.next_worker_group and elastic.worker_group.args == (
         "zerotrain-attempts-j",)
     assert elastic.resize_gate.func is ray_train._ray_resize_gate and elastic.resize_gate.args == ("j",)

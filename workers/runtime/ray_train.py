@@ -27,6 +27,7 @@ from contract.spec import JobSpec
 from workers.loop_config import LoopConfig
 from workers.reporting import WorkerAPI
 from workers.run_context import RunContext, first_worker_group
+from workers.runtime.resize_at_checkpoint import resize_at_checkpoints
 from workers.train import train_loop
 from workers.user_code import UserCodeError, is_user_code_error
 from workers.zero.swap_io import OffloadDiskFull
@@ -243,14 +244,14 @@ def _ray_resize_gate(job_id: str, rank: int, device: Any) -> Any:
     return ResizeGate(ResizeChannel.ray(job_id), rank=rank, device=device)
 
 
-def run_context(job_id: str, attempt_counter: str | None = None, resize_at_checkpoints: bool = False) -> RunContext:
+def run_context(job_id: str, attempt_counter: str | None = None, elastic: bool = False) -> RunContext:
     """What this runtime owns, for ``train_loop``: the worker group's number from the driver's
-    ``AttemptCounter`` named ``attempt_counter``, and for an elastic run (``resize_at_checkpoints``)
-    the gate that parks at checkpoints for a resize."""
+    ``AttemptCounter`` named ``attempt_counter``, and for an ``elastic`` run the gate that parks
+    at checkpoints for a resize."""
     return RunContext(
         worker_group=functools.partial(next_worker_group, attempt_counter) if attempt_counter
         else first_worker_group,
-        resize_gate=functools.partial(_ray_resize_gate, job_id) if resize_at_checkpoints else None)
+        resize_gate=functools.partial(_ray_resize_gate, job_id) if elastic else None)
 
 
 def announced_train_loop(config: dict[str, Any]) -> dict[str, Any]:
@@ -263,8 +264,7 @@ def announced_train_loop(config: dict[str, Any]) -> dict[str, Any]:
     context = get_context()
     print(rank_announcement(context.get_world_rank(), context.get_world_size()), flush=True)
     loop: LoopConfig = config["loop"]
-    return train_loop(loop, run_context(loop.job_id, config.get("attempt_counter"),
-                                        config.get("resize_at_checkpoints", False)))
+    return train_loop(loop, run_context(loop.job_id, config.get("attempt_counter"), config.get("elastic", False)))
 
 
 ELASTIC_START_TIMEOUT_S = 20.0
@@ -317,7 +317,7 @@ def build_trainer(spec: JobSpec, loop_config: LoopConfig, attempt_counter: str |
     return TorchTrainer(
         announced_train_loop,
         train_loop_config={"loop": loop_config, "attempt_counter": attempt_counter,
-                           "resize_at_checkpoints": spec.resources.elastic},
+                           "elastic": spec.resources.elastic},
         scaling_config=scaling_config(spec),
         run_config=RunConfig(
             storage_path=storage_path, storage_filesystem=storage_filesystem, name=job_id,
@@ -371,28 +371,6 @@ def fail_fast_on_user_errors():
         trainer_module.create_failure_policy = original
 
 
-@contextlib.contextmanager
-def resize_at_checkpoints(job_id: str):
-    """``TorchTrainer.fit()`` inside gives an elastic run ``resize_at_checkpoint``'s policy, which
-    holds a running group's resize back until its ranks park at a checkpoint (the note there);
-    installed as ``FailFastPolicy`` is (its note), and checked by the same kind of test."""
-    import ray.train.v2.api.data_parallel_trainer as trainer_module
-
-    from workers.runtime.resize_at_checkpoint import boundary_scaling_policy
-
-    original = trainer_module.create_scaling_policy
-
-    def create_scaling_policy(config: Any) -> Any:
-        return boundary_scaling_policy(config, job_id) if config.elasticity_enabled else original(config)
-
-    trainer_module.create_scaling_policy = create_scaling_policy
-    try:
-        yield
-    finally:
-        trainer_module.create_scaling_policy = original
-
-
-# Exceptions that mean a worker process or actor was lost, not that the training code raised.
 LOST_WORKER_ERRORS = {"ActorDiedError", "RayActorError", "ActorUnavailableError", "WorkerCrashedError",
                       "NodeDiedError", "OutOfMemoryError", "NCCLHangError", "WorkerHealthCheckFailedError",
                       "WorkerHealthCheckTimeoutError", "WorkerGroupStartupFailedError"}
