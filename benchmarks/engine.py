@@ -58,7 +58,7 @@ Columns (step times: per step, the slowest rank; then the median over the measur
                    on Gloo's copies), which the dispatched count shows as what they are
     = DDP          whether the row's loss trajectory (every rank, every step, warm-up included,
                    every repeat) equals DDP's bitwise (``benchmarks/loss_check.py``)
-    exposed s      zerotrain: median ``step()["comm_exposed_s"]`` (time waiting on collectives
+    exposed s      zerotrain: median ``step().comm_exposed_s`` (time waiting on collectives
                    that did not overlap compute) of each step's slowest rank -- the rank whose
                    time is the step's, so what communication added to the step -- and in
                    brackets the largest rank's wait, which also counts a faster rank waiting
@@ -272,9 +272,9 @@ class ZeroRunner(Runner):
                 self.measured["host"] = int(mem["host"])
             if "disk" in mem:  # NVMe offload: optimizer state in swap files; the step's swap I/O
                 self.measured["disk"] = int(mem["disk"])
-                self.measured.update({k: info[k] for k in ("io_read_bytes", "io_write_bytes", "io_wait_s")})
+                self.measured.update({k: getattr(info, k) for k in ("io_read_bytes", "io_write_bytes", "io_wait_s")})
             self.buffers = int(mem.get("buffers", 0))
-        return float(loss.detach()), float(info.get("comm_exposed_s", float("nan")))
+        return float(loss.detach()), float(info.comm_exposed_s)
 
     def own_volume(self) -> dict[str, int]:
         return {k: int(v) for k, v in self.engine.comm_volume().items()}

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from benchmarks.collective_count import CollectiveCounter
-from workers.zero.engine import distinct_storage_bytes
+from workers.zero.memory_report import distinct_storage_bytes
 
 
 def _local(t: Any) -> torch.Tensor | None:

@@ -83,9 +83,9 @@ def main() -> None:
             loss_sum += loss.item()
         info = engine.step()
         if step % 5 == 0 or step == args.steps - 1:
-            say(f"step {info['step']:4d}  loss {loss_sum:.4f}  grad_norm {info['grad_norm']:.3f}"
-                f"{'  SKIPPED' if info['skipped'] else ''}  comm {engine.comm_volume()['total']:,} el"
-                f"  exposed {info['comm_exposed_s'] * 1e3:.1f} ms  {time.perf_counter() - t0:.2f}s")
+            say(f"step {info.step:4d}  loss {loss_sum:.4f}  grad_norm {info.grad_norm:.3f}"
+                f"{'  SKIPPED' if info.skipped else ''}  comm {engine.comm_volume()['total']:,} el"
+                f"  exposed {info.comm_exposed_s * 1e3:.1f} ms  {time.perf_counter() - t0:.2f}s")
 
     mem, comm = engine.memory(), engine.comm_volume()
     states = model_state_bytes(phi, world, args.precision, args.stage)

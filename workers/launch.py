@@ -27,6 +27,7 @@ from typing import Any
 from contract.environment import API_URL_ENV, INGEST_TOKEN_ENV, JOB_ID_ENV, STORAGE_URI_ENV
 from contract.job_states import JobState
 from contract.spec import JobSpec
+from workers.loop_config import LoopConfig
 from workers.reporting import JobNotActive, WorkerAPI
 from workers.runtime import Runtime
 
@@ -71,8 +72,8 @@ def run(job_id: str, api_url: str, runtime: Runtime | None = None) -> int:
     signal.signal(signal.SIGTERM, _stop_now)
     try:
         spec = JobSpec.model_validate(worker_spec["spec"])  # the driver's boundary: attributes from here on
-        loop_config = {"spec": spec.model_dump(mode="json"), "job_id": job_id, "api_url": api_url,
-                       "storage_uri": storage_uri, "attempt_base": int(worker_spec["attempt"])}
+        loop_config = LoopConfig(spec=spec.model_dump(mode="json"), job_id=job_id, api_url=api_url,
+                                 storage_uri=storage_uri, attempt_base=int(worker_spec["attempt"]))
         log.info("job %s: %d workers, stage %s", job_id, spec.resources.num_workers, spec.zero.stage)
         runtime.fit(spec, loop_config)
     except KeyboardInterrupt:  # Ctrl-C of a driver run by hand

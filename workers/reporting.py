@@ -35,7 +35,7 @@ import random
 import threading
 import time
 from collections import deque
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import httpx
 
@@ -43,6 +43,9 @@ from contract.job_states import JobState
 from contract.metrics import StepObservation, record_values
 from contract.reasons import bounded_details
 from contract.zero_math import DEFAULT_PRECISION
+
+if TYPE_CHECKING:  # the engine's report types; this module stays free of torch
+    from workers.zero.reports import MemoryReport, StepInfo
 from workers.peak_flops import peak_flops
 
 log = logging.getLogger(__name__)
@@ -191,20 +194,20 @@ class StepMeter:
         self.peak = peak_flops(device, precision)
 
     def record(self, *, step: int, loss: float, lr: float, step_time_s: float, samples: int, tokens: int,
-               info: dict[str, Any], memory: dict[str, int], peak_memory_bytes: int, comm_volume: dict[str, int],
+               info: StepInfo, memory: MemoryReport, peak_memory_bytes: int, comm_volume: dict[str, int],
                checkpoint_blocked_s: float = 0.0, eval_loss: float | None = None,
                user: dict[str, float] | None = None) -> dict[str, Any]:
         """The step's record; ``peak_memory_bytes`` the rank's peak so far (``PeakMemoryMeter.peak_growth()``),
         ``eval_loss`` on evaluated steps, ``user`` the scalars the user's code reported
         (``workers.user_metrics``), sent as the record's ``user`` object."""
         observation = StepObservation(
-            loss=loss, lr=lr, grad_norm=_finite_or_none(info.get("grad_norm")), step_time_s=step_time_s,
+            loss=loss, lr=lr, grad_norm=_finite_or_none(info.grad_norm), step_time_s=step_time_s,
             samples=samples, tokens=tokens, flops_per_token=self.flops_per_token, peak_flops=self.peak,
             memory=memory, peak_memory_bytes=peak_memory_bytes,
             comm_bytes=comm_volume.get("total", 0) * self.comm_element_bytes,
-            comm_exposed_s=info.get("comm_exposed_s"), checkpoint_blocked_s=checkpoint_blocked_s,
-            eval_loss=_finite_or_none(eval_loss), io_read_bytes=info.get("io_read_bytes"),
-            io_write_bytes=info.get("io_write_bytes"), io_wait_s=info.get("io_wait_s"),
+            comm_exposed_s=info.comm_exposed_s, checkpoint_blocked_s=checkpoint_blocked_s,
+            eval_loss=_finite_or_none(eval_loss), io_read_bytes=info.io_read_bytes,
+            io_write_bytes=info.io_write_bytes, io_wait_s=info.io_wait_s,
         )
         record = {"attempt": self.attempt, "rank": self.rank, "step": step, "time": time.time(),
                   "world_size": self.world_size, **record_values(observation)}

@@ -6,18 +6,8 @@ loop on a Gloo world of local processes, without Ray, for tests and quick experi
 runtime owns (which worker group this is, the resize gate) comes in ``context``
 (``workers.run_context.RunContext``); nothing here imports a runtime.
 
-``config`` (plain JSON, it travels through the runtime to every rank):
-
-    spec           the job spec as JSON; each rank validates it into ``contract.spec.JobSpec``
-                   on arrival and reads attributes from then on (every default is the spec's)
-    job_id         the job's id
-    api_url        where the control plane is; None: no state reports, no metric push
-    attempt_base   the job's attempt before this run; worker group k of the run is
-                   attempt ``attempt_base + k`` (k: ``RunContext.worker_group()``)
-    metrics_path   optional: also append every record to ``{metrics_path}.rank{r}.jsonl``
-    storage_uri    the storage root (checkpoints go under ``{storage}/{job_id}/checkpoints``)
-
-The ingest token comes from the environment (``ZEROTRAIN_INGEST_TOKEN``), never the config.
+``config`` is a ``workers.loop_config.LoopConfig``; the ingest token comes from the environment
+(``ZEROTRAIN_INGEST_TOKEN``), never the config.
 Rank 0 reports RUNNING (and, on a restarted worker group, RESTARTING first) with the attempt;
 every rank pushes its own per-step record. Checkpoints plug in through ``CheckpointHook``.
 """
@@ -25,12 +15,10 @@ every rank pushes its own per-step record. Checkpoints plug in through ``Checkpo
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import os
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 import torch
@@ -38,18 +26,21 @@ import torch.distributed as dist
 
 from contract.environment import INGEST_TOKEN_ENV
 from contract.job_states import JobState
-from contract.metrics import THROUGHPUT
 from contract.reasons import Reason
 from contract.spec import MIN_LR_RATIO, JobSpec, TrainSpec
 from storage.shared import check_marker
-from workers.data import IndexedDataset, ShardedBatchLoader, build_dataset, check_vocabulary
+from workers.data import ShardedBatchLoader, build_dataset, check_vocabulary
+from workers.evaluation import evaluate
 from workers.models import build_model, flops_per_token
 from workers.host_memory import map_large_blocks
-from workers.loss import IGNORE_INDEX, StepLoss, token_loss_sum
+from workers.loop_config import LoopConfig
+from workers.loss import StepLoss
+from workers.progress import JsonlSink, progress_line, shows_progress
 from workers.reporting import MetricReporter, StepMeter, WorkerAPI
 from workers.run_context import RunContext
 from workers.user_code import user_code
 from workers.user_metrics import COLLECTOR as USER_METRICS
+from workers.world import World
 from workers.zero import ZeroConfig, ZeroEngine
 from workers.zero.planner.check import PeakMemoryMeter
 from workers.zero.optim_groups import NamedFactory, below_2d, named_factory, param_groups
@@ -119,93 +110,26 @@ class NoCheckpoints:
         return 0.0
 
 
-def make_checkpoint_hook(spec: JobSpec, config: dict[str, Any], api: WorkerAPI | None,
+def make_checkpoint_hook(spec: JobSpec, config: LoopConfig, api: WorkerAPI | None,
                          reporter: MetricReporter | None) -> CheckpointHook:
     """The job's checkpoint hook (``workers.checkpoint``); none when there is nowhere to write.
     A save is committed once ``reporter`` has delivered its step's record (``workers.reporting``)."""
-    storage_uri = config.get("storage_uri")
+    storage_uri = config.storage_uri
     if not (storage_uri or spec.checkpoint.uri):
         return NoCheckpoints()
     from workers.checkpoint import make_checkpoint_hook as checkpoint_hook
 
-    return checkpoint_hook(spec, job_id=config["job_id"], storage_uri=storage_uri, api=api,
+    return checkpoint_hook(spec, job_id=config.job_id, storage_uri=storage_uri, api=api,
                            metrics_delivered=reporter.wait_delivered if reporter else None)
 
 
-# ----------------------------------------------------------------------------- who am I
+# ----------------------------------------------------------------------------- starting
 
 
-@dataclass(frozen=True)
-class World:
-    rank: int
-    world_size: int
-    local_rank: int
-    device: torch.device
-
-    @classmethod
-    def current(cls, use_gpu: bool) -> "World":
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        world_size = dist.get_world_size() if dist.is_initialized() else 1
-        local_rank = int(os.environ.get("LOCAL_RANK", rank))
-        gpus = torch.cuda.device_count() if use_gpu and torch.cuda.is_available() else 0
-        device = choose_device(use_gpu, gpus=gpus, local_rank=local_rank,
-                               ray_device=ray_assigned_device() if gpus else None)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        return cls(rank, world_size, local_rank, device)
-
-    def broadcast(self, value: Any) -> Any:
-        """Rank 0's ``value`` on every rank."""
-        if self.world_size == 1:
-            return value
-        box = [value]
-        dist.broadcast_object_list(box, src=0, device=self.device if self.device.type == "cuda" else None)
-        return box[0]
-
-
-def choose_device(use_gpu: bool, *, gpus: int, local_rank: int, ray_device: torch.device | None) -> torch.device:
-    """The device this rank computes on.
-
-    [Note: which GPU is this rank's]
-    Under Ray Train, the one Ray assigned to this worker (``ray.train.torch.get_device()``, the
-    lowest of its GPUs with ``gpus_per_worker > 1``, indexed within the ``CUDA_VISIBLE_DEVICES``
-    Ray set): ``LOCAL_RANK % device_count`` is not it once a worker holds two GPUs or workers
-    share a ``CUDA_VISIBLE_DEVICES``, and a worker would take another's GPU. Elsewhere
-    (``run_local``, torchrun) GPU ``LOCAL_RANK``; a local rank beyond the visible GPUs is an
-    error rather than a GPU shared with another rank. ``gpus`` is how many this process sees
-    (0 without CUDA, or a CPU job: the CPU).
-    """
-    if not use_gpu or gpus == 0:
-        return torch.device("cpu")
-    if ray_device is not None:
-        if ray_device.type != "cuda":
-            raise RuntimeError(f"resources.gpus_per_worker asks for GPUs, but Ray assigned this worker {ray_device} "
-                               "(no GPU among its resources)")
-        if ray_device.index is not None and ray_device.index >= gpus:
-            raise RuntimeError(f"Ray assigned this worker {ray_device}, but only {gpus} GPU(s) are visible to it")
-        return torch.device("cuda", 0 if ray_device.index is None else ray_device.index)
-    if not 0 <= local_rank < gpus:
-        raise RuntimeError(f"local rank {local_rank} has no GPU of its own: {gpus} visible on this machine "
-                           "(fewer ranks per machine, or resources.gpus_per_worker 0)")
-    return torch.device("cuda", local_rank)
-
-
-def ray_assigned_device() -> torch.device | None:
-    """Ray Train's device for this worker, or None outside a Ray Train worker."""
-    try:
-        from ray.train.utils import _in_ray_train_worker
-
-        if not _in_ray_train_worker():
-            return None
-        from ray.train.torch import get_device
-    except ImportError:
-        return None
-    return get_device()
-
-
-def start_attempt(config: dict[str, Any], world: World, api: WorkerAPI | None,
+def start_attempt(attempt_base: int, world: World, api: WorkerAPI | None,
                   context: RunContext = RunContext()) -> int:
-    """Agree on this worker group's attempt and tell the control plane it runs.
+    """Agree on this worker group's attempt (``attempt_base`` + the worker group's number) and
+    tell the control plane it runs.
 
     Rank 0 decides and reports; the others learn the attempt (or the refusal) by broadcast,
     so a cancelled job stops every rank before the first step.
@@ -213,7 +137,7 @@ def start_attempt(config: dict[str, Any], world: World, api: WorkerAPI | None,
     outcome: tuple[int, str | None] = (0, None)
     if world.rank == 0:
         group = context.worker_group()  # 1, or 2 and on after the runtime restarted the group
-        attempt = int(config.get("attempt_base", 0)) + group
+        attempt = attempt_base + group
         outcome = (attempt, None)
         if api is not None:
             try:
@@ -323,99 +247,18 @@ def optimizer_factory(train: TrainSpec) -> NamedFactory:
 # ----------------------------------------------------------------------------- the loop
 
 
-class JsonlSink:
-    """Every record of this rank appended to a local file (offline runs and tests)."""
-
-    def __init__(self, path: str):
-        self.file = open(path, "a", encoding="utf-8")
-
-    def report(self, record: dict[str, Any]) -> None:
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
-
-    def close(self, timeout_s: float = 0.0) -> int:
-        self.file.close()
-        return 0
-
-
-# ----------------------------------------------------------------------------- evaluation
-
-
-def evaluate(engine: ZeroEngine, dataset: IndexedDataset, *, batches: int, micro_batch_size: int,
-             world: World, token_weighted: bool = False) -> float:
-    """The loss of ``batches`` micro-batches per rank of ``dataset``, over every rank.
-
-    ``token_weighted`` (every model but a user factory): the mean over every unmasked target of
-    every rank's micro-batches (``workers.loss``); otherwise the mean of the factory model's
-    micro-batch losses.
-
-    [Note: evaluation on every rank, from the same samples]
-    A fresh loader from position 0 each time: every evaluation reads the same samples (rank r
-    its own slice of the first ``batches × micro_batch_size × world`` of them), so one
-    evaluation's loss is comparable with the next. Every rank runs the same forwards because
-    stage 3 gathers each unit collectively in every forward (docs/engine.md: evaluating on rank
-    0 alone hangs). Under ``torch.no_grad()`` the engine neither broadcasts buffers nor keeps
-    activations; ``engine.eval()`` turns dropout off and BatchNorm to its running statistics,
-    ``engine.train()`` back afterwards. The gathers are not the step's communication
-    (``comm.uncounted``): ``comm_bytes`` stays what training moved. One ``all_reduce`` sums the
-    ranks' (loss, count) pairs; what user code reports meanwhile is recorded as ``eval/<name>``.
-    """
-    loader = ShardedBatchLoader(dataset, global_batch_size=batches * micro_batch_size * world.world_size,
-                                micro_batch_size=micro_batch_size, rank=world.rank, world_size=world.world_size)
-    total = torch.zeros(2, dtype=torch.float64, device=world.device)  # Σ loss, and what it is a sum of
-    engine.eval()
-    try:
-        with torch.no_grad(), engine.comm.uncounted(), USER_METRICS.evaluating():
-            for inputs, targets in loader.next_batch():
-                inputs = inputs.to(world.device, non_blocking=True)
-                targets = targets.to(world.device, non_blocking=True)
-                if token_weighted:
-                    total[0] += token_loss_sum(engine(inputs), targets).double()
-                    total[1] += (targets != IGNORE_INDEX).sum()
-                else:
-                    total[0] += engine(inputs, targets).detach().double()
-                    total[1] += 1
-    finally:
-        engine.train()
-    if world.world_size > 1:
-        dist.all_reduce(total)
-    return float(total[0]) / max(1.0, float(total[1]))
-
-
-PROGRESS_LINES = 20  # rank 0 prints about this many progress lines per run, plus the first and last step
-
-
-def shows_progress(step: int, total_steps: int) -> bool:
-    return step in (1, total_steps) or step % max(1, total_steps // PROGRESS_LINES) == 0
-
-
-def progress_line(record: dict[str, Any], total_steps: int, world_size: int) -> str:
-    """One readable line of the job's log (rank 0): what ``zerotrain logs`` and the dashboard show.
-    Throughput is the job's (this rank's share times the world size, as the dashboard counts it)."""
-    parts = [f"step {record['step']}/{total_steps}", f"loss {record['loss']:.4f}"]
-    if record.get("lr") is not None:
-        parts.append(f"lr {record['lr']:.2e}")
-    if record.get("step_time_s") is not None:
-        parts.append(f"{record['step_time_s']:.2f} s/step")
-    if record.get(THROUGHPUT) is not None:
-        parts.append(f"{record[THROUGHPUT] * world_size:,.0f} tokens/s")
-    if record.get("eval_loss") is not None:
-        parts.append(f"eval loss {record['eval_loss']:.4f}")
-    return "  ".join(parts)
-
-
-def train_loop(config: dict[str, Any], context: RunContext | None = None) -> dict[str, Any]:
+def train_loop(config: LoopConfig, context: RunContext | None = None) -> dict[str, Any]:
     """Train the job's model for ``train.steps`` steps on this rank; return a short summary.
     ``context``: what the runtime injects (default: one worker group, no resizes)."""
     context = context if context is not None else RunContext()
-    spec = JobSpec.model_validate(config["spec"])  # this rank's boundary: attributes from here on
+    spec = JobSpec.model_validate(config.spec)  # this rank's boundary: attributes from here on
     train, data = spec.train, spec.data
     world = World.current(use_gpu=spec.resources.gpus_per_worker > 0)
     token = os.environ.get(INGEST_TOKEN_ENV)
-    api = WorkerAPI(config["api_url"], config["job_id"], token) if config.get("api_url") and token else None
-    attempt = start_attempt(config, world, api, context)
+    api = WorkerAPI(config.api_url, config.job_id, token) if config.api_url and token else None
+    attempt = start_attempt(config.attempt_base, world, api, context)
     with user_code("checking the job's storage"):  # a node without the shared file:// root: no restart
-        check_marker(config.get("storage_uri"), config["job_id"], rank=world.rank)
+        check_marker(config.storage_uri, config.job_id, rank=world.rank)
     # an elastic run on Ray: parks at a checkpoint for a resize (runtime/resize_at_checkpoint.py)
     resize_gate = None if context.resize_gate is None else context.resize_gate(world.rank, world.device)
     USER_METRICS.reset()  # from here on, what the user's code reports (factories included) is this run's
@@ -429,7 +272,7 @@ def train_loop(config: dict[str, Any], context: RunContext | None = None) -> dic
     torch.manual_seed(train.seed)
     with user_code("building the model"):  # an error here is the job's, not the cluster's: no restart
         model, init_weights = build_job_model(spec, resuming=checkpoints.resumes())
-        engine = build_engine(spec, model, world.device, init_weights, job_id=config["job_id"])
+        engine = build_engine(spec, model, world.device, init_weights, job_id=config.job_id)
     torch.manual_seed(train.seed + world.rank)  # dropout differs per rank
     with user_code("building the data"):  # bad files, rows, fields or tokenizers: the user's to fix
         dataset = build_dataset(data, seed=train.seed, model_dir=spec.model.hf)
@@ -446,8 +289,8 @@ def train_loop(config: dict[str, Any], context: RunContext | None = None) -> dic
                       comm_element_bytes=engine.precision.compute_dtype.itemsize, device=world.device,
                       precision=engine.config.precision, world_size=world.world_size)
     sinks: list[Any] = [reporter] if reporter is not None else []
-    if config.get("metrics_path"):
-        sinks.append(JsonlSink(f"{config['metrics_path']}.rank{world.rank}.jsonl"))
+    if config.metrics_path:
+        sinks.append(JsonlSink(f"{config.metrics_path}.rank{world.rank}.jsonl"))
     peak.lap("construction")
 
     total_steps = train.steps
@@ -524,7 +367,7 @@ def train_loop(config: dict[str, Any], context: RunContext | None = None) -> dic
     return summary
 
 
-def report_measured_memory(config: dict[str, Any], world: World, attempt: int, measured: dict[str, float]) -> None:
+def report_measured_memory(config: LoopConfig, world: World, attempt: int, measured: dict[str, float]) -> None:
     """Rank 0 sends every rank's ``engine.step_memory()`` and peak growth (``peak``, and ``peak_<part>``
     for each part of the job: ``PeakMemoryMeter.report``) once, at the end of the run, so the
     control plane can check the planner's prediction term by term and part by part."""
@@ -533,9 +376,9 @@ def report_measured_memory(config: dict[str, Any], world: World, attempt: int, m
         ranks = [None] * world.world_size
         dist.all_gather_object(ranks, measured)
     token = os.environ.get(INGEST_TOKEN_ENV)
-    if world.rank != 0 or not (config.get("api_url") and token):
+    if world.rank != 0 or not (config.api_url and token):
         return
-    api = WorkerAPI(config["api_url"], config["job_id"], token)
+    api = WorkerAPI(config.api_url, config.job_id, token)
     try:
         api.post_memory(attempt, [{k: float(v) for k, v in r.items()} for r in ranks])
     except Exception as error:  # noqa: BLE001 - a missing check must not fail a finished training
@@ -547,11 +390,11 @@ def report_measured_memory(config: dict[str, Any], world: World, attempt: int, m
 # ----------------------------------------------------------------------------- without Ray
 
 
-def _local_rank_entry(rank: int, world_size: int, config: dict[str, Any]) -> dict[str, Any]:
+def _local_rank_entry(rank: int, world_size: int, config: LoopConfig) -> dict[str, Any]:
     return train_loop(config)
 
 
-def run_local(config: dict[str, Any], world_size: int) -> list[dict[str, Any]]:
+def run_local(config: LoopConfig, world_size: int) -> list[dict[str, Any]]:
     """Run ``train_loop`` on a fresh local Gloo world of ``world_size`` processes; per-rank summaries."""
     from workers.zero.testing import spawn_world
 

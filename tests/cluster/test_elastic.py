@@ -60,9 +60,10 @@ def elastic_job(steps: int) -> dict:
 def reference_losses(spec: dict) -> dict[int, float]:
     """Each step's loss of an uninterrupted 2-worker run of ``spec``: the mean of both ranks'
     (a 2-process Gloo world on this machine, without Ray or checkpoints)."""
+    from workers.loop_config import LoopConfig
     from workers.train import run_local
 
-    ranks = run_local({"spec": spec, "job_id": "reference", "api_url": None}, world_size=2)
+    ranks = run_local(LoopConfig(spec=spec, job_id="reference", api_url=None), world_size=2)
     return {step: (a + b) / 2 for step, (a, b) in enumerate(zip(ranks[0]["losses"], ranks[1]["losses"]), start=1)}
 
 

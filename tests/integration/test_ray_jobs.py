@@ -45,10 +45,11 @@ def explain(client, job_id: str) -> str:
 
 def reference_memory(spec: dict) -> list[dict]:
     """engine.memory() of each rank for the same spec, from a 2-process Gloo world without Ray."""
+    from workers.loop_config import LoopConfig
     from workers.train import run_local
 
-    summaries = run_local({"spec": {**spec, "train": {**spec["train"], "steps": 1}}, "job_id": "reference",
-                           "api_url": None}, world_size=2)
+    summaries = run_local(LoopConfig(spec={**spec, "train": {**spec["train"], "steps": 1}}, job_id="reference",
+                                      api_url=None), world_size=2)
     return [s["memory"] for s in summaries]
 
 

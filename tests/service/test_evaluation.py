@@ -22,7 +22,10 @@ from contract.metrics import MAX_USER_METRICS
 from contract.spec import JobSpec
 from workers.data import ShardedBatchLoader, SyntheticDataset, build_dataset
 from workers.reporting import WorkerAPI
-from workers.train import World, build_engine, evaluate, run_local
+from workers.loop_config import LoopConfig
+from workers.evaluation import evaluate
+from workers.train import build_engine, run_local
+from workers.world import World
 from workers.user_metrics import Collector
 from workers.zero.testing import spawn_world
 
@@ -51,7 +54,7 @@ def test_a_job_with_an_eval_block_reports_eval_loss_and_the_users_scalars(make_l
     job_id = client.submit(job_spec()).id
     tokens = dict(service.app.state.scheduler.claim())
     monkeypatch.setenv("ZEROTRAIN_INGEST_TOKEN", tokens[job_id])  # the spawned ranks inherit it
-    run_local({"spec": client.get(job_id).spec, "job_id": job_id, "api_url": service.url}, 2)
+    run_local(LoopConfig(spec=client.get(job_id).spec, job_id=job_id, api_url=service.url), 2)
     api = WorkerAPI(service.url, job_id, tokens[job_id])
     try:
         api.post_state("SUCCEEDED", message="training finished")

@@ -38,6 +38,7 @@ from service.cli import main as cli
 from service.models import Job
 from workers.checkpointing.pretrained import expected_tensors
 from storage.stfile import INDEX_NAME
+from workers.loop_config import LoopConfig
 from workers.models import GPT
 from workers.reporting import WorkerAPI
 from workers.train import run_local, train_loop
@@ -151,8 +152,8 @@ def run_job(service, client, job_id: str, monkeypatch) -> list[float]:
     tokens = dict(service.app.state.scheduler.claim())
     monkeypatch.setenv("ZEROTRAIN_INGEST_TOKEN", tokens[job_id])  # the spawned ranks inherit it
     stored = client.get(job_id).spec
-    run_local({"spec": stored, "job_id": job_id, "api_url": service.url,
-               "storage_uri": service.settings.storage_uri}, 2)
+    run_local(LoopConfig(spec=stored, job_id=job_id, api_url=service.url,
+                          storage_uri=service.settings.storage_uri), 2)
     api = WorkerAPI(service.url, job_id, tokens[job_id])
     try:
         api.post_state("SUCCEEDED", message="training finished")
@@ -221,6 +222,6 @@ def test_fine_tune_from_a_consolidated_checkpoint_of_an_earlier_job(make_live_se
     # a restarted attempt resumes from the job's own checkpoint (at any world size: one rank, in
     # this process) and does not read init_from again -- the weights are gone by now
     shutil.rmtree(out)
-    rerun = train_loop({"spec": client.get(tuned).spec, "job_id": tuned, "api_url": None,
-                        "storage_uri": service.settings.storage_uri})
+    rerun = train_loop(LoopConfig(spec=client.get(tuned).spec, job_id=tuned, api_url=None,
+                                   storage_uri=service.settings.storage_uri))
     assert rerun["losses"] == []  # its last checkpoint is its final step: nothing left to train

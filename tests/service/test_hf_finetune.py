@@ -36,6 +36,7 @@ import torch
 
 from examples.tiny_hf import corpus_texts, make_llama, make_tokenizer
 from service.cli import main as cli
+from workers.loop_config import LoopConfig
 from workers.reporting import WorkerAPI
 from workers.train import run_local
 
@@ -72,8 +73,8 @@ def run_job(service, client, job_id: str, monkeypatch) -> None:
     finished as the driver would."""
     tokens = dict(service.app.state.scheduler.claim())
     monkeypatch.setenv("ZEROTRAIN_INGEST_TOKEN", tokens[job_id])  # the spawned ranks inherit it
-    run_local({"spec": client.get(job_id).spec, "job_id": job_id, "api_url": service.url,
-               "storage_uri": service.settings.storage_uri}, RANKS)
+    run_local(LoopConfig(spec=client.get(job_id).spec, job_id=job_id, api_url=service.url,
+                          storage_uri=service.settings.storage_uri), RANKS)
     api = WorkerAPI(service.url, job_id, tokens[job_id])
     try:
         api.post_state("SUCCEEDED", message="training finished")

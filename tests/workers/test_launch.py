@@ -12,6 +12,7 @@ import pytest
 from contract.reasons import Reason
 from contract.spec import JobSpec
 from workers import launch
+from workers.loop_config import LoopConfig
 from workers.runtime import ray_train
 
 STORED_SPEC = {"name": "driver", "model": {"preset": "gpt-nano"}, "data": {"kind": "synthetic", "seq_len": 8},
@@ -38,7 +39,7 @@ class RecordingRuntime:
     def __init__(self, error: Exception | None = None):
         self.error, self.calls = error, []
 
-    def fit(self, spec: JobSpec, loop_config: dict) -> None:
+    def fit(self, spec: JobSpec, loop_config: LoopConfig) -> None:
         self.calls.append((spec, loop_config))
         if self.error is not None:
             raise self.error
@@ -66,9 +67,9 @@ def test_the_driver_validates_the_spec_once_and_hands_the_runtime_both_forms(dri
     assert driver.run("job-1", "http://127.0.0.1:1", runtime) == 0
     (spec, loop_config), = runtime.calls
     assert isinstance(spec, JobSpec) and spec.max_failures == JobSpec.model_fields["max_failures"].default
-    assert loop_config == {"spec": spec.model_dump(mode="json"), "job_id": "job-1", "api_url": "http://127.0.0.1:1",
-                           "storage_uri": "file:///tmp/zt-storage", "attempt_base": 3}
-    assert JobSpec.model_validate(loop_config["spec"]) == spec  # what each rank validates again
+    assert loop_config == LoopConfig(spec=spec.model_dump(mode="json"), job_id="job-1", api_url="http://127.0.0.1:1",
+                                     storage_uri="file:///tmp/zt-storage", attempt_base=3)
+    assert JobSpec.model_validate(loop_config.spec) == spec  # what each rank validates again
     assert FakeAPI.posts == [("SUCCEEDED", None)]
 
 

@@ -23,6 +23,7 @@ from tests.workers.data_parts import (
     write_parquet,
 )
 from workers.data import build_dataset
+from workers.loop_config import LoopConfig
 from workers.loss import (
     IGNORE_INDEX,
     StepLoss,
@@ -100,8 +101,8 @@ def reference_losses(spec: JobSpec, weighting: str, steps: int = STEPS) -> tuple
 
 def test_two_ranks_at_stage_3_train_on_the_global_token_mean_like_one_process(tmp_path):
     spec = job()
-    summaries = run_local({"spec": spec, "job_id": "loss", "api_url": None, "attempt_base": 0,
-                           "metrics_path": str(tmp_path / "m")}, world_size=WORLD)
+    summaries = run_local(LoopConfig(spec=spec, job_id="loss", api_url=None, attempt_base=0,
+                                      metrics_path=str(tmp_path / "m")), world_size=WORLD)
     # each rank records its share; their mean (how the control plane combines ranks) is the job's loss
     got = [sum(s["losses"][k] for s in summaries) / WORLD for k in range(STEPS)]
     validated = JobSpec.model_validate(spec)
@@ -149,7 +150,7 @@ def test_a_factory_models_own_mean_loss_is_averaged_over_micro_batches():
 
 def run(spec: dict) -> list[float]:
     """The job's loss per step (the mean of the ranks' shares), 2 Gloo ranks."""
-    summaries = run_local({"spec": spec, "job_id": "loss", "api_url": None, "attempt_base": 0}, world_size=WORLD)
+    summaries = run_local(LoopConfig(spec=spec, job_id="loss", api_url=None, attempt_base=0), world_size=WORLD)
     return [sum(s["losses"][k] for s in summaries) / WORLD for k in range(len(summaries[0]["losses"]))]
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+from workers.loop_config import LoopConfig
 from workers.train import run_local
 
 STEPS = 4
@@ -17,8 +18,8 @@ def _job(tmp_path, name: str, zero: dict) -> tuple[list[float], list[dict]]:
             "train": {"steps": STEPS, "global_batch_size": 4, "micro_batch_size": 1, "lr": 1e-3, "seed": 0},
             "zero": {"stage": 3, "precision": "fp32", "bucket_mb": 0.25, **zero}, "resources": {"num_workers": 2}}
     metrics = tmp_path / f"metrics-{name}"
-    summaries = run_local({"spec": spec, "job_id": name, "api_url": None, "attempt_base": 0,
-                           "metrics_path": str(metrics), "storage_uri": f"file://{tmp_path / 'storage'}"},
+    summaries = run_local(LoopConfig(spec=spec, job_id=name, api_url=None, attempt_base=0,
+                                      metrics_path=str(metrics), storage_uri=f"file://{tmp_path / 'storage'}"),
                           world_size=2)
     records = [json.loads(line) for path in sorted(metrics.parent.glob(f"{metrics.name}*")) if path.is_file()
                for line in path.read_text().splitlines()]

@@ -13,6 +13,7 @@ import pytest
 
 from service.schemas import MetricRecord
 from workers.reporting import MetricReporter, StepMeter, WorkerAPI
+from workers.zero.reports import StepInfo
 
 
 class IngestServer:
@@ -202,8 +203,9 @@ def test_worker_api_requests_leave_no_info_lines_in_the_jobs_log(server, caplog,
 def test_step_meter_derives_throughput_and_bytes():
     meter = StepMeter(rank=1, attempt=2, flops_per_token=6e6, comm_element_bytes=2, device="cpu")
     memory = {"params": 10, "grads": 20, "optimizer": 30, "buffers": 4, "total": 64}
-    rec = meter.record(step=3, loss=2.5, lr=1e-3, step_time_s=0.5, samples=4, tokens=1000,
-                       info={"grad_norm": 1.5, "comm_exposed_s": 0.01}, memory=memory,
+    info = StepInfo(grad_norm=1.5, skipped=False, loss_scale=None, comm_exposed_s=0.01, step=3, micro_steps=1,
+                    comm_elements=500)
+    rec = meter.record(step=3, loss=2.5, lr=1e-3, step_time_s=0.5, samples=4, tokens=1000, info=info, memory=memory,
                        peak_memory_bytes=3 << 20, comm_volume={"total": 500})
     assert rec["tokens_per_s"] == 2000 and rec["samples_per_s"] == 8
     assert rec["tflops"] == pytest.approx(6e6 * 2000 / 1e12)
@@ -216,7 +218,7 @@ def test_step_meter_derives_throughput_and_bytes():
     assert list(rec) == [name for name in MetricRecord.model_fields if name != "user"]
     assert rec["eval_loss"] is None
     MetricRecord.model_validate(rec)
-    rec = meter.record(step=4, loss=2.5, lr=1e-3, step_time_s=0.5, samples=4, tokens=1000, info={}, memory=memory,
+    rec = meter.record(step=4, loss=2.5, lr=1e-3, step_time_s=0.5, samples=4, tokens=1000, info=info, memory=memory,
                        peak_memory_bytes=3 << 20, comm_volume={}, eval_loss=2.75, user={"accuracy": 0.5})
     assert (rec["eval_loss"], rec["user"]) == (2.75, {"accuracy": 0.5})
     assert list(rec) == list(MetricRecord.model_fields)

@@ -78,7 +78,7 @@ def test_the_trainer_builds_our_scaling_policy_for_an_elastic_run_only():
     from ray.train import ScalingConfig
     from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy, FixedScalingPolicy
 
-    from workers.runtime.ray_train import resize_at_checkpoints
+    from workers.runtime.resize_at_checkpoint import resize_at_checkpoints
 
     original = trainer_module.create_scaling_policy
     with resize_at_checkpoints("job-7"):

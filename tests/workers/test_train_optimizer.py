@@ -11,6 +11,7 @@ import torch
 
 from contract.spec import JobSpec
 from workers import train
+from workers.loop_config import LoopConfig
 from workers.models import build_model
 from workers.train import build_engine, lr_at, run_local
 
@@ -81,8 +82,8 @@ def test_the_loop_follows_the_linear_schedule_on_every_group(tmp_path: Path):
     schedule's, and the loop set it on every group (read back from the engine at the end)."""
     steps = 5
     spec = nano_spec(steps, schedule="linear", optimizer="sgd", momentum=0.9, lr=0.05)
-    summaries = run_local({"spec": spec, "job_id": "unit", "api_url": None, "attempt_base": 0,
-                           "metrics_path": str(tmp_path / "metrics")}, world_size=2)
+    summaries = run_local(LoopConfig(spec=spec, job_id="unit", api_url=None, attempt_base=0,
+                                      metrics_path=str(tmp_path / "metrics")), world_size=2)
     want = [lr_at(s, lr=0.05, warmup_steps=2, total_steps=steps, schedule="linear") for s in range(steps)]
     for summary in summaries:
         records = [json.loads(line) for line in

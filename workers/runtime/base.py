@@ -11,23 +11,23 @@ module with these three methods.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
 from contract.spec import JobSpec
+from workers.loop_config import LoopConfig
 
 
 class Runtime(Protocol):
     """Runs every rank of one job and says what its failure means."""
 
-    def fit(self, spec: JobSpec, loop_config: dict[str, Any]) -> None:
+    def fit(self, spec: JobSpec, loop_config: LoopConfig) -> None:
         """Run ``train_loop(loop_config)`` on each of ``spec.resources.num_workers`` ranks and
         return when all have finished; raise when the run fails for good (a runtime that
         restarts worker groups does so at most ``spec.max_failures`` times first).
 
-        ``loop_config`` is the runtime-independent part of ``workers.train``'s config; a runtime
-        may add its own entries (Ray Train adds ``attempt_counter``) and hands ``train_loop`` a
-        ``workers.run_context.RunContext`` with what it owns (the worker group's number, the
-        resize gate).
+        ``loop_config`` is the same on every rank; the runtime hands ``train_loop`` a
+        ``workers.run_context.RunContext`` beside it with what it owns (the worker group's
+        number, the resize gate).
         """
         ...
 

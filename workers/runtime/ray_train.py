@@ -24,8 +24,10 @@ from contract.environment import INGEST_TOKEN_ENV
 from contract.log_lines import rank_announcement
 from contract.reasons import Reason
 from contract.spec import JobSpec
+from workers.loop_config import LoopConfig
 from workers.reporting import WorkerAPI
 from workers.run_context import RunContext, first_worker_group
+from workers.runtime.resize_at_checkpoint import resize_at_checkpoints
 from workers.train import train_loop
 from workers.user_code import UserCodeError, is_user_code_error
 from workers.zero.swap_io import OffloadDiskFull
@@ -65,9 +67,9 @@ def on_this_node() -> Any:
 
     [Note: nothing the driver relies on lives on a worker node]
     A ``num_cpus=0`` actor may be placed on any node, a worker node among them, and a worker
-    node is what a node failure takes away: the attempt counter placed there died with it,
-    every restarted rank 0 then failed asking it for its number, the restarts ran out and
-    no RESTARTING was recorded (issue 19: 2 runs of 4 on a 3-node cluster). The driver's node
+    node is what a node failure takes away: an attempt counter placed there dies with it,
+    every restarted rank 0 then fails asking it for its number, the restarts run out and
+    no RESTARTING is recorded. The driver's node
     is the one node the run cannot outlive anyway (the driver and Ray Train's controller,
     which Ray Train pins there itself, live on it), so the counter goes there, ``soft=False``:
     rather not at all than somewhere else.
@@ -242,25 +244,27 @@ def _ray_resize_gate(job_id: str, rank: int, device: Any) -> Any:
     return ResizeGate(ResizeChannel.ray(job_id), rank=rank, device=device)
 
 
-def run_context(config: dict[str, Any]) -> RunContext:
+def run_context(job_id: str, attempt_counter: str | None = None, elastic: bool = False) -> RunContext:
     """What this runtime owns, for ``train_loop``: the worker group's number from the driver's
-    ``AttemptCounter`` (``attempt_counter``), and for an elastic run (``resize_at_checkpoints``)
-    the gate that parks at checkpoints for a resize. Both keys are this runtime's own (``fit``)."""
-    name = config.get("attempt_counter")
+    ``AttemptCounter`` named ``attempt_counter``, and for an ``elastic`` run the gate that parks
+    at checkpoints for a resize."""
     return RunContext(
-        worker_group=functools.partial(next_worker_group, name) if name else first_worker_group,
-        resize_gate=functools.partial(_ray_resize_gate, config["job_id"]) if config.get("resize_at_checkpoints")
-        else None)
+        worker_group=functools.partial(next_worker_group, attempt_counter) if attempt_counter
+        else first_worker_group,
+        resize_gate=functools.partial(_ray_resize_gate, job_id) if elastic else None)
 
 
 def announced_train_loop(config: dict[str, Any]) -> dict[str, Any]:
     """``train_loop`` after this worker's first line in the job's log: which rank it is, so
-    the log can be read per rank (``contract.log_lines``, ``zerotrain logs JOB --rank N``)."""
+    the log can be read per rank (``contract.log_lines``, ``zerotrain logs JOB --rank N``).
+    ``config`` is ``build_trainer``'s ``train_loop_config``: the job's ``LoopConfig`` under
+    ``loop`` and this runtime's own keys beside it."""
     from ray.train import get_context
 
     context = get_context()
     print(rank_announcement(context.get_world_rank(), context.get_world_size()), flush=True)
-    return train_loop(config, run_context(config))
+    loop: LoopConfig = config["loop"]
+    return train_loop(loop, run_context(loop.job_id, config.get("attempt_counter"), config.get("elastic", False)))
 
 
 ELASTIC_START_TIMEOUT_S = 20.0
@@ -276,8 +280,8 @@ def shorten_elastic_start_timeout(spec: JobSpec, environ: dict[str, str] | None 
     view of the nodes, which is up to 20 s old and still counts the lost node until the GCS has
     declared it dead: the first restart asks for the old size, and its placement group waits
     for the whole start timeout before Ray retries (a controller failure, which spends no
-    ``max_failures``) with a fresh decision. On a loopback cluster that was 60 s of a job doing
-    nothing while one worker could have trained. A placement group that fits is placed in well
+    ``max_failures``) with a fresh decision: with Ray's 60 s a job does nothing for a minute
+    while one worker could train. A placement group that fits is placed in well
     under a second, and the elastic policy only asks for sizes its reservation holds, so a short
     timeout only cuts that wait short. Set in the driver's environment, which Ray Train hands
     to its controller (``ENV_VARS_TO_PROPAGATE``).
@@ -298,21 +302,22 @@ def scaling_config(spec: JobSpec):
     return ScalingConfig(num_workers=workers, use_gpu="GPU" in per_worker, resources_per_worker=per_worker)
 
 
-def build_trainer(spec: JobSpec, loop_config: dict[str, Any]):
+def build_trainer(spec: JobSpec, loop_config: LoopConfig, attempt_counter: str | None = None):
     """The job's ``TorchTrainer``: ``train_loop(loop_config)`` on each worker, Ray Train restarting
-    a failed worker group up to ``spec.max_failures`` times (an elastic one at the size that fits)."""
+    a failed worker group up to ``spec.max_failures`` times (an elastic one at the size that fits);
+    each worker group learns its number from the ``AttemptCounter`` named ``attempt_counter``."""
     from ray.train import FailureConfig, RunConfig
     from ray.train.torch import TorchTrainer
 
-    job_id = loop_config["job_id"]
-    api_url, attempt_base = loop_config["api_url"], int(loop_config["attempt_base"])
-    storage_path, storage_filesystem = ray_storage(loop_config["storage_uri"])
+    job_id, api_url, attempt_base = loop_config.job_id, loop_config.api_url, loop_config.attempt_base
+    storage_path, storage_filesystem = ray_storage(loop_config.storage_uri)
     callbacks = [_restart_reporter(api_url, job_id, attempt_base, spec.max_failures)]
     if spec.resources.elastic:
         callbacks.append(_resize_reporter(api_url, job_id, attempt_base))
     return TorchTrainer(
         announced_train_loop,
-        train_loop_config=loop_config,
+        train_loop_config={"loop": loop_config, "attempt_counter": attempt_counter,
+                           "elastic": spec.resources.elastic},
         scaling_config=scaling_config(spec),
         run_config=RunConfig(
             storage_path=storage_path, storage_filesystem=storage_filesystem, name=job_id,
@@ -366,28 +371,6 @@ def fail_fast_on_user_errors():
         trainer_module.create_failure_policy = original
 
 
-@contextlib.contextmanager
-def resize_at_checkpoints(job_id: str):
-    """``TorchTrainer.fit()`` inside gives an elastic run ``resize_at_checkpoint``'s policy, which
-    holds a running group's resize back until its ranks park at a checkpoint (the note there);
-    installed as ``FailFastPolicy`` is (its note), and checked by the same kind of test."""
-    import ray.train.v2.api.data_parallel_trainer as trainer_module
-
-    from workers.runtime.resize_at_checkpoint import boundary_scaling_policy
-
-    original = trainer_module.create_scaling_policy
-
-    def create_scaling_policy(config: Any) -> Any:
-        return boundary_scaling_policy(config, job_id) if config.elasticity_enabled else original(config)
-
-    trainer_module.create_scaling_policy = create_scaling_policy
-    try:
-        yield
-    finally:
-        trainer_module.create_scaling_policy = original
-
-
-# Exceptions that mean a worker process or actor was lost, not that the training code raised.
 LOST_WORKER_ERRORS = {"ActorDiedError", "RayActorError", "ActorUnavailableError", "WorkerCrashedError",
                       "NodeDiedError", "OutOfMemoryError", "NCCLHangError", "WorkerHealthCheckFailedError",
                       "WorkerHealthCheckTimeoutError", "WorkerGroupStartupFailedError"}
@@ -479,15 +462,14 @@ def failure_summary(error: BaseException) -> str:
 class RayTrainRuntime:
     """``workers.runtime.Runtime`` on the Ray cluster this driver was submitted to."""
 
-    def fit(self, spec: JobSpec, loop_config: dict[str, Any]) -> None:
-        job_id = loop_config["job_id"]
+    def fit(self, spec: JobSpec, loop_config: LoopConfig) -> None:
+        job_id = loop_config.job_id
         ray.init(log_to_driver=True)
         counter = start_attempt_counter(job_id)
         wait_for_resources(spec, job_id)
         shorten_elastic_start_timeout(spec)
         with fail_fast_on_user_errors(), resize_at_checkpoints(job_id):
-            build_trainer(spec, {**loop_config, "attempt_counter": counter_name(job_id),
-                                 "resize_at_checkpoints": spec.resources.elastic}).fit()
+            build_trainer(spec, loop_config, attempt_counter=counter_name(job_id)).fit()
         ray.kill(counter)
 
     def failure_reason(self, error: BaseException) -> str:

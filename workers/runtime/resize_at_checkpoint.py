@@ -29,6 +29,7 @@ to run the gate on a plain Gloo world.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -162,6 +163,28 @@ def boundary_scaling_policy(scaling_config: Any, job_id: str) -> Any:
             return boundary_scaling_policy, (scaling_config, job_id)
 
     return BoundaryScalingPolicy()
+
+
+@contextlib.contextmanager
+def resize_at_checkpoints(job_id: str):
+    """``TorchTrainer.fit()`` inside gives an elastic run ``resize_at_checkpoint``'s policy, which
+    holds a running group's resize back until its ranks park at a checkpoint (the note above);
+    installed as ``ray_train.FailFastPolicy`` is (its note), and checked by the same kind of test."""
+    import ray.train.v2.api.data_parallel_trainer as trainer_module
+
+    original = trainer_module.create_scaling_policy
+
+    def create_scaling_policy(config: Any) -> Any:
+        return boundary_scaling_policy(config, job_id) if config.elasticity_enabled else original(config)
+
+    trainer_module.create_scaling_policy = create_scaling_policy
+    try:
+        yield
+    finally:
+        trainer_module.create_scaling_policy = original
+
+
+# Exceptions that mean a worker process or actor was lost, not that the training code raised.
 
 
 class ResizeGate:

@@ -6,12 +6,15 @@ Modules, in import order: ``config`` (ZeroConfig), ``flat`` (bucket layout), ``c
 (dist wrappers + accounting), ``precision`` (dtypes, loss scaler), ``buckets`` (one bucket's
 tensors), ``stages`` (what stages 0-2 communicate, and which strategy runs a stage), ``units``
 (stage-3 units, activation checkpointing), ``stage3`` (parameter sharding), ``offload`` (host
-optimizer), ``engine_state`` (the state-dict format), ``engine`` (the facade). What each stage shards and communicates is
-``contract.zero_math``'s stage-traits table. On top of the engine, never imported by it:
+optimizer), ``engine_state`` (the state-dict format), ``reports`` (what ``step()`` and
+``memory()`` return), ``initial_state``, ``update`` and ``memory_report`` (the engine's
+construction, optimizer step and memory count), ``engine`` (the facade). What each stage
+shards and communicates is ``contract.zero_math``'s stage-traits table. On top of the engine, never imported by it:
 ``planner`` (the memory planner: ``shape``, ``buffers``, ``activations``, ``plan``, ``check``).
 """
 
 from .config import ZeroConfig
 from .engine import ZeroEngine
+from .reports import MemoryReport, StepInfo
 
-__all__ = ["ZeroConfig", "ZeroEngine"]
+__all__ = ["MemoryReport", "StepInfo", "ZeroConfig", "ZeroEngine"]

@@ -19,20 +19,18 @@ Everything the engine sends goes through :class:`Collectives`, which
 [Note: Gloo's copies]
 Gloo (CPU) has no reduce-scatter or all-gather of its own that works in place: torch's Gloo
 backend all-reduces a full-size copy of a reduce-scatter's input (the wire carries exactly what
-an all-reduce carries: measured 2.00x the input over loopback at N=2, as an all-reduce) and
-gathers into a full-size temporary before copying into the output. On a CPU rank those copies
-are memory on top of the bucket -- a whole model's worth at stage 1, whose buckets all reduce
-at once in ``step()`` -- and they are allocated on Gloo's own threads, whose malloc arenas keep
-the pages. So on Gloo/CPU (``in_place``):
+an all-reduce carries) and gathers into a full-size temporary before copying into the output.
+On a CPU rank those copies are memory on top of the bucket -- a whole model's worth at stage 1,
+whose buckets all reduce at once in ``step()`` -- and they are allocated on Gloo's own threads,
+whose malloc arenas keep the pages. So on Gloo/CPU (``in_place``):
 
 * over a group of two ranks (``exchanges``) a reduce-scatter is an exchange: each rank sends
   the peer the half of ``input`` the peer owns and receives the peer's half of its own into
   ``output`` (point to point, from and into the tensors themselves), then adds its own half:
   half the bytes of an all-reduce on the wire -- what a ring reduce-scatter sends, (N-1)/N of
   the input -- and no copy. The sum is the peer's plus ours, which is what a two-rank
-  all-reduce computes too (addition commutes: bit for bit the same). gpt-mini, 2 Gloo ranks,
-  fp32, stages 1 and 2 interleaved with the all-reduce version in one world: 5-7% less step
-  time (``docs/engine.md``);
+  all-reduce computes too (addition commutes: bit for bit the same). Its cost against the
+  all-reduce version is measured in ``docs/engine.md`` (Gloo on CPU);
 * otherwise a reduce-scatter whose ``output`` is its ``input``'s own slot (the strategies ask
   for that when ``in_place`` and not ``exchanges``: the input is scratch they discard) is an
   in-place all-reduce of the input; what the slot holds afterwards is the reduce-scatter's

@@ -4,10 +4,11 @@
     loss = engine(x, y); engine.backward(loss); info = engine.step()
 
 It wires the parts together and owns nothing subtle itself: ``flat.py`` decides where every
-parameter lives, ``buckets.py`` holds the tensors, ``stages.py`` decides what is communicated
-when, ``collectives.py`` talks to ``torch.distributed`` and counts, ``precision.py`` rounds
-and scales. Imports flow one way: config/flat -> collectives/precision -> buckets -> stages ->
-engine.
+parameter lives, ``buckets.py`` holds the tensors (``initial_state.py`` fills them),
+``stages.py`` decides what is communicated when, ``collectives.py`` talks to
+``torch.distributed`` and counts, ``precision.py`` rounds and scales, ``update.py`` steps the
+optimizer, ``memory_report.py`` counts what it all holds. Imports flow one way: config/flat ->
+collectives/precision -> buckets -> stages -> engine.
 
 [Note: what step() does, in order]
 1. finish an open micro-step (launch whatever buckets did not fill, wait for them);
@@ -37,7 +38,7 @@ import contextlib
 import logging
 import math
 import weakref
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -46,41 +47,24 @@ import torch.nn as nn
 from . import engine_state, optim_groups
 from .buckets import FlatBucket
 from .collectives import Collectives, CommCounter
-from .watchdog import stop_watchdog
 from .config import ZeroConfig
-from .flat import FlatLayout
-from .materialize import InitWeights, Materializer, bind
+from .initial_state import BucketBuilder, plan_layout, sync_frozen
+from .materialize import InitWeights, Materializer, compute_device
+from .memory_report import at_step_start, distinct_storage_bytes, memory_report
 from .module_buffers import ModuleBuffers
 from .offload import HostOptimizerState
-from .optimizer_swap import OptimizerStateSwap
-from .swap_io import OffloadDiskFull
+from .optimizer_swap import swap_files
 from .precision import MixedPrecision
-from .stages import Strategy
+from .reports import MemoryReport, StepInfo
+from .stages import Strategy, params_reached
 from .strategies import make_strategy
-from .units import checkpoint_forward, plan_units, unit_modules
+from .swap_io import OffloadDiskFull
+from .units import checkpoint_forward, unit_modules
+from .update import clip_coef, norm_and_usage, optimizer_step
+from .watchdog import stop_watchdog
 
 log = logging.getLogger(__name__)
 
-
-
-
-def distinct_storage_bytes(tensors: Iterable[Any], seen: set[int]) -> int:
-    """Bytes of the storages behind ``tensors`` not in ``seen`` yet (which it updates).
-
-    Views of one storage, and a storage already counted under another role, count once;
-    non-tensors and empty (freed) storages count nothing.
-    """
-    total = 0
-    for t in tensors:
-        if not isinstance(t, torch.Tensor):
-            continue
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
-        if storage.nbytes() == 0 or key in seen:
-            continue
-        seen.add(key)
-        total += storage.nbytes()
-    return total
 
 class ZeroEngine:
     """Trains ``model`` with ZeRO stage 0, 1, 2 or 3 over ``process_group`` (default: WORLD).
@@ -120,7 +104,7 @@ class ZeroEngine:
         self.precision = MixedPrecision(config.precision)
         if process_group is None and dist.is_available() and dist.is_initialized():
             process_group = dist.group.WORLD
-        self.materializer = Materializer(model, init_weights, _compute_device(model))
+        self.materializer = Materializer(model, init_weights, compute_device(model))
         self.device = self.materializer.device
         self.precision.check_device(self.device)
         traits = config.traits
@@ -135,17 +119,16 @@ class ZeroEngine:
 
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self._frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
-        shapes = [(n, tuple(p.shape)) for n, p in trainable]
-        units = plan_units(model, trainable, config.wrap) if traits.shards_parameters else None
-        if units is not None:  # parameters sharded: one bucket per unit, gathered together
+        self.layout, units = plan_layout(model, trainable, config, self.shard_world)
+        if units is not None:
             log.info("stage %d units: %s", config.stage, units.describe())
-            self.layout = FlatLayout.from_groups(shapes, units.groups, self.shard_world)
-        else:
-            self.layout = FlatLayout.build(shapes, self.shard_world, config.bucket_numel)
         self._trainable = [p for _, p in trainable]
-        self.buckets = self._build_buckets(self._trainable)
+        builder = BucketBuilder(self.materializer, self.comm, self.precision, self.device, self.shard_rank,
+                                self.shard_world, traits.shards_parameters)
+        self.buckets = builder.build(self.layout, self._trainable)
         self.materializer.finish()  # frozen parameters and buffers still on meta, or loaded from the file
-        self._frozen_fp32 = self._sync_frozen()
+        # the fp32 originals of frozen parameters cast to the compute dtype (for full_state_dict)
+        self._frozen_fp32 = sync_frozen([p for _, p in self._frozen], self.comm, self.precision.compute_dtype)
         self.module_buffers = ModuleBuffers(model, self.comm, self.precision.compute_dtype, config.broadcast_buffers,
                                             config.sync_batchnorm)
         if config.activation_checkpointing:
@@ -165,7 +148,8 @@ class ZeroEngine:
         self.optimizer, self._placeholder, self._opt_names = optim_groups.build(
             optimizer, held, self.layout.slots, opt_device)
         optim_groups.check(self.optimizer, held, self._placeholder)  # every view once, nothing foreign
-        self.swap = self._swap_files() if config.optimizer_offload == "nvme" else None
+        self.swap = swap_files(self.optimizer, [[view for _, view in b.master_views] for b in self.buckets], self.device,
+                               config.nvme_path, self.comm.rank) if config.optimizer_offload == "nvme" else None
         self.scaler = self.precision.make_scaler(config.initial_loss_scale, config.loss_scale_growth_interval)
 
         self._got_grad = [False] * len(self.layout.slots)
@@ -180,111 +164,6 @@ class ZeroEngine:
             for bucket_index, b in enumerate(self.buckets)
             for pos, p in enumerate(b.params)
         ]
-
-    # -- construction ------------------------------------------------------------------------------
-    def _swap_files(self) -> OptimizerStateSwap:
-        """The optimizer state's swap files (``optimizer_swap.py``): bucket by bucket, so only an
-        optimizer that may step a bucket at a time, and on the CPU, where the state is stepped."""
-        if not optim_groups.steps_per_piece(self.optimizer):
-            raise ValueError(f"offload_optimizer='nvme' steps the optimizer bucket by bucket, which "
-                             f"{type(self.optimizer).__name__} does not allow; use one of "
-                             f"{sorted(t.__name__ for t in optim_groups.PER_PIECE_OPTIMIZERS)}")
-        if self.device.type != "cpu":
-            raise ValueError(f"offload_optimizer='nvme' runs the optimizer on the CPU; it is not built for "
-                             f"{self.device.type} devices yet: use offload_optimizer='cpu' there")
-        return OptimizerStateSwap([[view for _, view in b.master_views] for b in self.buckets], self.optimizer,
-                                  self.config.nvme_path, self.comm.rank)
-
-    def _build_buckets(self, params: list[nn.Parameter]) -> list[FlatBucket]:
-        """The flat buffers, one bucket at a time: values in, what the stage keeps out.
-
-        Values come from the parameters themselves (eager) or their initializer (meta), as
-        rank 0 has them, broadcast; or, from a weights file, each rank reads the part it keeps
-        (``materialize.py``). Stages 1/2 keep the full compute-dtype flat buffer and their fp32
-        master shard; stage 3 keeps only its shard and frees the flat buffer before the next
-        bucket is built, so no rank ever holds the whole model.
-        """
-        out = []
-        for spec in self.layout.buckets:
-            members = [params[s.index] for s in spec.slots]
-            lo, hi = spec.shard_range(self.shard_rank)
-            if self.materializer.from_file:
-                flat, master = self._read_bucket(spec, members, lo, hi)
-            else:
-                flat, master = self._broadcast_bucket(spec, members, lo, hi)
-            for s, p in zip(spec.slots, members):
-                bind(p, flat[s.offset : s.offset + s.numel].view(s.shape))
-            param_shard = None
-            if self.config.traits.shards_parameters:  # stage 3: keep the shard, free the flat buffer now
-                if master.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr():
-                    master = master.clone()  # fp32: the master was a view of the flat buffer
-                param_shard = master if flat.dtype == torch.float32 else flat[lo:hi].clone()
-                flat.untyped_storage().resize_(0)
-            views = [
-                (piece, master[piece.shard_offset : piece.shard_offset + piece.numel])
-                for piece in spec.pieces(self.shard_rank)
-            ]
-            out.append(FlatBucket(spec, members, flat, master, views, self.shard_rank, param_shard=param_shard))
-        return out
-
-    def _broadcast_bucket(self, spec, members: list[nn.Parameter], lo: int, hi: int):
-        """``(flat, master)`` from rank 0's values: the parameters', or their initializer's."""
-        self.materializer.materialize(members)
-        full32 = torch.zeros(spec.numel, dtype=torch.float32, device=self.device)
-        with torch.no_grad():
-            for s, p in zip(spec.slots, members):
-                full32[s.offset : s.offset + s.numel].copy_(p.detach().reshape(-1))
-        self.comm.broadcast(full32, src=0)
-        if self.precision.separate_master:
-            return full32.to(self.precision.compute_dtype), full32[lo:hi].clone()
-        return full32, full32[lo:hi]
-
-    def _read_bucket(self, spec, members: list[nn.Parameter], lo: int, hi: int):
-        """``(flat, master)`` with this rank's shard read from the weights file, the rest gathered.
-
-        Stage 3 gathers nothing (it keeps only the shard); stages 1/2 all-gather the flat
-        buffer from every rank's shard, in the compute dtype (the same rounding as casting the
-        full fp32 bucket); stage 0's "shard" is the whole bucket.
-        """
-        master = torch.zeros(hi - lo, dtype=torch.float32, device=self.device)
-        pieces = spec.pieces(self.shard_rank)
-        values = self.materializer.read([(self._trainable[pc.slot.index], pc.param_start, pc.param_end)
-                                         for pc in pieces])
-        for pc, v in zip(pieces, values):
-            master[pc.shard_offset : pc.shard_offset + pc.numel].copy_(v)
-        dtype = self.precision.compute_dtype
-        flat = torch.zeros(spec.numel, dtype=dtype, device=self.device)
-        flat[lo:hi].copy_(master)
-        if not self.precision.separate_master:
-            master = flat[lo:hi]
-        if self.shard_world > 1 and not self.config.traits.shards_parameters:
-            with self.comm.uncounted():
-                self.comm.all_gather(flat, flat[lo:hi], label=f"initial all_gather bucket {spec.index}",
-                                     async_op=False)
-        return flat, master
-
-    def _sync_frozen(self) -> dict[int, torch.Tensor]:
-        """Broadcast frozen parameters from rank 0; cast them to compute dtype (buffers:
-        ``module_buffers.py``).
-
-        Returns the fp32 originals of frozen parameters that were cast (for full_state_dict).
-        """
-        originals = {}
-        with torch.no_grad():
-            for _, p in self._frozen:
-                self._broadcast_any(p.data)
-                if p.is_floating_point() and p.dtype != self.precision.compute_dtype:
-                    originals[id(p)] = p.data.clone()
-                    p.data = p.data.to(self.precision.compute_dtype)
-        return originals
-
-    def _broadcast_any(self, t: torch.Tensor) -> None:
-        if t.dtype == torch.bool:
-            tmp = t.to(torch.uint8)
-            self.comm.broadcast(tmp)
-            t.copy_(tmp.bool())
-        else:
-            self.comm.broadcast(t)
 
     # -- forward / backward ------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -318,7 +197,7 @@ class ZeroEngine:
         if self.scaler is not None:
             loss = loss * self.scaler.scale
         if self.strategy.launches_during_backward:
-            reached = _params_reached(loss)
+            reached = params_reached(loss)
             for b in self.buckets:
                 for pos, p in enumerate(b.params):
                     if id(p) not in reached:
@@ -372,13 +251,9 @@ class ZeroEngine:
 
     # -- step --------------------------------------------------------------------------------------
     @torch.no_grad()
-    def step(self) -> dict[str, Any]:
-        """Average over ranks, unscale, clip, update, republish parameters, zero gradients.
-
-        Returns ``{"grad_norm", "skipped", "loss_scale", "comm_exposed_s", "step",
-        "micro_steps", "comm_elements"}``; ``grad_norm`` is the global pre-clip L2 norm of the
-        averaged, unscaled gradient (``inf``/``nan`` on an fp16 overflow).
-        """
+    def step(self) -> StepInfo:
+        """Average over ranks, unscale, clip, update, republish parameters, zero gradients;
+        what happened is the ``StepInfo`` returned (``reports.py``)."""
         self._check_open("step")
         self.strategy.wait_params()  # a second step() without a forward: the optimizer writes what is sent
         self._end_micro_step()
@@ -390,30 +265,19 @@ class ZeroEngine:
             self.swap.begin_step()  # the first buckets' state is read while the norm is computed
         if self.offload is not None:  # the optimizer lives on the host: so do its fp32 gradients
             grads = self.offload.grads_to_host(grads)
-        for g in grads:  # an fp32 gradient is unscaled once, in place; the others per use (_fp32_grad)
+        for g in grads:  # an fp32 gradient is unscaled once, in place; the others per use (fp32_grad)
             if g.dtype == torch.float32 and inv_scale is not None:
                 g.mul_(inv_scale)
 
-        sq = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else self.device)
-        for g in grads:  # bucket by bucket: at most one bucket's fp32 copy at a time
-            sq += torch.linalg.vector_norm(_fp32_grad(g, inv_scale)).double() ** 2
-        control = torch.zeros(1 + len(self._got_grad), dtype=torch.float64, device=self.device)
-        if self.strategy.sharded_grads and self.comm.replica_index == 0:  # each shard counted once (hybrid.py)
-            control[0] = sq
-        control[1:] = torch.tensor(self._got_grad, dtype=torch.float64)
-        self.comm.control_all_reduce(control, label="grad norm + used mask")
-        total_sq = control[0] if self.strategy.sharded_grads else sq
-        norm = float(total_sq.sqrt())
-        used = (control[1:] > 0).tolist()
-
+        grad_device = grads[0].device if grads else self.device
+        norm, used = norm_and_usage(grads, inv_scale, self._got_grad, self.comm, self.strategy.sharded_grads,
+                                    grad_device, self.device)
         skipped = self.scaler is not None and not math.isfinite(norm)
         if not skipped:
-            coef = None
-            if self.config.grad_clip is not None:
-                norm32 = torch.tensor(norm, dtype=torch.float32, device=sq.device)
-                coef = torch.clamp(self.config.grad_clip / (norm32 + 1e-6), max=1.0)
+            coef = clip_coef(self.config.grad_clip, norm, grad_device)
             try:
-                self._update(grads, inv_scale, coef, used)
+                optimizer_step(self.optimizer, self.buckets, self._opt_params, grads, inv_scale, coef, used,
+                               self.swap)
             except OffloadDiskFull:
                 self._abandon()  # some buckets stepped, others not: this engine must not go on
                 raise
@@ -432,55 +296,12 @@ class ZeroEngine:
         self._last_comm = self.comm.counter.snapshot()
         exposed = self.comm.exposed_seconds()
         self.comm.reset()
-        out = {
-            "grad_norm": norm,
-            "skipped": skipped,
-            "loss_scale": scale,
-            "comm_exposed_s": exposed,
-            "step": self._step,
-            "micro_steps": micro_steps,
-            "comm_elements": self._last_comm["total"],
-        }
+        io = {}
         if self.swap is not None:  # io_read_bytes, io_write_bytes, io_wait_s (exposed)
             self.swap.end_step()
-            out.update(self.swap.step_io())
-        return out
-
-    def _update(self, grads: list[torch.Tensor], inv_scale: Optional[float], coef: Optional[torch.Tensor],
-                used: list[bool]) -> None:
-        """The optimizer's step on the fp32 gradients, clipped by ``coef``.
-
-        [Note: one bucket's fp32 gradient at a time]
-        A low-precision gradient becomes fp32 (and unscaled) only for the optimizer, and torch's
-        element-wise optimizers keep every state per parameter: stepping them bucket by bucket,
-        with only that bucket's views holding a gradient, is the same update element for element
-        as one step over all of them (a parameter without a gradient is skipped either way). So
-        for those (``optim_groups.steps_per_piece``) each bucket's fp32 copy lives only for its
-        own ``optimizer.step()`` -- the step's transient is one bucket's, not the whole shard's
-        (4Φ/N bytes in bf16; on CUDA also the foreach temporaries of Adam's update, which scale
-        with the tensors of one call). Any other optimizer gets one call over every bucket, as
-        it would on an unsharded model (group-level state, step hooks counting calls).
-        """
-        per_bucket = optim_groups.steps_per_piece(self.optimizer)
-        for index, (b, g) in enumerate(zip(self.buckets, grads)):
-            g32 = _fp32_grad(g, inv_scale)
-            if coef is not None:
-                g32.mul_(coef)
-            for piece, view in b.master_views:
-                view.grad = g32[piece.shard_offset : piece.shard_offset + piece.numel] if used[piece.slot.index] \
-                    else None
-            if per_bucket:
-                if self.swap is not None:
-                    self.swap.acquire(index)
-                self.optimizer.step()
-                if self.swap is not None:
-                    self.swap.release(index)
-                for _, view in b.master_views:
-                    view.grad = None
-        if not per_bucket:  # the views' gradients keep every bucket's fp32 copy alive until here
-            self.optimizer.step()
-            for _, view in self._opt_params:
-                view.grad = None
+            io = self.swap.step_io()
+        return StepInfo(grad_norm=norm, skipped=skipped, loss_scale=scale, comm_exposed_s=exposed, step=self._step,
+                        micro_steps=micro_steps, comm_elements=self._last_comm["total"], **io)
 
     def zero_grad(self) -> None:
         """Drop accumulated gradients without stepping (after a completed backward)."""
@@ -516,56 +337,17 @@ class ZeroEngine:
         """
         return dict(self._last_comm)
 
-    def memory(self) -> dict[str, int]:
-        """Bytes of the tensors this engine holds right now, by role; shared storage counted once.
+    def memory(self) -> MemoryReport:
+        """Bytes of the tensors this engine holds right now, by role (``memory_report.py``)."""
+        frozen = [p.data for _, p in self._frozen] + list(self._frozen_fp32.values())
+        return memory_report(self.strategy, [b.master for b in self.buckets], self.optimizer, self.offload,
+                             self.module_buffers, frozen, self.swap)
 
-        params: compute-dtype flat parameters (+ frozen parameters and their fp32 originals);
-        grads: the step's gradient storage (full buckets at stages 0/1, reduced shards; stage 2's
-        shard accumulator), 0 after ``step()`` (``stages.py``, the note on gradients' lifetime);
-        optimizer: fp32 master shard when it is a separate copy + every tensor in the optimizer
-        state; buffers: in-flight communication scratch, stage 3's gathered units and the
-        module's registered buffers (and the originals of cast ones). At stage 3 ``params`` is the
-        shards only. With ``offload_optimizer`` the host's master, optimizer state and fp32
-        gradient shard are under an extra key ``host``, ``optimizer`` is 0 and ``total`` counts
-        the device only.
-        """
-        seen: set[int] = set()
-
-        def tally(tensors) -> int:
-            return distinct_storage_bytes(tensors, seen)
-
-        params = tally(self.strategy.param_tensors() + [p.data for _, p in self._frozen]
-                       + list(self._frozen_fp32.values()))
-        grads = tally(self.strategy.grad_tensors())
-        opt_tensors = [b.master for b in self.buckets]
-        for state in self.optimizer.state.values():
-            opt_tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
-        if self.offload is not None:  # host memory, reported apart from the device's total
-            host = tally(opt_tensors + self.offload.tensors())
-            optimizer = 0
-        else:
-            optimizer = tally(opt_tensors)
-        buffers = tally(self.strategy.scratch_tensors() + list(self.module_buffers.tensors()))
-        out = {"params": params, "grads": grads, "optimizer": optimizer, "buffers": buffers,
-               "total": params + grads + optimizer + buffers}
-        if self.offload is not None:
-            out["host"] = host
-        if self.swap is not None:  # the swap buffers are the optimizer's memory; the files, apart
-            swap_buffers = tally(self.swap.tensors())
-            out["optimizer"] += swap_buffers
-            out["total"] += swap_buffers
-            out["disk"] = self.swap.disk_bytes()
-        return out
-
-    def step_memory(self) -> dict[str, int]:
+    def step_memory(self) -> MemoryReport:
         """``memory()`` with ``grads`` as the last ``step()`` began (0 before the first), ``total``
-        to match: this step's model states, each at its high point -- gradients live from backward
-        to the end of ``step()`` (``stages.py``, the note on gradients' lifetime), the optimizer's
-        state from the first ``step()`` on. What the worker reports per step and at the end."""
-        out = self.memory()
-        out["total"] += self._step_grad_bytes - out["grads"]
-        out["grads"] = self._step_grad_bytes
-        return out
+        to match: this step's model states, each at its high point. What the worker reports per
+        step and at the end."""
+        return at_step_start(self.memory(), self._step_grad_bytes)
 
     # -- state (engine_state.py) ---------------------------------------------------------------------
     # Each reads or writes parameter values: the stage 1/2 gathers in flight are waited first,
@@ -712,41 +494,3 @@ class ZeroEngine:
         self.comm.drain(device_too)
         if device_too and self.offload is not None:
             self.offload.drain()
-
-
-def _compute_device(model: nn.Module) -> torch.device:
-    """Where the engine computes: the model's device; for a model on meta, the current GPU or the CPU."""
-    for t in list(model.parameters()) + list(model.buffers()):
-        if not t.is_meta:
-            return t.device
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _fp32_grad(g: torch.Tensor, inv_scale: Optional[float]) -> torch.Tensor:
-    """``g`` as fp32 and unscaled: ``g`` itself when it is fp32 (``step()`` unscaled it in place),
-    else a temporary copy -- the same values each time it is made."""
-    if g.dtype == torch.float32:
-        return g
-    g32 = g.float()
-    if inv_scale is not None:
-        g32.mul_(inv_scale)
-    return g32
-
-
-def _params_reached(loss: torch.Tensor) -> set[int]:
-    """ids of the leaf tensors the autograd graph of ``loss`` accumulates gradients into."""
-    found: set[int] = set()
-    seen: set = set()
-    stack = [loss.grad_fn]
-    while stack:
-        fn = stack.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        variable = getattr(fn, "variable", None)  # AccumulateGrad nodes
-        if variable is not None:
-            found.add(id(variable))
-        stack.extend(nxt for nxt, _ in fn.next_functions)
-    return found

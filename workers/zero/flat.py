@@ -17,10 +17,7 @@ all-gather is what the next forward waits for before its first layer (``param_ga
 So the layout is packed from the forward's start, the first buckets smaller --
 ``TAPER`` of ``bucket_numel``, then full buckets -- and the buckets are numbered in backward's
 order; the remainder lands in bucket 0, the last layers, which backward fills first (DDP's small
-first bucket, for the same reason). gpt-mini, 2 Gloo ranks, fp32, 25 MB buckets (4 buckets instead
-of 2; ``python -m benchmarks.engine --interleave --repeats 2 --rows ddp,zero1,zero2``, before and
-after): median exposed communication per step 0.035 -> 0.028 s at stage 1, 0.038 -> 0.025 s at
-stage 2; step time against DDP's 1.007x -> 1.004x and 1.010x -> 1.007x.
+first bucket, for the same reason). What it saves is measured in ``docs/engine.md`` (Layout).
 
 [Note: padding and alignment]
 Each bucket's flat length is rounded up to a multiple of ``ALIGN_ELEMENTS`` times the shard world

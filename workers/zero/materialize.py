@@ -1,7 +1,7 @@
 """Deferred initialization: where a parameter built on the meta device gets its values.
 
 A model built under ``with torch.device("meta"):`` has shapes and no storage. The engine
-builds its flat buckets one at a time (``engine._build_buckets``); for each bucket it asks
+builds its flat buckets one at a time (``initial_state.BucketBuilder``); for each bucket it asks
 this module for the values, keeps what its stage keeps, and frees the rest before the next
 bucket, so no rank ever holds the whole fp32 model. ``init_weights`` says where values come
 from:
@@ -180,3 +180,13 @@ class Materializer:
                 else:
                     with torch.no_grad():
                         t.copy_(value)
+
+
+def compute_device(model: nn.Module) -> torch.device:
+    """Where the engine computes: the model's device; for a model on meta, the current GPU or the CPU."""
+    for t in list(model.parameters()) + list(model.buffers()):
+        if not t.is_meta:
+            return t.device
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -26,7 +26,7 @@ Only forwards through the engine sync; calling ``engine.module`` directly does n
 [Note: buffer dtypes under bf16/fp16]
 torch's batch_norm kernels accept a low-precision input with fp32 weight, bias and running
 statistics (autocast's case), but not bf16 weight with fp32 statistics -- the "expected scalar
-type BFloat16 but found Float" every stage used to raise. FSDP1's ``MixedPrecision`` casts
+type BFloat16 but found Float" a bf16 BatchNorm raises otherwise. FSDP1's ``MixedPrecision`` casts
 buffers to ``buffer_dtype`` and keeps BatchNorm modules in fp32 (``_module_classes_to_ignore``);
 FSDP2's ``MixedPrecisionPolicy`` leaves buffers alone. Here parameters are views of the
 engine's compute-dtype buckets, so BatchNorm keeps its running statistics in fp32 (exact

@@ -3,7 +3,7 @@
 With ``offload_optimizer="nvme"`` (stages 1-3) the per-element optimizer state (Adam's two
 moments, SGD's momentum: every state tensor shaped like its parameter piece) is on disk, one
 file per bucket under ``nvme_path/<rank>/`` (``swap_io.SwapFolder``). The engine already steps
-an element-wise optimizer bucket by bucket (engine.py, the note on one bucket's fp32 gradient
+an element-wise optimizer bucket by bucket (update.py, the note on one bucket's fp32 gradient
 at a time); around each bucket's ``optimizer.step()`` this module binds that bucket's state to
 a buffer read from its file and, afterwards, writes the buffer back and unbinds it. The math is
 the optimizer's own, on the same values: a job is bit-for-bit the job in memory.
@@ -44,6 +44,7 @@ import torch
 
 from contract.zero_math import SWAP_BUFFERS
 
+from . import optim_groups
 from .swap_io import AlignedBuffer, BlockIO, DirectFile, SwapFolder, aligned, finish
 
 BUFFERS = SWAP_BUFFERS  # one stepping, one being read ahead, one being written behind
@@ -251,3 +252,17 @@ class OptimizerStateSwap:
         start = time.perf_counter()
         finish(futures)
         self.wait_s += time.perf_counter() - start
+
+
+def swap_files(optimizer: torch.optim.Optimizer, buckets: list[list[torch.Tensor]], device: torch.device,
+               root: str, rank: int) -> OptimizerStateSwap:
+    """An engine's optimizer state in swap files: bucket by bucket, so only an optimizer that may
+    step a bucket at a time, and on the CPU, where the state is stepped."""
+    if not optim_groups.steps_per_piece(optimizer):
+        raise ValueError(f"offload_optimizer='nvme' steps the optimizer bucket by bucket, which "
+                         f"{type(optimizer).__name__} does not allow; use one of "
+                         f"{sorted(t.__name__ for t in optim_groups.PER_PIECE_OPTIMIZERS)}")
+    if device.type != "cpu":
+        raise ValueError(f"offload_optimizer='nvme' runs the optimizer on the CPU; it is not built for "
+                         f"{device.type} devices yet: use offload_optimizer='cpu' there")
+    return OptimizerStateSwap(buckets, optimizer, root, rank)

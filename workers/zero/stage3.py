@@ -92,7 +92,7 @@ from contract.zero_math import STAGE_TRAITS
 from .buckets import FlatBucket
 from .collectives import Collectives, Pending, tagged_all_gather
 from .divergence import Ledger
-from .stage3_units import FREE, GATHERED, GATHERING, Unit, _OrderPredictor, _PostBackward, _WatchedParameters
+from .stage3_units import HeldFor, Unit, UnitState, _OrderPredictor, _PostBackward, _WatchedParameters
 from .parameter_guards import remove_guards
 from .stages import ReduceScatterInBackwardStrategy
 from .units import KeptUnits, UnitPlan
@@ -103,7 +103,7 @@ class ParamShardStrategy(ReduceScatterInBackwardStrategy):
     """Stage 3: stage 2's gradient path, launched per unit, plus parameter gathering."""
 
     traits = STAGE_TRAITS[3]
-    launches_during_backward = False  # units launch from their post-backward, never by bucket readiness
+    launches_when_ready = False  # units launch from their post-backward, never by bucket readiness
     gathers_params = False  # the next forward gathers each unit itself
 
     def __init__(self, buckets: list[FlatBucket], comm: Collectives, overlap_comm: bool, plan: UnitPlan,
@@ -143,7 +143,7 @@ class ParamShardStrategy(ReduceScatterInBackwardStrategy):
     def _make_unit(index: int, name: str, module: nn.Module, b: FlatBucket, is_root: bool) -> Unit:
         """A unit over a bucket the engine built sharded: its flat buffer freed, ``param_shard`` kept."""
         if b.param_shard is None or b.flat_param.untyped_storage().nbytes() != 0:
-            raise RuntimeError(f"stage 3 needs bucket {b.spec.index} built sharded (engine._build_buckets)")
+            raise RuntimeError(f"stage 3 needs bucket {b.spec.index} built sharded (initial_state.BucketBuilder)")
         return Unit(index, name, module, b, b.param_shard, is_root)
 
     def _install_hooks(self) -> list:
@@ -182,7 +182,7 @@ class ParamShardStrategy(ReduceScatterInBackwardStrategy):
         return [u.shard for u in self.units]
 
     def scratch_tensors(self) -> list[torch.Tensor]:
-        return [u.flat for u in self.units if u.state != FREE] + super().scratch_tensors()
+        return [u.flat for u in self.units if u.state is not UnitState.FREE] + super().scratch_tensors()
 
     # -- gather / free ------------------------------------------------------------------------------
     def _launch_gather(self, unit: Unit) -> None:
@@ -192,17 +192,17 @@ class ParamShardStrategy(ReduceScatterInBackwardStrategy):
         unit.pending, tags = tagged_all_gather(self.comm, unit.flat, unit.shard, self._ledger.next_gather(unit.index),
                                                label=f"all_gather unit {unit.index} ({unit.name})")
         self._ledger.unchecked.append((unit.pending, tags))
-        unit.state = GATHERING
+        unit.state = UnitState.GATHERING
         self.counts["gathers"] += 1
         self._observe()
 
     def _unshard(self, unit: Unit) -> None:
-        if unit.state == FREE:
+        if unit.state is UnitState.FREE:
             self._launch_gather(unit)
-        if unit.state == GATHERING:
+        if unit.state is UnitState.GATHERING:
             pending, unit.pending = unit.pending, None
             pending.wait()
-            unit.state = GATHERED
+            unit.state = UnitState.GATHERED
             self._verify(pending)
         unit.prefetched = False
 
@@ -210,12 +210,12 @@ class ParamShardStrategy(ReduceScatterInBackwardStrategy):
         """Free ``unit``'s gathered parameters, unless a use outside its unit holds them (``force``: anyway)."""
         if unit.held is not None and not force:
             return
-        if unit.state == GATHERING:
+        if unit.state is UnitState.GATHERING:
             unit.pending.wait()  # never free a buffer a collective is writing into
             unit.pending = None
-        if unit.state != FREE:
+        if unit.state is not UnitState.FREE:
             unit.flat.untyped_storage().resize_(0)
-        unit.state = FREE
+        unit.state = UnitState.FREE
         unit.prefetched = False
 
     def _prefetch(self, upcoming: list[int]) -> None:
@@ -225,7 +225,7 @@ class ParamShardStrategy(ReduceScatterInBackwardStrategy):
                 self._free_stale_one(u)
         for i in upcoming:
             u = self.units[i]
-            if u.state == FREE:
+            if u.state is UnitState.FREE:
                 self._launch_gather(u)
                 self.counts["prefetches"] += 1
                 u.prefetched = True
@@ -290,13 +290,13 @@ class ParamShardStrategy(ReduceScatterInBackwardStrategy):
                      "the %s", param, unit.name, how, "backward" if torch.is_grad_enabled() else "forward")
         self._unshard(unit)
         if torch.is_grad_enabled():
-            unit.held = "backward"
+            unit.held = HeldFor.BACKWARD
             unit.post_at_end = True  # gradients may arrive from outside its backward: reduce when backward ends
         elif unit.held is None:
-            unit.held = "forward"
+            unit.held = HeldFor.FORWARD
 
     def _observe(self) -> None:
-        alive = sum(1 for u in self.units if u.state != FREE and not u.is_root)
+        alive = sum(1 for u in self.units if u.state is not UnitState.FREE and not u.is_root)
         self.max_gathered = max(self.max_gathered, alive)
 
     # -- forward hooks --------------------------------------------------------------------------------
@@ -325,7 +325,7 @@ class ParamShardStrategy(ReduceScatterInBackwardStrategy):
         if not unit.is_root and self._active and self._active[-1] == unit.index:
             self._active.pop()
         tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
-        if not unit.is_root and unit.state != FREE:
+        if not unit.is_root and unit.state is not UnitState.FREE:
             storage = unit.flat.untyped_storage().data_ptr()
             for t in tensors:  # a parameter (or a view of one) returned: it is used after this forward
                 if t.layout == torch.strided and t.untyped_storage().data_ptr() == storage:
@@ -378,7 +378,7 @@ class ParamShardStrategy(ReduceScatterInBackwardStrategy):
                 self._post_forward(root, output)
             self._in_forward = False
             for u in self.units:
-                if u.held == "forward":  # read outside its unit by a forward without grad
+                if u.held is HeldFor.FORWARD:  # read outside its unit by a forward without grad
                     u.held = None
                     self._reshard(u)
             self._free_stale()
@@ -452,7 +452,7 @@ class ParamShardStrategy(ReduceScatterInBackwardStrategy):
         or the parameters are used again: the next forward with grad, micro-step or ``step()``).
         """
         for unit in self.units:
-            if (unit.fwd_uses > 0 or unit.held == "backward") and not unit.reduced:
+            if (unit.fwd_uses > 0 or unit.held is HeldFor.BACKWARD) and not unit.reduced:
                 self._reduce(unit)
         for unit in self._deferred:
             self._launch_bucket(unit.bucket)
@@ -493,7 +493,7 @@ class ParamShardStrategy(ReduceScatterInBackwardStrategy):
         """
         super().drain()
         for unit in self.units:
-            if unit.state == GATHERING:
+            if unit.state is UnitState.GATHERING:
                 unit.pending.wait()
                 unit.pending = None
-                unit.state = GATHERED
+                unit.state = UnitState.GATHERED

@@ -6,6 +6,7 @@ forward (``stage3.py``, the notes on the post-backward, prefetch and outside use
 
 from __future__ import annotations
 
+import enum
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -16,7 +17,22 @@ import torch.nn as nn
 from .buckets import FlatBucket
 from .collectives import Pending
 
-FREE, GATHERING, GATHERED = "free", "gathering", "gathered"
+class UnitState(enum.Enum):
+    """Where a unit's full parameters are: freed (only the shard is kept), an all-gather in
+    flight, or gathered and usable (FSDP2's ``ShardedState``)."""
+
+    FREE = "free"
+    GATHERING = "gathering"
+    GATHERED = "gathered"
+
+
+class HeldFor(enum.Enum):
+    """Why a unit stays gathered past its own forward: one of its parameters was used outside
+    it, in a forward without grad (released when that forward ends) or with grad (released
+    when the backward ends); ``stage3.py``, the note on outside uses."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
 
 
 @dataclass
@@ -27,7 +43,7 @@ class Unit:
     bucket: FlatBucket
     shard: torch.Tensor  # this rank's compute-dtype shard (the master itself for fp32)
     is_root: bool
-    state: str = FREE
+    state: UnitState = UnitState.FREE
     pending: Optional[Pending] = None
     prefetched: bool = False  # gathered ahead of use and not used yet
     # per micro-step backward bookkeeping
@@ -36,9 +52,7 @@ class Unit:
     post_at_end: bool = False  # some use had no input requiring grad: reduce when backward ends
     pre_backward_done: bool = False
     reduced: bool = False
-    # a parameter of this unit is used outside its forward: stay gathered until the end of the
-    # forward ("forward", no grad) or of the backward ("backward"); see the note on outside uses
-    held: Optional[str] = None
+    held: Optional[HeldFor] = None  # None: released with its own forward or backward
     warned: set = field(default_factory=set)  # parameter names already reported as used outside
 
     @property

@@ -18,70 +18,47 @@ stage    gradient storage per rank             communication per step           
          backward (2 in flight + 1 filling)
 =======  ===================================  ================================  ======================
 
-Stages 1/2 launch the parameter all-gather at the end of ``step()`` and wait for each bucket
-just before its first use in the next forward (``param_gathers.py``), so that forward overlaps it.
+Stages 0/1 keep a full gradient, so a micro-step before the last communicates nothing; stage 2
+keeps none (that is its point) and pays a reduce-scatter every micro-step. Stages 1/2 launch the
+parameter all-gather at the end of ``step()`` and wait for each bucket just before its first use
+in the next forward (``param_gathers.py``), so that forward overlaps it.
 
 [Note: gradients live from their first arrival to the end of step()]
-No stage holds gradient storage between steps (torch's ``zero_grad(set_to_none=True)``, its
-default): a bucket's full gradient (``FlatBucket.grad_full``) is allocated, uninitialised, when
-its first gradient of the step arrives; each parameter's gradient is copied into its slot
-(added from the second one on, ``grad_written``) and only what no gradient wrote -- padding,
-parameters without a gradient -- is zeroed just before the bucket is reduced. The reduced shard
-(``grad_shard``, stages 1-3) is allocated when the bucket is reduced; ``zero_grads`` drops
-both. So at the end of a forward, when activations peak, no gradient is held (with one
-micro-step per step), and backward's gradients grow while the activations of the layers it has
-passed are freed. A CPU rank gains more: a fresh uninitialised block's pages become resident
-only as gradients are written into them (the worker maps large host blocks fresh,
-``workers/host_memory.py``), where a zero-filled one would be resident whole at once.
-DeepSpeed's ZeRO-1/2 do the same with ``param.grad`` (gpt-mini, N=2, fp32: stage 1's peak went
-from 1.12x DeepSpeed ZeRO-1's to 0.89x, ``docs/engine.md``). A stage that reduces a
-bucket (1, and 2 every micro-step) frees its full gradient once the reduce-scatter is folded
-into the shard, at most ``MAX_INFLIGHT_BUCKETS`` in flight. A CUDA allocator hands out a
-bucket's block whole at its first gradient; the planner counts each device its way
-(``planner/activations.py``, ``_GradientReplay``).
+No stage holds gradient storage between steps (torch's ``zero_grad(set_to_none=True)``): a
+bucket's full gradient (``FlatBucket.grad_full``) is allocated uninitialised when its first
+gradient of the step arrives, each gradient is copied into its slot (added from the second on,
+``grad_written``), and only what no gradient wrote -- padding, parameters without a gradient --
+is zeroed just before the bucket is reduced. The reduced shard (``grad_shard``, stages 1-3) is
+allocated by the reduce; ``zero_grads`` drops both. So at the end of a forward, when activations
+peak, no gradient is held (with one micro-step per step), and on a CPU rank a fresh block's
+pages become resident only as gradients are written into them (``workers/host_memory.py``). A
+stage that reduces a bucket (1, and 2 every micro-step) frees its full gradient once the
+reduce-scatter is folded into the shard, at most ``MAX_INFLIGHT_BUCKETS`` in flight. The
+planner counts the allocator's blocks its way (``planner/activations.py``, ``_GradientReplay``);
+``docs/engine.md`` has the peak this saves.
 
 [Note: exchanging the gradients themselves]
 Over two Gloo ranks a reduce-scatter is an exchange of halves (``collectives.py``, the note on
-Gloo's copies), which needs no flat input: each parameter's gradient can be sent, and received
-into the shard, where it lies. So when a stage that reduces into shards (1-3) reduces a bucket
-in the same micro-step its gradients arrive (stage 2 and 3 always, stage 1 in its ``sync``
-backward), and the bucket holds no gradient from an earlier micro-step, the gradients autograd
-produced are kept as they are (``FlatBucket.grad_pieces``, a second arrival added in place)
-instead of being copied into a newly allocated ``grad_full``: pre-divided in place at launch
-(a slot without a gradient gets zeros), exchanged piece by piece
-(``Collectives.reduce_scatter_pieces``), dropped once the shard is in. Whether a bucket's
-gradients came this way or through ``grad_full`` (a bucket no gradient reached on this rank, one
-that accumulated an earlier micro-step) differs between ranks, so the messages must not: either
-way an exchange is one message per slot part, its size fixed by the layout. The same bytes are held
-for the same time (autograd's tensors instead of the bucket's copy of them); what goes is one
-allocation and one copy of every gradient per step -- on a CPU rank the fresh pages of a
-model's worth of buckets (the worker maps large blocks fresh, ``workers/host_memory.py``).
-gpt-mini, 2 Gloo ranks, fp32: see ``docs/engine.md``. Anywhere else (NCCL, more ranks, stage 0,
-accumulating micro-steps) the bucket path below is taken.
-
-[Note: who pays for gradient accumulation]
-Stages 0 and 1 keep a full local gradient, so non-final micro-steps communicate nothing: the
-gradients accumulate locally and are reduced once -- in ``step()``, or, when the caller marks
-the last micro-batch with ``engine.backward(loss, sync=True)``, bucket by bucket during that
-backward (DDP's overlap; another backward before ``step()`` is then an error). Stage 2 does
-not keep a full gradient (that is its point), so it reduce-scatters *every* micro-step into a shard-sized
-accumulator: k micro-steps cost k·Φ of reduce-scatter. That is the memory/communication trade
-stage 2 makes; the accumulator is kept in the compute dtype (2Φ/N bytes; docs/design.md, "The math"), the same
-dtype autograd accumulates full gradients in at stages 0 and 1.
+Gloo's copies), which needs no flat input. So when a stage that reduces into shards (1-3)
+reduces a bucket in the micro-step its gradients arrive, and the bucket holds none from an
+earlier micro-step, autograd's gradients are kept as they are (``FlatBucket.grad_pieces``, a
+second arrival added in place) instead of being copied into a new ``grad_full``: pre-divided
+in place at launch (zeros for a slot without one), exchanged piece by piece
+(``Collectives.reduce_scatter_pieces``), dropped once the shard is in -- one allocation and one
+copy of every gradient fewer per step. Which way a bucket went can differ between ranks, so
+the messages must not: either way an exchange is one message per slot part, its size fixed by
+the layout. Anywhere else (NCCL, more ranks, stage 0, accumulating micro-steps) the bucket
+path is taken.
 
 [Note: deterministic collective order]
 Post-accumulate-grad hooks fire in data-dependent order (and not at all for a parameter this
-rank did not use). Hooks therefore never issue a collective for "their" bucket directly: a
-bucket counts as ready when all its parameters reported, and buckets are launched strictly in
-index order -- a ready bucket waits until every earlier one was launched. Whatever did not
-become ready (unused parameters) is launched, still in index order, when backward ends. Every
-rank thus issues bucket 0, 1, 2, ... in the same order every micro-step.
+rank did not use), so a hook never launches "its" bucket: a bucket is ready when all its
+parameters reported, and buckets launch strictly in index order. What never became ready is
+launched, in order, when backward ends: every rank issues bucket 0, 1, 2, ... in the same order.
 
 [Note: averaging]
-Each bucket is divided by N before it is summed (DDP's "pre-divide"), which keeps fp16 sums
-in range; the result is the mean over ranks of each rank's summed micro-step gradients. With
-hybrid sharding N is the whole world, not the shard group: the reduce-scatter sums over the G
-ranks of the shard group and the all-reduce after it over the R groups (``hybrid.py``).
+Each bucket is divided by N before it is summed (DDP's "pre-divide"), which keeps fp16 sums in
+range. With hybrid sharding N is the whole world (``hybrid.py``).
 """
 
 from __future__ import annotations
@@ -114,6 +91,8 @@ class Strategy:
     gathers_params: bool = False
     #: reduce-scatters buckets into shards (stages 1-3): may exchange the gradients themselves
     reduces_to_shards: bool = False
+    #: launches a bucket once its gradients are in (stage 3 launches units from their post-backward)
+    launches_when_ready: bool = True
 
     @property
     def stage(self) -> int:
@@ -152,21 +131,10 @@ class Strategy:
         return [t for b in self.buckets for t in (b.grad_full, b.grad_shard) if t is not None] + self._held_pieces()
 
     def _held_pieces(self) -> list[torch.Tensor]:
-        return [g for b in self.buckets if b.grad_pieces for g in b.grad_pieces.values()]
+        return [g for b in self.buckets for g in b.held_pieces()]
 
     def scratch_tensors(self) -> list[torch.Tensor]:
         return [b.scratch_out for b in self.buckets if b.scratch_out is not None]
-
-    def _grad_target(self, b: FlatBucket) -> torch.Tensor:
-        """``b``'s full gradient for this step, allocated uninitialised on first use (the note on
-        gradients' lifetime)."""
-        if b.grad_full is None:
-            b.grad_full = torch.empty_like(b.flat_param)
-            b.grad_written = [False] * len(b.spec.slots)
-        return b.grad_full
-
-    def _new_shard(self, b: FlatBucket) -> torch.Tensor:
-        return torch.empty(b.spec.shard_numel, dtype=b.flat_param.dtype, device=b.flat_param.device)
 
     # -- backward -------------------------------------------------------------------------------
     def begin_micro_step(self, sync: bool) -> None:
@@ -204,36 +172,15 @@ class Strategy:
         """A slot's first gradient of the step is copied into the bucket's full gradient, later ones
         added -- or, exchanging pieces, kept as it is."""
         if self._exchanges_pieces(bucket):
-            pieces = bucket.grad_pieces = bucket.grad_pieces if bucket.grad_pieces is not None else {}
-            if pos in pieces:
-                pieces[pos].add_(grad.reshape(-1))
-            elif grad.dtype == bucket.flat_param.dtype:  # autograd's own tensor (param.grad, which the engine drops next)
-                pieces[pos] = grad.reshape(-1)
-            else:  # a gradient autograd left in another dtype: the bucket's, as the copy into grad_full casts
-                pieces[pos] = grad.reshape(-1).to(bucket.flat_param.dtype)
-            return
-        lo, hi = bucket.slot_range(pos)
-        target = self._grad_target(bucket)[lo:hi]
-        if bucket.grad_written[pos]:
-            target.add_(grad.reshape(-1))
+            bucket.hold_piece(pos, grad)
         else:
-            target.copy_(grad.reshape(-1))
-            bucket.grad_written[pos] = True
-
-    def _zero_unwritten(self, b: FlatBucket) -> None:
-        """Zeros where no gradient was written: padding and parameters that got none."""
-        full, end = self._grad_target(b), 0
-        for pos, slot in sorted(enumerate(b.spec.slots), key=lambda item: item[1].offset):
-            if slot.offset > end:
-                full[end:slot.offset].zero_()
-            if not b.grad_written[pos]:
-                full[slot.offset:slot.offset + slot.numel].zero_()
-            end = max(end, slot.offset + slot.numel)
-        full[end:].zero_()
+            bucket.add_grad(pos, grad)
 
     @property
     def launches_during_backward(self) -> bool:
-        return self._sync and self.overlap_comm
+        """Whether buckets launch as they become ready in this backward (the engine then marks
+        the parameters the loss does not reach as absent)."""
+        return self.launches_when_ready and self._sync and self.overlap_comm
 
     def mark_absent(self, bucket: FlatBucket, pos: int) -> None:
         """This parameter will get no gradient in this backward (unreachable from the loss).
@@ -260,17 +207,7 @@ class Strategy:
 
     def _launch_bucket(self, b: FlatBucket) -> None:
         """Complete ``b``'s gradient, pre-divide it, start its collective, and retire what has finished."""
-        if b.grad_pieces is not None:  # the note on exchanging the gradients themselves
-            for pos, slot in enumerate(b.spec.slots):
-                piece = b.grad_pieces.get(pos)
-                if piece is None:
-                    b.grad_pieces[pos] = torch.zeros(slot.numel, dtype=b.flat_param.dtype, device=b.flat_param.device)
-                elif self.world_size > 1:
-                    piece.div_(self.world_size)
-        else:
-            self._zero_unwritten(b)
-            if self.world_size > 1:
-                self._grad_target(b).div_(self.world_size)
+        b.complete_grad(self.world_size)
         b.pending = self._launch(b)
         b.launched = True
         self._inflight.append(b)
@@ -326,44 +263,24 @@ class Strategy:
         """Stages 1-3: reduce-scatter ``b``'s full gradient towards this rank's shard.
 
         On Gloo into the gradient's own slot (``collectives.py``, the note on Gloo's copies), which
-        ``_fold_into_shard`` copies out; otherwise straight into a new shard, or, when this step
+        ``FlatBucket.fold_into_shard`` copies out; otherwise straight into a new shard, or, when this step
         already has one (stage 2's later micro-steps), into an output added to it afterwards.
         """
         label = f"reduce_scatter bucket {b.spec.index}"
         if self.comm.exchanges:  # the note on exchanging the gradients themselves: one message per slot
-            out = self._shard_output(b)
+            out = b.shard_output()
             if b.grad_pieces is not None:
                 pieces = [(slot.offset, b.grad_pieces[pos]) for pos, slot in enumerate(b.spec.slots)]
             else:
-                full = self._grad_target(b)
+                full = b.grad_target()
                 pieces = [(slot.offset, full[slot.offset:slot.offset + slot.numel]) for slot in b.spec.slots]
             return self.comm.reduce_scatter_pieces(out, b.spec.numel, sorted(pieces, key=lambda p: p[0]), label)
-        full = self._grad_target(b)
+        full = b.grad_target()
         if self.comm.in_place:
-            out = b.scratch_out = self.comm.own_slot(full)
+            out = b.scratch_output(self.comm.own_slot(full))
         else:
-            out = self._shard_output(b)
+            out = b.shard_output()
         return self.comm.reduce_scatter(out, full, label=label)
-
-    def _shard_output(self, b: FlatBucket) -> torch.Tensor:
-        """Where ``b``'s reduce-scatter writes: a new shard, or, when this step already has one
-        (stage 2's later micro-steps), an output added to it afterwards."""
-        if b.grad_shard is None:
-            b.grad_shard = self._new_shard(b)
-            return b.grad_shard
-        b.scratch_out = self._new_shard(b)
-        return b.scratch_out
-
-    def _fold_into_shard(self, b: FlatBucket) -> None:
-        """A finished ``_reduce_scatter_into_shard``: its output becomes (or is added to) the
-        shard, and the full gradient is freed."""
-        if b.scratch_out is not None:
-            if b.grad_shard is None:
-                b.grad_shard = b.scratch_out.clone()
-            else:
-                b.grad_shard.add_(b.scratch_out)
-            b.scratch_out = None
-        b.grad_full = b.grad_written = b.grad_pieces = None
 
     # -- step -----------------------------------------------------------------------------------
     def reduced_grads(self) -> list[torch.Tensor]:
@@ -402,9 +319,7 @@ class Strategy:
         """Drop every gradient of the step (the note on gradients' lifetime)."""
         self.drain()
         for b in self.buckets:
-            b.grad_full = b.grad_written = b.grad_shard = b.scratch_out = b.grad_pieces = None
-            b.launched = False
-            b.ready = 0
+            b.drop_grads()
 
 
 class AllReduceStrategy(Strategy):
@@ -438,7 +353,7 @@ class ReduceScatterAtStepStrategy(Strategy):
         return self._reduce_scatter_into_shard(b)
 
     def _finish(self, b: FlatBucket) -> None:
-        self._fold_into_shard(b)
+        b.fold_into_shard()
 
     def _reduced(self, b: FlatBucket) -> torch.Tensor:
         return b.grad_shard
@@ -472,12 +387,27 @@ class ReduceScatterInBackwardStrategy(Strategy):
         return self._reduce_scatter_into_shard(b)
 
     def _finish(self, b: FlatBucket) -> None:
-        self._fold_into_shard(b)
+        b.fold_into_shard()
         b.launched = False  # the next micro-step reduces this bucket again
 
     def reduced_grads(self) -> list[torch.Tensor]:
         self.drain()  # every micro-step already launched all its buckets
-        for b in self.buckets:  # step() without a backward: nothing was reduced
-            if b.grad_shard is None:
-                b.grad_shard = self._new_shard(b).zero_()
-        return [b.grad_shard for b in self.buckets]
+        return [b.reduced_shard() for b in self.buckets]  # step() without a backward: zeros
+
+
+def params_reached(loss: torch.Tensor) -> set[int]:
+    """ids of the leaf tensors the autograd graph of ``loss`` accumulates gradients into: a
+    parameter not among them gets no gradient in that backward (``Strategy.mark_absent``)."""
+    found: set[int] = set()
+    seen: set = set()
+    stack = [loss.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        variable = getattr(fn, "variable", None)  # AccumulateGrad nodes
+        if variable is not None:
+            found.add(id(variable))
+        stack.extend(nxt for nxt, _ in fn.next_functions)
+    return found

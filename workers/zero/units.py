@@ -18,8 +18,8 @@ parameters (frozen ones included: a unit owning no trainable parameter simply ha
 that matters, because at stage 3 a unit is gathered collectively and the experts a rank runs
 depend on its data, so an expert that were a unit of its own would be gathered by some ranks
 only. A model whose only ``ModuleList`` holds such data-dependent children (experts outside any
-block list) must pass ``wrap``. The rule was "the largest ``ModuleList`` only" before issue 15,
-which left T5's whole encoder (or decoder) in the root.
+block list) must pass ``wrap``. (Taking the largest ``ModuleList`` alone would leave T5's whole
+encoder, or decoder, in the root.)
 
 [Note: which unit owns a parameter]
 A parameter belongs to the unit that encloses every module registering it. One registered

@@ -19,6 +19,7 @@ import torch.multiprocessing as mp
 
 from storage.manifest import committed_steps, read_manifest
 from storage.storage import Storage
+from workers.loop_config import LoopConfig
 from workers.train import run_local
 
 REPO = str(Path(__file__).resolve().parents[3])  # the factories are imported by name in the ranks
@@ -56,7 +57,7 @@ def test_restarted_attempt_and_resume_from(make_live_service, tmp_path, monkeypa
     failing = spec_with(data={"kwargs": {"fail_after": 5 * SAMPLES_PER_RANK_AND_STEP,
                                          "marker": str(tmp_path / "failed-once")}})
     with pytest.raises(mp.ProcessRaisedException, match="injected worker failure"):
-        run_local({"spec": failing, "job_id": job_id, "api_url": service.url, "storage_uri": storage}, 2)
+        run_local(LoopConfig(spec=failing, job_id=job_id, api_url=service.url, storage_uri=storage), 2)
 
     checkpoints = Storage.at(f"{storage}/{job_id}/checkpoints")
     saved = committed_steps(checkpoints)
@@ -68,16 +69,16 @@ def test_restarted_attempt_and_resume_from(make_live_service, tmp_path, monkeypa
     assert listed[-1].uri == checkpoints.child(f"step_{saved[-1]:08d}").uri
 
     # the restarted attempt: same job, new process group, no control plane this time
-    resumed = run_local({"spec": failing, "job_id": job_id, "api_url": None, "storage_uri": storage}, 2)
-    straight = run_local({"spec": SPEC, "job_id": "straight", "api_url": None, "storage_uri": None}, 2)
+    resumed = run_local(LoopConfig(spec=failing, job_id=job_id, api_url=None, storage_uri=storage), 2)
+    straight = run_local(LoopConfig(spec=SPEC, job_id="straight", api_url=None, storage_uri=None), 2)
     for rank in range(2):
         assert len(resumed[rank]["losses"]) == STEPS - saved[-1]  # no step lost or repeated
         assert resumed[rank]["losses"] == pytest.approx(straight[rank]["losses"][saved[-1]:], rel=1e-6)
     assert committed_steps(checkpoints) == [6, 8]  # keep_last=2, and the final step is saved
 
     # a new job that starts from another job's checkpoint
-    child = run_local({"spec": spec_with(resume_from={"job_id": job_id, "step": 6}), "job_id": "child",
-                       "api_url": None, "storage_uri": storage}, 2)
+    child = run_local(LoopConfig(spec=spec_with(resume_from={"job_id": job_id, "step": 6}), job_id="child",
+                                  api_url=None, storage_uri=storage), 2)
     assert len(child[0]["losses"]) == STEPS - 6
     assert child[0]["losses"] == pytest.approx(straight[0]["losses"][6:], rel=1e-6)
 
@@ -97,7 +98,7 @@ def test_ranks_killed_right_after_a_commit_delivered_every_step_up_to_it(make_li
     dying = spec_with(data={"factory": "tests.workers.checkpoint.job_parts:dies_after_commit",
                             "kwargs": {"after": 4 * SAMPLES_PER_RANK_AND_STEP, "manifest": str(manifest)}})
     with pytest.raises(mp.ProcessExitedException, match="SIGKILL"):
-        run_local({"spec": dying, "job_id": job_id, "api_url": service.url, "storage_uri": storage}, 2)
+        run_local(LoopConfig(spec=dying, job_id=job_id, api_url=service.url, storage_uri=storage), 2)
     assert manifest.exists()
     stored = {(m.rank, m.step) for m in client.metrics(job_id)}
     assert {(rank, step) for rank in (0, 1) for step in range(1, 5)} <= stored

@@ -21,6 +21,7 @@ import torch  # noqa: E402
 from contract.spec import DataSpec  # noqa: E402
 from examples.tiny_hf import make_all, make_llama  # noqa: E402
 from service.cli import main as cli  # noqa: E402
+from workers.loop_config import LoopConfig
 from workers.train import run_local  # noqa: E402
 
 STEPS = 8
@@ -38,8 +39,8 @@ def test_hf_job_builds_trains_checkpoints_and_exports(tmp_path):
             "zero": {"stage": 3, "precision": "fp32"}, "resources": {"num_workers": 2},
             "checkpoint": {"every_steps": STEPS}}
     storage = tmp_path / "storage"
-    summaries = run_local({"spec": spec, "job_id": "hfjob", "api_url": None, "attempt_base": 0,
-                           "metrics_path": str(tmp_path / "metrics"), "storage_uri": f"file://{storage}"},
+    summaries = run_local(LoopConfig(spec=spec, job_id="hfjob", api_url=None, attempt_base=0,
+                                      metrics_path=str(tmp_path / "metrics"), storage_uri=f"file://{storage}"),
                           world_size=2)
     losses = summaries[0]["losses"]
     assert len(losses) == STEPS and summaries[0]["stage"] == 3
@@ -69,8 +70,8 @@ def test_the_example_fine_tune_runs_on_its_own_corpus_and_tokenizer(tmp_path):
     spec["train"].update(steps=6, warmup_steps=1, global_batch_size=4, micro_batch_size=1)
     spec["data"]["seq_len"] = 32
     storage = tmp_path / "storage"
-    summaries = run_local({"spec": spec, "job_id": "example", "api_url": None, "attempt_base": 0,
-                           "storage_uri": f"file://{storage}"}, world_size=2)
+    summaries = run_local(LoopConfig(spec=spec, job_id="example", api_url=None, attempt_base=0,
+                                      storage_uri=f"file://{storage}"), world_size=2)
     losses = summaries[0]["losses"]
     assert len(losses) == 6 and all(loss == loss for loss in losses), losses
     out = tmp_path / "out"

@@ -114,13 +114,13 @@ def check_against_reference(world_size: int, cases: list[tuple], results_per_ran
         assert set(full0) == set(ref_sd), what
         for k, ref in ref_sd.items():
             torch.testing.assert_close(full0[k], ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{what} {k}: {m}")
-        norms = torch.tensor([info["grad_norm"] for info in infos0])
+        norms = torch.tensor([info.grad_norm for info in infos0])
         torch.testing.assert_close(norms, torch.tensor(ref_norms), rtol=1e-5, atol=1e-6, msg=lambda m: f"{what}: {m}")
         for r in range(1, world_size):
             full_r, infos_r = results_per_rank[r][i][:2]
             for k in full0:
                 assert torch.equal(full_r[k], full0[k]), f"{what}: rank {r} differs on {k}"
-            assert [x["grad_norm"] for x in infos_r] == [x["grad_norm"] for x in infos0], (what, r)
+            assert [x.grad_norm for x in infos_r] == [x.grad_norm for x in infos0], (what, r)
     return [[per_rank[i] for per_rank in results_per_rank] for i in range(len(cases))]
 
 

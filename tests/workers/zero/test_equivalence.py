@@ -39,10 +39,10 @@ def check_world(world_size: int, results_per_rank):
         what = f"stage {stage} {opt} {mode} world {world_size}"
         full0, infos0 = results_per_rank[0][i]
         assert_matches(full0, ref_sd, what)
-        norms = [info["grad_norm"] for info in infos0]
+        norms = [info.grad_norm for info in infos0]
         torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=1e-6)
-        assert [info["step"] for info in infos0] == list(range(1, steps + 1))
-        assert all(not info["skipped"] and info["loss_scale"] is None for info in infos0)
+        assert [info.step for info in infos0] == list(range(1, steps + 1))
+        assert all(not info.skipped and info.loss_scale is None for info in infos0)
         for r, per_rank in enumerate(results_per_rank[1:], start=1):  # identical on every rank
             full_r, _ = per_rank[i]
             for k in full0:

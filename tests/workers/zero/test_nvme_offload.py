@@ -54,12 +54,12 @@ def test_nvme_optimizer_offload_is_bit_for_bit_the_run_in_memory_with_a_resume(w
             out, what = results[i], f"N={world_size} {case} rank {rank}"
             _same(out["nvme_full"], out["memory_full"], f"{what} parameters")
             _same(out["nvme_sd"]["optimizer"], out["memory_sd"]["optimizer"], f"{what} optimizer state")
-            assert [x["grad_norm"] for x in out["nvme_infos"]] == [x["grad_norm"] for x in out["memory_infos"]], what
+            assert [x.grad_norm for x in out["nvme_infos"]] == [x.grad_norm for x in out["memory_infos"]], what
             # while it ran: the state on disk, one file per bucket that holds state, and read back each step
             assert out["mid_memory"]["disk"] > 0 and out["files_mid"], what
             assert all(name.endswith(".swap") for name in out["files_mid"]), what
-            assert all(x["io_write_bytes"] > 0 for x in out["nvme_infos"]), what
-            assert all(x["io_read_bytes"] >= x["io_write_bytes"] for x in out["nvme_infos"][1:3]), what
+            assert all(x.io_write_bytes > 0 for x in out["nvme_infos"]), what
+            assert all(x.io_read_bytes >= x.io_write_bytes for x in out["nvme_infos"][1:3]), what
             assert not out["closed_leaves"] and not out["end_leaves"], what  # close() removes them
         assert not (tmp_path / f"case{i}").exists()  # and the folder made for them
 

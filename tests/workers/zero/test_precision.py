@@ -28,26 +28,26 @@ def test_low_precision_loss_curve_within_2_percent_of_fp32(world, precision):
         assert ref[-1] < 0.8 * ref[0], "the task must actually be learned for the comparison to mean anything"
         rel = [abs(a - b) / b for a, b in zip(losses, ref)]
         assert max(rel) < 0.02, f"{precision}: worst relative gap {max(rel):.4f} at step {rel.index(max(rel))}"
-        assert not any(i["skipped"] for i in infos)
-        assert all(math.isfinite(i["grad_norm"]) for i in infos)
+        assert not any(i.skipped for i in infos)
+        assert all(math.isfinite(i.grad_norm) for i in infos)
         if precision == "fp16":
-            assert all(i["loss_scale"] == 2.0**16 for i in infos)
+            assert all(i.loss_scale == 2.0**16 for i in infos)
         else:
-            assert all(i["loss_scale"] is None for i in infos)
+            assert all(i.loss_scale is None for i in infos)
 
 
 def test_fp16_overflow_skips_exactly_that_step_on_every_rank(world):
     for rank_out in world:
         losses, infos, snapshots = rank_out["overflow"]
-        skipped = [i["skipped"] for i in infos]
+        skipped = [i.skipped for i in infos]
         assert skipped == [s in OVERFLOW for s in range(len(infos))]
-        scales = [i["loss_scale"] for i in infos]
+        scales = [i.loss_scale for i in infos]
         assert scales == [2.0**16, 2.0**16, 2.0**16, 2.0**15, 2.0**15, 2.0**14]
         for step, info in enumerate(infos):
             before, after = snapshots[step], snapshots[step + 1]
             unchanged = all(torch.equal(before[k], after[k]) for k in before)
-            assert unchanged == info["skipped"], f"step {step}"
-            assert math.isfinite(info["grad_norm"]) != info["skipped"]
+            assert unchanged == info.skipped, f"step {step}"
+            assert math.isfinite(info.grad_norm) != info.skipped
     # every rank saw the same parameters at the end
     a, b = world[0]["overflow"][2][-1], world[1]["overflow"][2][-1]
     assert all(torch.equal(a[k], b[k]) for k in a)

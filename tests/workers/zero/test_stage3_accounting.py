@@ -68,8 +68,8 @@ def test_comm_volume_is_three_phi_padded(world):
             assert comm["total"] == factor * padded, (reshard, comm, padded)
             assert comm["reduce_scatter"] == padded and comm["all_gather"] == (factor - 1) * padded
             assert comm["all_reduce"] == 0
-            assert r["info"]["comm_elements"] == comm["total"]
-            assert r["info"]["comm_exposed_s"] > 0  # gathers waited on in forward are exposed on Gloo
+            assert r["info"].comm_elements == comm["total"]
+            assert r["info"].comm_exposed_s > 0  # gathers waited on in forward are exposed on Gloo
 
 
 def test_fp16_overflow_at_stage_3_with_offload_skips_that_step_everywhere(world):
@@ -77,9 +77,9 @@ def test_fp16_overflow_at_stage_3_with_offload_skips_that_step_everywhere(world)
 
     for rank_out in world:
         infos, changed, _ = rank_out["overflow"]
-        skipped = [i["skipped"] for i in infos]
+        skipped = [i.skipped for i in infos]
         assert skipped == [s in OVERFLOW for s in range(len(infos))]
-        assert [i["loss_scale"] for i in infos] == [2.0**16, 2.0**16, 2.0**16, 2.0**15, 2.0**15, 2.0**14]
+        assert [i.loss_scale for i in infos] == [2.0**16, 2.0**16, 2.0**16, 2.0**15, 2.0**15, 2.0**14]
         assert changed == [not s for s in skipped]  # a skipped step leaves every parameter as it was
     a, b = world[0]["overflow"][2], world[1]["overflow"][2]
     assert all(torch.equal(a[k], b[k]) for k in a)

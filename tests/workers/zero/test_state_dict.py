@@ -24,8 +24,8 @@ def test_resume_is_bit_identical(world, case):
         losses_a, infos_a, full_a, sd_a = r["a"]
         losses_b, infos_b, full_b, sd_b = r["b"]
         assert losses_a == losses_b
-        assert [i["grad_norm"] for i in infos_a] == [i["grad_norm"] for i in infos_b]
-        assert [i["step"] for i in infos_b] == [4, 5, 6]
+        assert [i.grad_norm for i in infos_a] == [i.grad_norm for i in infos_b]
+        assert [i.step for i in infos_b] == [4, 5, 6]
         for k in full_a:
             assert torch.equal(full_a[k], full_b[k]), k
         for name, t in sd_a["master"].items():

@@ -6,6 +6,7 @@ import torch
 import torch.nn as nn
 
 from workers.zero import ZeroConfig, ZeroEngine
+from workers.zero.stage3_units import UnitState
 from workers.zero.units import plan_units, unit_modules
 
 from .cases3 import Block, BlockNet, make
@@ -52,7 +53,7 @@ def test_stage3_holds_only_shards_and_frees_after_use():
     with torch.no_grad():  # evaluation in another order gathers and frees as it goes
         engine.eval()
         engine(idx, idx, False, (3, 1))
-    assert all(u.state == "free" for u in engine.strategy.units)
+    assert all(u.state is UnitState.FREE for u in engine.strategy.units)
     engine.remove_hooks()
     assert not engine.strategy._handles
 
@@ -76,7 +77,7 @@ def test_prefetch_follows_the_learnt_order_and_drops_stale_gathers():
     assert same["gathers"] - first["gathers"] == 2 * 5  # 4 blocks + root, forward and backward
     changed = step((3, 0, 2, 1))  # the prefetched block 0 is not next: freed, not kept
     assert changed["stale_freed"] > same["stale_freed"]
-    assert all(u.state == "free" for u in engine.strategy.units)
+    assert all(u.state is UnitState.FREE for u in engine.strategy.units)
     assert engine.strategy.max_gathered <= 2
 
 

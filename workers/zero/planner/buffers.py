@@ -135,7 +135,7 @@ def kept_unit_elements(root_numel: int, block_numels: Sequence[int], root_bucket
 
 def construction_staging_bytes(stage: int, precision: str, buckets: Sequence[int]) -> int:
     """What building the engine holds besides what it keeps, one bucket (stage 3: unit) at a time
-    (``engine._build_buckets``, ``materialize.py``).
+    (``initial_state.BucketBuilder``, ``materialize.py``).
 
     The bucket's parameters in fp32 -- materialized and initialized for a model on the meta device,
     the model's own for an eager one -- live until the flat buffer takes their place; the bucket
