@@ -30,7 +30,7 @@ gathers the parameters in forward and again in backward and reduce-scatters the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Sequence
 
 GB = 1e9
 MIB = 2**20
@@ -171,6 +171,13 @@ class ModelStateBytes:
 # through stepping, reading ahead and writing behind
 SWAP_PAGE = 4096
 SWAP_BUFFERS = 3
+
+
+def swap_bytes(buckets: Sequence[int], world: int, optimizer_states: int) -> tuple[int, int]:
+    """(bytes in swap files, bytes of the buffer pool) of the NVMe optimizer offload: a
+    page-rounded file per bucket of its shard's fp32 state, and ``SWAP_BUFFERS`` of the largest."""
+    per_bucket = [-(-4 * optimizer_states * shard_numel(b, world) // SWAP_PAGE) * SWAP_PAGE for b in buckets]
+    return sum(per_bucket), SWAP_BUFFERS * max(per_bucket, default=0)
 
 
 def shard_numel(phi: int, n_ranks: int) -> int:

@@ -35,8 +35,6 @@ from contract.zero_math import (
     DEFAULT_TARGET_EFFICIENCY,
     GB,
     STAGES,
-    SWAP_BUFFERS,
-    SWAP_PAGE,
     bandwidth_for_efficiency,
     comm_elements,
     comm_time_s,
@@ -45,6 +43,7 @@ from contract.zero_math import (
     model_state_bytes,
     shard_numel,
     stage_traits,
+    swap_bytes,
 )
 
 from .buffers import (
@@ -264,17 +263,6 @@ def predict(inputs: PlanInputs, stage: int, offload: bool | str = False) -> Stag
     )
     _add_time_model(prediction, inputs)
     return prediction
-
-
-def swap_bytes(buckets: Sequence[int], world: int, optimizer_states: int) -> tuple[int, int]:
-    """(bytes in swap files, bytes of the buffer pool) of the NVMe offload (``optimizer_swap.py``):
-    a page-aligned file per bucket of its shard's fp32 state, and three buffers of the largest."""
-    per_bucket = [_page(4 * optimizer_states * shard_numel(b, world)) for b in buckets]
-    return sum(per_bucket), SWAP_BUFFERS * max(per_bucket, default=0)
-
-
-def _page(nbytes: int) -> int:
-    return -(-nbytes // SWAP_PAGE) * SWAP_PAGE
 
 
 def hybrid_group_size(inputs: PlanInputs, stage: int) -> int | None:
