@@ -133,9 +133,9 @@ def translate(ds: Any, spec: dict[str, Any]) -> Translation:
 
 def apply(spec: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """``spec`` with its ``deepspeed`` block (if any) replaced by the fields it sets, and the notes."""
-    if spec.get("deepspeed") is None:
-        return {k: v for k, v in spec.items() if k != "deepspeed"}, []
     rest = {k: v for k, v in spec.items() if k != "deepspeed"}
+    if spec.get("deepspeed") is None:
+        return rest, []
     translation = translate(spec["deepspeed"], rest)
     for section, values in translation.fields.items():
         rest[section] = {**(rest.get(section) or {}), **values}

@@ -173,10 +173,15 @@ SWAP_PAGE = 4096
 SWAP_BUFFERS = 3
 
 
+def page_bytes(nbytes: int) -> int:
+    """``nbytes`` rounded up to whole ``SWAP_PAGE``s (a swap file's and a transfer's length)."""
+    return -(-nbytes // SWAP_PAGE) * SWAP_PAGE
+
+
 def swap_bytes(buckets: Sequence[int], world: int, optimizer_states: int) -> tuple[int, int]:
     """(bytes in swap files, bytes of the buffer pool) of the NVMe optimizer offload: a
     page-rounded file per bucket of its shard's fp32 state, and ``SWAP_BUFFERS`` of the largest."""
-    per_bucket = [-(-4 * optimizer_states * shard_numel(b, world) // SWAP_PAGE) * SWAP_PAGE for b in buckets]
+    per_bucket = [page_bytes(4 * optimizer_states * shard_numel(b, world)) for b in buckets]
     return sum(per_bucket), SWAP_BUFFERS * max(per_bucket, default=0)
 
 

@@ -124,12 +124,10 @@ class OptimizerStateSwap:
                 self.pool.append(buffer)
             return
         if self.layouts[i] is None or _signature(entries) != _signature(self.layouts[i]) or buffer is None:
-            if buffer is not None:  # a new layout (the note on new state): pack into a fresh buffer
-                packed = self._pack(i, entries, nbytes)
+            packed = self._pack(i, entries, nbytes)  # a new layout (the note on new state), or nothing bound
+            if buffer is not None:  # free only once packed: the state may still be bound to it
                 self.pool.append(buffer)
-                buffer = packed
-            else:
-                buffer = self._pack(i, entries, nbytes)
+            buffer = packed
             self._reserve(i, nbytes)
         self.layouts[i], self.sizes[i] = entries, nbytes
         self.writing.append((buffer, self.io.write(self.files[i], buffer, nbytes)))

@@ -18,7 +18,7 @@ What the NVMe offload (``optimizer_swap.py``) reads and writes, and nothing abou
 [Note: sizes and alignment]
 ``O_DIRECT`` needs the buffer address, the file offset and the length aligned to the logical
 block size. Every buffer here is a fresh memory map (page-aligned), every transfer starts at
-offset 0 of a file and covers ``aligned(n)`` bytes (a multiple of ``PAGE``), so the last block
+offset 0 of a file and covers ``aligned(n)`` bytes (a multiple of ``SWAP_PAGE``, a multiple of every logical block size in use), so the last block
 of a file is padded rather than misaligned; the padding is never read back as data.
 """
 
@@ -34,18 +34,15 @@ from pathlib import Path
 
 import torch
 
-from contract.zero_math import SWAP_PAGE
+from contract.zero_math import page_bytes
 
 log = logging.getLogger(__name__)
 
-PAGE = SWAP_PAGE  # alignment of buffers, offsets and lengths (a multiple of every logical block size in use)
 BLOCK_BYTES = 1 << 20  # one request to the disk
 QUEUE_DEPTH = 8  # requests in flight per transfer
 
 
-def aligned(nbytes: int) -> int:
-    """``nbytes`` rounded up to a whole number of pages."""
-    return -(-nbytes // PAGE) * PAGE
+aligned = page_bytes  # ``nbytes`` rounded up to a whole number of pages
 
 
 class OffloadDiskFull(RuntimeError):

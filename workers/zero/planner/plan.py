@@ -173,6 +173,7 @@ def predict(inputs: PlanInputs, stage: int, offload: bool | str = False) -> Stag
         buckets = bucket_numels(shape.param_numels, traits.shard_world(n), bucket_elements(inputs.bucket_mb, precision))
     phi_padded = sum(buckets)
     nvme = offload == "nvme"
+    host_offload = bool(offload) and not nvme  # the master and state in host memory (offload.py)
     states = model_state_bytes(shape.phi, n, precision, stage, False if nvme else offload, phi_padded,
                                inputs.optimizer_states)
     disk = 0
@@ -210,14 +211,14 @@ def predict(inputs: PlanInputs, stage: int, offload: bool | str = False) -> Stag
     if traits.shards_parameters and inputs.activation_bytes_forward_stage3 is not None:
         forward = inputs.activation_bytes_forward_stage3  # the gathers replayed on the forward's timeline
     parts = job_peak(states, PeakInputs(
-        stage=stage, offload=bool(offload) and not nvme, precision=precision, n_ranks=n, device=inputs.device, buckets=buckets,
+        stage=stage, offload=host_offload, precision=precision, n_ranks=n, device=inputs.device, buckets=buckets,
         phi_padded=phi_padded, phi_model=shape.phi + shape.frozen, frozen=shape.frozen,
         largest_param=largest_param, optimizer_states=inputs.optimizer_states,
         forward_bytes=forward, backward_bytes=backward_transient, deferred_init=inputs.deferred_init,
         checkpoint=inputs.checkpoint, resume=inputs.resume, per_bucket_step=inputs.per_bucket_step,
         accumulation_steps=inputs.accumulation_steps,
     ))
-    step = step_buffer_bytes(stage, precision, buckets, n, inputs.device, bool(offload) and not nvme, largest_param,
+    step = step_buffer_bytes(stage, precision, buckets, n, inputs.device, host_offload, largest_param,
                              inputs.optimizer_states, inputs.per_bucket_step)
     gpu = {
         "params": states.gpu_params,
