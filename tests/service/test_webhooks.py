@@ -151,3 +151,24 @@ def test_bad_bodies_name_their_field(live_service, receiver):
         with pytest.raises(ValidationFailed) as refused:
             client.request("POST", "/api/v1/webhooks", json=body)
         assert refused.value.fields == [field]
+
+
+def test_cli_creates_lists_and_deletes_and_refuses_in_one_line(make_live_service, receiver, capsys, monkeypatch):
+    from service.cli import main
+
+    service = make_live_service(webhook_allowed_hosts="127.0.0.1")
+    monkeypatch.setenv("ZEROTRAIN_URL", service.url)
+    monkeypatch.setenv("ZEROTRAIN_TOKEN", service.admin_token)
+    assert main(["webhook", "create", receiver.url, "--event", "job.failed", "-o", "json"]) == 0
+    created = json.loads(capsys.readouterr().out)
+    assert created["events"] == ["job.failed"] and len(created["secret"]) >= 32
+    assert main(["webhook", "list", "-o", "json"]) == 0
+    assert [hook["id"] for hook in json.loads(capsys.readouterr().out)["items"]] == [created["id"]]
+
+    assert main(["webhook", "create", "http://169.254.169.254/"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and "url" in error and "169.254.169.254" in error, error
+
+    assert main(["webhook", "delete", str(created["id"])]) == 0
+    assert f"webhook {created['id']} deleted" in capsys.readouterr().out
+    assert service.client().webhooks() == []
