@@ -61,6 +61,7 @@ class Base(DeclarativeBase):
 
 class Job(Base):
     __tablename__ = "jobs"
+    __table_args__ = (Index("ix_jobs_queue", "state", "priority", "pk"),)
 
     pk: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
     id: Mapped[str] = mapped_column(String(40), unique=True)
@@ -71,6 +72,7 @@ class Job(Base):
     message: Mapped[str | None] = mapped_column(Text)
     details: Mapped[str | None] = mapped_column(Text)  # a failed job's traceback (contract.reasons)
     attempt: Mapped[int] = mapped_column(Integer, default=0)
+    priority: Mapped[int] = mapped_column(Integer, default=0)  # the spec's, as a column: the queue's order
     spec: Mapped[dict[str, Any]] = mapped_column(JSON)
     launch_handle: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     prediction: Mapped[dict[str, Any] | None] = mapped_column(JSON)  # the planner's, at submit

@@ -71,6 +71,7 @@ class JobOut(OutModel):
     details: str | None = Field(
         default=None, description="a failed job's full traceback (bounded), behind its one-line message")
     attempt: int = 0
+    priority: int = Field(default=0, description="the spec's priority: the queue starts higher first")
     spec: dict[str, Any]
     prediction: dict[str, Any] | None = Field(
         default=None, description="the planner's memory prediction (Plan.to_dict()), made at submit")
