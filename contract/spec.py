@@ -69,6 +69,7 @@ SCHEDULES = ("cosine", "linear", "constant")
 MIN_LR_RATIO = 0.1  # cosine and linear decay to this fraction of the peak LR (train.min_lr_ratio's default)
 WARMUP_TYPES = ("linear", "log")
 MAX_NO_DECAY_PATTERNS = 64
+MIN_PRIORITY, MAX_PRIORITY = -1000, 1000  # a job's priority; 0 by default
 MAX_PATTERN_CHARS = 256
 
 
@@ -336,6 +337,9 @@ class JobSpec(SpecModel):
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     max_failures: int = Field(default=2, ge=0, le=MAX_INT32)
+    priority: int = Field(default=0, ge=MIN_PRIORITY, le=MAX_PRIORITY, description=(
+        "higher starts first; equal priorities start in submission order. Above the service's "
+        "max_user_priority only admins may submit"))
     resume_from: ResumeFrom | None = None
     max_runtime_s: int | None = Field(default=None, ge=1, le=MAX_INT32)
     runtime: RuntimeSpec | None = None

@@ -13,8 +13,9 @@ numbers alone (no database, no launcher: unit-testable), and the scheduler acts 
   ``min_workers`` fit (``Candidate.least``), and while they run they count as all their
   workers (``Candidate.demand``): Ray Train's elastic policy grows the group up to
   ``num_workers`` whenever the cluster holds them, so that much is the job's to take.
-- **Submission order, head of line**: queued jobs are considered oldest first, and the
-  first one that does not fit the cluster stops every later one — no backfill. Backfilling
+- **Queue order, head of line**: queued jobs are considered by priority (higher first), then
+  oldest first (the scheduler's query orders them), and the first one that does not fit the
+  cluster stops every one behind it — no backfill. Backfilling
   smaller jobs past a large one would start more work sooner but can starve the large job
   forever on a busy cluster; without runtime estimates there is no safe backfill window.
 - **Per-user limits do not block others**: a job held back only by its owner's own limit
@@ -111,7 +112,7 @@ class Decision:
 
 
 def decide(queued: list[Candidate], running: list[Candidate], capacity: Capacity, limits: Limits) -> Decision:
-    """Which of ``queued`` (oldest first) start now, given what ``running`` holds."""
+    """Which of ``queued`` (in queue order: priority, then oldest first) start now, given what ``running`` holds."""
     decision = Decision()
     used = sum((job.demand for job in running), NOTHING)
     jobs_of: dict[str, int] = {}
@@ -142,7 +143,7 @@ def decide(queued: list[Candidate], running: list[Candidate], capacity: Capacity
                 f"{_fmt_capacity(capacity)} (lacks {lacking})"))
             # stable wording (no ids, no numbers): one notice per queued job, not one per poll
             blocked = Waiting(Reason.INSUFFICIENT_RESOURCES,
-                              "waiting in submission order behind an earlier job that does not fit yet")
+                              "waiting in queue order behind a job ahead of it that does not fit yet")
             continue
         decision.start.append(job.job_id)
         used = used + job.demand

@@ -15,7 +15,18 @@ from fastapi import Depends, FastAPI
 from fastapi.routing import APIRoute
 
 from service import dashboard, log_redaction, migrate, prediction
-from service.api import checkpoints, code_packages, health, jobs, memory_check, metrics, plan, tokens, workers
+from service.api import (
+    checkpoints,
+    code_packages,
+    health,
+    jobs,
+    memory_check,
+    metrics,
+    plan,
+    tokens,
+    webhooks,
+    workers,
+)
 from service.api.deps import current_user
 from service.api.errors import COMMON_ERRORS, error_responses, install_error_handlers
 from service.auth import ensure_local_admin_token, register_admin_token
@@ -26,6 +37,7 @@ from service.observability import RequestMetrics, RouteTemplates, ServiceMetrics
 from service.scheduler import Scheduler
 from service.settings import Settings
 from service.stream_slots import StreamSlots
+from service.webhooks import WebhookSender
 
 log = logging.getLogger(__name__)
 API_PREFIX = "/api/v1"
@@ -59,13 +71,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         scheduler = Scheduler(make_session, launcher, settings)
         app.state.launcher = launcher
         app.state.scheduler = scheduler
+        webhook_sender = WebhookSender(make_session, settings)
         if settings.scheduler_enabled:
             scheduler.start()
             app.state.wake_scheduler = scheduler.wake
+            webhook_sender.start()
         try:
             yield
         finally:
             scheduler.stop()
+            webhook_sender.stop()
             launcher.close()
             engine.dispose()
             warm_up.join(WARM_UP_JOIN_S)
@@ -82,7 +97,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     install_error_handlers(app)
     for router in (jobs.router, metrics.router, workers.router, memory_check.router, checkpoints.router,
-                   tokens.router, code_packages.router):
+                   tokens.router, code_packages.router, webhooks.router):
         app.include_router(router, prefix=API_PREFIX, responses=error_responses(*COMMON_ERRORS))
     # the plan router declares no auth of its own (it is the planner over HTTP): it is added here
     app.include_router(plan.router, prefix=API_PREFIX, dependencies=[Depends(current_user)],

@@ -38,6 +38,10 @@ from service.schemas import (
     TokenCreated,
     TokenList,
     TokenOut,
+    WebhookDeliveryList,
+    WebhookDeliveryOut,
+    WebhookList,
+    WebhookOut,
 )
 
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -292,6 +296,22 @@ class Client:
 
     def revoke_token(self, token_id: int) -> TokenOut:
         return TokenOut.model_validate(self._api("DELETE", f"/tokens/{token_id}"))
+
+    def create_webhook(self, url: str, events: list[str], secret: str) -> WebhookOut:
+        """Have ``url`` told about your jobs' ``events`` (``contract.webhooks``), signed with ``secret``."""
+        return WebhookOut.model_validate(self._api("POST", "/webhooks", json={"url": url, "events": events,
+                                                                             "secret": secret}))
+
+    def webhooks(self) -> list[WebhookOut]:
+        return WebhookList.model_validate(self._api("GET", "/webhooks")).items
+
+    def delete_webhook(self, webhook_id: int) -> WebhookOut:
+        return WebhookOut.model_validate(self._api("DELETE", f"/webhooks/{webhook_id}"))
+
+    def webhook_deliveries(self, webhook_id: int, limit: int = 100) -> list[WebhookDeliveryOut]:
+        """The webhook's newest deliveries first: status, attempts and the last answer of each."""
+        answer = self._api("GET", f"/webhooks/{webhook_id}/deliveries", params={"limit": limit})
+        return WebhookDeliveryList.model_validate(answer).items
 
     def wait(self, job_id: str, timeout: float | None = None, poll: float = 0.5) -> JobOut:
         """Poll until the job is terminal; ``WaitTimeout`` after ``timeout`` seconds."""

@@ -61,6 +61,7 @@ class Base(DeclarativeBase):
 
 class Job(Base):
     __tablename__ = "jobs"
+    __table_args__ = (Index("ix_jobs_queue", "state", "priority", "pk"),)
 
     pk: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
     id: Mapped[str] = mapped_column(String(40), unique=True)
@@ -71,6 +72,7 @@ class Job(Base):
     message: Mapped[str | None] = mapped_column(Text)
     details: Mapped[str | None] = mapped_column(Text)  # a failed job's traceback (contract.reasons)
     attempt: Mapped[int] = mapped_column(Integer, default=0)
+    priority: Mapped[int] = mapped_column(Integer, default=0)  # the spec's, as a column: the queue's order
     spec: Mapped[dict[str, Any]] = mapped_column(JSON)
     launch_handle: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     prediction: Mapped[dict[str, Any] | None] = mapped_column(JSON)  # the planner's, at submit
@@ -205,3 +207,39 @@ class IdempotencyKey(Base):
     request_sha256: Mapped[str] = mapped_column(String(64))
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class Webhook(Base):
+    """A URL told about job transitions of its owner's jobs (``service.webhooks``). The secret
+    signs each delivery, so it is kept as given (a hash could not sign); the API never returns it."""
+
+    __tablename__ = "webhooks"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    owner: Mapped[str] = mapped_column(String(100), index=True)
+    url: Mapped[str] = mapped_column(Text)
+    events: Mapped[list[str]] = mapped_column(JSON)
+    secret: Mapped[str] = mapped_column(String(200))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class WebhookDelivery(Base):
+    """One event to one webhook, written in the transaction of the transition it announces (an
+    outbox: a crash between the two cannot lose it) and sent by the control plane until the
+    receiver answers 2xx or the attempts run out. ``id`` is the delivery id receivers dedupe on."""
+
+    __tablename__ = "webhook_deliveries"
+    __table_args__ = (Index("ix_webhook_deliveries_due", "status", "next_attempt_at"),)
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    webhook_id: Mapped[int] = mapped_column(ForeignKey("webhooks.id", ondelete="CASCADE"), index=True)
+    job_id: Mapped[str] = mapped_column(String(40))
+    event: Mapped[str] = mapped_column(String(40))
+    body: Mapped[str] = mapped_column(Text)  # the exact bytes signed and sent, as UTF-8 JSON
+    status: Mapped[str] = mapped_column(String(16))  # pending | delivered | failed
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    next_attempt_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    last_status_code: Mapped[int | None] = mapped_column(Integer)
+    last_error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    delivered_at: Mapped[datetime | None] = mapped_column(UTCDateTime)

@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 S = JobState
 RECONCILED_STATES = (S.STARTING, S.RUNNING, S.RESTARTING, S.CANCELLING)
 HOLDING_STATES = RECONCILED_STATES  # a job in these holds its workers (and a driver) for admission
-ADMISSION_SCAN = 500  # queued jobs considered per pass, oldest first
+ADMISSION_SCAN = 500  # queued jobs considered per pass, in queue order (priority, then oldest first)
 ADMISSION_LOCK_KEY = 0x7A657472  # pg_advisory_xact_lock key of the admission decision
 # what the launcher reports when a job ended without the driver saying so
 LOST_PHASES = (LaunchPhase.FAILED, LaunchPhase.STOPPED, LaunchPhase.UNKNOWN)
@@ -128,7 +128,7 @@ class Scheduler:
             if session.get_bind().dialect.name == "postgresql":
                 session.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": ADMISSION_LOCK_KEY})
             queued = session.execute(
-                select(Job).where(Job.state == S.QUEUED.value).order_by(Job.pk)
+                select(Job).where(Job.state == S.QUEUED.value).order_by(Job.priority.desc(), Job.pk)
                 .limit(ADMISSION_SCAN).with_for_update(skip_locked=True)
             ).scalars().all()
             if not queued:

@@ -71,6 +71,7 @@ class JobOut(OutModel):
     details: str | None = Field(
         default=None, description="a failed job's full traceback (bounded), behind its one-line message")
     attempt: int = 0
+    priority: int = Field(default=0, description="the spec's priority: the queue starts higher first")
     spec: dict[str, Any]
     prediction: dict[str, Any] | None = Field(
         default=None, description="the planner's memory prediction (Plan.to_dict()), made at submit")
@@ -316,6 +317,53 @@ class TokenCreated(TokenOut):
 
 class TokenList(BaseModel):
     items: list[TokenOut]
+
+
+WebhookEvent = Literal["job.running", "job.succeeded", "job.failed", "job.cancelled", "job.preempted"]
+
+
+class WebhookIn(BaseModel):
+    """A URL to tell about the caller's job transitions (``contract.webhooks``). ``secret``
+    signs every delivery (``X-Zerotrain-Signature``); it is never shown again."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    url: str = Field(max_length=2000, description="http(s) URL; private, loopback and link-local targets "
+                     "are refused unless the operator allows them")
+    events: list[WebhookEvent] = Field(min_length=1, max_length=5, description="the events to send")
+    secret: str = Field(min_length=16, max_length=200, description="the HMAC-SHA256 key of the signatures")
+
+
+class WebhookOut(OutModel):
+    id: int
+    owner: str
+    url: str
+    events: list[str]
+    created_at: datetime
+
+
+class WebhookList(BaseModel):
+    items: list[WebhookOut]
+
+
+class WebhookDeliveryOut(OutModel):
+    """One event sent (or being sent) to a webhook: the same ``id`` on every retry."""
+
+    id: str
+    webhook_id: int
+    job_id: str
+    event: str
+    status: Literal["pending", "delivered", "failed"]
+    attempts: int
+    last_status_code: int | None = None
+    last_error: str | None = None
+    next_attempt_at: datetime
+    created_at: datetime
+    delivered_at: datetime | None = None
+
+
+class WebhookDeliveryList(BaseModel):
+    items: list[WebhookDeliveryOut]
 
 
 class ErrorDetail(BaseModel):

@@ -16,6 +16,11 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from service.code_packages import MAX_PACKAGE_BYTES
 
 
+def env_var(field: str) -> str:
+    """The environment variable that sets ``field`` (for messages that tell an operator what to set)."""
+    return Settings.model_config["env_prefix"] + field.upper()
+
+
 def default_home() -> Path:
     return Path("~/.zerotrain").expanduser()
 
@@ -56,6 +61,7 @@ class Settings(BaseSettings):
     max_running_workers_per_user: int | None = Field(default=None, ge=1)
     max_workers_per_job: int = Field(default=4096, ge=1)  # larger jobs are refused at submit
     max_queued_jobs_per_user: int | None = Field(default=1000, ge=1)  # more are refused (429) at submit
+    max_user_priority: int = 0  # the highest spec priority a non-admin may submit (admins: any)
     # A package of the user's code (runtime.working_dir from a local folder), zipped: the
     # upload's body limit (service.code_packages); the global max_body_bytes does not apply to it.
     max_code_package_bytes: int = Field(default=MAX_PACKAGE_BYTES, ge=1024)
@@ -76,6 +82,13 @@ class Settings(BaseSettings):
     job_storage_role_arn: str = ""
     job_storage_credentials_ttl_s: int = Field(default=3600, ge=900, le=43200)  # STS' own bounds
     sts_endpoint_url: str = ""  # empty: the object store's endpoint (ZEROTRAIN_S3_ENDPOINT_URL)
+    # Webhooks (service.webhooks): hosts, addresses or networks (comma-separated) a webhook may
+    # target although they are private, loopback or link-local (service.webhook_targets).
+    webhook_allowed_hosts: str = ""
+    webhook_poll_s: float = Field(default=1.0, gt=0)  # how often the sender looks for due deliveries
+    webhook_timeout_s: float = Field(default=10.0, gt=0)  # one delivery's HTTP request
+    webhook_max_attempts: int = Field(default=8, ge=1)  # then the delivery is recorded as failed
+    webhook_retry_base_s: float = Field(default=2.0, gt=0)  # backoff: base * 2**(attempt-1), capped at an hour
 
     @model_validator(mode="after")
     def _fill_from_home(self) -> "Settings":
@@ -101,6 +114,10 @@ class Settings(BaseSettings):
     def scoped_storage(self) -> bool:
         """Jobs get no storage keys, only credentials for their own prefixes (service.job_credentials)."""
         return self.job_storage_credentials == "sts"
+
+    @property
+    def webhook_allow_list(self) -> list[str]:
+        return [entry.strip() for entry in self.webhook_allowed_hosts.split(",") if entry.strip()]
 
     @property
     def logs_dir(self) -> Path:

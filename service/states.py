@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session
 
 from contract.reasons import Reason  # noqa: F401  (re-exported: the service reads it from here)
 from service.models import Job, JobEvent, utcnow
+from service import webhooks
 from service.schemas import TERMINAL_STATES, JobState
 
 log = logging.getLogger(__name__)
@@ -93,7 +94,9 @@ def transition(
                                  attempt=attempt if attempt is not None else _attempt(session, job_id),
                                  created_at=now))
             session.flush()
-            return load_job(session, job_id)
+            job = load_job(session, job_id)
+            webhooks.enqueue_transition(session, job)  # the outbox row commits with the change
+            return job
     raise RuntimeError(f"job {job_id}: state kept changing under concurrent updates")
 
 

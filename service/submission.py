@@ -31,7 +31,7 @@ from service.launchers.base import Launcher
 from service.models import IdempotencyKey, Job, utcnow
 from service.prediction import plan_at_submit
 from service.schemas import JobSpec, JobState
-from service.settings import Settings
+from service.settings import Settings, env_var
 from service.states import Reason, load_job, record_created, record_notice
 
 
@@ -63,7 +63,7 @@ def submit(spec: JobSpec, user: Principal, session: Session, settings: Settings,
     to_store, prediction = plan_at_submit(spec)
     now = utcnow()
     job = Job(id=new_job_id(), name=spec.name, owner=user.name, state=JobState.QUEUED.value,
-              reason=Reason.SUBMITTED, attempt=0,
+              reason=Reason.SUBMITTED, attempt=0, priority=spec.priority,
               spec=spec_json if to_store is spec else to_store.model_dump(mode="json"), prediction=prediction,
               created_at=now, updated_at=now)
     session.add(job)
@@ -109,6 +109,10 @@ def check_admissible(spec: JobSpec, user: Principal, session: Session, settings:
     """Refuse now what could never start (422 with the numbers) or what exceeds the user's
     queue (429), instead of queueing it: a job asking for more workers than the cluster could
     ever hold would otherwise wait forever and grow the driver and Ray's GCS while it waits."""
+    if spec.priority > settings.max_user_priority and not user.is_admin:
+        raise field_error("priority", f"priority {spec.priority} is above {settings.max_user_priority}, the "
+                          f"highest this service lets a non-admin use ({env_var('max_user_priority')})",
+                          "priority_not_allowed")
     refusal = admission.refusal_at_submit(admission.demand_of(spec), admission.cluster_capacity(launcher, settings),
                                           settings.max_workers_per_job, least=admission.least_demand_of(spec))
     if refusal is not None:

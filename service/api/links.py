@@ -18,6 +18,8 @@ LINKS: dict[tuple[str, int], dict[str, tuple[str, dict[str, str]]]] = {
     ("submit_job", 201): {target: (target, {"job_id": JOB_ID}) for target in _JOB_FOLLOW_UPS},
     ("get_job", 200): {target: (target, {"job_id": JOB_ID}) for target in _JOB_FOLLOW_UPS if target != "get_job"},
     ("create_token", 201): {"revoke_token": ("revoke_token", {"token_id": "$response.body#/id"})},
+    ("create_webhook", 201): {target: (target, {"webhook_id": "$response.body#/id"})
+                              for target in ("list_webhook_deliveries", "delete_webhook")},
     ("upload_code_package", 201): {"get_code_package": ("get_code_package", {"sha256": "$response.body#/sha256"})},
 }
 

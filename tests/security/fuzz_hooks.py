@@ -14,6 +14,8 @@
                             schema's example, ``contract.spec.EXAMPLE_SPEC``), so a chain gets
                             a 201 and follows its links to the new job: a generated body is
                             almost never a valid job, and a chain would stop at its 422.
+                            Half of the ``POST /api/v1/webhooks`` bodies become a webhook the
+                            service admits (``VALID_WEBHOOK``), for the same reason.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ def _plan() -> list[tuple[re.Pattern[str], str | None, str | None]]:
 
 PLAN = _plan()
 VALID_SUBMITS = bool(os.environ.get("ZT_FUZZ_VALID_SUBMITS"))
+# A webhook the fuzzed service's allow-list admits (test_fuzz.py): nothing listens there.
+VALID_WEBHOOK = {"url": "http://127.0.0.1:9/fuzz", "events": ["job.succeeded"], "secret": "fuzz-secret-0123456789"}
 SECRETS = tuple({token for _, _, token in PLAN if token})  # no answer may echo a bearer token
 
 
@@ -63,5 +67,8 @@ def before_call(context, case, kwargs):  # noqa: ANN001
         if (VALID_SUBMITS and case.operation.method.upper() == "POST" and path == "/api/v1/jobs"
                 and zlib.crc32(repr(case.body).encode()) % 2 == 0):
             case.body = {**EXAMPLE_SPEC, "name": f"fuzz-{zlib.crc32(repr(case.body).encode()):08x}"}
+        if (VALID_SUBMITS and case.operation.method.upper() == "POST" and path == "/api/v1/webhooks"
+                and zlib.crc32(repr(case.body).encode()) % 2 == 0):
+            case.body = VALID_WEBHOOK
         return
 

@@ -16,7 +16,7 @@ def test_jobs_start_in_submission_order_while_their_whole_gang_fits():
     j2, j3 = decision.waiting["j2"], decision.waiting["j3"]
     assert "needs 2 workers = 2 CPUs" in j2.message and "free now 1 CPUs of 5 CPUs" in j2.message
     assert j2.reason == j3.reason == "insufficient_resources"
-    assert j3.message == "waiting in submission order behind an earlier job that does not fit yet"
+    assert j3.message == "waiting in queue order behind a job ahead of it that does not fit yet"
 
 
 def test_running_jobs_hold_their_resources():

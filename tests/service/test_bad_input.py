@@ -132,6 +132,8 @@ BAD_SPECS: list[tuple[str, dict]] = [
     ("checkpoint.keep_last", with_value("checkpoint.keep_last", 0)),
     ("checkpoint.uri", with_value("checkpoint.uri", "ftp://host/ckpt")),
     ("max_failures", with_value("max_failures", -1)),
+    ("priority", with_value("priority", 1001)),
+    ("priority", with_value("priority", "high")),
     ("resume_from.job_id", with_value("resume_from", {"job_id": "no such/id"})),
     ("resume_from.step", with_value("resume_from", {"job_id": "job-1", "step": -3})),
     ("max_runtime_s", with_value("max_runtime_s", 0)),

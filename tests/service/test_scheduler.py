@@ -269,7 +269,7 @@ def test_admission_starts_jobs_in_order_as_capacity_frees_and_says_why_the_rest_
     assert scheduler.claim() == []  # job-0000 holds both CPUs while it is STARTING
     first_waiting = job(make_session, "job-0001")
     assert first_waiting.reason == "insufficient_resources" and "free now 0 CPUs of 2 CPUs" in first_waiting.message
-    assert "behind an earlier job" in job(make_session, "job-0002").message
+    assert "behind a job ahead of it" in job(make_session, "job-0002").message
     move(make_session, "job-0000", JobState.RUNNING)
     move(make_session, "job-0000", JobState.SUCCEEDED)
     assert [job_id for job_id, _ in scheduler.claim()] == ["job-0001"]

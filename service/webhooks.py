@@ -1,0 +1,187 @@
+"""Webhooks: job transitions announced to users' URLs, signed, retried and recorded.
+
+A transition that reaches a state in ``contract.webhooks.EVENT_FOR_STATE`` writes one
+``WebhookDelivery`` per matching webhook of the job's owner, in the transition's own
+transaction (``enqueue``, called by ``service.states``). The control plane's ``WebhookSender``
+thread then sends the due ones. Workers never send webhooks.
+
+Each delivery is a POST of a JSON body, signed with the webhook's secret
+(``X-Zerotrain-Signature: sha256=<hex HMAC-SHA256 of the body>``), carrying its delivery id
+(``X-Zerotrain-Delivery``), which stays the same on every retry so a receiver can drop
+repeats. A 2xx answer delivers it; anything else (an error status, a refused connection, a
+timeout, a target that no longer passes ``service.webhook_targets``) is recorded on the row and
+retried after ``webhook_retry_base_s * 2**(attempts - 1)`` seconds, capped at an hour, until
+``webhook_max_attempts``; then the delivery is ``failed``.
+
+[Note: claiming a delivery] The sender claims a due row by moving its ``next_attempt_at`` past the
+request's timeout with a conditional UPDATE; only the sender whose UPDATE matched sends. Another
+sender on the same database (a second replica) skips it, and a sender that dies mid-request
+leaves a row that falls due again, which is sent again with the same delivery id.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import threading
+import uuid
+from datetime import timedelta
+
+import httpx
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session, sessionmaker
+
+from contract.webhooks import DELIVERY_HEADER, EVENT_FOR_STATE, EVENT_HEADER, SIGNATURE_HEADER, SIGNATURE_PREFIX
+from service.models import Job, Webhook, WebhookDelivery, utcnow
+from service.settings import Settings
+from service.webhook_targets import TargetRefused, check_target
+
+log = logging.getLogger(__name__)
+
+PENDING, DELIVERED, FAILED = "pending", "delivered", "failed"
+MAX_BACKOFF_S = 3600.0
+MAX_ERROR_CHARS = 500
+CLAIM_BATCH = 20
+
+
+def sign(secret: str, body: bytes) -> str:
+    """The signature header's value for ``body``."""
+    return SIGNATURE_PREFIX + hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
+
+
+def enqueue(session: Session, job: Job, event: str) -> int:
+    """Add a delivery of ``event`` about ``job`` for each of its owner's webhooks that wants it;
+    the caller's transaction commits them with the change they announce. Returns how many."""
+    hooks = session.execute(select(Webhook).where(Webhook.owner == job.owner)).scalars().all()
+    now = utcnow()
+    count = 0
+    for hook in hooks:
+        if event not in hook.events:
+            continue
+        delivery_id = uuid.uuid4().hex
+        body = {"id": delivery_id, "event": event, "created_at": now.isoformat(),
+                "job": {"id": job.id, "name": job.name, "owner": job.owner, "state": job.state,
+                        "reason": job.reason, "message": job.message, "attempt": job.attempt}}
+        session.add(WebhookDelivery(id=delivery_id, webhook_id=hook.id, job_id=job.id, event=event,
+                                    body=json.dumps(body, separators=(",", ":")), status=PENDING, attempts=0,
+                                    next_attempt_at=now, created_at=now))
+        count += 1
+    return count
+
+
+def enqueue_transition(session: Session, job: Job) -> None:
+    """``enqueue`` the event a job's new state announces, if it announces one."""
+    event = EVENT_FOR_STATE.get(job.state)
+    if event is not None:
+        enqueue(session, job, event)
+
+
+def backoff_s(settings: Settings, attempts: int) -> float:
+    return min(settings.webhook_retry_base_s * 2 ** max(attempts - 1, 0), MAX_BACKOFF_S)
+
+
+class WebhookSender:
+    """The control plane's thread that sends due deliveries (module docstring)."""
+
+    def __init__(self, make_session: sessionmaker[Session], settings: Settings):
+        self.make_session = make_session
+        self.settings = settings
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._http = httpx.Client(timeout=settings.webhook_timeout_s, follow_redirects=False, trust_env=False)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="zerotrain-webhooks", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self._http.close()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.send_due()
+            except Exception:  # the database restarting must not end the loop
+                log.exception("sending webhooks failed")
+            self._wake.wait(self.settings.webhook_poll_s)
+            self._wake.clear()
+
+    def send_due(self) -> int:
+        """Send every delivery that is due now; returns how many were attempted."""
+        sent = 0
+        for delivery_id in self._claim():
+            self._send(delivery_id)
+            sent += 1
+        return sent
+
+    def _claim(self) -> list[str]:
+        lease = timedelta(seconds=self.settings.webhook_timeout_s + 5)
+        claimed: list[str] = []
+        with self.make_session() as session:
+            now = utcnow()
+            due = session.execute(
+                select(WebhookDelivery.id, WebhookDelivery.next_attempt_at)
+                .where(WebhookDelivery.status == PENDING, WebhookDelivery.next_attempt_at <= now)
+                .order_by(WebhookDelivery.next_attempt_at).limit(CLAIM_BATCH)).all()
+            for delivery_id, due_at in due:
+                result = session.execute(
+                    update(WebhookDelivery)
+                    .where(WebhookDelivery.id == delivery_id, WebhookDelivery.status == PENDING,
+                           WebhookDelivery.next_attempt_at == due_at)
+                    .values(next_attempt_at=now + lease).execution_options(synchronize_session=False))
+                if result.rowcount == 1:
+                    claimed.append(delivery_id)
+            session.commit()
+        return claimed
+
+    def _send(self, delivery_id: str) -> None:
+        with self.make_session() as session:
+            delivery = session.get(WebhookDelivery, delivery_id)
+            hook = session.get(Webhook, delivery.webhook_id) if delivery is not None else None
+            if delivery is None or hook is None:
+                return
+            url, secret, body, event = hook.url, hook.secret, delivery.body.encode(), delivery.event
+        status_code: int | None = None
+        error: str | None = None
+        try:
+            check_target(url, self.settings.webhook_allow_list)
+            response = self._http.post(url, content=body, headers={
+                "Content-Type": "application/json", SIGNATURE_HEADER: sign(secret, body),
+                DELIVERY_HEADER: delivery_id, EVENT_HEADER: event, "User-Agent": "zerotrain-webhooks"})
+            status_code = response.status_code
+            if not response.is_success:
+                error = f"HTTP {status_code}"
+        except TargetRefused as refused:
+            error = f"target refused: {refused}"
+        except httpx.HTTPError as failure:
+            error = f"{type(failure).__name__}: {failure}"
+        self._record(delivery_id, status_code, error)
+
+    def _record(self, delivery_id: str, status_code: int | None, error: str | None) -> None:
+        with self.make_session() as session:
+            delivery = session.get(WebhookDelivery, delivery_id)
+            if delivery is None:  # its webhook was deleted meanwhile
+                return
+            now = utcnow()
+            delivery.attempts += 1
+            delivery.last_status_code = status_code
+            delivery.last_error = None if error is None else error[:MAX_ERROR_CHARS]
+            if error is None:
+                delivery.status, delivery.delivered_at = DELIVERED, now
+            elif delivery.attempts >= self.settings.webhook_max_attempts:
+                delivery.status = FAILED
+            else:
+                delivery.next_attempt_at = now + timedelta(seconds=backoff_s(self.settings, delivery.attempts))
+            session.commit()
+        if error is not None:
+            log.info("webhook delivery %s failed (attempt recorded): %s", delivery_id, error)
