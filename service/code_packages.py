@@ -2,7 +2,8 @@
 
 ``runtime.working_dir`` in a spec file may name a local folder. ``zerotrain submit`` zips it
 (``build_package``: the folder's contents at the zip's root, without ``.git``, ``__pycache__``,
-virtual environments, or what its ``.gitignore`` and ``.zerotrainignore`` files exclude), uploads the zip once (``POST /api/v1/code-packages``; skipped when
+virtual environments, or what its ``.gitignore`` and ``.zerotrainignore`` files exclude),
+uploads the zip once (``POST /api/v1/code-packages``; skipped when
 ``GET /api/v1/code-packages/{sha256}`` finds it), and submits the spec with the stored URI in
 its place. The service keeps each package content-addressed in its owner's area of storage,
 

@@ -179,7 +179,8 @@ def plan_for_spec(
     """What the control plane calls at submit time; the choice matters for ``stage: "auto"``.
 
     Budget: ``gpu_memory_bytes`` (what the cluster reports) or else
-    ``resources.gpu_memory_gb`` (else the memory of ``resources.accelerator_type``). CPU jobs (``gpus_per_worker == 0``) are budgeted by
+    ``resources.gpu_memory_gb`` (else the memory of ``resources.accelerator_type``). CPU jobs
+    (``gpus_per_worker == 0``) are budgeted by
     ``host_memory_bytes`` per worker when the caller knows it; with no budget at all the plan
     is stage 0 and its reason says that no budget was known. A fixed stage in the spec is
     kept (its prediction is still recorded); ``offload_optimizer: true`` is kept likewise.

@@ -86,4 +86,5 @@ def test_ray_train_asks_for_the_gpu_type_in_the_scaling_config_and_the_wait_for_
     assert ray_train.resources_per_worker(spec) == wanted  # what the placement-group wait asks for
     assert config.as_placement_group_factory().bundles == [wanted, wanted]  # what Ray Train asks for
     plain = ray_train.scaling_config(JobSpec.model_validate(medium_spec(num_workers=2)))
-    assert plain.accelerator_type is None and plain.as_placement_group_factory().bundles == [{"CPU": 1.0, "GPU": 1.0}] * 2
+    assert plain.accelerator_type is None
+    assert plain.as_placement_group_factory().bundles == [{"CPU": 1.0, "GPU": 1.0}] * 2
