@@ -88,3 +88,29 @@ def test_ray_train_asks_for_the_gpu_type_in_the_scaling_config_and_the_wait_for_
     plain = ray_train.scaling_config(JobSpec.model_validate(medium_spec(num_workers=2)))
     assert plain.accelerator_type is None
     assert plain.as_placement_group_factory().bundles == [{"CPU": 1.0, "GPU": 1.0}] * 2
+
+
+@pytest.mark.slow
+def test_a_real_ray_node_holds_the_worker_group_only_on_its_own_gpu_type():
+    """A one-node Ray cluster that says it has one T4 (Ray's resource for a node's GPU type,
+    declared here as Ray would detect it): the wait for a T4 job's worker group is granted at
+    once, an H100 job's stays pending."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    def gate(gpu: str):
+        spec = JobSpec.model_validate(medium_spec(accelerator_type=gpu, num_workers=1, cpus_per_worker=1))
+        return placement_group([ray_train.resources_per_worker(spec)], strategy="PACK")
+
+    ray.init(num_cpus=2, num_gpus=1, resources={"accelerator_type:T4": 1}, include_dashboard=False,
+             log_to_driver=False)
+    try:
+        t4, h100 = gate("T4"), gate("H100")
+        ready, _ = ray.wait([t4.ready()], timeout=120)
+        assert ready, "the T4 worker group was not placed on the T4 node"
+        # the same node, free again for an H100 job, still does not take it
+        remove_placement_group(t4)
+        ready, _ = ray.wait([h100.ready()], timeout=5)
+        assert not ready
+    finally:
+        ray.shutdown()
