@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field, PrivateAttr, WithJsonSchema, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from contract.accelerators import ACCELERATOR_MEMORY_GB, canonical_accelerator
 from contract.presets import PRESETS
 # the blocks and limits that live in their own modules, re-exported: callers import every part of
 # the spec from here
@@ -254,9 +255,30 @@ class ResourcesSpec(SpecModel):
     gpus_per_worker: float = Field(default=0, ge=0)
     cpus_per_worker: float = Field(default=1, gt=0)
     gpu_memory_gb: float | None = Field(default=None, gt=0)
+    accelerator_type: str | None = Field(
+        default=None, max_length=64,
+        description="the GPU type every worker runs on, in Ray's names (contract/accelerators.py): "
+                    "asked of Ray and of Kubernetes, and the planner's memory budget unless "
+                    "gpu_memory_gb is given")
+
+    @field_validator("accelerator_type")
+    @classmethod
+    def _known_accelerator(cls, value: str | None) -> str | None:
+        if value is None:  # an unknown name is refused: Ray would never schedule it (contract/accelerators.py)
+            return None
+        known = canonical_accelerator(value)
+        if known is None:
+            raise PydanticCustomError("accelerator_type", "unknown GPU type '{value}'; known: {known}",
+                                      {"value": value, "known": ", ".join(ACCELERATOR_MEMORY_GB)})
+        return known
 
     @model_validator(mode="after")
     def _worker_range(self) -> ResourcesSpec:
+        if self.accelerator_type is not None and not self.gpus_per_worker:
+            raise PydanticCustomError(
+                "accelerator_type", "resources.accelerator_type ({accelerator_type}) needs "
+                "resources.gpus_per_worker > 0", {"accelerator_type": self.accelerator_type,
+                                                  "field": "resources.accelerator_type"})
         if self.min_workers is None:
             self.min_workers = self.num_workers
         elif self.min_workers > self.num_workers:
@@ -265,6 +287,11 @@ class ResourcesSpec(SpecModel):
                 "({num_workers})", {"min_workers": self.min_workers, "num_workers": self.num_workers,
                                      "field": "resources.min_workers"})
         return self
+
+    @property
+    def gpu_memory_budget_gb(self) -> float | None:
+        """Memory per GPU for the planner: ``gpu_memory_gb``, else the ``accelerator_type``'s."""
+        return self.gpu_memory_gb or ACCELERATOR_MEMORY_GB.get(self.accelerator_type or "")
 
     @property
     def elastic(self) -> bool:

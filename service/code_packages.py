@@ -1,8 +1,9 @@
 """The user's own code from a local folder: zipped by the CLI, stored once, shipped with the job.
 
 ``runtime.working_dir`` in a spec file may name a local folder. ``zerotrain submit`` zips it
-(``build_package``: the folder's contents at the zip's root, without ``.git``, ``__pycache__``
-or virtual environments), uploads the zip once (``POST /api/v1/code-packages``; skipped when
+(``build_package``: the folder's contents at the zip's root, without ``.git``, ``__pycache__``,
+virtual environments, or what its ``.gitignore`` and ``.zerotrainignore`` files exclude),
+uploads the zip once (``POST /api/v1/code-packages``; skipped when
 ``GET /api/v1/code-packages/{sha256}`` finds it), and submits the spec with the stored URI in
 its place. The service keeps each package content-addressed in its owner's area of storage,
 
@@ -22,6 +23,15 @@ loses its top-level directory when that is the only entry at the root (Ray's rul
 the root is never a lone directory and both ways give the same tree: the folder's contents,
 which is the working directory of the driver and every worker, and first on ``sys.path``.
 The server refuses an upload whose root is a lone directory for the same reason.
+
+[Note: ignore files]
+Every ``.gitignore`` and ``.zerotrainignore`` in the folder or below it is read with git's
+rules (``pathspec``'s ``GitIgnoreSpec``), as Ray's own packager reads ``.gitignore``: a
+file's patterns apply below the folder that holds it, a deeper file's and then
+``.zerotrainignore``'s matches win over earlier ones, a ``!`` pattern takes a path back, and
+an excluded folder is not entered (so nothing in it can be taken back, as in git). A
+``.gitignore`` above the folder, in the repository it may sit in, is not read: the folder is
+what the user named. ``.zerotrainignore`` is for what git keeps but the job does not need.
 
 [Note: how each launcher ships a package]
 ``launch_working_dir`` is the one place that turns the spec's URI into what a launcher hands
@@ -49,6 +59,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import pathspec
+
 from service.storage_policy import USERS_DIR, UnsafeUri, is_within, split_uri, user_prefix
 
 CODE_DIR = "code"
@@ -60,6 +72,7 @@ MANIFEST = ".zerotrain-package.json"
 SKIPPED_DIRS = frozenset({".git", ".hg", ".svn", "__pycache__", ".venv", "venv", ".mypy_cache",
                           ".pytest_cache", ".ruff_cache", ".tox", "node_modules"})
 SKIPPED_SUFFIXES = (".pyc", ".pyo")
+IGNORE_FILES = (".gitignore", ".zerotrainignore")  # read in this order in each folder (module docstring)
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -88,7 +101,8 @@ def is_local_working_dir(value: str) -> bool:
 
 
 def build_package(folder: Path, *, max_bytes: int = MAX_PACKAGE_BYTES) -> BuiltPackage:
-    """The zip of ``folder``'s contents (``SKIPPED_DIRS`` left out), with ``MANIFEST`` at its root.
+    """The zip of ``folder``'s contents (``SKIPPED_DIRS`` and what its ignore files exclude left
+    out), with ``MANIFEST`` at its root.
 
     Entries are sorted and carry a fixed timestamp, so the same files give the same bytes and
     the same sha256 (the package is uploaded once). Raises ``BadPackage`` naming the limit and
@@ -96,10 +110,17 @@ def build_package(folder: Path, *, max_bytes: int = MAX_PACKAGE_BYTES) -> BuiltP
     """
     folder = folder.resolve()
     paths: list[Path] = []
+    rules: dict[Path, list[tuple[str, pathspec.GitIgnoreSpec]]] = {folder: []}
     for root, dirs, files in os.walk(folder):
-        dirs[:] = sorted(d for d in dirs if d not in SKIPPED_DIRS and not (Path(root) / d / "pyvenv.cfg").exists())
-        paths += [Path(root) / name for name in sorted(files)  # a dangling link or a socket: nothing to ship
-                  if not name.endswith(SKIPPED_SUFFIXES) and name != MANIFEST and (Path(root) / name).is_file()]
+        here = Path(root)
+        rules[here] = applying = rules[here] + _ignore_files(here, folder)
+        dirs[:] = sorted(d for d in dirs if d not in SKIPPED_DIRS and not (here / d / "pyvenv.cfg").exists()
+                         and not _ignored(here / d, folder, applying, is_dir=True))
+        for d in dirs:
+            rules[here / d] = applying
+        paths += [here / name for name in sorted(files)  # a dangling link or a socket: nothing to ship
+                  if not name.endswith(SKIPPED_SUFFIXES) and name != MANIFEST and (here / name).is_file()
+                  and not _ignored(here / name, folder, applying, is_dir=False)]
     buffer = io.BytesIO()
     cut_short = False
     with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
@@ -118,9 +139,36 @@ def build_package(folder: Path, *, max_bytes: int = MAX_PACKAGE_BYTES) -> BuiltP
     if len(data) > max_bytes:
         raise BadPackage(f"runtime.working_dir {folder} is {'over ' if cut_short else ''}"
                          f"{megabytes(len(data))} zipped, more than the {megabytes(max_bytes)} limit "
-                         f"(.git, __pycache__ and virtual environments are left out; move data files "
-                         f"to storage and read them with data.uri)")
+                         f"(.git, __pycache__, virtual environments and what .gitignore or .zerotrainignore "
+                         f"names are left out; move data files to storage and read them with data.uri)")
     return BuiltPackage(data, hashlib.sha256(data).hexdigest(), len(paths))
+
+
+def _ignore_files(here: Path, folder: Path) -> list[tuple[str, pathspec.GitIgnoreSpec]]:
+    """The patterns of ``here``'s ignore files, each with ``here`` relative to ``folder``."""
+    base = "" if here == folder else here.relative_to(folder).as_posix() + "/"
+    found = []
+    for name in IGNORE_FILES:
+        path = here / name
+        if path.is_file():
+            try:
+                lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+            except OSError as error:
+                raise BadPackage(f"runtime.working_dir: cannot read {path}: {error.strerror}") from None
+            found.append((base, pathspec.GitIgnoreSpec.from_lines(lines)))
+    return found
+
+
+def _ignored(path: Path, folder: Path, applying: list[tuple[str, pathspec.GitIgnoreSpec]], *, is_dir: bool) -> bool:
+    """Whether the last ignore file with a pattern matching ``path`` excludes it (git's rule)."""
+    rel = path.relative_to(folder).as_posix() + ("/" if is_dir else "")
+    ignored = False
+    for base, spec in applying:
+        if rel.startswith(base):
+            include = spec.check_file(rel[len(base):]).include
+            if include is not None:
+                ignored = include
+    return ignored
 
 
 def _entry(name: str, mode: int) -> zipfile.ZipInfo:

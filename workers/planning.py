@@ -179,7 +179,8 @@ def plan_for_spec(
     """What the control plane calls at submit time; the choice matters for ``stage: "auto"``.
 
     Budget: ``gpu_memory_bytes`` (what the cluster reports) or else
-    ``resources.gpu_memory_gb``. CPU jobs (``gpus_per_worker == 0``) are budgeted by
+    ``resources.gpu_memory_gb`` (else the memory of ``resources.accelerator_type``). CPU jobs
+    (``gpus_per_worker == 0``) are budgeted by
     ``host_memory_bytes`` per worker when the caller knows it; with no budget at all the plan
     is stage 0 and its reason says that no budget was known. A fixed stage in the spec is
     kept (its prediction is still recorded); ``offload_optimizer: true`` is kept likewise.
@@ -201,8 +202,8 @@ def plan_for_spec(
     resources, zero = spec.resources, spec.zero
     gpu_job = resources.gpus_per_worker > 0
     budget = gpu_memory_bytes
-    if budget is None and gpu_job and resources.gpu_memory_gb:
-        budget = int(resources.gpu_memory_gb * GB)
+    if budget is None and gpu_job and resources.gpu_memory_budget_gb:
+        budget = int(resources.gpu_memory_budget_gb * GB)
     if budget is None and not gpu_job:
         budget = host_memory_bytes
     # [Note: NVMe offload in the plan] A job with offload_optimizer "nvme" is priced with its state

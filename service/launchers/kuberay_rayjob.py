@@ -23,6 +23,7 @@ import shlex
 from dataclasses import dataclass, replace
 from typing import Any
 
+from contract.accelerators import ACCELERATOR_NODE_LABEL
 from contract.environment import ENV_PREFIX
 from contract.spec import ResourcesSpec
 from service.launchers.base import LaunchRequest
@@ -247,6 +248,8 @@ def build_rayjob(request: LaunchRequest, settings: Any) -> dict[str, Any]:
         container="ray-worker", opts=opts, labels=labels, env=env, storage_keys=not request.scoped_storage,
         resources=worker_resources(resources, opts), gpus=gpus,
     )
+    if resources.accelerator_type:  # only nodes with that GPU (docs/contracts.md, "GPU type")
+        worker["spec"]["nodeSelector"] = {ACCELERATOR_NODE_LABEL: resources.accelerator_type}
     submitter_amounts = {"cpu": "500m", "memory": "1Gi"}
     submitter = _pod_template(
         container="ray-job-submitter", opts=opts, labels=labels, env=[],

@@ -128,6 +128,8 @@ BAD_SPECS: list[tuple[str, dict]] = [
     ("resources.gpus_per_worker", with_value("resources.gpus_per_worker", -1)),
     ("resources.cpus_per_worker", with_value("resources.cpus_per_worker", 0)),
     ("resources.gpu_memory_gb", with_value("resources.gpu_memory_gb", 0)),
+    ("resources.accelerator_type", with_value("resources", {"gpus_per_worker": 1, "accelerator_type": "H1000"})),
+    ("resources.accelerator_type", with_value("resources.accelerator_type", "H100")),  # gpus_per_worker is 0
     ("checkpoint.every_steps", with_value("checkpoint.every_steps", 0)),
     ("checkpoint.keep_last", with_value("checkpoint.keep_last", 0)),
     ("checkpoint.uri", with_value("checkpoint.uri", "ftp://host/ckpt")),

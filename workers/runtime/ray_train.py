@@ -210,11 +210,19 @@ def ray_storage(storage_uri: str) -> tuple[str, Any]:
     return storage.root, PyFileSystem(FSSpecHandler(storage.fs))
 
 
+ACCELERATOR_RESOURCE_PREFIX = "accelerator_type:"  # Ray's resource name for a node's GPU type
+ACCELERATOR_RESOURCE_AMOUNT = 0.001  # what ScalingConfig(accelerator_type=...) asks of it per worker
+
+
 def resources_per_worker(spec: JobSpec) -> dict[str, float]:
-    """One rank's Ray resources: its CPUs, and its GPUs when it has any."""
+    """One rank's Ray resources: its CPUs, and its GPUs when it has any, of the spec's
+    ``accelerator_type`` when it names one (the token amount of ``accelerator_type:<name>`` that
+    ``ScalingConfig(accelerator_type=...)`` asks for, so that the wait for resources asks for it too)."""
     per_worker = {"CPU": spec.resources.cpus_per_worker}
     if spec.resources.gpus_per_worker:
         per_worker["GPU"] = spec.resources.gpus_per_worker
+    if spec.resources.accelerator_type:
+        per_worker[f"{ACCELERATOR_RESOURCE_PREFIX}{spec.resources.accelerator_type}"] = ACCELERATOR_RESOURCE_AMOUNT
     return per_worker
 
 
@@ -299,7 +307,8 @@ def scaling_config(spec: JobSpec):
     resources = spec.resources
     per_worker = resources_per_worker(spec)
     workers = (resources.min_workers, resources.num_workers) if resources.elastic else resources.num_workers
-    return ScalingConfig(num_workers=workers, use_gpu="GPU" in per_worker, resources_per_worker=per_worker)
+    return ScalingConfig(num_workers=workers, use_gpu="GPU" in per_worker, resources_per_worker=per_worker,
+                         accelerator_type=resources.accelerator_type)
 
 
 def build_trainer(spec: JobSpec, loop_config: LoopConfig, attempt_counter: str | None = None):
