@@ -15,7 +15,7 @@ from fastapi import Depends, FastAPI
 from fastapi.routing import APIRoute
 
 from service import dashboard, log_redaction, migrate, prediction
-from service.api import checkpoints, code_packages, health, jobs, memory_check, metrics, plan, tokens, workers
+from service.api import checkpoints, code_packages, health, jobs, memory_check, metrics, plan, tensorboard, tokens, workers
 from service.api.deps import current_user
 from service.api.errors import COMMON_ERRORS, error_responses, install_error_handlers
 from service.auth import ensure_local_admin_token, register_admin_token
@@ -82,7 +82,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     install_error_handlers(app)
     for router in (jobs.router, metrics.router, workers.router, memory_check.router, checkpoints.router,
-                   tokens.router, code_packages.router):
+                   tokens.router, code_packages.router, tensorboard.router):
         app.include_router(router, prefix=API_PREFIX, responses=error_responses(*COMMON_ERRORS))
     # the plan router declares no auth of its own (it is the planner over HTTP): it is added here
     app.include_router(plan.router, prefix=API_PREFIX, dependencies=[Depends(current_user)],
