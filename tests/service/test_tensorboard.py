@@ -1,23 +1,17 @@
 """Issue 33, Must show 2: every job's TensorBoard event files hold one value per step.
 
-The files are read back with a TFRecord reader written here (length, masked CRC-32C of it, the
-record, its masked CRC) and tensorboardX's ``Event`` proto, independently of the exporter's
-writer: a record whose checksums do not match fails the test.
+The files are read back by ``tests.helpers.tensorboard_files`` (a TFRecord reader checking every
+checksum, and tensorboardX's ``Event`` proto), independently of the exporter's writer.
 """
 
 from __future__ import annotations
 
 import json
-import struct
 import time
-from collections import defaultdict
 from pathlib import Path
 
-import numpy as np
 import pytest
 from sqlalchemy import select
-from tensorboardX.crc32c import crc32c
-from tensorboardX.proto.event_pb2 import Event
 
 from service import tensorboard
 from service.cli import main
@@ -25,42 +19,8 @@ from service.db import make_engine, make_sessionmaker
 from service.models import Job, Metric, UserMetric, utcnow
 from service.schemas import JobState
 from tests.helpers.service_specs import make_spec
+from tests.helpers.tensorboard_files import f32, rank_mean_loss, read_scalars
 from tests.service.conftest import FAKE_DRIVER
-
-
-def _masked(data: bytes) -> int:
-    x = crc32c(data) & 0xFFFFFFFF
-    return (((x >> 15) | (x << 17)) + 0xA282EAD8) & 0xFFFFFFFF
-
-
-def read_records(path: Path) -> list[bytes]:
-    data, records, at = path.read_bytes(), [], 0
-    while at < len(data):
-        header = data[at:at + 8]
-        (length,) = struct.unpack("<Q", header)
-        assert struct.unpack("<I", data[at + 8:at + 12])[0] == _masked(header), f"bad length CRC in {path}"
-        body = data[at + 12:at + 12 + length]
-        assert struct.unpack("<I", data[at + 12 + length:at + 16 + length])[0] == _masked(body), f"bad CRC in {path}"
-        records.append(body)
-        at += 16 + length
-    return records
-
-
-def read_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    """tag -> [(step, value)] over every event file of the folder, in name order."""
-    scalars: dict[str, list[tuple[int, float]]] = defaultdict(list)
-    files = sorted(p for p in log_dir.iterdir() if "tfevents" in p.name)
-    for path in files:
-        events = [Event.FromString(record) for record in read_records(path)]
-        assert events[0].file_version == "brain.Event:2"
-        for event in events[1:]:
-            for value in event.summary.value:
-                scalars[value.tag].append((event.step, value.simple_value))
-    return scalars
-
-
-def f32(value: float) -> float:
-    return float(np.float32(value))  # an event's simple_value is a float32
 
 
 # ----------------------------------------------------------------------------- the exporter over rows
@@ -148,14 +108,11 @@ def test_a_two_rank_job_event_files_equal_the_metrics_api_rank_mean(make_live_se
         assert time.monotonic() < deadline, client.tensorboard(job.id)
         time.sleep(0.1)
 
-    by_step: dict[int, list[float]] = defaultdict(list)
-    for point in client.metrics(job.id):
-        by_step[point.step].append(point.loss)
-    assert {len(losses) for losses in by_step.values()} == {2}
+    points = client.metrics(job.id)
+    assert sorted((p.rank, p.step) for p in points) == [(r, s) for r in (0, 1) for s in range(30)]
     where = client.tensorboard(job.id)
-    scalars = read_scalars(Path(where.logdir))
-    assert scalars["train/loss"] == [(step, f32(sum(v) / len(v))) for step, v in sorted(by_step.items())]
-    assert where.step == max(by_step)
+    assert read_scalars(Path(where.logdir))["train/loss"] == rank_mean_loss(points)
+    assert where.step == 29
 
     monkeypatch.setenv("ZEROTRAIN_URL", service.url)
     monkeypatch.setenv("ZEROTRAIN_TOKEN", service.admin_token)
