@@ -35,6 +35,7 @@ from service.schemas import (
     JobState,
     MetricList,
     MetricPoint,
+    TensorBoardOut,
     TokenCreated,
     TokenList,
     TokenOut,
@@ -259,6 +260,10 @@ class Client:
 
     def checkpoints(self, job_id: str) -> list[CheckpointOut]:
         return CheckpointList.model_validate(self._api("GET", f"/jobs/{job_id}/checkpoints")).items
+
+    def tensorboard(self, job_id: str) -> TensorBoardOut:
+        """Where the job's TensorBoard event files are (the folder for ``tensorboard --logdir``)."""
+        return TensorBoardOut.model_validate(self._api("GET", f"/jobs/{job_id}/tensorboard"))
 
     # ------------------------------------------------------------------ code packages
 

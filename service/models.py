@@ -25,6 +25,7 @@ from sqlalchemy import (
     Text,
     TypeDecorator,
     UniqueConstraint,
+    false,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -83,6 +84,9 @@ class Job(Base):
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    # service.tensorboard: the highest step in the job's event files; a finished job's files complete
+    tensorboard_step: Mapped[int | None] = mapped_column(Integer)
+    tensorboard_done: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
 
     @property
     def job_spec(self) -> JobSpec:

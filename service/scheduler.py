@@ -31,7 +31,7 @@ from sqlalchemy import select, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from contract.reasons import Reason
-from service import admission
+from service import admission, tensorboard
 from service.auth import INGEST_TOKEN_PREFIX, hash_token, new_token
 from service.code_package_retention import delete_unused_packages
 from service.launchers.base import Launcher, LaunchHandle, LaunchPhase, LaunchRequest, LaunchStatus
@@ -66,6 +66,7 @@ class Scheduler:
         self._releases: dict[str, threading.Thread] = {}  # job id -> its stop after a failure
         self.limits = admission.limits_from(settings)
         self._next_package_sweep = 0.0  # time.monotonic() of the next code-package sweep
+        self._next_tensorboard_export = 0.0  # time.monotonic() of the next TensorBoard export
 
     # ------------------------------------------------------------------ loop
 
@@ -74,6 +75,15 @@ class Scheduler:
             self.launch(job_id, ingest_token)
         self.reconcile()
         self.sweep_code_packages()
+        self.export_tensorboard()
+
+    def export_tensorboard(self) -> None:
+        """Every ``tensorboard_export_s``: write the jobs' new steps to their TensorBoard event
+        files (``service.tensorboard``; a job whose export fails is retried next time)."""
+        if time.monotonic() < self._next_tensorboard_export:
+            return
+        self._next_tensorboard_export = time.monotonic() + self.settings.tensorboard_export_s
+        tensorboard.export_pending(self.make_session, self.settings.storage_uri)
 
     def sweep_code_packages(self) -> None:
         """Every ``code_package_sweep_s``: delete the code packages nothing needs any more

@@ -377,3 +377,12 @@ class ErrorOut(BaseModel):
 
     detail: str
     errors: list[ErrorDetail] = Field(default_factory=list)
+
+
+class TensorBoardOut(BaseModel):
+    """Where a job's TensorBoard event files are (``service.tensorboard``)."""
+
+    job_id: str
+    logdir: str = Field(description="the folder to pass to tensorboard --logdir: a local path or an s3:// URI")
+    step: int | None = Field(description="the highest step the files hold so far; null before the first")
+    complete: bool = Field(description="the job has ended and every step it reported is written")

@@ -69,6 +69,8 @@ class Settings(BaseSettings):
     # looks every code_package_sweep_s (service.code_package_retention).
     code_package_retention_days: float = Field(default=30.0, gt=0)
     code_package_sweep_s: float = Field(default=3600.0, gt=0)
+    # The scheduler writes new steps to the jobs' TensorBoard event files every this often (service.tensorboard).
+    tensorboard_export_s: float = Field(default=10.0, gt=0)
     max_spec_bytes: int = Field(default=256 * 1024, ge=1024)  # a stored spec's JSON; larger is a 422
     local_capacity_cpus: float | None = Field(default=None, gt=0)  # the local launcher's CPUs for jobs
     # An autoscaling cluster grows when jobs ask for more than it has: its current totals are

@@ -1,4 +1,5 @@
-"""Client-side commands: ``submit``, ``jobs``, ``show``, ``cancel``, ``logs``, ``events``, ``checkpoints``.
+"""Client-side commands: ``submit``, ``jobs``, ``show``, ``cancel``, ``logs``, ``events``, ``checkpoints``,
+``tensorboard``.
 
 They talk to a running server through the SDK (``service.client.Client``: ``--url``/``--token``,
 else ``ZEROTRAIN_URL``/``ZEROTRAIN_TOKEN`` or the local defaults); ``-o json`` prints the API's
@@ -50,7 +51,9 @@ def register(commands: Any) -> None:
     for name, handler, help_text in (("show", cmd_show, "show a job, its spec and events"),
                                      ("cancel", cmd_cancel, "cancel a job"),
                                      ("events", cmd_events, "list a job's state transitions"),
-                                     ("checkpoints", cmd_checkpoints, "list a job's committed checkpoints")):
+                                     ("checkpoints", cmd_checkpoints, "list a job's committed checkpoints"),
+                                     ("tensorboard", cmd_tensorboard,
+                                      "print the folder of a job's TensorBoard event files (for tensorboard --logdir)")):
         add(name, handler, help_text).add_argument("job_id")
     logs = add("logs", cmd_logs, "print a job's driver log")
     logs.add_argument("job_id")
@@ -241,6 +244,16 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
     for checkpoint in checkpoints:
         table.add_row(str(checkpoint.step), checkpoint.created_at.strftime("%Y-%m-%d %H:%M:%S"), checkpoint.uri)
     out.print(table)
+    return 0
+
+
+def cmd_tensorboard(args: argparse.Namespace) -> int:
+    """The log dir alone on stdout (``tensorboard --logdir "$(zerotrain tensorboard JOB)"``)."""
+    where = client_for(args).tensorboard(args.job_id)
+    if wants_json(args):
+        print_json(where)
+        return 0
+    sys.stdout.write(where.logdir + "\n")
     return 0
 
 

@@ -13,10 +13,12 @@ from __future__ import annotations
 import os
 import signal
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
 from service.schemas import JobState
+from tests.helpers.tensorboard_files import rank_mean_loss, read_scalars
 from tests.integration.conftest import train_workers, wait_for
 from tests.integration.test_ray_jobs import explain, nano_job
 
@@ -53,3 +55,9 @@ def test_killed_worker_resumes_from_the_latest_checkpoint(make_control_plane):
         rows = Counter((m.attempt, m.rank, m.step) for m in first + second)
         assert max(rows.values()) == 1  # no duplicated metric rows
         assert STEPS in [c.step for c in client.checkpoints(job.id)]  # the final step is checkpointed too
+
+        # Must show 2 (issue 33): the event files hold each step's rank mean loss once; a step both
+        # attempts ran (after the checkpoint) holds the value the metrics API has for the resumed one
+        wait_for(lambda: client.tensorboard(job.id).complete, 60, "the TensorBoard export")
+        latest = [m for m in first if m.step <= resumed_from] + second
+        assert read_scalars(Path(client.tensorboard(job.id).logdir))["train/loss"] == rank_mean_loss(latest)

@@ -18,6 +18,7 @@ import pytest
 from service.client import ValidationFailed
 from service.log_text import plain_log
 from service.schemas import JobState
+from tests.helpers.tensorboard_files import rank_mean_loss, read_scalars
 from tests.integration.conftest import (describe, job_owned_processes, job_processes_but_the_cleaner, train_workers,
                                        wait_for)
 
@@ -76,6 +77,9 @@ def test_two_worker_job_succeeds_with_a_metric_row_per_rank_and_step(make_contro
         events = client.events(job.id)
         logs = client.logs(job.id)
         rank_logs = {rank: client.logs(job.id, rank=rank) for rank in (0, 1)}
+        # Must show 2 (issue 33): the event files hold each step's rank mean loss once
+        wait_for(lambda: client.tensorboard(job.id).complete, 60, "the TensorBoard export")
+        assert read_scalars(Path(client.tensorboard(job.id).logdir))["train/loss"] == rank_mean_loss(rows)
 
     assert len(rows) == 2 * steps  # one per (rank, step): nothing missing, nothing twice
     for rank in (0, 1):
