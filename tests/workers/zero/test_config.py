@@ -126,9 +126,23 @@ def test_from_spec_takes_every_field_of_the_block_and_the_jobs_grad_clip():
         ZeroConfig.from_spec(zero, train)
 
 
+def test_from_spec_takes_nvme_path_as_given_and_offload_params_from_the_block():
+    zero = ZeroSpec(stage=3, offload_params="nvme", nvme_path="/mnt/nvme")
+    train = TrainSpec(steps=1, global_batch_size=2, micro_batch_size=1)
+    assert ZeroConfig.from_spec(zero, train).nvme_path == "/mnt/nvme"
+    cfg = ZeroConfig.from_spec(zero, train, nvme_path="/mnt/nvme/job-1")
+    assert (cfg.offload_params, cfg.nvme_path) == ("nvme", "/mnt/nvme/job-1")
+    assert ZeroConfig(stage=3, offload_params="cpu").offload_params == "cpu"
+    with pytest.raises(ValueError, match="offload_params must be None, 'cpu' or 'nvme'"):
+        ZeroConfig(stage=3, offload_params="disk")
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"stage": 0, "offload_optimizer": True}, "offload_optimizer needs stage 1, 2 or 3"),
     ({"stage": 2, "keep_gathered_bytes": 1}, "keep_gathered_bytes needs stage 3"),
+    ({"stage": 2, "offload_params": "cpu"}, "offload_params needs stage 3"),
+    ({"stage": 3, "offload_params": "nvme"}, "offload_params 'nvme' needs nvme_path"),
+    ({"stage": 3, "nvme_path": "/x"}, "nvme_path is read with offload_optimizer or offload_params 'nvme' only"),
 ])
 def test_the_cross_field_rules_are_the_contracts(kwargs, message):
     """The engine refuses with the sentence the control plane's 422 carries (contract/zero_rules.py)."""
