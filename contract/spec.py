@@ -49,7 +49,8 @@ from contract.spec_model import ModelSpec
 from contract.zero_math import (DEFAULT_BUCKET_MB, DEFAULT_PRECISION, DEFAULT_PREFETCH, OPTIMIZER_STATE_TENSORS,
                                 PRECISIONS, STAGES)
 from contract import deepspeed as deepspeed_config
-from contract.zero_rules import OFFLOAD_OPTIMIZER, OFFLOAD_PARAMS, ZeroRuleBroken, check_nvme_path, check_stage_fields, shard_group_misfits
+from contract.zero_rules import (OFFLOAD_OPTIMIZER, OFFLOAD_PARAMS, ZeroRuleBroken, check_nvme_path,
+                                 check_params_offload_built, check_stage_fields, shard_group_misfits)
 
 # --------------------------------------------------------------------------- job spec
 
@@ -234,6 +235,7 @@ class ZeroSpec(SpecModel):
         try:
             check_stage_fields(self.stage, self.offload_optimizer, self.keep_gathered_bytes, self.offload_params)
             check_nvme_path(self.offload_optimizer, self.nvme_path, self.offload_params)
+            check_params_offload_built(self.offload_params)
         except ZeroRuleBroken as broken:
             raise PydanticCustomError("zero_rule", "{message}", {"message": broken.message, "field": broken.field})
         return self

@@ -101,6 +101,21 @@ def check_nvme_path(offload_optimizer: bool | str, nvme_path: str | None,
         raise ZeroRuleBroken("zero.nvme_path", f"nvme_path must be an absolute path; got {nvme_path!r}")
 
 
+def check_params_offload_built(offload_params: str | None) -> None:
+    """Refuse ``zero.offload_params`` until the engine keeps parameter shards off the device.
+
+    [Note: a field the engine does not run yet]
+    The field, its values and its rules are the contract; the engine's side is not built. A job
+    asking for it is refused at submit (``ZeroSpec``) and by ``ZeroEngine`` with this sentence, so no
+    job is admitted that would fail at start or run without what it asked for. ``ZeroConfig``
+    keeps the field, so building the engine's side removes these two calls and nothing else.
+    """
+    if offload_params is not None:
+        raise ZeroRuleBroken("zero.offload_params", f"offload_params={offload_params!r}: parameter offload is not "
+                                                    "built in the engine yet; leave it null (offload_optimizer "
+                                                    "'cpu' or 'nvme' moves the optimizer state)")
+
+
 def shard_group_misfits(shard_group_size: int | None, world_sizes: Iterable[int]) -> list[int]:
     """The world sizes that ``shard_group_size`` does not split into whole groups of contiguous ranks."""
     if shard_group_size is None:

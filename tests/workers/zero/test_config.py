@@ -126,15 +126,23 @@ def test_from_spec_takes_every_field_of_the_block_and_the_jobs_grad_clip():
         ZeroConfig.from_spec(zero, train)
 
 
-def test_from_spec_takes_nvme_path_as_given_and_offload_params_from_the_block():
-    zero = ZeroSpec(stage=3, offload_params="nvme", nvme_path="/mnt/nvme")
+def test_from_spec_takes_nvme_path_as_given():
+    zero = ZeroSpec(stage=3, offload_optimizer="nvme", nvme_path="/mnt/nvme")
     train = TrainSpec(steps=1, global_batch_size=2, micro_batch_size=1)
     assert ZeroConfig.from_spec(zero, train).nvme_path == "/mnt/nvme"
-    cfg = ZeroConfig.from_spec(zero, train, nvme_path="/mnt/nvme/job-1")
-    assert (cfg.offload_params, cfg.nvme_path) == ("nvme", "/mnt/nvme/job-1")
+    assert ZeroConfig.from_spec(zero, train, nvme_path="/mnt/nvme/job-1").nvme_path == "/mnt/nvme/job-1"
+
+
+def test_offload_params_is_a_config_field_that_submit_and_the_engine_refuse_until_built():
+    """The field and its rules are the contract's; a job asking for it is refused, never run without it."""
     assert ZeroConfig(stage=3, offload_params="cpu").offload_params == "cpu"
     with pytest.raises(ValueError, match="offload_params must be None, 'cpu' or 'nvme'"):
         ZeroConfig(stage=3, offload_params="disk")
+    with pytest.raises(ValidationError, match="parameter offload is not built in the engine yet"):
+        ZeroSpec(stage=3, offload_params="nvme", nvme_path="/mnt/nvme")
+    with pytest.raises(ValueError, match="parameter offload is not built in the engine yet"):
+        ZeroEngine(torch.nn.Linear(2, 2), lambda ps: torch.optim.SGD(ps, lr=0.1),
+                   ZeroConfig(stage=3, offload_params="cpu"))
 
 
 @pytest.mark.parametrize("kwargs, message", [
