@@ -8,6 +8,7 @@ import torch.nn as nn
 from pydantic import ValidationError
 
 from contract.spec import TrainSpec, ZeroSpec
+from contract.zero_rules import allowed_stages
 from workers.zero import ZeroConfig, ZeroEngine
 from workers.zero import config as config_mod
 
@@ -159,3 +160,8 @@ def test_the_cross_field_rules_are_the_contracts(kwargs, message):
     with pytest.raises(ValidationError) as submit_refused:
         ZeroSpec(**kwargs)
     assert str(engine_refused.value) in str(submit_refused.value)
+
+
+def test_offload_params_leaves_auto_only_stage_3():
+    assert allowed_stages(False, 0, offload_params="nvme") == (3,)
+    assert allowed_stages(True, 0) == (1, 2, 3)
