@@ -50,7 +50,8 @@ from contract.spec_model import ModelSpec
 from contract.zero_math import (DEFAULT_BUCKET_MB, DEFAULT_PRECISION, DEFAULT_PREFETCH, OPTIMIZER_STATE_TENSORS,
                                 PRECISIONS, STAGES)
 from contract import deepspeed as deepspeed_config
-from contract.zero_rules import OFFLOAD_OPTIMIZER, ZeroRuleBroken, check_nvme_path, check_stage_fields, shard_group_misfits
+from contract.zero_rules import (OFFLOAD_OPTIMIZER, OFFLOAD_PARAMS, ZeroRuleBroken, check_nvme_path,
+                                 check_params_offload_built, check_stage_fields, shard_group_misfits)
 
 # --------------------------------------------------------------------------- job spec
 
@@ -209,6 +210,9 @@ class ZeroSpec(SpecModel):
     # with "nvme": an absolute folder on a fast local disk of every worker node; the job's files go
     # to nvme_path/<job id>/<rank>/ and are removed when it ends
     nvme_path: str | None = Field(default=None, min_length=1, max_length=MAX_URI_CHARS)
+    # stage 3: each rank's parameter shard kept off the device, read just before each gather:
+    # null (in memory), "cpu" (host memory) or "nvme" (swap files under nvme_path)
+    offload_params: Literal[OFFLOAD_PARAMS] = None
     bucket_mb: float = Field(default=DEFAULT_BUCKET_MB, gt=0, allow_inf_nan=False)
     prefetch: int = Field(default=DEFAULT_PREFETCH, ge=0, le=MAX_INT32)
     activation_checkpointing: bool = False
@@ -231,8 +235,9 @@ class ZeroSpec(SpecModel):
     @model_validator(mode="after")
     def _rules(self) -> "ZeroSpec":
         try:
-            check_stage_fields(self.stage, self.offload_optimizer, self.keep_gathered_bytes)
-            check_nvme_path(self.offload_optimizer, self.nvme_path)
+            check_stage_fields(self.stage, self.offload_optimizer, self.keep_gathered_bytes, self.offload_params)
+            check_nvme_path(self.offload_optimizer, self.nvme_path, self.offload_params)
+            check_params_offload_built(self.offload_params)
         except ZeroRuleBroken as broken:
             raise PydanticCustomError("zero_rule", "{message}", {"message": broken.message, "field": broken.field})
         return self

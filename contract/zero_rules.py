@@ -30,8 +30,12 @@ class ZeroRuleBroken(ValueError):
         self.message = message
 
 
-def _needs(stage: int, offload_optimizer: bool, keep_gathered_bytes: int) -> ZeroRuleBroken | None:
+def _needs(stage: int, offload_optimizer: bool, keep_gathered_bytes: int,
+           offload_params: str | None = None) -> ZeroRuleBroken | None:
     traits = stage_traits(stage)
+    if offload_params is not None and not traits.shards_parameters:
+        return ZeroRuleBroken("zero.offload_params",
+                              f"offload_params needs stage 3 (only stage 3 shards the parameters); got stage={stage}")
     if offload_optimizer and not traits.shards_optimizer:
         return ZeroRuleBroken("zero.offload_optimizer",
                               f"offload_optimizer needs stage 1, 2 or 3 (stage {stage} keeps the whole optimizer "
@@ -43,22 +47,24 @@ def _needs(stage: int, offload_optimizer: bool, keep_gathered_bytes: int) -> Zer
     return None
 
 
-def check_stage_fields(stage: int | str, offload_optimizer: bool, keep_gathered_bytes: int) -> None:
+def check_stage_fields(stage: int | str, offload_optimizer: bool, keep_gathered_bytes: int,
+                       offload_params: str | None = None) -> None:
     """Raise ``ZeroRuleBroken`` when ``stage`` cannot run with the other fields; ``"auto"`` passes
     when some stage can (``allowed_stages`` then limits the planner's choice)."""
     if stage == "auto":
-        if not allowed_stages(offload_optimizer, keep_gathered_bytes):  # pragma: no cover - every rule leaves 3
+        if not allowed_stages(offload_optimizer, keep_gathered_bytes,
+                              offload_params=offload_params):  # pragma: no cover - every rule leaves 3
             raise ZeroRuleBroken("zero.stage", "no ZeRO stage runs with these zero fields")
         return
-    broken = _needs(stage, offload_optimizer, keep_gathered_bytes)
+    broken = _needs(stage, offload_optimizer, keep_gathered_bytes, offload_params)
     if broken is not None:
         raise broken
 
 
 def allowed_stages(offload_optimizer: bool, keep_gathered_bytes: int,
-                   stages: Sequence[int] = STAGES) -> tuple[int, ...]:
+                   stages: Sequence[int] = STAGES, *, offload_params: str | None = None) -> tuple[int, ...]:
     """The stages among ``stages`` that run with these fields: what ``"auto"`` may resolve to."""
-    return tuple(s for s in stages if _needs(s, offload_optimizer, keep_gathered_bytes) is None)
+    return tuple(s for s in stages if _needs(s, offload_optimizer, keep_gathered_bytes, offload_params) is None)
 
 
 #: ``zero.offload_optimizer``'s values: False, True and "cpu" (host memory; True is "cpu") or "nvme" (swap files)
@@ -72,17 +78,42 @@ def offload_target(offload_optimizer: bool | str) -> str | None:
     return offload_optimizer or None
 
 
-def check_nvme_path(offload_optimizer: bool | str, nvme_path: str | None) -> None:
-    """``zero.nvme_path`` is an absolute folder, given exactly when the state goes to "nvme"."""
+#: ``zero.offload_params``'s values (stage 3): None (the shard in device memory), "cpu" (host memory)
+#: or "nvme" (swap files under ``nvme_path``)
+OFFLOAD_PARAMS = (None, "cpu", "nvme")
+
+
+def check_nvme_path(offload_optimizer: bool | str, nvme_path: str | None,
+                    offload_params: str | None = None) -> None:
+    """``zero.nvme_path`` is an absolute folder, given exactly when some state goes to "nvme"."""
+    if offload_params == "nvme" and nvme_path is None:
+        raise ZeroRuleBroken("zero.offload_params", "offload_params 'nvme' needs nvme_path, the local folder "
+                                                    "of the swap files (on a fast disk of every worker node)")
     nvme = offload_target(offload_optimizer) == "nvme"
     if nvme and nvme_path is None:
         raise ZeroRuleBroken("zero.nvme_path", "offload_optimizer 'nvme' needs nvme_path, the local folder "
                                                "of the swap files (on a fast disk of every worker node)")
-    if not nvme and nvme_path is not None:
-        raise ZeroRuleBroken("zero.nvme_path", "nvme_path is read with offload_optimizer 'nvme' only; got "
-                                               f"offload_optimizer={offload_optimizer!r}")
+    if not nvme and offload_params != "nvme" and nvme_path is not None:
+        raise ZeroRuleBroken("zero.nvme_path", "nvme_path is read with offload_optimizer or offload_params "
+                                               f"'nvme' only; got offload_optimizer={offload_optimizer!r}, "
+                                               f"offload_params={offload_params!r}")
     if nvme_path is not None and not nvme_path.startswith("/"):
         raise ZeroRuleBroken("zero.nvme_path", f"nvme_path must be an absolute path; got {nvme_path!r}")
+
+
+def check_params_offload_built(offload_params: str | None) -> None:
+    """Refuse ``zero.offload_params`` until the engine keeps parameter shards off the device.
+
+    [Note: a field the engine does not run yet]
+    The field, its values and its rules are the contract; the engine's side is not built. A job
+    asking for it is refused at submit (``ZeroSpec``) and by ``ZeroEngine`` with this sentence, so no
+    job is admitted that would fail at start or run without what it asked for. ``ZeroConfig``
+    keeps the field, so building the engine's side removes these two calls and nothing else.
+    """
+    if offload_params is not None:
+        raise ZeroRuleBroken("zero.offload_params", f"offload_params={offload_params!r}: parameter offload is not "
+                                                    "built in the engine yet; leave it null (offload_optimizer "
+                                                    "'cpu' or 'nvme' moves the optimizer state)")
 
 
 def shard_group_misfits(shard_group_size: int | None, world_sizes: Iterable[int]) -> list[int]:

@@ -214,7 +214,8 @@ def plan_for_spec(
     offload = "nvme" if target == "nvme" else target == "cpu"
     if zero.stage == "auto":  # only among the stages the other zero fields allow (contract/zero_rules.py)
         host_budget = host_memory_bytes if gpu_job else None
-        open_stages = allowed_stages(zero.offload_optimizer, zero.keep_gathered_bytes, stages)
+        open_stages = allowed_stages(zero.offload_optimizer, zero.keep_gathered_bytes, stages,
+                                     offload_params=zero.offload_params)
         chosen = choose_plan(inputs, budget, margin, host_budget, allow_offload and target != "nvme", open_stages)
         if target != "nvme":
             return chosen

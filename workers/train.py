@@ -212,8 +212,8 @@ def build_engine(spec: JobSpec, model: torch.nn.Module, device: torch.device,
     Swap files (``zero.nvme_path``) go to ``nvme_path/<job_id>/<rank>/``."""
     train = spec.train
     stage, offload = resolve_stage(spec, device)
-    swap = {} if spec.zero.nvme_path is None else {"nvme_path": os.path.join(spec.zero.nvme_path, job_id)}
-    config = ZeroConfig.from_spec(spec.zero, train, stage=stage, offload_optimizer=offload, **swap)
+    nvme_path = None if spec.zero.nvme_path is None else os.path.join(spec.zero.nvme_path, job_id)
+    config = ZeroConfig.from_spec(spec.zero, train, stage=stage, offload_optimizer=offload, nvme_path=nvme_path)
     if any(p.is_meta for p in model.parameters()):
         buffers_to(model, device)
         return ZeroEngine(model, optimizer=optimizer_factory(train), config=config, init_weights=init_weights)

@@ -120,6 +120,11 @@ BAD_SPECS: list[tuple[str, dict]] = [
     ("zero.nvme_path", with_value("zero", {"stage": 2, "offload_optimizer": "nvme", "nvme_path": "swap"})),
     ("zero.nvme_path", with_value("zero", {"stage": 2, "nvme_path": "/mnt/nvme"})),
     ("zero.offload_optimizer", with_value("zero", {"stage": 0, "offload_optimizer": "nvme", "nvme_path": "/x"})),
+    # parameter offload: stage 3 only, a known place, and "nvme" needs the swap folder
+    ("zero.offload_params", with_value("zero", {"stage": 2, "offload_params": "cpu"})),
+    ("zero.offload_params", with_value("zero", {"stage": 3, "offload_params": "disk"})),
+    ("zero.offload_params", with_value("zero", {"stage": 3, "offload_params": "nvme"})),
+    ("zero.offload_params", with_value("zero", {"stage": 3, "offload_params": "cpu"})),  # not built yet
     ("zero.offload_optimizer", with_value("zero.offload_optimizer", "disk")),
     ("resources.num_workers", with_value("resources.num_workers", 0)),
     ("resources.min_workers", with_value("resources.min_workers", 0)),

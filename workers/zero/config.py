@@ -19,7 +19,7 @@ import torch
 
 from contract.spec import ZeroSpec
 from contract.zero_math import PRECISION_TRAITS, STAGES, StageTraits, stage_traits
-from contract.zero_rules import OFFLOAD_OPTIMIZER, check_nvme_path, check_stage_fields, offload_target
+from contract.zero_rules import OFFLOAD_OPTIMIZER, OFFLOAD_PARAMS, check_nvme_path, check_stage_fields, offload_target
 
 if TYPE_CHECKING:
     from contract.spec import TrainSpec
@@ -78,6 +78,8 @@ class ZeroConfig:
                         (``offload.py``); "nvme": keep the optimizer's per-element state in swap
                         files under ``nvme_path``, read and written around each bucket's step
                         (``optimizer_swap.py``; an element-wise torch optimizer, on the CPU).
+    offload_params      stage 3: None, "cpu" or "nvme": where each rank's parameter shard (the
+                        flat shard the all-gather reads) is kept between its gathers.
     nvme_path           the folder of the swap files (with "nvme"): each rank uses
                         ``nvme_path/<rank>/``, emptied when the engine starts and removed by ``close()``.
     prefetch            stage 3: how many units ahead to all-gather parameters.
@@ -124,6 +126,7 @@ class ZeroConfig:
     overlap_comm: bool = True
     offload_optimizer: bool | str = _SPEC["offload_optimizer"]
     nvme_path: Optional[str] = None
+    offload_params: Optional[str] = _SPEC["offload_params"]
     prefetch: int = _SPEC["prefetch"]
     grad_clip: Optional[float] = None  # no clipping unless asked (as torch DDP); a job's is train.grad_clip
     reshard_after_forward: Any = _SPEC["reshard_after_forward"]  # True, False or "all_but_last"
@@ -140,11 +143,15 @@ class ZeroConfig:
 
     @classmethod
     def from_spec(cls, zero: ZeroSpec, train: "TrainSpec", *, stage: int | None = None,
-                  offload_optimizer: bool | None = None, **engine_knobs: Any) -> "ZeroConfig":
+                  offload_optimizer: bool | None = None, nvme_path: str | None = None,
+                  **engine_knobs: Any) -> "ZeroConfig":
         """A job's config: every field of its ``zero`` block, ``train.grad_clip``, and ``stage`` /
-        ``offload_optimizer`` as resolved (required when the block says ``"auto"``); the
+        ``offload_optimizer`` as resolved (required when the block says ``"auto"``); ``nvme_path``,
+        when given, replaces the block's (a job's workers pass ``nvme_path/<job id>``); the
         engine-only knobs keep their defaults unless given."""
-        fields = zero.model_dump() | {k: engine_knobs.pop(k) for k in ("nvme_path",) if k in engine_knobs}
+        fields = zero.model_dump()
+        if nvme_path is not None:
+            fields["nvme_path"] = nvme_path
         fields["stage"] = fields["stage"] if stage is None else stage
         if offload_optimizer is not None:
             fields["offload_optimizer"] = offload_optimizer
@@ -174,8 +181,11 @@ class ZeroConfig:
                 or self.keep_gathered_bytes < 0:
             raise ValueError(f"keep_gathered_bytes must be an integer number of bytes >= 0, "
                              f"got {self.keep_gathered_bytes!r}")
-        check_stage_fields(self.stage, self.offload_optimizer, self.keep_gathered_bytes)  # ZeroRuleBroken
-        check_nvme_path(self.offload_optimizer, self.nvme_path)
+        if not any(self.offload_params == v and type(self.offload_params) is type(v) for v in OFFLOAD_PARAMS):
+            raise ValueError(f"offload_params must be None, 'cpu' or 'nvme', got {self.offload_params!r}")
+        check_stage_fields(self.stage, self.offload_optimizer, self.keep_gathered_bytes,  # ZeroRuleBroken
+                           self.offload_params)
+        check_nvme_path(self.offload_optimizer, self.nvme_path, self.offload_params)
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ValueError(f"prefetch must be an integer >= 0, got {self.prefetch!r}")
         if self.grad_clip is not None and (

@@ -44,6 +44,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from contract.zero_rules import check_params_offload_built
+
 from . import engine_state, optim_groups
 from .buckets import FlatBucket
 from .collectives import Collectives, CommCounter
@@ -94,6 +96,7 @@ class ZeroEngine:
         config = config if config is not None else ZeroConfig()
         if not isinstance(config, ZeroConfig):
             raise TypeError(f"config must be a ZeroConfig, got {type(config).__name__}")
+        check_params_offload_built(config.offload_params)
         if isinstance(optimizer, torch.optim.Optimizer) or not callable(optimizer):
             raise TypeError(
                 "optimizer must be a factory, e.g. lambda params: torch.optim.AdamW(params, lr=1e-3); "

@@ -8,6 +8,7 @@ import torch.nn as nn
 from pydantic import ValidationError
 
 from contract.spec import TrainSpec, ZeroSpec
+from contract.zero_rules import allowed_stages
 from workers.zero import ZeroConfig, ZeroEngine
 from workers.zero import config as config_mod
 
@@ -126,9 +127,31 @@ def test_from_spec_takes_every_field_of_the_block_and_the_jobs_grad_clip():
         ZeroConfig.from_spec(zero, train)
 
 
+def test_from_spec_takes_nvme_path_as_given():
+    zero = ZeroSpec(stage=3, offload_optimizer="nvme", nvme_path="/mnt/nvme")
+    train = TrainSpec(steps=1, global_batch_size=2, micro_batch_size=1)
+    assert ZeroConfig.from_spec(zero, train).nvme_path == "/mnt/nvme"
+    assert ZeroConfig.from_spec(zero, train, nvme_path="/mnt/nvme/job-1").nvme_path == "/mnt/nvme/job-1"
+
+
+def test_offload_params_is_a_config_field_that_submit_and_the_engine_refuse_until_built():
+    """The field and its rules are the contract's; a job asking for it is refused, never run without it."""
+    assert ZeroConfig(stage=3, offload_params="cpu").offload_params == "cpu"
+    with pytest.raises(ValueError, match="offload_params must be None, 'cpu' or 'nvme'"):
+        ZeroConfig(stage=3, offload_params="disk")
+    with pytest.raises(ValidationError, match="parameter offload is not built in the engine yet"):
+        ZeroSpec(stage=3, offload_params="nvme", nvme_path="/mnt/nvme")
+    with pytest.raises(ValueError, match="parameter offload is not built in the engine yet"):
+        ZeroEngine(torch.nn.Linear(2, 2), lambda ps: torch.optim.SGD(ps, lr=0.1),
+                   ZeroConfig(stage=3, offload_params="cpu"))
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"stage": 0, "offload_optimizer": True}, "offload_optimizer needs stage 1, 2 or 3"),
     ({"stage": 2, "keep_gathered_bytes": 1}, "keep_gathered_bytes needs stage 3"),
+    ({"stage": 2, "offload_params": "cpu"}, "offload_params needs stage 3"),
+    ({"stage": 3, "offload_params": "nvme"}, "offload_params 'nvme' needs nvme_path"),
+    ({"stage": 3, "nvme_path": "/x"}, "nvme_path is read with offload_optimizer or offload_params 'nvme' only"),
 ])
 def test_the_cross_field_rules_are_the_contracts(kwargs, message):
     """The engine refuses with the sentence the control plane's 422 carries (contract/zero_rules.py)."""
@@ -137,3 +160,8 @@ def test_the_cross_field_rules_are_the_contracts(kwargs, message):
     with pytest.raises(ValidationError) as submit_refused:
         ZeroSpec(**kwargs)
     assert str(engine_refused.value) in str(submit_refused.value)
+
+
+def test_offload_params_leaves_auto_only_stage_3():
+    assert allowed_stages(False, 0, offload_params="nvme") == (3,)
+    assert allowed_stages(True, 0) == (1, 2, 3)
