@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import posixpath
 import uuid
 from typing import IO, Any, Iterable, Iterator
 
@@ -152,7 +153,9 @@ class Storage:
         """Readers see the whole of ``data`` under ``rel`` or nothing (rename locally, one PUT on S3)."""
         path = self.path(rel)
         if self.is_local:
-            tmp = f"{rel}.tmp-{uuid.uuid4().hex}"
+            # a hidden name that does not contain the final one: a reader that picks files by
+            # name (TensorBoard takes any "*tfevents*") never sees a half-written file
+            tmp = posixpath.join(posixpath.dirname(rel), f".tmp-{uuid.uuid4().hex}")
             with self.open_write(tmp) as f:
                 f.write(data)
             os.replace(self.path(tmp), path)
