@@ -10,16 +10,19 @@ import re
 import pytest
 from playwright.sync_api import expect
 
-from tests.dashboard.conftest import spec, training_records, with_token
+from tests.dashboard.conftest import SCREENSHOTS, spec, training_records, with_token
 
 pytestmark = pytest.mark.browser
 
 
-def records(steps: range, base: float) -> list[dict]:
-    """Both ranks report loss ``base + step / 100``: the rank mean on every step is that value."""
+def records(steps: range, base: float, eval_every: int = 0) -> list[dict]:
+    """Both ranks report loss ``base + step / 100`` (the rank mean on every step is that value),
+    and every ``eval_every`` steps an eval loss 0.5 above it."""
     out = training_records(steps)
     for record in out:
         record["loss"] = base + record["step"] / 100
+        if eval_every and record["step"] % eval_every == 0:
+            record["eval_loss"] = record["loss"] + 0.5
     return out
 
 
@@ -34,7 +37,7 @@ def test_two_runs_compared_with_hover_values_and_another_users_job_refused(dashb
     a = dashboard.submit(spec("run-a", train__lr=3e-4), token=alice)
     b = dashboard.submit(spec("run-b", train__lr=1e-3, train__steps=100), token=alice)
     hidden = dashboard.submit(spec("bobs-secret-run"), token=bob)
-    a.metrics(records(range(1, 51), base=3.0))
+    a.metrics(records(range(1, 51), base=3.0, eval_every=10))
     b.metrics(records(range(1, 31), base=2.0))
     hidden.metrics(records(range(1, 11), base=9.0))
 
@@ -56,6 +59,8 @@ def test_two_runs_compared_with_hover_values_and_another_users_job_refused(dashb
     legend = chart.locator(".u-legend")
     expect(legend).to_contain_text(f"run-a ({a.job_id}) loss")
     expect(legend).to_contain_text(f"run-b ({b.job_id}) loss")
+    expect(legend).to_contain_text(f"run-a ({a.job_id}) eval loss")  # only run-a evaluated
+    expect(legend.locator("tr.u-series")).to_have_count(4)  # step, a loss, a eval loss, b loss
     expect(chart.locator("canvas")).to_have_count(1)
 
     table = page.locator("#compare-diff")
@@ -77,6 +82,8 @@ def test_two_runs_compared_with_hover_values_and_another_users_job_refused(dashb
     run_b = series_rows.filter(has_text=f"run-b ({b.job_id}) loss").filter(has_not_text="eval")
     expect(run_a.locator("td.u-value")).to_have_text(loss_text(3.0 + step / 100))
     expect(run_b.locator("td.u-value")).to_have_text(loss_text(2.0 + step / 100))
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SCREENSHOTS / "compare-runs.png"), full_page=True)
 
     # Bob's job among the ids: named as not visible, and nothing of it reaches the page.
     page.goto(f"{dashboard.url}/jobs/compare?ids={a.job_id},{b.job_id},{hidden.job_id}")
