@@ -1,7 +1,7 @@
 """The dashboard's HTML shell and static assets, served by the control plane itself.
 
-The dashboard is a single page with path routes (``/`` for the jobs list, ``/jobs/{id}`` for a
-job); both return the same shell and the browser renders the route. Assets are served by a
+The dashboard is a single page with path routes (``/`` for the jobs list, ``/jobs/compare?ids=A,B``
+for runs side by side, ``/jobs/{id}`` for a job); all return the same shell and the browser renders the route. Assets are served by a
 plain route rather than a ``StaticFiles`` mount so that the whole dashboard is one
 ``APIRouter`` the app can ``include_router`` (mounts are not carried by ``include_router``).
 Everything is vendored: the page makes no request outside its own origin.
@@ -33,6 +33,11 @@ def _shell() -> HTMLResponse:
 
 @router.get("/", response_class=HTMLResponse)
 def jobs_page() -> HTMLResponse:
+    return _shell()
+
+
+@router.get("/jobs/compare", response_class=HTMLResponse)
+def compare_page() -> HTMLResponse:
     return _shell()
 
 

@@ -1,6 +1,6 @@
 /**
- * Entry point: sign-in with an API token, and a two-route router (`/` jobs, `/jobs/{id}` a
- * job) over the History API, so moving between pages never reloads the document. Each view
+ * Entry point: sign-in with an API token, and a router (`/` jobs, `/jobs/compare?ids=…` runs
+ * side by side, `/jobs/{id}` a job) over the History API, so moving between pages never reloads the document. Each view
  * gets an AbortSignal that stops its timers and streams when the user leaves it.
  */
 
@@ -8,6 +8,7 @@ import { request, session, ApiError } from "./api.js";
 import { h, replaceChildren } from "./dom.js";
 import { jobsPage } from "./jobs_page.js";
 import { jobPage } from "./job_page.js";
+import { comparePage } from "./compare_page.js";
 
 const main = document.getElementById("main");
 const logoutButton = document.getElementById("logout");
@@ -90,6 +91,7 @@ function notFound() {
 function route(signal) {
   const path = location.pathname.replace(/\/+$/, "") || "/";
   if (path === "/") return jobsPage({ navigate, signal });
+  if (path === "/jobs/compare") return comparePage({ signal });
   const match = path.match(/^\/jobs\/([^/]+)$/);
   if (match) return jobPage({ jobId: decodeURIComponent(match[1]), signal });
   return notFound();

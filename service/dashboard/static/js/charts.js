@@ -3,7 +3,9 @@
  * thousand points per series (the server downsamples), so a polyline per series is fast and
  * keeps the page free of a charting dependency. Each chart is a <figure> whose SVG carries an
  * aria-label with the latest values, so it reads without sight; series differ by dash pattern
- * as well as colour.
+ * as well as colour. Pointing at a chart marks the nearest step and shows every series' value
+ * there in the readout under it. (The comparison page's overlay, which needs a live legend of
+ * many runs, is drawn by the vendored uPlot instead: overlay_chart.js.)
  */
 
 import { h, svg } from "./dom.js";
@@ -56,6 +58,11 @@ export class LineChart {
       preserveAspectRatio: "xMidYMid meet",
     });
     this.summary = h("p", { class: "chart-summary" });
+    this.readout = h("p", { class: "chart-readout", "aria-hidden": "true" });
+    this.view = null; // what the last render drew: the hover maps a pointer to a step with it
+    this.guide = null;
+    this.svg.addEventListener("pointermove", (event) => this.hoverAt(event));
+    this.svg.addEventListener("pointerleave", () => this.clearHover());
     const legend = h(
       "ul",
       { class: "legend", "aria-hidden": "true" },
@@ -68,6 +75,7 @@ export class LineChart {
       { class: "chart", id, "data-points": "0" },
       h("figcaption", {}, h("h3", { text: title }), legend),
       this.svg,
+      this.readout,
       this.summary,
       description ? h("p", { class: "muted small", text: description }) : null,
     );
@@ -99,6 +107,8 @@ export class LineChart {
     this.element.dataset.points = String(points.length);
     this.element.dataset.lastStep = points.length ? String(points[points.length - 1].step) : "";
     this.svg.replaceChildren();
+    this.guide = null;
+    this.view = null;
     if (!points.length || !shown.length) {
       this.svg.append(svg("text", { x: WIDTH / 2, y: HEIGHT / 2, "text-anchor": "middle", class: "chart-empty", text: "no data yet" }));
       this.svg.setAttribute("aria-label", `${this.title}: no data yet`);
@@ -171,8 +181,37 @@ export class LineChart {
       if (marks) this.svg.append(marks);
       if (last) labels.push(`${s.label} ${s.format(last[s.key])} at step ${last.step}`);
     }
+    this.view = { points, shown, x0, x1, sx };
     const text = `${this.title}, ${points.length} points up to step ${x1}: ${labels.join("; ")}.`;
     this.svg.setAttribute("aria-label", text);
     this.summary.textContent = `Latest: ${labels.join(" · ")}`;
+  }
+
+  /** The point nearest the pointer's step: a guide line at it and its values in the readout. */
+  hoverAt(event) {
+    const view = this.view;
+    if (!view) return;
+    const rect = this.svg.getBoundingClientRect();
+    const x = ((event.clientX - rect.left) / (rect.width || 1)) * WIDTH;
+    const step = view.x0 + ((x - PAD.left) / (WIDTH - PAD.left - PAD.right)) * (view.x1 - view.x0);
+    let best = view.points[0];
+    for (const p of view.points) if (Math.abs(p.step - step) < Math.abs(best.step - step)) best = p;
+    const values = view.shown.filter((s) => Number.isFinite(best[s.key])).map((s) => `${s.label} ${s.format(best[s.key])}`);
+    this.readout.textContent = `Step ${best.step}: ${values.join(" · ") || "no value"}`;
+    this.element.dataset.hoverStep = String(best.step);
+    if (!this.guide) {
+      this.guide = svg("line", { class: "guide", y1: PAD.top, y2: HEIGHT - PAD.bottom });
+      this.svg.append(this.guide);
+    }
+    const gx = view.sx(best.step).toFixed(1);
+    this.guide.setAttribute("x1", gx);
+    this.guide.setAttribute("x2", gx);
+  }
+
+  clearHover() {
+    this.readout.textContent = "";
+    delete this.element.dataset.hoverStep;
+    if (this.guide) this.guide.remove();
+    this.guide = null;
   }
 }

@@ -201,6 +201,7 @@ export function jobPage({ jobId, signal }) {
   const events = h("ol", { class: "timeline", id: "events" });
   const checkpoints = h("tbody");
   const logs = h("pre", { id: "log-tail", class: "logs", tabindex: "0", "aria-label": "Job log" });
+  const rankPick = h("select", { id: "log-rank", name: "rank" }, h("option", { value: "", text: "All lines" }));
   const element = h(
     "div",
     { class: "page job-page", "data-job-id": jobId },
@@ -223,7 +224,8 @@ export function jobPage({ jobId, signal }) {
         h("thead", {}, h("tr", {}, ["Step", "Size", "Layout", "URI", ""].map((c) => h("th", { scope: "col", text: c })))),
         checkpoints),
     ),
-    h("section", { "aria-labelledby": "h-logs" }, h("h2", { id: "h-logs", text: "Logs" }), logs),
+    h("section", { "aria-labelledby": "h-logs" }, h("h2", { id: "h-logs", text: "Logs" }),
+      h("div", { class: "toolbar" }, h("label", { for: "log-rank", text: "Show" }), rankPick), logs),
   );
 
   let job = null;
@@ -235,7 +237,28 @@ export function jobPage({ jobId, signal }) {
   let streaming = false;
   let pollTimer = null;
   const path = `/jobs/${encodeURIComponent(jobId)}`;
-  const logFollower = new LogFollower(`${path}/logs`);
+  let logFollower = new LogFollower(`${path}/logs`);
+
+  /** One option per rank of the job's workers (the API's `rank=` takes 0 … num_workers - 1). */
+  function renderRankOptions(spec) {
+    const ranks = Number(((spec || {}).resources || {}).num_workers) || 1;
+    if (rankPick.options.length === ranks + 1) return;
+    for (let r = rankPick.options.length - 1; r < ranks; r += 1) rankPick.append(h("option", { value: String(r), text: `Rank ${r} only` }));
+  }
+
+  rankPick.addEventListener("change", async () => {
+    const rank = rankPick.value === "" ? null : Number(rankPick.value);
+    logFollower = new LogFollower(`${path}/logs`, rank);
+    logs.dataset.rank = rankPick.value;
+    logs.textContent = "";
+    const follower = logFollower;
+    try {
+      const text = await follower.read({ signal });
+      if (follower === logFollower) renderLog(text || (rank === null ? "(no log output yet)" : `(no lines of rank ${rank} yet)`));
+    } catch (error) {
+      if (error.name !== "AbortError") renderLog(`(logs unavailable: ${error.message})`);
+    }
+  });
 
   function renderReason(job) {
     const [first, ...rest] = (job.message || "").split("\n");
@@ -258,6 +281,7 @@ export function jobPage({ jobId, signal }) {
     renderReason(job);
     cancelButton.hidden = TERMINAL_STATES.has(job.state) || job.state === "CANCELLING";
     replaceChildren(metaSlot, metaList(job, prediction));
+    renderRankOptions(job.spec);
     if (changed) announce(`Job ${job.name} is ${job.state}.`);
   }
 
@@ -294,8 +318,9 @@ export function jobPage({ jobId, signal }) {
 
   /** Everything but the metrics, fetched in parallel: job, events, checkpoints, what is new in the log. */
   function fetchSide() {
-    const logTail = logFollower.read({ signal })
-      .then((text) => text || "(no log output yet)")
+    const follower = logFollower; // a rank chosen meanwhile makes this answer stale: not shown
+    const logTail = follower.read({ signal })
+      .then((text) => (follower !== logFollower ? null : text || "(no log output yet)"))
       .catch((error) => (error.name === "AbortError" ? Promise.reject(error) : `(logs unavailable: ${error.message})`));
     return Promise.all([
       request(path, { signal }),
@@ -328,7 +353,7 @@ export function jobPage({ jobId, signal }) {
 
   /** The log panel stays where the reader scrolled, or follows the end if they are there. */
   function renderLog(logText) {
-    if (logs.textContent === logText) return;
+    if (logText === null || logs.textContent === logText) return;
     const atBottom = logs.scrollTop + logs.clientHeight >= logs.scrollHeight - 4;
     logs.textContent = logText;
     if (atBottom) logs.scrollTop = logs.scrollHeight;

@@ -2,7 +2,8 @@
  * The jobs page: one page of jobs at a time (cursor pagination, 50 per page, so 1,000 jobs
  * cost the same as 50), filtered by state, refreshed every few seconds, with a submit form
  * and a cancel button per active job. Progress and tokens/s come from one extra request per
- * page (`/dashboard/progress`), since a job row holds neither.
+ * page (`/dashboard/progress`), since a job row holds neither. Ticking jobs' boxes and
+ * "Compare" opens `/jobs/compare?ids=…` (compare_page.js); the ticks outlive a refresh.
  */
 
 import { request } from "./api.js";
@@ -10,6 +11,7 @@ import { h, replaceChildren, replaceKeepingFocus, announce } from "./dom.js";
 import { ALL_STATES, TERMINAL_STATES, age, compact } from "./format.js";
 import { SpecForm } from "./spec_form.js";
 import { stateBadge } from "./state_badge.js";
+import { MAX_COMPARED } from "./compare_page.js";
 
 const PAGE_SIZE = 50;
 const REFRESH_MS = 3000;
@@ -22,6 +24,7 @@ function modelName(spec) {
 export function jobsPage({ navigate, signal }) {
   const params = new URLSearchParams(location.search);
   const state = { filter: params.get("state") || "", cursors: [null], page: 0, timer: null };
+  const selected = new Set(); // job ids ticked for comparison
 
   const filter = h(
     "select",
@@ -31,6 +34,14 @@ export function jobsPage({ navigate, signal }) {
   );
   const autoRefresh = h("input", { type: "checkbox", id: "auto-refresh", checked: true });
   const status = h("p", { class: "muted small", id: "jobs-status", "aria-live": "off" });
+  const compareButton = h("button", { type: "button", id: "compare-selected", disabled: true, text: "Compare selected" });
+  compareButton.addEventListener("click", () => navigate(`/jobs/compare?ids=${[...selected].map(encodeURIComponent).join(",")}`));
+  function updateCompare() {
+    const n = selected.size;
+    compareButton.disabled = n < 2 || n > MAX_COMPARED;
+    compareButton.textContent = n ? `Compare selected (${n})` : "Compare selected";
+    compareButton.title = n > MAX_COMPARED ? `At most ${MAX_COMPARED} jobs at once` : "Tick two or more jobs to compare";
+  }
   const tbody = h("tbody");
   const pager = h("nav", { class: "pager", "aria-label": "Pages of jobs" });
   const form = new SpecForm({ onSubmitted: (job) => navigate(`/jobs/${encodeURIComponent(job.id)}`) });
@@ -55,6 +66,7 @@ export function jobsPage({ navigate, signal }) {
       filter,
       h("label", { class: "check" }, autoRefresh, " Auto-refresh"),
       h("button", { type: "button", text: "Refresh now", onclick: () => load() }),
+      compareButton,
       status,
     ),
     h(
@@ -67,7 +79,7 @@ export function jobsPage({ navigate, signal }) {
         h(
           "thead",
           {},
-          h("tr", {}, ["Job", "State", "Reason", "Owner", "Model", "ZeRO stage", "Workers", "Progress", "Tokens/s", "Age", "Actions"].map((c) => h("th", { scope: "col", text: c }))),
+          h("tr", {}, ["Compare", "Job", "State", "Reason", "Owner", "Model", "ZeRO stage", "Workers", "Progress", "Tokens/s", "Age", "Actions"].map((c) => h("th", { scope: "col", text: c }))),
         ),
         tbody,
       ),
@@ -96,9 +108,16 @@ export function jobsPage({ navigate, signal }) {
       ? null
       : h("button", { type: "button", class: "danger small", "aria-label": `Cancel job ${job.name}`, "data-focus-key": `cancel:${job.id}`, text: "Cancel" });
     if (cancelButton) cancelButton.addEventListener("click", () => cancel(job, cancelButton));
+    const pick = h("input", { type: "checkbox", class: "compare-pick", "aria-label": `Compare ${job.name}`, "data-focus-key": `pick:${job.id}`, checked: selected.has(job.id) });
+    pick.addEventListener("change", () => {
+      if (pick.checked) selected.add(job.id);
+      else selected.delete(job.id);
+      updateCompare();
+    });
     return h(
       "tr",
       { "data-job-id": job.id, "data-state": job.state },
+      h("td", {}, pick),
       h("th", { scope: "row" }, link, h("div", { class: "muted small mono", text: job.id })),
       h("td", {}, stateBadge(job.state)),
       h("td", { class: "reason", text: job.reason || "–", title: job.message || null }),
@@ -152,7 +171,7 @@ export function jobsPage({ navigate, signal }) {
         tbody,
         page.items.length
           ? page.items.map((job) => row(job, progress[job.id], answer.throughput_field))
-          : h("tr", {}, h("td", { colspan: 11, class: "muted", text: state.filter ? `No ${state.filter} jobs.` : "No jobs yet. Submit one above." })),
+          : h("tr", {}, h("td", { colspan: 12, class: "muted", text: state.filter ? `No ${state.filter} jobs.` : "No jobs yet. Submit one above." })),
       );
       renderPager(page.next_cursor, page.items.length);
       status.textContent = `Updated ${new Date().toLocaleTimeString()}`;

@@ -4,7 +4,8 @@
  * `Zerotrain-Log-Bytes`), so what the panel shows stays and new lines are appended, however
  * long the log. An answer smaller than the offset is a new log (a restarted driver's): it
  * replaces the text. The page polls while the job runs and stops once it ended (job_page.js).
- * At most KEEP_CHARS are kept: the oldest whole lines go first.
+ * At most KEEP_CHARS are kept: the oldest whole lines go first. A follower with a `rank` reads
+ * only that rank's lines (`rank=`; the offsets then count bytes of those lines, as the API's do).
  */
 
 import { requestText } from "./api.js";
@@ -14,8 +15,9 @@ const KEEP_CHARS = 2 * 1024 * 1024;
 const SIZE_HEADER = "Zerotrain-Log-Bytes";
 
 export class LogFollower {
-  constructor(path) {
+  constructor(path, rank = null) {
     this.path = path; // `/jobs/{id}/logs`
+    this.rank = rank; // null: every line
     this.text = "";
     this.offset = null; // bytes of the log already shown; null before the first read
     this.inFlight = null;
@@ -30,7 +32,8 @@ export class LogFollower {
   }
 
   async readNew(signal) {
-    const query = this.offset === null ? `tail_bytes=${TAIL_BYTES}` : `offset=${this.offset}`;
+    let query = this.offset === null ? `tail_bytes=${TAIL_BYTES}` : `offset=${this.offset}`;
+    if (this.rank !== null) query += `&rank=${this.rank}`;
     const { text, headers } = await requestText(`${this.path}?${query}`, { signal });
     const size = Number(headers.get(SIZE_HEADER));
     if (this.offset === null || !Number.isFinite(size) || size < this.offset) this.text = text;
