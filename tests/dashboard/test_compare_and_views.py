@@ -35,7 +35,7 @@ def test_two_runs_compared_with_hover_values_and_another_users_job_refused(dashb
     alice = dashboard.service.create_user("alice")
     bob = dashboard.service.create_user("bob")
     a = dashboard.submit(spec("run-a", train__lr=3e-4), token=alice)
-    b = dashboard.submit(spec("run-b", train__lr=1e-3, train__steps=100), token=alice)
+    b = dashboard.submit(spec("run-b", train__lr=1e-3, train__steps=100, priority=-2), token=alice)
     hidden = dashboard.submit(spec("bobs-secret-run"), token=bob)
     a.metrics(records(range(1, 51), base=3.0, eval_every=10))
     b.metrics(records(range(1, 31), base=2.0))
@@ -45,6 +45,8 @@ def test_two_runs_compared_with_hover_values_and_another_users_job_refused(dashb
     page.goto(dashboard.url)
     rows = page.locator("#jobs-table tbody tr[data-job-id]")
     expect(rows).to_have_count(2)  # alice sees her own jobs only
+    expect(page.locator(f"tr[data-job-id='{b.job_id}'] td.priority")).to_have_text("-2")  # the queue's order
+    expect(page.locator(f"tr[data-job-id='{a.job_id}'] td.priority")).to_have_text("0")
     compare = page.locator("#compare-selected")
     expect(compare).to_be_disabled()
     page.get_by_label("Compare run-a").check()

@@ -79,7 +79,7 @@ export function jobsPage({ navigate, signal }) {
         h(
           "thead",
           {},
-          h("tr", {}, ["Compare", "Job", "State", "Reason", "Owner", "Model", "ZeRO stage", "Workers", "Progress", "Tokens/s", "Age", "Actions"].map((c) => h("th", { scope: "col", text: c }))),
+          h("tr", {}, ["Compare", "Job", "State", "Reason", "Owner", "Priority", "Model", "ZeRO stage", "Workers", "Progress", "Tokens/s", "Age", "Actions"].map((c) => h("th", { scope: "col", text: c }))),
         ),
         tbody,
       ),
@@ -122,6 +122,7 @@ export function jobsPage({ navigate, signal }) {
       h("td", {}, stateBadge(job.state)),
       h("td", { class: "reason", text: job.reason || "–", title: job.message || null }),
       h("td", { text: job.owner }),
+      h("td", { class: "num priority", text: String(job.priority ?? 0) }),
       h("td", { text: modelName(spec) }),
       h("td", { text: String((spec.zero && spec.zero.stage) ?? "auto") }),
       h("td", { text: workerRange(spec.resources) }),
