@@ -34,8 +34,15 @@ from contract.reasons import Reason
 from service import admission, tensorboard
 from service.auth import INGEST_TOKEN_PREFIX, hash_token, new_token
 from service.code_package_retention import delete_unused_packages
-from service.launchers.base import Launcher, LaunchHandle, LaunchPhase, LaunchRequest, LaunchStatus
+from service.launchers.base import (
+    Launcher,
+    LaunchHandle,
+    LaunchPhase,
+    LaunchRequest,
+    LaunchStatus,
+)
 from service.models import Job, typed_spec, utcnow
+from service.poll_loop import PollLoop
 from service.schemas import JobState
 from service.settings import Settings
 from service.states import IllegalTransition, note_waiting, transition
@@ -59,9 +66,7 @@ class Scheduler:
         self.settings = settings
         self.claim_batch = claim_batch
         self.identity = f"{socket.gethostname()}:{uuid.uuid4().hex[:8]}"
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._loop = PollLoop("zerotrain-scheduler", self.run_once, settings.scheduler_poll_s)
         self._cancel_sent: set[str] = set()
         self._releases: dict[str, threading.Thread] = {}  # job id -> its stop after a failure
         self.limits = admission.limits_from(settings)
@@ -99,26 +104,16 @@ class Scheduler:
             log.exception("deleting unused code packages failed")
 
     def run_forever(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.run_once()
-            except Exception:  # one bad poll (e.g. database restarting) must not end the loop
-                log.exception("scheduler poll failed")
-            self._wake.wait(self.settings.scheduler_poll_s)
-            self._wake.clear()
+        self._loop.run_forever()
 
     def wake(self) -> None:
-        self._wake.set()
+        self._loop.wake()
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self.run_forever, name="zerotrain-scheduler", daemon=True)
-        self._thread.start()
+        self._loop.start()
 
     def stop(self, timeout: float = 30.0) -> None:
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        self._loop.stop(timeout)
         for release in list(self._releases.values()):
             release.join(timeout)
 

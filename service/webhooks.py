@@ -25,7 +25,6 @@ import hashlib
 import hmac
 import json
 import logging
-import threading
 import uuid
 from datetime import timedelta
 
@@ -33,8 +32,15 @@ import httpx
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from contract.webhooks import DELIVERY_HEADER, EVENT_FOR_STATE, EVENT_HEADER, SIGNATURE_HEADER, SIGNATURE_PREFIX
+from contract.webhooks import (
+    DELIVERY_HEADER,
+    EVENT_FOR_STATE,
+    EVENT_HEADER,
+    SIGNATURE_HEADER,
+    SIGNATURE_PREFIX,
+)
 from service.models import Job, Webhook, WebhookDelivery, utcnow
+from service.poll_loop import PollLoop
 from service.settings import Settings
 from service.webhook_targets import TargetRefused, check_target
 
@@ -88,33 +94,18 @@ class WebhookSender:
     def __init__(self, make_session: sessionmaker[Session], settings: Settings):
         self.make_session = make_session
         self.settings = settings
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._loop = PollLoop("zerotrain-webhooks", self.send_due, settings.webhook_poll_s)
         self._http = httpx.Client(timeout=settings.webhook_timeout_s, follow_redirects=False, trust_env=False)
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="zerotrain-webhooks", daemon=True)
-        self._thread.start()
+        self._loop.start()
 
     def stop(self, timeout: float = 30.0) -> None:
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        self._loop.stop(timeout)
         self._http.close()
 
     def wake(self) -> None:
-        self._wake.set()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.send_due()
-            except Exception:  # the database restarting must not end the loop
-                log.exception("sending webhooks failed")
-            self._wake.wait(self.settings.webhook_poll_s)
-            self._wake.clear()
+        self._loop.wake()
 
     def send_due(self) -> int:
         """Send every delivery that is due now; returns how many were attempted."""
