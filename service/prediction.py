@@ -79,7 +79,7 @@ def plan_for_question(question: Any, spec: dict[str, Any] | None = None, allow_f
 
     ``question`` is the request model or the parsed arguments; both use the same attribute
     names, in the units people type (decimal GB, Gbit/s). The budget and time model:
-    ``gpu_mem_gb``, ``host_mem_gb``, ``margin``, ``bandwidth_gbps``, ``compute_s``,
+    ``gpu_mem_gb``, ``host_mem_gb``, ``margin``, ``bandwidth_gbps``, ``disk_gbps``, ``compute_s``,
     ``target_efficiency``. With a ``spec`` (a whole job spec or the part of one a plan needs,
     ``question_spec``) the model comes from it (``plan_for_spec``); without,
     from a bare count: ``params``, ``gpus``, ``precision`` (None: ``DEFAULT_PRECISION``, as a job's), ``bucket_mb``,
@@ -95,6 +95,7 @@ def plan_for_question(question: Any, spec: dict[str, Any] | None = None, allow_f
         bandwidth_bytes_per_s=None if question.bandwidth_gbps is None else gbps_to_bytes_per_s(question.bandwidth_gbps),
         compute_s=question.compute_s,
         target_efficiency=question.target_efficiency,
+        disk_bytes_per_s=gbps_to_bytes_per_s(question.disk_gbps),
     )
     if spec is not None:
         return plan_for_spec(question_spec(spec), allow_factories=allow_factories, **common)

@@ -30,6 +30,7 @@ def inputs_for_spec(
     bandwidth_bytes_per_s: float | None = None,
     compute_s: float | None = None,
     target_efficiency: float = DEFAULT_TARGET_EFFICIENCY,
+    disk_bytes_per_s: float | None = None,
 ) -> PlanInputs:
     """PlanInputs for a job: Φ and activations from the real model.
 
@@ -71,6 +72,7 @@ def inputs_for_spec(
         accumulation_steps=spec.accumulation_steps_at(n_ranks),
         device=device,
         bandwidth_bytes_per_s=bandwidth_bytes_per_s,
+        disk_bytes_per_s=disk_bytes_per_s,
         compute_s=compute_s,
         target_efficiency=target_efficiency,
         reshard_after_forward=zero.reshard_after_forward,
@@ -171,6 +173,7 @@ def plan_for_spec(
     bandwidth_bytes_per_s: float | None = None,
     compute_s: float | None = None,
     target_efficiency: float = DEFAULT_TARGET_EFFICIENCY,
+    disk_bytes_per_s: float | None = None,
     stages: Sequence[int] = STAGES,
     allow_offload: bool = True,
     activations_on: str = "meta",
@@ -197,7 +200,8 @@ def plan_for_spec(
             "factory models are not planned here (that would run user code on the control plane); "
             "the worker plans them at start, or ask POST /plan with 'params'"
         )
-    inputs = inputs_for_spec(spec, activations_on, bandwidth_bytes_per_s, compute_s, target_efficiency)
+    inputs = inputs_for_spec(spec, activations_on, bandwidth_bytes_per_s, compute_s, target_efficiency,
+                             disk_bytes_per_s)
     resources, zero = spec.resources, spec.zero
     gpu_job = resources.gpus_per_worker > 0
     budget = gpu_memory_bytes

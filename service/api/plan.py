@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
-from contract.zero_math import (DEFAULT_BUCKET_MB, DEFAULT_PRECISION, DEFAULT_PREFETCH, DEFAULT_TARGET_EFFICIENCY,
+from contract.zero_math import (DEFAULT_BUCKET_MB, DEFAULT_DISK_GBPS, DEFAULT_PRECISION, DEFAULT_PREFETCH, DEFAULT_TARGET_EFFICIENCY,
                                 PRECISIONS)
 from service.api.deps import current_user, get_settings
 from service.prediction import plan_for_question
@@ -57,6 +57,8 @@ class PlanRequest(BaseModel):
     margin: float = Field(default=0.10, ge=0, lt=1, description="fraction of the budget kept free")
     bandwidth_gbps: float | None = Field(default=None, gt=0, le=1e6, description="per-rank link, gigabits/s")
     compute_s: float | None = Field(default=None, gt=0, le=1e6, description="compute time of one step, s")
+    disk_gbps: float = Field(default=DEFAULT_DISK_GBPS, gt=0, le=1e6, description=(
+        "offload_optimizer 'nvme': the swap disk's sequential rate, read and write each, gigabits/s"))
     target_efficiency: float = Field(default=DEFAULT_TARGET_EFFICIENCY, gt=0, lt=1)
     bucket_mb: float = Field(default=DEFAULT_BUCKET_MB, gt=0, le=1e6)
     prefetch: int = Field(default=DEFAULT_PREFETCH, ge=0, le=1000)
@@ -74,7 +76,7 @@ class PlanResponse(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     stage: int
-    offload_optimizer: bool
+    offload_optimizer: bool | Literal["nvme"]  # True: host memory; "nvme": swap files (zero.nvme_path)
     reason: str
     budget_bytes: int | None
     host_budget_bytes: int | None
