@@ -32,9 +32,9 @@ router = APIRouter(tags=["plan"])
 class PlanRequest(BaseModel):
     """Either ``params`` (+ ``gpus``) or ``model`` (+ the job-spec blocks it needs)."""
 
-    # [Note: bounded questions] Every number is finite and bounded: Infinity or 1e400 used to
-    # answer 500, and the planner's work grows with `units` and `gpus` (3,000,000 units took
-    # 20 s of server CPU). The bounds are far beyond any real cluster.
+    # [Note: bounded questions] Every number is finite and bounded: an infinite rate or count
+    # has no plan, and the planner's work grows with `units` and `gpus`, so an unbounded
+    # question would hold the server's CPU. The bounds are far beyond any real cluster.
     model_config = ConfigDict(extra="ignore", protected_namespaces=(), allow_inf_nan=False)
 
     # a bare count
