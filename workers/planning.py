@@ -12,6 +12,7 @@ from dataclasses import replace
 from typing import Any, Sequence
 
 from contract.spec import JobSpec, ModelSpec
+from contract.zero_defaults import ZERO_DEFAULTS
 from contract.zero_math import DEFAULT_SEQ_LEN, DEFAULT_TARGET_EFFICIENCY, GB, STAGES, optimizer_state_tensors
 from contract.zero_rules import allowed_stages, offload_target
 from workers.zero.planner import DEFAULT_MARGIN, Plan, PlanInputs, choose_plan, fixed_plan, model_shape
@@ -128,9 +129,9 @@ def measured_activations(
     bucket_mb: float,
     device: str,
     activations_on: str = "meta",
-    prefetch: int = 1,
-    reshard_after_forward: Any = True,
-    keep_gathered_bytes: int = 0,
+    prefetch: int = ZERO_DEFAULTS["prefetch"],
+    reshard_after_forward: Any = ZERO_DEFAULTS["reshard_after_forward"],
+    keep_gathered_bytes: int = ZERO_DEFAULTS["keep_gathered_bytes"],
     **profile_options: Any,
 ) -> dict[str, int | None]:
     """``activation_bytes``, the forward's alone and the stage-2/3 joint peaks (forward too at stage 3,
@@ -151,9 +152,11 @@ def measured_activations(
         return dict.fromkeys(layouts)
 
 
-def activation_profiles(n_ranks: int, bucket_mb: float, precision: str, device: str, prefetch: int = 1,
-                        reshard_after_forward: Any = True,
-                        keep_gathered_bytes: int = 0) -> dict[str, tuple[Stage2Layout | None, bool]]:
+def activation_profiles(n_ranks: int, bucket_mb: float, precision: str, device: str,
+                        prefetch: int = ZERO_DEFAULTS["prefetch"],
+                        reshard_after_forward: Any = ZERO_DEFAULTS["reshard_after_forward"],
+                        keep_gathered_bytes: int = ZERO_DEFAULTS["keep_gathered_bytes"],
+                        ) -> dict[str, tuple[Stage2Layout | None, bool]]:
     """The activation profiles ``PlanInputs`` takes, by field: (the engine's scratch replayed on the
     profile's timeline, or None; whether the forward alone is profiled)."""
     layout = Stage2Layout(n_ranks, bucket_elements(bucket_mb, precision), pages_on_write=device == "cpu")

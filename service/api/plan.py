@@ -19,8 +19,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
-from contract.zero_math import (DEFAULT_BUCKET_MB, DEFAULT_DISK_GBPS, DEFAULT_PRECISION, DEFAULT_PREFETCH, DEFAULT_TARGET_EFFICIENCY,
-                                PRECISIONS)
+from contract.zero_math import (DEFAULT_BUCKET_MB, DEFAULT_DISK_GBPS, DEFAULT_PRECISION, DEFAULT_PREFETCH,
+                                DEFAULT_TARGET_EFFICIENCY, PRECISIONS)
 from service.api.deps import current_user, get_settings
 from service.prediction import plan_for_question
 from service.schemas import ErrorOut

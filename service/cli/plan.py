@@ -6,13 +6,14 @@
 
 One row per candidate (stages 0–3, then 1–3 with the optimizer offloaded): GB per GPU by term,
 host GB under offload, communication per step, and with a bandwidth and a compute time the
-efficiency and the bandwidth a target efficiency needs; with ``--nvme-path`` the optimizer state
-is priced in swap files and the disk time of a step is added (``planner/step_time.py``). A second table splits each candidate's
-peak by the part of the job it happens in (model and engine construction, forward and backward
-pass, optimizer step, checkpoint copy and loading) and says which part is the worst; below it,
-one sentence says where the chosen plan's peak comes from. The chosen row is marked. No server
-is involved: the planner runs here (``workers.zero.planner``; a preset's activations are
-profiled on the meta device, so even gpt-1b costs no memory). ``--json`` prints the plan.
+efficiency and the bandwidth a target efficiency needs; with ``--nvme-path`` the optimizer
+state is priced in swap files and a step's disk time is added (``planner/step_time.py``). A
+second table splits each candidate's peak by the part of the job it happens in (model and
+engine construction, forward and backward pass, optimizer step, checkpoint copy and loading)
+and says which part is the worst; below it, one sentence says where the chosen plan's peak
+comes from. The chosen row is marked. No server is involved: the planner runs here
+(``workers.zero.planner``; a preset's activations are profiled on the meta device, so even
+gpt-1b costs no memory). ``--json`` prints the plan.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from contract.zero_math import (DEFAULT_BUCKET_MB, DEFAULT_DISK_GBPS, DEFAULT_PRECISION, DEFAULT_PREFETCH, DEFAULT_TARGET_EFFICIENCY,
-                                PRECISIONS)
+from contract.zero_math import (DEFAULT_BUCKET_MB, DEFAULT_DISK_GBPS, DEFAULT_PRECISION, DEFAULT_PREFETCH,
+                                DEFAULT_TARGET_EFFICIENCY, PRECISIONS)
 from service.cli.errors import CliError
 from service.cli.output import output_option, print_json
 

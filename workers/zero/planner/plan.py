@@ -28,6 +28,7 @@ import functools
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Sequence
 
+from contract.zero_defaults import ZERO_DEFAULTS
 from contract.zero_math import (
     DEFAULT_BUCKET_MB,
     DEFAULT_PRECISION,
@@ -113,9 +114,9 @@ class PlanInputs:
     disk_bytes_per_s: float | None = None  # "nvme": the swap disk's rate, read and write each
     compute_s: float | None = None
     target_efficiency: float = DEFAULT_TARGET_EFFICIENCY
-    reshard_after_forward: Any = True  # stage 3: True, False or "all_but_last" (ZeroConfig)
-    keep_gathered_bytes: int = 0  # stage 3: cap on units kept gathered into the backward (ZeroConfig)
-    shard_group_size: int | None = None  # hybrid sharding (ZeroConfig): states sharded over G ranks, not N
+    reshard_after_forward: Any = ZERO_DEFAULTS["reshard_after_forward"]  # stage 3: True, False, "all_but_last"
+    keep_gathered_bytes: int = ZERO_DEFAULTS["keep_gathered_bytes"]  # stage 3: cap on units kept gathered
+    shard_group_size: int | None = ZERO_DEFAULTS["shard_group_size"]  # hybrid: states sharded over G ranks
     optimizer_states: int = 2  # fp32 optimizer state tensors per parameter (Adam: m, v)
     deferred_init: bool = True  # built on the meta device, one bucket at a time; False: eagerly, in fp32
     checkpoint: str = "none"  # peak.CHECKPOINTS: "none", "at_end", "periodic"
