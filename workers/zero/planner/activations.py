@@ -355,7 +355,7 @@ def profile_activations(
     precision: str = DEFAULT_PRECISION,
     device: str = "meta",
     vocab_size: int | None = None,
-    activation_checkpointing: bool = False,
+    activation_checkpointing: bool = ZERO_DEFAULTS["activation_checkpointing"],
     stage2: Stage2Layout | None = None,
     forward_only: bool = False,
 ) -> int:

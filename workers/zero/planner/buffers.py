@@ -103,7 +103,8 @@ def step_buffer_bytes(
     return {"device": casts + optimizer, "host": 0}
 
 
-def gathered_unit_bytes(root_bucket: int, block_buckets: Sequence[int], precision: str, prefetch: int = 1) -> int:
+def gathered_unit_bytes(root_bucket: int, block_buckets: Sequence[int], precision: str,
+                        prefetch: int = ZERO_DEFAULTS["prefetch"]) -> int:
     """Stage 3, as ``workers/zero/stage3.py`` gathers: the root unit (embeddings, tied head)
     stays gathered through forward and backward, plus at most ``prefetch + 1`` blocks (the
     current one and the prefetched), each a padded flat buffer in the compute dtype (the padded
