@@ -212,6 +212,6 @@ def test_nvme_plan_adds_the_disk_time_at_the_given_rate(client):
 
 def test_cli_plan_shows_the_disk_time_with_an_nvme_path(capsys):
     assert _cli(["plan", "--preset", "gpt-nano", "--gpus", "2", "--seq-len", "64", "--nvme-path", "/mnt/nvme",
-                 "--disk-gbps", "8", "--compute-s", "0.5"]) == 0
+                 "--disk-gbps", "8", "--compute-s", "0.5", "--bandwidth-gbps", "100"]) == 0
     out = capsys.readouterr().out
     assert "+nvme" in out and "disk s" in out and "step s" in out

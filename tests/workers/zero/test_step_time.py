@@ -45,6 +45,14 @@ def test_no_disk_time_without_nvme_or_a_rate():
     assert predict(PlanInputs(shape=shape, n_ranks=2), 2, "nvme").disk_time_s is None
 
 
+def test_no_step_time_while_a_term_is_unknown():
+    shape = ModelShape.from_count(1e6)
+    assert predict(PlanInputs(shape=shape, n_ranks=2, compute_s=1.0), 2).step_time_s is None  # no link rate
+    assert predict(PlanInputs(shape=shape, n_ranks=1, compute_s=1.0), 2, "nvme").step_time_s is None  # no disk
+    known = predict(PlanInputs(shape=shape, n_ranks=2, compute_s=1.0, bandwidth_bytes_per_s=1e9), 2)
+    assert known.step_time_s == pytest.approx(1.0 + known.comm_time_s)
+
+
 def test_disk_time_adds_reads_and_writes():
     assert disk_time_s(10**9, 2e9, 1e9) == pytest.approx(0.5 + 1.0)
     assert disk_time_s(10**9, 2e9) == pytest.approx(1.0)

@@ -38,5 +38,7 @@ def add_time_model(prediction: Any, inputs: Any) -> None:
             prediction.efficiency = efficiency(inputs.compute_s, prediction.comm_time_s)
     if prediction.disk_bytes and inputs.disk_bytes_per_s:
         prediction.disk_time_s = disk_time_s(prediction.disk_bytes, inputs.disk_bytes_per_s)
-    if inputs.compute_s:
+    comm_known = n == 1 or prediction.comm_time_s is not None
+    disk_known = not prediction.disk_bytes or prediction.disk_time_s is not None
+    if inputs.compute_s and comm_known and disk_known:  # a sum with a term left out would mislead
         prediction.step_time_s = inputs.compute_s + (prediction.comm_time_s or 0.0) + (prediction.disk_time_s or 0.0)
