@@ -1,7 +1,7 @@
 """The one table of per-step metric fields: what each is, how it is measured, how a chart
 combines ranks, and where the job page draws it.
 
-Everything that used to spell the fields out derives from ``METRICS``: the ingest model
+Everything that spells the fields out derives from ``METRICS``: the ingest model
 (``service.schemas.MetricRecord``), the ORM columns (``service.models.Metric``), the chart and
 downsampling SQL (``service.metric_sql``), the dashboard's response models and the chart list
 it serves (``GET /api/v1/jobs/{id}/metrics/chart`` answers ``charts`` and ``aggregation``, read

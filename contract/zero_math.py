@@ -36,6 +36,7 @@ GB = 1e9
 MIB = 2**20
 
 DEFAULT_TARGET_EFFICIENCY = 0.75  # the planner's default share of a step that is not waiting on communication
+DEFAULT_DISK_GBPS = 16.0  # /plan: the swap disk of offload_optimizer "nvme", Gbit/s each way (2 GB/s)
 DEFAULT_PRECISION = "fp32"  # zero.precision, /plan and the engine: the one default (docs/contracts.md)
 DEFAULT_BUCKET_MB = 25.0  # zero.bucket_mb, /plan and the engine
 DEFAULT_PREFETCH = 1  # zero.prefetch, /plan and the planner

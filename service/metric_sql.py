@@ -8,9 +8,9 @@ world size of each record's attempt for the fields the table marks ``Across.TOTA
 PostgreSQL's float8 ``AVG`` fails ("value out of range: overflow", a DataError the API answers
 with 422) once a running sum passes 1.8e308 — it keeps the sum of squares too, so one value
 above 1e154 is enough — and ``AVG(..) * world`` fails the same way. ``AVG`` in numeric holds
-any sum, NaN and infinities (a mean past the float limit reads back as inf), but costs about
-six times as much: 540 ms against 90 ms for the job page's seven series over 100,000 records
-on a busy core, more than its first render may take. So a query runs in float8 inside a
+any sum, NaN and infinities (a mean past the float limit reads back as inf), but costs
+several times as much (docs/design.md, "Measurements"), more than the job page's first render
+may take. So a query runs in float8 inside a
 savepoint, and only when that overflows (SQLSTATE 22003) again in numeric. SQLite's ``AVG``
 never raises (an overflowing sum is inf), so there the float8 form is the only one.
 """

@@ -15,13 +15,16 @@ code here), get no prediction at submit — the worker then plans for itself.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
 
 from contract.spec import DataSpec, JobSpec, ModelSpec, ResourcesSpec, TrainSpec, ZeroSpec
 from contract.zero_math import DEFAULT_PRECISION, DEFAULT_SEQ_LEN, gb_to_bytes, gbps_to_bytes_per_s
 
 log = logging.getLogger(__name__)
 
+BlockT = TypeVar("BlockT", bound=BaseModel)
 
 
 class NothingFits(ValueError):
@@ -76,7 +79,7 @@ def plan_for_question(question: Any, spec: dict[str, Any] | None = None, allow_f
 
     ``question`` is the request model or the parsed arguments; both use the same attribute
     names, in the units people type (decimal GB, Gbit/s). The budget and time model:
-    ``gpu_mem_gb``, ``host_mem_gb``, ``margin``, ``bandwidth_gbps``, ``compute_s``,
+    ``gpu_mem_gb``, ``host_mem_gb``, ``margin``, ``bandwidth_gbps``, ``disk_gbps``, ``compute_s``,
     ``target_efficiency``. With a ``spec`` (a whole job spec or the part of one a plan needs,
     ``question_spec``) the model comes from it (``plan_for_spec``); without,
     from a bare count: ``params``, ``gpus``, ``precision`` (None: ``DEFAULT_PRECISION``, as a job's), ``bucket_mb``,
@@ -92,6 +95,7 @@ def plan_for_question(question: Any, spec: dict[str, Any] | None = None, allow_f
         bandwidth_bytes_per_s=None if question.bandwidth_gbps is None else gbps_to_bytes_per_s(question.bandwidth_gbps),
         compute_s=question.compute_s,
         target_efficiency=question.target_efficiency,
+        disk_bytes_per_s=gbps_to_bytes_per_s(question.disk_gbps),
     )
     if spec is not None:
         return plan_for_spec(question_spec(spec), allow_factories=allow_factories, **common)
@@ -110,21 +114,34 @@ def plan_for_question(question: Any, spec: dict[str, Any] | None = None, allow_f
 def question_spec(spec: dict[str, Any]) -> JobSpec:
     """A plan question's spec as a ``JobSpec``: what a plan does not depend on may be left out.
 
-    A question may give only the blocks that matter (``model``, ``data.seq_len``,
+    A question gives the blocks that matter (``model``, ``data.seq_len``,
     ``train.micro_batch_size``, ``zero``, ``resources``); the rest gets placeholders that
-    change no prediction (a name, one step, synthetic data, one micro-step per step). A whole
-    job spec is validated as given.
+    change no prediction (a name, one step, synthetic data, one micro-step per step).
+
+    [Note: typed blocks] Each block is validated by its own model and the spec is built from
+    the typed blocks, so the whole-spec rules (batch arithmetic, ZeRO rules) still run once
+    in ``JobSpec``'s constructor; a bad block is a ``ValueError`` naming ``block.field``.
     """
-    resources = spec.get("resources") or {}
+    resources = _block("resources", ResourcesSpec, spec.get("resources") or {})
     data = dict(spec.get("data") or {})
     if "kind" not in data and "factory" not in data:
         data["kind"] = "synthetic"
     if data.get("kind") == "synthetic":
         data.setdefault("seq_len", DEFAULT_SEQ_LEN)
     train = {"steps": 1, "micro_batch_size": 1, **(spec.get("train") or {})}
-    train.setdefault("global_batch_size", train["micro_batch_size"] * (resources.get("num_workers") or 1))
-    return JobSpec.model_validate({**spec, "name": spec.get("name") or "plan", "data": data, "train": train,
-                                   "zero": spec.get("zero") or {}, "resources": resources})
+    train.setdefault("global_batch_size", train["micro_batch_size"] * resources.num_workers)
+    return JobSpec(name=spec.get("name") or "plan", model=_block("model", ModelSpec, spec.get("model")),
+                   data=_block("data", DataSpec, data), train=_block("train", TrainSpec, train),
+                   zero=_block("zero", ZeroSpec, spec.get("zero") or {}), resources=resources)
+
+
+def _block(name: str, model: type[BlockT], value: Any) -> BlockT:
+    """One block of a plan question, typed; its errors name the field as ``name.field``."""
+    try:
+        return model.model_validate(value)
+    except ValidationError as invalid:
+        raise ValueError("; ".join(f"{'.'.join(map(str, (name, *error['loc'])))}: {error['msg']}"
+                                   for error in invalid.errors())) from None
 
 
 def check_against_prediction(prediction: dict[str, Any], measured: dict[str, float]) -> dict[str, Any]:

@@ -30,7 +30,7 @@ import time
 from collections.abc import MutableMapping
 from pathlib import Path
 
-from contract.environment import STORAGE_CREDENTIALS_ENV
+from contract.environment import API_URL_ENV, INGEST_TOKEN_ENV, JOB_ID_ENV, STORAGE_CREDENTIALS_ENV
 
 SOURCE_ENV = STORAGE_CREDENTIALS_ENV  # what the launchers tell a scoped job (service.launchers.driver)
 FROM_API = "api"
@@ -71,9 +71,8 @@ def fetch(environ: MutableMapping[str, str] | None = None, *, attempts: int = FE
     import httpx
 
     environ = os.environ if environ is None else environ
-    url = (f"{environ['ZEROTRAIN_API_URL'].rstrip('/')}/api/v1/jobs/{environ['ZEROTRAIN_JOB_ID']}"
-           f"/worker/storage-credentials")
-    headers = {"Authorization": f"Bearer {environ['ZEROTRAIN_INGEST_TOKEN']}"}
+    url = f"{environ[API_URL_ENV].rstrip('/')}/api/v1/jobs/{environ[JOB_ID_ENV]}/worker/storage-credentials"
+    headers = {"Authorization": f"Bearer {environ[INGEST_TOKEN_ENV]}"}
     for attempt in range(1, attempts + 1):
         try:
             response = httpx.post(url, headers=headers, timeout=30)
@@ -87,7 +86,7 @@ def fetch(environ: MutableMapping[str, str] | None = None, *, attempts: int = FE
                 break
         if attempt < attempts:
             time.sleep(min(2.0 ** attempt, 30.0))
-    raise RuntimeError(f"no storage credentials for job {environ.get('ZEROTRAIN_JOB_ID')}: {problem}")
+    raise RuntimeError(f"no storage credentials for job {environ.get(JOB_ID_ENV)}: {problem}")
 
 
 def main() -> int:

@@ -12,6 +12,7 @@ from dataclasses import replace
 from typing import Any, Sequence
 
 from contract.spec import JobSpec, ModelSpec
+from contract.zero_defaults import ZERO_DEFAULTS
 from contract.zero_math import DEFAULT_SEQ_LEN, DEFAULT_TARGET_EFFICIENCY, GB, STAGES, optimizer_state_tensors
 from contract.zero_rules import allowed_stages, offload_target
 from workers.zero.planner import DEFAULT_MARGIN, Plan, PlanInputs, choose_plan, fixed_plan, model_shape
@@ -30,6 +31,7 @@ def inputs_for_spec(
     bandwidth_bytes_per_s: float | None = None,
     compute_s: float | None = None,
     target_efficiency: float = DEFAULT_TARGET_EFFICIENCY,
+    disk_bytes_per_s: float | None = None,
 ) -> PlanInputs:
     """PlanInputs for a job: Φ and activations from the real model.
 
@@ -71,6 +73,7 @@ def inputs_for_spec(
         accumulation_steps=spec.accumulation_steps_at(n_ranks),
         device=device,
         bandwidth_bytes_per_s=bandwidth_bytes_per_s,
+        disk_bytes_per_s=disk_bytes_per_s,
         compute_s=compute_s,
         target_efficiency=target_efficiency,
         reshard_after_forward=zero.reshard_after_forward,
@@ -126,9 +129,9 @@ def measured_activations(
     bucket_mb: float,
     device: str,
     activations_on: str = "meta",
-    prefetch: int = 1,
-    reshard_after_forward: Any = True,
-    keep_gathered_bytes: int = 0,
+    prefetch: int = ZERO_DEFAULTS["prefetch"],
+    reshard_after_forward: Any = ZERO_DEFAULTS["reshard_after_forward"],
+    keep_gathered_bytes: int = ZERO_DEFAULTS["keep_gathered_bytes"],
     **profile_options: Any,
 ) -> dict[str, int | None]:
     """``activation_bytes``, the forward's alone and the stage-2/3 joint peaks (forward too at stage 3,
@@ -149,9 +152,11 @@ def measured_activations(
         return dict.fromkeys(layouts)
 
 
-def activation_profiles(n_ranks: int, bucket_mb: float, precision: str, device: str, prefetch: int = 1,
-                        reshard_after_forward: Any = True,
-                        keep_gathered_bytes: int = 0) -> dict[str, tuple[Stage2Layout | None, bool]]:
+def activation_profiles(n_ranks: int, bucket_mb: float, precision: str, device: str,
+                        prefetch: int = ZERO_DEFAULTS["prefetch"],
+                        reshard_after_forward: Any = ZERO_DEFAULTS["reshard_after_forward"],
+                        keep_gathered_bytes: int = ZERO_DEFAULTS["keep_gathered_bytes"],
+                        ) -> dict[str, tuple[Stage2Layout | None, bool]]:
     """The activation profiles ``PlanInputs`` takes, by field: (the engine's scratch replayed on the
     profile's timeline, or None; whether the forward alone is profiled)."""
     layout = Stage2Layout(n_ranks, bucket_elements(bucket_mb, precision), pages_on_write=device == "cpu")
@@ -171,6 +176,7 @@ def plan_for_spec(
     bandwidth_bytes_per_s: float | None = None,
     compute_s: float | None = None,
     target_efficiency: float = DEFAULT_TARGET_EFFICIENCY,
+    disk_bytes_per_s: float | None = None,
     stages: Sequence[int] = STAGES,
     allow_offload: bool = True,
     activations_on: str = "meta",
@@ -198,7 +204,8 @@ def plan_for_spec(
             "factory models are not planned here (that would run user code on the control plane); "
             "the worker plans them at start, or ask POST /plan with 'params'"
         )
-    inputs = inputs_for_spec(spec, activations_on, bandwidth_bytes_per_s, compute_s, target_efficiency)
+    inputs = inputs_for_spec(spec, activations_on, bandwidth_bytes_per_s, compute_s, target_efficiency,
+                             disk_bytes_per_s)
     resources, zero = spec.resources, spec.zero
     gpu_job = resources.gpus_per_worker > 0
     budget = gpu_memory_bytes

@@ -19,8 +19,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
-from contract.zero_math import (DEFAULT_BUCKET_MB, DEFAULT_PRECISION, DEFAULT_PREFETCH, DEFAULT_TARGET_EFFICIENCY,
-                                PRECISIONS)
+from contract.zero_math import (DEFAULT_BUCKET_MB, DEFAULT_DISK_GBPS, DEFAULT_PRECISION, DEFAULT_PREFETCH,
+                                DEFAULT_TARGET_EFFICIENCY, PRECISIONS)
 from service.api.deps import current_user, get_settings
 from service.prediction import plan_for_question
 from service.schemas import ErrorOut
@@ -32,9 +32,9 @@ router = APIRouter(tags=["plan"])
 class PlanRequest(BaseModel):
     """Either ``params`` (+ ``gpus``) or ``model`` (+ the job-spec blocks it needs)."""
 
-    # [Note: bounded questions] Every number is finite and bounded: Infinity or 1e400 used to
-    # answer 500, and the planner's work grows with `units` and `gpus` (3,000,000 units took
-    # 20 s of server CPU). The bounds are far beyond any real cluster.
+    # [Note: bounded questions] Every number is finite and bounded: an infinite rate or count
+    # has no plan, and the planner's work grows with `units` and `gpus`, so an unbounded
+    # question would hold the server's CPU. The bounds are far beyond any real cluster.
     model_config = ConfigDict(extra="ignore", protected_namespaces=(), allow_inf_nan=False)
 
     # a bare count
@@ -57,6 +57,8 @@ class PlanRequest(BaseModel):
     margin: float = Field(default=0.10, ge=0, lt=1, description="fraction of the budget kept free")
     bandwidth_gbps: float | None = Field(default=None, gt=0, le=1e6, description="per-rank link, gigabits/s")
     compute_s: float | None = Field(default=None, gt=0, le=1e6, description="compute time of one step, s")
+    disk_gbps: float = Field(default=DEFAULT_DISK_GBPS, gt=0, le=1e6, description=(
+        "offload_optimizer 'nvme': the swap disk's sequential rate, read and write each, gigabits/s"))
     target_efficiency: float = Field(default=DEFAULT_TARGET_EFFICIENCY, gt=0, lt=1)
     bucket_mb: float = Field(default=DEFAULT_BUCKET_MB, gt=0, le=1e6)
     prefetch: int = Field(default=DEFAULT_PREFETCH, ge=0, le=1000)
@@ -74,7 +76,7 @@ class PlanResponse(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     stage: int
-    offload_optimizer: bool
+    offload_optimizer: bool | Literal["nvme"]  # True: host memory; "nvme": swap files (zero.nvme_path)
     reason: str
     budget_bytes: int | None
     host_budget_bytes: int | None

@@ -2,15 +2,18 @@
 
     zerotrain plan --params 7.5e9 --gpus 64 --gpu-mem 80 --bandwidth-gbps 400 --compute-s 2
     zerotrain plan --preset gpt-1b --gpus 8 --seq-len 1024 --micro-batch 4 --gpu-mem 24
+    zerotrain plan --preset gpt-1b --gpus 8 --nvme-path /mnt/nvme --disk-gbps 24 --compute-s 2
 
 One row per candidate (stages 0–3, then 1–3 with the optimizer offloaded): GB per GPU by term,
 host GB under offload, communication per step, and with a bandwidth and a compute time the
-efficiency and the bandwidth a target efficiency needs. A second table splits each candidate's
-peak by the part of the job it happens in (model and engine construction, forward and backward
-pass, optimizer step, checkpoint copy and loading) and says which part is the worst; below it,
-one sentence says where the chosen plan's peak comes from. The chosen row is marked. No server
-is involved: the planner runs here (``workers.zero.planner``; a preset's activations are
-profiled on the meta device, so even gpt-1b costs no memory). ``--json`` prints the plan.
+efficiency and the bandwidth a target efficiency needs; with ``--nvme-path`` the optimizer
+state is priced in swap files and a step's disk time is added (``planner/step_time.py``). A
+second table splits each candidate's peak by the part of the job it happens in (model and
+engine construction, forward and backward pass, optimizer step, checkpoint copy and loading)
+and says which part is the worst; below it, one sentence says where the chosen plan's peak
+comes from. The chosen row is marked. No server is involved: the planner runs here
+(``workers.zero.planner``; a preset's activations are profiled on the meta device, so even
+gpt-1b costs no memory). ``--json`` prints the plan.
 """
 
 from __future__ import annotations
@@ -18,8 +21,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from contract.zero_math import (DEFAULT_BUCKET_MB, DEFAULT_PRECISION, DEFAULT_PREFETCH, DEFAULT_TARGET_EFFICIENCY,
-                                PRECISIONS)
+from contract.zero_math import (DEFAULT_BUCKET_MB, DEFAULT_DISK_GBPS, DEFAULT_PRECISION, DEFAULT_PREFETCH,
+                                DEFAULT_TARGET_EFFICIENCY, PRECISIONS)
 from service.cli.errors import CliError
 from service.cli.output import output_option, print_json
 
@@ -45,6 +48,11 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                         help="host memory per rank for offload, GB")
     parser.add_argument("--margin", type=float, default=0.10, help="budget fraction kept free (default 0.10)")
     parser.add_argument("--bandwidth-gbps", type=float, help="per-rank link bandwidth, gigabits per second")
+    parser.add_argument("--disk-gbps", type=float, default=DEFAULT_DISK_GBPS,
+                        help="with --nvme-path: the swap disk's rate, read and write each, gigabits per second "
+                             f"(default {DEFAULT_DISK_GBPS:g})")
+    parser.add_argument("--nvme-path", help="with --preset: the optimizer state in swap files under this "
+                                            "absolute folder (offload_optimizer 'nvme'); adds the disk time")
     parser.add_argument("--compute-s", type=float, help="compute time of one step, seconds")
     parser.add_argument("--target-efficiency", type=float, default=DEFAULT_TARGET_EFFICIENCY)
     parser.add_argument("--seq-len", type=int, help="with --preset: tokens per sample (default: its context)")
@@ -87,7 +95,8 @@ def _plan(args: argparse.Namespace) -> Any:
             "data": {"seq_len": seq_len},
             "train": {"micro_batch_size": args.micro_batch},
             "zero": {"stage": "auto", "precision": args.precision, "bucket_mb": args.bucket_mb,
-                     "prefetch": args.prefetch},
+                     "prefetch": args.prefetch,
+                     **({"offload_optimizer": "nvme", "nvme_path": args.nvme_path} if args.nvme_path else {})},
             "resources": {"num_workers": args.gpus, "gpus_per_worker": 1},
         }
     return plan_for_question(args, spec)
@@ -124,11 +133,14 @@ def plan_table(plan: dict[str, Any], chosen: tuple[int, bool] | None, target_eff
     table = Table(title=title, caption="GB = 1e9 bytes per GPU; host = CPU memory per rank under offload")
     columns = ["stage", "params", "grads", "optim", "buffers", "gathered", "activ.", "reserve", "total",
                "host", "comm GB/step", "comm s", "efficiency", f"Gbit/s for {target_efficiency:.0%}", "fits"]
+    timed = [k for k, name in (("disk_time_s", "disk s"), ("step_time_s", "step s"))
+             if any(c.get(k) is not None for c in plan["candidates"])]  # NVMe I/O, a given compute time
+    columns[-1:-1] = [{"disk_time_s": "disk s", "step_time_s": "step s"}[k] for k in timed]
     for name in columns:
         table.add_column(name, justify="left" if name == "stage" else "right")
     for c in plan["candidates"]:
         gpu = c["gpu"]
-        label = f"{c['stage']}" + (" +offload" if c["offload"] else "")
+        label = f"{c['stage']}" + (" +nvme" if c["offload"] == "nvme" else " +offload" if c["offload"] else "")
         is_chosen = chosen == (c["stage"], c["offload"])
         table.add_row(
             ("→ " if is_chosen else "  ") + label,
@@ -139,6 +151,7 @@ def plan_table(plan: dict[str, Any], chosen: tuple[int, bool] | None, target_eff
             "" if c["comm_time_s"] is None else f"{c['comm_time_s']:.3g}",
             "" if c["efficiency"] is None else f"{c['efficiency']:.0%}",
             "" if c["bandwidth_needed_bytes_per_s"] is None else f"{c['bandwidth_needed_bytes_per_s'] * 8 / 1e9:.3g}",
+            *("" if c.get(k) is None else f"{c[k]:.3g}" for k in timed),
             {True: "yes", False: "no", None: "?"}[c["fits"]],
             style="bold green" if is_chosen else None,
         )

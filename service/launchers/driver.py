@@ -6,8 +6,8 @@ and the workers' processes and can read every variable they were given, so a job
 allow-list: what it needs and nothing else. The control plane's own secrets -- its database URL,
 the bootstrap admin token, the Ray token it holds for a cluster, the Kubernetes config, any
 other ``ZEROTRAIN_*`` setting -- never reach a job, because nothing copies a variable that is
-not named here. Each launcher used to build this itself; now every launcher calls
-``driver_environment`` (or the two halves it joins, below) and ``driver_command``.
+not named here. Every launcher calls ``driver_environment`` (or the two halves it joins,
+below) and ``driver_command``, so the allow-list is written once.
 
 [Note: two halves of a driver's environment]
 ``job_environment(request)`` is what this job is told: its id, attempt, API URL, ingest token

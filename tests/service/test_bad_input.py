@@ -126,6 +126,11 @@ BAD_SPECS: list[tuple[str, dict]] = [
     ("zero.offload_params", with_value("zero", {"stage": 3, "offload_params": "nvme"})),
     ("zero.offload_params", with_value("zero", {"stage": 3, "offload_params": "cpu"})),  # not built yet
     ("zero.offload_optimizer", with_value("zero.offload_optimizer", "disk")),
+    # the engine's ZeroConfig refuses a boolean where it counts (bytes, units, ranks): so does submit
+    ("zero.prefetch", with_value("zero.prefetch", True)),
+    ("zero.keep_gathered_bytes", with_value("zero", {"stage": 3, "keep_gathered_bytes": True})),
+    ("zero.shard_group_size", with_value("zero.shard_group_size", True)),
+    ("zero.bucket_mb", with_value("zero.bucket_mb", -25)),
     ("resources.num_workers", with_value("resources.num_workers", 0)),
     ("resources.min_workers", with_value("resources.min_workers", 0)),
     ("resources.min_workers", with_value("resources.min_workers", 3)),  # more than num_workers (2)

@@ -191,3 +191,27 @@ def test_a_bare_count_without_precision_is_planned_as_a_job_without_one(client):
     status, plan = post(client, {"params": 1e9, "gpus": 8, "gpu_mem_gb": 80})
     assert status == 200, plan
     assert plan["inputs"]["precision"] == ZeroSpec().precision == "fp32"
+
+
+def test_nvme_plan_adds_the_disk_time_at_the_given_rate(client):
+    body = {"model": {"preset": "gpt-nano"}, "data": {"seq_len": 64}, "train": {"micro_batch_size": 2},
+            "zero": {"stage": 2, "offload_optimizer": "nvme", "nvme_path": "/mnt/nvme"},
+            "resources": {"num_workers": 2, "gpus_per_worker": 1}, "compute_s": 0.25, "bandwidth_gbps": 100}
+    answers = {}
+    for gbps in (8, 16):
+        status, plan = post(client, {**body, "disk_gbps": gbps})
+        assert status == 200, plan
+        answers[gbps] = chosen = plan["chosen"]
+        assert chosen["offload"] == "nvme" and chosen["disk_bytes"] > 0
+        assert chosen["disk_time_s"] == pytest.approx(2 * chosen["disk_bytes"] / (gbps * 1e9 / 8))
+        assert chosen["step_time_s"] == pytest.approx(0.25 + chosen["comm_time_s"] + chosen["disk_time_s"])
+    assert answers[8]["disk_time_s"] == pytest.approx(2 * answers[16]["disk_time_s"])
+    status, plan = post(client, {**body, "disk_gbps": 0})
+    assert status == 422 and "disk_gbps" in str(plan)
+
+
+def test_cli_plan_shows_the_disk_time_with_an_nvme_path(capsys):
+    assert _cli(["plan", "--preset", "gpt-nano", "--gpus", "2", "--seq-len", "64", "--nvme-path", "/mnt/nvme",
+                 "--disk-gbps", "8", "--compute-s", "0.5", "--bandwidth-gbps", "100"]) == 0
+    out = capsys.readouterr().out
+    assert "+nvme" in out and "disk s" in out and "step s" in out

@@ -49,6 +49,8 @@ import torch
 import torch.nn as nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from contract.zero_defaults import ZERO_DEFAULTS
+
 from .sync_batchnorm import SyncBatchNormFunction
 
 if TYPE_CHECKING:
@@ -61,7 +63,8 @@ class ModuleBuffers:
     """Dtype, synchronization and state-dict view of ``module``'s buffers (see the Notes above)."""
 
     def __init__(self, module: nn.Module, comm: "Collectives", compute_dtype: torch.dtype,
-                 broadcast: bool = True, sync_batchnorm: bool = False):
+                 broadcast: bool = ZERO_DEFAULTS["broadcast_buffers"],
+                 sync_batchnorm: bool = ZERO_DEFAULTS["sync_batchnorm"]):
         self.module, self.comm, self.broadcast = module, comm, broadcast
         self.originals: dict[int, torch.Tensor] = {}  # id(buffer) -> original-dtype value (cast buffers)
         with comm.uncounted():

@@ -10,6 +10,7 @@ from typing import Any, Optional
 
 import torch.nn as nn
 
+from contract.zero_defaults import ZERO_DEFAULTS
 from contract.zero_math import stage_traits
 
 from .buckets import FlatBucket
@@ -25,10 +26,10 @@ def make_strategy(
     comm: Collectives,
     overlap_comm: bool,
     units: UnitPlan | None = None,
-    prefetch: int = 1,
-    reshard_after_forward: Any = True,
+    prefetch: int = ZERO_DEFAULTS["prefetch"],
+    reshard_after_forward: Any = ZERO_DEFAULTS["reshard_after_forward"],
     module: Optional[nn.Module] = None,
-    keep_gathered_bytes: int = 0,
+    keep_gathered_bytes: int = ZERO_DEFAULTS["keep_gathered_bytes"],
 ) -> Strategy:
     """The strategy that runs ``stage`` over ``buckets``, chosen by what the stage shards.
 

@@ -22,6 +22,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from contract.zero_defaults import ZERO_DEFAULTS
 from contract.zero_math import DEFAULT_PRECISION
 
 from ..config import PRECISIONS
@@ -127,9 +128,9 @@ class Stage2Layout:
     # on the scratch's pages, ``stages.py``); CUDA: the whole bucket is allocated at its first gradient
     pages_on_write: bool = False
     per_unit: bool = False  # stage 3: one bucket per unit (blocks last-first, then the root)
-    prefetch: int = 1  # stage 3: units gathered ahead of the one running (``ZeroConfig.prefetch``)
-    reshard_after_forward: Any = True  # stage 3: True, False, "all_but_last" (ZeroConfig)
-    keep_gathered_bytes: int = 0  # stage 3: cap on units kept gathered into the backward (ZeroConfig)
+    prefetch: int = ZERO_DEFAULTS["prefetch"]  # stage 3: units gathered ahead of the one running
+    reshard_after_forward: Any = ZERO_DEFAULTS["reshard_after_forward"]  # stage 3: True, False, "all_but_last"
+    keep_gathered_bytes: int = ZERO_DEFAULTS["keep_gathered_bytes"]  # stage 3: cap on units kept gathered
 
 
 class _Stage3Gathers:
@@ -354,7 +355,7 @@ def profile_activations(
     precision: str = DEFAULT_PRECISION,
     device: str = "meta",
     vocab_size: int | None = None,
-    activation_checkpointing: bool = False,
+    activation_checkpointing: bool = ZERO_DEFAULTS["activation_checkpointing"],
     stage2: Stage2Layout | None = None,
     forward_only: bool = False,
 ) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from contract.zero_defaults import ZERO_DEFAULTS
 from contract.zero_math import MIB, low_precision_bytes, precision_traits, shard_numel, stage_traits
 
 from ..stages import MAX_INFLIGHT_BUCKETS
@@ -102,7 +103,8 @@ def step_buffer_bytes(
     return {"device": casts + optimizer, "host": 0}
 
 
-def gathered_unit_bytes(root_bucket: int, block_buckets: Sequence[int], precision: str, prefetch: int = 1) -> int:
+def gathered_unit_bytes(root_bucket: int, block_buckets: Sequence[int], precision: str,
+                        prefetch: int = ZERO_DEFAULTS["prefetch"]) -> int:
     """Stage 3, as ``workers/zero/stage3.py`` gathers: the root unit (embeddings, tied head)
     stays gathered through forward and backward, plus at most ``prefetch + 1`` blocks (the
     current one and the prefetched), each a padded flat buffer in the compute dtype (the padded
@@ -112,7 +114,8 @@ def gathered_unit_bytes(root_bucket: int, block_buckets: Sequence[int], precisio
 
 
 def kept_unit_elements(root_numel: int, block_numels: Sequence[int], root_bucket: int, block_buckets: Sequence[int],
-                       precision: str, reshard_after_forward=True, keep_gathered_bytes: int = 0) -> tuple[int, int]:
+                       precision: str, reshard_after_forward=ZERO_DEFAULTS["reshard_after_forward"],
+                       keep_gathered_bytes: int = ZERO_DEFAULTS["keep_gathered_bytes"]) -> tuple[int, int]:
     """Stage 3: ``(elements, block bytes)`` of the units kept gathered from forward to backward.
 
     The engine's rule (``stage3.py``, the note on kept units; ``units.kept_after_forward``),

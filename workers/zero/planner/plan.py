@@ -28,6 +28,7 @@ import functools
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Sequence
 
+from contract.zero_defaults import ZERO_DEFAULTS
 from contract.zero_math import (
     DEFAULT_BUCKET_MB,
     DEFAULT_PRECISION,
@@ -35,10 +36,7 @@ from contract.zero_math import (
     DEFAULT_TARGET_EFFICIENCY,
     GB,
     STAGES,
-    bandwidth_for_efficiency,
     comm_elements,
-    comm_time_s,
-    efficiency,
     low_precision_bytes,
     model_state_bytes,
     shard_numel,
@@ -56,6 +54,7 @@ from .buffers import (
 )
 from .peak import CHECKPOINTS, PeakInputs, job_peak, step_gradient_bytes, summarize
 from .shape import DEFAULT_UNITS, ModelShape, bucket_elements, bucket_numels
+from .step_time import add_time_model
 
 DEFAULT_MARGIN = 0.10  # a plan fits when its total is at most (1 - margin) of the budget
 
@@ -83,6 +82,8 @@ class StagePrediction:
     bandwidth_needed_bytes_per_s: float | None = None
     fits: bool | None = None
     disk_bytes: int = 0  # "nvme": the optimizer state's swap files
+    disk_time_s: float | None = None  # "nvme": reading and writing them once per step (step_time.py)
+    step_time_s: float | None = None  # compute + communication + disk, none overlapped
 
     @property
     def total(self) -> int:
@@ -110,11 +111,12 @@ class PlanInputs:
     accumulation_steps: int = 1  # micro-batches per step and rank
     device: str = "cuda"  # "cuda" adds the CUDA context to the reserve; "cpu" does not
     bandwidth_bytes_per_s: float | None = None
+    disk_bytes_per_s: float | None = None  # "nvme": the swap disk's rate, read and write each
     compute_s: float | None = None
     target_efficiency: float = DEFAULT_TARGET_EFFICIENCY
-    reshard_after_forward: Any = True  # stage 3: True, False or "all_but_last" (ZeroConfig)
-    keep_gathered_bytes: int = 0  # stage 3: cap on units kept gathered into the backward (ZeroConfig)
-    shard_group_size: int | None = None  # hybrid sharding (ZeroConfig): states sharded over G ranks, not N
+    reshard_after_forward: Any = ZERO_DEFAULTS["reshard_after_forward"]  # stage 3: True, False, "all_but_last"
+    keep_gathered_bytes: int = ZERO_DEFAULTS["keep_gathered_bytes"]  # stage 3: cap on units kept gathered
+    shard_group_size: int | None = ZERO_DEFAULTS["shard_group_size"]  # hybrid: states sharded over G ranks
     optimizer_states: int = 2  # fp32 optimizer state tensors per parameter (Adam: m, v)
     deferred_init: bool = True  # built on the meta device, one bucket at a time; False: eagerly, in fp32
     checkpoint: str = "none"  # peak.CHECKPOINTS: "none", "at_end", "periodic"
@@ -146,6 +148,7 @@ class PlanInputs:
             "accumulation_steps": self.accumulation_steps,
             "device": self.device,
             "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s,
+            "disk_bytes_per_s": self.disk_bytes_per_s,
             "compute_s": self.compute_s,
             "target_efficiency": self.target_efficiency,
             "deferred_init": self.deferred_init,
@@ -262,7 +265,7 @@ def predict(inputs: PlanInputs, stage: int, offload: bool | str = False) -> Stag
         comm_inter_elements=inter,
         disk_bytes=disk,
     )
-    _add_time_model(prediction, inputs)
+    add_time_model(prediction, inputs)
     return prediction
 
 
@@ -283,18 +286,6 @@ def _replayed_activations(inputs: PlanInputs, stage: int) -> int | None:
     if traits.shards_parameters:
         return inputs.activation_bytes_stage3
     return inputs.activation_bytes_stage2 if traits.shards_optimizer else inputs.activation_bytes_stage0
-
-
-def _add_time_model(prediction: StagePrediction, inputs: PlanInputs) -> None:
-    n, comm_bytes = inputs.n_ranks, prediction.comm_bytes
-    if inputs.compute_s and n > 1:
-        prediction.bandwidth_needed_bytes_per_s = bandwidth_for_efficiency(
-            comm_bytes, n, inputs.compute_s, inputs.target_efficiency
-        )
-    if inputs.bandwidth_bytes_per_s:
-        prediction.comm_time_s = comm_time_s(comm_bytes, n, inputs.bandwidth_bytes_per_s)
-        if inputs.compute_s:
-            prediction.efficiency = efficiency(inputs.compute_s, prediction.comm_time_s)
 
 
 def predict_all(inputs: PlanInputs, stages: Sequence[int] = STAGES, offload: bool = True) -> list[StagePrediction]:
@@ -362,6 +353,8 @@ METHOD = {
     "meta device at submit time, SDPA as flash attention)",
     "reserve": "5% of the other terms, + 512 MiB CUDA context on GPUs",
     "comm_time": "ring collectives: bytes × (N-1)/N / link bandwidth; fully exposed (no overlap)",
+    "disk_time": "nvme: the swap files read and written once per step, disk_bytes / rate each way; exposed",
+    "step_time": "compute + comm_time + disk_time, none overlapped (given compute_s)",
     "fits": "total <= (1 - margin) × budget; a GPU rank's host peak must also fit (1 - margin) × host budget",
 }
 
@@ -448,6 +441,7 @@ def plan_for_count(
     bandwidth_bytes_per_s: float | None = None,
     compute_s: float | None = None,
     target_efficiency: float = DEFAULT_TARGET_EFFICIENCY,
+    disk_bytes_per_s: float | None = None,
     bucket_mb: float = DEFAULT_BUCKET_MB,
     prefetch: int = DEFAULT_PREFETCH,
     activation_bytes: int | None = None,
@@ -463,6 +457,7 @@ def plan_for_count(
         activation_bytes=activation_bytes,
         device="cuda",
         bandwidth_bytes_per_s=bandwidth_bytes_per_s,
+        disk_bytes_per_s=disk_bytes_per_s,
         compute_s=compute_s,
         target_efficiency=target_efficiency,
     )
