@@ -195,6 +195,12 @@ OffloadOptimizer = Annotated[Literal[OFFLOAD_OPTIMIZER], WithJsonSchema({
     "description": "false, true or \"cpu\" (host memory), or \"nvme\" (swap files under nvme_path)"})]
 
 
+# One literal, published as null or a string enum (the note on zero.stage's schema above).
+OffloadParams = Annotated[Literal[OFFLOAD_PARAMS], WithJsonSchema({
+    "anyOf": [{"type": "null"}, {"type": "string", "enum": ["cpu", "nvme"]}],
+    "title": "Offload Params", "description": "null (in memory), \"cpu\" (host memory) or \"nvme\" (swap files)"})]
+
+
 class ZeroSpec(SpecModel):
     """The ``zero`` block: the one definition of the engine's job-facing fields and their defaults.
 
@@ -213,7 +219,7 @@ class ZeroSpec(SpecModel):
     nvme_path: str | None = Field(default=None, min_length=1, max_length=MAX_URI_CHARS)
     # stage 3: each rank's parameter shard kept off the device, read just before each gather:
     # null (in memory), "cpu" (host memory) or "nvme" (swap files under nvme_path)
-    offload_params: Literal[OFFLOAD_PARAMS] = None
+    offload_params: OffloadParams = None
     bucket_mb: float = Field(default=DEFAULT_BUCKET_MB, gt=0, allow_inf_nan=False)
     prefetch: int = Field(default=DEFAULT_PREFETCH, ge=0, le=MAX_INT32)
     activation_checkpointing: bool = False
@@ -232,6 +238,19 @@ class ZeroSpec(SpecModel):
     # node) and replicate across the groups; null: the whole world. Must divide every world size
     # the job may run at (JobSpec checks it against resources). Stage 0 ignores it.
     shard_group_size: int | None = Field(default=None, ge=1, le=MAX_INT32)
+
+    @field_validator("stage", "offload_optimizer", mode="before")
+    @classmethod
+    def _exact_kind(cls, value: Any, info: Any) -> Any:
+        """A literal matches by equality, so ``True`` would pass as stage 1 and ``1`` as ``True``:
+        a stage is an integer (not a bool), an offload a bool or a name, as ``ZeroConfig`` takes them."""
+        stage = info.field_name == "stage"
+        if isinstance(value, float) or (isinstance(value, bool) if stage else isinstance(value, int) and value is not True
+                                         and value is not False):
+            expected = "0, 1, 2, 3 or 'auto'" if stage else "false, true, 'cpu' or 'nvme'"
+            raise PydanticCustomError("zero_kind", "zero.{name} must be {expected}, not {shown}",
+                                      {"name": info.field_name, "expected": expected, "shown": repr(value)})
+        return value
 
     @model_validator(mode="after")
     def _rules(self) -> "ZeroSpec":

@@ -98,6 +98,9 @@ BAD_SPECS: list[tuple[str, dict]] = [
     ("train.no_decay_1d", with_value("train.no_decay_1d", 0)),
     ("train.schedule", with_value("train.schedule", "exponential")),
     ("zero.stage", with_value("zero.stage", 4)),
+    ("zero.stage", with_value("zero.stage", True)),  # a literal matches by equality: True == 1
+    ("zero.stage", with_value("zero.stage", 1.0)),
+    ("zero.offload_optimizer", with_value("zero.offload_optimizer", 1)),
     ("zero.precision", with_value("zero.precision", "fp8")),
     ("zero.offload_optimizer", with_value("zero.offload_optimizer", "yes")),
     ("zero.bucket_mb", with_value("zero.bucket_mb", 0)),

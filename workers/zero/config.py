@@ -18,14 +18,12 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 
 from contract.spec import ZeroSpec
+from contract.zero_defaults import ZERO_DEFAULTS  # the job-facing fields' defaults, as ZeroSpec defines them
 from contract.zero_math import PRECISION_TRAITS, STAGES, StageTraits, stage_traits
 from contract.zero_rules import OFFLOAD_OPTIMIZER, OFFLOAD_PARAMS, check_nvme_path, check_stage_fields, offload_target
 
 if TYPE_CHECKING:
     from contract.spec import TrainSpec
-
-#: the job-facing fields' defaults, as ``ZeroSpec`` defines them (its "auto" stage is a job's only)
-_SPEC = {name: info.default for name, info in ZeroSpec.model_fields.items()}
 
 #: stage 3's ``reshard_after_forward`` values: every unit, none, all but the last block unit
 RESHARD_POLICIES = (True, False, "all_but_last")
@@ -121,25 +119,25 @@ class ZeroConfig:
     """
 
     stage: int = 2  # the engine needs a stage; a job's "auto" is resolved by the planner first
-    precision: str = _SPEC["precision"]
-    bucket_mb: float = _SPEC["bucket_mb"]
+    precision: str = ZERO_DEFAULTS["precision"]
+    bucket_mb: float = ZERO_DEFAULTS["bucket_mb"]
     overlap_comm: bool = True
-    offload_optimizer: bool | str = _SPEC["offload_optimizer"]
-    nvme_path: Optional[str] = None
-    offload_params: Optional[str] = _SPEC["offload_params"]
-    prefetch: int = _SPEC["prefetch"]
+    offload_optimizer: bool | str = ZERO_DEFAULTS["offload_optimizer"]
+    nvme_path: Optional[str] = ZERO_DEFAULTS["nvme_path"]
+    offload_params: Optional[str] = ZERO_DEFAULTS["offload_params"]
+    prefetch: int = ZERO_DEFAULTS["prefetch"]
     grad_clip: Optional[float] = None  # no clipping unless asked (as torch DDP); a job's is train.grad_clip
-    reshard_after_forward: Any = _SPEC["reshard_after_forward"]  # True, False or "all_but_last"
-    keep_gathered_bytes: int = _SPEC["keep_gathered_bytes"]
-    activation_checkpointing: bool = _SPEC["activation_checkpointing"]
+    reshard_after_forward: Any = ZERO_DEFAULTS["reshard_after_forward"]  # True, False or "all_but_last"
+    keep_gathered_bytes: int = ZERO_DEFAULTS["keep_gathered_bytes"]
+    activation_checkpointing: bool = ZERO_DEFAULTS["activation_checkpointing"]
     wrap: Any = None
-    broadcast_buffers: bool = _SPEC["broadcast_buffers"]
-    sync_batchnorm: bool = _SPEC["sync_batchnorm"]
+    broadcast_buffers: bool = ZERO_DEFAULTS["broadcast_buffers"]
+    sync_batchnorm: bool = ZERO_DEFAULTS["sync_batchnorm"]
     initial_loss_scale: float = 2.0**16
     loss_scale_growth_interval: int = 2000
     comm_timeout_s: float = 300.0
     force_distributed: bool = False
-    shard_group_size: Optional[int] = _SPEC["shard_group_size"]
+    shard_group_size: Optional[int] = ZERO_DEFAULTS["shard_group_size"]
 
     @classmethod
     def from_spec(cls, zero: ZeroSpec, train: "TrainSpec", *, stage: int | None = None,

@@ -15,8 +15,7 @@ bucket. Between uses a rank keeps only its shard (compute dtype; for fp32 traini
 
 Per step with ``reshard_after_forward=True``: all-gather Φ in forward, Φ in backward,
 reduce-scatter Φ = 3Φ (padded); without resharding the backward gather is not needed: 2Φ.
-The root is resharded after forward too (FSDP2 keeps its root gathered into the backward,
-saving one gather of the root but holding it across the gap), so a step is exactly 3Φ.
+The root is resharded after forward too (FSDP2 keeps it gathered into the backward): 3Φ exactly.
 
 [Note: which units stay gathered into the backward]
 A unit kept gathered after its forward is not gathered again for its backward: the step pays
@@ -87,6 +86,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from contract.zero_defaults import ZERO_DEFAULTS
 from contract.zero_math import STAGE_TRAITS
 
 from .buckets import FlatBucket
@@ -107,7 +107,8 @@ class ParamShardStrategy(ReduceScatterInBackwardStrategy):
     gathers_params = False  # the next forward gathers each unit itself
 
     def __init__(self, buckets: list[FlatBucket], comm: Collectives, overlap_comm: bool, plan: UnitPlan,
-                 prefetch: int = 1, reshard_after_forward: Any = True, keep_gathered_bytes: int = 0):
+                 prefetch: int = ZERO_DEFAULTS["prefetch"], reshard_after_forward: Any = ZERO_DEFAULTS[
+                     "reshard_after_forward"], keep_gathered_bytes: int = ZERO_DEFAULTS["keep_gathered_bytes"]):
         super().__init__(buckets, comm, overlap_comm)
         self.prefetch = prefetch
         self.reshard_after_forward = reshard_after_forward
