@@ -58,7 +58,7 @@ class StageTraits:
     comm_phi: int  # elements communicated per step, in units of Φ
     comm_phi_kept_gathered: int  # the same with reshard_after_forward=False
 
-    def comm_phi_per_step(self, reshard_after_forward: bool = True) -> int:
+    def comm_phi_per_step(self, reshard_after_forward: bool) -> int:
         return self.comm_phi if reshard_after_forward else self.comm_phi_kept_gathered
 
     def shard_world(self, n_ranks: int) -> int:
@@ -234,7 +234,7 @@ def model_state_bytes(
 # --------------------------------------------------------------------------- communication
 
 
-def comm_elements(phi: int, stage: int, reshard_after_forward: bool = True) -> int:
+def comm_elements(phi: int, stage: int, reshard_after_forward: bool) -> int:
     """Elements each rank communicates per step (see the note on communication)."""
     return stage_traits(stage).comm_phi_per_step(reshard_after_forward) * int(phi)
 

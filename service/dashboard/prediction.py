@@ -26,9 +26,10 @@ def model_state_bytes(phi: int, world: int, stage: int, precision: str,
             "total": states.gpu_total}
 
 
-def comm_elements_per_step(phi: int, stage: int) -> int:
-    """Elements one rank communicates per step: 2Φ for stages 0–2, 3Φ for stage 3."""
-    return zero_math.comm_elements(phi, stage)
+def comm_elements_per_step(phi: int, stage: int, reshard_after_forward: bool) -> int:
+    """Elements one rank communicates per step: 2Φ for stages 0–2, 3Φ for stage 3 (2Φ when it
+    keeps the units gathered into the backward)."""
+    return zero_math.comm_elements(phi, stage, reshard_after_forward)
 
 
 def from_planner(planner: dict[str, Any], memory_check: dict[str, Any] | None) -> dict[str, Any]:
@@ -97,7 +98,7 @@ def predict(spec: JobSpec | None, checkpoint_stage: int | None, planner: dict[st
         "precision": precision,
         **model_state_bytes(phi, world, stage, precision,
                             zero_math.optimizer_state_tensors(spec.train.optimizer, spec.train.momentum)),
-        "comm_elements_per_step": comm_elements_per_step(phi, stage),
+        "comm_elements_per_step": comm_elements_per_step(phi, stage, bool(spec.zero.reshard_after_forward)),
     }
 
 

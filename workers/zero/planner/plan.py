@@ -245,8 +245,8 @@ def predict(inputs: PlanInputs, stage: int, offload: bool | str = False) -> Stag
         "total": states.cpu_total,
         "peak": peak["host_bytes"],
     }
-    # stage 3: the units kept gathered are not gathered again for their backward
-    intra = comm_elements(shape.phi, stage) - kept_elements
+    # stage 3: every unit gathered again for its backward, less the units kept gathered
+    intra = comm_elements(shape.phi, stage, reshard_after_forward=True) - kept_elements
     inter = 2 * (shape.phi // hybrid) if hybrid else 0  # the shard's all-reduce across groups (Φ/G, twice)
     elements = intra + inter
     prediction = StagePrediction(
