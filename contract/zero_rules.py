@@ -31,7 +31,7 @@ class ZeroRuleBroken(ValueError):
 
 
 def _needs(stage: int, offload_optimizer: bool, keep_gathered_bytes: int,
-           offload_params: str | None = None) -> ZeroRuleBroken | None:
+           offload_params: str | None) -> ZeroRuleBroken | None:
     traits = stage_traits(stage)
     if offload_params is not None and not traits.shards_parameters:
         return ZeroRuleBroken("zero.offload_params",
@@ -48,7 +48,7 @@ def _needs(stage: int, offload_optimizer: bool, keep_gathered_bytes: int,
 
 
 def check_stage_fields(stage: int | str, offload_optimizer: bool, keep_gathered_bytes: int,
-                       offload_params: str | None = None) -> None:
+                       offload_params: str | None) -> None:
     """Raise ``ZeroRuleBroken`` when ``stage`` cannot run with the other fields; ``"auto"`` passes
     when some stage can (``allowed_stages`` then limits the planner's choice)."""
     if stage == "auto":
@@ -62,7 +62,7 @@ def check_stage_fields(stage: int | str, offload_optimizer: bool, keep_gathered_
 
 
 def allowed_stages(offload_optimizer: bool, keep_gathered_bytes: int,
-                   stages: Sequence[int] = STAGES, *, offload_params: str | None = None) -> tuple[int, ...]:
+                   stages: Sequence[int] = STAGES, *, offload_params: str | None) -> tuple[int, ...]:
     """The stages among ``stages`` that run with these fields: what ``"auto"`` may resolve to."""
     return tuple(s for s in stages if _needs(s, offload_optimizer, keep_gathered_bytes, offload_params) is None)
 
@@ -84,7 +84,7 @@ OFFLOAD_PARAMS = (None, "cpu", "nvme")
 
 
 def check_nvme_path(offload_optimizer: bool | str, nvme_path: str | None,
-                    offload_params: str | None = None) -> None:
+                    offload_params: str | None) -> None:
     """``zero.nvme_path`` is an absolute folder, given exactly when some state goes to "nvme"."""
     if offload_params == "nvme" and nvme_path is None:
         raise ZeroRuleBroken("zero.offload_params", "offload_params 'nvme' needs nvme_path, the local folder "

@@ -164,4 +164,4 @@ def test_the_cross_field_rules_are_the_contracts(kwargs, message):
 
 def test_offload_params_leaves_auto_only_stage_3():
     assert allowed_stages(False, 0, offload_params="nvme") == (3,)
-    assert allowed_stages(True, 0) == (1, 2, 3)
+    assert allowed_stages(True, 0, offload_params=None) == (1, 2, 3)
