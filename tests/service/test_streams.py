@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -124,3 +125,23 @@ def test_the_sdk_stream_goes_on_with_the_next_point_after_the_service_is_killed_
     after = list(points)
     assert [p.step for p in after] == [3, 4, 5]
     assert [p.id for p in before + after] == [p.id for p in client.metrics(job_id, after_id=0)]
+
+
+def test_the_sdk_stream_waits_out_a_429_at_the_stream_limit_and_then_follows(make_live_service):
+    service = make_live_service(scheduler_enabled=False, max_streams_per_user=1)
+    client = service.client()
+    job_id = client.submit(make_spec()).id
+    url = f"{service.url}/api/v1/jobs/{job_id}/events/stream"
+    with httpx.stream("GET", url, headers={"Authorization": f"Bearer {service.admin_token}"}) as held:
+        assert held.status_code == 200
+        assert httpx.get(url, headers={"Authorization": f"Bearer {service.admin_token}"}).status_code == 429
+        events = client.stream_events(job_id)
+        result: list = []
+        reader = threading.Thread(target=lambda: result.append(next(events)))
+        reader.start()
+        reader.join(2)
+        assert reader.is_alive(), "the SDK did not wait for the Retry-After the 429 carried"
+    reader.join(30)  # the held stream is closed: the next attempt gets a slot
+    assert [e.to_state for e in result] == [JobState.QUEUED]
+    client.cancel(job_id)
+    assert [e.to_state for e in events] == [JobState.CANCELLED]
