@@ -11,7 +11,6 @@ and its subclasses); connection failures are ``ServiceUnavailable``.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Iterator
@@ -400,7 +399,7 @@ def _sse_events(lines: Iterator[str]) -> Iterator[tuple[str, str | None, str, in
             yield "", None, "", None
             continue
         name, _, value = line.partition(":")
-        value = value[1:] if value.startswith(" ") else value
+        value = value.removeprefix(" ")
         if name == "event":
             event = value
         elif name == "data":

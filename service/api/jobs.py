@@ -15,8 +15,8 @@ from sqlalchemy import select
 from service.api.deps import CurrentUser, LauncherDep, SessionDep, SettingsDep, VisibleJob, WakeScheduler
 from service.api.errors import error_responses, text_response
 from service.api.links import links_for
-from service.api.sse import STREAM_BATCH, Fetch, StreamSlot, poll_rows, resume_after
 from service.api.plan import NO_PLAN_RESPONSES, no_plan_response
+from service.api.sse import STREAM_BATCH, Fetch, StreamSlot, poll_rows, resume_after
 from service.launchers.base import LaunchHandle
 from service.log_ranks import rank_lines
 from service.log_text import plain_log
@@ -142,7 +142,7 @@ def list_job_events(job: VisibleJob, session: SessionDep) -> EventList:
     return EventList.model_validate({"items": list(events)}, from_attributes=True)
 
 
-def _event_rows(make_session, job_id: str) -> Fetch:  # noqa: ANN001
+def _event_rows(make_session, job_id: str) -> Fetch:
     """The stream's reader: the job's events after a cursor (service.api.sse)."""
     def fetch(after_id: int) -> tuple[list[tuple[int, str]], bool]:
         with make_session() as session:

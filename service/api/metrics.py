@@ -151,7 +151,7 @@ def list_metrics(job: VisibleJob, session: SessionDep,
     return MetricList(items=user_metrics.attach(session, job.id, [MetricPoint.model_validate(m) for m in metrics]))
 
 
-def _metric_rows(make_session, job_id: str, rank: int | None) -> Fetch:  # noqa: ANN001
+def _metric_rows(make_session, job_id: str, rank: int | None) -> Fetch:
     """The stream's reader: records after a cursor in storage order (service.api.sse)."""
     def fetch(after_id: int) -> tuple[list[tuple[int, str]], bool]:
         with make_session() as session:

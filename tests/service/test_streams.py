@@ -17,7 +17,6 @@ import pytest
 
 from service.client import Client
 from service.schemas import SSE_KEEPALIVE_S, JobState
-
 from tests.conftest import _database_url, create_database, free_port
 from tests.helpers.service_specs import make_spec
 from tests.service.test_cli import read_until
@@ -111,7 +110,7 @@ def test_the_sdk_stream_goes_on_with_the_next_point_after_the_service_is_killed_
     engine.dispose()
     worker = httpx.Client(base_url=f"{url}/api/v1/jobs/{job_id}", headers={"Authorization": f"Bearer {ingest}"})
     worker.post("/worker/state", json={"state": "RUNNING"}).raise_for_status()
-    post_steps(worker, range(0, 3), ranks=1)
+    post_steps(worker, range(3), ranks=1)
 
     points = client.stream_metrics(job_id, reconnect_s=120)
     before = [next(points) for _ in range(3)]
