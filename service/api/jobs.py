@@ -9,14 +9,14 @@ from typing import Annotated
 from fastapi import APIRouter, Header, HTTPException, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
-from fastapi.sse import EventSourceResponse, ServerSentEvent
+from fastapi.sse import ServerSentEvent
 from sqlalchemy import select
 
 from service.api.deps import CurrentUser, LauncherDep, SessionDep, SettingsDep, VisibleJob, WakeScheduler
 from service.api.errors import error_responses, text_response
 from service.api.links import links_for
 from service.api.plan import NO_PLAN_RESPONSES, no_plan_response
-from service.api.sse import STREAM_BATCH, Fetch, StreamSlot, poll_rows, resume_after
+from service.api.sse import STREAM_BATCH, EventStream, Fetch, StreamSlot, poll_rows, resume_after
 from service.launchers.base import LaunchHandle
 from service.log_ranks import rank_lines
 from service.log_text import plain_log
@@ -154,7 +154,7 @@ def _event_rows(make_session, job_id: str) -> Fetch:
     return fetch
 
 
-@router.get("/{job_id}/events/stream", name="stream_job_events", response_class=EventSourceResponse,
+@router.get("/{job_id}/events/stream", name="stream_job_events", response_class=EventStream,
             responses={**text_response("text/event-stream",
                                        "one `job_event` event per state change (`id:` the event's id); `end` "
                                        "when the job has ended; a `: keep-alive` comment on an idle stream"),

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Query, Request
-from fastapi.sse import EventSourceResponse, ServerSentEvent
+from fastapi.sse import ServerSentEvent
 from sqlalchemy import Select, func, select, text
 from sqlalchemy.dialects import sqlite
 from sqlalchemy.orm import Session
@@ -24,7 +24,7 @@ from sqlalchemy.orm import Session
 from service import user_metrics
 from service.api.deps import SessionDep, VisibleJob, WorkerJob
 from service.api.errors import error_responses, text_response
-from service.api.sse import STREAM_BATCH, Fetch, StreamSlot, poll_rows, resume_after
+from service.api.sse import STREAM_BATCH, EventStream, Fetch, StreamSlot, poll_rows, resume_after
 from service.metric_sql import Averaging, execute_overflow_safe
 from service.models import Job, Metric
 from service.schemas import (
@@ -165,7 +165,7 @@ def _metric_rows(make_session, job_id: str, rank: int | None) -> Fetch:
 
 
 @router.get("/{job_id}/metrics/stream", name="stream_metrics",
-            response_class=EventSourceResponse,
+            response_class=EventStream,
             responses={**text_response("text/event-stream",
                                        "one `metric` event per record (`id:` its storage id); `end` when "
                                        "the job has ended; a `: keep-alive` comment on an idle stream"),

@@ -19,7 +19,7 @@ from typing import Annotated
 
 import anyio
 from fastapi import Depends, Request
-from fastapi.sse import ServerSentEvent
+from fastapi.sse import EventSourceResponse, ServerSentEvent
 
 from service.api.deps import CurrentUser, VisibleJob
 from service.schemas import SSE_KEEPALIVE_S
@@ -31,6 +31,16 @@ RETRY_MS = 1000  # the reconnection delay the stream asks clients for
 #: Rows after a cursor as (id, JSON text), at most STREAM_BATCH, and whether the job had ended
 #: before they were read. Runs in a worker thread with a session of its own.
 Fetch = Callable[[int], tuple[list[tuple[int, str]], bool]]
+
+
+class EventStream(EventSourceResponse):
+    """The streams' ``response_class``. [Note: errors are JSON] FastAPI files a route's other
+    answers (401, 404, 429, ...) in the OpenAPI document under its response class's media type;
+    with none here they read as ``application/json``, which they are. The stream itself is still
+    ``text/event-stream``: FastAPI's streaming response for an ``EventSourceResponse`` route
+    sets that type itself."""
+
+    media_type = None
 
 
 def resume_after(after_id: int, last_event_id: str | None) -> int:
