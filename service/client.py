@@ -11,7 +11,6 @@ and its subclasses); connection failures are ``ServiceUnavailable``.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Iterator
@@ -23,6 +22,7 @@ import httpx
 from contract.environment import HOME_ENV, TOKEN_ENV, URL_ENV
 from service.schemas import (
     LOG_SIZE_HEADER,
+    SSE_KEEPALIVE_S,
     TERMINAL_STATES,
     CheckpointList,
     CheckpointOut,
@@ -127,6 +127,10 @@ def error_from_response(response: httpx.Response) -> ZerotrainError:
     if kind is None:
         kind = ServerError if response.status_code >= 500 else ZerotrainError
     return kind(message, response.status_code, errors)
+
+
+STREAM_RECONNECT_S = 120.0  # how long a broken event stream is tried again before raising
+STREAM_BACKOFF_MAX_S = 10.0  # the longest wait between two reconnection attempts
 
 
 RETRY_AFTER_BUDGET_S = 60.0  # the most one call waits on Retry-After answers before raising
@@ -341,32 +345,91 @@ class Client:
         return MetricList.model_validate(self._api("GET", f"/jobs/{job_id}/metrics", params=params)).items
 
     def stream_metrics(self, job_id: str, after_id: int = 0, rank: int | None = None,
-                       timeout: float | None = None) -> Iterator[MetricPoint]:
-        """Yield metric records as they are stored; returns when the job has ended."""
+                       timeout: float | None = None, *,
+                       reconnect_s: float = STREAM_RECONNECT_S) -> Iterator[MetricPoint]:
+        """Yield metric records as they are stored; returns when the job has ended. A dropped
+        connection or a restarted server is reconnected to (``_follow``)."""
         params: dict[str, Any] = {"after_id": after_id}
         if rank is not None:
             params["rank"] = rank
-        try:
-            with self._http.stream("GET", f"/api/v1/jobs/{job_id}/metrics/stream", params=params,
-                                   timeout=httpx.Timeout(self._http.timeout.connect, read=timeout)) as response:
-                if response.status_code >= 400:
-                    response.read()
-                    raise error_from_response(response)
-                yield from _parse_sse(response.iter_lines())
-        except httpx.TransportError as error:
-            raise ServiceUnavailable(f"metric stream from {self.url} broke: {error}") from None
+        return self._follow(f"/jobs/{job_id}/metrics/stream", params, "metric", MetricPoint, timeout, reconnect_s)
+
+    def stream_events(self, job_id: str, after_id: int = 0, timeout: float | None = None, *,
+                      reconnect_s: float = STREAM_RECONNECT_S) -> Iterator[EventOut]:
+        """Yield the job's state changes as they happen (the earlier ones first); returns when
+        the job has ended. Reconnects as ``stream_metrics`` does."""
+        return self._follow(f"/jobs/{job_id}/events/stream", {"after_id": after_id}, "job_event", EventOut,
+                            timeout, reconnect_s)
+
+    def _follow(self, path: str, params: dict[str, Any], kind: str, model: type[Any],
+                timeout: float | None, reconnect_s: float) -> Iterator[Any]:
+        """The ``kind`` events of one server-sent event stream, across reconnections.
+
+        [Note: resuming a stream] Each event's ``id:`` is remembered; after a dropped
+        connection, a stream closed before its ``end`` event, a stream silent for ``timeout``
+        seconds (default: three keep-alive intervals) or a 429/503, the request is made again
+        with ``Last-Event-ID``, so the server goes on with the next event: no duplicate, no gap.
+        The waits start at the stream's ``retry:`` (or a ``Retry-After``) and double up to
+        ``STREAM_BACKOFF_MAX_S``; after ``reconnect_s`` seconds without an event or a keep-alive,
+        ``ServiceUnavailable`` is raised.
+        """
+        last_id: str | None = None
+        retry_s, failures, failing_since = 1.0, 0, time.monotonic()
+        read_s = timeout if timeout is not None else 3 * SSE_KEEPALIVE_S
+        while True:
+            headers = {"Last-Event-ID": last_id} if last_id is not None else {}
+            wait: float | None = None
+            try:
+                with self._http.stream("GET", f"/api/v1{path}", params=params, headers=headers,
+                                       timeout=httpx.Timeout(self._http.timeout.connect, read=read_s)) as response:
+                    wait = _retry_after(response)
+                    if response.status_code >= 400:
+                        response.read()
+                        if wait is None:
+                            raise error_from_response(response)
+                        problem = f"HTTP {response.status_code}: {error_from_response(response)}"
+                    else:
+                        for event, event_id, data, retry in _sse_events(response.iter_lines()):
+                            if retry is not None:
+                                retry_s = retry / 1000
+                            if event in (kind, "end", ""):  # a row, the end, or a keep-alive comment
+                                failures, failing_since = 0, time.monotonic()
+                            if event_id is not None:
+                                last_id = event_id
+                            if event == "end":
+                                return
+                            if event == kind:
+                                yield model.model_validate_json(data)
+                        problem = "the stream closed before the job ended"
+            except httpx.TransportError as error:
+                problem = str(error) or type(error).__name__
+            if time.monotonic() - failing_since > reconnect_s:
+                raise ServiceUnavailable(f"event stream from {self.url} broke and did not come back "
+                                         f"within {reconnect_s:g} s: {problem}")
+            time.sleep(wait if wait is not None else min(retry_s * 2 ** failures, STREAM_BACKOFF_MAX_S))
+            failures += 1
 
 
-def _parse_sse(lines: Iterator[str]) -> Iterator[MetricPoint]:
-    event, data = "message", []
+def _sse_events(lines: Iterator[str]) -> Iterator[tuple[str, str | None, str, int | None]]:
+    """``(event, id, data, retry)`` per event of a ``text/event-stream`` (the WHATWG parsing
+    rules: ``id`` persists until changed); a comment line gives ``("", None, "", None)``."""
+    event, event_id, data, retry = "message", None, [], None
     for line in lines:
         if line == "":
-            if event == "end":
-                return
-            if event == "metric" and data:
-                yield MetricPoint.model_validate(json.loads("\n".join(data)))
-            event, data = "message", []
-        elif line.startswith("event:"):
-            event = line[6:].strip()
-        elif line.startswith("data:"):
-            data.append(line[5:].lstrip())
+            if data or retry is not None:
+                yield event, event_id, "\n".join(data), retry
+            event, data, retry = "message", [], None
+            continue
+        if line.startswith(":"):
+            yield "", None, "", None
+            continue
+        name, _, value = line.partition(":")
+        value = value.removeprefix(" ")
+        if name == "event":
+            event = value
+        elif name == "data":
+            data.append(value)
+        elif name == "id" and "\0" not in value:
+            event_id = value
+        elif name == "retry" and value.isdigit():
+            retry = int(value)

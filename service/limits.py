@@ -3,6 +3,11 @@
 A declared ``Content-Length`` is checked up front; a chunked body is counted as it arrives and
 cut off at the limit, so a client cannot stream an unbounded body into memory. A path in
 ``limits`` has its own limit instead (the upload of a code package is larger than any JSON body).
+
+[Note: not the framework's limit] FastAPI's ``max_body_size`` (Starlette's
+``RequestBodyLimitMiddleware``) counts chunked bodies too, but a declared ``Content-Length`` past
+the limit gets a fixed ``text/plain`` "Content Too Large" in place of whatever the app answers, past
+the app's error handlers: no JSON error body, and the limit is not named.
 """
 
 from __future__ import annotations

@@ -57,6 +57,11 @@ from contract.spec import (  # noqa: F401
 #: the logs endpoint's header: the whole answer's size in bytes, the next ``offset`` of a reader following it
 LOG_SIZE_HEADER = "Zerotrain-Log-Bytes"
 
+#: the longest an open event stream stays silent: a keep-alive comment goes out after this many
+#: idle seconds (a proxy with a 60 s idle timeout keeps it), and the SDK takes a stream silent for
+#: three times as long as dropped and reconnects
+SSE_KEEPALIVE_S = 10.0
+
 class OutModel(BaseModel):
     model_config = ConfigDict(from_attributes=True)
 

@@ -3,23 +3,36 @@
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from typing import Annotated
 
-from fastapi import APIRouter, Header, HTTPException, Query, Response
+from fastapi import APIRouter, Header, HTTPException, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.sse import ServerSentEvent
 from sqlalchemy import select
 
 from service.api.deps import CurrentUser, LauncherDep, SessionDep, SettingsDep, VisibleJob, WakeScheduler
 from service.api.errors import error_responses, text_response
 from service.api.links import links_for
 from service.api.plan import NO_PLAN_RESPONSES, no_plan_response
+from service.api.sse import STREAM_BATCH, EventStream, Fetch, StreamSlot, poll_rows, resume_after
 from service.launchers.base import LaunchHandle
 from service.log_ranks import rank_lines
 from service.log_text import plain_log
 from service.models import Job, JobEvent
 from service.prediction import NothingFits
-from service.schemas import LOG_SIZE_HEADER, EventList, JobOut, JobPage, JobSpec, JobState
+from service.schemas import (
+    LOG_SIZE_HEADER,
+    MAX_INT64,
+    TERMINAL_STATES,
+    EventList,
+    EventOut,
+    JobOut,
+    JobPage,
+    JobSpec,
+    JobState,
+)
 from service.states import IllegalTransition, Reason, load_job, transition
 from service.submission import submit
 
@@ -127,6 +140,35 @@ def cancel_job(job: VisibleJob, session: SessionDep, wake_scheduler: WakeSchedul
 def list_job_events(job: VisibleJob, session: SessionDep) -> EventList:
     events = session.execute(select(JobEvent).where(JobEvent.job_id == job.id).order_by(JobEvent.id)).scalars()
     return EventList.model_validate({"items": list(events)}, from_attributes=True)
+
+
+def _event_rows(make_session, job_id: str) -> Fetch:
+    """The stream's reader: the job's events after a cursor (service.api.sse)."""
+    def fetch(after_id: int) -> tuple[list[tuple[int, str]], bool]:
+        with make_session() as session:
+            state = session.execute(select(Job.state).where(Job.id == job_id)).scalar_one()
+            events = session.execute(select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.id > after_id)
+                                     .order_by(JobEvent.id).limit(STREAM_BATCH)).scalars()
+            return ([(event.id, EventOut.model_validate(event).model_dump_json()) for event in events],
+                    JobState(state) in TERMINAL_STATES)
+    return fetch
+
+
+@router.get("/{job_id}/events/stream", name="stream_job_events", response_class=EventStream,
+            responses={**text_response("text/event-stream",
+                                       "one `job_event` event per state change (`id:` the event's id); `end` "
+                                       "when the job has ended; a `: keep-alive` comment on an idle stream"),
+                       **error_responses(429)})
+async def stream_job_events(job: VisibleJob, _slot: StreamSlot, request: Request, session: SessionDep,
+                            after_id: Annotated[int, Query(ge=0, le=MAX_INT64)] = 0,
+                            last_event_id: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
+                            ) -> AsyncIterator[ServerSentEvent]:
+    """Server-sent events of the job's state changes; ends once the job is terminal and drained.
+    Resumes after ``Last-Event-ID`` (or ``after_id``, whichever is later)."""
+    session.close()  # a stream may last hours: hand the request's connection back to the pool now
+    fetch = _event_rows(request.app.state.sessionmaker, job.id)
+    async for event in poll_rows(request, job.id, "job_event", fetch, resume_after(after_id, last_event_id)):
+        yield event
 
 
 #: Read past a tail's start, so a memory monitor's table cut by the tail still shows as left out

@@ -1,4 +1,5 @@
-"""Training metrics: batched idempotent ingest from workers, queries, and a live SSE stream.
+"""Training metrics: batched idempotent ingest from workers, queries, and a live SSE stream
+(``service.api.sse``).
 
 Ingest relies on the unique (job, attempt, rank, step) key with ``ON CONFLICT DO NOTHING``, so
 a batch re-sent after a timeout is counted as duplicates and changes nothing. Queries can be
@@ -10,23 +11,20 @@ A record's ``user`` object (scalars the job's code reported) is stored and read 
 
 from __future__ import annotations
 
-import asyncio
-import json
 import math
-import re
+from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
-import anyio
 from fastapi import APIRouter, Header, Query, Request
-from fastapi.responses import StreamingResponse
-from starlette.background import BackgroundTask
+from fastapi.sse import ServerSentEvent
 from sqlalchemy import Select, func, select, text
 from sqlalchemy.dialects import sqlite
 from sqlalchemy.orm import Session
 
 from service import user_metrics
-from service.api.deps import CurrentUser, SessionDep, VisibleJob, WorkerJob
+from service.api.deps import SessionDep, VisibleJob, WorkerJob
 from service.api.errors import error_responses, text_response
+from service.api.sse import STREAM_BATCH, EventStream, Fetch, StreamSlot, poll_rows, resume_after
 from service.metric_sql import Averaging, execute_overflow_safe
 from service.models import Job, Metric
 from service.schemas import (
@@ -43,9 +41,6 @@ from service.schemas import (
 )
 
 router = APIRouter(prefix="/jobs", tags=["metrics"])
-
-IDLE_POLL_S = 2.0  # longest wait between polls of a stream that receives nothing
-STREAM_BATCH = 1000
 
 
 @router.post("/{job_id}/metrics", response_model=IngestResult, name="ingest_metrics")
@@ -156,57 +151,33 @@ def list_metrics(job: VisibleJob, session: SessionDep,
     return MetricList(items=user_metrics.attach(session, job.id, [MetricPoint.model_validate(m) for m in metrics]))
 
 
-def _next_metrics(make_session, job_id: str, after_id: int, rank: int | None) -> tuple[list[MetricPoint], bool]:  # noqa: ANN001
-    """New records after ``after_id`` and whether the job had ended before they were read."""
-    with make_session() as session:
-        state = session.execute(select(Job.state).where(Job.id == job_id)).scalar_one()
-        query = _filtered(select(Metric), job_id, rank, None, None, None).where(Metric.id > after_id)
-        metrics = session.execute(query.order_by(Metric.id).limit(STREAM_BATCH)).scalars()
-        points = user_metrics.attach(session, job_id, [MetricPoint.model_validate(m) for m in metrics])
-        return points, JobState(state) in TERMINAL_STATES
+def _metric_rows(make_session, job_id: str, rank: int | None) -> Fetch:
+    """The stream's reader: records after a cursor in storage order (service.api.sse)."""
+    def fetch(after_id: int) -> tuple[list[tuple[int, str]], bool]:
+        with make_session() as session:
+            state = session.execute(select(Job.state).where(Job.id == job_id)).scalar_one()
+            query = _filtered(select(Metric), job_id, rank, None, None, None).where(Metric.id > after_id)
+            metrics = session.execute(query.order_by(Metric.id).limit(STREAM_BATCH)).scalars()
+            points = user_metrics.attach(session, job_id, [MetricPoint.model_validate(m) for m in metrics])
+            return ([(point.id, point.model_dump_json(exclude_none=True)) for point in points],
+                    JobState(state) in TERMINAL_STATES)
+    return fetch
 
 
 @router.get("/{job_id}/metrics/stream", name="stream_metrics",
-            response_class=StreamingResponse,
+            response_class=EventStream,
             responses={**text_response("text/event-stream",
-                                       "one `metric` event per record; `end` when the job has ended"),
+                                       "one `metric` event per record (`id:` its storage id); `end` when "
+                                       "the job has ended; a `: keep-alive` comment on an idle stream"),
                        **error_responses(429)})
-async def stream_metrics(job: VisibleJob, user: CurrentUser, request: Request, session: SessionDep,
+async def stream_metrics(job: VisibleJob, _slot: StreamSlot, request: Request, session: SessionDep,
                          after_id: Annotated[int, Query(ge=0, le=MAX_INT64)] = 0,
                          rank: Annotated[int | None, Query(ge=0, le=MAX_INT32)] = None,
                          last_event_id: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
-                         ) -> StreamingResponse:
-    """Server-sent events of new metric records; ends once the job is terminal and drained."""
+                         ) -> AsyncIterator[ServerSentEvent]:
+    """Server-sent events of new metric records; ends once the job is terminal and drained.
+    Resumes after ``Last-Event-ID`` (or ``after_id``, whichever is later)."""
     session.close()  # a stream may last hours: hand the request's connection back to the pool now
-    if last_event_id and re.fullmatch(r"[0-9]{1,18}", last_event_id):  # ASCII digits, within BIGINT
-        after_id = max(after_id, int(last_event_id))
-    make_session = request.app.state.sessionmaker
-    poll_s = request.app.state.settings.sse_poll_s
-    slots = request.app.state.stream_slots
-    release = slots.take(user.name)  # 429 past the user's bound (service.stream_slots)
-    job_id = job.id
-
-    async def events():
-        cursor, wait = after_id, poll_s
-        try:
-            yield "retry: 1000\n\n"
-            while not await request.is_disconnected():
-                points, ended = await anyio.to_thread.run_sync(
-                    _next_metrics, make_session, job_id, cursor, rank, limiter=slots.limiter)
-                for point in points:
-                    cursor = point.id
-                    yield f"id: {point.id}\nevent: metric\ndata: {point.model_dump_json(exclude_none=True)}\n\n"
-                if ended and len(points) < STREAM_BATCH:
-                    yield f"event: end\ndata: {json.dumps({'job_id': job_id})}\n\n"
-                    return
-                # [Note: idle streams poll less] A stream with nothing new backs off (×2 up to
-                # IDLE_POLL_S) and returns to poll_s as soon as records arrive: hundreds of
-                # idle streams must not turn into thousands of queries a second.
-                wait = poll_s if points else min(wait * 2, max(poll_s, IDLE_POLL_S))
-                if not points:
-                    await asyncio.sleep(wait)
-        finally:
-            release()
-
-    return StreamingResponse(events(), media_type="text/event-stream", background=BackgroundTask(release),
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    fetch = _metric_rows(request.app.state.sessionmaker, job.id, rank)
+    async for event in poll_rows(request, job.id, "metric", fetch, resume_after(after_id, last_event_id)):
+        yield event

@@ -84,10 +84,10 @@ def test_no_caller_gets_a_5xx_or_a_leak_from_any_route(jobs, tmp_path):
     }
     authenticated = {
         "a job's ingest token": [["/worker/state$", stateful, tokens[stateful]],
-                                 ["/metrics/stream$", finished, tokens[running]],
+                                 ["/(metrics|events)/stream$", finished, tokens[running]],
                                  [".", running, tokens[running]]],
-        "a user": [["/metrics/stream$", finished, alice], [".", running, alice]],
-        "the admin": [["/metrics/stream$", finished, service.admin_token], [".", running, service.admin_token]],
+        "a user": [["/(metrics|events)/stream$", finished, alice], [".", running, alice]],
+        "the admin": [["/(metrics|events)/stream$", finished, service.admin_token], [".", running, service.admin_token]],
     }
     runs = [(caller, lambda plan=plan: plan, "coverage") for caller, plan in unauthenticated.items()]
     runs += [(caller, lambda plan=plan: plan, "coverage,fuzzing") for caller, plan in authenticated.items()]

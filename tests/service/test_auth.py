@@ -13,6 +13,7 @@ USER_JOB_ROUTES = [
     ("GET", "/api/v1/jobs/{id}/events"),
     ("GET", "/api/v1/jobs/{id}/metrics"),
     ("GET", "/api/v1/jobs/{id}/metrics/stream"),
+    ("GET", "/api/v1/jobs/{id}/events/stream"),
     ("GET", "/api/v1/jobs/{id}/checkpoints"),
     ("GET", "/api/v1/jobs/{id}/logs"),
 ]
@@ -84,7 +85,7 @@ def test_admin_sees_and_touches_every_job(world):
     for method, route in USER_JOB_ROUTES:
         if route.endswith("/cancel"):
             continue
-        response = call(service, method, route.replace("/metrics/stream", "/metrics"), bob_job, admin.token)
+        response = call(service, method, route.removesuffix("/stream"), bob_job, admin.token)
         assert response.status_code == 200, (method, route, response.text)
     assert admin.cancel(bob_job).state.value == "CANCELLING"  # claimed, so it must be stopped first
 

@@ -18,6 +18,7 @@ CORE_OPERATIONS = {
     ("get", "/api/v1/jobs/{job_id}/metrics"): "list_metrics",
     ("post", "/api/v1/jobs/{job_id}/metrics"): "ingest_metrics",
     ("get", "/api/v1/jobs/{job_id}/metrics/stream"): "stream_metrics",
+    ("get", "/api/v1/jobs/{job_id}/events/stream"): "stream_job_events",
     ("get", "/api/v1/jobs/{job_id}/checkpoints"): "list_checkpoints",
     ("get", "/api/v1/jobs/{job_id}/worker/spec"): "get_worker_spec",
     ("post", "/api/v1/jobs/{job_id}/worker/state"): "report_worker_state",

@@ -1,0 +1,92 @@
+"""Server-sent event streams of stored rows (metric records, job events) that survive drops.
+
+Every event's ``id:`` is its row's id; ids grow in storage order, so a client that reconnects
+with ``Last-Event-ID`` (browsers' ``EventSource`` does by itself, so does the SDK) resumes right
+after the last event it received: no duplicate, no gap. FastAPI's ``EventSourceResponse`` writes
+the wire format; an idle stream (a QUEUED job, a quiet one) sends a ``: keep-alive`` comment every
+``SSE_KEEPALIVE_S`` seconds. A stream ends with an ``end`` event once its job is terminal and
+every row has been sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Annotated
+
+import anyio
+from fastapi import Depends, Request
+from fastapi.sse import EventSourceResponse, ServerSentEvent
+
+from service.api.deps import CurrentUser, VisibleJob
+from service.schemas import SSE_KEEPALIVE_S
+
+IDLE_POLL_S = 2.0  # longest wait between polls of a stream that receives nothing
+STREAM_BATCH = 1000  # rows read per poll
+RETRY_MS = 1000  # the reconnection delay the stream asks clients for
+
+#: Rows after a cursor as (id, JSON text), at most STREAM_BATCH, and whether the job had ended
+#: before they were read. Runs in a worker thread with a session of its own.
+Fetch = Callable[[int], tuple[list[tuple[int, str]], bool]]
+
+
+class EventStream(EventSourceResponse):
+    """The streams' ``response_class``. [Note: errors are JSON] FastAPI files a route's other
+    answers (401, 404, 429, ...) in the OpenAPI document under its response class's media type;
+    with none here they read as ``application/json``, which they are. The stream itself is still
+    ``text/event-stream``: FastAPI's streaming response for an ``EventSourceResponse`` route
+    sets that type itself."""
+
+    media_type = None
+
+
+def resume_after(after_id: int, last_event_id: str | None) -> int:
+    """The cursor to start from: ``after_id`` or the ``Last-Event-ID`` header, the later one.
+    A header that is not an id this service sent (ASCII digits within BIGINT) is ignored."""
+    if last_event_id and re.fullmatch(r"[0-9]{1,18}", last_event_id):
+        return max(after_id, int(last_event_id))
+    return after_id
+
+
+def _stream_slot(job: VisibleJob, user: CurrentUser, request: Request) -> Iterator[None]:
+    """Hold one of the user's stream slots for as long as the response lasts (429 past the
+    bound: service.stream_slots). Depends on the job so that a 404 comes before a 429."""
+    release = request.app.state.stream_slots.take(user.name)
+    try:
+        yield
+    finally:
+        release()
+
+
+StreamSlot = Annotated[None, Depends(_stream_slot)]
+
+
+async def poll_rows(request: Request, job_id: str, event: str, fetch: Fetch,
+                    cursor: int) -> AsyncIterator[ServerSentEvent]:
+    """The events of a stream: ``retry:`` first, then one ``event`` per row after ``cursor``."""
+    poll_s = request.app.state.settings.sse_poll_s
+    limiter = request.app.state.stream_slots.limiter
+    yield ServerSentEvent(retry=RETRY_MS)
+    last_sent, wait = time.monotonic(), poll_s
+    while not await request.is_disconnected():
+        rows, ended = await anyio.to_thread.run_sync(fetch, cursor, limiter=limiter)
+        for row_id, data in rows:
+            cursor = row_id
+            yield ServerSentEvent(id=str(row_id), event=event, raw_data=data)
+        if ended and len(rows) < STREAM_BATCH:
+            yield ServerSentEvent(event="end", raw_data=json.dumps({"job_id": job_id}))
+            return
+        if rows:
+            last_sent, wait = time.monotonic(), poll_s
+            continue
+        if time.monotonic() - last_sent >= SSE_KEEPALIVE_S:
+            yield ServerSentEvent(comment="keep-alive")
+            last_sent = time.monotonic()
+        # [Note: idle streams poll less] A stream with nothing new backs off (×2 up to
+        # IDLE_POLL_S) and returns to poll_s as soon as rows arrive: hundreds of idle
+        # streams must not turn into thousands of queries a second.
+        wait = min(wait * 2, max(poll_s, IDLE_POLL_S))
+        await asyncio.sleep(wait)
