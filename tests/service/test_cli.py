@@ -111,13 +111,20 @@ def test_submit_with_a_deepspeed_config(cli_env, capsys, tmp_path):
     assert_one_line_error(code, stderr, "deepspeed.zero_optimization.offload_param.device", "not built")
 
 
+def interruptible() -> None:
+    """A child's Ctrl-C as at a terminal: the default SIGINT action, whatever the test runner
+    inherited. A runner started in the background by a non-interactive shell ignores SIGINT,
+    and its children would too, so no Ctrl-C test could pass there."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @contextmanager
 def logs_follow(service, job_id: str, limit_s: float = 60) -> Iterator[subprocess.Popen]:
     """``zerotrain logs JOB --follow`` as a user runs it: its own process, read line by line as
     it prints (killed after ``limit_s``, so a follower that never ends fails the test)."""
     env = {**os.environ, "ZEROTRAIN_URL": service.url, "ZEROTRAIN_TOKEN": service.admin_token}
     follower = subprocess.Popen([sys.executable, "-m", "service.cli", "logs", job_id, "--follow"], env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=interruptible)
     timer = threading.Timer(limit_s, follower.kill)
     timer.start()
     try:
@@ -170,7 +177,7 @@ def test_serve_says_where_the_dashboard_is_once_it_listens(tmp_path):
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("ZEROTRAIN_")},
            "ZEROTRAIN_HOME": str(tmp_path), "ZEROTRAIN_LAUNCHER": "local"}
     server = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--port", str(port)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, preexec_fn=interruptible)
     timer = threading.Timer(60, server.kill)
     timer.start()
     try:
