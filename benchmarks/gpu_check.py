@@ -14,7 +14,7 @@ On a machine with CUDA it measures, and writes a JSON file and prints a table of
     ``PYTORCH_NO_CUDA_MEMORY_CACHING=1`` (a use after free reads freed memory at once);
 (b) bf16 step time, tokens/s and MFU of the largest preset that fits, zerotrain stages 0-3 vs
     FSDP2 vs plain PyTorch on the same device, with zerotrain's exposed communication from CUDA
-    events (``step()["comm_exposed_s"]``);
+    events (``step().comm_exposed_s``);
 (c) CUDA peak memory growth (``PeakMemoryMeter``, as the worker measures it) vs the planner's
     predicted peak, per stage, from the runs of (b);
 (d) with offload, the largest model the planner says trains on this one device (and its host)
@@ -229,6 +229,8 @@ def table_lines(report: dict[str, Any]) -> list[str]:
                      f"{_fmt(r.get('verified')):>10}{_fmt(r.get('step_time_s'), '.2f'):>9}  {r.get('note', '')}")
     if cap.get("ratio") is not None:
         lines.append(f"  offload / no offload: {cap['ratio']:.2f}x the parameters")
+    if cap.get("host_budget") and cap.get("gpu_budget"):  # offload's gain is bounded by host memory over device memory
+        lines.append(f"  budgets: device {cap['gpu_budget'] / 2**30:.0f} GiB, host {cap['host_budget'] / 2**30:.0f} GiB")
     if cap.get("skipped"):
         lines.append(f"  skipped: {cap['skipped']}")
     tl = report.get("offload_timeline", {})
@@ -617,7 +619,7 @@ def _build_system(system: str, model, batch, device):
 
         def step():
             engine.backward(engine(x, y), sync=True)
-            exposed.append(engine.step()["comm_exposed_s"])
+            exposed.append(engine.step().comm_exposed_s)
         return step, exposed
     if system == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -636,7 +638,7 @@ def _build_system(system: str, model, batch, device):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)  # plain PyTorch, autocast bf16
 
     def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(device.type, dtype=torch.bfloat16):
             loss = model(x, y)
         loss.backward()
         optimizer.step()
@@ -752,6 +754,7 @@ def _two_steps(n_layer: int, offload: bool, device) -> dict[str, Any]:
     from workers.zero import ZeroConfig, ZeroEngine
 
     try:
+        torch.cuda.reset_peak_memory_stats(device)  # the peak of this model alone, not of the one before it
         torch.manual_seed(0)
         with torch.device("meta"):
             model = GPT(capacity_config(n_layer))

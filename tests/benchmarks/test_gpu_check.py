@@ -83,3 +83,37 @@ def test_on_a_gpu_machine_the_sections_are_assembled_into_the_json_and_table(mon
     assert json.loads(path.read_text())["device"] == "NVIDIA H200"
     text = "\n".join(gpu_check.table_lines(report))
     assert "exit -6: CUDA error" in text and "timed out after 150 s" in text and "gpt-1b" in text
+
+
+def gloo_build_systems(rank: int, world_size: int):
+    """Two steps of every throughput system through ``_build_system``, as (b) runs them on a GPU."""
+    from dataclasses import replace
+
+    import torch
+
+    from workers.models import GPT, PRESETS
+
+    cfg = replace(PRESETS["gpt-nano"], block_size=16)
+    x = torch.randint(0, cfg.vocab_size, (2, 16))
+    out = {}
+    for system in gpu_check.THROUGHPUT_SYSTEMS:
+        torch.manual_seed(0)
+        model = GPT(cfg)  # fp32, as (b) builds it: each system applies its own bf16
+        step, exposed = gpu_check._build_system(system, model, (x, x), torch.device("cpu"))
+        step()
+        step()
+        out[system] = exposed
+    return out
+
+
+def test_every_throughput_system_steps_through_the_engines_public_api():
+    """(b)'s per-system step on the CPU, so an engine API change fails here, not first on a GPU machine:
+    zerotrain's stages report their exposed communication each step, the peers report none."""
+    from workers.zero.testing import spawn_world
+
+    out = spawn_world(gloo_build_systems, 1)[0]
+    for system, exposed in out.items():
+        if system.startswith("zero"):
+            assert len(exposed) == 2 and all(isinstance(t, float) and t >= 0 for t in exposed), (system, exposed)
+        else:
+            assert exposed == [], system
