@@ -613,9 +613,10 @@ def _build_system(system: str, model, batch, device):
     if system.startswith("zero"):
         from workers.zero import ZeroConfig, ZeroEngine
 
-        engine = ZeroEngine(model, lambda ps: torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.1),
-                            ZeroConfig(stage=int(system[4]), precision="bf16", offload_optimizer=system.endswith(
-                                "-offload"), force_distributed=True))
+        offload = system.endswith("-offload")  # the host step fused, as a job's is (workers/train.py)
+        engine = ZeroEngine(model, lambda ps: torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.1, fused=offload or None),
+                            ZeroConfig(stage=int(system[4]), precision="bf16", offload_optimizer=offload,
+                                       force_distributed=True))
 
         def step():
             engine.backward(engine(x, y), sync=True)
@@ -758,7 +759,7 @@ def _two_steps(n_layer: int, offload: bool, device) -> dict[str, Any]:
         torch.manual_seed(0)
         with torch.device("meta"):
             model = GPT(capacity_config(n_layer))
-        engine = ZeroEngine(model, lambda ps: torch.optim.AdamW(ps, lr=1e-4),
+        engine = ZeroEngine(model, lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=offload or None),
                             ZeroConfig(stage=3, precision="bf16", offload_optimizer=offload, force_distributed=True),
                             init_weights=quick_init)
         x = torch.randint(0, 50304, (1, 1024), device=device)

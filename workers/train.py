@@ -214,10 +214,11 @@ def build_engine(spec: JobSpec, model: torch.nn.Module, device: torch.device,
     stage, offload = resolve_stage(spec, device)
     nvme_path = None if spec.zero.nvme_path is None else os.path.join(spec.zero.nvme_path, job_id)
     config = ZeroConfig.from_spec(spec.zero, train, stage=stage, offload_optimizer=offload, nvme_path=nvme_path)
+    optimizer = optimizer_factory(train, on_host=config.optimizer_offload is not None)
     if any(p.is_meta for p in model.parameters()):
         buffers_to(model, device)
-        return ZeroEngine(model, optimizer=optimizer_factory(train), config=config, init_weights=init_weights)
-    return ZeroEngine(model.to(device), optimizer=optimizer_factory(train), config=config)
+        return ZeroEngine(model, optimizer=optimizer, config=config, init_weights=init_weights)
+    return ZeroEngine(model.to(device), optimizer=optimizer, config=config)
 
 
 def buffers_to(model: torch.nn.Module, device: torch.device) -> None:
@@ -234,12 +235,28 @@ TORCH_OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
 
 
-def optimizer_factory(train: TrainSpec) -> NamedFactory:
+#: optimizers whose CPU step has a fused kernel (``fused=True``), used when the step runs on the host
+FUSED_ON_HOST = ("adamw", "adam")
+
+
+def optimizer_factory(train: TrainSpec, on_host: bool = False) -> NamedFactory:
     """The spec's optimizer over named pieces: ``train.weight_decay`` in one group, ``weight_decay=0``
-    for parameters with ndim < 2 (``train.no_decay_1d``) or a name matching ``train.no_decay``."""
+    for parameters with ndim < 2 (``train.no_decay_1d``) or a name matching ``train.no_decay``.
+
+    [Note: the fused host step]
+    With optimizer offload (``on_host``) the whole optimizer step runs on the host's fp32 masters
+    and is most of an offloaded step's time. torch's CPU default for Adam/AdamW is a per-tensor
+    loop; ``fused=True`` is one vectorized kernel per tensor, several times faster and equal to the
+    loop up to last-bit rounding (``benchmarks/host_optimizer.py`` measures both), so offload uses
+    it. Adam's normalization can grow that rounding to a small fraction of one step on parameters
+    whose gradients are near ``eps``: an offloaded job is no longer bit-identical to the same job
+    without offload, only close (``tests/workers/test_train_optimizer.py`` bounds it).
+    """
     optimizer = TORCH_OPTIMIZERS[train.optimizer]
     rules = ([below_2d] if train.no_decay_1d else []) + list(train.no_decay)
     options = train.optimizer_options()
+    if on_host and train.optimizer in FUSED_ON_HOST:
+        options["fused"] = True
     return named_factory(lambda pieces: optimizer(param_groups(pieces, weight_decay=train.weight_decay,
                                                                no_decay=rules), lr=train.lr, **options))
 

@@ -77,6 +77,33 @@ def test_build_engine_groups_weight_decay_by_the_spec():
     assert {(tuple(g["betas"]), g["eps"]) for g in engine.optimizer.param_groups} == {((0.8, 0.9), 1e-6)}
 
 
+def test_with_optimizer_offload_adam_steps_with_the_fused_host_kernel_and_trains_as_the_loop_does():
+    """Offload runs the optimizer step on the host, where the job uses torch's fused CPU kernel
+    (the note in ``optimizer_factory``); without offload the optimizer is the plain one. Two steps
+    of each end at the same weights up to rounding: the fused kernel rounds differently in the last
+    bit, which Adam's normalization turns into at most a small fraction of one step (lr 3e-3) on
+    parameters whose gradients are near ``eps``."""
+    def engine(offload: bool, optimizer: str = "adamw"):
+        spec = nano_spec(1, optimizer=optimizer)
+        spec["zero"] = {"stage": 1, "precision": "fp32", "offload_optimizer": offload}
+        job = JobSpec.model_validate({**spec, "resources": {"num_workers": 1}})
+        torch.manual_seed(0)
+        return build_engine(job, build_model(job.model), torch.device("cpu"))
+
+    fused, plain = engine(True), engine(False)
+    assert {g["fused"] for g in fused.optimizer.param_groups} == {True}
+    assert {g["fused"] for g in plain.optimizer.param_groups} == {None}
+    assert {g["fused"] for g in engine(True, "adam").optimizer.param_groups} == {True}
+    assert not engine(True, "sgd").optimizer.param_groups[0]["fused"]  # SGD keeps its default
+    x = torch.randint(0, 256, (2, 16))
+    for e in (fused, plain):
+        for _ in range(2):
+            e.backward(e(x, x))
+            e.step()
+    for a, b in zip(fused.module.parameters(), plain.module.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)  # 1/300 of one step of lr 3e-3
+
+
 def test_the_loop_follows_the_linear_schedule_on_every_group(tmp_path: Path):
     """Two ranks train gpt-nano with a linear schedule and SGD: each step's recorded lr is the
     schedule's, and the loop set it on every group (read back from the engine at the end)."""
