@@ -241,6 +241,9 @@ def table_lines(report: dict[str, Any]) -> list[str]:
         lines.append(f"  H2D {tl['h2d_count']} copies {tl['h2d_ms']:.2f} ms (pinned: {_fmt(tl['h2d_pinned'])}), "
                      f"D2H {tl['d2h_count']} copies {tl['d2h_ms']:.2f} ms (pinned: {_fmt(tl['d2h_pinned'])}); "
                      f"step {tl['step_ms']:.1f} ms; copy time overlapping compute: {_fmt(tl['overlap'], '.0%')}")
+        if tl.get("bytes_each_way"):  # the rate says whether the host side is page-locked, whatever the names say
+            lines.append(f"  {tl['bytes_each_way'] / 1e9:.2f} GB each way: H2D {_fmt(tl.get('h2d_gbps'), '.1f')} GB/s, "
+                         f"D2H {_fmt(tl.get('d2h_gbps'), '.1f')} GB/s; profiler names: {', '.join(tl['copy_names'])}")
     return lines
 
 
@@ -308,10 +311,12 @@ def self_test() -> int:
               "offload_capacity": {"rows": [{"offload": False, "params": 8e9, "n_layer": 40, "verified": True,
                                              "step_time_s": 1.5}], "ratio": 1.2},
               "offload_timeline": {"h2d_count": 2, "h2d_ms": 1.0, "h2d_pinned": True, "d2h_count": 2, "d2h_ms": 1.0,
-                                   "d2h_pinned": True, "step_ms": 10.0, "overlap": 0.75}}
+                                   "d2h_pinned": True, "step_ms": 10.0, "overlap": 0.75, "bytes_each_way": 5e9,
+                                   "h2d_gbps": _rate(5e9, 1e5), "d2h_gbps": None, "copy_names": ["Memcpy HtoD"]}}
     text = "\n".join(table_lines(report))
     check("zero3" in text and "NO" in text and "+10.0%" in text and "75%" in text and "no NCCL" in text,
           "the table shows verdicts, errors and ratios")
+    check("H2D 50.0 GB/s, D2H n/a GB/s" in text, "copy rates: 5 GB in 0.1 s is 50 GB/s")
     check(all(len(line) < 200 for line in text.splitlines()), "table lines stay readable")
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "sub", "gpu_check.json")
@@ -666,7 +671,7 @@ def offload_timeline(model, batch, device) -> dict[str, Any]:
         return {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
     copies: dict[str, list[tuple[float, float]]] = {"HtoD": [], "DtoH": []}
     pinned = {"HtoD": [], "DtoH": []}
-    kernels = []
+    kernels, names = [], set()
     for e in prof.events():
         if getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA:
             continue
@@ -674,16 +679,26 @@ def offload_timeline(model, batch, device) -> dict[str, Any]:
         name = e.name
         kind = "HtoD" if "HtoD" in name else "DtoH" if "DtoH" in name else None
         if kind and "Memcpy" in name:
+            names.add(name)
             copies[kind].append((start, end))
             pinned[kind].append("Pinned" in name)
         elif "Memcpy" not in name and "Memset" not in name:
             kernels.append((start, end))
     both = copies["HtoD"] + copies["DtoH"]
-    return {"h2d_count": len(copies["HtoD"]), "d2h_count": len(copies["DtoH"]),
+    fp32_bytes = 4 * sum(p.numel() for p in model.parameters())  # each way: masters up, gradient shards down
+    return {"copy_names": sorted(names)[:6], "bytes_each_way": fp32_bytes,
+            "h2d_gbps": _rate(fp32_bytes, union_length(copies["HtoD"])),
+            "d2h_gbps": _rate(fp32_bytes, union_length(copies["DtoH"])),
+            "h2d_count": len(copies["HtoD"]), "d2h_count": len(copies["DtoH"]),
             "h2d_ms": union_length(copies["HtoD"]) / 1000, "d2h_ms": union_length(copies["DtoH"]) / 1000,
             "h2d_pinned": bool(pinned["HtoD"]) and all(pinned["HtoD"]),
             "d2h_pinned": bool(pinned["DtoH"]) and all(pinned["DtoH"]),
             "step_ms": step_ms, "overlap": overlap_fraction(both, kernels)}
+
+
+def _rate(nbytes: int, microseconds: float) -> Optional[float]:
+    """GB/s of ``nbytes`` moved in ``microseconds`` of copy time (None without copies)."""
+    return nbytes / microseconds / 1e3 if microseconds > 0 else None
 
 
 def capacity_config(n_layer: int):
