@@ -4,6 +4,7 @@ fault tests (tests/faults/test_replicas*.py).
 ``Replica``       one ``python -m service.cli serve`` process with its own data directory and
                   port, every replica's URL in its ``ZEROTRAIN_PUBLIC_URL`` (its own first), the
                   same bootstrap admin token, and a short leader lease.
+                  ``restarted()`` replaces it with a new process (a rolling restart's step).
 ``leader_pid``    the process id in the lease row's holder (``service.scheduler.replica_identity``:
                   host, pid, random part), or None while no lease is held.
 """
@@ -31,7 +32,8 @@ def admin_token() -> str:
 class Replica:
     def __init__(self, name: str, home: Path, port: int, database_url: str, public_urls: list[str],
                  token: str, **settings: Any):
-        self.name, self.port, self.token = name, port, token
+        self.name, self.home, self.port, self.token = name, home, port, token
+        self.database_url, self.public_urls, self.settings = database_url, public_urls, settings
         self.url = f"http://127.0.0.1:{port}"
         env = {key: value for key, value in os.environ.items() if not key.startswith("ZEROTRAIN_")}
         env.update({"ZEROTRAIN_HOME": str(home), "ZEROTRAIN_DATABASE_URL": database_url,
@@ -40,7 +42,7 @@ class Replica:
         env.update({f"ZEROTRAIN_{key.upper()}": str(value) for key, value in settings.items()})
         home.mkdir(parents=True, exist_ok=True)
         self.log_path = home / "serve.log"
-        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
+        self._log = open(self.log_path, "a")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--port", str(port)],
                                         env=env, stdout=self._log, stderr=subprocess.STDOUT)
 
@@ -73,6 +75,13 @@ class Replica:
     def kill(self) -> None:
         os.kill(self.pid, signal.SIGKILL)
         self.process.wait(30)
+
+    def restarted(self) -> "Replica":
+        """Stop this replica cleanly (SIGTERM) and start a new process in its place: same port,
+        data directory and settings (one step of a rolling restart)."""
+        self.stop()
+        return Replica(self.name, self.home, self.port, self.database_url, self.public_urls, self.token,
+                       **self.settings)
 
     def stop(self) -> None:
         if self.process.poll() is None:
