@@ -29,8 +29,8 @@ not at all. The same timeout frees the row and advisory locks a paused leader he
 next leader is not blocked by them. The check takes no lock on the lease row: a paused
 replica cannot hold up a take-over.
 
-[Note: SQLite] SQLite is single-replica: ``zerotrain serve`` (and ``zerotrain scheduler``)
-hold an exclusive ``flock`` on ``<database>.replica-lock`` for their lifetime
+[Note: SQLite] SQLite is single-replica: ``zerotrain serve`` with its scheduler (and
+``zerotrain scheduler``) hold an exclusive ``flock`` on ``<database>.replica-lock`` for their lifetime
 (``hold_sole_replica``), so a second one on the same file says so at start and exits with
 status 2; the kernel frees the lock when a process dies, so a restart after a crash is not
 held up. There ``make_lease`` returns ``SOLE_LEADER``, which always leads and fences nothing.
@@ -51,7 +51,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from service.db import is_sqlite
 from service.poll_loop import PollLoop
-from service.settings import Settings
+from service.settings import Settings, env_var
 
 log = logging.getLogger(__name__)
 
@@ -222,5 +222,6 @@ def hold_sole_replica(database_url: str) -> int | None:
         os.close(fd)
         raise AnotherReplica(
             f"another zerotrain control plane already serves the SQLite database {database}: SQLite "
-            f"runs a single replica (several replicas need PostgreSQL: ZEROTRAIN_DATABASE_URL)") from None
+            f"runs a single replica (several replicas need PostgreSQL: {env_var('database_url')}; a second "
+            f"process that serves only the API may run with {env_var('scheduler_enabled')}=false)") from None
     return fd

@@ -50,7 +50,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from service.app import create_app
 
     settings = _settings(host=args.host, port=args.port)
-    _hold_sole_replica(settings)
+    if settings.scheduler_enabled:  # an API-only process may share a SQLite file with the one that schedules
+        _hold_sole_replica(settings)
     where = service_url(settings.host, settings.port)
 
     class AnnouncingServer(uvicorn.Server):
