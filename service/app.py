@@ -33,9 +33,9 @@ from service.api.errors import COMMON_ERRORS, error_responses, install_error_han
 from service.auth import ensure_local_admin_token, register_admin_token
 from service.db import make_engine, make_sessionmaker
 from service.launchers import make_launcher
+from service.leadership import SOLE_LEADER, Lease, make_lease
 from service.limits import BodySizeLimit
 from service.observability import RequestMetrics, RouteTemplates, ServiceMetrics
-from service.leadership import SOLE_LEADER, Lease, make_lease
 from service.scheduler import Scheduler, replica_identity
 from service.settings import Settings
 from service.stream_slots import StreamSlots
@@ -50,7 +50,7 @@ def _operation_id(route: APIRoute) -> str:
     return route.name
 
 
-def _wake_all(*loops):  # noqa: ANN001, ANN202
+def _wake_all(*loops):
     """On gaining the lease: the duties' next passes now, not after their poll interval."""
     return lambda: [loop.wake() for loop in loops]
 

@@ -160,7 +160,7 @@ class Lease:
             with self.make_session() as session:
                 session.execute(_RELEASE, {"holder": self.holder, "epoch": epoch})
                 session.commit()
-        except Exception:  # noqa: BLE001 - the lease then runs out by itself
+        except Exception:  # the lease then runs out by itself
             log.warning("releasing the leader lease failed", exc_info=True)
 
     def start(self) -> None:

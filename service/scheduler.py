@@ -43,7 +43,6 @@ from contract.reasons import Reason
 from service import admission, tensorboard
 from service.auth import INGEST_TOKEN_PREFIX, hash_token, new_token
 from service.code_package_retention import delete_unused_packages
-from service.leadership import SOLE_LEADER, LeadershipLost, Lease, SoleLeader
 from service.launchers.base import (
     Launcher,
     LaunchHandle,
@@ -51,6 +50,7 @@ from service.launchers.base import (
     LaunchRequest,
     LaunchStatus,
 )
+from service.leadership import SOLE_LEADER, LeadershipLost, Lease, SoleLeader
 from service.models import Job, typed_spec, utcnow
 from service.poll_loop import PollLoop
 from service.schemas import JobState

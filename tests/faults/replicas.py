@@ -76,7 +76,7 @@ class Replica:
         os.kill(self.pid, signal.SIGKILL)
         self.process.wait(30)
 
-    def restarted(self) -> "Replica":
+    def restarted(self) -> Replica:
         """Stop this replica cleanly (SIGTERM) and start a new process in its place: same port,
         data directory and settings (one step of a rolling restart)."""
         self.stop()

@@ -27,7 +27,7 @@ LEASE_S = 3.0
 TAKEOVER_LIMIT_S = 15.0  # the bound: a dead leader's duties move within 15 s
 
 
-def wait_for(condition, timeout_s: float, what: str):  # noqa: ANN001
+def wait_for(condition, timeout_s: float, what: str):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         value = condition()

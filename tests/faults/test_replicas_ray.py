@@ -31,7 +31,7 @@ ROLLING_STEPS = 400  # long enough to outlast two replica restarts
 TAKEOVER_LIMIT_S = 15.0
 
 
-def start_replicas(ray_head, database_url: str, root) -> tuple[list[Replica], str]:  # noqa: ANN001
+def start_replicas(ray_head, database_url: str, root) -> tuple[list[Replica], str]:
     """Two replicas on ``database_url`` and the Ray head, the first one leading; and the admin token."""
     ports = [free_port(), free_port()]
     urls = [f"http://127.0.0.1:{port}" for port in ports]
@@ -51,7 +51,7 @@ def start_replicas(ray_head, database_url: str, root) -> tuple[list[Replica], st
     return replicas, token
 
 
-def assert_nothing_lost(rows, events, attempt: int, steps: int, report: str) -> None:  # noqa: ANN001
+def assert_nothing_lost(rows, events, attempt: int, steps: int, report: str) -> None:
     per_key = Counter((row.attempt, row.rank, row.step) for row in rows)
     assert max(per_key.values()) == 1, f"a metric row stored twice: {report}"
     assert sorted(per_key) == [(attempt, rank, step) for rank in (0, 1) for step in range(1, steps + 1)], report
@@ -106,7 +106,7 @@ def test_a_rolling_restart_of_both_replicas_during_a_job_loses_nothing(ray_head,
                 stopped_at = time.monotonic()
                 replicas[index] = replicas[index].restarted()
                 # a clean stop hands the lease over at once: the other leads by its next renew
-                wait_for(lambda: leader_pid(migrated_postgres_url) == other.pid, TAKEOVER_LIMIT_S,
+                wait_for(lambda other=other: leader_pid(migrated_postgres_url) == other.pid, TAKEOVER_LIMIT_S,
                          f"replica {other.name} to lead", poll_s=0.1)
                 handovers.append(time.monotonic() - stopped_at)
                 replicas[index].wait_ready()
