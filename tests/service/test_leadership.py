@@ -197,3 +197,29 @@ def test_a_second_replica_on_one_sqlite_file_says_so_and_exits(tmp_path):
     finally:
         os.close(held)
     assert hold_sole_replica(database_url) is not None  # free again once the first is gone
+
+
+@pytest.mark.slow  # a whole server start (about 20 s on a loaded machine)
+def test_an_api_only_process_may_share_a_sqlite_file_with_the_one_that_schedules(tmp_path):
+    import httpx
+
+    database_url = f"sqlite:///{tmp_path / 'zerotrain.db'}"
+    held = hold_sole_replica(database_url)  # the process that schedules
+    port = free_port()
+    env = {**os.environ, "ZEROTRAIN_HOME": str(tmp_path), "ZEROTRAIN_DATABASE_URL": database_url,
+           "ZEROTRAIN_LAUNCHER": "local", "ZEROTRAIN_SCHEDULER_ENABLED": "false"}
+    api_only = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--port", str(port)], env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        def answers() -> bool:
+            assert api_only.poll() is None, api_only.stderr.read()
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_for(answers, timeout_s=60, what="the API-only process to serve")
+    finally:
+        api_only.terminate()
+        api_only.wait(30)
+        os.close(held)
