@@ -13,7 +13,7 @@ ENV_PREFIX = "ZEROTRAIN_"
 # What a job is told by its launcher (service/launchers/driver.py), read by workers/launch.py and workers/train.py.
 JOB_ID_ENV = ENV_PREFIX + "JOB_ID"
 ATTEMPT_ENV = ENV_PREFIX + "ATTEMPT"
-API_URL_ENV = ENV_PREFIX + "API_URL"
+API_URL_ENV = ENV_PREFIX + "API_URL"  # one URL or several, comma-separated: api_urls()
 INGEST_TOKEN_ENV = ENV_PREFIX + "INGEST_TOKEN"  # secret: environment only, never argv
 STORAGE_URI_ENV = ENV_PREFIX + "STORAGE_URI"
 STORAGE_CREDENTIALS_ENV = ENV_PREFIX + "STORAGE_CREDENTIALS"  # "api": scoped credentials (storage/credentials.py)
@@ -30,3 +30,15 @@ JOB_ENV_PASSTHROUGH_ENV = ENV_PREFIX + "JOB_ENV_PASSTHROUGH"
 HOME_ENV = ENV_PREFIX + "HOME"  # default ~/.zerotrain: the saved token
 TOKEN_ENV = ENV_PREFIX + "TOKEN"
 URL_ENV = ENV_PREFIX + "URL"
+
+
+def api_urls(value: str) -> list[str]:
+    """The control plane's URLs in ``value``: one, or several comma-separated (one per replica),
+    each without a trailing slash, blanks dropped. Workers and drivers use the first and fail
+    over to the next on a connection error (``workers.reporting.WorkerAPI``)."""
+    return [url.strip().rstrip("/") for url in value.split(",") if url.strip()]
+
+
+def join_api_urls(urls: list[str]) -> str:
+    """The form ``api_urls`` reads: what a job's ``API_URL_ENV`` and ``--api`` carry."""
+    return ",".join(urls)

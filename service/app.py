@@ -33,9 +33,10 @@ from service.api.errors import COMMON_ERRORS, error_responses, install_error_han
 from service.auth import ensure_local_admin_token, register_admin_token
 from service.db import make_engine, make_sessionmaker
 from service.launchers import make_launcher
+from service.leadership import SOLE_LEADER, Lease, make_lease
 from service.limits import BodySizeLimit
 from service.observability import RequestMetrics, RouteTemplates, ServiceMetrics
-from service.scheduler import Scheduler
+from service.scheduler import Scheduler, replica_identity
 from service.settings import Settings
 from service.stream_slots import StreamSlots
 from service.webhooks import WebhookSender
@@ -47,6 +48,11 @@ WARM_UP_JOIN_S = 60.0  # longest shutdown waits for the planner warm-up
 
 def _operation_id(route: APIRoute) -> str:
     return route.name
+
+
+def _wake_all(*loops):
+    """On gaining the lease: the duties' next passes now, not after their poll interval."""
+    return lambda: [loop.wake() for loop in loops]
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -69,11 +75,20 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         warm_up = threading.Thread(target=prediction.warm_up, name="planner-warm-up", daemon=True)
         warm_up.start()
         launcher = make_launcher(settings)
-        scheduler = Scheduler(make_session, launcher, settings)
+        # [Note: replicas] the scheduler and the webhook sender act only while this replica
+        # holds the leader lease (service.leadership); with the scheduler disabled (a scheduler
+        # driven by hand, or another process's) the loops are not started and nothing is fenced.
+        identity = replica_identity()
+        lease = make_lease(make_session, identity, settings) if settings.scheduler_enabled else SOLE_LEADER
+        scheduler = Scheduler(make_session, launcher, settings, identity=identity, lease=lease)
+        webhook_sender = WebhookSender(make_session, settings, lease=lease)
+        if isinstance(lease, Lease):
+            lease.on_gain = _wake_all(scheduler, webhook_sender)
         app.state.launcher = launcher
         app.state.scheduler = scheduler
-        webhook_sender = WebhookSender(make_session, settings)
+        app.state.lease = lease
         if settings.scheduler_enabled:
+            lease.start()
             scheduler.start()
             app.state.wake_scheduler = scheduler.wake
             webhook_sender.start()
@@ -82,6 +97,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         finally:
             scheduler.stop()
             webhook_sender.stop()
+            lease.stop()  # after the duties: hands the lease over at once
             launcher.close()
             engine.dispose()
             warm_up.join(WARM_UP_JOIN_S)

@@ -247,3 +247,15 @@ class WebhookDelivery(Base):
     last_error: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     delivered_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+
+class LeaderLease(Base):
+    """The one row of the leader lease (``service.leadership``): who leads, its fencing epoch
+    (raised on every change of holder), and when the lease runs out unless renewed."""
+
+    __tablename__ = "leader_lease"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    holder: Mapped[str] = mapped_column(String(200))
+    epoch: Mapped[int] = mapped_column(BigInteger)
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime)

@@ -16,11 +16,20 @@ calls ``launcher.release``, which frees what is left and keeps the logs (Ray: st
 local: end the process group; KubeRay: nothing, KubeRay tears the cluster down itself). That
 runs in its own thread: a launcher's bounded wait for processes to go must not stall
 reconciling other jobs.
+
+[Note: replicas] With several replicas, only the holder of the leader lease
+(``service.leadership``) runs passes, and every write a pass makes is fenced: its transaction
+opens with ``lease.begin`` and ends with ``lease.commit``, which check in that transaction that
+the lease is still this replica's. A leader paused past its lease that resumes mid-pass gets
+``LeadershipLost`` instead of admitting, launching or moving a job. Launching is also checked
+just before the launcher is called; and the Ray launcher names a submission after the job and
+its attempt, so a second start of the same attempt is refused by Ray itself.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 import time
@@ -41,6 +50,7 @@ from service.launchers.base import (
     LaunchRequest,
     LaunchStatus,
 )
+from service.leadership import SOLE_LEADER, LeadershipLost, Lease, SoleLeader
 from service.models import Job, typed_spec, utcnow
 from service.poll_loop import PollLoop
 from service.schemas import JobState
@@ -60,12 +70,13 @@ LOST_PHASES = (LaunchPhase.FAILED, LaunchPhase.STOPPED, LaunchPhase.UNKNOWN)
 
 class Scheduler:
     def __init__(self, make_session: sessionmaker[Session], launcher: Launcher, settings: Settings,
-                 *, claim_batch: int = 8):
+                 *, claim_batch: int = 8, identity: str | None = None, lease: Lease | SoleLeader = SOLE_LEADER):
         self.make_session = make_session
+        self.lease = lease
         self.launcher = launcher
         self.settings = settings
         self.claim_batch = claim_batch
-        self.identity = f"{socket.gethostname()}:{uuid.uuid4().hex[:8]}"
+        self.identity = identity or replica_identity()
         self._loop = PollLoop("zerotrain-scheduler", self.run_once, settings.scheduler_poll_s)
         self._cancel_sent: set[str] = set()
         self._releases: dict[str, threading.Thread] = {}  # job id -> its stop after a failure
@@ -76,11 +87,17 @@ class Scheduler:
     # ------------------------------------------------------------------ loop
 
     def run_once(self) -> None:
-        for job_id, ingest_token in self.claim():
-            self.launch(job_id, ingest_token)
-        self.reconcile()
-        self.sweep_code_packages()
-        self.export_tensorboard()
+        """One pass, on the leader only (see [Note: replicas])."""
+        if not self.lease.is_leader():
+            return
+        try:
+            for job_id, ingest_token in self.claim():
+                self.launch(job_id, ingest_token)
+            self.reconcile()
+            self.sweep_code_packages()
+            self.export_tensorboard()
+        except LeadershipLost as lost:
+            log.warning("scheduler pass abandoned: %s", lost)
 
     def export_tensorboard(self) -> None:
         """Every ``tensorboard_export_s``: write the jobs' new steps to their TensorBoard event
@@ -130,6 +147,7 @@ class Scheduler:
         """
         claimed: list[tuple[str, str]] = []
         with self.make_session() as session:
+            self.lease.begin(session)
             if session.get_bind().dialect.name == "postgresql":
                 session.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": ADMISSION_LOCK_KEY})
             queued = session.execute(
@@ -156,11 +174,12 @@ class Scheduler:
                 except IllegalTransition:
                     continue  # cancelled or claimed elsewhere meanwhile
                 claimed.append((job_id, token))
-            session.commit()
+            self.lease.commit(session)
         return claimed
 
     def launch(self, job_id: str, ingest_token: str) -> None:
         with self.make_session() as session:
+            self.lease.begin(session)  # a replica that lost the lease since its claim launches nothing
             job = session.execute(select(Job).where(Job.id == job_id)).scalar_one()
         try:
             request = LaunchRequest(job_id=job.id, attempt=job.attempt, spec=job.job_spec,
@@ -174,16 +193,18 @@ class Scheduler:
             self._finish_failed_launch(job_id, f"{type(error).__name__}: {error}")
             return
         with self.make_session() as session:
+            self.lease.begin(session)
             session.execute(Job.__table__.update().where(Job.__table__.c.id == job_id)
                             .values(launch_handle=handle.to_json()))
-            session.commit()
+            self.lease.commit(session)
 
     def _finish_failed_launch(self, job_id: str, message: str) -> None:
         with self.make_session() as session:
             for target in (S.FAILED, S.CANCELLED):  # CANCELLED if the user cancelled meanwhile
+                self.lease.begin(session)
                 try:
                     transition(session, job_id, target, reason=Reason.LAUNCH_FAILED, message=message)
-                    session.commit()
+                    self.lease.commit(session)
                     return
                 except IllegalTransition:
                     session.rollback()
@@ -201,6 +222,8 @@ class Scheduler:
         for job in jobs:
             try:
                 self._reconcile_job(job)
+            except LeadershipLost:
+                raise
             except Exception:
                 log.exception("reconciling %s failed", job.id)
 
@@ -208,6 +231,7 @@ class Scheduler:
         """A claim whose control plane died before storing a launch handle would wait forever."""
         cutoff = utcnow() - timedelta(seconds=self.settings.launch_timeout_s)
         with self.make_session() as session:
+            self.lease.begin(session)
             abandoned = session.execute(
                 select(Job.id, Job.state).where(Job.state.in_([S.STARTING.value, S.CANCELLING.value]),
                                                 Job.launch_handle.is_(None), Job.updated_at < cutoff)
@@ -219,7 +243,7 @@ class Scheduler:
                                message=f"not launched within {self.settings.launch_timeout_s:.0f} s of its claim")
                 except IllegalTransition:
                     continue
-            session.commit()
+            self.lease.commit(session)
 
     def _reconcile_job(self, job: Job) -> None:
         handle = LaunchHandle.from_json(job.launch_handle)
@@ -229,9 +253,10 @@ class Scheduler:
             self._cancel_sent.add(job.id)
         status = self.launcher.status(handle)
         with self.make_session() as session:
+            self.lease.begin(session)
             changed = self._apply(session, job, state, status)
             if changed:
-                session.commit()
+                self.lease.commit(session)
         if state is S.CANCELLING and status.phase is not LaunchPhase.RUNNING:
             self._cancel_sent.discard(job.id)
         if changed and state is not S.CANCELLING and status.phase in LOST_PHASES:
@@ -295,6 +320,11 @@ class Scheduler:
         except IllegalTransition:
             return False
         return True
+
+
+def replica_identity() -> str:
+    """This process's name as a replica: the host, the process id and a random part."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
 def _candidate(job_id: str, owner: str, spec: dict) -> admission.Candidate:

@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from contract.environment import api_urls, join_api_urls
 from service.code_packages import MAX_PACKAGE_BYTES
 
 
@@ -36,10 +37,16 @@ class Settings(BaseSettings):
     local_entrypoint: str = "workers.launch"  # module, or a path ending in .py
     host: str = "127.0.0.1"
     port: int = 8000
-    public_url: str = ""  # where drivers reach the API; empty: http://{host}:{port}
+    # Where drivers reach the API: one URL, or several comma-separated (one per replica; the
+    # workers fail over between them: contract.environment.api_urls); empty: http://{host}:{port}
+    public_url: str = ""
     max_body_bytes: int = 16 * 1024 * 1024
     scheduler_enabled: bool = True  # run the scheduler loop inside the API process
     scheduler_poll_s: float = 1.0
+    # Replicas (service.leadership): the scheduler, admitter, monitor and webhook sender run on the
+    # holder of a lease of this many seconds, renewed every leader_renew_s (empty: a third of it).
+    leader_lease_s: float = Field(default=10.0, ge=1.0)
+    leader_renew_s: float | None = Field(default=None, gt=0)
     cancel_grace_s: float = 10.0  # SIGTERM → SIGKILL delay of the local launcher
     launch_timeout_s: float = 600.0  # a claimed job without a launch handle after this has failed
     token_file: Path | None = None  # empty: {home}/token
@@ -101,6 +108,9 @@ class Settings(BaseSettings):
             self.storage_uri = f"file://{self.home / 'storage'}"
         if not self.public_url:
             self.public_url = f"http://{self.host}:{self.port}"
+        if self.leader_renew_s is not None and self.leader_renew_s >= self.leader_lease_s:
+            raise ValueError(f"leader_renew_s ({self.leader_renew_s:g}) must be shorter than leader_lease_s "
+                             f"({self.leader_lease_s:g}): the lease would run out between renewals")
         if self.token_file is None:
             self.token_file = self.home / "token"
         if self.job_storage_credentials == "sts":
@@ -132,4 +142,5 @@ class Settings(BaseSettings):
 
     @property
     def api_url(self) -> str:
-        return self.public_url.rstrip("/")
+        """``public_url`` as a job is told it: its URLs, normalized, comma-separated."""
+        return join_api_urls(api_urls(self.public_url))

@@ -16,7 +16,9 @@ retried after ``webhook_retry_base_s * 2**(attempts - 1)`` seconds, capped at an
 [Note: claiming a delivery] The sender claims a due row by moving its ``next_attempt_at`` past the
 request's timeout with a conditional UPDATE; only the sender whose UPDATE matched sends. Another
 sender on the same database (a second replica) skips it, and a sender that dies mid-request
-leaves a row that falls due again, which is sent again with the same delivery id.
+leaves a row that falls due again, which is sent again with the same delivery id. With
+several replicas only the leader sends (``service.leadership``); a paused ex-leader that
+resumes can at worst send a claimed delivery again, with its same delivery id.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from contract.webhooks import (
     SIGNATURE_HEADER,
     SIGNATURE_PREFIX,
 )
+from service.leadership import SOLE_LEADER, Lease, SoleLeader
 from service.models import Job, Webhook, WebhookDelivery, utcnow
 from service.poll_loop import PollLoop
 from service.settings import Settings
@@ -91,8 +94,10 @@ def backoff_s(settings: Settings, attempts: int) -> float:
 class WebhookSender:
     """The control plane's thread that sends due deliveries (module docstring)."""
 
-    def __init__(self, make_session: sessionmaker[Session], settings: Settings):
+    def __init__(self, make_session: sessionmaker[Session], settings: Settings, *,
+                 lease: Lease | SoleLeader = SOLE_LEADER):
         self.make_session = make_session
+        self.lease = lease
         self.settings = settings
         self._loop = PollLoop("zerotrain-webhooks", self.send_due, settings.webhook_poll_s)
         self._http = httpx.Client(timeout=settings.webhook_timeout_s, follow_redirects=False, trust_env=False)
@@ -108,8 +113,10 @@ class WebhookSender:
         self._loop.wake()
 
     def send_due(self) -> int:
-        """Send every delivery that is due now; returns how many were attempted."""
+        """Send every delivery that is due now (on the leader only); returns how many were attempted."""
         sent = 0
+        if not self.lease.is_leader():
+            return sent
         for delivery_id in self._claim():
             self._send(delivery_id)
             sent += 1

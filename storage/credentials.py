@@ -30,7 +30,7 @@ import time
 from collections.abc import MutableMapping
 from pathlib import Path
 
-from contract.environment import API_URL_ENV, INGEST_TOKEN_ENV, JOB_ID_ENV, STORAGE_CREDENTIALS_ENV
+from contract.environment import API_URL_ENV, INGEST_TOKEN_ENV, JOB_ID_ENV, STORAGE_CREDENTIALS_ENV, api_urls
 
 SOURCE_ENV = STORAGE_CREDENTIALS_ENV  # what the launchers tell a scoped job (service.launchers.driver)
 FROM_API = "api"
@@ -71,11 +71,12 @@ def fetch(environ: MutableMapping[str, str] | None = None, *, attempts: int = FE
     import httpx
 
     environ = os.environ if environ is None else environ
-    url = f"{environ[API_URL_ENV].rstrip('/')}/api/v1/jobs/{environ[JOB_ID_ENV]}/worker/storage-credentials"
+    urls = [f"{base}/api/v1/jobs/{environ[JOB_ID_ENV]}/worker/storage-credentials"
+            for base in api_urls(environ[API_URL_ENV])]  # one per replica: the next on each failure
     headers = {"Authorization": f"Bearer {environ[INGEST_TOKEN_ENV]}"}
     for attempt in range(1, attempts + 1):
         try:
-            response = httpx.post(url, headers=headers, timeout=30)
+            response = httpx.post(urls[(attempt - 1) % len(urls)], headers=headers, timeout=30)
         except httpx.TransportError as error:
             problem = f"the control plane is unreachable ({error})"
         else:

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import httpx
 
+from contract.environment import api_urls
 from contract.job_states import JobState
 from contract.metrics import StepObservation, record_values
 from contract.reasons import bounded_details
@@ -76,22 +77,58 @@ class WorkerAPI:
     Every process of a job that talks to the control plane does it through this class (the
     driver, each rank, the Ray Train controller's restart callback), so it quiets the HTTP
     client's per-request log lines where they would start (``quiet_http_client_logs``).
+
+    [Note: replicas] ``api_url`` may name several control-plane replicas, comma-separated
+    (``contract.environment.api_urls``). A request that fails to reach one (refused, reset,
+    timed out: any transport error) is sent to the next at once, and the one that answered
+    stays current for later requests; only when none answers does the error reach the caller,
+    which keeps its records and retries as during a database outage. Every worker call is
+    idempotent (metrics are unique on job, attempt, rank and step on every replica's shared
+    database), so a request that did arrive at a replica that died before answering is
+    harmless to send again.
     """
 
     def __init__(self, api_url: str, job_id: str, token: str, *, timeout_s: float = 10.0,
                  transport: httpx.BaseTransport | None = None):
         quiet_http_client_logs()
         self.job_id = job_id
-        self.base = f"{api_url.rstrip('/')}/api/v1/jobs/{job_id}"
+        self.urls = api_urls(api_url)
+        if not self.urls:
+            raise ValueError(f"no control-plane URL in {api_url!r}")
+        self._current = 0  # index into self.urls of the replica that answered last
+        self.failovers = 0
         self.http = httpx.Client(headers={"Authorization": f"Bearer {token}"}, timeout=timeout_s,
                                  transport=transport)
+
+    @property
+    def base(self) -> str:
+        """The job's endpoints on the current replica."""
+        return f"{self.urls[self._current]}/api/v1/jobs/{self.job_id}"
+
+    def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        """``method`` on ``path`` (below the job's endpoints), failing over between replicas."""
+        start = self._current
+        for turn in range(len(self.urls)):
+            index = (start + turn) % len(self.urls)
+            try:
+                response = self.http.request(method, f"{self.urls[index]}/api/v1/jobs/{self.job_id}{path}", **kwargs)
+            except httpx.TransportError as error:
+                if turn == len(self.urls) - 1:
+                    raise
+                log.warning("control plane %s unreachable (%s: %s); trying %s", self.urls[index],
+                            type(error).__name__, error, self.urls[(index + 1) % len(self.urls)])
+                self.failovers += 1
+                continue
+            self._current = index
+            return response
+        raise AssertionError("unreachable")  # the loop returns or raises
 
     def close(self) -> None:
         self.http.close()
 
     def post_metrics(self, records: list[dict[str, Any]]) -> httpx.Response:
-        """One attempt; the reporter decides about retries."""
-        return self.http.post(f"{self.base}/metrics", json={"records": records})
+        """One attempt (on each replica at most); the reporter decides about retries."""
+        return self.request("POST", "/metrics", json={"records": records})
 
     def _with_retries(self, send: Callable[[], httpx.Response], what: str, deadline_s: float) -> httpx.Response:
         deadline = time.monotonic() + deadline_s
@@ -112,19 +149,19 @@ class WorkerAPI:
 
     def register_checkpoint(self, record: dict[str, Any], deadline_s: float = 120.0) -> None:
         """A committed checkpoint (docs/contracts.md); idempotent on (job, step)."""
-        response = self._with_retries(lambda: self.http.post(f"{self.base}/worker/checkpoints", json=record),
+        response = self._with_retries(lambda: self.request("POST", "/worker/checkpoints", json=record),
                                       f"registering checkpoint step {record['step']}", deadline_s)
         response.raise_for_status()
 
     def forget_checkpoint(self, step: int, deadline_s: float = 60.0) -> httpx.Response:
         """Drop a deleted checkpoint's record; 204 also when it is already gone."""
-        return self._with_retries(lambda: self.http.delete(f"{self.base}/worker/checkpoints/{step}"),
+        return self._with_retries(lambda: self.request("DELETE", f"/worker/checkpoints/{step}"),
                                   f"forgetting checkpoint step {step}", deadline_s)
 
     def report_checkpoint_failure(self, step: int, error: str, deadline_s: float = 60.0) -> None:
         """A checkpoint that was not committed; idempotent (the same report twice is one event)."""
         body = {"step": step, "error": error[-10_000:]}
-        response = self._with_retries(lambda: self.http.post(f"{self.base}/worker/checkpoints/failed", json=body),
+        response = self._with_retries(lambda: self.request("POST", "/worker/checkpoints/failed", json=body),
                                       f"reporting the failed checkpoint of step {step}", deadline_s)
         response.raise_for_status()
 
@@ -132,13 +169,13 @@ class WorkerAPI:
         """An elastic worker group now runs with ``to_workers`` ranks instead of ``from_workers``;
         idempotent (the same report twice in one attempt is one event)."""
         body = {"from_workers": from_workers, "to_workers": to_workers}
-        response = self._with_retries(lambda: self.http.post(f"{self.base}/worker/resized", json=body),
+        response = self._with_retries(lambda: self.request("POST", "/worker/resized", json=body),
                                       f"reporting the resize {from_workers} -> {to_workers}", deadline_s)
         response.raise_for_status()
 
     def get_spec(self, deadline_s: float = 120.0) -> dict[str, Any]:
         """``{"job_id", "attempt", "state", "spec", "storage_uri"}``."""
-        response = self._with_retries(lambda: self.http.get(f"{self.base}/worker/spec"), "fetching the job spec",
+        response = self._with_retries(lambda: self.request("GET", "/worker/spec"), "fetching the job spec",
                                       deadline_s)
         response.raise_for_status()
         return response.json()
@@ -151,7 +188,7 @@ class WorkerAPI:
         body = {"state": JobState(state).value, "reason": reason, "message": message and message[-10_000:], "attempt": attempt}
         if details:
             body["details"] = bounded_details(details)
-        response = self._with_retries(lambda: self.http.post(f"{self.base}/worker/state", json=body),
+        response = self._with_retries(lambda: self.request("POST", "/worker/state", json=body),
                                       f"reporting {state}", deadline_s)
         if response.status_code in (401, 409):
             raise JobNotActive(f"control plane refused {state}: {response.text}")
@@ -166,7 +203,7 @@ class WorkerAPI:
         because the job has no prediction to compare with.
         """
         body = {"attempt": attempt, "ranks": ranks}
-        response = self._with_retries(lambda: self.http.post(f"{self.base}/worker/memory", json=body),
+        response = self._with_retries(lambda: self.request("POST", "/worker/memory", json=body),
                                       "reporting measured memory", deadline_s)
         if not response.is_success:
             log.info("measured memory not recorded (HTTP %d): %s", response.status_code, response.text[:300])

@@ -50,6 +50,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from service.app import create_app
 
     settings = _settings(host=args.host, port=args.port)
+    if settings.scheduler_enabled:  # an API-only process may share a SQLite file with the one that schedules
+        _hold_sole_replica(settings)
     where = service_url(settings.host, settings.port)
 
     class AnnouncingServer(uvicorn.Server):
@@ -77,17 +79,24 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
     from service import migrate
     from service.db import make_engine, make_sessionmaker
     from service.launchers import make_launcher
-    from service.scheduler import Scheduler
+    from service.leadership import make_lease
+    from service.scheduler import Scheduler, replica_identity
 
     settings = _settings()
+    _hold_sole_replica(settings)
     migrate.upgrade(settings.database_url)
     engine = make_engine(settings.database_url)
+    make_session = make_sessionmaker(engine)
     launcher = make_launcher(settings)
-    scheduler = Scheduler(make_sessionmaker(engine), launcher, settings)
+    identity = replica_identity()
+    lease = make_lease(make_session, identity, settings)  # it leads only while it holds the lease
+    scheduler = Scheduler(make_session, launcher, settings, identity=identity, lease=lease)
     out.print(f"scheduler {scheduler.identity} polling {_safe_url(settings.database_url)}")
+    lease.start()
     try:
         scheduler.run_forever()
     finally:
+        lease.stop()
         launcher.close()
         engine.dispose()
     return 0
@@ -124,6 +133,17 @@ def cmd_token_create(args: argparse.Namespace) -> int:
     err.print(f"token for {args.name!r}{' (admin)' if args.admin else ''}; it is shown only once:")
     print(token)
     return 0
+
+
+def _hold_sole_replica(settings: Any) -> None:
+    """SQLite serves one replica: refuse to start a second one (``service.leadership``). The
+    lock's descriptor stays open, and the lock held, until this process ends."""
+    from service.leadership import AnotherReplica, hold_sole_replica
+
+    try:
+        hold_sole_replica(settings.database_url)
+    except AnotherReplica as error:
+        raise CliError(str(error)) from None
 
 
 def _settings(**overrides: Any):

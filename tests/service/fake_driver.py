@@ -8,7 +8,9 @@ Run by path by the local launcher in tests. Behaviour comes from ``spec.model.kw
 line: ``(RayTrainWorker pid=…) text``, prefix coloured, one every ``line_interval_s``),
 ``fail_details`` (with ``fail``: print it and report it as the failure's details, as the real
 driver logs and reports a traceback), ``call_factory`` (import ``model.factory`` and print what it returns and the working directory,
-as the real driver would find a ``runtime.working_dir`` package).
+as the real driver would find a ``runtime.working_dir`` package), ``starts_file`` (append the
+job id to that file when it starts: a count of launches). ``--api`` may list several replicas
+(comma-separated): this stand-in talks to the first only.
 """
 
 from __future__ import annotations
@@ -30,12 +32,16 @@ def main() -> int:
     token = os.environ["ZEROTRAIN_INGEST_TOKEN"]
     assert token not in " ".join(sys.argv), "the ingest token must not be on the command line"
     assert os.environ["ZEROTRAIN_JOB_ID"] == args.job_id
-    http = httpx.Client(base_url=f"{args.api}/api/v1/jobs/{args.job_id}",
+    api = args.api.split(",")[0].rstrip("/")
+    http = httpx.Client(base_url=f"{api}/api/v1/jobs/{args.job_id}",
                         headers={"Authorization": f"Bearer {token}"}, timeout=10)
 
     worker = http.get("/worker/spec").raise_for_status().json()
     spec, attempt = worker["spec"], worker["attempt"]
     options = spec["model"].get("kwargs") or {}
+    if options.get("starts_file"):
+        with open(options["starts_file"], "a") as starts:
+            starts.write(f"{args.job_id}\n")
     print(f"fake driver for {args.job_id}: {spec['train']['steps']} steps", flush=True)
     http.post("/worker/state", json={"state": "RUNNING"}).raise_for_status()
 
