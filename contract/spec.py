@@ -326,6 +326,9 @@ class JobSpec(SpecModel):
     priority: int = Field(default=0, ge=MIN_PRIORITY, le=MAX_PRIORITY, description=(
         "higher starts first; equal priorities start in submission order. Above the service's "
         "max_user_priority only admins may submit"))
+    team: str | None = Field(default=None, pattern=SLUG_PATTERN, description=(
+        "the team the job belongs to: its members see it, its maintainers may cancel it; "
+        "submitting needs the member role (docs/contracts.md, Teams)"))
     resume_from: ResumeFrom | None = None
     max_runtime_s: int | None = Field(default=None, ge=1, le=MAX_INT32)
     runtime: RuntimeSpec | None = None

@@ -39,6 +39,10 @@ from service.schemas import (
     TokenCreated,
     TokenList,
     TokenOut,
+    TeamList,
+    TeamMemberList,
+    TeamMemberOut,
+    TeamOut,
     WebhookDeliveryList,
     WebhookDeliveryOut,
     WebhookList,
@@ -321,6 +325,25 @@ class Client:
         """The webhook's newest deliveries first: status, attempts and the last answer of each."""
         answer = self._api("GET", f"/webhooks/{webhook_id}/deliveries", params={"limit": limit})
         return WebhookDeliveryList.model_validate(answer).items
+
+    def create_team(self, name: str) -> TeamOut:
+        """A new team (admins only); add its maintainers with ``set_team_member``."""
+        return TeamOut.model_validate(self._api("POST", "/teams", json={"name": name}))
+
+    def teams(self) -> list[TeamOut]:
+        """The teams you are in, with your role in each."""
+        return TeamList.model_validate(self._api("GET", "/teams")).items
+
+    def team_members(self, team: str) -> list[TeamMemberOut]:
+        return TeamMemberList.model_validate(self._api("GET", f"/teams/{team}/members")).items
+
+    def set_team_member(self, team: str, user: str, role: str) -> TeamMemberOut:
+        """Add ``user`` to ``team`` as ``role`` (viewer, member, maintainer), or change their role."""
+        return TeamMemberOut.model_validate(self._api("POST", f"/teams/{team}/members",
+                                                      json={"user": user, "role": role}))
+
+    def remove_team_member(self, team: str, user: str) -> TeamMemberOut:
+        return TeamMemberOut.model_validate(self._api("DELETE", f"/teams/{team}/members/{user}"))
 
     def wait(self, job_id: str, timeout: float | None = None, poll: float = 0.5) -> JobOut:
         """Poll until the job is terminal; ``WaitTimeout`` after ``timeout`` seconds."""

@@ -74,6 +74,7 @@ class Job(Base):
     details: Mapped[str | None] = mapped_column(Text)  # a failed job's traceback (contract.reasons)
     attempt: Mapped[int] = mapped_column(Integer, default=0)
     priority: Mapped[int] = mapped_column(Integer, default=0)  # the spec's, as a column: the queue's order
+    team: Mapped[str | None] = mapped_column(String(64), index=True)  # the spec's: its members see the job
     spec: Mapped[dict[str, Any]] = mapped_column(JSON)
     launch_handle: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     prediction: Mapped[dict[str, Any] | None] = mapped_column(JSON)  # the planner's, at submit
@@ -259,3 +260,25 @@ class LeaderLease(Base):
     holder: Mapped[str] = mapped_column(String(200))
     epoch: Mapped[int] = mapped_column(BigInteger)
     expires_at: Mapped[datetime] = mapped_column(UTCDateTime)
+
+
+class Team(Base):
+    """A group of users who see each other's team jobs (``contract.teams``); created by an admin."""
+
+    __tablename__ = "teams"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    created_by: Mapped[str] = mapped_column(String(100))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class TeamMember(Base):
+    """One user's role in one team (``contract.teams.ROLES``)."""
+
+    __tablename__ = "team_members"
+
+    team: Mapped[str] = mapped_column(String(64), ForeignKey("teams.name", ondelete="CASCADE"), primary_key=True)
+    user: Mapped[str] = mapped_column(String(100), primary_key=True, index=True)
+    role: Mapped[str] = mapped_column(String(16))
+    added_by: Mapped[str] = mapped_column(String(100))
+    added_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)

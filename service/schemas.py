@@ -22,6 +22,7 @@ from contract.metrics import (  # noqa: F401  (METRIC_FIELDS: re-exported)
 )
 
 from contract.job_states import ACTIVE_STATES, TERMINAL_STATES, JobState  # noqa: F401  (re-exported)
+from contract.teams import Role
 
 # The spec lives in contract.spec (the workers read it too); re-exported for the SDK and the API.
 from contract.spec import (  # noqa: F401
@@ -77,6 +78,7 @@ class JobOut(OutModel):
         default=None, description="a failed job's full traceback (bounded), behind its one-line message")
     attempt: int = 0
     priority: int = Field(default=0, description="the spec's priority: the queue starts higher first")
+    team: str | None = Field(default=None, description="the team the job belongs to (its members see it)")
     spec: dict[str, Any]
     prediction: dict[str, Any] | None = Field(
         default=None, description="the planner's memory prediction (Plan.to_dict()), made at submit")
@@ -391,3 +393,45 @@ class TensorBoardOut(BaseModel):
     logdir: str = Field(description="the folder to pass to tensorboard --logdir: a local path or an s3:// URI")
     step: int | None = Field(description="the highest step the files hold so far; null before the first")
     complete: bool = Field(description="the job has ended and every step it reported is written")
+
+
+class TeamIn(BaseModel):
+    """A new team (admins only); its first maintainers are added as members afterwards."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=SLUG_PATTERN, description="letters, digits, '.', '_' and '-', at most 63")
+
+
+class TeamOut(OutModel):
+    """A team the caller is in, and the caller's role there (admins: maintainer of every team)."""
+
+    name: str
+    role: Role
+    created_by: str
+    created_at: datetime
+
+
+class TeamList(BaseModel):
+    items: list[TeamOut]
+
+
+class TeamMemberIn(BaseModel):
+    """Add a user to the team, or change their role (maintainers and admins)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    user: str = Field(min_length=1, max_length=100, description="the user's name, as their API tokens carry it")
+    role: Role
+
+
+class TeamMemberOut(OutModel):
+    team: str
+    user: str
+    role: Role
+    added_by: str
+    added_at: datetime
+
+
+class TeamMemberList(BaseModel):
+    items: list[TeamMemberOut]

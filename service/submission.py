@@ -22,6 +22,7 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from contract.teams import SUBMIT_ROLE, allows
 from service import admission
 from service.api.errors import field_error
 from service.api.spec_access import check_spec_access
@@ -33,6 +34,7 @@ from service.prediction import plan_at_submit
 from service.schemas import JobSpec, JobState
 from service.settings import Settings, env_var
 from service.states import Reason, load_job, record_created, record_notice
+from service.teams import role_in
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,7 @@ def submit(spec: JobSpec, user: Principal, session: Session, settings: Settings,
            idempotency_key: str | None = None) -> Submitted:
     """Queue ``spec`` for ``user`` (committed), or answer the job an earlier request with the same key created."""
     check_spec_access(spec, user, session, settings)  # first: nothing is read that the user may not read
+    check_team(spec, user, session)
     try:
         check_init_from(spec, settings.storage_uri)
     except InitFromMismatch as mismatch:
@@ -63,7 +66,7 @@ def submit(spec: JobSpec, user: Principal, session: Session, settings: Settings,
     to_store, prediction = plan_at_submit(spec)
     now = utcnow()
     job = Job(id=new_job_id(), name=spec.name, owner=user.name, state=JobState.QUEUED.value,
-              reason=Reason.SUBMITTED, attempt=0, priority=spec.priority,
+              reason=Reason.SUBMITTED, attempt=0, priority=spec.priority, team=spec.team,
               spec=spec_json if to_store is spec else to_store.model_dump(mode="json"), prediction=prediction,
               created_at=now, updated_at=now)
     session.add(job)
@@ -103,6 +106,19 @@ def _replay(session: Session, user: Principal, key: str, request_hash: str) -> J
     if row.request_sha256 != request_hash:
         raise HTTPException(409, f"Idempotency-Key {key!r} was already used with a different job spec")
     return load_job(session, row.job_id)
+
+
+def check_team(spec: JobSpec, user: Principal, session: Session) -> None:
+    """A job submitted to a team needs the member role in it: a 422 naming ``team`` when the caller
+    is not in it (the same words whether or not it exists), a 403 for a viewer."""
+    if spec.team is None:
+        return
+    role = role_in(session, user, spec.team)
+    if role is None:
+        raise field_error("team", f"no team {spec.team!r} that you are a member of", "team_not_found")
+    if not allows(role, SUBMIT_ROLE):
+        raise HTTPException(403, f"{user.name} is a {role} of team {spec.team!r}; submitting needs the "
+                                 f"{SUBMIT_ROLE} role")
 
 
 def check_admissible(spec: JobSpec, user: Principal, session: Session, settings: Settings, launcher: Launcher) -> None:

@@ -18,6 +18,7 @@ from service.auth import Principal, authenticate, hash_token
 from service.launchers.base import Launcher
 from service.models import Job
 from service.settings import Settings
+from service.teams import may_see
 
 JOB_ID_PATH = Path(description="job id", max_length=40)
 
@@ -78,8 +79,9 @@ def job_not_found(job_id: str) -> HTTPException:
 
 
 def visible_job(session: SessionDep, user: CurrentUser, job_id: str = JOB_ID_PATH) -> Job:
+    """The job in the path if the caller may see it (their own, their team's: ``service.teams``), else 404."""
     job = session.execute(select(Job).where(Job.id == job_id)).scalar_one_or_none()
-    if job is None or not user.owns(job.owner):
+    if job is None or not may_see(session, user, job.owner, job.team):
         raise job_not_found(job_id)
     return job
 

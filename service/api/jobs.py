@@ -21,6 +21,7 @@ from service.launchers.base import LaunchHandle
 from service.log_ranks import rank_lines
 from service.log_text import plain_log
 from service.models import Job, JobEvent
+from service.teams import job_filter, may_cancel
 from service.prediction import NothingFits
 from service.schemas import (
     LOG_SIZE_HEADER,
@@ -72,9 +73,7 @@ def list_jobs(session: SessionDep, user: CurrentUser,
               cursor: Annotated[str | None, Query(pattern=r"^\d{1,18}$",
                                                   description="next_cursor of the previous page")] = None,
               ) -> JobPage:
-    query = select(Job).order_by(Job.pk.desc()).limit(limit + 1)
-    if not user.is_admin:
-        query = query.where(Job.owner == user.name)
+    query = select(Job).where(job_filter(user)).order_by(Job.pk.desc()).limit(limit + 1)
     if state is not None:
         query = query.where(Job.state == state.value)
     if cursor is not None:
@@ -114,9 +113,14 @@ def get_job(job: VisibleJob) -> Response:
         return JSONResponse({"detail": str(error), "errors": []}, status_code=500)
 
 
-@router.post("/{job_id}/cancel", response_model=JobOut, name="cancel_job", responses=error_responses(409))
-def cancel_job(job: VisibleJob, session: SessionDep, wake_scheduler: WakeScheduler) -> Job:
-    """QUEUED jobs are cancelled at once; running ones go to CANCELLING until the launcher stops them."""
+@router.post("/{job_id}/cancel", response_model=JobOut, name="cancel_job", responses=error_responses(403, 409))
+def cancel_job(job: VisibleJob, user: CurrentUser, session: SessionDep, wake_scheduler: WakeScheduler) -> Job:
+    """QUEUED jobs are cancelled at once; running ones go to CANCELLING until the launcher stops them.
+    A team's job: its owner, a maintainer of the team or an admin (teammates who only see it: 403)."""
+    if not may_cancel(session, user, job):
+        raise HTTPException(403, f"job {job.id} belongs to {job.owner} in team {job.team!r}; only its owner or "
+                                 f"a maintainer of the team may cancel it")
+    message = "cancelled by the user" if user.name == job.owner else f"cancelled by {user.name}"
     for _ in range(10):
         current = JobState(load_job(session, job.id).state)
         if current is JobState.CANCELLING:
@@ -124,7 +128,7 @@ def cancel_job(job: VisibleJob, session: SessionDep, wake_scheduler: WakeSchedul
         target = JobState.CANCELLED if current is JobState.QUEUED else JobState.CANCELLING
         try:
             cancelled = transition(session, job.id, target, reason=Reason.CANCELLED_BY_USER,
-                                   message="cancelled by the user", expected={current})
+                                   message=message, expected={current})
         except IllegalTransition as refused:
             session.rollback()
             if refused.current is not current:  # it moved on meanwhile; judge the new state

@@ -19,6 +19,7 @@ from service.auth import Principal
 from service.code_package_retention import hold_packages_for_submit
 from service.code_packages import check_working_dir, stored_package_sha
 from service.models import Job
+from service.teams import may_see
 from service.schemas import JobSpec
 from service.settings import Settings
 from service.storage_policy import UnsafeUri, check_checkpoint_root, check_data_uri, read_uris
@@ -69,7 +70,7 @@ def check_spec_access(spec: JobSpec, user: Principal, session: Session, settings
             raise field_error(field, str(refused), "storage_prefix") from None
     if spec.resume_from is not None:
         job_id = spec.resume_from.job_id
-        owner = session.execute(select(Job.owner).where(Job.id == job_id)).scalar_one_or_none()
-        if owner is None or not user.owns(owner):
+        source = session.execute(select(Job.owner, Job.team).where(Job.id == job_id)).one_or_none()
+        if source is None or not may_see(session, user, source.owner, source.team):
             raise field_error("resume_from.job_id", f"no job {job_id!r} that you can resume from "
-                                                    f"(it must be one of your own jobs)", "job_not_visible")
+                                                    f"(it must be yours or your team's)", "job_not_visible")

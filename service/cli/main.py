@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import argparse
 
-from service.cli import ckpt, completion, jobs, plan, server, webhooks
+from service.cli import ckpt, completion, jobs, plan, server, teams, webhooks
 from service.cli.errors import run_command
 
-COMMAND_GROUPS = (server, jobs, webhooks, plan, ckpt)  # in the order ``--help`` lists them
+COMMAND_GROUPS = (server, jobs, teams, webhooks, plan, ckpt)  # in the order ``--help`` lists them
 
 
 def build_parser() -> argparse.ArgumentParser:

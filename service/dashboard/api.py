@@ -29,6 +29,7 @@ from service.dashboard import charts
 from service.dashboard.prediction import predict, stored_spec
 from service.dashboard.schemas import ChartOut, ProgressOut, WhoAmI
 from service.models import Checkpoint, Job
+from service.teams import job_filter
 
 router = APIRouter(prefix="/api/v1", tags=["dashboard"], responses=error_responses(*COMMON_ERRORS))
 
@@ -75,9 +76,7 @@ def dashboard_progress(
     user: CurrentUser,
     job_id: Annotated[list[JobId], Query(max_length=500, description="jobs of one page of the list")] = [],  # noqa: B006
 ) -> dict[str, Any]:
-    query = select(Job.id, Job.spec).where(Job.id.in_(job_id[:500]))
-    if not user.is_admin:
-        query = query.where(Job.owner == user.name)
+    query = select(Job.id, Job.spec).where(Job.id.in_(job_id[:500]), job_filter(user))
     worlds = {row.id: _world(stored_spec(row.spec)) for row in session.execute(query)}
     return {"items": charts.progress(session, list(worlds), worlds)}
 

@@ -79,7 +79,7 @@ export function jobsPage({ navigate, signal }) {
         h(
           "thead",
           {},
-          h("tr", {}, ["Compare", "Job", "State", "Reason", "Owner", "Priority", "Model", "ZeRO stage", "Workers", "Progress", "Tokens/s", "Age", "Actions"].map((c) => h("th", { scope: "col", text: c }))),
+          h("tr", {}, ["Compare", "Job", "State", "Reason", "Owner", "Team", "Priority", "Model", "ZeRO stage", "Workers", "Progress", "Tokens/s", "Age", "Actions"].map((c) => h("th", { scope: "col", text: c }))),
         ),
         tbody,
       ),
@@ -122,6 +122,7 @@ export function jobsPage({ navigate, signal }) {
       h("td", {}, stateBadge(job.state)),
       h("td", { class: "reason", text: job.reason || "–", title: job.message || null }),
       h("td", { text: job.owner }),
+      h("td", { class: "team", text: job.team || "–" }),
       h("td", { class: "num priority", text: String(job.priority ?? 0) }),
       h("td", { text: modelName(spec) }),
       h("td", { text: String((spec.zero && spec.zero.stage) ?? "auto") }),
@@ -172,7 +173,7 @@ export function jobsPage({ navigate, signal }) {
         tbody,
         page.items.length
           ? page.items.map((job) => row(job, progress[job.id], answer.throughput_field))
-          : h("tr", {}, h("td", { colspan: 12, class: "muted", text: state.filter ? `No ${state.filter} jobs.` : "No jobs yet. Submit one above." })),
+          : h("tr", {}, h("td", { colspan: 14, class: "muted", text: state.filter ? `No ${state.filter} jobs.` : "No jobs yet. Submit one above." })),
       );
       renderPager(page.next_cursor, page.items.length);
       status.textContent = `Updated ${new Date().toLocaleTimeString()}`;
