@@ -24,7 +24,7 @@ from sqlalchemy.orm import Session
 from service import user_metrics
 from service.api.deps import SessionDep, VisibleJob, WorkerJob
 from service.api.errors import error_responses, text_response
-from service.api.sse import STREAM_BATCH, EventStream, Fetch, StreamSlot, poll_rows, resume_after
+from service.api.sse import STREAM_BATCH, EventStream, Fetch, StreamJob, poll_rows, resume_after
 from service.metric_sql import Averaging, execute_overflow_safe
 from service.models import Job, Metric
 from service.schemas import (
@@ -170,14 +170,13 @@ def _metric_rows(make_session, job_id: str, rank: int | None) -> Fetch:
                                        "one `metric` event per record (`id:` its storage id); `end` when "
                                        "the job has ended; a `: keep-alive` comment on an idle stream"),
                        **error_responses(429)})
-async def stream_metrics(job: VisibleJob, _slot: StreamSlot, request: Request, session: SessionDep,
+async def stream_metrics(job: StreamJob, request: Request,
                          after_id: Annotated[int, Query(ge=0, le=MAX_INT64)] = 0,
                          rank: Annotated[int | None, Query(ge=0, le=MAX_INT32)] = None,
                          last_event_id: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
                          ) -> AsyncIterator[ServerSentEvent]:
     """Server-sent events of new metric records; ends once the job is terminal and drained.
     Resumes after ``Last-Event-ID`` (or ``after_id``, whichever is later)."""
-    session.close()  # a stream may last hours: hand the request's connection back to the pool now
     fetch = _metric_rows(request.app.state.sessionmaker, job.id, rank)
     async for event in poll_rows(request, job.id, "metric", fetch, resume_after(after_id, last_event_id)):
         yield event
