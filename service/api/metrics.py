@@ -15,16 +15,17 @@ import math
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Header, Query, Request
+from fastapi import APIRouter, Header, HTTPException, Query, Request
 from fastapi.sse import ServerSentEvent
 from sqlalchemy import Select, func, select, text
 from sqlalchemy.dialects import sqlite
 from sqlalchemy.orm import Session
 
-from service import user_metrics
+from service import chart_series, user_metrics
 from service.api.deps import SessionDep, VisibleJob, WorkerJob
 from service.api.errors import error_responses, text_response
 from service.api.sse import STREAM_BATCH, EventStream, Fetch, StreamJob, poll_rows, resume_after
+from service.chart_series import DEFAULT_POINTS, MAX_POINTS, MIN_POINTS, job_shape
 from service.metric_sql import Averaging, execute_overflow_safe
 from service.models import Job, Metric
 from service.schemas import (
@@ -35,6 +36,7 @@ from service.schemas import (
     IngestResult,
     JobState,
     MetricBatch,
+    MetricChart,
     MetricList,
     MetricPoint,
     MetricRecord,
@@ -137,8 +139,22 @@ def list_metrics(job: VisibleJob, session: SessionDep,
                  limit: Annotated[int, Query(ge=1, le=100_000)] = 10_000,
                  max_points: Annotated[int | None, Query(ge=1, le=100_000,
                                                          description="downsample to about this many steps per rank")] = None,
+                 points: Annotated[int | None, Query(ge=MIN_POINTS, le=MAX_POINTS, description=(
+                     "answer `chart` instead of records: at most this many points per series over all "
+                     "ranks, with each point's min and max (the job page's charts use the default, "
+                     f"{DEFAULT_POINTS})"))] = None,
                  ) -> MetricList:
     filters = {"rank": rank, "attempt": attempt, "step_min": step_min, "step_max": step_max}
+    if points is not None:
+        if max_points is not None or any(value is not None for value in filters.values()) or after_id is not None:
+            raise HTTPException(422, "points: a chart covers the whole job; it takes no max_points, rank, "
+                                     "attempt, step_min, step_max or after_id")
+        steps, world = job_shape(job.spec)
+        chart = chart_series.series(session, job.id, steps, world, points)
+        return MetricList(items=[], downsampled=True, chart=MetricChart(
+            bucket_steps=chart["bucket_steps"], records=chart["records"], step=chart["series"]["step"],
+            mean={name: values for name, values in chart["series"].items() if name != "step"},
+            min=chart["series_min"], max=chart["series_max"]))
     if max_points is not None:
         return MetricList(items=[MetricPoint.model_validate(row) for row in
                                  _downsampled(session, job.id, max_points, **filters)], downsampled=True)
