@@ -6,7 +6,8 @@ fresh database, then:
 * ``rows``    generates the metric rows of one job of ``--ranks`` ranks × ``--steps`` steps
               (2,048,000 by default) with one ``INSERT … SELECT generate_series`` -- directly,
               not through ingest, which is measured on its own below;
-* ``size``    the table's size on disk (``pg_total_relation_size``: heap, indexes, TOAST);
+* ``size``    the tables' size on disk (``pg_total_relation_size``: heap, indexes, TOAST) of
+              the rows (``metrics``) and of their per-step roll-up (``metric_steps``);
 * ``chart``   ``GET /api/v1/jobs/{id}/metrics/chart?max_points=--points`` (what the job page
               draws: per-bucket mean, min and max of every charted field), ``--queries`` times
               after two unmeasured ones: p50 / p99 / max;
@@ -34,8 +35,16 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.service import (ADMIN_URL, SPEC, admin_sql, claim_ingest_tokens, free_port, metric_record,
-                                percentile, start_server)
+from benchmarks.service import (
+    ADMIN_URL,
+    SPEC,
+    admin_sql,
+    claim_ingest_tokens,
+    free_port,
+    metric_record,
+    percentile,
+    start_server,
+)
 
 
 def generate_rows(database_url: str, job_id: str, ranks: int, steps: int) -> float:
@@ -56,15 +65,27 @@ def generate_rows(database_url: str, job_id: str, ranks: int, steps: int) -> flo
             "FROM generate_series(0, %(last)s) AS s, generate_series(0, %(ranks)s - 1) AS r",
             {"job": job_id, "ranks": ranks, "last": steps - 1})
         connection.commit()
-        connection.execute("ANALYZE metrics")
+    from service.db import make_engine, make_sessionmaker
+    from service.metric_ingest import rebuild_rollup
+
+    engine = make_engine(database_url)
+    try:
+        with make_sessionmaker(engine)() as session:  # ingest keeps the roll-up; a bulk load rebuilds it
+            rebuild_rollup(session, job_id)
+            session.commit()
+    finally:
+        engine.dispose()
+    with psycopg.connect(database_url.replace("postgresql+psycopg://", "postgresql://"), autocommit=True) as connection:
+        connection.execute("VACUUM ANALYZE metrics")
+        connection.execute("VACUUM ANALYZE metric_steps")
     return time.perf_counter() - started
 
 
-def table_bytes(database_url: str) -> int:
+def table_bytes(database_url: str, table: str = "metrics") -> int:
     import psycopg
 
     with psycopg.connect(database_url.replace("postgresql+psycopg://", "postgresql://")) as connection:
-        return connection.execute("SELECT pg_total_relation_size('metrics')").fetchone()[0]
+        return connection.execute("SELECT pg_total_relation_size(%s)", (table,)).fetchone()[0]
 
 
 def chart_latencies(base: str, token: str, job_id: str, points: int, queries: int) -> tuple[list[float], dict]:
@@ -120,6 +141,7 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=500, help="records per ingest request")
     parser.add_argument("--ingest-seconds", type=float, default=15.0)
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--keep-database", action="store_true", help="leave the database for EXPLAIN (prints its name)")
     args = parser.parse_args()
 
     database = f"bench_metrics_{uuid.uuid4().hex[:8]}"
@@ -138,7 +160,7 @@ def main() -> int:
             job_id = httpx.post(f"{base}/api/v1/jobs", json=spec, headers=headers, timeout=120).raise_for_status().json()["id"]
             empty = table_bytes(database_url)
             generated_s = generate_rows(database_url, job_id, args.ranks, args.steps)
-            size = table_bytes(database_url)
+            size, rollup = table_bytes(database_url), table_bytes(database_url, "metric_steps")
             took, answer = chart_latencies(base, token, job_id, args.points, args.queries)
             print(f"chart over {args.ranks * args.steps:,} rows ({size / 2**20:.0f} MiB): p50 "
                   f"{statistics.median(took) * 1000:.0f} ms, p99 {percentile(took, 0.99) * 1000:.0f} ms", flush=True)
@@ -151,12 +173,16 @@ def main() -> int:
         if server is not None:
             server.terminate()
             server.wait(30)
-        admin_sql(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
+        if args.keep_database:
+            print(f"kept database {database_url}", flush=True)
+        else:
+            admin_sql(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
 
     result = {
         "rows": args.ranks * args.steps, "ranks": args.ranks, "steps": args.steps,
         "generate_s": round(generated_s, 1),
         "table_bytes_empty": empty, "table_bytes": size, "table_mib": round(size / 2**20, 1),
+        "rollup_bytes": rollup, "rollup_mib": round(rollup / 2**20, 1),
         "chart": {"points": args.points, "queries": len(took), "bucket_steps": answer["bucket_steps"],
                   "points_returned": len(answer["series"]["step"]),
                   "p50_ms": round(statistics.median(took) * 1000, 1),
@@ -166,7 +192,8 @@ def main() -> int:
     table = Table(title=f"metrics at scale: {result['rows']:,} rows ({args.ranks} ranks × {args.steps} steps)")
     for column in ("measure", "value"):
         table.add_column(column)
-    table.add_row("table size on disk", f"{result['table_mib']} MiB")
+    table.add_row("metrics table on disk", f"{result['table_mib']} MiB")
+    table.add_row("metric_steps roll-up on disk", f"{result['rollup_mib']} MiB")
     table.add_row(f"chart, {args.points} points: p50 / p99 / max",
                   f"{result['chart']['p50_ms']} / {result['chart']['p99_ms']} / {result['chart']['max_ms']} ms")
     table.add_row(f"ingest, {args.ingest_ranks} ranks × {args.batch}-record batches",

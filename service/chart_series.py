@@ -3,8 +3,9 @@ SQLite): what the job page's charts draw (``service.dashboard.charts``) and what
 ``GET /jobs/{id}/metrics?points=`` answers.
 
 A job may hold millions of metric records (1,024 ranks × 2,000 steps is 2M); a chart draws at
-most ``max_points`` points per series, so the database does the reduction and ships about that
-many rows:
+most ``max_points`` points per series. It reads the per-step roll-up kept with every ingest
+(``metric_steps``, ``service.metric_ingest``: a few rows per step, however many ranks), and the
+database does the reduction and ships about ``max_points`` rows:
 
 * steps are cut into equal buckets of ``ceil((spec steps + 1) / max_points)`` steps (the job's
   spec bounds the step range, so no extra pass is needed to find it); each bucket becomes one
@@ -14,8 +15,8 @@ many rows:
   (``Across.TOTAL``: tokens/s, TFLOPs) of each record's share times its attempt's world size
   (the record's ``world_size``; the spec's ``num_workers`` for records without one), i.e. the
   job's total -- right for an elastic job's shrunk attempts too -- so a step whose ranks are
-  still arriving does not dip; the means are overflow-safe (``service.metric_sql``) and a mean
-  past the float limit is served as null;
+  still arriving does not dip; on PostgreSQL the roll-up's sums are numeric, so no sum
+  overflows, and a mean past the float limit is served as null;
 * each point also holds the lowest and highest of its bucket's step values (``series_min``,
   ``series_max``), so a spike of one step still shows however long the job;
 * after a restart two attempts may hold the same steps; only then (a bucket mixes attempts)
@@ -27,12 +28,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from sqlalchemy import Select, func, select, text
+from sqlalchemy import Select, func, select
 from sqlalchemy.orm import Session
 
-from contract.metrics import CHARTED_FIELDS
-from service.metric_sql import Averaging, execute_overflow_safe, latest_attempt_per_step
-from service.models import Metric, typed_spec
+from contract.metrics import CHARTED_FIELDS, Across
+from service.metric_sql import latest_attempt_per_step
+from service.models import MetricStep, typed_spec
 
 DEFAULT_POINTS = 1000
 MIN_POINTS, MAX_POINTS = 10, 10_000  # the bounds of a request's ``points`` / ``max_points``
@@ -53,23 +54,26 @@ def short(value: Any) -> float | None:
     return None if value is None or not math.isfinite(value) else float(f"{float(value):.7g}")
 
 
-def _bucketed(averaging: Averaging, source: Any, width: int, world: int, bookkeeping: bool = False) -> Select:
-    """One row per bucket of ``width`` steps over ``source`` (the metrics table or a subquery).
+def _bucketed(source: Any, width: int, world: int, bookkeeping: bool = False) -> Select:
+    """One row per bucket of ``width`` steps over ``source``: roll-up rows (``metric_steps``,
+    all of the job's or a subquery of them).
 
     [Note: two levels, so spikes show] The first level makes one row per step holding, per
-    charted field, the sum and count of the step's shares (``Averaging.share``): the step's
-    point is their quotient. The second cuts steps into buckets: a bucket's ``<field>`` is the
-    mean over all its records (sums over counts, as one level would give), ``min_<field>`` and
-    ``max_<field>`` the lowest and highest of its steps' points, so a one-step spike a mean
-    would flatten still shows as the bucket's envelope. Only the charted fields: every extra
-    column costs an aggregate over every record."""
+    charted field, the sum and count of the step's shares over its parts (for an
+    ``Across.TOTAL`` field the sum times the attempt's world size, or ``world`` for records
+    without one): the step's point is their quotient. The second cuts steps into buckets: a
+    bucket's ``<field>`` is the mean over all its records (sums over counts), ``min_<field>``
+    and ``max_<field>`` the lowest and highest of its steps' points, so a one-step spike a
+    mean would flatten still shows as the bucket's envelope."""
+    world_size = func.coalesce(func.max(source.c.world_size), world)
     per_step = [source.c.step]
     for field in CHARTED_FIELDS:
-        column = source.c[field.name]
-        per_step += [func.sum(averaging.share(field, column, world, source.c.world_size)).label(f"sum_{field.name}"),
-                     func.count(column).label(f"n_{field.name}")]
+        total = func.sum(source.c[f"sum_{field.name}"])
+        if field.across is Across.TOTAL:
+            total = total * world_size
+        per_step += [total.label(f"sum_{field.name}"), func.sum(source.c[f"n_{field.name}"]).label(f"n_{field.name}")]
     if bookkeeping:
-        per_step += [func.count().label("records"), func.max(source.c.id).label("last_id"),
+        per_step += [func.sum(source.c.records).label("records"), func.max(source.c.last_id).label("last_id"),
                      func.min(source.c.attempt).label("min_attempt"), func.max(source.c.attempt).label("max_attempt")]
     steps = select(*per_step).group_by(source.c.step).subquery("per_step")
     columns = [func.max(steps.c.step).label("step")]
@@ -91,19 +95,15 @@ def series(session: Session, job_id: str, steps: int, world: int, max_points: in
     each point's envelope (``series_min``, ``series_max``: its lowest and highest step), and
     whether the job's attempts overlap (``mixed_attempts``: only each step's latest counted)."""
     width = max(1, math.ceil((max(steps, 1) + 1) / max_points))  # steps 0…steps inclusive
-    if session.get_bind().dialect.name == "postgresql":
-        # Grouping 100k records fits in memory with this (the 4 MB default may sort on disk).
-        session.execute(text("SET LOCAL work_mem = '64MB'"))
-    table = Metric.__table__
+    table = MetricStep.__table__
     job_rows = select(table).where(table.c.job_id == job_id).subquery("job_rows")
-    rows = execute_overflow_safe(session, lambda averaging: _bucketed(averaging, job_rows, width, world, True))
-    records = sum(int(row.records) for row in rows)  # a sum of counts: numeric on PostgreSQL
-    last_id = max((row.last_id for row in rows), default=0)
+    rows = session.execute(_bucketed(job_rows, width, world, True)).all()
+    records = sum(int(row.records) for row in rows)  # a sum of sums: numeric on PostgreSQL
+    last_id = max((int(row.last_id) for row in rows), default=0)
     latest_attempt = max((row.max_attempt for row in rows), default=None)
     mixed_attempts = any(row.min_attempt != row.max_attempt for row in rows)
     if mixed_attempts:
-        latest = latest_attempt_per_step(Metric, job_id)
-        rows = execute_overflow_safe(session, lambda averaging: _bucketed(averaging, latest, width, world))
+        rows = session.execute(_bucketed(latest_attempt_per_step(MetricStep, job_id), width, world)).all()
     columns: dict[str, list] = {"step": [row.step for row in rows]}
     lowest: dict[str, list] = {}
     highest: dict[str, list] = {}

@@ -43,16 +43,6 @@ class Averaging:
             return func.avg(cast(column, Numeric), type_=Float)  # read back as a Python float
         return func.avg(column, type_=Float)
 
-    def share(self, field: MetricField, column: Any, world: int, world_size: Any) -> ColumnElement:
-        """One record's part of its step's chart point: the value, or for the fields the table
-        marks ``Across.TOTAL`` the value times its attempt's world size (``world_size``, the
-        records' column; ``world``, the spec's ``num_workers``, for records without one). The
-        mean of the step's shares is the point (``across_ranks``); charts sum them per step."""
-        value = cast(column, Numeric) if self.exact else column
-        if field.across is not Across.TOTAL:
-            return value
-        return value * func.coalesce(world_size, world)
-
     def across_ranks(self, field: MetricField, column: Any, world: int, world_size: Any = None) -> ColumnElement:
         """One chart point from every rank's ``column``: the mean, or the job's total -- each
         record's share times its attempt's world size (``world_size``, the records' column),

@@ -1,7 +1,8 @@
 """The job page's chart keeps a one-step spike visible however many steps a point holds: each
 point carries the lowest and highest of its bucket's step values (``series_min``,
-``series_max``) next to the mean, computed in SQL (service.dashboard.charts) and checked here
-against the same arithmetic in plain Python."""
+``series_max``) next to the mean, computed in SQL from the per-step roll-up ingest keeps
+(service.chart_series, service.metric_ingest) and checked here against the same arithmetic in
+plain Python; the roll-up counts each stored record once, however batches are re-sent."""
 
 from __future__ import annotations
 
@@ -16,10 +17,12 @@ from tests.helpers.service_specs import make_spec
 POINTS = 10  # the spec's 20 steps (0…20) make buckets of 3 steps
 
 
-@pytest.fixture
-def running_job(make_live_service):
-    """A claimed 20-step job of 2 workers (scheduler off) plus a poster for its worker routes."""
-    service = make_live_service(scheduler_enabled=False)
+@pytest.fixture(params=["postgresql", "sqlite"])
+def running_job(request, make_live_service, tmp_path):
+    """A claimed 20-step job of 2 workers (scheduler off) plus a poster for its worker routes,
+    on PostgreSQL and on the embedded SQLite."""
+    database = {"database_url": "", "home": tmp_path / "home"} if request.param == "sqlite" else {}
+    service = make_live_service(scheduler_enabled=False, **database)
     spec = make_spec()
     spec["train"]["steps"] = 20
     job_id = service.client().submit(spec).id
@@ -87,3 +90,39 @@ def test_get_metrics_with_points_answers_the_charts_points_and_bounds_them(runni
         assert refused.status_code == 422 and "points" in refused.text, refused.text
     mixed = user.get("/metrics", params={"points": 100, "rank": 0})
     assert mixed.status_code == 422 and "points" in mixed.json()["detail"], mixed.text
+
+
+def _rollup(session) -> list[tuple]:
+    from sqlalchemy import select
+
+    from service.models import MetricStep
+
+    rows = session.execute(select(MetricStep).order_by(MetricStep.attempt, MetricStep.step, MetricStep.part)).scalars()
+    return [(r.attempt, r.step, r.part, r.records, r.last_id, r.world_size, float(r.sum_loss), r.n_loss,
+             None if r.sum_tokens_per_s is None else float(r.sum_tokens_per_s), r.n_tokens_per_s) for r in rows]
+
+
+def test_the_rollup_counts_every_stored_record_once_whatever_is_resent(running_job):
+    """Overlapping and re-sent batches: the roll-up ingest keeps equals one recomputed from the
+    stored rows, and the chart's record count is the rows'."""
+    from service.metric_ingest import rebuild_rollup
+
+    service, job_id, worker = running_job
+
+    def batch(steps, ranks, attempt=0):
+        return {"records": [{"attempt": attempt, "rank": r, "step": s, "world_size": 2, "loss": s + r / 10,
+                             **({"tokens_per_s": 3.0} if s % 2 else {})} for s in steps for r in ranks]}
+    assert worker.post("/metrics", json=batch(range(0, 10), [0])).json()["accepted"] == 10
+    assert worker.post("/metrics", json=batch(range(5, 15), [0, 17])).json() == {"accepted": 15, "duplicates": 5}
+    assert worker.post("/metrics", json=batch(range(0, 15), [0, 17])).json() == {"accepted": 5, "duplicates": 25}
+    worker.post("/metrics", json=batch(range(12, 16), [1, 33], attempt=1)).raise_for_status()  # one part: 33 % 16
+    with service.app.state.sessionmaker() as session:
+        kept = _rollup(session)
+        rebuild_rollup(session, job_id)
+        assert kept == _rollup(session)
+        session.rollback()
+    assert sum(row[3] for row in kept) == 38
+    assert {row[2] for row in kept} == {0, 1} and max(row[3] for row in kept) == 2  # ranks 1 and 33 summed
+    chart = httpx.get(f"{service.url}/api/v1/jobs/{job_id}/metrics/chart",
+                      headers={"Authorization": f"Bearer {service.admin_token}"}).raise_for_status().json()
+    assert chart["records"] == 38 and chart["latest_attempt"] == 1

@@ -13,7 +13,7 @@ from service.db import make_engine
 from service.models import Base
 
 TABLES = {"jobs", "job_events", "metrics", "checkpoints", "api_tokens", "idempotency_keys", "user_metrics",
-          "user_metric_names", "webhooks", "webhook_deliveries"}
+          "user_metric_names", "webhooks", "webhook_deliveries", "metric_steps"}
 
 
 @pytest.fixture(params=["postgresql", "sqlite"])
