@@ -1,8 +1,8 @@
 """The per-step roll-up of metric records the charts read (``metric_steps``), filled from the
 records already stored.
 
-Revision ID: 0011
-Revises: 0010
+Revision ID: 0013
+Revises: 0012
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = '0011'
-down_revision = '0010'
+revision = '0013'
+down_revision = '0012'
 branch_labels = None
 depends_on = None
 
