@@ -280,7 +280,9 @@ def claim_ingest_tokens(database_url: str, home: Path, count: int) -> list[tuple
     engine = make_engine(database_url)
     try:
         scheduler = Scheduler(make_sessionmaker(engine), launcher=None,  # type: ignore[arg-type]
-                              settings=Settings(home=home, database_url=database_url), claim_batch=count)
+                              settings=Settings(home=home, database_url=database_url,
+                                                cluster_autoscales=True),  # no launcher to ask
+                              claim_batch=count)
         return scheduler.claim()
     finally:
         engine.dispose()

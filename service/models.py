@@ -21,6 +21,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    Numeric,
     String,
     Text,
     TypeDecorator,
@@ -29,7 +30,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from contract.metrics import MAX_USER_METRIC_NAME_CHARS, METRICS
+from contract.metrics import CHARTED_FIELDS, MAX_USER_METRIC_NAME_CHARS, METRICS
 from contract.spec import JobSpec
 
 BigId = BigInteger().with_variant(Integer, "sqlite")  # SQLite autoincrements INTEGER keys only
@@ -148,6 +149,40 @@ class Metric(_metric_columns(), Base):
     time: Mapped[float | None] = mapped_column(Float)
     world_size: Mapped[int | None] = mapped_column(Integer)  # of the attempt's worker group
     # then one nullable column per row of the metric table (_metric_columns)
+
+
+#: A roll-up sum: numeric on PostgreSQL, so no sum of float8 values can overflow (NaN and
+#: infinities included); SQLite's float sum reads inf past the limit.
+RollupSum = Float().with_variant(Numeric(), "postgresql")
+#: Rows of one step are spread over this many parts (rank % parts), so that ranks posting the
+#: same steps at once mostly update different rows (service.metric_ingest).
+METRIC_STEP_PARTS = 16
+
+
+def _metric_step_columns() -> type:
+    """Per charted field (``contract.metrics.CHARTED_FIELDS``): the sum of the part's values
+    and how many of its records reported one (the migration spells them out)."""
+    columns: dict[str, Any] = {}
+    for index, field in enumerate(CHARTED_FIELDS):
+        columns[f"sum_{field.name}"] = mapped_column(RollupSum, nullable=True, sort_order=2 * index + 1)
+        columns[f"n_{field.name}"] = mapped_column(Integer, nullable=False, server_default="0", sort_order=2 * index + 2)
+    return type("_MetricStepColumns", (), columns)
+
+
+class MetricStep(_metric_step_columns(), Base):
+    """The roll-up of one step's metric records (of one attempt, one part of its ranks), kept
+    with every ingest in the same statement: the job page's charts read these, a few rows per
+    step, instead of one row per rank and step (``service.chart_series``)."""
+
+    __tablename__ = "metric_steps"
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    attempt: Mapped[int] = mapped_column(Integer, primary_key=True)
+    step: Mapped[int] = mapped_column(Integer, primary_key=True)
+    part: Mapped[int] = mapped_column(Integer, primary_key=True)
+    records: Mapped[int] = mapped_column(Integer)
+    last_id: Mapped[int] = mapped_column(BigInteger)  # the newest metric row counted
+    world_size: Mapped[int | None] = mapped_column(Integer)  # of the attempt's worker group
 
 
 class UserMetricName(Base):

@@ -180,9 +180,24 @@ class MetricPoint(MetricRecord):
     id: int | None = None
 
 
+class MetricChart(BaseModel):
+    """A job's metrics as at most ``points`` points per series, downsampled in SQL
+    (``service.chart_series``): per bucket of ``bucket_steps`` steps, each charted field's mean
+    over the bucket's records (the job's total for tokens/s and TFLOPs: each record's share ×
+    its attempt's world size) and the lowest and highest of its steps' values."""
+
+    bucket_steps: int
+    records: int = Field(description="the metric records the points summarise")
+    step: list[int] = Field(description="each point's last step")
+    mean: dict[str, list[float | None]] = Field(description="per charted field, aligned with `step`")
+    min: dict[str, list[float | None]] = Field(description="per charted field: the bucket's lowest step value")
+    max: dict[str, list[float | None]] = Field(description="per charted field: the bucket's highest step value")
+
+
 class MetricList(BaseModel):
     items: list[MetricPoint]
     downsampled: bool = False
+    chart: MetricChart | None = Field(default=None, description="with `points` only (then `items` is empty)")
 
 
 # --------------------------------------------------------------------------- workers and checkpoints

@@ -8,7 +8,10 @@ could open. Now:
 - each user holds at most ``max_per_user`` open streams; one more is refused with 429;
 - every stream's database poll runs under one small ``CapacityLimiter`` of its own
   (``poll_threads``), so all streams together use at most that many threads and database
-  connections, whatever their number; ordinary requests keep the default pool.
+  connections, whatever their number; ordinary requests keep the default pool;
+- a stream's open (token, job, slot) runs under the same limiter, in one short turn with a
+  session of its own (``service.api.sse``): 150 opens in the same instant used to take every
+  thread and connection of the default pool for 15 s.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from service.api.deps import CurrentUser, LauncherDep, SessionDep, SettingsDep, 
 from service.api.errors import error_responses, text_response
 from service.api.links import links_for
 from service.api.plan import NO_PLAN_RESPONSES, no_plan_response
-from service.api.sse import STREAM_BATCH, EventStream, Fetch, StreamSlot, poll_rows, resume_after
+from service.api.sse import STREAM_BATCH, EventStream, Fetch, StreamJob, poll_rows, resume_after
 from service.launchers.base import LaunchHandle
 from service.log_ranks import rank_lines
 from service.log_text import plain_log
@@ -163,13 +163,12 @@ def _event_rows(make_session, job_id: str) -> Fetch:
                                        "one `job_event` event per state change (`id:` the event's id); `end` "
                                        "when the job has ended; a `: keep-alive` comment on an idle stream"),
                        **error_responses(429)})
-async def stream_job_events(job: VisibleJob, _slot: StreamSlot, request: Request, session: SessionDep,
+async def stream_job_events(job: StreamJob, request: Request,
                             after_id: Annotated[int, Query(ge=0, le=MAX_INT64)] = 0,
                             last_event_id: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
                             ) -> AsyncIterator[ServerSentEvent]:
     """Server-sent events of the job's state changes; ends once the job is terminal and drained.
     Resumes after ``Last-Event-ID`` (or ``after_id``, whichever is later)."""
-    session.close()  # a stream may last hours: hand the request's connection back to the pool now
     fetch = _event_rows(request.app.state.sessionmaker, job.id)
     async for event in poll_rows(request, job.id, "job_event", fetch, resume_after(after_id, last_event_id)):
         yield event

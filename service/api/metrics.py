@@ -1,8 +1,8 @@
 """Training metrics: batched idempotent ingest from workers, queries, and a live SSE stream
 (``service.api.sse``).
 
-Ingest relies on the unique (job, attempt, rank, step) key with ``ON CONFLICT DO NOTHING``, so
-a batch re-sent after a timeout is counted as duplicates and changes nothing. Queries can be
+Ingest (``service.metric_ingest``) relies on the unique (job, attempt, rank, step) key, so a
+batch re-sent after a timeout is counted as duplicates and changes nothing. Queries can be
 downsampled server-side (``max_points``): steps are cut into equal buckets and each bucket
 becomes one point per rank holding the mean of every metric (overflow-safe: ``service.metric_sql``).
 A record's ``user`` object (scalars the job's code reported) is stored and read back by
@@ -15,16 +15,23 @@ import math
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Header, Query, Request
+from fastapi import APIRouter, Header, HTTPException, Query, Request
 from fastapi.sse import ServerSentEvent
-from sqlalchemy import Select, func, select, text
-from sqlalchemy.dialects import sqlite
+from sqlalchemy import Select, func, select
 from sqlalchemy.orm import Session
 
-from service import user_metrics
+from service import chart_series, metric_ingest, user_metrics
 from service.api.deps import SessionDep, VisibleJob, WorkerJob
 from service.api.errors import error_responses, text_response
-from service.api.sse import STREAM_BATCH, EventStream, Fetch, StreamSlot, poll_rows, resume_after
+from service.api.sse import (
+    STREAM_BATCH,
+    EventStream,
+    Fetch,
+    StreamJob,
+    poll_rows,
+    resume_after,
+)
+from service.chart_series import DEFAULT_POINTS, MAX_POINTS, MIN_POINTS, job_shape
 from service.metric_sql import Averaging, execute_overflow_safe
 from service.models import Job, Metric
 from service.schemas import (
@@ -35,9 +42,9 @@ from service.schemas import (
     IngestResult,
     JobState,
     MetricBatch,
+    MetricChart,
     MetricList,
     MetricPoint,
-    MetricRecord,
 )
 
 router = APIRouter(prefix="/jobs", tags=["metrics"])
@@ -47,51 +54,11 @@ router = APIRouter(prefix="/jobs", tags=["metrics"])
 def ingest_metrics(batch: MetricBatch, job: WorkerJob, request: Request, session: SessionDep) -> IngestResult:
     if not batch.records:
         return IngestResult(accepted=0, duplicates=0)
-    insert_new = _insert_new_postgresql if session.get_bind().dialect.name == "postgresql" else _insert_new_sqlite
-    accepted = insert_new(session, job.id, batch.records)
+    accepted = metric_ingest.insert_new(session, job.id, batch.records)
     user_metrics.store(session, job.id, batch.records)
     session.commit()
     request.app.state.service_metrics.metric_points.inc(accepted)
     return IngestResult(accepted=accepted, duplicates=len(batch.records) - accepted)
-
-
-# One statement per batch: each column travels as one array parameter and ``unnest`` turns the
-# arrays back into rows (in order, so ids follow the batch); ``rowcount`` is the number of rows
-# inserted, conflicts (re-sent records, also inside one batch) excluded. Measured on 10,000
-# records (2 busy cores): ``insert().on_conflict_do_nothing().returning()`` 6.5 s (insertmanyvalues
-# sends 1,000-row statements and reads every id back); this statement with Python lists as
-# parameters 0.7 s, half of it psycopg quoting 190,000 elements one by one; with each array
-# written as one PostgreSQL array literal here (numbers only: validated ints and floats) 0.3 s.
-_STORED_COLUMNS = ("attempt", "rank", "step", "time", "world_size", *METRIC_FIELDS)
-_INT_COLUMNS = frozenset({"attempt", "rank", "step", "world_size"})
-_QUOTED_COLUMNS = ", ".join('"%s"' % name for name in _STORED_COLUMNS)  # "rank", "time" are keywords
-_PG_INSERT = text(
-    f"INSERT INTO metrics (job_id, {_QUOTED_COLUMNS}) "
-    f"SELECT CAST(:job_id AS text), * FROM unnest("
-    + ", ".join(f"CAST(:{name} AS {'int4' if name in _INT_COLUMNS else 'float8'}[])" for name in _STORED_COLUMNS)
-    + ") ON CONFLICT DO NOTHING"
-)
-
-
-def _array_literal(values: list[Any], number: type) -> str:
-    """``{1.5,NULL,inf}``: ``repr`` of a float round-trips exactly, and PostgreSQL reads
-    ``inf``/``nan`` as float8; ``number`` (int or float) makes sure nothing else gets in."""
-    return "{" + ",".join("NULL" if value is None else repr(number(value)) for value in values) + "}"
-
-
-def _insert_new_postgresql(session: Session, job_id: str, records: list[MetricRecord]) -> int:
-    """Insert ``records`` for ``job_id`` ignoring ones already stored; return how many were new."""
-    columns = {name: _array_literal([getattr(record, name) for record in records],
-                                    int if name in _INT_COLUMNS else float)
-               for name in _STORED_COLUMNS}
-    return session.execute(_PG_INSERT, {"job_id": job_id, **columns}).rowcount
-
-
-def _insert_new_sqlite(session: Session, job_id: str, records: list[MetricRecord]) -> int:
-    """The embedded database: small batches, so the portable form is fast enough."""
-    rows = [{**record.model_dump(exclude={"user"}), "job_id": job_id} for record in records]
-    statement = sqlite.insert(Metric).on_conflict_do_nothing().returning(Metric.id)
-    return len(session.execute(statement, rows).all())
 
 
 def _filtered(query: Select, job_id: str, rank: int | None, attempt: int | None,
@@ -137,8 +104,22 @@ def list_metrics(job: VisibleJob, session: SessionDep,
                  limit: Annotated[int, Query(ge=1, le=100_000)] = 10_000,
                  max_points: Annotated[int | None, Query(ge=1, le=100_000,
                                                          description="downsample to about this many steps per rank")] = None,
+                 points: Annotated[int | None, Query(ge=MIN_POINTS, le=MAX_POINTS, description=(
+                     "answer `chart` instead of records: at most this many points per series over all "
+                     "ranks, with each point's min and max (the job page's charts use the default, "
+                     f"{DEFAULT_POINTS})"))] = None,
                  ) -> MetricList:
     filters = {"rank": rank, "attempt": attempt, "step_min": step_min, "step_max": step_max}
+    if points is not None:
+        if max_points is not None or any(value is not None for value in filters.values()) or after_id is not None:
+            raise HTTPException(422, "points: a chart covers the whole job; it takes no max_points, rank, "
+                                     "attempt, step_min, step_max or after_id")
+        steps, world = job_shape(job.spec)
+        chart = chart_series.series(session, job.id, steps, world, points)
+        return MetricList(items=[], downsampled=True, chart=MetricChart(
+            bucket_steps=chart["bucket_steps"], records=chart["records"], step=chart["series"]["step"],
+            mean={name: values for name, values in chart["series"].items() if name != "step"},
+            min=chart["series_min"], max=chart["series_max"]))
     if max_points is not None:
         return MetricList(items=[MetricPoint.model_validate(row) for row in
                                  _downsampled(session, job.id, max_points, **filters)], downsampled=True)
@@ -170,14 +151,13 @@ def _metric_rows(make_session, job_id: str, rank: int | None) -> Fetch:
                                        "one `metric` event per record (`id:` its storage id); `end` when "
                                        "the job has ended; a `: keep-alive` comment on an idle stream"),
                        **error_responses(429)})
-async def stream_metrics(job: VisibleJob, _slot: StreamSlot, request: Request, session: SessionDep,
+async def stream_metrics(job: StreamJob, request: Request,
                          after_id: Annotated[int, Query(ge=0, le=MAX_INT64)] = 0,
                          rank: Annotated[int | None, Query(ge=0, le=MAX_INT32)] = None,
                          last_event_id: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
                          ) -> AsyncIterator[ServerSentEvent]:
     """Server-sent events of new metric records; ends once the job is terminal and drained.
     Resumes after ``Last-Event-ID`` (or ``after_id``, whichever is later)."""
-    session.close()  # a stream may last hours: hand the request's connection back to the pool now
     fetch = _metric_rows(request.app.state.sessionmaker, job.id, rank)
     async for event in poll_rows(request, job.id, "metric", fetch, resume_after(after_id, last_event_id)):
         yield event

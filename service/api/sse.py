@@ -14,14 +14,15 @@ import asyncio
 import json
 import re
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from typing import Annotated
 
 import anyio
 from fastapi import Depends, Request
 from fastapi.sse import EventSourceResponse, ServerSentEvent
 
-from service.api.deps import CurrentUser, VisibleJob
+from service.api.deps import JOB_ID_PATH, bearer_token, current_user, visible_job
+from service.models import Job
 from service.schemas import SSE_KEEPALIVE_S
 
 IDLE_POLL_S = 2.0  # longest wait between polls of a stream that receives nothing
@@ -51,17 +52,38 @@ def resume_after(after_id: int, last_event_id: str | None) -> int:
     return after_id
 
 
-def _stream_slot(job: VisibleJob, user: CurrentUser, request: Request) -> Iterator[None]:
-    """Hold one of the user's stream slots for as long as the response lasts (429 past the
-    bound: service.stream_slots). Depends on the job so that a 404 comes before a 429."""
-    release = request.app.state.stream_slots.take(user.name)
+def _admit(request: Request, job_id: str) -> tuple[Job, Callable[[], None]]:
+    """The stream's job and one of its user's slots (the release): the token checked, the job
+    visible to its user (404 otherwise), then the slot (429 past the bound), in that order."""
+    with request.app.state.sessionmaker() as session:
+        user = current_user(request, session)
+        job = visible_job(session, user, job_id)
+    return job, request.app.state.stream_slots.take(user.name)
+
+
+async def _stream_job(request: Request, job_id: str = JOB_ID_PATH) -> AsyncIterator[Job]:
+    """Open a stream: its job, with one of its user's stream slots held for as long as the
+    response lasts (service.stream_slots).
+
+    [Note: a burst of opens stays among the streams] 150 streams opened at once used to hold
+    another user's ``GET /jobs`` for 15 s and answer most opens 503: every open ran four sync
+    dependencies (session, user, job, slot) in the default thread pool, each a separate turn,
+    holding a pooled connection from the first to the handler. Requests holding connections
+    waited for threads while threads waited for connections (``db_pool_timeout_s``). Here an
+    open is one short turn in the streams' own ``CapacityLimiter``, with a session of its own
+    closed before the stream starts: a burst queues behind ``stream_poll_threads`` threads and
+    connections, and everyone else's requests keep the default pool and the rest of the
+    connections."""
+    bearer_token(request)  # a missing token is a 401 before any thread or connection is taken
+    slots = request.app.state.stream_slots
+    job, release = await anyio.to_thread.run_sync(_admit, request, job_id, limiter=slots.limiter)
     try:
-        yield
+        yield job
     finally:
         release()
 
 
-StreamSlot = Annotated[None, Depends(_stream_slot)]
+StreamJob = Annotated[Job, Depends(_stream_job)]
 
 
 async def poll_rows(request: Request, job_id: str, event: str, fetch: Fetch,

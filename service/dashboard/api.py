@@ -25,6 +25,7 @@ from contract.metrics import THROUGHPUT, aggregation, chart_list
 from contract.spec import JobSpec
 from service.api.deps import CurrentUser, SessionDep, VisibleJob
 from service.api.errors import COMMON_ERRORS, error_responses
+from service.chart_series import DEFAULT_POINTS, MAX_POINTS, MIN_POINTS
 from service.dashboard import charts
 from service.dashboard.prediction import predict, stored_spec
 from service.dashboard.schemas import ChartOut, ProgressOut, WhoAmI
@@ -33,7 +34,6 @@ from service.teams import job_filter
 
 router = APIRouter(prefix="/api/v1", tags=["dashboard"], responses=error_responses(*COMMON_ERRORS))
 
-DEFAULT_MAX_POINTS = 1000
 CHART_LIST, AGGREGATION = chart_list(), aggregation()  # the same for every job
 JobId = Annotated[str, StringConstraints(min_length=1, max_length=40, pattern=r"^[A-Za-z0-9._-]+$")]
 
@@ -51,7 +51,7 @@ def _steps(spec: JobSpec | None) -> int:
 def job_metrics_chart(
     job: VisibleJob,
     session: SessionDep,
-    max_points: Annotated[int, Query(ge=10, le=10_000)] = DEFAULT_MAX_POINTS,
+    max_points: Annotated[int, Query(ge=MIN_POINTS, le=MAX_POINTS)] = DEFAULT_POINTS,
 ) -> JSONResponse:
     """Plain JSON of plain numbers: no response model to validate ~10,000 floats against."""
     checkpoint_stage = session.execute(

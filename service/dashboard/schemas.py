@@ -97,6 +97,11 @@ class ChartOut(BaseModel):
     latest_attempt: int | None
     bucket_steps: int
     series: ChartSeries
+    series_min: dict[str, list[float | None]] = Field(
+        description="per field of `series` (step excluded): the lowest of the steps' points in each point's bucket")
+    series_max: dict[str, list[float | None]] = Field(
+        description="per field of `series` (step excluded): the highest of the steps' points in each point's "
+        "bucket; with `series_min`, the envelope that keeps a one-step spike visible")
     user_metrics: UserSeries
     charts: list[ChartSpec] = Field(description="the charts the page draws from `series`, in page order")
     aggregation: dict[str, Literal["mean", "total"]] = Field(

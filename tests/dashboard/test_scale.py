@@ -32,6 +32,16 @@ def copy_metrics(database_url: str, job_id: str, records: list[dict]) -> None:
             for record in records:
                 copy.write_row([job_id, *(record.get(name) for name in columns[1:])])
         connection.execute("ANALYZE metrics")
+    from service.db import make_engine, make_sessionmaker
+    from service.metric_ingest import rebuild_rollup
+
+    engine = make_engine(database_url)
+    try:
+        with make_sessionmaker(engine)() as session:  # ingest keeps the charts' roll-up; COPY does not
+            rebuild_rollup(session, job_id)
+            session.commit()
+    finally:
+        engine.dispose()
 
 
 def _record(name: str, result: dict) -> None:

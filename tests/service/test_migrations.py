@@ -13,7 +13,8 @@ from service.db import make_engine
 from service.models import Base
 
 TABLES = {"jobs", "job_events", "metrics", "checkpoints", "api_tokens", "idempotency_keys", "user_metrics",
-          "user_metric_names", "webhooks", "webhook_deliveries", "leader_lease", "teams", "team_members"}
+          "user_metric_names", "webhooks", "webhook_deliveries", "leader_lease", "teams", "team_members",
+          "metric_steps"}
 
 
 @pytest.fixture(params=["postgresql", "sqlite"])

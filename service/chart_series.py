@@ -1,0 +1,123 @@
+"""A job's metrics as a fixed number of points per series, downsampled in SQL (PostgreSQL and
+SQLite): what the job page's charts draw (``service.dashboard.charts``) and what
+``GET /jobs/{id}/metrics?points=`` answers.
+
+A job may hold millions of metric records (1,024 ranks × 2,000 steps is 2M); a chart draws at
+most ``max_points`` points per series. It reads the per-step roll-up kept with every ingest
+(``metric_steps``, ``service.metric_ingest``: a few rows per step, however many ranks), and the
+database does the reduction and ships about ``max_points`` rows:
+
+* steps are cut into equal buckets of ``ceil((spec steps + 1) / max_points)`` steps (the job's
+  spec bounds the step range, so no extra pass is needed to find it); each bucket becomes one
+  point at its last step;
+* a point holds the fields the metric table charts (``contract.metrics.CHARTED_FIELDS``): the
+  mean over the bucket's records, for the fields each rank reports its own share of
+  (``Across.TOTAL``: tokens/s, TFLOPs) of each record's share times its attempt's world size
+  (the record's ``world_size``; the spec's ``num_workers`` for records without one), i.e. the
+  job's total -- right for an elastic job's shrunk attempts too -- so a step whose ranks are
+  still arriving does not dip; on PostgreSQL the roll-up's sums are numeric, so no sum
+  overflows, and a mean past the float limit is served as null;
+* each point also holds the lowest and highest of its bucket's step values (``series_min``,
+  ``series_max``), so a spike of one step still shows however long the job;
+* after a restart two attempts may hold the same steps; only then (a bucket mixes attempts)
+  a second, slower query keeps each step's latest attempt before bucketing.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from sqlalchemy import Select, func, select
+from sqlalchemy.orm import Session
+
+from contract.metrics import CHARTED_FIELDS, Across
+from service.metric_sql import latest_attempt_per_step
+from service.models import MetricStep, typed_spec
+
+DEFAULT_POINTS = 1000
+MIN_POINTS, MAX_POINTS = 10, 10_000  # the bounds of a request's ``points`` / ``max_points``
+
+
+def job_shape(spec_json: dict[str, Any]) -> tuple[int, int]:
+    """(train steps, num_workers) of a job row's spec; (1, 1) when it no longer validates."""
+    try:
+        spec = typed_spec(spec_json)
+    except ValueError:
+        return 1, 1
+    return spec.train.steps, spec.resources.num_workers
+
+
+def short(value: Any) -> float | None:
+    """Seven significant digits: a chart cannot show more, and the answer halves in size.
+    NaN and infinities (a total past the float limit) are not JSON: they become null."""
+    return None if value is None or not math.isfinite(value) else float(f"{float(value):.7g}")
+
+
+def _bucketed(source: Any, width: int, world: int, bookkeeping: bool = False) -> Select:
+    """One row per bucket of ``width`` steps over ``source``: roll-up rows (``metric_steps``,
+    all of the job's or a subquery of them).
+
+    [Note: two levels, so spikes show] The first level makes one row per step holding, per
+    charted field, the sum and count of the step's shares over its parts (for an
+    ``Across.TOTAL`` field the sum times the attempt's world size, or ``world`` for records
+    without one): the step's point is their quotient. The second cuts steps into buckets: a
+    bucket's ``<field>`` is the mean over all its records (sums over counts), ``min_<field>``
+    and ``max_<field>`` the lowest and highest of its steps' points, so a one-step spike a
+    mean would flatten still shows as the bucket's envelope."""
+    world_size = func.coalesce(func.max(source.c.world_size), world)
+    per_step = [source.c.step]
+    for field in CHARTED_FIELDS:
+        total = func.sum(source.c[f"sum_{field.name}"])
+        if field.across is Across.TOTAL:
+            total = total * world_size
+        per_step += [total.label(f"sum_{field.name}"), func.sum(source.c[f"n_{field.name}"]).label(f"n_{field.name}")]
+    if bookkeeping:
+        per_step += [func.sum(source.c.records).label("records"), func.max(source.c.last_id).label("last_id"),
+                     func.min(source.c.attempt).label("min_attempt"), func.max(source.c.attempt).label("max_attempt")]
+    steps = select(*per_step).group_by(source.c.step).subquery("per_step")
+    columns = [func.max(steps.c.step).label("step")]
+    for field in CHARTED_FIELDS:
+        total, count = steps.c[f"sum_{field.name}"], steps.c[f"n_{field.name}"]
+        point = total / func.nullif(count, 0)
+        columns += [(func.sum(total) / func.nullif(func.sum(count), 0)).label(field.name),
+                    func.min(point).label(f"min_{field.name}"), func.max(point).label(f"max_{field.name}")]
+    if bookkeeping:
+        columns += [func.sum(steps.c.records).label("records"), func.max(steps.c.last_id).label("last_id"),
+                    func.min(steps.c.min_attempt).label("min_attempt"),
+                    func.max(steps.c.max_attempt).label("max_attempt")]
+    bucket = steps.c.step // width  # `//`: integer division on every dialect
+    return select(*columns).group_by(bucket).order_by(bucket)
+
+
+def series(session: Session, job_id: str, steps: int, world: int, max_points: int) -> dict[str, Any]:
+    """Columnar ``{"step": [...], "<field>": [...]}`` with about ``max_points`` points at most,
+    each point's envelope (``series_min``, ``series_max``: its lowest and highest step), and
+    whether the job's attempts overlap (``mixed_attempts``: only each step's latest counted)."""
+    width = max(1, math.ceil((max(steps, 1) + 1) / max_points))  # steps 0…steps inclusive
+    table = MetricStep.__table__
+    job_rows = select(table).where(table.c.job_id == job_id).subquery("job_rows")
+    rows = session.execute(_bucketed(job_rows, width, world, True)).all()
+    records = sum(int(row.records) for row in rows)  # a sum of sums: numeric on PostgreSQL
+    last_id = max((int(row.last_id) for row in rows), default=0)
+    latest_attempt = max((row.max_attempt for row in rows), default=None)
+    mixed_attempts = any(row.min_attempt != row.max_attempt for row in rows)
+    if mixed_attempts:
+        rows = session.execute(_bucketed(latest_attempt_per_step(MetricStep, job_id), width, world)).all()
+    columns: dict[str, list] = {"step": [row.step for row in rows]}
+    lowest: dict[str, list] = {}
+    highest: dict[str, list] = {}
+    for field in CHARTED_FIELDS:
+        columns[field.name] = [short(row._mapping[field.name]) for row in rows]
+        lowest[field.name] = [short(row._mapping[f"min_{field.name}"]) for row in rows]
+        highest[field.name] = [short(row._mapping[f"max_{field.name}"]) for row in rows]
+    return {
+        "records": records,
+        "last_id": last_id,
+        "latest_attempt": latest_attempt,
+        "bucket_steps": width,
+        "series": columns,
+        "series_min": lowest,
+        "series_max": highest,
+        "mixed_attempts": mixed_attempts,
+    }

@@ -1,0 +1,135 @@
+"""Storing a batch of metric records: the rows, and the per-step roll-up the charts read.
+
+Ingest relies on the unique (job, attempt, rank, step) key with ``ON CONFLICT DO NOTHING``, so
+a batch re-sent after a timeout is counted as duplicates and changes nothing. Only the rows
+actually inserted are added to ``metric_steps`` (``service.models.MetricStep``): one row per
+(attempt, step, part of the ranks) holding per charted field the sum of the values and how
+many records had one. The roll-up is written in the same transaction as the rows -- on
+PostgreSQL in the same statement -- so it counts every stored record exactly once, a re-sent
+batch included, and a chart never sees a row its roll-up lacks.
+
+[Note: parts, and locks taken in step order]
+Ranks post the same steps at about the same time. Were a step one roll-up row, every rank's
+batch would wait for the previous one's commit to update it; a step's rows are spread over
+``METRIC_STEP_PARTS`` parts (rank % parts) and each statement updates its rows in
+(attempt, step, part) order, so two batches never wait for each other in a circle.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+from sqlalchemy import func, text
+from sqlalchemy.dialects import sqlite
+from sqlalchemy.orm import Session
+
+from contract.metrics import CHARTED_FIELDS
+from service.models import METRIC_STEP_PARTS, Metric, MetricStep
+from service.schemas import METRIC_FIELDS, MetricRecord
+
+# One statement per batch: each column travels as one array parameter and ``unnest`` turns the
+# arrays back into rows (in order, so ids follow the batch). Each array is written as one
+# PostgreSQL array literal (numbers only: validated ints and floats), much faster than psycopg
+# quoting every element of a Python list.
+_STORED_COLUMNS = ("attempt", "rank", "step", "time", "world_size", *METRIC_FIELDS)
+_INT_COLUMNS = frozenset({"attempt", "rank", "step", "world_size"})
+_QUOTED_COLUMNS = ", ".join(f'"{name}"' for name in _STORED_COLUMNS)  # "rank", "time" are keywords
+_CHARTED = tuple(field.name for field in CHARTED_FIELDS)
+_ROLLUP_COLUMNS = ", ".join(f"sum_{name}, n_{name}" for name in _CHARTED)
+_PG_INSERT = text(
+    "WITH new AS ("
+    f"INSERT INTO metrics (job_id, {_QUOTED_COLUMNS}) "
+    "SELECT CAST(:job_id AS text), * FROM unnest("
+    + ", ".join(f"CAST(:{name} AS {'int4' if name in _INT_COLUMNS else 'float8'}[])" for name in _STORED_COLUMNS)
+    + ") ON CONFLICT DO NOTHING "
+    f'RETURNING id, attempt, "rank", step, world_size, {", ".join(_CHARTED)}), '
+    "rolled AS ("
+    f"INSERT INTO metric_steps (job_id, attempt, step, part, records, last_id, world_size, {_ROLLUP_COLUMNS}) "
+    f'SELECT CAST(:job_id AS text), attempt, step, "rank" % {METRIC_STEP_PARTS}, COUNT(*), MAX(id), MAX(world_size), '
+    + ", ".join(f"SUM(CAST({name} AS numeric)), COUNT({name})" for name in _CHARTED)
+    + f' FROM new GROUP BY attempt, step, "rank" % {METRIC_STEP_PARTS} ORDER BY 2, 3, 4 '
+    "ON CONFLICT (job_id, attempt, step, part) DO UPDATE SET "
+    "records = metric_steps.records + excluded.records, "
+    "last_id = GREATEST(metric_steps.last_id, excluded.last_id), "
+    "world_size = GREATEST(metric_steps.world_size, excluded.world_size), "
+    + ", ".join(f"sum_{name} = COALESCE(metric_steps.sum_{name}, 0) + COALESCE(excluded.sum_{name}, 0), "
+                f"n_{name} = metric_steps.n_{name} + excluded.n_{name}" for name in _CHARTED)
+    + ") SELECT COUNT(*) FROM new"
+)
+
+
+def _array_literal(values: list[Any], number: type) -> str:
+    """``{1.5,NULL,inf}``: ``repr`` of a float round-trips exactly, and PostgreSQL reads
+    ``inf``/``nan`` as float8; ``number`` (int or float) makes sure nothing else gets in."""
+    return "{" + ",".join("NULL" if value is None else repr(number(value)) for value in values) + "}"
+
+
+def insert_new(session: Session, job_id: str, records: list[MetricRecord]) -> int:
+    """Insert ``records`` for ``job_id`` (and their roll-up), ignoring ones already stored;
+    return how many were new."""
+    if session.get_bind().dialect.name == "postgresql":
+        columns = {name: _array_literal([getattr(record, name) for record in records],
+                                        int if name in _INT_COLUMNS else float)
+                   for name in _STORED_COLUMNS}
+        return session.execute(_PG_INSERT, {"job_id": job_id, **columns}).scalar_one()
+    return _insert_new_sqlite(session, job_id, records)
+
+
+def _insert_new_sqlite(session: Session, job_id: str, records: list[MetricRecord]) -> int:
+    """The embedded database: small batches, so the portable form is fast enough; the roll-up
+    is summed here from the rows the insert returned."""
+    rows = [{**record.model_dump(exclude={"user"}), "job_id": job_id} for record in records]
+    statement = sqlite.insert(Metric).on_conflict_do_nothing().returning(
+        Metric.id, Metric.attempt, Metric.rank, Metric.step, Metric.world_size,
+        *(getattr(Metric, name) for name in _CHARTED))
+    new = session.execute(statement, rows).all()
+    parts: dict[tuple[int, int, int], dict[str, Any]] = defaultdict(
+        lambda: {"records": 0, "last_id": 0, "world_size": None,
+                 **{f"sum_{name}": None for name in _CHARTED}, **{f"n_{name}": 0 for name in _CHARTED}})
+    for row in new:
+        part = parts[(row.attempt, row.step, row.rank % METRIC_STEP_PARTS)]
+        part["records"] += 1
+        part["last_id"] = max(part["last_id"], row.id)
+        if row.world_size is not None:
+            part["world_size"] = max(part["world_size"] or 0, row.world_size)
+        for name in _CHARTED:
+            value = getattr(row, name)
+            if value is not None:
+                part[f"sum_{name}"] = (part[f"sum_{name}"] or 0.0) + value
+                part[f"n_{name}"] += 1
+    if parts:
+        table = MetricStep.__table__
+        upsert = sqlite.insert(MetricStep)
+        upsert = upsert.on_conflict_do_update(index_elements=["job_id", "attempt", "step", "part"], set_={
+            "records": table.c.records + upsert.excluded.records,
+            "last_id": _greatest(table.c.last_id, upsert.excluded.last_id),
+            "world_size": _greatest(table.c.world_size, upsert.excluded.world_size),
+            **{f"sum_{name}": _plus(table.c[f"sum_{name}"], upsert.excluded[f"sum_{name}"]) for name in _CHARTED},
+            **{f"n_{name}": table.c[f"n_{name}"] + upsert.excluded[f"n_{name}"] for name in _CHARTED},
+        })
+        session.execute(upsert, [{"job_id": job_id, "attempt": attempt, "step": step, "part": part, **values}
+                                 for (attempt, step, part), values in sorted(parts.items())])
+    return len(new)
+
+
+def _greatest(a: Any, b: Any) -> Any:
+    """The larger, or either one when the other is null (SQLite's ``max(a, b)`` is null then)."""
+    return func.coalesce(func.max(a, b), a, b)
+
+
+def _plus(a: Any, b: Any) -> Any:
+    return func.coalesce(a, 0.0) + func.coalesce(b, 0.0)
+
+
+def rebuild_rollup(session: Session, job_id: str) -> None:
+    """Recompute ``job_id``'s roll-up from its stored rows: for rows written around ingest
+    (a bulk load with COPY, a benchmark's generated job)."""
+    number = "numeric" if session.get_bind().dialect.name == "postgresql" else "real"
+    session.execute(text("DELETE FROM metric_steps WHERE job_id = :job_id"), {"job_id": job_id})
+    session.execute(text(
+        f"INSERT INTO metric_steps (job_id, attempt, step, part, records, last_id, world_size, {_ROLLUP_COLUMNS}) "
+        f'SELECT job_id, attempt, step, "rank" % {METRIC_STEP_PARTS}, COUNT(*), MAX(id), MAX(world_size), '
+        + ", ".join(f"SUM(CAST({name} AS {number})), COUNT({name})" for name in _CHARTED)
+        + f' FROM metrics WHERE job_id = :job_id GROUP BY job_id, attempt, step, "rank" % {METRIC_STEP_PARTS}'),
+        {"job_id": job_id})
