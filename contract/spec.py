@@ -326,6 +326,9 @@ class JobSpec(SpecModel):
     priority: int = Field(default=0, ge=MIN_PRIORITY, le=MAX_PRIORITY, description=(
         "higher starts first; equal priorities start in submission order. Above the service's "
         "max_user_priority only admins may submit"))
+    preemptible: bool = Field(default=True, description=(
+        "whether a higher-priority job may stop this one at a checkpoint boundary to take its "
+        "workers (it then queues again and resumes from that checkpoint); false: admins only"))
     resume_from: ResumeFrom | None = None
     max_runtime_s: int | None = Field(default=None, ge=1, le=MAX_INT32)
     runtime: RuntimeSpec | None = None

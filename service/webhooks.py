@@ -36,9 +36,11 @@ from contract.webhooks import (
     DELIVERY_HEADER,
     EVENT_FOR_STATE,
     EVENT_HEADER,
+    PREEMPTED_EVENT,
     SIGNATURE_HEADER,
     SIGNATURE_PREFIX,
 )
+from contract.reasons import Reason
 from service.models import Job, Webhook, WebhookDelivery, utcnow
 from service.poll_loop import PollLoop
 from service.settings import Settings
@@ -78,8 +80,9 @@ def enqueue(session: Session, job: Job, event: str) -> int:
 
 
 def enqueue_transition(session: Session, job: Job) -> None:
-    """``enqueue`` the event a job's new state announces, if it announces one."""
-    event = EVENT_FOR_STATE.get(job.state)
+    """``enqueue`` the event a job's new state announces, if it announces one (a job queued
+    again because it was preempted announces ``job.preempted``)."""
+    event = PREEMPTED_EVENT if job.reason == Reason.PREEMPTED else EVENT_FOR_STATE.get(job.state)
     if event is not None:
         enqueue(session, job, event)
 
