@@ -261,7 +261,7 @@ class WorkerPreemptionOut(BaseModel):
 
     requested: bool
     for_job: str | None = None  # the job it makes room for
-    grace_left_s: float | None = None  # of ZEROTRAIN_PREEMPT_GRACE_S, since it was asked
+    grace_left_s: float | None = None  # of the preempt_grace_s setting, since it was asked
 
 
 class WorkerPreemptedIn(BaseModel):

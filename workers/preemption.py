@@ -8,7 +8,7 @@ one broadcast of one integer), so they all stop after the same step:
 
 - a step that saved a checkpoint: stop there;
 - otherwise, when the next boundary (the next ``checkpoint.every_steps`` multiple) is further
-  away than the grace left (``ZEROTRAIN_PREEMPT_GRACE_S`` since the request, at the mean step
+  away than the grace left (the control plane's ``preempt_grace_s`` since the request, at the mean step
   time so far): save a checkpoint at this step and stop;
 - when the next boundary is the run's last step, the job is let finish if that fits the grace
   (finishing frees the workers as well); else, as above, it saves now.
