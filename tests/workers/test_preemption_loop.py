@@ -87,3 +87,18 @@ def test_with_no_grace_left_the_ranks_checkpoint_at_once(make_live_service, tmp_
     assert stopped == first[1]["preempted_at"] and 0 < stopped < STEPS
     assert committed_steps(Storage.at(f"{storage}/{job_id}/checkpoints")) == [stopped]
     assert service.client().get(job_id).reason == "preempted"
+
+
+def test_when_the_ranks_stop():
+    from workers.preemption import decide, next_boundary
+
+    assert next_boundary(7, 5, 60) == 10 and next_boundary(10, 5, 60) == 15 and next_boundary(58, 5, 60) == 60
+    assert next_boundary(3, None, 8) == 8
+    # not asked: never; asked: at a step that saved, or now when the boundary is beyond the grace
+    assert not decide(7, False, None, 1.0, 5, 60)
+    assert decide(10, True, 100.0, 1.0, 5, 60)
+    assert not decide(7, False, 100.0, 1.0, 5, 60)  # 3 steps of 1 s to the boundary: train on to it
+    assert decide(7, False, 2.5, 1.0, 5, 60)  # 3 s to the boundary, 2.5 s left: checkpoint now
+    assert decide(7, False, 0.0, 0.01, 5, 60)
+    assert not decide(58, False, 10.0, 1.0, 5, 60)  # the run ends within the grace: let it finish
+    assert not decide(60, True, 0.0, 1.0, 5, 60)  # the last step: it has finished
