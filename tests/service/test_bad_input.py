@@ -149,6 +149,7 @@ BAD_SPECS: list[tuple[str, dict]] = [
     ("max_failures", with_value("max_failures", -1)),
     ("priority", with_value("priority", 1001)),
     ("priority", with_value("priority", "high")),
+    ("preemptible", with_value("preemptible", "no")),
     ("resume_from.job_id", with_value("resume_from", {"job_id": "no such/id"})),
     ("resume_from.step", with_value("resume_from", {"job_id": "job-1", "step": -3})),
     ("max_runtime_s", with_value("max_runtime_s", 0)),
