@@ -171,7 +171,7 @@ class Scheduler:
         head = preemption.blocked_head(queued, decision)
         if head is None:
             return
-        starting = {job_id for job_id in decision.start[:self.claim_batch]}
+        starting = set(decision.start[:self.claim_batch])
         used = sum((runner.candidate.demand for runner in runners), admission.NOTHING)
         used = sum((job.demand for job, _ in queued if job.job_id in starting), used)
         victims = preemption.choose_victims(head[0], head[1], runners, capacity, used)

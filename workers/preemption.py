@@ -24,7 +24,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,9 +40,9 @@ class PreemptionWatch:
     monotonic time it came, kept by a daemon thread; errors are logged and polled again."""
 
     def __init__(self, fetch: Callable[[], dict[str, Any]], poll_s: float = POLL_S,
-                 on_close: Optional[Callable[[], Any]] = None):
+                 on_close: Callable[[], Any] | None = None):
         self.fetch, self.poll_s, self.on_close = fetch, poll_s, on_close
-        self._latest: Optional[tuple[dict[str, Any], float]] = None
+        self._latest: tuple[dict[str, Any], float] | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="zerotrain-preemption-watch", daemon=True)
         self._thread.start()
@@ -55,7 +56,7 @@ class PreemptionWatch:
                 log.warning("could not ask whether the job is preempted: %s", error)
             self._stop.wait(self.poll_s)
 
-    def grace_left_s(self) -> Optional[float]:
+    def grace_left_s(self) -> float | None:
         """Seconds left to stop in, counted from the control plane's answer; None: not asked."""
         latest = self._latest
         if latest is None or not latest[0].get("requested"):
@@ -63,7 +64,7 @@ class PreemptionWatch:
         answer, at = latest
         return float(answer.get("grace_left_s") or 0.0) - (time.monotonic() - at)
 
-    def for_job(self) -> Optional[str]:
+    def for_job(self) -> str | None:
         latest = self._latest
         return None if latest is None else latest[0].get("for_job")
 
@@ -74,15 +75,15 @@ class PreemptionWatch:
             self.on_close()
 
 
-def next_boundary(step: int, every_steps: Optional[int], total_steps: int) -> int:
+def next_boundary(step: int, every_steps: int | None, total_steps: int) -> int:
     """The next step after ``step`` that saves a checkpoint (the last step always does)."""
     if not every_steps:
         return total_steps
     return min(total_steps, (step // every_steps + 1) * every_steps)
 
 
-def decide(step: int, saved: bool, grace_left_s: Optional[float], mean_step_s: float,
-           every_steps: Optional[int], total_steps: int) -> bool:
+def decide(step: int, saved: bool, grace_left_s: float | None, mean_step_s: float,
+           every_steps: int | None, total_steps: int) -> bool:
     """Whether to stop after completed ``step`` (saving now when ``saved`` is False)."""
     if grace_left_s is None or step >= total_steps:
         return False
@@ -95,8 +96,8 @@ class PreemptGate:
     """Every rank's gate, called after each step's record is handed over (the module note).
     ``watch`` is rank 0's ``PreemptionWatch`` (None on the other ranks)."""
 
-    def __init__(self, *, rank: int, device: torch.device, watch: Optional[PreemptionWatch],
-                 every_steps: Optional[int], total_steps: int):
+    def __init__(self, *, rank: int, device: torch.device, watch: PreemptionWatch | None,
+                 every_steps: int | None, total_steps: int):
         self.rank, self.device, self.watch = rank, device, watch
         self.every_steps, self.total_steps = every_steps, total_steps
         self._step_s_total, self._steps = 0.0, 0
@@ -114,7 +115,7 @@ class PreemptGate:
             dist.broadcast(value, src=0)
         return bool(value.item())
 
-    def for_job(self) -> Optional[str]:
+    def for_job(self) -> str | None:
         return None if self.watch is None else self.watch.for_job()
 
     def close(self) -> None:

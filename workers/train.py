@@ -376,8 +376,8 @@ def train_loop(config: LoopConfig, context: RunContext | None = None) -> dict[st
         raise RuntimeError(f"{unsent} metric records could not be delivered to the control plane")
     if preempted_at is None:  # a preempted attempt's peak is not the run's
         report_measured_memory(config, world, attempt, {**engine.step_memory(), **peak.report()})
-    summary = {"preempted_at": preempted_at, "rank": world.rank, "attempt": attempt, "losses": losses, "memory": engine.step_memory(),
-               "comm_volume": engine.comm_volume(), "stage": engine.config.stage,
+    summary = {"rank": world.rank, "attempt": attempt, "losses": losses, "memory": engine.step_memory(),
+               "preempted_at": preempted_at, "comm_volume": engine.comm_volume(), "stage": engine.config.stage,
                "group_lrs": [group["lr"] for group in engine.optimizer.param_groups]}
     # Only on the way out of a run that succeeded: close() is collective (a barrier), and after a
     # training error a peer may be gone -- the error propagates untouched, as it always did.

@@ -16,7 +16,6 @@ from service.models import Job, JobEvent, Webhook, WebhookDelivery
 from service.preemption import Runner, choose_victims
 from service.schemas import JobState
 from service.states import transition
-
 from tests.helpers.service_specs import FAKE_DRIVER, make_spec
 
 

@@ -20,10 +20,9 @@ from service.models import Job, utcnow
 from service.schemas import JobState
 from storage.manifest import committed_steps
 from storage.storage import Storage
+from tests.workers.checkpoint.test_train_hook import REPO, SPEC, STEPS
 from workers.loop_config import LoopConfig
 from workers.train import run_local
-
-from tests.workers.checkpoint.test_train_hook import REPO, SPEC, STEPS
 
 
 def preemptible_spec(every_steps: int) -> dict:
