@@ -1,8 +1,8 @@
 """Preemption (``service.preemption``): the job a running job was asked to make room for, and
 when it was asked.
 
-Revision ID: 0011
-Revises: 0010
+Revision ID: 0014
+Revises: 0013
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = '0011'
-down_revision = '0010'
+revision = '0014'
+down_revision = '0013'
 branch_labels = None
 depends_on = None
 
