@@ -29,6 +29,8 @@ class Reason:
     CHECKPOINT_FAILED = "checkpoint_failed"
     WORKERS_RESIZED = "workers_resized"  # an elastic job's worker group now runs at another size
     DEEPSPEED_CONFIG = "deepspeed_config"  # a notice at submit: what a deepspeed block left aside
+    PREEMPTION_REQUESTED = "preemption_requested"  # a notice: asked to stop at a checkpoint for a job
+    PREEMPTED = "preempted"  # stopped at a checkpoint for a higher-priority job; queued again
     OFFLOAD_DISK_FULL = "offload_disk_full"  # zero.nvme_path's filesystem cannot hold the swap files
 
 

@@ -329,6 +329,9 @@ class JobSpec(SpecModel):
     team: str | None = Field(default=None, pattern=SLUG_PATTERN, description=(
         "the team the job belongs to: its members see it, its maintainers may cancel it; "
         "submitting needs the member role (docs/contracts.md, Teams)"))
+    preemptible: bool = Field(default=True, description=(
+        "whether a higher-priority job may stop this one at a checkpoint boundary to take its "
+        "workers (it then queues again and resumes from that checkpoint); false: admins only"))
     resume_from: ResumeFrom | None = None
     max_runtime_s: int | None = Field(default=None, ge=1, le=MAX_INT32)
     runtime: RuntimeSpec | None = None

@@ -89,6 +89,9 @@ class Job(Base):
     # service.tensorboard: the highest step in the job's event files; a finished job's files complete
     tensorboard_step: Mapped[int | None] = mapped_column(Integer)
     tensorboard_done: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    # service.preemption: the job this running job was asked to make room for, and when
+    preempt_for: Mapped[str | None] = mapped_column(String(40))
+    preempt_requested_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
     @property
     def job_spec(self) -> JobSpec:

@@ -35,12 +35,13 @@ import threading
 import time
 import uuid
 from datetime import timedelta
+from typing import Any
 
 from sqlalchemy import select, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from contract.reasons import Reason
-from service import admission, tensorboard
+from service import admission, preemption, tensorboard
 from service.auth import INGEST_TOKEN_PREFIX, hash_token, new_token
 from service.code_package_retention import delete_unused_packages
 from service.launchers.base import (
@@ -157,10 +158,14 @@ class Scheduler:
             if not queued:
                 return claimed
             running = session.execute(
-                select(Job.id, Job.owner, Job.spec).where(Job.state.in_([state.value for state in HOLDING_STATES]))
+                select(Job.id, Job.owner, Job.spec, Job.state, Job.priority, Job.pk, Job.preempt_for)
+                .where(Job.state.in_([state.value for state in HOLDING_STATES]))
             ).all()
-            decision = admission.decide([_candidate(job.id, job.owner, job.spec) for job in queued],
-                                        [_candidate(*row) for row in running], admission.cluster_capacity(self.launcher, self.settings), self.limits)
+            capacity = admission.cluster_capacity(self.launcher, self.settings)
+            candidates = [_candidate(job.id, job.owner, job.spec) for job in queued]
+            runners = [_runner(row) for row in running]
+            decision = admission.decide(candidates, [runner.candidate for runner in runners], capacity, self.limits)
+            self._preempt(session, list(zip(candidates, [job.priority for job in queued])), runners, decision, capacity)
             for job in queued:
                 waiting = decision.waiting.get(job.id)
                 if waiting is not None:
@@ -176,6 +181,20 @@ class Scheduler:
                 claimed.append((job_id, token))
             self.lease.commit(session)
         return claimed
+
+    def _preempt(self, session: Session, queued: list[tuple[admission.Candidate, int]],
+                 runners: list[preemption.Runner], decision: admission.Decision, capacity: admission.Capacity) -> None:
+        """Ask lower-priority running jobs to make room for the head of the queue when it does
+        not fit (``service.preemption``); the jobs admitted in this pass count as used."""
+        head = preemption.blocked_head(queued, decision)
+        if head is None:
+            return
+        starting = set(decision.start[:self.claim_batch])
+        used = sum((runner.candidate.demand for runner in runners), admission.NOTHING)
+        used = sum((job.demand for job, _ in queued if job.job_id in starting), used)
+        victims = preemption.choose_victims(head[0], head[1], runners, capacity, used)
+        for job_id in preemption.request(session, victims, head[0].job_id):
+            log.info("asked job %s to make room for job %s", job_id, head[0].job_id)
 
     def launch(self, job_id: str, ingest_token: str) -> None:
         with self.make_session() as session:
@@ -325,6 +344,13 @@ class Scheduler:
 def replica_identity() -> str:
     """This process's name as a replica: the host, the process id and a random part."""
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+def _runner(row: Any) -> preemption.Runner:
+    """A holding job as preemption sees it: only a RUNNING job with a ``preemptible`` spec may be asked."""
+    candidate = _candidate(row.id, row.owner, row.spec)
+    preemptible = row.state == S.RUNNING.value and bool(row.spec.get("preemptible", True))
+    return preemption.Runner(candidate, row.priority, row.pk, preemptible, row.preempt_for)
 
 
 def _candidate(job_id: str, owner: str, spec: dict) -> admission.Candidate:

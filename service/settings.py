@@ -69,6 +69,9 @@ class Settings(BaseSettings):
     max_workers_per_job: int = Field(default=4096, ge=1)  # larger jobs are refused at submit
     max_queued_jobs_per_user: int | None = Field(default=1000, ge=1)  # more are refused (429) at submit
     max_user_priority: int = 0  # the highest spec priority a non-admin may submit (admins: any)
+    # Preemption (service.preemption): a running job asked to make room stops at its next
+    # checkpoint, or checkpoints at once when that boundary is further away than this.
+    preempt_grace_s: float = Field(default=120.0, ge=0)
     # A package of the user's code (runtime.working_dir from a local folder), zipped: the
     # upload's body limit (service.code_packages); the global max_body_bytes does not apply to it.
     max_code_package_bytes: int = Field(default=MAX_PACKAGE_BYTES, ge=1024)

@@ -27,8 +27,9 @@ S = JobState
 ALLOWED: dict[JobState, frozenset[JobState]] = {
     S.QUEUED: frozenset({S.STARTING, S.CANCELLED, S.FAILED}),
     S.STARTING: frozenset({S.RUNNING, S.RESTARTING, S.SUCCEEDED, S.FAILED, S.CANCELLING}),
-    S.RUNNING: frozenset({S.RESTARTING, S.SUCCEEDED, S.FAILED, S.CANCELLING}),
-    S.RESTARTING: frozenset({S.RESTARTING, S.RUNNING, S.SUCCEEDED, S.FAILED, S.CANCELLING}),
+    # → QUEUED: preempted at a checkpoint for a higher-priority job (service.preemption)
+    S.RUNNING: frozenset({S.RESTARTING, S.SUCCEEDED, S.FAILED, S.CANCELLING, S.QUEUED}),
+    S.RESTARTING: frozenset({S.RESTARTING, S.RUNNING, S.SUCCEEDED, S.FAILED, S.CANCELLING, S.QUEUED}),
     S.CANCELLING: frozenset({S.CANCELLED}),
     S.SUCCEEDED: frozenset(),
     S.FAILED: frozenset(),

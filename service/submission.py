@@ -129,6 +129,9 @@ def check_admissible(spec: JobSpec, user: Principal, session: Session, settings:
         raise field_error("priority", f"priority {spec.priority} is above {settings.max_user_priority}, the "
                           f"highest this service lets a non-admin use ({env_var('max_user_priority')})",
                           "priority_not_allowed")
+    if not spec.preemptible and not user.is_admin:
+        raise field_error("preemptible", "preemptible: false (a job no higher priority may stop) is for "
+                          "admins only", "preemptible_not_allowed")
     refusal = admission.refusal_at_submit(admission.demand_of(spec), admission.cluster_capacity(launcher, settings),
                                           settings.max_workers_per_job, least=admission.least_demand_of(spec))
     if refusal is not None:

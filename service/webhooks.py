@@ -34,10 +34,12 @@ import httpx
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
+from contract.reasons import Reason
 from contract.webhooks import (
     DELIVERY_HEADER,
     EVENT_FOR_STATE,
     EVENT_HEADER,
+    PREEMPTED_EVENT,
     SIGNATURE_HEADER,
     SIGNATURE_PREFIX,
 )
@@ -81,8 +83,9 @@ def enqueue(session: Session, job: Job, event: str) -> int:
 
 
 def enqueue_transition(session: Session, job: Job) -> None:
-    """``enqueue`` the event a job's new state announces, if it announces one."""
-    event = EVENT_FOR_STATE.get(job.state)
+    """``enqueue`` the event a job's new state announces, if it announces one (a job queued
+    again because it was preempted announces ``job.preempted``)."""
+    event = PREEMPTED_EVENT if job.reason == Reason.PREEMPTED else EVENT_FOR_STATE.get(job.state)
     if event is not None:
         enqueue(session, job, event)
 

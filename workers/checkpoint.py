@@ -216,6 +216,11 @@ class TrainCheckpointHook:
             return 0.0
         return self.manager.save(step, engine, loader, final=last)
 
+    def save_now(self, step: int, engine: Any, loader: Any) -> float:
+        """Save at ``step`` though it is not due (a preemption); ``finish()`` waits for the commit.
+        Nothing changes the engine's tensors before then, so no host copy is taken."""
+        return self.manager.save(step, engine, loader, final=True)
+
     def finish(self) -> float:
         """Wait for the run's last checkpoint (its product: a failure to commit it fails the
         attempt); return the seconds waited."""

@@ -24,6 +24,8 @@ import sys
 import traceback
 from typing import Any
 
+import httpx
+
 from contract.environment import API_URL_ENV, INGEST_TOKEN_ENV, JOB_ID_ENV, STORAGE_URI_ENV
 from contract.job_states import JobState
 from contract.spec import JobSpec
@@ -88,11 +90,25 @@ def run(job_id: str, api_url: str, runtime: Runtime | None = None) -> int:
         except (JobNotActive, ConnectionError) as refused:
             log.warning("could not report FAILED: %s", refused)
         return 1
+    if _queued_again(api):
+        log.info("job %s: preempted; it resumes from its checkpoint when admitted again", job_id)
+        return 0
     try:
         api.post_state(JobState.SUCCEEDED, message="training finished")
     except JobNotActive as refused:  # cancelled in the last second: the cancel wins
         log.warning("could not report SUCCEEDED: %s", refused)
     return 0
+
+
+def _queued_again(api: WorkerAPI) -> bool:
+    """Whether the job went back to the queue while this driver ran (its workers stopped for a
+    higher-priority job: workers.preemption): then this attempt has no final state to report."""
+    try:
+        return api.get_spec()["state"] == JobState.QUEUED.value
+    except httpx.HTTPStatusError as error:  # 401: claimed again meanwhile (a new ingest token), or ended
+        return error.response.status_code == 401
+    except ConnectionError:  # the report below retries and says so
+        return False
 
 
 def main(argv: list[str] | None = None) -> int:

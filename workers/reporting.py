@@ -173,6 +173,23 @@ class WorkerAPI:
                                       f"reporting the resize {from_workers} -> {to_workers}", deadline_s)
         response.raise_for_status()
 
+    def get_preemption(self, deadline_s: float = 30.0) -> dict[str, Any]:
+        """``{"requested", "for_job", "grace_left_s"}``: whether the job is asked to make room
+        (service.preemption); polled by rank 0 (workers.preemption)."""
+        response = self._with_retries(lambda: self.http.get(f"{self.base}/worker/preemption"),
+                                      "asking whether the job is preempted", deadline_s)
+        response.raise_for_status()
+        return response.json()
+
+    def post_preempted(self, step: int, deadline_s: float = 120.0) -> None:
+        """The ranks stopped after committing the checkpoint of ``step``: the job queues again;
+        idempotent. Raises ``JobNotActive`` when the control plane refuses it (409/401)."""
+        response = self._with_retries(lambda: self.http.post(f"{self.base}/worker/preempted", json={"step": step}),
+                                      f"reporting the preemption at step {step}", deadline_s)
+        if response.status_code in (401, 409):
+            raise JobNotActive(f"control plane refused the preemption: {response.text}")
+        response.raise_for_status()
+
     def get_spec(self, deadline_s: float = 120.0) -> dict[str, Any]:
         """``{"job_id", "attempt", "state", "spec", "storage_uri"}``."""
         response = self._with_retries(lambda: self.request("GET", "/worker/spec"), "fetching the job spec",

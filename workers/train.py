@@ -90,6 +90,11 @@ class CheckpointHook(Protocol):
         training was blocked. The save is committed in the background."""
         ...
 
+    def save_now(self, step: int, engine: ZeroEngine, loader: ShardedBatchLoader) -> float:
+        """Save after completed ``step`` whether due or not (a preemption: ``workers.preemption``);
+        ``finish()`` then waits for its commit."""
+        ...
+
     def finish(self) -> float:
         """After the step's record is reported: wait for the save in flight to commit (the run's
         last; or, mid-run, the checkpoint a resize parks at: ``resize_at_checkpoint``)."""
@@ -104,6 +109,9 @@ class NoCheckpoints:
         return 0
 
     def maybe_save(self, step: int, engine: ZeroEngine, loader: ShardedBatchLoader) -> float:
+        return 0.0
+
+    def save_now(self, step: int, engine: ZeroEngine, loader: ShardedBatchLoader) -> float:
         return 0.0
 
     def finish(self) -> float:
@@ -284,6 +292,9 @@ def train_loop(config: LoopConfig, context: RunContext | None = None) -> dict[st
         map_large_blocks()
     reporter = MetricReporter(api.post_metrics) if api is not None else None
     checkpoints = make_checkpoint_hook(spec, config, api, reporter)
+    # a job with checkpoints stops at one when a higher-priority job needs its workers
+    preempt = make_preempt_gate(spec, config, world, token) if api is not None and spec.preemptible \
+        and not isinstance(checkpoints, NoCheckpoints) else None
     peak = PeakMemoryMeter(world.device)  # the job's peak, part by part, as the planner predicts it
     peak.start()  # what the process held before the model is not the job's
     torch.manual_seed(train.seed)
@@ -317,6 +328,7 @@ def train_loop(config: LoopConfig, context: RunContext | None = None) -> dict[st
     accumulation = loader.accumulation_steps
     token_weighted = spec.model.factory is None  # the loop's own loss (workers/loss.py), not the factory's
     losses: list[float] = []
+    preempted_at: int | None = None
     try:
         while step < total_steps:
             lr = lr_at(step, lr=train.lr, warmup_steps=train.warmup_steps, total_steps=total_steps,
@@ -364,24 +376,55 @@ def train_loop(config: LoopConfig, context: RunContext | None = None) -> dict[st
                 print(progress_line(record, total_steps, world.world_size), flush=True)
             if resize_gate is not None and blocked and step < total_steps:
                 resize_gate.at_checkpoint(step, wait_commit=checkpoints.finish)
+            if preempt is not None and preempt.should_stop(step, saved=bool(blocked), step_time_s=step_time):
+                preempted_at = stop_for_preemption(step, bool(blocked), preempt, checkpoints, engine, loader,
+                                                   world, api)
+                break
         if checkpoints.finish():  # the last save, committed once its step's record is delivered
             peak.lap("checkpoint")
     finally:
         loader.close()
+        if preempt is not None:
+            preempt.close()
         unsent = sum(sink.close(timeout_s=120.0) for sink in sinks)
         if api is not None:
             api.close()
     if unsent:
         raise RuntimeError(f"{unsent} metric records could not be delivered to the control plane")
-    measured = {**engine.step_memory(), **peak.report()}
-    report_measured_memory(config, world, attempt, measured)
+    if preempted_at is None:  # a preempted attempt's peak is not the run's
+        report_measured_memory(config, world, attempt, {**engine.step_memory(), **peak.report()})
     summary = {"rank": world.rank, "attempt": attempt, "losses": losses, "memory": engine.step_memory(),
-               "comm_volume": engine.comm_volume(), "stage": engine.config.stage,
+               "preempted_at": preempted_at, "comm_volume": engine.comm_volume(), "stage": engine.config.stage,
                "group_lrs": [group["lr"] for group in engine.optimizer.param_groups]}
     # Only on the way out of a run that succeeded: close() is collective (a barrier), and after a
     # training error a peer may be gone -- the error propagates untouched, as it always did.
     engine.close()
     return summary
+
+
+def make_preempt_gate(spec: JobSpec, config: LoopConfig, world: World, token: str) -> Any:
+    """This rank's ``workers.preemption.PreemptGate``; rank 0's polls the control plane."""
+    from workers.preemption import PreemptGate, PreemptionWatch
+
+    watch = None
+    if world.rank == 0:
+        poller = WorkerAPI(config.api_url, config.job_id, token)
+        watch = PreemptionWatch(poller.get_preemption, on_close=poller.close)
+    return PreemptGate(rank=world.rank, device=world.device, watch=watch,
+                       every_steps=spec.checkpoint.every_steps, total_steps=spec.train.steps)
+
+
+def stop_for_preemption(step: int, saved: bool, preempt: Any, checkpoints: CheckpointHook, engine: ZeroEngine,
+                        loader: ShardedBatchLoader, world: World, api: WorkerAPI) -> int:
+    """Every rank: save at ``step`` unless it just did, wait for the commit; rank 0 reports the
+    job preempted (it queues again). Returns ``step``."""
+    if not saved:
+        checkpoints.save_now(step, engine, loader)
+    checkpoints.finish()
+    if world.rank == 0:
+        print(f"preempted at the checkpoint of step {step} to make room for job {preempt.for_job()}", flush=True)
+        api.post_preempted(step)
+    return step
 
 
 def report_measured_memory(config: LoopConfig, world: World, attempt: int, measured: dict[str, float]) -> None:

@@ -24,10 +24,13 @@ from service.schemas import (
     JobOut,
     JobState,
     StorageCredentialsOut,
+    WorkerPreemptedIn,
+    WorkerPreemptionOut,
     WorkerResizeIn,
     WorkerSpecOut,
     WorkerStateIn,
 )
+from service.preemption import grace_left_s
 from service.settings import Settings
 from service.states import IllegalTransition, Reason, record_notice, transition
 from service.storage_policy import UnsafeUri, check_registered_checkpoint
@@ -134,6 +137,42 @@ def report_worker_group_resized(resize: WorkerResizeIn, job: WorkerJob, session:
                           f"worker group resized from {resize.from_workers} to {resize.to_workers} workers")
     session.commit()
     return event
+
+
+@router.get("/preemption", response_model=WorkerPreemptionOut, name="get_worker_preemption")
+def get_worker_preemption(job: WorkerJob, settings: SettingsDep) -> WorkerPreemptionOut:
+    """Whether this job is asked to make room for a higher-priority one (service.preemption);
+    its rank 0 polls this while it trains (workers.preemption)."""
+    left = grace_left_s(job, settings.preempt_grace_s)
+    return WorkerPreemptionOut(requested=left is not None, for_job=job.preempt_for, grace_left_s=left)
+
+
+@router.post("/preempted", status_code=201, response_model=EventOut, name="report_worker_preempted",
+             responses=error_responses(409))
+def report_worker_preempted(stopped: WorkerPreemptedIn, job: WorkerJob, session: SessionDep) -> JobEvent:
+    """The ranks of a job asked to make room stopped after committing the checkpoint of
+    ``step``: the job is QUEUED again (reason ``preempted``, naming the job it made room for),
+    its attempt is not counted as a failure, and it resumes from that checkpoint when admitted.
+    Idempotent: a retried report answers the same event."""
+    if job.state == JobState.QUEUED.value and job.reason == Reason.PREEMPTED:
+        return _latest_event(session, job.id)
+    if job.preempt_for is None:
+        raise HTTPException(409, f"job {job.id} was not asked to make room for another job")
+    message = f"stopped at the checkpoint of step {stopped.step} to make room for job {job.preempt_for}"
+    try:
+        transition(session, job.id, JobState.QUEUED, reason=Reason.PREEMPTED, message=message,
+                   expected={JobState.RUNNING, JobState.RESTARTING},
+                   values={"preempt_for": None, "preempt_requested_at": None, "launch_handle": None,
+                           "claimed_by": None})
+    except IllegalTransition as refused:
+        raise HTTPException(409, str(refused)) from None
+    session.commit()
+    return _latest_event(session, job.id)
+
+
+def _latest_event(session: SessionDep, job_id: str) -> JobEvent:
+    return session.execute(select(JobEvent).where(JobEvent.job_id == job_id)
+                           .order_by(JobEvent.id.desc()).limit(1)).scalar_one()
 
 
 @router.delete("/checkpoints/{step}", status_code=204, name="forget_checkpoint")

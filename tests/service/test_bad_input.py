@@ -151,6 +151,7 @@ BAD_SPECS: list[tuple[str, dict]] = [
     ("priority", with_value("priority", "high")),
     ("team", with_value("team", "no spaces allowed")),
     ("team", with_value("team", 7)),
+    ("preemptible", with_value("preemptible", "no")),
     ("resume_from.job_id", with_value("resume_from", {"job_id": "no such/id"})),
     ("resume_from.step", with_value("resume_from", {"job_id": "job-1", "step": -3})),
     ("max_runtime_s", with_value("max_runtime_s", 0)),

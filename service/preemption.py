@@ -1,0 +1,115 @@
+"""Preemption: which running jobs make room for a queued job of higher priority, and asking them.
+
+When admission (``service.admission``) finds that the job at the head of the queue does not fit
+what the running jobs leave free, and lower-priority running jobs hold enough of what it lacks,
+the admitter asks the fewest and lowest of them to stop. Asking writes ``jobs.preempt_for`` (the
+job it makes room for) and ``jobs.preempt_requested_at`` and a ``preemption_requested`` notice;
+the job's rank 0 reads it through ``GET /jobs/{id}/worker/preemption`` (``workers.preemption``),
+the ranks agree on a step, stop after committing a checkpoint there and report
+``POST /jobs/{id}/worker/preempted``: the job moves RUNNING → QUEUED with reason ``preempted``
+(``job.preempted`` webhook) and later resumes from that checkpoint like any restarted attempt.
+
+[Note: the choice]
+- Only RUNNING jobs whose spec is ``preemptible`` and whose priority is strictly lower than the
+  blocked job's are candidates: equal priority never preempts (first come, first served there).
+- Jobs already asked to make room count as free: no more are asked while they leave.
+- The fewest jobs whose demand, freed, lets the blocked job start (``Candidate.to_start``); among
+  sets of that size, the one with the lowest priorities (its highest priority first, then the
+  next); ties go to the most recently submitted. If even every candidate freed would not be
+  enough, nobody is asked: stopping them would gain nothing.
+- A capacity the launcher cannot tell (``Capacity()``) never preempts: nothing is known to lack.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import combinations
+
+from sqlalchemy import update
+from sqlalchemy.orm import Session
+
+from contract.job_states import JobState
+from contract.reasons import Reason
+from service.admission import NOTHING, Candidate, Capacity, Decision, Demand
+from service.models import Job, utcnow
+from service.states import load_job, record_notice
+
+MAX_CONSIDERED = 12  # the lowest this many candidates are searched exhaustively (2**12 subsets)
+
+
+@dataclass(frozen=True)
+class Runner:
+    """A job holding workers, as preemption sees it."""
+
+    candidate: Candidate
+    priority: int
+    order: int  # submission order (jobs.pk): ties go to the newest
+    preemptible: bool = True  # its spec's ``preemptible`` and it is RUNNING (it can checkpoint)
+    asked_for: str | None = None  # already asked to make room for this job
+
+
+def _fits(job: Candidate, capacity: Capacity, used: Demand) -> bool:
+    return capacity.minus(used).shortfall(job.to_start) is None
+
+
+def _minus(used: Demand, freed: Demand) -> Demand:
+    return Demand(used.workers - freed.workers, used.cpus - freed.cpus, used.gpus - freed.gpus)
+
+
+def choose_victims(blocked: Candidate, priority: int, running: list[Runner], capacity: Capacity,
+                   used: Demand) -> list[str]:
+    """The ids of the running jobs to ask to make room for ``blocked`` (of ``priority``), given
+    that the cluster's ``used`` includes every runner; [] when none should be (the note above)."""
+    if _fits(blocked, capacity, used):
+        return []
+    leaving = sum((r.candidate.demand for r in running if r.asked_for is not None), NOTHING)
+    used = _minus(used, leaving)
+    if _fits(blocked, capacity, used):
+        return []  # the jobs already asked free enough once they are gone
+    eligible = sorted((r for r in running if r.asked_for is None and r.preemptible and r.priority < priority),
+                      key=lambda r: (r.priority, -r.order))[:MAX_CONSIDERED]
+    for size in range(1, len(eligible) + 1):
+        best: tuple[tuple[int, ...], tuple[Runner, ...]] | None = None
+        for chosen in combinations(eligible, size):
+            freed = sum((r.candidate.demand for r in chosen), NOTHING)
+            if not _fits(blocked, capacity, _minus(used, freed)):
+                continue
+            key = tuple(sorted((r.priority for r in chosen), reverse=True))
+            if best is None or key < best[0]:
+                best = (key, chosen)
+        if best is not None:
+            return [r.candidate.job_id for r in best[1]]
+    return []
+
+
+def blocked_head(queued: list[tuple[Candidate, int]], decision: Decision) -> tuple[Candidate, int] | None:
+    """The first queued job (with its priority) that waits because it does not fit the cluster:
+    the one every job behind it waits for, and the only one preemption makes room for."""
+    for job, priority in queued:
+        waiting = decision.waiting.get(job.job_id)
+        if waiting is not None and waiting.reason == Reason.INSUFFICIENT_RESOURCES:
+            return job, priority
+    return None
+
+
+def request(session: Session, victims: list[str], for_job: str) -> list[str]:
+    """Ask each of ``victims`` (RUNNING and not asked yet) to make room for ``for_job``; a notice
+    on each says so. Returns those asked (a job that ended meanwhile is not). The caller commits."""
+    asked = []
+    for job_id in victims:
+        result = session.execute(
+            update(Job).where(Job.id == job_id, Job.state == JobState.RUNNING.value, Job.preempt_for.is_(None))
+            .values(preempt_for=for_job, preempt_requested_at=utcnow())
+            .execution_options(synchronize_session=False))
+        if result.rowcount == 1:
+            record_notice(session, load_job(session, job_id), Reason.PREEMPTION_REQUESTED,
+                          f"asked to stop at a checkpoint to make room for job {for_job}")
+            asked.append(job_id)
+    return asked
+
+
+def grace_left_s(job: Job, grace_s: float) -> float | None:
+    """Seconds left of the grace period of a job asked to make room; None if it was not asked."""
+    if job.preempt_for is None or job.preempt_requested_at is None:
+        return None
+    return max(0.0, grace_s - (utcnow() - job.preempt_requested_at).total_seconds())
