@@ -32,6 +32,7 @@ def inputs_for_spec(
     compute_s: float | None = None,
     target_efficiency: float = DEFAULT_TARGET_EFFICIENCY,
     disk_bytes_per_s: float | None = None,
+    calibration: Any = None,
 ) -> PlanInputs:
     """PlanInputs for a job: Φ and activations from the real model.
 
@@ -42,7 +43,8 @@ def inputs_for_spec(
     profiled on ``activations_on`` (meta by default: the control plane has no GPU to spare);
     if the model cannot run that way the term is left out and the plan says so (None).
     With ``zero.shard_group_size`` G the states are sharded over G ranks (stages 1-3): the
-    predictions price memory (and the engine's scratch in the profiles) at G.
+    predictions price memory (and the engine's scratch in the profiles) at G. A ``calibration``
+    (``workers.zero.calibration``: the ranks' measured rates) prices time with the job's flops.
     """
     zero, resources = spec.zero, spec.resources
     n_ranks = resources.min_workers or resources.num_workers
@@ -63,8 +65,9 @@ def inputs_for_spec(
         vocab_size=spec.data.vocab_size,
         activation_checkpointing=zero.activation_checkpointing,
     )
+    shape = job_shape(spec.model)
     return PlanInputs(
-        shape=job_shape(spec.model),
+        shape=shape,
         n_ranks=n_ranks,
         precision=zero.precision,
         bucket_mb=zero.bucket_mb,
@@ -83,7 +86,25 @@ def inputs_for_spec(
         deferred_init=builds_on_meta(spec),
         checkpoint=checkpoint_kind(spec),
         resume=spec.resume_from is not None or checkpoint_kind(spec) == "periodic",
+        flops_per_step=None if calibration is None else flops_per_step(spec, shape.phi, n_ranks),
+        calibration=calibration,
     )
+
+
+def flops_per_step(spec: JobSpec, phi: int, n_ranks: int) -> float:
+    """One rank's training flops per step at ``n_ranks``: ``workers.models.flops_per_token`` (6Φ and
+    attention's term, the MFU metric's count) × its micro-batches' tokens. A model not built here on
+    the meta device counts 6Φ per token (attention's term left out)."""
+    seq_len = spec.data.seq_len or DEFAULT_SEQ_LEN
+    tokens = spec.accumulation_steps_at(n_ranks) * spec.train.micro_batch_size * seq_len
+    try:
+        from workers.models import flops_per_token
+        from workers.zero.planner.shape import build_on_meta
+
+        per_token = flops_per_token(build_on_meta(model_block(spec.model)), seq_len)
+    except Exception:  # noqa: BLE001 - a model that cannot be built on meta: its parameters' share
+        per_token = 6.0 * phi
+    return per_token * tokens
 
 
 def job_shape(model: ModelSpec) -> ModelShape:
@@ -181,6 +202,7 @@ def plan_for_spec(
     allow_offload: bool = True,
     activations_on: str = "meta",
     allow_factories: bool = True,
+    calibration: Any = None,
 ) -> Plan:
     """What the control plane calls at submit time; the choice matters for ``stage: "auto"``.
 
@@ -197,7 +219,8 @@ def plan_for_spec(
     Planning a ``factory`` model imports and calls user code. The control plane must pass
     ``allow_factories=False`` (a ValueError then says so): a factory path such as
     ``subprocess:run`` with kwargs would otherwise run on the server. Workers run user code
-    by design and may plan factories.
+    by design and may plan factories. ``calibration`` (a ``Calibration`` the job's ranks measured)
+    gives every candidate a measured ``step_time_s`` (``planner/step_time.py``).
     """
     if not allow_factories and spec.model.factory:
         raise ValueError(
@@ -205,7 +228,7 @@ def plan_for_spec(
             "the worker plans them at start, or ask POST /plan with 'params'"
         )
     inputs = inputs_for_spec(spec, activations_on, bandwidth_bytes_per_s, compute_s, target_efficiency,
-                             disk_bytes_per_s)
+                             disk_bytes_per_s, calibration)
     resources, zero = spec.resources, spec.zero
     gpu_job = resources.gpus_per_worker > 0
     budget = gpu_memory_bytes

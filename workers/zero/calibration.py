@@ -5,7 +5,9 @@ rates. A rate a user types (a link's nominal Gbit/s) is rarely what the engine g
 loopback, a loaded host or NVLink all differ from the datasheet. ``calibrate`` measures each
 rate the way the engine incurs it, in well under a second:
 
-* ``compute_flops_per_s``: a square matmul of the job's dtype on its device (2·m³ flops);
+* ``compute_flops_per_s``: a matmul of the job's dtype on its device, (m×k)·(k×n): 2·m·k·n flops.
+  By default square (512); a worker passes its model's MLP shape (a micro-batch's tokens × d ×
+  4d), the matmul most of a transformer's flops go through;
 * ``allgather_bytes_per_s`` / ``reduce_scatter_bytes_per_s`` (and ``allreduce_bytes_per_s``):
   one bucket of ``bucket_numel`` elements through the engine's own ``Collectives`` (Gloo's
   broadcast all-gather and two-rank exchange included), as a ring's bus rate:
@@ -13,8 +15,10 @@ rate the way the engine incurs it, in well under a second:
 * ``optimizer_params_per_s`` / ``host_optimizer_params_per_s``: ``torch.optim.AdamW`` steps over
   a flat fp32 tensor on the device and on the host (where offload steps it).
 
-Each figure is the median of a few repeats after one warm-up, and every rank of the group takes
-the slowest rank's figure (a collective step runs at the pace of the slowest rank).
+Each figure is the median of a few repeats after one warm-up, each repeat running the operation
+enough times to last ``MIN_REPEAT_S`` (a 1 ms matmul timed once says more about the scheduler
+than the device), and every rank of the group takes the slowest rank's figure (a collective step
+runs at the pace of the slowest rank).
 
 [Note: a world of one] With no process group, or a group of one rank, nothing is sent: the
 bandwidths are ``math.inf`` (a step's communication takes no time); ``to_dict`` writes them as
@@ -36,8 +40,9 @@ from .collectives import Collectives
 
 DEFAULT_REPEATS = 3
 DEFAULT_MATMUL_SIZE = 512  # m of the m×m matmul: large enough to run near the device's matmul rate
-DEFAULT_OPTIMIZER_NUMEL = 1 << 18  # elements of the AdamW step timed
+DEFAULT_OPTIMIZER_NUMEL = 1 << 19  # elements of the AdamW step timed
 DEFAULT_BUCKET_NUMEL = 1 << 20  # when the caller gives no bucket
+MIN_REPEAT_S = 0.01  # a repeat runs its operation at least this long
 
 
 @dataclass(frozen=True)
@@ -82,21 +87,23 @@ RATES = ("compute_flops_per_s", "allgather_bytes_per_s", "reduce_scatter_bytes_p
 
 def calibrate(group: Optional[dist.ProcessGroup] = None, dtype: torch.dtype = torch.float32,
               bucket_numel: int = DEFAULT_BUCKET_NUMEL, device: torch.device | str = "cpu",
-              repeats: int = DEFAULT_REPEATS, matmul_size: int = DEFAULT_MATMUL_SIZE,
+              repeats: int = DEFAULT_REPEATS, matmul_shape: tuple[int, int, int] | None = None,
               optimizer_numel: int = DEFAULT_OPTIMIZER_NUMEL) -> Calibration:
     """Measure this rank's rates (collectively on ``group``: every rank of it must call this).
 
     ``group`` None means the default process group when one is initialized, else a world of one.
+    ``matmul_shape`` (m, k, n): the timed matmul, (m×k)·(k×n); None: 512 square.
     """
-    if repeats < 1 or bucket_numel < 1 or matmul_size < 1 or optimizer_numel < 1:
-        raise ValueError("repeats, bucket_numel, matmul_size and optimizer_numel must be positive")
+    m, k, n = matmul_shape or (DEFAULT_MATMUL_SIZE,) * 3
+    if repeats < 1 or bucket_numel < 1 or min(m, k, n) < 1 or optimizer_numel < 1:
+        raise ValueError("repeats, bucket_numel, matmul_shape and optimizer_numel must be positive")
     started = time.perf_counter()
     device = torch.device(device)
     if group is None and dist.is_available() and dist.is_initialized():
         group = dist.group.WORLD
     world = dist.get_world_size(group) if group is not None else 1
     sync = _synchronizer(device)
-    flops = 2.0 * matmul_size**3 / _median_time(_matmul(matmul_size, dtype, device), repeats, sync)
+    flops = 2.0 * m * k * n / _median_time(_matmul(m, k, n, dtype, device), repeats, sync)
     optimizer = optimizer_numel / _median_time(_adamw_step(optimizer_numel, device), repeats, sync)
     host = optimizer if device.type == "cpu" else \
         optimizer_numel / _median_time(_adamw_step(optimizer_numel, torch.device("cpu")), repeats, lambda: None)
@@ -107,7 +114,7 @@ def calibrate(group: Optional[dist.ProcessGroup] = None, dtype: torch.dtype = to
         bus = (world - 1) / world * bucket_numel * torch.empty((), dtype=dtype).element_size()
         numel = -(-bucket_numel // world) * world  # padded to a multiple of N, as the engine's buckets are
         for name, run in _collective_runs(comm, numel, dtype, device).items():
-            rates[name] = bus / _median_time(run, repeats, sync)
+            rates[name] = bus / _median_time(run, repeats, sync, local=False)
         rates = _slowest(rates, group, device)
     return Calibration(**rates, world_size=world, dtype=str(dtype).removeprefix("torch."), device=str(device),
                        bucket_numel=bucket_numel, seconds=time.perf_counter() - started)
@@ -117,23 +124,28 @@ def _synchronizer(device: torch.device) -> Callable[[], None]:
     return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
 
-def _median_time(run: Callable[[], None], repeats: int, sync: Callable[[], None]) -> float:
-    """Median seconds of ``run`` over ``repeats`` after one warm-up (never zero)."""
+def _median_time(run: Callable[[], None], repeats: int, sync: Callable[[], None], local: bool = True) -> float:
+    """Median seconds of one ``run`` over ``repeats`` after one warm-up (never zero). A ``local``
+    operation runs, in each repeat, as often as ``MIN_REPEAT_S`` takes by the warm-up's time; a
+    collective (``local=False``) once, since every rank of the group must run it equally often."""
+    t0 = time.perf_counter()
     run()
     sync()
+    count = max(1, math.ceil(MIN_REPEAT_S / max(time.perf_counter() - t0, 1e-9))) if local else 1
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        run()
+        for _ in range(count):
+            run()
         sync()
-        times.append(time.perf_counter() - t0)
+        times.append((time.perf_counter() - t0) / count)
     return max(statistics.median(times), 1e-9)
 
 
-def _matmul(m: int, dtype: torch.dtype, device: torch.device) -> Callable[[], None]:
-    a = torch.randn(m, m, device=device).to(dtype)
-    b = torch.randn(m, m, device=device).to(dtype)
-    out = torch.empty(m, m, dtype=dtype, device=device)
+def _matmul(m: int, k: int, n: int, dtype: torch.dtype, device: torch.device) -> Callable[[], None]:
+    a = torch.randn(m, k, device=device).to(dtype)
+    b = torch.randn(k, n, device=device).to(dtype)
+    out = torch.empty(m, n, dtype=dtype, device=device)
     return lambda: torch.mm(a, b, out=out)
 
 
