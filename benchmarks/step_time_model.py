@@ -31,7 +31,7 @@ import torch
 from contract.spec import DataSpec, JobSpec, ModelSpec, ResourcesSpec, TrainSpec, ZeroSpec
 from contract.zero_math import precision_traits
 from workers.models import build_model
-from workers.planning import plan_for_spec
+from workers.planning import matmul_shape, plan_for_spec
 from workers.zero import ZeroConfig, ZeroEngine
 from workers.zero.calibration import Calibration, calibrate
 from workers.zero.planner.shape import bucket_elements
@@ -50,7 +50,8 @@ def rank_run(rank: int, world_size: int, settings: dict[str, Any]) -> dict[str, 
     """One rank: calibrate as a job does at start, then train and time ``steps`` steps."""
     precision = settings["precision"]
     dtype = getattr(torch, precision_traits(precision).torch_dtype)
-    calibration = calibrate(dtype=dtype, bucket_numel=bucket_elements(settings["bucket_mb"], precision), device="cpu")
+    calibration = calibrate(dtype=dtype, bucket_numel=bucket_elements(settings["bucket_mb"], precision), device="cpu",
+                            matmul_shape=matmul_shape(job_spec(settings, world_size)))
     torch.manual_seed(0)
     engine = ZeroEngine(build_model({"preset": settings["model"]}), lambda params: torch.optim.AdamW(params, lr=1e-4),
                         ZeroConfig(stage=settings["stage"], offload_optimizer=settings["offload"],

@@ -15,7 +15,7 @@ from contract.spec import JobSpec, ModelSpec
 from contract.zero_defaults import ZERO_DEFAULTS
 from contract.zero_math import DEFAULT_SEQ_LEN, DEFAULT_TARGET_EFFICIENCY, GB, STAGES, optimizer_state_tensors
 from contract.zero_rules import allowed_stages, offload_target
-from workers.zero.planner import DEFAULT_MARGIN, Plan, PlanInputs, choose_plan, fixed_plan, model_shape
+from workers.zero.planner import DEFAULT_MARGIN, Plan, PlanInputs, choose_plan, fixed_plan, model_shape, predict
 from workers.zero.planner.activations import Stage2Layout, profile_activations
 from workers.zero.planner.shape import ModelShape, bucket_elements
 
@@ -89,6 +89,39 @@ def inputs_for_spec(
         flops_per_step=None if calibration is None else flops_per_step(spec, shape.phi, n_ranks),
         calibration=calibration,
     )
+
+
+def time_prediction(spec: JobSpec, calibration: Any, stage: int, offload: bool | str, n_ranks: int) -> Any:
+    """The ``StagePrediction`` of the (stage, offload) a job runs at ``n_ranks``, priced with the
+    rates its ranks measured (``calibration``). Only its time terms are read (at job start), so no
+    activations are profiled: they change the memory terms, never the time."""
+    zero = spec.zero
+    shape = job_shape(spec.model)
+    inputs = PlanInputs(
+        shape=shape, n_ranks=n_ranks, precision=zero.precision, bucket_mb=zero.bucket_mb, prefetch=zero.prefetch,
+        accumulation_steps=spec.accumulation_steps_at(n_ranks),
+        device="cuda" if spec.resources.gpus_per_worker > 0 else "cpu",
+        reshard_after_forward=zero.reshard_after_forward, keep_gathered_bytes=zero.keep_gathered_bytes,
+        shard_group_size=zero.shard_group_size,
+        optimizer_states=optimizer_state_tensors(spec.train.optimizer, spec.train.momentum),
+        flops_per_step=flops_per_step(spec, shape.phi, n_ranks), calibration=calibration)
+    return predict(inputs, stage, offload)
+
+
+def matmul_shape(spec: JobSpec) -> tuple[int, int, int] | None:
+    """The matmul ``calibrate`` times for this job: a micro-batch's tokens × d × 4d, the MLP's first
+    projection (most of a transformer's flops go through matmuls of this shape); None when the
+    model has no width the planner can read (``calibrate`` then times a square one)."""
+    try:
+        from workers.zero.planner.shape import build_on_meta
+
+        config = getattr(build_on_meta(model_block(spec.model)), "config", None)
+    except Exception:  # noqa: BLE001 - a model that cannot be built on meta
+        return None
+    width = getattr(config, "n_embd", None) or getattr(config, "hidden_size", None)
+    if not isinstance(width, int):
+        return None
+    return spec.train.micro_batch_size * (spec.data.seq_len or DEFAULT_SEQ_LEN), width, 4 * width
 
 
 def flops_per_step(spec: JobSpec, phi: int, n_ranks: int) -> float:

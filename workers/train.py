@@ -38,6 +38,7 @@ from workers.loss import StepLoss
 from workers.progress import JsonlSink, progress_line, shows_progress
 from workers.reporting import MetricReporter, StepMeter, WorkerAPI
 from workers.run_context import RunContext
+from workers.step_time_start import calibrate_and_report
 from workers.user_code import user_code
 from workers.user_metrics import COLLECTOR as USER_METRICS
 from workers.world import World
@@ -273,6 +274,7 @@ def train_loop(config: LoopConfig, context: RunContext | None = None) -> dict[st
     with user_code("building the model"):  # an error here is the job's, not the cluster's: no restart
         model, init_weights = build_job_model(spec, resuming=checkpoints.resumes())
         engine = build_engine(spec, model, world.device, init_weights, job_id=config.job_id)
+    calibrate_and_report(spec, engine, world, api, attempt)  # the rates and the predicted step time
     torch.manual_seed(train.seed + world.rank)  # dropout differs per rank
     with user_code("building the data"):  # bad files, rows, fields or tokenizers: the user's to fix
         dataset = build_dataset(data, seed=train.seed, model_dir=spec.model.hf)

@@ -17,3 +17,38 @@ def calibrate_world(rank: int, world_size: int, bucket_numel: int) -> dict:
     check = torch.ones(1)
     dist.all_reduce(check)
     return {"calibration": calibration.to_dict(), "after": check.item()}
+
+
+def predicted_vs_measured_world(rank: int, world_size: int, settings: dict) -> dict:
+    """What a job does at start, for each stage in turn on one world: calibrate (before the first
+    stage and after the last: the load of a shared machine changes), then train and time steps."""
+    from benchmarks.step_time_model import job_spec
+    from workers.models import build_model
+    from workers.planning import matmul_shape
+    from workers.zero import ZeroConfig, ZeroEngine
+    from workers.zero.planner.shape import bucket_elements
+    from workers.zero.testing import byte_stream_batch
+
+    import time
+
+    def measured_rates() -> dict:
+        shape = matmul_shape(job_spec({**settings, "stage": 0, "offload": False}, world_size))
+        return calibrate(bucket_numel=bucket_elements(settings["bucket_mb"], "fp32"), matmul_shape=shape).to_dict()
+
+    calibrations = [measured_rates()]
+    step_times = {}
+    for stage in settings["stages"]:
+        torch.manual_seed(0)
+        engine = ZeroEngine(build_model({"preset": settings["model"]}), lambda p: torch.optim.AdamW(p, lr=1e-4),
+                            ZeroConfig(stage=stage, bucket_mb=settings["bucket_mb"]))
+        times = []
+        for step in range(settings["warmup"] + settings["steps"]):
+            inputs, targets = byte_stream_batch(step, 0, rank, settings["micro_batch"], settings["seq_len"])
+            started = time.perf_counter()
+            engine.backward(engine(inputs, targets))
+            engine.step()
+            times.append(time.perf_counter() - started)
+        engine.close()
+        step_times[stage] = times[settings["warmup"]:]
+    calibrations.append(measured_rates())
+    return {"calibrations": calibrations, "step_times": step_times}
