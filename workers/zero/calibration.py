@@ -143,8 +143,9 @@ def _median_time(run: Callable[[], None], repeats: int, sync: Callable[[], None]
 
 
 def _matmul(m: int, k: int, n: int, dtype: torch.dtype, device: torch.device) -> Callable[[], None]:
-    a = torch.randn(m, k, device=device).to(dtype)
-    b = torch.randn(k, n, device=device).to(dtype)
+    seeded = torch.Generator().manual_seed(0)  # the job's own random state stays untouched
+    a = torch.randn(m, k, generator=seeded).to(device=device, dtype=dtype)
+    b = torch.randn(k, n, generator=seeded).to(device=device, dtype=dtype)
     out = torch.empty(m, n, dtype=dtype, device=device)
     return lambda: torch.mm(a, b, out=out)
 
