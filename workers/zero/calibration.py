@@ -111,8 +111,8 @@ def calibrate(group: Optional[dist.ProcessGroup] = None, dtype: torch.dtype = to
              "allgather_bytes_per_s": math.inf, "reduce_scatter_bytes_per_s": math.inf}  # a world of one
     if world > 1:
         comm = Collectives(group, device)
-        bus = (world - 1) / world * bucket_numel * torch.empty((), dtype=dtype).element_size()
         numel = -(-bucket_numel // world) * world  # padded to a multiple of N, as the engine's buckets are
+        bus = (world - 1) / world * numel * torch.empty((), dtype=dtype).element_size()
         for name, run in _collective_runs(comm, numel, dtype, device).items():
             rates[name] = bus / _median_time(run, repeats, sync, local=False)
         rates = _slowest(rates, group, device)
