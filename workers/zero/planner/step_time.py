@@ -19,7 +19,9 @@ bucket through the engine's own collectives):
   (G ranks per shard group) the intra-group collectives run over G (f = (G-1)/G) and the shard's
   all-reduce across the N/G replicas is added, each at the rates measured over the world;
 * the optimizer step: the elements this rank steps (Φ at stage 0, its shard Φ/N otherwise) at the
-  device's AdamW rate, or the host's under optimizer offload (and NVMe's disk time on top).
+  device's AdamW rate, or the host's under optimizer offload (and NVMe's disk time on top). A GPU
+  rank's copies of the gradient shard to the host and of the parameters back are not priced (on a
+  CPU rank they are plain memory copies).
 
 Overlap: none is assumed. The engine does overlap (stage 0-2 buckets reduce during backward,
 stage 3 prefetches the next unit), but on the hosts this model is checked on (Gloo ranks sharing
