@@ -20,8 +20,9 @@ def calibrate_world(rank: int, world_size: int, bucket_numel: int) -> dict:
 
 
 def predicted_vs_measured_world(rank: int, world_size: int, settings: dict) -> dict:
-    """What a job does at start, for each stage in turn on one world: calibrate (before the first
-    stage and after the last: the load of a shared machine changes), then train and time steps."""
+    """What a job does at start, for each stage in turn on one world: calibrate, then train a step
+    and time it -- calibrating again before every timed step, so that each step is priced with rates
+    measured just before it (the load of a shared machine changes from one second to the next)."""
     from benchmarks.step_time_model import job_spec
     from workers.models import build_model
     from workers.planning import matmul_shape
@@ -31,24 +32,23 @@ def predicted_vs_measured_world(rank: int, world_size: int, settings: dict) -> d
 
     import time
 
-    def measured_rates() -> dict:
-        shape = matmul_shape(job_spec({**settings, "stage": 0, "offload": False}, world_size))
-        return calibrate(bucket_numel=bucket_elements(settings["bucket_mb"], "fp32"), matmul_shape=shape).to_dict()
-
-    calibrations = [measured_rates()]
-    step_times = {}
+    shape = matmul_shape(job_spec({**settings, "stage": 0, "offload": False}, world_size))
+    bucket = bucket_elements(settings["bucket_mb"], "fp32")
+    calibrations, step_times = {}, {}
     for stage in settings["stages"]:
         torch.manual_seed(0)
         engine = ZeroEngine(build_model({"preset": settings["model"]}), lambda p: torch.optim.AdamW(p, lr=1e-4),
                             ZeroConfig(stage=stage, bucket_mb=settings["bucket_mb"]))
-        times = []
+        calibrations[stage], step_times[stage] = [], []
         for step in range(settings["warmup"] + settings["steps"]):
+            timed = step >= settings["warmup"]
+            if timed:
+                calibrations[stage].append(calibrate(bucket_numel=bucket, matmul_shape=shape).to_dict())
             inputs, targets = byte_stream_batch(step, 0, rank, settings["micro_batch"], settings["seq_len"])
             started = time.perf_counter()
             engine.backward(engine(inputs, targets))
             engine.step()
-            times.append(time.perf_counter() - started)
+            if timed:
+                step_times[stage].append(time.perf_counter() - started)
         engine.close()
-        step_times[stage] = times[settings["warmup"]:]
-    calibrations.append(measured_rates())
     return {"calibrations": calibrations, "step_times": step_times}
