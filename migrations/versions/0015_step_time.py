@@ -1,8 +1,8 @@
 """The step time predicted at job start from the rates the ranks measured (``calibrate``), with
 those rates: the dashboard draws it beside the measured step.
 
-Revision ID: 0011
-Revises: 0010
+Revision ID: 0015
+Revises: 0014
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = '0011'
-down_revision = '0010'
+revision = '0015'
+down_revision = '0014'
 branch_labels = None
 depends_on = None
 
