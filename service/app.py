@@ -23,6 +23,7 @@ from service.api import (
     memory_check,
     metrics,
     plan,
+    step_time,
     teams,
     tensorboard,
     tokens,
@@ -114,8 +115,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.stream_slots = StreamSlots(settings.max_streams_per_user, settings.stream_poll_threads)
 
     install_error_handlers(app)
-    for router in (jobs.router, metrics.router, workers.router, memory_check.router, checkpoints.router,
-                   tokens.router, code_packages.router, webhooks.router, tensorboard.router, teams.router):
+    for router in (jobs.router, metrics.router, workers.router, memory_check.router, step_time.router,
+                   checkpoints.router, tokens.router, code_packages.router, webhooks.router, tensorboard.router,
+                   teams.router):
         app.include_router(router, prefix=API_PREFIX, responses=error_responses(*COMMON_ERRORS))
     # the plan router declares no auth of its own (it is the planner over HTTP): it is added here
     app.include_router(plan.router, prefix=API_PREFIX, dependencies=[Depends(current_user)],

@@ -80,6 +80,7 @@ class Job(Base):
     launch_handle: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     prediction: Mapped[dict[str, Any] | None] = mapped_column(JSON)  # the planner's, at submit
     memory_check: Mapped[dict[str, Any] | None] = mapped_column(JSON)  # predicted vs measured, per rank
+    step_time: Mapped[dict[str, Any] | None] = mapped_column(JSON)  # predicted at start from measured rates
     ingest_token_hash: Mapped[str | None] = mapped_column(String(64), unique=True)
     claimed_by: Mapped[str | None] = mapped_column(String(100))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)

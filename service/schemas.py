@@ -84,6 +84,9 @@ class JobOut(OutModel):
         default=None, description="the planner's memory prediction (Plan.to_dict()), made at submit")
     memory_check: dict[str, Any] | None = Field(
         default=None, description="per rank: each memory term predicted vs measured at the job's end")
+    step_time: dict[str, Any] | None = Field(
+        default=None, description="the step time predicted at the start of the latest attempt from the rates "
+        "its ranks measured (StepTimeReportIn)")
     created_at: datetime
     updated_at: datetime
     started_at: datetime | None = None
@@ -232,6 +235,26 @@ class MemoryReportIn(BaseModel):
         min_length=1, max_length=4096,
         description="index = rank: engine.memory() terms (params, grads, optimizer, buffers, total; "
         "host under offload) and peak (bytes of peak growth)")
+
+
+class StepTimeReportIn(BaseModel):
+    """The rates a job's ranks measured at start (``workers.zero.calibration``) and the step time the
+    planner predicts from them for the stage that runs (rank 0 sends it, once per attempt)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    attempt: int = Field(ge=0, le=MAX_INT32)
+    stage: int = Field(ge=0, le=3)
+    offload: bool | Literal["nvme"] = False
+    calibration: dict[str, float | int | str | None] = Field(
+        max_length=64, description="Calibration.to_dict(): compute_flops_per_s, allgather_bytes_per_s, "
+        "reduce_scatter_bytes_per_s, ... (None: nothing sent, a world of one)")
+    step_time_s: float | None = Field(default=None, ge=0, allow_inf_nan=False,
+                                      description="predicted seconds per step (None: a term is unknown)")
+    compute_time_s: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    comm_time_s: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    optimizer_time_s: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    disk_time_s: float | None = Field(default=None, ge=0, allow_inf_nan=False)
 
 
 class WorkerStateIn(BaseModel):

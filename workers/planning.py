@@ -15,7 +15,7 @@ from contract.spec import JobSpec, ModelSpec
 from contract.zero_defaults import ZERO_DEFAULTS
 from contract.zero_math import DEFAULT_SEQ_LEN, DEFAULT_TARGET_EFFICIENCY, GB, STAGES, optimizer_state_tensors
 from contract.zero_rules import allowed_stages, offload_target
-from workers.zero.planner import DEFAULT_MARGIN, Plan, PlanInputs, choose_plan, fixed_plan, model_shape
+from workers.zero.planner import DEFAULT_MARGIN, Plan, PlanInputs, choose_plan, fixed_plan, model_shape, predict
 from workers.zero.planner.activations import Stage2Layout, profile_activations
 from workers.zero.planner.shape import ModelShape, bucket_elements
 
@@ -32,6 +32,7 @@ def inputs_for_spec(
     compute_s: float | None = None,
     target_efficiency: float = DEFAULT_TARGET_EFFICIENCY,
     disk_bytes_per_s: float | None = None,
+    calibration: Any = None,
 ) -> PlanInputs:
     """PlanInputs for a job: Φ and activations from the real model.
 
@@ -42,7 +43,8 @@ def inputs_for_spec(
     profiled on ``activations_on`` (meta by default: the control plane has no GPU to spare);
     if the model cannot run that way the term is left out and the plan says so (None).
     With ``zero.shard_group_size`` G the states are sharded over G ranks (stages 1-3): the
-    predictions price memory (and the engine's scratch in the profiles) at G.
+    predictions price memory (and the engine's scratch in the profiles) at G. A ``calibration``
+    (``workers.zero.calibration``: the ranks' measured rates) prices time with the job's flops.
     """
     zero, resources = spec.zero, spec.resources
     n_ranks = resources.min_workers or resources.num_workers
@@ -63,8 +65,9 @@ def inputs_for_spec(
         vocab_size=spec.data.vocab_size,
         activation_checkpointing=zero.activation_checkpointing,
     )
+    shape = job_shape(spec.model)
     return PlanInputs(
-        shape=job_shape(spec.model),
+        shape=shape,
         n_ranks=n_ranks,
         precision=zero.precision,
         bucket_mb=zero.bucket_mb,
@@ -83,7 +86,58 @@ def inputs_for_spec(
         deferred_init=builds_on_meta(spec),
         checkpoint=checkpoint_kind(spec),
         resume=spec.resume_from is not None or checkpoint_kind(spec) == "periodic",
+        flops_per_step=None if calibration is None else flops_per_step(spec, shape.phi, n_ranks),
+        calibration=calibration,
     )
+
+
+def time_prediction(spec: JobSpec, calibration: Any, stage: int, offload: bool | str, n_ranks: int) -> Any:
+    """The ``StagePrediction`` of the (stage, offload) a job runs at ``n_ranks``, priced with the
+    rates its ranks measured (``calibration``). Only its time terms are read (at job start), so no
+    activations are profiled: they change the memory terms, never the time."""
+    zero = spec.zero
+    shape = job_shape(spec.model)
+    inputs = PlanInputs(
+        shape=shape, n_ranks=n_ranks, precision=zero.precision, bucket_mb=zero.bucket_mb, prefetch=zero.prefetch,
+        accumulation_steps=spec.accumulation_steps_at(n_ranks),
+        device="cuda" if spec.resources.gpus_per_worker > 0 else "cpu",
+        reshard_after_forward=zero.reshard_after_forward, keep_gathered_bytes=zero.keep_gathered_bytes,
+        shard_group_size=zero.shard_group_size,
+        optimizer_states=optimizer_state_tensors(spec.train.optimizer, spec.train.momentum),
+        flops_per_step=flops_per_step(spec, shape.phi, n_ranks), calibration=calibration)
+    return predict(inputs, stage, offload)
+
+
+def matmul_shape(spec: JobSpec) -> tuple[int, int, int] | None:
+    """The matmul ``calibrate`` times for this job: a micro-batch's tokens × d × 4d, the MLP's first
+    projection (most of a transformer's flops go through matmuls of this shape); None when the
+    model has no width the planner can read (``calibrate`` then times a square one)."""
+    try:
+        from workers.zero.planner.shape import build_on_meta
+
+        config = getattr(build_on_meta(model_block(spec.model)), "config", None)
+    except Exception:  # noqa: BLE001 - a model that cannot be built on meta
+        return None
+    width = getattr(config, "n_embd", None) or getattr(config, "hidden_size", None)
+    if not isinstance(width, int):
+        return None
+    return spec.train.micro_batch_size * (spec.data.seq_len or DEFAULT_SEQ_LEN), width, 4 * width
+
+
+def flops_per_step(spec: JobSpec, phi: int, n_ranks: int) -> float:
+    """One rank's training flops per step at ``n_ranks``: ``workers.models.flops_per_token`` (6Φ and
+    attention's term, the MFU metric's count) × its micro-batches' tokens. A model not built here on
+    the meta device counts 6Φ per token (attention's term left out)."""
+    seq_len = spec.data.seq_len or DEFAULT_SEQ_LEN
+    tokens = spec.accumulation_steps_at(n_ranks) * spec.train.micro_batch_size * seq_len
+    try:
+        from workers.models import flops_per_token
+        from workers.zero.planner.shape import build_on_meta
+
+        per_token = flops_per_token(build_on_meta(model_block(spec.model)), seq_len)
+    except Exception:  # noqa: BLE001 - a model that cannot be built on meta: its parameters' share
+        per_token = 6.0 * phi
+    return per_token * tokens
 
 
 def job_shape(model: ModelSpec) -> ModelShape:
@@ -181,6 +235,7 @@ def plan_for_spec(
     allow_offload: bool = True,
     activations_on: str = "meta",
     allow_factories: bool = True,
+    calibration: Any = None,
 ) -> Plan:
     """What the control plane calls at submit time; the choice matters for ``stage: "auto"``.
 
@@ -197,7 +252,8 @@ def plan_for_spec(
     Planning a ``factory`` model imports and calls user code. The control plane must pass
     ``allow_factories=False`` (a ValueError then says so): a factory path such as
     ``subprocess:run`` with kwargs would otherwise run on the server. Workers run user code
-    by design and may plan factories.
+    by design and may plan factories. ``calibration`` (a ``Calibration`` the job's ranks measured)
+    gives every candidate a measured ``step_time_s`` (``planner/step_time.py``).
     """
     if not allow_factories and spec.model.factory:
         raise ValueError(
@@ -205,7 +261,7 @@ def plan_for_spec(
             "the worker plans them at start, or ask POST /plan with 'params'"
         )
     inputs = inputs_for_spec(spec, activations_on, bandwidth_bytes_per_s, compute_s, target_efficiency,
-                             disk_bytes_per_s)
+                             disk_bytes_per_s, calibration)
     resources, zero = spec.resources, spec.zero
     gpu_job = resources.gpus_per_worker > 0
     budget = gpu_memory_bytes

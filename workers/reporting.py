@@ -227,6 +227,16 @@ class WorkerAPI:
         return response.is_success
 
 
+    def post_step_time(self, report: dict[str, Any], deadline_s: float = 60.0) -> bool:
+        """The rates the ranks measured at start and the step time predicted from them
+        (``StepTimeReportIn``). Best effort: False (and a log line) when it is not taken."""
+        response = self._with_retries(lambda: self.http.post(f"{self.base}/worker/step-time", json=report),
+                                      "reporting the predicted step time", deadline_s)
+        if not response.is_success:
+            log.info("predicted step time not recorded (HTTP %d): %s", response.status_code, response.text[:300])
+        return response.is_success
+
+
 # ----------------------------------------------------------------------------- metrics
 
 

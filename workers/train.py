@@ -38,6 +38,7 @@ from workers.loss import StepLoss
 from workers.progress import JsonlSink, progress_line, shows_progress
 from workers.reporting import MetricReporter, StepMeter, WorkerAPI
 from workers.run_context import RunContext
+from workers.step_time_start import calibrate_and_report
 from workers.user_code import user_code
 from workers.user_metrics import COLLECTOR as USER_METRICS
 from workers.world import World
@@ -301,6 +302,7 @@ def train_loop(config: LoopConfig, context: RunContext | None = None) -> dict[st
     with user_code("building the model"):  # an error here is the job's, not the cluster's: no restart
         model, init_weights = build_job_model(spec, resuming=checkpoints.resumes())
         engine = build_engine(spec, model, world.device, init_weights, job_id=config.job_id)
+    predicted_time = calibrate_and_report(spec, engine, world, api, attempt)  # rates, predicted step time (rank 0)
     torch.manual_seed(train.seed + world.rank)  # dropout differs per rank
     with user_code("building the data"):  # bad files, rows, fields or tokenizers: the user's to fix
         dataset = build_dataset(data, seed=train.seed, model_dir=spec.model.hf)
@@ -395,7 +397,7 @@ def train_loop(config: LoopConfig, context: RunContext | None = None) -> dict[st
         report_measured_memory(config, world, attempt, {**engine.step_memory(), **peak.report()})
     summary = {"rank": world.rank, "attempt": attempt, "losses": losses, "memory": engine.step_memory(),
                "preempted_at": preempted_at, "comm_volume": engine.comm_volume(), "stage": engine.config.stage,
-               "group_lrs": [group["lr"] for group in engine.optimizer.param_groups]}
+               "group_lrs": [group["lr"] for group in engine.optimizer.param_groups], "step_time": predicted_time}
     # Only on the way out of a run that succeeded: close() is collective (a barrier), and after a
     # training error a peer may be gone -- the error propagates untouched, as it always did.
     engine.close()

@@ -3,7 +3,7 @@
 * ``GET /api/v1/jobs/{id}/metrics/chart`` — everything the job page draws from metrics, in one
   answer: per-step series downsampled in SQL (``charts.series``), the list of charts to draw
   from them and how each field combines ranks (the metric table's), each rank's latest memory,
-  the predicted bytes for the job's stage, and the id of the newest record so that the live
+  the predicted bytes for the job's stage, the step time predicted at start, and the id of the newest record so that the live
   stream (``/metrics/stream?after_id=``) continues exactly where the first render stopped.
 * ``GET /api/v1/dashboard/progress?job_id=…`` — latest step and tokens/s of the jobs on one
   page of the jobs list (a job row holds neither).
@@ -67,6 +67,7 @@ def job_metrics_chart(
         "throughput_field": THROUGHPUT,
         "memory": charts.latest_memory(session, job.id, _world(spec)),
         "prediction": predict(spec, checkpoint_stage, job.prediction, job.memory_check),
+        "step_time": job.step_time,  # predicted at start from the ranks' measured rates (api/step_time.py)
     })
 
 

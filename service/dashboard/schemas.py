@@ -6,7 +6,7 @@ metric fields in them come from the metric table (``contract.metrics``).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field, create_model
 
@@ -110,6 +110,9 @@ class ChartOut(BaseModel):
     throughput_field: str = Field(description="the field of `series` that progress lines show as the job's speed")
     memory: list[RankMemory]
     prediction: Prediction
+    step_time: dict[str, Any] | None = Field(
+        default=None, description="the step time predicted at the start of the latest attempt from the rates its "
+        "ranks measured (the worker's StepTimeReportIn); the page sets it beside the measured step")
 
 
 JobProgress = create_model(

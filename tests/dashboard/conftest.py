@@ -102,6 +102,11 @@ class Worker:
         """The end-of-run memory report (``workers.train.report_measured_memory``): one dict per rank."""
         self.http.post("/worker/memory", json={"attempt": attempt, "ranks": ranks}).raise_for_status()
 
+    def step_time(self, report: dict[str, Any]) -> None:
+        """The start-of-attempt report (``workers.step_time_start``): the measured rates and the
+        step time predicted from them."""
+        self.http.post("/worker/step-time", json=report).raise_for_status()
+
     def state(self, state: str, **extra: Any) -> None:
         self.http.post("/worker/state", json={"state": state, **extra}).raise_for_status()
 

@@ -19,6 +19,10 @@ def test_finished_job_page_screenshot(dashboard, page):
     job.state("RESTARTING", reason="worker_failed", attempt=1,
               message="rank 1 exited with SIGKILL; restarting the worker group from step 100")
     job.state("RUNNING", attempt=1)
+    job.step_time({"attempt": 1, "stage": 2, "offload": False, "step_time_s": 0.5, "compute_time_s": 0.4,
+                   "comm_time_s": 0.06, "optimizer_time_s": 0.04, "disk_time_s": None,
+                   "calibration": {"compute_flops_per_s": 2e10, "allgather_bytes_per_s": 1e9,
+                                   "reduce_scatter_bytes_per_s": 8e8}})
     job.metrics(training_records(range(101, 201), attempt=1))
     job.checkpoint(200)
     measured = {"params": 2.1e6, "grads": 1.06e6, "optimizer": 6.3e6, "buffers": 0.0, "total": 9.5e6,
@@ -56,6 +60,11 @@ def test_finished_job_page_screenshot(dashboard, page):
     expect(page.locator("#checkpoints tbody tr")).to_have_count(2)
     expect(page.locator("#log-tail")).to_contain_text("training finished: SUCCEEDED")
     expect(page.locator("#comm-summary")).to_contain_text("efficiency")
+    # predicted (at the start of attempt 1, from the ranks' measured rates) against the measured step
+    step_time = page.locator("#step-time-summary")
+    expect(step_time).to_contain_text("Predicted step time 0.5 s (compute 0.4 s, communication 0.06 s, optimizer 0.04 s")
+    expect(step_time).to_contain_text("start of attempt 1")
+    expect(step_time).to_contain_text("measured ")
 
     page.locator("#checkpoints tr[data-step='100']").get_by_role("button", name="Copy URI").click()
     expect(page.locator("#checkpoints tr[data-step='100']").get_by_role("button")).to_have_text("Copied")

@@ -26,6 +26,7 @@ WORKER_ROUTES = [
     ("DELETE", "/api/v1/jobs/{id}/worker/checkpoints/1"),
     ("POST", "/api/v1/jobs/{id}/worker/checkpoints/failed"),
     ("POST", "/api/v1/jobs/{id}/worker/resized"),
+    ("POST", "/api/v1/jobs/{id}/worker/step-time"),
 ]
 WORKER_BODIES = {
     "/worker/state": {"state": "RUNNING"},
@@ -34,6 +35,7 @@ WORKER_BODIES = {
                             "size_bytes": 1, "manifest_sha256": "0" * 64},
     "/worker/checkpoints/failed": {"step": 1, "error": "gave up after 3 attempts"},
     "/worker/resized": {"from_workers": 2, "to_workers": 1},
+    "/worker/step-time": {"attempt": 0, "stage": 0, "calibration": {"compute_flops_per_s": 1e10}, "step_time_s": 0.5},
 }
 
 

@@ -60,6 +60,12 @@ def test_two_rank_gloo_world_trains_and_records_every_step(tmp_path: Path):
     summaries = run_local(LoopConfig(spec=nano_spec(steps), job_id="unit", api_url=None,
                                       attempt_base=0, metrics_path=str(metrics)), world_size=2)
     assert [s["rank"] for s in summaries] == [0, 1]
+    # at start every rank calibrated and rank 0 priced the running stage with the measured rates
+    predicted = summaries[0]["step_time"]
+    assert predicted["stage"] == 2 and predicted["calibration"]["world_size"] == 2 and summaries[1]["step_time"] is None
+    assert predicted["step_time_s"] == pytest.approx(
+        predicted["compute_time_s"] + predicted["comm_time_s"] + predicted["optimizer_time_s"])
+    assert predicted["comm_time_s"] > 0
     for summary in summaries:
         losses = summary["losses"]
         assert len(losses) == steps and summary["attempt"] == 1 and summary["stage"] == 2

@@ -10,11 +10,13 @@ optimizer), ``engine_state`` (the state-dict format), ``reports`` (what ``step()
 ``memory()`` return), ``initial_state``, ``update`` and ``memory_report`` (the engine's
 construction, optimizer step and memory count), ``engine`` (the facade). What each stage
 shards and communicates is ``contract.zero_math``'s stage-traits table. On top of the engine, never imported by it:
-``planner`` (the memory planner: ``shape``, ``buffers``, ``activations``, ``plan``, ``check``).
+``planner`` (the memory planner: ``shape``, ``buffers``, ``activations``, ``plan``, ``check``) and
+``calibration`` (``calibrate``: the rates the planner's time model divides by, measured on the ranks).
 """
 
+from .calibration import Calibration, calibrate
 from .config import ZeroConfig
 from .engine import ZeroEngine
 from .reports import MemoryReport, StepInfo
 
-__all__ = ["MemoryReport", "StepInfo", "ZeroConfig", "ZeroEngine"]
+__all__ = ["Calibration", "MemoryReport", "StepInfo", "ZeroConfig", "ZeroEngine", "calibrate"]

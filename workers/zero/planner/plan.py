@@ -54,7 +54,7 @@ from .buffers import (
 )
 from .peak import CHECKPOINTS, PeakInputs, job_peak, step_gradient_bytes, summarize
 from .shape import DEFAULT_UNITS, ModelShape, bucket_elements, bucket_numels
-from .step_time import add_time_model
+from .step_time import add_calibrated_time, add_time_model
 
 DEFAULT_MARGIN = 0.10  # a plan fits when its total is at most (1 - margin) of the budget
 
@@ -83,7 +83,9 @@ class StagePrediction:
     fits: bool | None = None
     disk_bytes: int = 0  # "nvme": the optimizer state's swap files
     disk_time_s: float | None = None  # "nvme": reading and writing them once per step (step_time.py)
-    step_time_s: float | None = None  # compute + communication + disk, none overlapped
+    compute_time_s: float | None = None  # calibrated: flops_per_step / the measured matmul rate
+    optimizer_time_s: float | None = None  # calibrated: the elements this rank steps / the measured AdamW rate
+    step_time_s: float | None = None  # compute + communication (+ optimizer) + disk, none overlapped
 
     @property
     def total(self) -> int:
@@ -122,6 +124,8 @@ class PlanInputs:
     checkpoint: str = "none"  # peak.CHECKPOINTS: "none", "at_end", "periodic"
     resume: bool = False  # the job may start from a checkpoint (resume_from, or a restart)
     per_bucket_step: bool = True  # the optimizer steps bucket by bucket (torch's element-wise ones)
+    flops_per_step: float | None = None  # one rank's training flops per step (calibrated time model)
+    calibration: Any = None  # workers.zero.calibration.Calibration: measured rates (step_time.py)
 
     def __post_init__(self) -> None:
         if self.checkpoint not in CHECKPOINTS:
@@ -154,6 +158,8 @@ class PlanInputs:
             "deferred_init": self.deferred_init,
             "checkpoint": self.checkpoint,
             "resume": self.resume,
+            "flops_per_step": self.flops_per_step,
+            "calibration": None if self.calibration is None else self.calibration.to_dict(),
         }
 
 
@@ -265,7 +271,8 @@ def predict(inputs: PlanInputs, stage: int, offload: bool | str = False) -> Stag
         comm_inter_elements=inter,
         disk_bytes=disk,
     )
-    add_time_model(prediction, inputs)
+    add_calibrated_time(prediction, inputs, inputs.calibration, n) if inputs.calibration is not None \
+        else add_time_model(prediction, inputs)
     return prediction
 
 
@@ -354,7 +361,8 @@ METHOD = {
     "reserve": "5% of the other terms, + 512 MiB CUDA context on GPUs",
     "comm_time": "ring collectives: bytes × (N-1)/N / link bandwidth; fully exposed (no overlap)",
     "disk_time": "nvme: the swap files read and written once per step, disk_bytes / rate each way; exposed",
-    "step_time": "compute + comm_time + disk_time, none overlapped (given compute_s)",
+    "step_time": "compute + comm_time + disk_time, none overlapped (given compute_s); calibrated: each term at "
+    "its measured rate, + the optimizer step (planner/step_time.py)",
     "fits": "total <= (1 - margin) × budget; a GPU rank's host peak must also fit (1 - margin) × host budget",
 }
 

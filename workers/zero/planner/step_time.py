@@ -1,8 +1,33 @@
-"""The planner's time model: a step's exposed communication and, for NVMe offload, its disk traffic.
+"""The planner's time model: a step's compute, communication, optimizer step and NVMe disk traffic.
 
 Why separate from the memory terms: time needs rates the model does not know (the link, the
-disk, the compute), given by the question; memory needs none. Every term is fully exposed (no
-overlap), so the step time is an upper bound the engine's pipelines can only improve on.
+disk, the compute); memory needs none. The rates come either from the question (a link rate
+and a compute time someone typed: one ring, ``add_time_model``) or, better, from the job's
+ranks themselves (``workers.zero.calibration.Calibration``, measured at job start:
+``add_calibrated_time``).
+
+[Note: the calibrated time model]
+Per rank and step, with B the bytes of a communicated element, f = (N-1)/N and every rate a
+``Calibration``'s (a collective's rate is its buffer's bytes × f per second, measured on one
+bucket through the engine's own collectives):
+
+* compute: ``flops_per_step`` (``workers.models.flops_per_token`` × the rank's tokens per step)
+  / ``compute_flops_per_s`` (a square matmul of the job's dtype);
+* communication, each stage's real collectives: stage 0 all-reduces Φ (at the all-reduce rate);
+  stages 1-2 reduce-scatter Φ and all-gather Φ; stage 3 all-gathers every unit in forward and
+  again in backward (less the units kept gathered) and reduce-scatters Φ. With hybrid sharding
+  (G ranks per shard group) the intra-group collectives run over G (f = (G-1)/G) and the shard's
+  all-reduce across the N/G replicas is added, each at the rates measured over the world;
+* the optimizer step: the elements this rank steps (Φ at stage 0, its shard Φ/N otherwise) at the
+  device's AdamW rate, or the host's under optimizer offload (and NVMe's disk time on top). A GPU
+  rank's copies of the gradient shard to the host and of the parameters back are not priced (on a
+  CPU rank they are plain memory copies).
+
+Overlap: none is assumed. The engine does overlap (stage 0-2 buckets reduce during backward,
+stage 3 prefetches the next unit), but on the hosts this model is checked on (Gloo ranks sharing
+CPU cores) communication and compute compete for the same cores, and the terms are simply
+added. The step time is therefore a bound the engine's pipelines can only improve on; the
+benchmark (``benchmarks/step_time_model.py``) measures how far each stage lands from it.
 
 [Note: the disk traffic of an NVMe step] Each optimizer step reads every bucket's swap file
 into the buffer pool and writes it back (``optimizer_swap.py``): ``disk_bytes`` in and
@@ -14,7 +39,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from contract.zero_math import bandwidth_for_efficiency, comm_time_s, efficiency
+from contract.zero_math import bandwidth_for_efficiency, comm_time_s, efficiency, low_precision_bytes, stage_traits
 
 
 def disk_time_s(disk_bytes: int, read_bytes_per_s: float, write_bytes_per_s: float | None = None) -> float:
@@ -42,3 +67,48 @@ def add_time_model(prediction: Any, inputs: Any) -> None:
     disk_known = not prediction.disk_bytes or prediction.disk_time_s is not None
     if inputs.compute_s and comm_known and disk_known:  # a sum with a term left out would mislead
         prediction.step_time_s = inputs.compute_s + (prediction.comm_time_s or 0.0) + (prediction.disk_time_s or 0.0)
+
+
+def add_calibrated_time(prediction: Any, inputs: Any, calibration: Any, group: int) -> None:
+    """Fill a ``StagePrediction``'s time terms from measured rates (the note on the calibrated model);
+    ``group``: the ranks the states are sharded over (G with hybrid sharding, else N).
+
+    ``inputs.flops_per_step`` unknown: the compute term (and so the step time) is left out."""
+    prediction.comm_time_s = calibrated_comm_time_s(prediction, inputs, calibration, group)
+    prediction.optimizer_time_s = optimizer_time_s(prediction, inputs, calibration, group)
+    if prediction.disk_bytes and inputs.disk_bytes_per_s:
+        prediction.disk_time_s = disk_time_s(prediction.disk_bytes, inputs.disk_bytes_per_s)
+    if inputs.flops_per_step is None:
+        return
+    prediction.compute_time_s = inputs.flops_per_step / calibration.compute_flops_per_s
+    prediction.efficiency = efficiency(prediction.compute_time_s, prediction.comm_time_s)
+    if not prediction.disk_bytes or prediction.disk_time_s is not None:
+        prediction.step_time_s = (prediction.compute_time_s + prediction.comm_time_s + prediction.optimizer_time_s
+                                  + (prediction.disk_time_s or 0.0))
+
+
+def calibrated_comm_time_s(prediction: Any, inputs: Any, calibration: Any, group: int) -> float:
+    """Seconds of one step's collectives on one rank, each at its measured rate."""
+    if inputs.n_ranks == 1:
+        return 0.0
+    element = low_precision_bytes(prediction.precision)
+    ring = (group - 1) / group
+    intra = prediction.comm_intra_elements * element  # bytes as the engine counts them (comm_volume)
+    if not stage_traits(prediction.stage).shards_optimizer:  # stage 0: one all-reduce of Φ (counted twice)
+        seconds = intra / 2 * ring / calibration.allreduce_bytes_per_s
+    else:  # a reduce-scatter of Φ; the rest is all-gathers (stage 3: forward's and backward's)
+        reduced = inputs.shape.phi * element
+        seconds = reduced * ring / calibration.reduce_scatter_bytes_per_s \
+            + (intra - reduced) * ring / calibration.allgather_bytes_per_s
+    if prediction.comm_inter_elements:  # hybrid: the shard's all-reduce across the N/G replicas
+        replicas = inputs.n_ranks // group
+        seconds += prediction.comm_inter_elements * element / 2 * (replicas - 1) / replicas \
+            / calibration.allreduce_bytes_per_s
+    return seconds
+
+
+def optimizer_time_s(prediction: Any, inputs: Any, calibration: Any, group: int) -> float:
+    """Seconds of the optimizer step over the elements this rank steps, on the device or the host."""
+    stepped = inputs.shape.phi / (group if stage_traits(prediction.stage).shards_optimizer else 1)
+    rate = calibration.host_optimizer_params_per_s if prediction.offload else calibration.optimizer_params_per_s
+    return stepped / rate

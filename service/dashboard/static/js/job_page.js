@@ -12,6 +12,7 @@ import { LogFollower } from "./log_follower.js";
 import { h, replaceChildren, replaceKeepingFocus, announce } from "./dom.js";
 import { LineChart } from "./charts.js";
 import { MemoryBars } from "./memory.js";
+import { stepTimeText } from "./step_time.js";
 import { SeriesStore, userKey } from "./series_store.js";
 import { SMOOTH_WINDOW, addMovingMedian, smoothedSeries } from "./smoothing.js";
 import { TERMINAL_STATES, bytes, compact, duration, number, timestamp } from "./format.js";
@@ -197,6 +198,7 @@ export function jobPage({ jobId, signal }) {
   const chartsSlot = h("div", { class: "charts" });
   const commSlot = h("div", { class: "charts" });
   const commSummary = h("p", { id: "comm-summary", class: "muted small" });
+  const stepTimeSummary = h("p", { id: "step-time-summary", class: "muted small" });
   const memory = new MemoryBars();
   const events = h("ol", { class: "timeline", id: "events" });
   const checkpoints = h("tbody");
@@ -214,7 +216,7 @@ export function jobPage({ jobId, signal }) {
     metaSlot,
     h("section", { "aria-labelledby": "h-training" }, h("h2", { id: "h-training", text: "Training" }), chartsSlot),
     h("section", { "aria-labelledby": "h-memory" }, h("h2", { id: "h-memory", text: "Memory per rank" }), memory.element),
-    h("section", { "aria-labelledby": "h-comm" }, h("h2", { id: "h-comm", text: "Communication" }), commSummary, commSlot),
+    h("section", { "aria-labelledby": "h-comm" }, h("h2", { id: "h-comm", text: "Communication" }), commSummary, stepTimeSummary, commSlot),
     h("section", { "aria-labelledby": "h-events" }, h("h2", { id: "h-events", text: "Events" }), events),
     h(
       "section",
@@ -233,6 +235,7 @@ export function jobPage({ jobId, signal }) {
   let speed = null;
   let prediction = null;
   let predictionMissing = null;
+  let stepTime = null;
   let store = null;
   let streaming = false;
   let pollTimer = null;
@@ -302,6 +305,7 @@ export function jobPage({ jobId, signal }) {
     for (const chart of [...charts.training, ...charts.communication]) chart.setData(points);
     if (charts.user) charts.user.setData(points);
     memory.update(store.memoryRanks(), prediction, predictionMissing);
+    stepTimeSummary.textContent = stepTimeText(stepTime, points);
     const last = points[points.length - 1];
     const steps = (job.spec.train || {}).steps;
     progressText.textContent = last
@@ -423,6 +427,7 @@ export function jobPage({ jobId, signal }) {
     const first = side[0];
     prediction = chart.prediction && Number.isFinite(chart.prediction.total) ? chart.prediction : null;
     predictionMissing = chart.prediction && chart.prediction.reason;
+    stepTime = chart.step_time || null;
     store = new SeriesStore({ world: (first.spec.resources || {}).num_workers || 1, maxPoints: MAX_POINTS });
     store.load(chart);
     renderSide(side);

@@ -1,0 +1,54 @@
+"""Rank functions of the calibration tests (run on Gloo worlds by ``spawn_world``)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from workers.zero.calibration import calibrate
+
+
+def calibrate_world(rank: int, world_size: int, bucket_numel: int) -> dict:
+    """Each rank's calibration on the default group (the second: the first also pays torch's one-time
+    imports of the optimizer, which a job's first step would pay anyway), and one all-reduce after it
+    (the group still works)."""
+    calibrate(dtype=torch.float32, bucket_numel=bucket_numel, device="cpu")
+    calibration = calibrate(dtype=torch.float32, bucket_numel=bucket_numel, device="cpu")
+    check = torch.ones(1)
+    dist.all_reduce(check)
+    return {"calibration": calibration.to_dict(), "after": check.item()}
+
+
+def predicted_vs_measured_world(rank: int, world_size: int, settings: dict) -> dict:
+    """What a job does at start, for each stage in turn on one world: calibrate, then train a step
+    and time it -- calibrating again before every timed step, so that each step is priced with rates
+    measured just before it (the load of a shared machine changes from one second to the next)."""
+    from benchmarks.step_time_model import job_spec
+    from workers.models import build_model
+    from workers.planning import matmul_shape
+    from workers.zero import ZeroConfig, ZeroEngine
+    from workers.zero.planner.shape import bucket_elements
+    from workers.zero.testing import byte_stream_batch
+
+    import time
+
+    shape = matmul_shape(job_spec({**settings, "stage": 0, "offload": False}, world_size))
+    bucket = bucket_elements(settings["bucket_mb"], "fp32")
+    calibrations, step_times = {}, {}
+    for stage in settings["stages"]:
+        torch.manual_seed(0)
+        engine = ZeroEngine(build_model({"preset": settings["model"]}), lambda p: torch.optim.AdamW(p, lr=1e-4),
+                            ZeroConfig(stage=stage, bucket_mb=settings["bucket_mb"]))
+        calibrations[stage], step_times[stage] = [], []
+        for step in range(settings["warmup"] + settings["steps"]):
+            timed = step >= settings["warmup"]
+            if timed:
+                calibrations[stage].append(calibrate(bucket_numel=bucket, matmul_shape=shape).to_dict())
+            inputs, targets = byte_stream_batch(step, 0, rank, settings["micro_batch"], settings["seq_len"])
+            started = time.perf_counter()
+            engine.backward(engine(inputs, targets))
+            engine.step()
+            if timed:
+                step_times[stage].append(time.perf_counter() - started)
+        engine.close()
+    return {"calibrations": calibrations, "step_times": step_times}

@@ -1,0 +1,85 @@
+"""The planner's calibrated time model: each stage's collectives, compute and optimizer step priced
+at given rates, with the arithmetic a user relies on (no world needed: the rates are given)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+
+from contract.spec import DataSpec, JobSpec, ModelSpec, ResourcesSpec, TrainSpec, ZeroSpec
+from workers.models import build_model, flops_per_token
+from workers.planning import plan_for_spec
+from workers.zero.calibration import Calibration
+from workers.zero.planner import ModelShape, PlanInputs, predict
+
+RATES = Calibration(compute_flops_per_s=1e11, allgather_bytes_per_s=2e9, reduce_scatter_bytes_per_s=1e9,
+                    allreduce_bytes_per_s=1.5e9, optimizer_params_per_s=1e8, host_optimizer_params_per_s=2.5e7,
+                    world_size=4)
+PHI = 10_000_000
+
+
+def inputs(**changes) -> PlanInputs:
+    base = PlanInputs(shape=ModelShape.from_count(PHI), n_ranks=4, flops_per_step=3e11, calibration=RATES)
+    return replace(base, **changes)
+
+
+def test_each_stage_prices_its_own_collectives():
+    ring, b = 3 / 4, 4 * PHI  # fp32: 4 bytes an element
+    assert predict(inputs(), 0).comm_time_s == pytest.approx(b * ring / 1.5e9)  # one all-reduce
+    for stage in (1, 2):  # a reduce-scatter and an all-gather
+        assert predict(inputs(), stage).comm_time_s == pytest.approx(b * ring / 1e9 + b * ring / 2e9)
+    # stage 3: all-gathers in forward and backward, one reduce-scatter
+    assert predict(inputs(), 3).comm_time_s == pytest.approx(b * ring / 1e9 + 2 * b * ring / 2e9, rel=1e-3)
+    assert predict(inputs(), 3).comm_time_s > predict(inputs(), 2).comm_time_s
+
+
+def test_half_the_bandwidth_doubles_the_communication_and_lengthens_the_step():
+    slow = replace(RATES, allgather_bytes_per_s=1e9, reduce_scatter_bytes_per_s=5e8, allreduce_bytes_per_s=7.5e8)
+    for stage in range(4):
+        fast, halved = predict(inputs(), stage), predict(inputs(calibration=slow), stage)
+        assert halved.comm_time_s == pytest.approx(2 * fast.comm_time_s)
+        assert halved.step_time_s == pytest.approx(fast.step_time_s + fast.comm_time_s)
+        assert halved.compute_time_s == fast.compute_time_s
+
+
+def test_the_step_adds_compute_communication_and_the_optimizer():
+    for stage, offload in [(0, False), (1, False), (2, True), (3, True)]:
+        p = predict(inputs(), stage, offload)
+        assert p.compute_time_s == pytest.approx(3e11 / 1e11)
+        stepped = PHI if stage == 0 else PHI / 4  # stage 0 steps everything, the others their shard
+        rate = 2.5e7 if offload else 1e8  # offload steps on the host
+        assert p.optimizer_time_s == pytest.approx(stepped / rate)
+        assert p.step_time_s == pytest.approx(p.compute_time_s + p.comm_time_s + p.optimizer_time_s)
+
+
+def test_hybrid_groups_price_the_shard_groups_ring_and_the_replicas_all_reduce():
+    hybrid = predict(inputs(shard_group_size=2), 2)
+    b = 4 * PHI
+    within = b / 2 / 1e9 + b / 2 / 2e9  # over a group of 2: f = 1/2
+    across = (4 * 2 * (PHI // 2)) / 2 * (1 / 2) / 1.5e9  # Φ/G all-reduced over 2 replicas
+    assert hybrid.comm_time_s == pytest.approx(within + across)
+    assert hybrid.optimizer_time_s == pytest.approx(PHI / 2 / 1e8)  # a shard of 1/G
+
+
+def test_a_world_of_one_communicates_nothing_and_no_flops_means_no_step_time():
+    alone = predict(inputs(n_ranks=1, calibration=replace(RATES, allgather_bytes_per_s=math.inf,
+                                                           reduce_scatter_bytes_per_s=math.inf)), 0)
+    assert alone.comm_time_s == 0.0 and alone.step_time_s == pytest.approx(3.0 + PHI / 1e8)
+    unknown = predict(inputs(flops_per_step=None), 2)
+    assert unknown.step_time_s is None and unknown.comm_time_s > 0  # a sum with a term left out would mislead
+
+
+def test_plan_for_spec_prices_the_jobs_flops_and_records_the_calibration():
+    spec = JobSpec(name="t", model=ModelSpec(preset="gpt-nano"), data=DataSpec(kind="synthetic", seq_len=64),
+                   train=TrainSpec(steps=1, global_batch_size=8, micro_batch_size=2),
+                   zero=ZeroSpec(stage=2), resources=ResourcesSpec(num_workers=2))
+    plan = plan_for_spec(spec, calibration=replace(RATES, world_size=2))
+    tokens = 2 * 2 * 64  # two micro-batches of 2 × 64 tokens per rank and step
+    flops = flops_per_token(build_model({"preset": "gpt-nano"}), 64) * tokens
+    assert plan.inputs["flops_per_step"] == pytest.approx(flops)
+    assert plan.inputs["calibration"]["compute_flops_per_s"] == 1e11
+    for candidate in plan.candidates:
+        assert candidate.step_time_s is not None and candidate.compute_time_s == pytest.approx(flops / 1e11)
+    assert plan.chosen.to_dict()["step_time_s"] == plan.chosen.step_time_s

@@ -1,0 +1,43 @@
+"""``calibrate``: the rates the planner's time model divides by, measured on a real Gloo world."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from workers.zero.calibration import RATES, Calibration, calibrate
+from workers.zero.testing import spawn_world
+
+from .calibration_cases import calibrate_world
+
+
+def test_two_gloo_ranks_measure_positive_finite_rates_and_agree():
+    results = spawn_world(calibrate_world, 2, args=(1 << 18,))
+    first = Calibration.from_dict(results[0]["calibration"])
+    for name in RATES:
+        value = getattr(first, name)
+        assert 0 < value < math.inf, name
+    # every rank takes the slowest rank's figures: the ranks agree
+    assert [r["calibration"][n] for r in results for n in RATES] == [results[0]["calibration"][n] for n in RATES] * 2
+    assert first.world_size == 2 and first.dtype == "float32" and first.bucket_numel == 1 << 18
+    assert first.seconds < 1.0  # cheap enough to run at every job start
+    assert [r["after"] for r in results] == [2.0, 2.0]  # nothing left half-sent on the group
+
+
+def test_a_world_of_one_sends_nothing_and_says_so():
+    calibration = calibrate(bucket_numel=1024, dtype=torch.bfloat16)
+    assert calibration.world_size == 1 and calibration.dtype == "bfloat16"
+    assert 0 < calibration.compute_flops_per_s < math.inf
+    assert calibration.allgather_bytes_per_s == calibration.reduce_scatter_bytes_per_s == math.inf
+    stored = calibration.to_dict()
+    assert stored["allgather_bytes_per_s"] is None  # JSON has no infinity
+    assert Calibration.from_dict(stored) == calibration
+
+
+def test_rates_must_be_positive():
+    with pytest.raises(ValueError, match="reduce_scatter_bytes_per_s must be positive"):
+        Calibration(compute_flops_per_s=1e9, allgather_bytes_per_s=1e9, reduce_scatter_bytes_per_s=0.0)
+    with pytest.raises(ValueError, match="compute_flops_per_s"):
+        Calibration(compute_flops_per_s=float("nan"), allgather_bytes_per_s=1.0, reduce_scatter_bytes_per_s=1.0)

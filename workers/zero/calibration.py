@@ -1,0 +1,180 @@
+"""Measure the rates the planner's time model needs, on the machine and process group a job runs on.
+
+The planner predicts a step's time from counts (flops, bytes, optimizer elements) divided by
+rates. A rate a user types (a link's nominal Gbit/s) is rarely what the engine gets: Gloo's
+loopback, a loaded host or NVLink all differ from the datasheet. ``calibrate`` measures each
+rate the way the engine incurs it, in well under a second:
+
+* ``compute_flops_per_s``: a matmul of the job's dtype on its device, (m×k)·(k×n): 2·m·k·n flops.
+  By default square (512); a worker passes its model's MLP shape (a micro-batch's tokens × d ×
+  4d), the matmul most of a transformer's flops go through;
+* ``allgather_bytes_per_s`` / ``reduce_scatter_bytes_per_s`` (and ``allreduce_bytes_per_s``):
+  one bucket of ``bucket_numel`` elements through the engine's own ``Collectives`` (Gloo's
+  broadcast all-gather and two-rank exchange included), as a ring's bus rate:
+  ``bytes × (N-1)/N / seconds``, so that ``contract.zero_math.comm_time_s`` inverts it;
+* ``optimizer_params_per_s`` / ``host_optimizer_params_per_s``: ``torch.optim.AdamW`` steps over
+  a flat fp32 tensor on the device and on the host (where offload steps it).
+
+Each figure is the median of a few repeats after one warm-up, each repeat running the operation
+enough times to last ``MIN_REPEAT_S`` (a 1 ms matmul timed once says more about the scheduler
+than the device), and every rank of the group takes the slowest rank's figure (a collective step
+runs at the pace of the slowest rank).
+
+[Note: a world of one] With no process group, or a group of one rank, nothing is sent: the
+bandwidths are ``math.inf`` (a step's communication takes no time); ``to_dict`` writes them as
+None, which ``from_dict`` reads back as ``math.inf``.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from .collectives import Collectives
+
+DEFAULT_REPEATS = 3
+DEFAULT_MATMUL_SIZE = 512  # m of the m×m matmul: large enough to run near the device's matmul rate
+DEFAULT_OPTIMIZER_NUMEL = 1 << 19  # elements of the AdamW step timed
+DEFAULT_BUCKET_NUMEL = 1 << 20  # when the caller gives no bucket
+MIN_REPEAT_S = 0.01  # a repeat runs its operation at least this long
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Measured rates of one job's ranks (the slowest rank's, each); see the module docstring."""
+
+    compute_flops_per_s: float
+    allgather_bytes_per_s: float
+    reduce_scatter_bytes_per_s: float
+    allreduce_bytes_per_s: float = math.inf
+    optimizer_params_per_s: float = math.inf  # AdamW on the device (the engine's step without offload)
+    host_optimizer_params_per_s: float = math.inf  # AdamW on the host (optimizer offload)
+    world_size: int = 1
+    dtype: str = "float32"
+    device: str = "cpu"
+    bucket_numel: int = DEFAULT_BUCKET_NUMEL
+    seconds: float = 0.0  # how long calibrating took
+
+    def __post_init__(self) -> None:
+        for name in RATES:
+            value = getattr(self, name)
+            if not value > 0:  # NaN fails too
+                raise ValueError(f"{name} must be positive, got {value!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able: an infinite rate (nothing measured: a world of one) becomes None."""
+        return {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Calibration":
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in data.items() if k in known}
+        for name in RATES:
+            if name in values and values[name] is None:
+                values[name] = math.inf
+        return cls(**values)
+
+
+RATES = ("compute_flops_per_s", "allgather_bytes_per_s", "reduce_scatter_bytes_per_s", "allreduce_bytes_per_s",
+         "optimizer_params_per_s", "host_optimizer_params_per_s")
+
+
+def calibrate(group: Optional[dist.ProcessGroup] = None, dtype: torch.dtype = torch.float32,
+              bucket_numel: int = DEFAULT_BUCKET_NUMEL, device: torch.device | str = "cpu",
+              repeats: int = DEFAULT_REPEATS, matmul_shape: tuple[int, int, int] | None = None,
+              optimizer_numel: int = DEFAULT_OPTIMIZER_NUMEL) -> Calibration:
+    """Measure this rank's rates (collectively on ``group``: every rank of it must call this).
+
+    ``group`` None means the default process group when one is initialized, else a world of one.
+    ``matmul_shape`` (m, k, n): the timed matmul, (m×k)·(k×n); None: 512 square.
+    """
+    m, k, n = matmul_shape or (DEFAULT_MATMUL_SIZE,) * 3
+    if repeats < 1 or bucket_numel < 1 or min(m, k, n) < 1 or optimizer_numel < 1:
+        raise ValueError("repeats, bucket_numel, matmul_shape and optimizer_numel must be positive")
+    started = time.perf_counter()
+    device = torch.device(device)
+    if group is None and dist.is_available() and dist.is_initialized():
+        group = dist.group.WORLD
+    world = dist.get_world_size(group) if group is not None else 1
+    sync = _synchronizer(device)
+    flops = 2.0 * m * k * n / _median_time(_matmul(m, k, n, dtype, device), repeats, sync)
+    optimizer = optimizer_numel / _median_time(_adamw_step(optimizer_numel, device), repeats, sync)
+    host = optimizer if device.type == "cpu" else \
+        optimizer_numel / _median_time(_adamw_step(optimizer_numel, torch.device("cpu")), repeats, lambda: None)
+    rates = {"compute_flops_per_s": flops, "optimizer_params_per_s": optimizer, "host_optimizer_params_per_s": host,
+             "allgather_bytes_per_s": math.inf, "reduce_scatter_bytes_per_s": math.inf}  # a world of one
+    if world > 1:
+        comm = Collectives(group, device)
+        numel = -(-bucket_numel // world) * world  # padded to a multiple of N, as the engine's buckets are
+        bus = (world - 1) / world * numel * torch.empty((), dtype=dtype).element_size()
+        for name, run in _collective_runs(comm, numel, dtype, device).items():
+            rates[name] = bus / _median_time(run, repeats, sync, local=False)
+        rates = _slowest(rates, group, device)
+    return Calibration(**rates, world_size=world, dtype=str(dtype).removeprefix("torch."), device=str(device),
+                       bucket_numel=bucket_numel, seconds=time.perf_counter() - started)
+
+
+def _synchronizer(device: torch.device) -> Callable[[], None]:
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+
+def _median_time(run: Callable[[], None], repeats: int, sync: Callable[[], None], local: bool = True) -> float:
+    """Median seconds of one ``run`` over ``repeats`` after one warm-up (never zero). A ``local``
+    operation runs, in each repeat, as often as ``MIN_REPEAT_S`` takes by the warm-up's time; a
+    collective (``local=False``) once, since every rank of the group must run it equally often."""
+    t0 = time.perf_counter()
+    run()
+    sync()
+    count = max(1, math.ceil(MIN_REPEAT_S / max(time.perf_counter() - t0, 1e-9))) if local else 1
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(count):
+            run()
+        sync()
+        times.append((time.perf_counter() - t0) / count)
+    return max(statistics.median(times), 1e-9)
+
+
+def _matmul(m: int, k: int, n: int, dtype: torch.dtype, device: torch.device) -> Callable[[], None]:
+    seeded = torch.Generator().manual_seed(0)  # the job's own random state stays untouched
+    a = torch.randn(m, k, generator=seeded).to(device=device, dtype=dtype)
+    b = torch.randn(k, n, generator=seeded).to(device=device, dtype=dtype)
+    out = torch.empty(m, n, dtype=dtype, device=device)
+    return lambda: torch.mm(a, b, out=out)
+
+
+def _adamw_step(numel: int, device: torch.device) -> Callable[[], None]:
+    param = torch.nn.Parameter(torch.zeros(numel, device=device))
+    param.grad = torch.full_like(param, 1e-3)
+    optimizer = torch.optim.AdamW([param], lr=1e-3)
+    return optimizer.step
+
+
+def _collective_runs(comm: Collectives, numel: int, dtype: torch.dtype,
+                     device: torch.device) -> dict[str, Callable[[], None]]:
+    """One bucket through each collective as the engine issues it (the output apart from the
+    input, so a two-rank Gloo reduce-scatter is the engine's exchange)."""
+    full = torch.ones(numel, dtype=dtype, device=device)
+    shard = torch.ones(numel // comm.world_size, dtype=dtype, device=device)
+    gathered = torch.empty(numel, dtype=dtype, device=device)
+    return {
+        "allgather_bytes_per_s": lambda: comm.all_gather(gathered, shard, "calibrate").wait(),
+        "reduce_scatter_bytes_per_s": lambda: comm.reduce_scatter(shard, full, "calibrate").wait(),
+        "allreduce_bytes_per_s": lambda: comm.all_reduce(full, "calibrate").wait(),
+    }
+
+
+def _slowest(rates: dict[str, float], group: dist.ProcessGroup, device: torch.device) -> dict[str, float]:
+    """Every rank's lowest figure of each rate (a step waits for the slowest rank)."""
+    names = sorted(rates)
+    backend_device = device if dist.get_backend(group) != "gloo" else torch.device("cpu")
+    values = torch.tensor([-rates[n] for n in names], dtype=torch.float64, device=backend_device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+    return {n: float(-v) for n, v in zip(names, values.tolist())}
