@@ -222,7 +222,8 @@ def plan_for_spec(
     if zero.stage == "auto":  # only among the stages the other zero fields allow (contract/zero_rules.py)
         host_budget = host_memory_bytes if gpu_job else None
         open_stages = allowed_stages(zero.offload_optimizer, zero.keep_gathered_bytes, stages,
-                                     offload_params=zero.offload_params)
+                                     offload_params=zero.offload_params, quantized_weights=zero.quantized_weights,
+                                     quantized_gradients=zero.quantized_gradients)
         chosen = choose_plan(inputs, budget, margin, host_budget, allow_offload and target != "nvme", open_stages)
         if target != "nvme":
             return chosen
