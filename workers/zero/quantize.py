@@ -23,6 +23,7 @@ without quantization (an fp16 overflow then skips the step as usual).
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -64,38 +65,45 @@ def quantize(x: torch.Tensor, bits: int, *, codes: Optional[torch.Tensor] = None
     _check_bits(bits)
     if not 0 < block <= BLOCK_ELEMENTS:
         raise ValueError(f"block must be 1..{BLOCK_ELEMENTS} elements, got {block}")
-    flat = x.detach().reshape(-1).float()
-    n, nb = flat.numel(), blocks(flat.numel(), block)
-    if n % block:
-        flat = torch.cat([flat, flat.new_zeros(nb * block - n)])
-    rows = flat.view(nb, block)
-    finite = torch.isfinite(rows).all(dim=1)
-    if not poison and not bool(finite.all()):
+    flat = x.detach().reshape(-1)
+    n, nb, full = flat.numel(), blocks(flat.numel(), block), flat.numel() // block
+    main, tail = flat[:full * block].view(full, block), flat[full * block:]
+    scale = scales.view(-1) if scales is not None else torch.empty(nb, dtype=torch.float32, device=flat.device)
+    if full:  # the largest magnitude per block, in one pass (NaN and inf propagate into it)
+        torch.linalg.vector_norm(main, ord=math.inf, dim=1, dtype=torch.float32, out=scale[:full])
+    if nb > full:
+        scale[full:] = tail.abs().max().float()
+    finite = torch.isfinite(scale)
+    clean = bool(finite.all())
+    if not clean and not poison:
         raise ValueError(f"cannot quantize a tensor holding NaN or inf ({x.numel()} elements, "
                          f"{int((~torch.isfinite(x)).sum())} not finite)")
     qmax = QMAX[bits]
-    if not poison or bool(finite.all()):
-        scale = rows.abs().amax(dim=1).div_(qmax).clamp_(min=_TINY)
-    else:
-        scale = rows.nan_to_num(0.0, 0.0, 0.0).abs().amax(dim=1).div_(qmax).clamp_(min=_TINY)
+    scale.div_(qmax).clamp_(min=_TINY)
+    if not clean:
         scale.masked_fill_(~finite, float("nan"))
-        rows = rows.nan_to_num(0.0, 0.0, 0.0)
-    q = rows.div(scale.unsqueeze(1)).nan_to_num_(0.0).round_().clamp_(-qmax, qmax).view(-1)[:n]
+    q = torch.empty(n, dtype=torch.float32, device=flat.device)
+    if full:
+        torch.div(main, scale[:full].unsqueeze(1), out=q[:full * block].view(full, block))
+    if nb > full:
+        torch.div(tail, scale[full:], out=q[full * block:])
+    if not clean:  # a poisoned block's codes are 0; its NaN scale carries the poison
+        q.nan_to_num_(0.0, 0.0, 0.0)
+    q.round_().clamp_(-qmax, qmax)
     if bits == 8:
-        out = q.to(torch.int8)
-    else:
-        q = q.add_(8).to(torch.uint8)
-        if n % 2:
-            q = torch.cat([q, q.new_full((1,), 8)])
-        pairs = q.view(-1, 2)
-        out = pairs[:, 0] | (pairs[:, 1] << 4)
-    if codes is not None:
-        codes.copy_(out.view(codes.dtype) if bits == 8 else out)
-        out = codes
-    if scales is not None:
-        scales.copy_(scale)
-        scale = scales
-    return out, scale
+        out = codes.view(-1).view(torch.int8) if codes is not None else torch.empty(n, dtype=torch.int8,
+                                                                                    device=flat.device)
+        out.copy_(q)
+    else:  # offset by 8, element 2k in the low nibble, 2k + 1 in the high one
+        q.add_(8)
+        packed = q[0::2].clone()
+        high = q[1::2]
+        packed[:high.numel()].add_(high, alpha=16)
+        packed[high.numel():].add_(8 * 16)  # an odd count: the last byte's high nibble codes a 0
+        out = codes.view(-1) if codes is not None else torch.empty(packed.numel(), dtype=torch.uint8,
+                                                                   device=flat.device)
+        out.copy_(packed)
+    return (codes if codes is not None else out), (scales if scales is not None else scale)
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, numel: int, bits: int, *,
@@ -105,16 +113,26 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, numel: int, bits: int,
     floating dtype, flat) when given, else a new ``dtype`` tensor."""
     _check_bits(bits)
     if bits == 8:
-        q = codes.reshape(-1).view(torch.int8).float()
+        q = codes.reshape(-1).view(torch.int8)[:numel]
     else:
         packed = codes.reshape(-1)
-        q = torch.stack([packed & 0xF, packed >> 4], dim=1).view(-1).float().sub_(8)
-    nb = blocks(numel, block)
-    if nb * block != q.numel():
-        q = torch.cat([q[:numel], q.new_zeros(nb * block - numel)]) if nb * block > numel else q[:nb * block]
-    values = q.view(nb, block).mul_(scales.reshape(-1)[:nb].unsqueeze(1)).view(-1)[:numel]
+        q = torch.empty(2 * packed.numel(), dtype=torch.uint8, device=packed.device)
+        torch.bitwise_and(packed, 0xF, out=q[0::2])
+        torch.bitwise_right_shift(packed, 4, out=q[1::2])
+        q = q[:numel].view(torch.int8).sub_(8)
+    scale = scales.reshape(-1)
+    full, nb = numel // block, blocks(numel, block)
+    direct = out is not None and out.dtype == torch.float32 and out.is_contiguous()
+    values = out.view(-1) if direct else torch.empty(numel, dtype=torch.float32, device=q.device)
+    if full:
+        torch.mul(q[:full * block].view(full, block), scale[:full].unsqueeze(1),
+                  out=values[:full * block].view(full, block))
+    if nb > full:
+        torch.mul(q[full * block:], scale[full:nb], out=values[full * block:])
+    if direct:
+        return out
     if out is None:
-        return values.to(dtype)
+        return values if dtype == torch.float32 else values.to(dtype)
     out.view(-1).copy_(values)
     return out
 
