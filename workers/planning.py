@@ -79,6 +79,8 @@ def inputs_for_spec(
         reshard_after_forward=zero.reshard_after_forward,
         keep_gathered_bytes=zero.keep_gathered_bytes,
         shard_group_size=zero.shard_group_size,
+        quantized_weights=zero.quantized_weights,
+        quantized_gradients=zero.quantized_gradients,
         optimizer_states=optimizer_state_tensors(spec.train.optimizer, spec.train.momentum),
         deferred_init=builds_on_meta(spec),
         checkpoint=checkpoint_kind(spec),

@@ -28,8 +28,10 @@ from typing import Optional
 
 import torch
 
-#: elements per block, each with one fp32 scale (ZeRO++'s paper and DeepSpeed use 2,048 at most)
-BLOCK_ELEMENTS = 2048
+from contract.zero_math import QUANT_BLOCK_ELEMENTS
+
+#: elements per block, each with one fp32 scale: 2,048 (the planner's figure, defined there)
+BLOCK_ELEMENTS = QUANT_BLOCK_ELEMENTS
 #: the largest code magnitude of each supported width (symmetric: -QMAX..QMAX)
 QMAX = {8: 127, 4: 7}
 #: what a scale takes: one fp32 per block

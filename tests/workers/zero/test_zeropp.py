@@ -76,3 +76,16 @@ def test_masters_and_checkpoints_are_exact(trained):
                 assert torch.equal(rank[what][k], v), (what, k)
         for k, v in full.items():  # every rank reports the same state
             assert torch.equal(v, trained[0]["both"]["full"][k]), k
+
+
+def test_the_planner_predicts_the_bytes_quantization_sends(trained):
+    """The planner's comm_bytes (contract/zero_math.comm_bytes) against what each run sent."""
+    from workers.zero.planner import ModelShape, PlanInputs, predict
+
+    from .cases import make_gpt
+
+    shape = ModelShape.of(make_gpt(0))
+    for name, fields in zeropp_cases.VARIANTS.items():
+        predicted = predict(PlanInputs(shape=shape, n_ranks=2, precision="bf16", **fields), 3, None).comm_bytes
+        sent = trained[0][name]["bytes"][-1]["total"]
+        assert abs(predicted - sent) <= 0.01 * sent, (name, predicted, sent)
