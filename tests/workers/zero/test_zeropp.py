@@ -89,3 +89,20 @@ def test_the_planner_predicts_the_bytes_quantization_sends(trained):
         predicted = predict(PlanInputs(shape=shape, n_ranks=2, precision="bf16", **fields), 3, None).comm_bytes
         sent = trained[0][name]["bytes"][-1]["total"]
         assert abs(predicted - sent) <= 0.01 * sent, (name, predicted, sent)
+
+
+def test_zeropp_with_hybrid_sharding_keeps_the_replicas_equal():
+    """4 ranks as 2 shard groups of 2: the quantized reduce-scatter inside the group, the exact
+    all-reduce across groups; every rank ends with the same parameters, close to exact."""
+    from .zeropp_cases import hybrid_world
+
+    ranks = spawn_world(hybrid_world, 4, timeout_s=300)
+    exact, both = ranks[0]["exact"], ranks[0]["both"]
+    for r in ranks:
+        for k, v in both["full"].items():
+            assert torch.equal(r["both"]["full"][k], v), k
+        assert r["both"]["bytes"]["inter_group"] == r["exact"]["bytes"]["inter_group"] > 0  # across: exact
+        assert r["both"]["bytes"]["reduce_scatter"] <= 0.30 * r["exact"]["bytes"]["reduce_scatter"]
+        assert r["both"]["bytes"]["all_gather"] <= 0.55 * r["exact"]["bytes"]["all_gather"]
+    losses, ref = torch.tensor(both["losses"]), torch.tensor(exact["losses"])
+    assert ((losses - ref).abs() / ref).max() <= 0.02, (losses, ref)

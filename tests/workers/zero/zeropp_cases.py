@@ -95,3 +95,15 @@ def training_world(rank: int, world_size: int) -> dict:
                 e.close()
         engine.close()
     return out
+
+
+def hybrid_world(rank: int, world_size: int) -> dict:
+    """Hybrid sharding (groups of 2) at stage 3, one layer, exact and with qwZ + qgZ, 3 steps each."""
+    torch.set_num_threads(1)
+    out = {}
+    for name in ("exact", "both"):
+        engine = gpt_engine(rank, "bf16", 3, n_layer=1, shard_group_size=2, **VARIANTS[name])
+        losses, _ = gpt_steps(engine, rank, 0, 3)
+        out[name] = {"losses": losses, "bytes": engine.comm_volume("bytes"), "full": engine.full_state_dict()}
+        engine.close()
+    return out
