@@ -6,7 +6,8 @@ neighbours, as HF Trainer reads the same file (docs/contracts.md has the table):
 * batch: ``train_batch_size``, ``train_micro_batch_size_per_gpu``,
   ``gradient_accumulation_steps`` (checked against ``resources.num_workers``);
 * ``gradient_clipping``; ``bf16.enabled`` / ``fp16.enabled`` (dynamic loss scaling from 2**16);
-* ``zero_optimization``: ``stage``, ``offload_optimizer.{device, nvme_path}``;
+* ``zero_optimization``: ``stage``, ``offload_optimizer.{device, nvme_path}``, ZeRO++'s
+  ``zero_quantized_weights``, ``zero_quantized_gradients`` and ``zero_hpz_partition_size``;
 * ``optimizer.{type: Adam | AdamW | SGD, params}`` (DeepSpeed's ``Adam`` is AdamW unless
   ``adam_w_mode: false``, as its FusedAdam and CPUAdam are);
 * ``scheduler.{type: WarmupLR | WarmupDecayLR | WarmupCosineLR, params}`` onto ``lr``,
@@ -67,9 +68,10 @@ IGNORED_ZERO = {
 IGNORED_OFFLOAD = {"pin_memory": "zerotrain pins what it copies", "buffer_count": "zerotrain keeps three buffers",
                    "buffer_size": "zerotrain sizes its buffers by bucket", "fast_init": "no effect here",
                    "max_in_cpu": "no effect here"}
-NOT_BUILT_ZERO = {"zero_hpz_partition_size": "ZeRO++ hierarchical partitioning",
-                  "zero_quantized_weights": "ZeRO++ quantized weights",
-                  "zero_quantized_gradients": "ZeRO++ quantized gradients", "mics_shard_size": "MiCS"}
+NOT_BUILT_ZERO = {"mics_shard_size": "MiCS"}
+#: ZeRO++'s DeepSpeed keys and the zero fields they set (``zero_hpz_partition_size`` 1, DeepSpeed's
+#: default, is hpZ off: null)
+ZEROPP_KEYS = {"zero_quantized_weights": "quantized_weights", "zero_quantized_gradients": "quantized_gradients"}
 #: fp16 keys of DeepSpeed's dynamic loss scaler that zerotrain's scaler does its own way
 FP16_NOT_HONOURED = {
     "loss_scale_window": "zerotrain doubles the scale after 2000 steps without overflow",
@@ -222,6 +224,11 @@ def _zero(zero: _Reader, out: Translation) -> None:
                                                               "optimizer (offload_optimizer) and use stage 3")
         params.value("nvme_path", _str)
         _ignore_rest(params, IGNORED_OFFLOAD, out)
+    for key, field in ZEROPP_KEYS.items():
+        if (on := zero.value(key, _bool)) is not None:
+            out.set("zero", field, on, zero.path(key))
+    if (hpz := zero.value("zero_hpz_partition_size", _positive_int)) is not None and hpz != 1:
+        out.set("zero", "hpz_partition_size", hpz, zero.path("zero_hpz_partition_size"))  # refused: not built
     for key in zero.rest():
         if key in NOT_BUILT_ZERO:
             raise DeepSpeedConfigError(zero.path(key), f"{NOT_BUILT_ZERO[key]} is not built")

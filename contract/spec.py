@@ -52,7 +52,8 @@ from contract.zero_math import (DEFAULT_BUCKET_MB, DEFAULT_PRECISION, DEFAULT_PR
                                 PRECISIONS, STAGES)
 from contract import deepspeed as deepspeed_config
 from contract.zero_rules import (OFFLOAD_OPTIMIZER, OFFLOAD_PARAMS, ZeroRuleBroken, check_nvme_path,
-                                 check_params_offload_built, check_stage_fields, shard_group_misfits)
+                                 check_hpz_built, check_params_offload_built, check_stage_fields,
+                                 shard_group_misfits)
 
 # --------------------------------------------------------------------------- job spec
 
@@ -238,6 +239,15 @@ class ZeroSpec(SpecModel):
     # node) and replicate across the groups; null: the whole world. Must divide every world size
     # the job may run at (JobSpec checks it against resources). Stage 0 ignores it.
     shard_group_size: int | None = Field(default=None, ge=1, le=MAX_INT32)
+    # ZeRO++ (stage 3, workers/zero/quantized_comm.py): the parameter all-gather sends blockwise
+    # int8 and fp32 scales instead of the compute dtype (qwZ); the masters are never quantized
+    quantized_weights: bool = False
+    # ZeRO++ (stage 3): the gradient reduce-scatter sends blockwise int4 through an all-to-all and
+    # reduces in fp32 (qgZ, the one-level variant)
+    quantized_gradients: bool = False
+    # ZeRO++ hpZ: a secondary weight partition within groups of this many ranks; not built yet
+    # (refused unless null)
+    hpz_partition_size: int | None = Field(default=None, ge=1, le=MAX_INT32)
 
     @field_validator("stage", "offload_optimizer", mode="before")
     @classmethod
@@ -255,9 +265,12 @@ class ZeroSpec(SpecModel):
     @model_validator(mode="after")
     def _rules(self) -> "ZeroSpec":
         try:
-            check_stage_fields(self.stage, self.offload_optimizer, self.keep_gathered_bytes, self.offload_params)
+            check_stage_fields(self.stage, self.offload_optimizer, self.keep_gathered_bytes, self.offload_params,
+                               quantized_weights=self.quantized_weights,
+                               quantized_gradients=self.quantized_gradients)
             check_nvme_path(self.offload_optimizer, self.nvme_path, self.offload_params)
             check_params_offload_built(self.offload_params)
+            check_hpz_built(self.hpz_partition_size)
         except ZeroRuleBroken as broken:
             raise PydanticCustomError("zero_rule", "{message}", {"message": broken.message, "field": broken.field})
         return self

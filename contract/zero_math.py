@@ -239,6 +239,27 @@ def comm_elements(phi: int, stage: int, reshard_after_forward: bool) -> int:
     return stage_traits(stage).comm_phi_per_step(reshard_after_forward) * int(phi)
 
 
+#: ZeRO++'s quantization block: elements per fp32 scale (``workers/zero/quantize.py``)
+QUANT_BLOCK_ELEMENTS = 2048
+#: bytes on the wire per element, scale included: qwZ's int8 weights, qgZ's int4 gradients
+QUANT_WIRE_BYTES = {"weights": 1 + 4 / QUANT_BLOCK_ELEMENTS, "gradients": 0.5 + 4 / QUANT_BLOCK_ELEMENTS}
+
+
+def comm_bytes(elements: int, precision: str, *, gathered: int = 0, reduced: int = 0,
+               quantized_weights: bool = False, quantized_gradients: bool = False) -> int:
+    """Bytes each rank hands to collectives per step for ``elements`` (``comm_elements``): each
+    in the compute dtype, except with ZeRO++ (stage 3) the ``gathered`` parameter elements
+    (``quantized_weights``: int8 and a scale per block) and the ``reduced`` gradient elements
+    (``quantized_gradients``: int4 and a scale per block)."""
+    e = low_precision_bytes(precision)
+    total = float(elements * e)
+    if quantized_weights:
+        total -= gathered * (e - QUANT_WIRE_BYTES["weights"])
+    if quantized_gradients:
+        total -= reduced * (e - QUANT_WIRE_BYTES["gradients"])
+    return int(round(total))
+
+
 def gbps_to_bytes_per_s(gbps: float) -> float:
     """A link rate in gigabits per second (what NICs are sold by) as bytes per second."""
     return gbps * 1e9 / 8

@@ -30,9 +30,14 @@ class ZeroRuleBroken(ValueError):
         self.message = message
 
 
-def _needs(stage: int, offload_optimizer: bool, keep_gathered_bytes: int,
-           offload_params: str | None) -> ZeroRuleBroken | None:
+def _needs(stage: int, offload_optimizer: bool, keep_gathered_bytes: int, offload_params: str | None,
+           quantized_weights: bool, quantized_gradients: bool) -> ZeroRuleBroken | None:
     traits = stage_traits(stage)
+    for name, on in (("quantized_weights", quantized_weights), ("quantized_gradients", quantized_gradients)):
+        if on and not traits.shards_parameters:  # ZeRO++ is a stage-3 feature, as DeepSpeed's
+            return ZeroRuleBroken(f"zero.{name}", f"{name} (ZeRO++) needs stage 3 (it quantizes stage 3's "
+                                                  f"parameter all-gather and gradient reduce-scatter); got "
+                                                  f"stage={stage}")
     if offload_params is not None and not traits.shards_parameters:
         return ZeroRuleBroken("zero.offload_params",
                               f"offload_params needs stage 3 (only stage 3 shards the parameters); got stage={stage}")
@@ -48,23 +53,27 @@ def _needs(stage: int, offload_optimizer: bool, keep_gathered_bytes: int,
 
 
 def check_stage_fields(stage: int | str, offload_optimizer: bool, keep_gathered_bytes: int,
-                       offload_params: str | None) -> None:
+                       offload_params: str | None, *, quantized_weights: bool, quantized_gradients: bool) -> None:
     """Raise ``ZeroRuleBroken`` when ``stage`` cannot run with the other fields; ``"auto"`` passes
     when some stage can (``allowed_stages`` then limits the planner's choice)."""
     if stage == "auto":
-        if not allowed_stages(offload_optimizer, keep_gathered_bytes,
-                              offload_params=offload_params):  # pragma: no cover - every rule leaves 3
+        if not allowed_stages(offload_optimizer, keep_gathered_bytes, offload_params=offload_params,
+                              quantized_weights=quantized_weights,
+                              quantized_gradients=quantized_gradients):  # pragma: no cover - every rule leaves 3
             raise ZeroRuleBroken("zero.stage", "no ZeRO stage runs with these zero fields")
         return
-    broken = _needs(stage, offload_optimizer, keep_gathered_bytes, offload_params)
+    broken = _needs(stage, offload_optimizer, keep_gathered_bytes, offload_params, quantized_weights,
+                    quantized_gradients)
     if broken is not None:
         raise broken
 
 
 def allowed_stages(offload_optimizer: bool, keep_gathered_bytes: int,
-                   stages: Sequence[int] = STAGES, *, offload_params: str | None) -> tuple[int, ...]:
+                   stages: Sequence[int] = STAGES, *, offload_params: str | None, quantized_weights: bool,
+                   quantized_gradients: bool) -> tuple[int, ...]:
     """The stages among ``stages`` that run with these fields: what ``"auto"`` may resolve to."""
-    return tuple(s for s in stages if _needs(s, offload_optimizer, keep_gathered_bytes, offload_params) is None)
+    return tuple(s for s in stages if _needs(s, offload_optimizer, keep_gathered_bytes, offload_params,
+                                             quantized_weights, quantized_gradients) is None)
 
 
 #: ``zero.offload_optimizer``'s values: False, True and "cpu" (host memory; True is "cpu") or "nvme" (swap files)
@@ -114,6 +123,16 @@ def check_params_offload_built(offload_params: str | None) -> None:
         raise ZeroRuleBroken("zero.offload_params", f"offload_params={offload_params!r}: parameter offload is not "
                                                     "built in the engine yet; leave it null (offload_optimizer "
                                                     "'cpu' or 'nvme' moves the optimizer state)")
+
+
+def check_hpz_built(hpz_partition_size: int | None) -> None:
+    """Refuse ``zero.hpz_partition_size`` (ZeRO++'s hpZ) until the engine keeps a secondary weight
+    partition: the field is the contract, the engine's side is not built (the note on a field the
+    engine does not run yet, above)."""
+    if hpz_partition_size is not None:
+        raise ZeroRuleBroken("zero.hpz_partition_size", f"hpz_partition_size={hpz_partition_size!r}: hpZ (a "
+                                                        "secondary weight partition within groups of that size) "
+                                                        "is not built in the engine yet; leave it null")
 
 
 def shard_group_misfits(shard_group_size: int | None, world_sizes: Iterable[int]) -> list[int]:

@@ -82,6 +82,8 @@ def inputs_for_spec(
         reshard_after_forward=zero.reshard_after_forward,
         keep_gathered_bytes=zero.keep_gathered_bytes,
         shard_group_size=zero.shard_group_size,
+        quantized_weights=zero.quantized_weights,
+        quantized_gradients=zero.quantized_gradients,
         optimizer_states=optimizer_state_tensors(spec.train.optimizer, spec.train.momentum),
         deferred_init=builds_on_meta(spec),
         checkpoint=checkpoint_kind(spec),
@@ -278,7 +280,8 @@ def plan_for_spec(
     if zero.stage == "auto":  # only among the stages the other zero fields allow (contract/zero_rules.py)
         host_budget = host_memory_bytes if gpu_job else None
         open_stages = allowed_stages(zero.offload_optimizer, zero.keep_gathered_bytes, stages,
-                                     offload_params=zero.offload_params)
+                                     offload_params=zero.offload_params, quantized_weights=zero.quantized_weights,
+                                     quantized_gradients=zero.quantized_gradients)
         chosen = choose_plan(inputs, budget, margin, host_budget, allow_offload and target != "nvme", open_stages)
         if target != "nvme":
             return chosen

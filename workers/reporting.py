@@ -260,15 +260,16 @@ class StepMeter:
     def record(self, *, step: int, loss: float, lr: float, step_time_s: float, samples: int, tokens: int,
                info: StepInfo, memory: MemoryReport, peak_memory_bytes: int, comm_volume: dict[str, int],
                checkpoint_blocked_s: float = 0.0, eval_loss: float | None = None,
-               user: dict[str, float] | None = None) -> dict[str, Any]:
+               user: dict[str, float] | None = None, comm_bytes: int | None = None) -> dict[str, Any]:
         """The step's record; ``peak_memory_bytes`` the rank's peak so far (``PeakMemoryMeter.peak_growth()``),
         ``eval_loss`` on evaluated steps, ``user`` the scalars the user's code reported
-        (``workers.user_metrics``), sent as the record's ``user`` object."""
+        (``workers.user_metrics``), sent as the record's ``user`` object; ``comm_bytes`` the bytes
+        sent (``comm_volume("bytes")["total"]``: ZeRO++'s quantized bytes), else elements x element size."""
         observation = StepObservation(
             loss=loss, lr=lr, grad_norm=_finite_or_none(info.grad_norm), step_time_s=step_time_s,
             samples=samples, tokens=tokens, flops_per_token=self.flops_per_token, peak_flops=self.peak,
             memory=memory, peak_memory_bytes=peak_memory_bytes,
-            comm_bytes=comm_volume.get("total", 0) * self.comm_element_bytes,
+            comm_bytes=comm_volume.get("total", 0) * self.comm_element_bytes if comm_bytes is None else comm_bytes,
             comm_exposed_s=info.comm_exposed_s, checkpoint_blocked_s=checkpoint_blocked_s,
             eval_loss=_finite_or_none(eval_loss), io_read_bytes=info.io_read_bytes,
             io_write_bytes=info.io_write_bytes, io_wait_s=info.io_wait_s,

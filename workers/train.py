@@ -369,6 +369,7 @@ def train_loop(config: LoopConfig, context: RunContext | None = None) -> dict[st
             record = meter.record(step=step, loss=loss_value, lr=lr, step_time_s=step_time, samples=samples,
                                   tokens=samples * seq_len, info=info, memory=engine.step_memory(),
                                   peak_memory_bytes=peak.peak_growth(), comm_volume=engine.comm_volume(),
+                                  comm_bytes=engine.comm_volume("bytes")["total"],
                                   checkpoint_blocked_s=blocked, eval_loss=eval_loss, user=USER_METRICS.take())
             losses.append(loss_value)
             for sink in sinks:

@@ -69,6 +69,14 @@ def test_batch_sizes_and_accumulation_check_each_other_against_the_workers():
     assert error.value.path == "deepspeed.gradient_accumulation_steps" and "2 workers" in error.value.message
 
 
+def test_zeropp_keys_become_the_zero_fields():
+    got = translate({"zero_optimization": {"stage": 3, "zero_quantized_weights": True,
+                                           "zero_quantized_gradients": True, "zero_hpz_partition_size": 1}}, SPEC)
+    assert got.fields["zero"] == {"stage": 3, "quantized_weights": True, "quantized_gradients": True}
+    hpz = translate({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8}}, SPEC)
+    assert hpz.fields["zero"]["hpz_partition_size"] == 8  # then refused by ZeroSpec: not built
+
+
 def test_schedulers_map_onto_warmup_schedule_and_floor():
     decay = translate({"scheduler": {"type": "WarmupDecayLR", "params": {
         "total_num_steps": 100, "warmup_max_lr": 3e-4, "warmup_num_steps": 10, "warmup_type": "linear"}}}, SPEC)
@@ -84,8 +92,9 @@ WRONG = [
     ({"zero_optimization": {"stage": 4}}, "deepspeed.zero_optimization.stage", "0, 1, 2 or 3"),
     ({"zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": "/x"}}},
      "deepspeed.zero_optimization.offload_param.device", "not built"),
-    ({"zero_optimization": {"zero_quantized_weights": True}}, "deepspeed.zero_optimization.zero_quantized_weights",
-     "ZeRO++"),
+    ({"zero_optimization": {"mics_shard_size": 4}}, "deepspeed.zero_optimization.mics_shard_size", "MiCS"),
+    ({"zero_optimization": {"zero_quantized_weights": "yes"}}, "deepspeed.zero_optimization.zero_quantized_weights",
+     "true or false"),
     ({"fp16": {"enabled": True, "loss_scale": 128}}, "deepspeed.fp16.loss_scale", "static loss scale"),
     ({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, "deepspeed.fp16.enabled", "both"),
     ({"optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}, "deepspeed.optimizer.type", "Adam, AdamW or SGD"),

@@ -129,6 +129,12 @@ BAD_SPECS: list[tuple[str, dict]] = [
     ("zero.offload_params", with_value("zero", {"stage": 3, "offload_params": "nvme"})),
     ("zero.offload_params", with_value("zero", {"stage": 3, "offload_params": "cpu"})),  # not built yet
     ("zero.offload_optimizer", with_value("zero.offload_optimizer", "disk")),
+    # ZeRO++: the quantized collectives are stage 3's; hpZ is not built yet
+    ("zero.quantized_weights", with_value("zero", {"stage": 2, "quantized_weights": True})),
+    ("zero.quantized_gradients", with_value("zero", {"stage": 1, "quantized_gradients": True})),
+    ("zero.quantized_weights", with_value("zero", {"stage": 3, "quantized_weights": "int8"})),
+    ("zero.hpz_partition_size", with_value("zero", {"stage": 3, "hpz_partition_size": 2})),
+    ("zero.hpz_partition_size", with_value("zero", {"stage": 3, "hpz_partition_size": 0})),
     # the engine's ZeroConfig refuses a boolean where it counts (bytes, units, ranks): so does submit
     ("zero.prefetch", with_value("zero.prefetch", True)),
     ("zero.keep_gathered_bytes", with_value("zero", {"stage": 3, "keep_gathered_bytes": True})),

@@ -74,6 +74,7 @@ order every rank follows; the all-reduce is what the caller's ``Pending`` waits 
 all-reduce is counted under ``all_reduce`` (twice its elements) and under ``inter_group``;
 everything else a step sends stays inside one shard group (``intra_group``). Control messages,
 set-up broadcasts and barriers go over the whole world (``dp_group``).
+ZeRO++'s quantized gathers and reduce-scatters are ``quantized_comm.py``'s.
 """
 
 from __future__ import annotations
@@ -86,8 +87,10 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from . import quantized_comm
 from .hybrid import check_shard_group_size, hybrid_groups, is_hybrid
 from .work import CommCounter, Pending, _AllOf, _StreamWork, _Then  # noqa: F401  (Pending: re-exported)
+from .work import nbytes as _nbytes
 from .watchdog import WATCHDOG as _WATCHDOG
 
 log = logging.getLogger(__name__)
@@ -109,7 +112,8 @@ class Collectives:
     """The engine's only door to ``torch.distributed``."""
 
     def __init__(self, group: Optional[dist.ProcessGroup], device: torch.device, timeout_s: float = 300.0,
-                 force_distributed: bool = False, shard_group_size: Optional[int] = None):
+                 force_distributed: bool = False, shard_group_size: Optional[int] = None,
+                 quantize_weights: bool = False, quantize_gradients: bool = False):
         #: the whole data-parallel world: control messages, set-up broadcasts, stage 0's all-reduce
         self.dp_group = group
         self.dp_rank, self.dp_size = (dist.get_rank(group), dist.get_world_size(group)) if group is not None \
@@ -148,7 +152,10 @@ class Collectives:
         #: exchange between two ranks or an in-place all-reduce (the note on Gloo's copies)
         self.in_place = self.distributed and device.type == "cpu" and dist.get_backend(group) == "gloo"
         #: a two-rank Gloo group reduce-scatters by sending the peer its half (the note on Gloo's copies)
-        self.exchanges = self.in_place and self.world_size == 2
+        self.exchanges = self.in_place and self.world_size == 2 and not quantize_gradients
+        #: ZeRO++ (``quantized_comm.py``): stage 3's parameter gathers as int8 (qwZ), every gradient
+        #: reduce-scatter as int4 through an all-to-all (qgZ; no two-rank exchange then)
+        self.quantize_weights, self.quantize_gradients = quantize_weights, quantize_gradients
         self._global_ranks = [dist.get_global_rank(group, r) for r in range(self.world_size)] if self.in_place else []
 
     @property
@@ -262,7 +269,7 @@ class Collectives:
         seq = self._next_seq()
         if not self.distributed:
             return Pending(None, label, seq, self, done=True)
-        self.counter.all_reduce += 2 * tensor.numel()
+        self.counter.add("all_reduce", 2 * tensor.numel(), 2 * _nbytes(tensor))
         work = self._issue(self.reduce_stream, lambda a: dist.all_reduce(tensor, group=self.dp_group, async_op=a))
         return self._launched(work, label, seq, (tensor,), async_op)
 
@@ -276,8 +283,10 @@ class Collectives:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return Pending(None, label, seq, self, done=True)
-        self.counter.reduce_scatter += input.numel()
-        if self.exchanges and not _is_slot(output, input, self.rank, self.world_size):  # the note on Gloo's copies
+        self.counter.add("reduce_scatter", input.numel(), 0 if self.quantize_gradients else _nbytes(input))
+        if self.quantize_gradients:  # ZeRO++'s qgZ: int4 through an all-to-all (quantized_comm.py)
+            work = quantized_comm.reduce_scatter(self, output, input)
+        elif self.exchanges and not _is_slot(output, input, self.rank, self.world_size):  # the note on Gloo's copies
             work = self._exchange(output, input, seq)
         elif self.in_place and _is_slot(output, input, self.rank, self.world_size):  # the note on Gloo's copies
             work = dist.all_reduce(input, group=self.group, async_op=True)
@@ -325,7 +334,8 @@ class Collectives:
             if piece.dtype != output.dtype or piece.dim() != 1:
                 raise ValueError(f"{label}: a piece of {piece.dtype} {tuple(piece.shape)} for a {output.dtype} shard")
         seq = self._next_seq()
-        self.counter.reduce_scatter += sum(piece.numel() for _, piece in pieces)  # what is handed over: no gaps
+        self.counter.add("reduce_scatter", sum(p.numel() for _, p in pieces),  # what is handed over: no gaps
+                         sum(_nbytes(p) for _, p in pieces))
         shard = numel // 2
         lo, peer_lo = self.rank * shard, (1 - self.rank) * shard
         peer = self._global_ranks[1 - self.rank]
@@ -370,28 +380,36 @@ class Collectives:
 
     def _count_replicate(self, shard: torch.Tensor) -> None:
         """The all-reduce of a reduced shard across the replicate group: all-reduce, and inter-group."""
-        self.counter.all_reduce += 2 * shard.numel()
-        self.counter.inter_group += 2 * shard.numel()
+        self.counter.add("all_reduce", 2 * shard.numel(), 2 * _nbytes(shard))
+        self.counter.add("inter_group", 2 * shard.numel(), 2 * _nbytes(shard))
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, label: str, async_op: bool = True) -> Pending:
-        """Concatenate every rank's ``input`` into ``output`` (``input`` may alias its slot)."""
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, label: str, async_op: bool = True,
+                   quantize: bool = False) -> Pending:
+        """Concatenate every rank's ``input`` into ``output`` (``input`` may alias its slot); as int8 with
+        ``quantize`` and ``quantize_weights`` (stage 3's parameter gathers: a checkpoint's stay exact)."""
         seq = self._next_seq()
         if not self.distributed:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return Pending(None, label, seq, self, done=True)
-        self.counter.all_gather += output.numel()
+        if quantize and self.quantize_weights:  # ZeRO++'s qwZ: int8 codes and scales (quantized_comm.py)
+            work = quantized_comm.all_gather(self, output, input)
+        else:
+            self.counter.add("all_gather", output.numel(), _nbytes(output))
+            work = self.gather_work(output, input, label)
+        return self._launched(work, label, seq, (output, input), async_op)
+
+    def gather_work(self, output: torch.Tensor, input: torch.Tensor, label: str):
+        """Launch the all-gather of ``input`` into ``output`` (uncounted); returns its work."""
         if self.in_place:  # the note on Gloo's copies: one broadcast per rank, no temporary
             if output.numel() != input.numel() * self.world_size:
                 raise ValueError(f"{label}: all-gather of {input.numel()} elements per rank into {output.numel()}")
             slots = output.view(-1).chunk(self.world_size)
             if not _is_slot(input, output, self.rank, self.world_size):
                 slots[self.rank].copy_(input.view(-1))
-            work = _AllOf([dist.broadcast(slot, src=src, group=self.group, async_op=True)
+            return _AllOf([dist.broadcast(slot, src=src, group=self.group, async_op=True)
                            for src, slot in zip(self._global_ranks, slots)])
-        else:
-            work = self._issue(self.gather_stream, lambda a: _all_gather(output, input, group=self.group, async_op=a))
-        return self._launched(work, label, seq, (output, input), async_op)
+        return self._issue(self.gather_stream, lambda a: _all_gather(output, input, group=self.group, async_op=a))
 
     def _control(self, op: Callable[[bool], object], label: str, seq: int) -> None:
         """A small synchronous collective: the host waits until it is done (watched all along).
@@ -417,7 +435,7 @@ class Collectives:
         seq = self._next_seq()
         if not self.distributed:
             return
-        self.counter.control += 2 * tensor.numel()
+        self.counter.add("control", 2 * tensor.numel(), 2 * _nbytes(tensor))
         self._control(lambda a: dist.all_reduce(tensor, group=self.dp_group, async_op=a), label, seq)
 
     def control_broadcast(self, tensor: torch.Tensor, label: str, elements: int) -> None:
@@ -425,7 +443,7 @@ class Collectives:
         seq = self._next_seq()
         if not self.distributed:
             return
-        self.counter.control += elements
+        self.counter.add("control", elements, elements * tensor.element_size())
         src = dist.get_global_rank(self.dp_group, 0)
         self._control(lambda a: dist.broadcast(tensor, src=src, group=self.dp_group, async_op=a), label, seq)
 
@@ -466,15 +484,16 @@ def tagged_all_gather(comm: Collectives, output: Optional[torch.Tensor], input: 
         tags[0].copy_(tag)
         if output is None:
             return Pending(None, label, comm._next_seq(), comm, done=True), tags
-        return comm.all_gather(output, input, label), tags
-    comm.counter.control += tags.numel()
+        return comm.all_gather(output, input, label, quantize=True), tags
+    comm.counter.add("control", tags.numel(), _nbytes(tags))
     if output is None:
         seq = comm._next_seq()
     tag_work = comm._issue(comm.gather_stream,
                            lambda a: _all_gather(tags.view(-1), tag, group=comm.group, async_op=a))
     if output is None:  # tracked, so that a drain waits for it too (it is checked later)
         return comm._launched(tag_work, label, seq, (tags, tag), async_op=True), tags
-    pending = comm.all_gather(output, input, label)
+    pending = comm.all_gather(output, input, label, quantize=True)
     pending.work = _AllOf([tag_work, pending.work])
     pending.tensors = pending.tensors + (tags, tag)
     return pending, tags
+

@@ -20,7 +20,8 @@ import torch
 from contract.spec import ZeroSpec
 from contract.zero_defaults import ZERO_DEFAULTS  # the job-facing fields' defaults, as ZeroSpec defines them
 from contract.zero_math import PRECISION_TRAITS, STAGES, StageTraits, stage_traits
-from contract.zero_rules import OFFLOAD_OPTIMIZER, OFFLOAD_PARAMS, check_nvme_path, check_stage_fields, offload_target
+from contract.zero_rules import (OFFLOAD_OPTIMIZER, OFFLOAD_PARAMS, check_hpz_built, check_nvme_path, check_stage_fields,
+                                 offload_target)
 
 if TYPE_CHECKING:
     from contract.spec import TrainSpec
@@ -113,6 +114,13 @@ class ZeroConfig:
                         reduce-scatter in the group, all-reduce of the shard across groups,
                         all-gather in the group. None: the whole world (plain ZeRO). Must divide
                         the world size. Stage 0 shards nothing and ignores it.
+    quantized_weights   stage 3, ZeRO++'s qwZ: the parameter all-gather sends blockwise int8 codes
+                        and fp32 scales (``quantize.py``), dequantized into the gathered buffer;
+                        the shards and masters stay exact (``quantized_comm.py``).
+    quantized_gradients stage 3, ZeRO++'s qgZ: the gradient reduce-scatter sends blockwise int4
+                        codes and fp32 scales through an all-to-all and sums in fp32.
+    hpz_partition_size  ZeRO++'s hpZ (a secondary weight partition within groups of this many
+                        ranks): not built yet, refused unless None.
     force_distributed   a world of one still runs every collective through its process group
                         instead of copying locally (a one-GPU run that exercises NCCL:
                         ``benchmarks/gpu_check.py``); needs an initialized process group.
@@ -138,6 +146,9 @@ class ZeroConfig:
     comm_timeout_s: float = 300.0
     force_distributed: bool = False
     shard_group_size: Optional[int] = ZERO_DEFAULTS["shard_group_size"]
+    quantized_weights: bool = ZERO_DEFAULTS["quantized_weights"]
+    quantized_gradients: bool = ZERO_DEFAULTS["quantized_gradients"]
+    hpz_partition_size: Optional[int] = ZERO_DEFAULTS["hpz_partition_size"]
 
     @classmethod
     def from_spec(cls, zero: ZeroSpec, train: "TrainSpec", *, stage: int | None = None,
@@ -168,7 +179,8 @@ class ZeroConfig:
                    for v in OFFLOAD_OPTIMIZER):
             raise ValueError(f"offload_optimizer must be False, True, 'cpu' or 'nvme', got {self.offload_optimizer!r}")
         for name in ("overlap_comm", "activation_checkpointing",
-                     "broadcast_buffers", "sync_batchnorm", "force_distributed"):
+                     "broadcast_buffers", "sync_batchnorm", "force_distributed", "quantized_weights",
+                     "quantized_gradients"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not any(self.reshard_after_forward is p or self.reshard_after_forward == p and isinstance(p, str)
@@ -182,7 +194,9 @@ class ZeroConfig:
         if not any(self.offload_params == v and type(self.offload_params) is type(v) for v in OFFLOAD_PARAMS):
             raise ValueError(f"offload_params must be None, 'cpu' or 'nvme', got {self.offload_params!r}")
         check_stage_fields(self.stage, self.offload_optimizer, self.keep_gathered_bytes,  # ZeroRuleBroken
-                           self.offload_params)
+                           self.offload_params, quantized_weights=self.quantized_weights,
+                           quantized_gradients=self.quantized_gradients)
+        check_hpz_built(self.hpz_partition_size)
         check_nvme_path(self.offload_optimizer, self.nvme_path, self.offload_params)
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ValueError(f"prefetch must be an integer >= 0, got {self.prefetch!r}")

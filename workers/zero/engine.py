@@ -113,7 +113,8 @@ class ZeroEngine:
         traits = config.traits
         # hybrid sharding (hybrid.py) needs something sharded: stage 0 all-reduces over the world
         self.comm = Collectives(process_group, self.device, config.comm_timeout_s, config.force_distributed,
-                                config.shard_group_size if traits.shards_optimizer else None)
+                                config.shard_group_size if traits.shards_optimizer else None,
+                                config.quantized_weights, config.quantized_gradients)
         self.rank, self.world_size = self.comm.dp_rank, self.comm.dp_size
         # A stage that shards nothing (0): its "shard" is the whole bucket on every rank. With
         # hybrid sharding the buffers are split over the shard group (rank % G), not the world.
@@ -160,7 +161,7 @@ class ZeroEngine:
         self._micro_open = False
         self._micro_steps = 0
         self._step = 0
-        self._last_comm = CommCounter().snapshot()
+        self._last_comm = CommCounter()
         self._step_grad_bytes = 0  # gradient storage the last step() began with (step_memory)
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._make_hook(bucket_index, pos))
@@ -296,7 +297,7 @@ class ZeroEngine:
             self.strategy.publish_params()
         self._step += 1
         micro_steps, self._micro_steps = self._micro_steps, 0
-        self._last_comm = self.comm.counter.snapshot()
+        self._last_comm = self.comm.counter
         exposed = self.comm.exposed_seconds()
         self.comm.reset()
         io = {}
@@ -304,7 +305,7 @@ class ZeroEngine:
             self.swap.end_step()
             io = self.swap.step_io()
         return StepInfo(grad_norm=norm, skipped=skipped, loss_scale=scale, comm_exposed_s=exposed, step=self._step,
-                        micro_steps=micro_steps, comm_elements=self._last_comm["total"], **io)
+                        micro_steps=micro_steps, comm_elements=self._last_comm.snapshot()["total"], **io)
 
     def zero_grad(self) -> None:
         """Drop accumulated gradients without stepping (after a completed backward)."""
@@ -328,8 +329,8 @@ class ZeroEngine:
     def global_step(self) -> int:
         return self._step
 
-    def comm_volume(self) -> dict[str, int]:
-        """Elements handed to collectives during the last completed step (0s before the first).
+    def comm_volume(self, unit: str = "elements") -> dict[str, int]:
+        """Elements (``unit="bytes"``: bytes on the wire) handed to collectives in the last step.
 
         ``all_reduce`` counts twice its elements; ``total`` = all_gather + reduce_scatter +
         all_reduce. ``control`` (norm and mask messages, a few hundred elements) is reported
@@ -338,7 +339,7 @@ class ZeroEngine:
         ``inter_group`` is the all-reduce of the reduced shards across the groups, 2Φ/G per
         reduce-scatter of Φ; without it everything is intra-group (``docs/engine.md``).
         """
-        return dict(self._last_comm)
+        return self._last_comm.snapshot(unit)
 
     def memory(self) -> MemoryReport:
         """Bytes of the tensors this engine holds right now, by role (``memory_report.py``)."""

@@ -12,9 +12,22 @@ from typing import Any, Callable, Optional
 import torch
 
 
+def nbytes(tensor: torch.Tensor) -> int:
+    """Bytes of ``tensor``'s elements (what a collective of it puts on the wire, per copy)."""
+    return tensor.numel() * tensor.element_size()
+
+
 @dataclass
 class CommCounter:
-    """Elements passed to collectives (and time blocked on them) since the last ``reset``."""
+    """Elements passed to collectives, the bytes that carried them (and time blocked on them)
+    since the last ``reset``.
+
+    Elements count what a collective stands for (a quantized all-gather of Φ parameters counts
+    Φ); ``nbytes`` what it actually put on the wire per kind, in the same convention (an
+    all-gather its output, a reduce-scatter its input, an all-reduce twice): int8 codes and
+    their fp32 scales under ZeRO++'s quantization (``quantized_comm.py``), else elements times
+    the element size.
+    """
 
     all_gather: int = 0
     reduce_scatter: int = 0
@@ -23,17 +36,26 @@ class CommCounter:
     inter_group: int = 0  # of the above (not control): across shard groups (hybrid sharding, ``hybrid.py``)
     exposed_s: float = 0.0
     calls: int = 0
+    nbytes: dict = field(default_factory=dict)  # kind -> bytes, the kinds above
 
-    def snapshot(self) -> dict:
-        return {
-            "all_gather": self.all_gather,
-            "reduce_scatter": self.reduce_scatter,
-            "all_reduce": self.all_reduce,
-            "total": self.all_gather + self.reduce_scatter + self.all_reduce,
-            "control": self.control,
-            "intra_group": self.all_gather + self.reduce_scatter + self.all_reduce - self.inter_group,
-            "inter_group": self.inter_group,
-        }
+    def add(self, kind: str, elements: int, nbytes: int) -> None:
+        """Count ``elements`` under ``kind`` and ``nbytes`` bytes that carried them."""
+        setattr(self, kind, getattr(self, kind) + elements)
+        self.nbytes[kind] = self.nbytes.get(kind, 0) + nbytes
+
+    def snapshot(self, unit: str = "elements") -> dict:
+        """The counts by kind: ``unit`` "elements" (``comm_volume()``'s historical unit) or "bytes"."""
+        if unit == "elements":
+            c = {k: getattr(self, k) for k in ("all_gather", "reduce_scatter", "all_reduce", "control", "inter_group")}
+        elif unit == "bytes":
+            c = {k: self.nbytes.get(k, 0) for k in ("all_gather", "reduce_scatter", "all_reduce", "control",
+                                                    "inter_group")}
+        else:
+            raise ValueError(f"unit must be 'elements' or 'bytes', got {unit!r}")
+        total = c["all_gather"] + c["reduce_scatter"] + c["all_reduce"]
+        return {"all_gather": c["all_gather"], "reduce_scatter": c["reduce_scatter"], "all_reduce": c["all_reduce"],
+                "total": total, "control": c["control"], "intra_group": total - c["inter_group"],
+                "inter_group": c["inter_group"]}
 
 
 @dataclass

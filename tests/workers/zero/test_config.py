@@ -152,6 +152,9 @@ def test_offload_params_is_a_config_field_that_submit_and_the_engine_refuse_unti
     ({"stage": 2, "offload_params": "cpu"}, "offload_params needs stage 3"),
     ({"stage": 3, "offload_params": "nvme"}, "offload_params 'nvme' needs nvme_path"),
     ({"stage": 3, "nvme_path": "/x"}, "nvme_path is read with offload_optimizer or offload_params 'nvme' only"),
+    ({"stage": 2, "quantized_weights": True}, r"quantized_weights \(ZeRO\+\+\) needs stage 3"),
+    ({"stage": 0, "quantized_gradients": True}, r"quantized_gradients \(ZeRO\+\+\) needs stage 3"),
+    ({"stage": 3, "hpz_partition_size": 2}, "hpZ .* is not built in the engine yet"),
 ])
 def test_the_cross_field_rules_are_the_contracts(kwargs, message):
     """The engine refuses with the sentence the control plane's 422 carries (contract/zero_rules.py)."""
@@ -162,6 +165,22 @@ def test_the_cross_field_rules_are_the_contracts(kwargs, message):
     assert str(engine_refused.value) in str(submit_refused.value)
 
 
+def test_zeropp_fields_default_off_and_come_from_the_spec():
+    cfg = ZeroConfig(stage=3)
+    assert (cfg.quantized_weights, cfg.quantized_gradients, cfg.hpz_partition_size) == (False, False, None)
+    zero = ZeroSpec(stage=3, quantized_weights=True, quantized_gradients=True)
+    train = TrainSpec(steps=1, global_batch_size=2, micro_batch_size=1)
+    got = ZeroConfig.from_spec(zero, train)
+    assert (got.quantized_weights, got.quantized_gradients) == (True, True)
+    with pytest.raises(ValueError, match="quantized_weights must be True or False"):
+        ZeroConfig(stage=3, quantized_weights=1)
+
+
 def test_offload_params_leaves_auto_only_stage_3():
-    assert allowed_stages(False, 0, offload_params="nvme") == (3,)
-    assert allowed_stages(True, 0, offload_params=None) == (1, 2, 3)
+    assert allowed_stages(False, 0, offload_params="nvme", quantized_weights=False,
+                          quantized_gradients=False) == (3,)
+    assert allowed_stages(True, 0, offload_params=None, quantized_weights=False,
+                          quantized_gradients=False) == (1, 2, 3)
+    for name in ("quantized_weights", "quantized_gradients"):  # ZeRO++ is stage 3's
+        assert allowed_stages(False, 0, offload_params=None, **{"quantized_weights": False,
+                                                                "quantized_gradients": False, name: True}) == (3,)

@@ -36,6 +36,7 @@ from contract.zero_math import (
     DEFAULT_TARGET_EFFICIENCY,
     GB,
     STAGES,
+    comm_bytes,
     comm_elements,
     low_precision_bytes,
     model_state_bytes,
@@ -119,6 +120,8 @@ class PlanInputs:
     reshard_after_forward: Any = ZERO_DEFAULTS["reshard_after_forward"]  # stage 3: True, False, "all_but_last"
     keep_gathered_bytes: int = ZERO_DEFAULTS["keep_gathered_bytes"]  # stage 3: cap on units kept gathered
     shard_group_size: int | None = ZERO_DEFAULTS["shard_group_size"]  # hybrid: states sharded over G ranks
+    quantized_weights: bool = ZERO_DEFAULTS["quantized_weights"]  # ZeRO++ qwZ (stage 3): int8 gathers
+    quantized_gradients: bool = ZERO_DEFAULTS["quantized_gradients"]  # ZeRO++ qgZ (stage 3): int4 reduce
     optimizer_states: int = 2  # fp32 optimizer state tensors per parameter (Adam: m, v)
     deferred_init: bool = True  # built on the meta device, one bucket at a time; False: eagerly, in fp32
     checkpoint: str = "none"  # peak.CHECKPOINTS: "none", "at_end", "periodic"
@@ -266,7 +269,9 @@ def predict(inputs: PlanInputs, stage: int, offload: bool | str = False) -> Stag
         padding_bytes=(phi_padded - shape.phi) * low_precision_bytes(precision),
         peak=peak,
         comm_elements=elements,
-        comm_bytes=elements * low_precision_bytes(precision),
+        comm_bytes=comm_bytes(elements, precision, gathered=intra - shape.phi if stage == 3 else 0,
+                              reduced=shape.phi if stage == 3 else 0, quantized_weights=inputs.quantized_weights,
+                              quantized_gradients=inputs.quantized_gradients),
         comm_intra_elements=intra,
         comm_inter_elements=inter,
         disk_bytes=disk,
