@@ -1,24 +1,28 @@
 """Exit-loop benchmark: how often a world dies at exit, by how its script ends.
 
-    python -m benchmarks.exit_loop --worlds 200 --json out.json            # 200 worlds per ending
-    python -m benchmarks.exit_loop --worlds 200 --ddp-worlds 100 --jobs 2
+    python -m benchmarks.exit_loop --worlds 200 --json out.json                 # 200 worlds of ending N
+    python -m benchmarks.exit_loop --worlds 200 --reproduce --old-worlds 50     # and 50 of A, B, C each
 
 Each world is 2 or 3 fresh processes forming a Gloo process group on loopback (torchrun's
 environment: MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE, ``init_method="env://"``). Every rank
-trains a small model for a few steps (two micro-steps each), then the script ends one of three
+trains a small model for a few steps (two micro-steps each), then the script ends one of four
 ways -- the last lines of a user's script:
 
-    A  close     engine.close(); dist.destroy_process_group()
-    B  bare      dist.destroy_process_group() with the engine still referenced (a global)
-    C  ddp       DistributedDataParallel, bare dist.destroy_process_group() (the reference)
+    N  closed  engine.close(destroy_group=True)                 (the guaranteed clean end)
+    A  close   engine.close(); dist.destroy_process_group()     (the old end; --reproduce)
+    B  bare    dist.destroy_process_group() with the engine still referenced (a global)
+    C  ddp     DistributedDataParallel, bare dist.destroy_process_group() (the reference)
 
-and the process exits normally (the interpreter's own shutdown: module globals, then C++
-static destructors -- where Gloo's teardown aborts with "terminate called without an active
-exception"). A world *fails* when any rank exits nonzero, dies of a signal, mentions
-"terminate called" on stderr, or does not finish within ``--timeout`` seconds. The engine
-worlds cycle through stages 0-3, with and without ``offload_optimizer`` (stages 1-3), at world
-sizes 2 and 3; the endings are interleaved (A, B, C, A, B, C, ...) so that a quiet or a busy
-moment of the machine is shared by all three.
+and the process exits normally (the interpreter's own shutdown, where a Gloo thread still
+running can abort the process with "terminate called without an active exception":
+``workers/zero/teardown.py``). A world *fails* when any rank exits nonzero, dies of a signal,
+mentions "terminate called" on stderr, or does not finish within ``--timeout`` seconds. Each rank
+also reports how many OS threads it has at its end beyond those it had before
+``init_process_group`` (``thr.left``): the Gloo workers, transport loop and store threads that
+would run into interpreter shutdown -- the abort's precondition, which the old endings meet in
+every world while the abort itself is a race. The engine worlds cycle through stages 0-3, with
+and without ``offload_optimizer`` (stages 1-3), at world sizes 2 and 3; the endings are
+interleaved (N, A, B, C, N, ...) so that a quiet or a busy moment of the machine is shared.
 
 [Note: forked ranks, real exits]
 Importing torch costs seconds of CPU; a world of fresh interpreters would spend most of its
