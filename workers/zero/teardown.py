@@ -41,10 +41,10 @@ from . import hybrid
 def destroy_groups(comm) -> None:
     """Destroy the process groups ``comm`` (a ``Collectives``) runs on and forget them (the note).
 
-    The engine's own groups (hybrid sharding's shard and replicate groups) go first; then, when
-    the engine runs on the default group, ``dist.destroy_process_group()`` (every group of the
-    process, as a script's last line would), otherwise the group it was given. Local: every rank
-    calls it after ``close()``'s barrier, so no peer still communicates.
+    When the engine runs on the default group: ``dist.destroy_process_group()`` (every group of
+    the process, as a script's last line would); otherwise the engine's own groups (hybrid
+    sharding's shard and replicate groups), then the group it was given. Local: every rank calls
+    it after ``close()``'s barrier, so no peer still communicates.
     """
     dp_group: Optional[dist.ProcessGroup] = comm.dp_group
     own = [g for g in (comm.group, comm.replicate_group) if g is not None and g is not dp_group]
@@ -57,6 +57,7 @@ def destroy_groups(comm) -> None:
         else:
             for group in own + [dp_group]:
                 dist.destroy_process_group(group)
+            del group
     del dp_group, own
     gc.collect()  # a cycle that still holds a group would keep its threads to interpreter shutdown
 
