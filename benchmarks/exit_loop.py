@@ -1,24 +1,28 @@
 """Exit-loop benchmark: how often a world dies at exit, by how its script ends.
 
-    python -m benchmarks.exit_loop --worlds 200 --json out.json            # 200 worlds per ending
-    python -m benchmarks.exit_loop --worlds 200 --ddp-worlds 100 --jobs 2
+    python -m benchmarks.exit_loop --worlds 200 --json out.json                 # 200 worlds of ending N
+    python -m benchmarks.exit_loop --worlds 200 --reproduce --old-worlds 50     # and 50 of A, B, C each
 
 Each world is 2 or 3 fresh processes forming a Gloo process group on loopback (torchrun's
 environment: MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE, ``init_method="env://"``). Every rank
-trains a small model for a few steps (two micro-steps each), then the script ends one of three
+trains a small model for a few steps (two micro-steps each), then the script ends one of four
 ways -- the last lines of a user's script:
 
-    A  close     engine.close(); dist.destroy_process_group()
-    B  bare      dist.destroy_process_group() with the engine still referenced (a global)
-    C  ddp       DistributedDataParallel, bare dist.destroy_process_group() (the reference)
+    N  closed  engine.close(destroy_group=True)                 (the guaranteed clean end)
+    A  close   engine.close(); dist.destroy_process_group()     (the old end; --reproduce)
+    B  bare    dist.destroy_process_group() with the engine still referenced (a global)
+    C  ddp     DistributedDataParallel, bare dist.destroy_process_group() (the reference)
 
-and the process exits normally (the interpreter's own shutdown: module globals, then C++
-static destructors -- where Gloo's teardown aborts with "terminate called without an active
-exception"). A world *fails* when any rank exits nonzero, dies of a signal, mentions
-"terminate called" on stderr, or does not finish within ``--timeout`` seconds. The engine
-worlds cycle through stages 0-3, with and without ``offload_optimizer`` (stages 1-3), at world
-sizes 2 and 3; the endings are interleaved (A, B, C, A, B, C, ...) so that a quiet or a busy
-moment of the machine is shared by all three.
+and the process exits normally (the interpreter's own shutdown, where a Gloo thread still
+running can abort the process with "terminate called without an active exception":
+``workers/zero/teardown.py``). A world *fails* when any rank exits nonzero, dies of a signal,
+mentions "terminate called" on stderr, or does not finish within ``--timeout`` seconds. Each rank
+also reports how many OS threads it has at its end beyond those it had before
+``init_process_group`` (``thr.left``): the Gloo workers, transport loop and store threads that
+would run into interpreter shutdown -- the abort's precondition, which the old endings meet in
+every world while the abort itself is a race. The engine worlds cycle through stages 0-3, with
+and without ``offload_optimizer`` (stages 1-3), at world sizes 2 and 3; the endings are
+interleaved (N, A, B, C, N, ...) so that a quiet or a busy moment of the machine is shared.
 
 [Note: forked ranks, real exits]
 Importing torch costs seconds of CPU; a world of fresh interpreters would spend most of its
@@ -51,9 +55,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from workers.zero import ZeroConfig, ZeroEngine
 
-ENDINGS = ("close", "bare", "ddp")
-LABELS = {"close": "A: engine.close() + destroy", "bare": "B: bare destroy, engine alive",
-          "ddp": "C: DDP, bare destroy"}
+ENDINGS = ("closed", "close", "bare", "ddp")
+OLD_ENDINGS = ("close", "bare", "ddp")
+LABELS = {"closed": "N: close(destroy_group=True)", "close": "A: engine.close() + destroy",
+          "bare": "B: bare destroy, engine alive", "ddp": "C: DDP, bare destroy"}
 #: (stage, offload) of the engine worlds, cycled through
 ENGINE_CONFIGS = [(0, False), (1, False), (2, False), (3, False), (1, True), (2, True), (3, True)]
 STEPS, MICRO = 3, 2
@@ -71,6 +76,7 @@ class World:
     offload: bool = False
     exit_codes: list = field(default_factory=list)  # per rank; negative: killed by that signal
     terminate_called: bool = False
+    threads_left: int = 0  # most OS threads any rank had at its exit beyond those before init_process_group
     timed_out: bool = False
     seconds: float = 0.0
     stderr_tail: str = ""
@@ -120,6 +126,22 @@ def rank_main(ending: str, stage: Optional[int], offload: bool) -> None:
     """Train a few steps and end the way ``ending`` says; the process then exits normally."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
+    before = _os_threads()
+    try:
+        _train_and_end(ending, stage, offload)
+    finally:
+        print(f"{THREADS_MARK}{_os_threads() - before}", file=sys.stderr, flush=True)
+
+
+THREADS_MARK = "exit-loop threads left: "
+
+
+def _os_threads() -> int:
+    """The process's OS threads (Python's and C++'s: Gloo's workers, its transport loop, the store's)."""
+    return len(os.listdir("/proc/self/task"))
+
+
+def _train_and_end(ending: str, stage: Optional[int], offload: bool) -> None:
     dist.init_process_group("gloo", init_method="env://")
     rank = dist.get_rank()
     torch.manual_seed(0)
@@ -149,6 +171,9 @@ def rank_main(ending: str, stage: Optional[int], offload: bool) -> None:
             x, y = _batch(step, micro, rank)
             engine.backward(engine(x, y), sync=micro == MICRO - 1)
         engine.step()
+    if ending == "closed":
+        engine.close(destroy_group=True)
+        return
     if ending == "close":
         engine.close()
     dist.destroy_process_group()
@@ -214,6 +239,8 @@ class _Running:
                 text += f.read()
             os.unlink(path)
         w.terminate_called = "terminate called" in text
+        w.threads_left = max([int(line[len(THREADS_MARK):]) for line in text.splitlines()
+                              if line.startswith(THREADS_MARK)] or [-1])
         if w.failed:
             w.stderr_tail = text[-2000:]
         return w
@@ -251,7 +278,7 @@ def launch(world: World, logdir: str, use_exec: bool):
 
 
 def table(worlds: list[World]) -> str:
-    rows = [f"{'ending':34s} {'worlds':>6s} {'failed':>6s}   failures by (stage, offload, N)"]
+    rows = [f"{'ending':34s} {'worlds':>6s} {'failed':>6s} {'thr.left':>8s}   failures by (stage, offload, N)"]
     for ending in ENDINGS:
         mine = [w for w in worlds if w.ending == ending]
         if not mine:
@@ -262,17 +289,18 @@ def table(worlds: list[World]) -> str:
             key = f"ddp N={w.world_size}" if w.stage is None else \
                 f"s{w.stage}{'+off' if w.offload else ''} N={w.world_size}"
             where[key] = where.get(key, 0) + 1
-        rows.append(f"{LABELS[ending]:34s} {len(mine):6d} {len(bad):6d}   "
+        left = sum(w.threads_left != 0 for w in mine)  # -1: a rank died before it could count
+        rows.append(f"{LABELS[ending]:34s} {len(mine):6d} {len(bad):6d} {left:8d}   "
                     + ", ".join(f"{k}: {v}" for k, v in sorted(where.items())))
     return "\n".join(rows)
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--worlds", type=int, default=200, help="worlds of ending A and of ending B (each)")
-    p.add_argument("--close-worlds", type=int, default=None, help="worlds of ending A (default: --worlds)")
-    p.add_argument("--bare-worlds", type=int, default=None, help="worlds of ending B (default: --worlds)")
-    p.add_argument("--ddp-worlds", type=int, default=None, help="worlds of ending C (default: --worlds)")
+    p.add_argument("--worlds", type=int, default=200, help="worlds of ending N, close(destroy_group=True)")
+    p.add_argument("--reproduce", action="store_true",
+                   help="also run the old endings A, B, C (--old-worlds each), interleaved with N")
+    p.add_argument("--old-worlds", type=int, default=None, help="worlds of each old ending (default: --worlds)")
     p.add_argument("--jobs", type=int, default=1, help="worlds running at once")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds before a world counts as hung")
     p.add_argument("--exec", dest="use_exec", action="store_true", help="exec fresh interpreters, no fork")
@@ -283,11 +311,11 @@ def main():
         ending, stage, offload = args.rank
         return ending, None if stage == "None" else int(stage), offload == "1"
 
-    counts = {e: getattr(args, f"{e}_worlds") for e in ENDINGS}
-    counts = {e: args.worlds if n is None else n for e, n in counts.items()}
+    old = (args.worlds if args.old_worlds is None else args.old_worlds) if args.reproduce else 0
+    counts = {e: old if e in OLD_ENDINGS else args.worlds for e in ENDINGS}
     for e, n in counts.items():
         if n < 0:
-            raise ValueError(f"--{e}-worlds must be >= 0, got {n}")
+            raise ValueError(f"--worlds and --old-worlds must be >= 0, got {n} for ending {e}")
     todo = plan(counts)
     parent = os.getpid()
     signal.signal(signal.SIGTERM, _interrupted)  # a stopped run still kills its ranks and keeps its JSON
@@ -341,7 +369,9 @@ def write_json(path: str, done: list[World], wall: float, args: argparse.Namespa
         json.dump({"wall_s": round(wall, 1), "jobs": args.jobs, "launcher": "exec" if args.use_exec else "fork",
                    "torch": torch.__version__,
                    "summary": {e: {"worlds": sum(w.ending == e for w in done),
-                                   "failed": sum(w.ending == e and w.failed for w in done)} for e in ENDINGS},
+                                   "failed": sum(w.ending == e and w.failed for w in done),
+                                   "threads_left": sum(w.ending == e and w.threads_left != 0 for w in done)}
+                               for e in ENDINGS},
                    "worlds": [{**asdict(w), "failed": w.failed} for w in sorted(done, key=lambda w: w.index)]},
                   f, indent=1)
     os.replace(tmp, path)

@@ -98,9 +98,9 @@ def main() -> None:
         say(f"  host      {mem['host']:>12,}  (offloaded master, optimizer state, fp32 gradient shard)")
     say(f"communication last step: {comm} (2Φ = {2 * phi:,}; stage 2 pays Φ of reduce-scatter per micro-step, "
         f"stage 3 3Φ)")
-    engine.close()  # waits for what is in flight and synchronizes the ranks: destroying the group is safe
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    # waits for what is in flight, synchronizes the ranks, then destroys the process group and joins
+    # Gloo's threads, so none is left to abort the process at interpreter shutdown
+    engine.close(destroy_group=True)
 
 
 if __name__ == "__main__":

@@ -63,6 +63,7 @@ from .strategies import make_strategy
 from .swap_io import OffloadDiskFull
 from .units import checkpoint_forward, unit_modules
 from .update import clip_coef, norm_and_usage, optimizer_step
+from .teardown import destroy_groups
 from .watchdog import stop_watchdog
 
 log = logging.getLogger(__name__)
@@ -435,25 +436,25 @@ class ZeroEngine:
         self.strategy.remove_hooks()  # stage 3's module hooks, stages 1/2's forward waits
 
     # -- ending a run --------------------------------------------------------------------------------
-    def close(self) -> None:
-        """End the engine on every rank; afterwards ``dist.destroy_process_group()`` is safe.
+    def close(self, destroy_group: bool = False) -> None:
+        """End the engine on every rank (collective); afterwards destroying the group is safe.
 
-        Waits for every pending collective, stage-3 prefetch and offload copy, stops the
-        collectives watchdog thread, removes the engine's hooks and synchronizes the ranks with
-        a barrier on the engine's process group, so that no rank tears its process group down
-        while a peer still communicates (Gloo aborts such a process: "terminate called without
-        an active exception"). Every rank must call it, as for any collective. Idempotent;
-        afterwards forward/backward/step/zero_grad, ``full_state_dict()`` and the loaders raise
-        ``RuntimeError``, while what needs no communication (``state_dict()``, ``memory()``,
-        ``comm_volume()``) still answers. Also the end of ``with ZeroEngine(...) as engine:``.
+        Waits for every pending collective, prefetch and offload copy, stops the watchdog and swap
+        threads, removes the hooks and ends with a barrier, so no rank tears its group down while a
+        peer still communicates. ``destroy_group=True`` then destroys the group (the default one:
+        every group) and drops the engine's references, so Gloo's threads are joined now, not at
+        interpreter shutdown where they can abort the process (``teardown.py``). Idempotent; then
+        forward/backward/step/zero_grad, ``full_state_dict()`` and the loaders raise, while
+        ``state_dict()``, ``memory()`` and ``comm_volume()`` answer. Ends ``with ZeroEngine(...)``.
         """
-        if self._closed:
-            return
-        try:
-            self._drain(device_too=True)
-            self.comm.barrier()
-        finally:
-            self._abandon()
+        if not self._closed:
+            try:
+                self._drain(device_too=True)
+                self.comm.barrier()
+            finally:
+                self._abandon()
+        if destroy_group:
+            destroy_groups(self.comm)
 
     def _abandon(self) -> None:
         """Close without communicating: the way out of a run that raised (peers may be gone)."""

@@ -79,3 +79,9 @@ def hybrid_groups(group: dist.ProcessGroup, shard_group_size: int) -> HybridGrou
     out = HybridGroups(shard, replicate, g, world // g)
     _CACHE[key] = (group, out)  # the group object itself is kept: an id is not reused while cached
     return out
+
+
+def forget(group: Optional[dist.ProcessGroup]) -> None:
+    """Drop the cached groups made over ``group`` (``teardown.destroy_groups``: nothing may keep them alive)."""
+    for key in [k for k, (g, _) in _CACHE.items() if g is group]:
+        del _CACHE[key]

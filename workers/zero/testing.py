@@ -72,10 +72,12 @@ def _entry(rank: int, world_size: int, port: int, target: tuple[str, str, str], 
         torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
         del result
         gc.collect()  # what the function left behind (an engine it did not close) goes while the group lives
-        dist.barrier()  # no rank destroys the group while a peer still communicates
+        if dist.is_initialized():  # not after engine.close(destroy_group=True)
+            dist.barrier()  # no rank destroys the group while a peer still communicates
     finally:
         gc.collect()  # whatever the run built is freed now, not during interpreter shutdown
-        dist.destroy_process_group()
+        if dist.is_initialized():  # a run that ended with engine.close(destroy_group=True) already did
+            dist.destroy_process_group()
 
 
 def byte_stream_batch(step: int, micro: int, rank: int, batch_size: int, seq_len: int):
