@@ -443,9 +443,8 @@ class ZeroEngine:
         threads, removes the hooks and ends with a barrier, so no rank tears its group down while a
         peer still communicates. ``destroy_group=True`` then destroys the group (the default one:
         every group) and drops the engine's references, so Gloo's threads are joined now, not at
-        interpreter shutdown where they can abort the process (``teardown.py``). Idempotent; then
-        forward/backward/step/zero_grad, ``full_state_dict()`` and the loaders raise; ``state_dict()``,
-        ``memory()``, ``comm_volume()`` answer. Ends ``with ZeroEngine(...)``.
+        interpreter shutdown where they can abort the process (``teardown.py``). Idempotent; afterwards
+        only ``state_dict()``, ``memory()`` and ``comm_volume()`` answer. Ends ``with ZeroEngine(...)``.
         """
         if not self._closed:
             try:
