@@ -139,7 +139,13 @@ COMM_SOURCE = ("measured: the c10d collectives dispatched in one extra, untimed 
 ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "GLOO_SOCKET_IFNAME": "lo"}
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask, e.g. under ``taskset``), not the machine's."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 # -- model and data -------------------------------------------------------------------------------
+
 def model_config(args: argparse.Namespace) -> GPTConfig:
     cfg = PRESETS[args.preset]
     width = args.width or cfg.n_embd
@@ -441,7 +447,7 @@ def worker(rank: int, rows: list[str], args: dict, port: int, out_dir: str) -> N
     else:
         device = torch.device("cpu")
         backend = "gloo"
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        torch.set_num_threads(max(1, usable_cpus() // world))
     if any(row in deepspeed_row.ROWS for row in rows):
         deepspeed_row.prepare_environment(rank, world)
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=args["timeout"]))
@@ -633,7 +639,7 @@ def merge_repeats(runs: list[dict[str, Any]], args: dict) -> dict[str, Any]:
 
 def machine_info(device: str) -> dict[str, Any]:
     info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-            "cpu_count": os.cpu_count(), "processor": platform.processor() or platform.machine(),
+            "cpu_count": usable_cpus(), "processor": platform.processor() or platform.machine(),
             "device": device, "backend": "nccl" if device == "cuda" else "gloo",
             "hostname": platform.node()}
     try:
