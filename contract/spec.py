@@ -67,7 +67,7 @@ SHAPE_AWARE_OPTIMIZERS = {
 }
 """Refused by name: each looks at a parameter's shape, which the ZeRO engine's flat 1-D shards do
 not have, so running it sharded would silently be another optimizer."""
-ADAM_BETAS = (0.9, 0.95)  # adam/adamw without train.betas (what every job got before the field)
+ADAM_BETAS = (0.9, 0.95)  # adam/adamw without train.betas
 ADAM_EPS = 1e-8
 SCHEDULES = ("cosine", "linear", "constant")
 MIN_LR_RATIO = 0.1  # cosine and linear decay to this fraction of the peak LR (train.min_lr_ratio's default)

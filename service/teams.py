@@ -1,4 +1,4 @@
-"""Who sees and touches which job, now that jobs can belong to teams (``contract.teams``).
+"""Who sees and touches which job: its owner, the members of its team by role, and admins (``contract.teams``).
 
 One place answers it for every route: ``job_filter`` (the rows a caller may list),
 ``may_see`` (one job: anything else is a 404, never a 403, so an id outside one's teams stays
