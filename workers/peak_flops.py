@@ -86,7 +86,7 @@ def peak_for(name: str, matmul: str) -> Optional[float]:
     return None if key is None else PEAK_FLOPS[key].get(matmul)
 
 
-def peak_flops(device: Any, precision: str = "bf16") -> Optional[float]:
+def peak_flops(device: Any, precision: str) -> Optional[float]:
     """The accelerator's dense peak FLOP/s for a run in ``precision``; None on CPU or an unknown device."""
     import torch
 
