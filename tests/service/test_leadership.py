@@ -19,7 +19,6 @@ from sqlalchemy import select
 from sqlalchemy.exc import DBAPIError
 
 from contract.environment import api_urls, join_api_urls
-from service.db import make_engine, make_sessionmaker
 from service.leadership import AnotherReplica, LeadershipLost, Lease, hold_sole_replica
 from service.models import LeaderLease, Metric
 from service.scheduler import Scheduler
@@ -31,14 +30,6 @@ from tests.service.test_scheduler import RecordingLauncher, add_jobs, job
 from workers.reporting import WorkerAPI
 
 LEASE_S = 1.0  # short, so that a lease runs out within the test
-
-
-@pytest.fixture
-def db(migrated_postgres_url, tmp_path):
-    engine = make_engine(migrated_postgres_url)
-    yield make_sessionmaker(engine), Settings(home=tmp_path, database_url=migrated_postgres_url,
-                                              launcher="local", scheduler_poll_s=0.01)
-    engine.dispose()
 
 
 def lease_row(make_session) -> LeaderLease:
