@@ -67,7 +67,7 @@ SHAPE_AWARE_OPTIMIZERS = {
 }
 """Refused by name: each looks at a parameter's shape, which the ZeRO engine's flat 1-D shards do
 not have, so running it sharded would silently be another optimizer."""
-ADAM_BETAS = (0.9, 0.95)  # adam/adamw without train.betas (what every job got before the field)
+ADAM_BETAS = (0.9, 0.95)  # adam/adamw without train.betas
 ADAM_EPS = 1e-8
 SCHEDULES = ("cosine", "linear", "constant")
 MIN_LR_RATIO = 0.1  # cosine and linear decay to this fraction of the peak LR (train.min_lr_ratio's default)
@@ -96,10 +96,10 @@ class TrainSpec(SpecModel):
     (e.g. ``"*wte*"``). This is nanoGPT's rule, and HF Trainer's in effect: decaying a norm's
     gain or a bias pulls it towards 0, which nothing in the model asks for. Embeddings stay
     decayed by default, as in nanoGPT and HF Trainer: in the tied GPT presets the embedding is
-    also the output projection, a matrix like any other. Before these fields weight decay went
-    to every parameter; with the default ``weight_decay`` (0.0) nothing changes.
+    also the output projection, a matrix like any other. With the default ``weight_decay``
+    (0.0) the rules change nothing.
 
-    ``schedule``: after ``warmup_steps`` of warmup, ``cosine`` (the default, as before) and
+    ``schedule``: after ``warmup_steps`` of warmup, ``cosine`` (the default) and
     ``linear`` decay to ``min_lr_ratio`` (default ``MIN_LR_RATIO``) of ``lr`` at the last step;
     ``constant`` stays at ``lr``. ``warmup_type``: ``linear`` (step ``s`` at ``lr·(s+1)/W``) or
     ``log`` (DeepSpeed's WarmupLR default: ``lr·log(s+1)/log(W)``, 0 at the first step).

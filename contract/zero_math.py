@@ -196,8 +196,8 @@ def shard_numel(phi: int, n_ranks: int) -> int:
 def model_state_bytes(
     phi: int,
     n_ranks: int,
-    precision: str = DEFAULT_PRECISION,
-    stage: int = 0,
+    precision: str,
+    stage: int,
     offload: bool = False,
     phi_padded: int | None = None,
     optimizer_states: int = ADAM_STATE_TENSORS,
@@ -246,7 +246,7 @@ QUANT_WIRE_BYTES = {"weights": 1 + 4 / QUANT_BLOCK_ELEMENTS, "gradients": 0.5 + 
 
 
 def comm_bytes(elements: int, precision: str, *, gathered: int = 0, reduced: int = 0,
-               quantized_weights: bool = False, quantized_gradients: bool = False) -> int:
+               quantized_weights: bool, quantized_gradients: bool) -> int:
     """Bytes each rank hands to collectives per step for ``elements`` (``comm_elements``): each
     in the compute dtype, except with ZeRO++ (stage 3) the ``gathered`` parameter elements
     (``quantized_weights``: int8 and a scale per block) and the ``reduced`` gradient elements

@@ -1,10 +1,10 @@
 """Admission: which queued jobs may start now, and why the others wait.
 
-Without it the scheduler launched every queued job at once: 100 submissions started 172
-driver processes, each job's driver (~400 MB) waited in Ray for resources it could not get,
-jobs started in no particular order, and one job asking for 1,000,000 workers grew the
-driver and Ray's GCS to 3 GB each. Admission decides before anything is launched, from
-numbers alone (no database, no launcher: unit-testable), and the scheduler acts on it.
+Launching every queued job at once would start a driver per job, each waiting in Ray for
+resources it cannot get, in no particular order, and a job asking for a huge number of workers
+would grow its driver and Ray's GCS with it (docs/design.md, "Measurements"). Admission
+decides before anything is launched, from numbers alone (no database, no launcher:
+unit-testable), and the scheduler acts on it.
 
 [Note: the policy]
 - **Gang**: a job needs all its workers at once (``num_workers × cpus/gpus_per_worker``);

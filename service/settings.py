@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from contract.environment import api_urls, join_api_urls
+from contract.environment import ENV_PREFIX, api_urls, join_api_urls
 from service.code_packages import MAX_PACKAGE_BYTES
 
 
@@ -27,7 +27,7 @@ def default_home() -> Path:
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="ZEROTRAIN_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
 
     home: Path = Field(default_factory=default_home)
     database_url: str = ""  # empty: sqlite:///{home}/zerotrain.db

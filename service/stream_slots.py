@@ -1,17 +1,16 @@
 """Bounds on long-lived event streams, so that streams cannot slow anyone's other requests.
 
-Finding: 200 open metric streams slowed another user's ``GET /jobs`` to 15 s. Each stream
-polls the database from a worker thread; they shared the thread pool (and so the database
-connections) that every ordinary request runs in, and there was no bound on how many a user
-could open. Now:
+Each stream polls the database from a worker thread. Sharing the thread pool (and so the
+database connections) that every ordinary request runs in, without a bound on how many a user
+may open, enough streams would slow everyone's other requests (docs/design.md, "Measurements").
+So:
 
 - each user holds at most ``max_per_user`` open streams; one more is refused with 429;
 - every stream's database poll runs under one small ``CapacityLimiter`` of its own
   (``poll_threads``), so all streams together use at most that many threads and database
   connections, whatever their number; ordinary requests keep the default pool;
 - a stream's open (token, job, slot) runs under the same limiter, in one short turn with a
-  session of its own (``service.api.sse``): 150 opens in the same instant used to take every
-  thread and connection of the default pool for 15 s.
+  session of its own (``service.api.sse``), so a burst of opens cannot take the default pool.
 """
 
 from __future__ import annotations

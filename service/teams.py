@@ -1,4 +1,4 @@
-"""Who sees and touches which job, now that jobs can belong to teams (``contract.teams``).
+"""Who sees and touches which job: its owner, the members of its team by role, and admins (``contract.teams``).
 
 One place answers it for every route: ``job_filter`` (the rows a caller may list),
 ``may_see`` (one job: anything else is a 404, never a 403, so an id outside one's teams stays
@@ -27,13 +27,14 @@ def role_in(session: Session, user: Principal, team: str) -> Optional[str]:
                            ).scalar_one_or_none()
 
 
-def roles_of(session: Session, user: Principal) -> dict[str, str]:
-    """Every team the user is in, with the role (admins: every team, as maintainers)."""
+def teams_of(session: Session, user: Principal) -> list[tuple[Team, str]]:
+    """Every team the user is in, by name, with the user's role (admins: every team, as
+    maintainers), in one query."""
     if user.is_admin:
-        return {name: MANAGE_ROLE for name in session.execute(select(Team.name).order_by(Team.name)).scalars()}
-    rows = session.execute(select(TeamMember.team, TeamMember.role).where(TeamMember.user == user.name)
-                           .order_by(TeamMember.team))
-    return {row.team: row.role for row in rows}
+        return [(team, MANAGE_ROLE) for team in session.execute(select(Team).order_by(Team.name)).scalars()]
+    rows = session.execute(select(Team, TeamMember.role).join(TeamMember, TeamMember.team == Team.name)
+                           .where(TeamMember.user == user.name).order_by(Team.name))
+    return [(team, role) for team, role in rows]
 
 
 def job_filter(user: Principal) -> ColumnElement[bool]:

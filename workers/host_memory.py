@@ -8,8 +8,7 @@ temporaries -- is therefore carved from malloc's heaps, and what a heap frees st
 unless it happens to lie at the heap's top. The resident set then keeps the high-water mark of
 every step before it, however the tensors are interleaved, and the peak that a CUDA allocator
 would report (the live tensors at the worst moment) turns into the worst fragmentation seen so
-far. Measured on the engine benchmark's model (gpt-mini, 2 Gloo ranks, fp32): peak resident
-growth 254 MiB for stage 2 against 190 MiB of live tensors, DDP 271 against 251.
+far (docs/engine.md, "The peak", has the figures).
 
 Fixing the threshold (``mallopt(M_MMAP_THRESHOLD)``; setting it also switches the dynamic
 adjustment off) makes every block above ``MMAP_THRESHOLD_BYTES`` its own mapping: freed
@@ -31,8 +30,8 @@ import os
 
 log = logging.getLogger(__name__)
 
-#: blocks at least this large are mapped on their own: gpt-nano's activations are 128 KiB tensors,
-#: which a 256 KiB threshold left in the heaps (its measured peaks then missed half the job's memory)
+#: blocks at least this large are mapped on their own: below the smallest activations of the
+#: presets (gpt-nano's are 128 KiB tensors), so that those leave the resident set when freed too
 MMAP_THRESHOLD_BYTES = 64 * 1024
 _M_MMAP_THRESHOLD = -3  # glibc's <malloc.h>
 ENV_THRESHOLD = "MALLOC_MMAP_THRESHOLD_"  # glibc's own environment variable for the same setting

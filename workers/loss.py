@@ -23,7 +23,7 @@ is instead ``Σ token losses / N`` with ``N`` the unmasked targets of the whole 
 The recorded loss of a rank is its share ``Σ_rank token losses · W / N``: the mean over ranks
 (how the control plane combines a step's ``loss``, ``contract.metrics``) is the global token
 mean, with no extra collective. With no masked targets and equal ranks every share is that
-rank's own token mean, as before.
+rank's own token mean.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@
 MFU is achieved FLOP/s over what the device's tensor cores (or, for plain fp32, its FP32 units)
 can do *in the precision the run's matmuls actually use*: a bf16 run over the bf16 peak, an
 fp32 run over the fp32 peak -- or the TF32 peak when torch lets fp32 matmuls use TF32
-(``torch.backends.cuda.matmul.allow_tf32``). Dividing an fp32 run by the bf16 peak made it
-look 10-15x worse than it is. Figures are the vendors' dense (not 2:4 sparse) datasheet peaks,
+(``torch.backends.cuda.matmul.allow_tf32``). Dividing an fp32 run by the bf16 peak would
+understate it by the ratio of the two peaks, an order of magnitude. Figures are the vendors' dense (not 2:4 sparse) datasheet peaks,
 per device torch sees (an MI250X is two devices). A model without a precision (bf16 on V100
 or T4, TF32 before Ampere) has no entry for it: no MFU rather than a wrong one.
 
@@ -14,7 +14,7 @@ or T4, TF32 before Ampere) has no entry for it: no MFU rather than a wrong one.
 "Tesla V100-SXM2-16GB", "NVIDIA L40S". The name is split into words (at spaces, ``-`` and
 ``_``), and a table key -- one or more words -- matches only whole consecutive words; the
 longest matching key wins ("H100 PCIe" over "H100"). So "L4" never matches "L40" or "L40S",
-and "H20" never "H200", which a substring match did.
+and "H20" never "H200", as a substring match would.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def peak_for(name: str, matmul: str) -> Optional[float]:
     return None if key is None else PEAK_FLOPS[key].get(matmul)
 
 
-def peak_flops(device: Any, precision: str = "bf16") -> Optional[float]:
+def peak_flops(device: Any, precision: str) -> Optional[float]:
     """The accelerator's dense peak FLOP/s for a run in ``precision``; None on CPU or an unknown device."""
     import torch
 

@@ -65,15 +65,15 @@ async def _stream_job(request: Request, job_id: str = JOB_ID_PATH) -> AsyncItera
     """Open a stream: its job, with one of its user's stream slots held for as long as the
     response lasts (service.stream_slots).
 
-    [Note: a burst of opens stays among the streams] 150 streams opened at once used to hold
-    another user's ``GET /jobs`` for 15 s and answer most opens 503: every open ran four sync
-    dependencies (session, user, job, slot) in the default thread pool, each a separate turn,
-    holding a pooled connection from the first to the handler. Requests holding connections
-    waited for threads while threads waited for connections (``db_pool_timeout_s``). Here an
+    [Note: a burst of opens stays among the streams]
+    Opened through FastAPI's sync dependencies (session, user, job, slot), each open would take
+    several turns of the default thread pool and hold a pooled connection from the first to the
+    handler: under a burst, requests holding connections wait for threads while threads wait for
+    connections (``db_pool_timeout_s``), and everyone's other requests stall or answer 503. So an
     open is one short turn in the streams' own ``CapacityLimiter``, with a session of its own
     closed before the stream starts: a burst queues behind ``stream_poll_threads`` threads and
     connections, and everyone else's requests keep the default pool and the rest of the
-    connections."""
+    connections (docs/design.md, "Measurements")."""
     bearer_token(request)  # a missing token is a 401 before any thread or connection is taken
     slots = request.app.state.stream_slots
     job, release = await anyio.to_thread.run_sync(_admit, request, job_id, limiter=slots.limiter)

@@ -20,7 +20,7 @@ from service.api.errors import error_responses
 from service.auth import Principal
 from service.models import Team, TeamMember, utcnow
 from service.schemas import TeamIn, TeamList, TeamMemberIn, TeamMemberList, TeamMemberOut, TeamOut
-from service.teams import role_in, roles_of
+from service.teams import role_in, teams_of
 
 router = APIRouter(prefix="/teams", tags=["teams"])
 TeamName = Annotated[str, Path(pattern=SLUG_PATTERN, description="the team's name")]
@@ -43,10 +43,8 @@ def create_team(body: TeamIn, session: SessionDep, user: CurrentUser) -> TeamOut
 
 @router.get("", response_model=TeamList, name="list_teams")
 def list_teams(session: SessionDep, user: CurrentUser) -> TeamList:
-    roles = roles_of(session, user)
-    teams = session.execute(select(Team).where(Team.name.in_(list(roles))).order_by(Team.name)).scalars()
-    return TeamList(items=[TeamOut(name=t.name, role=roles[t.name], created_by=t.created_by,
-                                   created_at=t.created_at) for t in teams])
+    return TeamList(items=[TeamOut(name=team.name, role=role, created_by=team.created_by, created_at=team.created_at)
+                           for team, role in teams_of(session, user)])
 
 
 @router.get("/{team}/members", response_model=TeamMemberList, name="list_team_members")

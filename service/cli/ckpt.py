@@ -22,10 +22,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from rich.table import Column, Table
+from rich.table import Column
 
 from service.cli.errors import CliError
-from service.cli.output import out, output_option, print_json, wants_json
+from service.cli.output import out, output_option, print_items
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
@@ -79,7 +79,6 @@ def _list(args: argparse.Namespace) -> int:
     steps = committed_steps(where)
     if not steps:
         raise CliError(f"no committed checkpoint under {args.uri}")
-    table = Table("step", "world", "stage", "precision", "size", "created (UTC)", Column("uri", overflow="fold"))
     listed = []
     for step in steps:
         checkpoint = where.child(step_dir(step))
@@ -87,13 +86,10 @@ def _list(args: argparse.Namespace) -> int:
         listed.append({"step": step, "uri": checkpoint.uri, "world_size": manifest["world_size"],
                        "stage": manifest["stage"], "precision": manifest["precision"],
                        "size_bytes": total_size(manifest), "created_at": manifest.get("created_at")})
-        table.add_row(str(step), str(manifest["world_size"]), str(manifest["stage"]), manifest["precision"],
-                      _mb(total_size(manifest)), manifest.get("created_at", "")[:19].replace("T", " "), checkpoint.uri)
-    if wants_json(args):
-        print_json({"items": listed})
-        return 0
-    out.print(table)
-    return 0
+    columns = ("step", "world", "stage", "precision", "size", "created (UTC)", Column("uri", overflow="fold"))
+    return print_items(args, listed, columns, lambda item: (
+        str(item["step"]), str(item["world_size"]), str(item["stage"]), item["precision"], _mb(item["size_bytes"]),
+        (item["created_at"] or "")[:19].replace("T", " "), item["uri"]))
 
 
 def _verify(args: argparse.Namespace) -> int:

@@ -25,10 +25,11 @@ from rich.table import Column, Table
 from contract.deepspeed import DeepSpeedConfigError, apply
 from contract.metrics import THROUGHPUT
 from service.cli.errors import CliError
-from service.cli.output import client_for, client_options, err, out, print_json, wants_json
+from service.cli.output import (client_for, client_options, err, out, print_items, print_json, print_one, table_of,
+                                wants_json, when)
 from service.client import Client, PayloadTooLarge, ZerotrainError
 from service.code_packages import BadPackage, build_package, is_local_working_dir, megabytes
-from service.schemas import JobOut, JobState
+from service.schemas import EventOut, JobOut, JobState
 
 
 def register(commands: Any) -> None:
@@ -197,17 +198,13 @@ def cmd_show(args: argparse.Namespace) -> int:
         return 0
     out.print(_job_table([job]))
     out.print_json(json.dumps(job.spec))
-    _print_events(client, job.id)
+    out.print(table_of(EVENT_COLUMNS, client.events(job.id), _event_row))
     return 0
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
     job = client_for(args).cancel(args.job_id)
-    if wants_json(args):
-        print_json(job)
-        return 0
-    out.print(f"{job.id} {job.state.value}")
-    return 0
+    return print_one(args, job, f"{job.id} {job.state.value}")
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
@@ -227,24 +224,14 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
 
 def cmd_events(args: argparse.Namespace) -> int:
-    client = client_for(args)
-    if wants_json(args):
-        print_json({"items": client.events(args.job_id)})
-        return 0
-    _print_events(client, args.job_id)
-    return 0
+    return print_items(args, client_for(args).events(args.job_id), EVENT_COLUMNS, _event_row)
 
 
 def cmd_checkpoints(args: argparse.Namespace) -> int:
-    checkpoints = client_for(args).checkpoints(args.job_id)
-    if wants_json(args):
-        print_json({"items": checkpoints})
-        return 0
-    table = Table("step", "created", Column("uri", overflow="fold"))
-    for checkpoint in checkpoints:
-        table.add_row(str(checkpoint.step), checkpoint.created_at.strftime("%Y-%m-%d %H:%M:%S"), checkpoint.uri)
-    out.print(table)
-    return 0
+    columns = ("step", "created", Column("uri", overflow="fold"))
+    return print_items(args, client_for(args).checkpoints(args.job_id), columns,
+                       lambda checkpoint: (str(checkpoint.step), when(checkpoint.created_at, seconds=True),
+                                           checkpoint.uri))
 
 
 def cmd_tensorboard(args: argparse.Namespace) -> int:
@@ -258,17 +245,14 @@ def cmd_tensorboard(args: argparse.Namespace) -> int:
 
 
 def _job_table(jobs: list[JobOut]) -> Table:
-    table = Table(Column("id", no_wrap=True), "name", "owner", Column("state", no_wrap=True), "reason", "created")
-    for job in jobs:
-        table.add_row(job.id, job.name, job.owner, job.state.value, job.reason or "",
-                      job.created_at.strftime("%Y-%m-%d %H:%M:%S"))
-    return table
+    return table_of((Column("id", no_wrap=True), "name", "owner", Column("state", no_wrap=True), "reason", "created"),
+                    jobs, lambda job: (job.id, job.name, job.owner, job.state.value, job.reason or "",
+                                       when(job.created_at, seconds=True)))
 
 
-def _print_events(client: Client, job_id: str) -> None:
-    table = Table("time", "from", "to", "reason", "message")
-    for event in client.events(job_id):
-        table.add_row(event.created_at.strftime("%H:%M:%S.%f")[:-3],
-                      event.from_state.value if event.from_state else "", event.to_state.value,
-                      event.reason or "", event.message or "")
-    out.print(table)
+EVENT_COLUMNS = ("time", "from", "to", "reason", "message")
+
+
+def _event_row(event: EventOut) -> tuple[str, ...]:
+    return (event.created_at.strftime("%H:%M:%S.%f")[:-3], event.from_state.value if event.from_state else "",
+            event.to_state.value, event.reason or "", event.message or "")

@@ -7,7 +7,8 @@ rich ``Console`` without a file writes to whatever ``sys.stdout``/``sys.stderr``
 
 ``client_options`` is the parent parser of those commands: ``--url`` and ``--token`` beside
 ``ZEROTRAIN_URL``/``ZEROTRAIN_TOKEN`` (the flags win), and ``-o/--output json``, which prints
-exactly the API's objects (``print_json``) instead of a table, for scripts.
+exactly the API's objects (``print_json``) instead of a table, for scripts. ``print_items`` and
+``print_one`` are that choice for a list of objects and for one, so every command makes it alike.
 """
 
 from __future__ import annotations
@@ -15,12 +16,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from datetime import datetime
+from typing import Any, TypeVar
 
 from pydantic import BaseModel
 from rich.console import Console
+from rich.table import Column, Table
 
 from service.client import Client
+
+T = TypeVar("T")
 
 out = Console()
 err = Console(stderr=True)
@@ -62,3 +68,35 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     return value
+
+
+def table_of(columns: Sequence[str | Column], items: Iterable[T], row: Callable[[T], Sequence[str]]) -> Table:
+    """A table with ``columns``, one ``row(item)`` (its cells, as text) per item."""
+    table = Table(*columns)
+    for item in items:
+        table.add_row(*row(item))
+    return table
+
+
+def print_items(args: argparse.Namespace, items: list[T], columns: Sequence[str | Column],
+                row: Callable[[T], Sequence[str]]) -> int:
+    """A list command's result: ``{"items": [...]}`` with ``-o json``, else ``table_of`` them."""
+    if wants_json(args):
+        print_json({"items": items})
+    else:
+        out.print(table_of(columns, items, row))
+    return 0
+
+
+def print_one(args: argparse.Namespace, value: Any, message: str) -> int:
+    """A command's one object: as JSON with ``-o json``, else ``message`` (rich markup) for people."""
+    if wants_json(args):
+        print_json(value)
+    else:
+        out.print(message)
+    return 0
+
+
+def when(value: datetime | None, seconds: bool = False) -> str:
+    """A time as a table shows it (UTC, to the minute or the second); empty for None."""
+    return "" if value is None else value.strftime("%Y-%m-%d %H:%M:%S" if seconds else "%Y-%m-%d %H:%M")

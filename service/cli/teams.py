@@ -9,10 +9,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from rich.table import Table
-
 from contract.teams import ROLES
-from service.cli.output import client_for, client_options, out, print_json, wants_json
+from service.cli.output import client_for, client_options, print_items, print_one, when
 
 
 def register(commands: Any) -> None:
@@ -41,51 +39,25 @@ def register(commands: Any) -> None:
 
 def cmd_create(args: argparse.Namespace) -> int:
     team = client_for(args).create_team(args.name)
-    if wants_json(args):
-        print_json(team)
-        return 0
-    out.print(f"team {team.name} created; add its maintainers with: zerotrain team add {team.name} USER "
-              f"--role maintainer")
-    return 0
+    return print_one(args, team, f"team {team.name} created; add its maintainers with: zerotrain team add "
+                                 f"{team.name} USER --role maintainer")
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    teams = client_for(args).teams()
-    if wants_json(args):
-        print_json({"items": teams})
-        return 0
-    table = Table("team", "your role", "created by", "created")
-    for team in teams:
-        table.add_row(team.name, team.role, team.created_by, team.created_at.strftime("%Y-%m-%d %H:%M"))
-    out.print(table)
-    return 0
+    return print_items(args, client_for(args).teams(), ("team", "your role", "created by", "created"),
+                       lambda team: (team.name, team.role, team.created_by, when(team.created_at)))
 
 
 def cmd_members(args: argparse.Namespace) -> int:
-    members = client_for(args).team_members(args.name)
-    if wants_json(args):
-        print_json({"items": members})
-        return 0
-    table = Table("user", "role", "added by", "added")
-    for member in members:
-        table.add_row(member.user, member.role, member.added_by, member.added_at.strftime("%Y-%m-%d %H:%M"))
-    out.print(table)
-    return 0
+    return print_items(args, client_for(args).team_members(args.name), ("user", "role", "added by", "added"),
+                       lambda member: (member.user, member.role, member.added_by, when(member.added_at)))
 
 
 def cmd_add(args: argparse.Namespace) -> int:
     member = client_for(args).set_team_member(args.name, args.user, args.role)
-    if wants_json(args):
-        print_json(member)
-        return 0
-    out.print(f"{member.user} is a {member.role} of team {member.team}")
-    return 0
+    return print_one(args, member, f"{member.user} is a {member.role} of team {member.team}")
 
 
 def cmd_remove(args: argparse.Namespace) -> int:
     member = client_for(args).remove_team_member(args.name, args.user)
-    if wants_json(args):
-        print_json(member)
-        return 0
-    out.print(f"{member.user} removed from team {member.team}")
-    return 0
+    return print_one(args, member, f"{member.user} removed from team {member.team}")

@@ -6,9 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from rich.table import Table
-
-from service.cli.output import client_for, client_options, out, print_json, wants_json
+from service.cli.output import client_for, client_options, print_items, print_one, when
 
 
 def register(token_commands: Any) -> None:
@@ -23,27 +21,14 @@ def register(token_commands: Any) -> None:
     revoke.set_defaults(func=cmd_token_revoke)
 
 
-def _when(value: Any) -> str:
-    return "" if value is None else value.strftime("%Y-%m-%d %H:%M")
-
-
 def cmd_token_list(args: argparse.Namespace) -> int:
-    tokens = client_for(args).tokens(name=args.name)
-    if wants_json(args):
-        print_json({"items": tokens})
-        return 0
-    table = Table("id", "name", "admin", "created", "expires", "last used", "revoked")
-    for token in tokens:
-        table.add_row(str(token.id), token.name, "yes" if token.is_admin else "", _when(token.created_at),
-                      _when(token.expires_at), _when(token.last_used_at), _when(token.revoked_at))
-    out.print(table)
-    return 0
+    return print_items(args, client_for(args).tokens(name=args.name),
+                       ("id", "name", "admin", "created", "expires", "last used", "revoked"),
+                       lambda token: (str(token.id), token.name, "yes" if token.is_admin else "",
+                                      when(token.created_at), when(token.expires_at), when(token.last_used_at),
+                                      when(token.revoked_at)))
 
 
 def cmd_token_revoke(args: argparse.Namespace) -> int:
     token = client_for(args).revoke_token(args.token_id)
-    if wants_json(args):
-        print_json(token)
-        return 0
-    out.print(f"token {token.id} of {token.name} revoked at {_when(token.revoked_at)}")
-    return 0
+    return print_one(args, token, f"token {token.id} of {token.name} revoked at {when(token.revoked_at)}")

@@ -11,11 +11,11 @@ import secrets
 from pathlib import Path
 from typing import Any
 
-from rich.table import Table
-
 from contract.webhooks import EVENTS
 from service.cli.errors import CliError
-from service.cli.output import client_for, client_options, out, print_json, wants_json
+from service.cli.output import (client_for, client_options, out, print_items, print_json, print_one, wants_json,
+                                when)
+from service.schemas import WebhookDeliveryOut
 
 SECRET_BYTES = 32
 
@@ -60,35 +60,21 @@ def cmd_create(args: argparse.Namespace) -> int:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    hooks = client_for(args).webhooks()
-    if wants_json(args):
-        print_json({"items": hooks})
-        return 0
-    table = Table("id", "url", "events", "created")
-    for hook in hooks:
-        table.add_row(str(hook.id), hook.url, ", ".join(hook.events), hook.created_at.strftime("%Y-%m-%d %H:%M"))
-    out.print(table)
-    return 0
+    return print_items(args, client_for(args).webhooks(), ("id", "url", "events", "created"),
+                       lambda hook: (str(hook.id), hook.url, ", ".join(hook.events), when(hook.created_at)))
 
 
 def cmd_delete(args: argparse.Namespace) -> int:
     hook = client_for(args).delete_webhook(args.webhook_id)
-    if wants_json(args):
-        print_json(hook)
-        return 0
-    out.print(f"webhook {hook.id} deleted")
-    return 0
+    return print_one(args, hook, f"webhook {hook.id} deleted")
 
 
 def cmd_deliveries(args: argparse.Namespace) -> int:
-    items = client_for(args).webhook_deliveries(args.webhook_id, limit=args.limit)
-    if wants_json(args):
-        print_json({"items": items})
-        return 0
-    table = Table("delivery", "job", "event", "status", "attempts", "last answer", "created")
-    for item in items:
-        answer = item.last_error or (str(item.last_status_code) if item.last_status_code else "")
-        table.add_row(item.id, item.job_id, item.event, item.status, str(item.attempts), answer,
-                      item.created_at.strftime("%Y-%m-%d %H:%M:%S"))
-    out.print(table)
-    return 0
+    return print_items(args, client_for(args).webhook_deliveries(args.webhook_id, limit=args.limit),
+                       ("delivery", "job", "event", "status", "attempts", "last answer", "created"), _delivery_row)
+
+
+def _delivery_row(item: WebhookDeliveryOut) -> tuple[str, ...]:
+    answer = item.last_error or (str(item.last_status_code) if item.last_status_code else "")
+    return (item.id, item.job_id, item.event, item.status, str(item.attempts), answer,
+            when(item.created_at, seconds=True))

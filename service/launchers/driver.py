@@ -69,7 +69,7 @@ STORAGE_CREDENTIALS_FROM_API = storage_credentials.FROM_API
 # - RAY_TRAIN_ENABLE_PRINT_PATCH=0: Ray Train's workers replace ``print`` with a function that
 #   writes to stdout *and* logs the text through the root logger (to stderr), because a Ray
 #   worker's ``sys.stdout`` is not ``sys.__stdout__``; both streams reach the driver, so every
-#   line a rank printed (rank 0's progress lines, a user's own prints) was in the log twice.
+#   line a rank prints (rank 0's progress lines, a user's own prints) would be in the log twice.
 #   Unpatched, ``print`` writes once; logging records still go through Ray Train's handlers.
 # - RAY_TRAIN_ENABLE_PREEMPTION_WATCHER=0: Ray Train's PreemptionWatcher actor is created with
 #   the worker actors' handles and ``max_restarts=-1``, for which Ray's core worker logs an
@@ -77,13 +77,13 @@ STORAGE_CREDENTIALS_FROM_API = storage_credentials.FROM_API
 #   drain before restarting, for its own ``ray.train.report`` checkpoints and
 #   ``get_preemption_info``; zerotrain uses neither (it checkpoints itself, and a restarted
 #   group resumes from that). Without it a drained node's worker dies and Ray Train restarts
-#   the group as before the watcher: on its preemption budget (``max_preemption_failures``,
-#   unlimited by default), which the death's ``RayActorError.preempted`` selects.
+#   the group on its preemption budget (``max_preemption_failures``, unlimited by default),
+#   which the death's ``RayActorError.preempted`` selects.
 # - RAY_DEDUP_LOGS=0: the driver folds lines that differ only in their numbers, written by
 #   several processes within 5 s, into the first one and a later "[repeated 3x across cluster]"
-#   under the last writer's prefix. "rank 1 has waited 30.0s on collective #5" then never
-#   appeared under rank 1's process, and each rank's "this process is rank N" line
-#   (contract.log_lines) was folded into rank 0's: a job's log is read per rank
+#   under the last writer's prefix. "rank 1 has waited 30.0s on collective #5" would then never
+#   appear under rank 1's process, and each rank's "this process is rank N" line
+#   (contract.log_lines) would be folded into rank 0's: a job's log is read per rank
 #   (``GET /logs?rank=N``), so each rank's lines are kept, each under its own prefix.
 RAY_TRAIN_ENV = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
                  "RAY_DEDUP_LOGS": "0"}

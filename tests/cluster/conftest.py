@@ -51,7 +51,8 @@ import pytest
 
 from tests import connect_watch
 from tests.faults.test_s3_outage import S3Server
-from tests.integration.conftest import ControlPlane, control_planes, wait_for
+from tests.helpers.waiting import wait_for
+from tests.integration.conftest import ControlPlane, control_planes
 from tests.private_disk import private_disk_command
 
 NODE_IP = "127.0.0.1"

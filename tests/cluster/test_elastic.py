@@ -42,7 +42,7 @@ import pytest
 from service.schemas import JobState
 from tests.cluster.conftest import WORKERS, LoopbackCluster
 from tests.cluster.test_multinode import EVERY, STEPS, cluster_job, rank_nodes
-from tests.integration.conftest import wait_for
+from tests.helpers.waiting import wait_for
 from tests.integration.test_ray_jobs import explain
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]

@@ -21,7 +21,7 @@ import pytest
 
 from service.schemas import JobState
 from tests.cluster.conftest import WORKERS, LoopbackCluster
-from tests.integration.conftest import wait_for
+from tests.helpers.waiting import wait_for
 from tests.integration.test_ray_jobs import explain, nano_job
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]

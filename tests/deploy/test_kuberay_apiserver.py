@@ -4,7 +4,6 @@ that enforces the shipped Role; then the whole control plane running jobs throug
 from __future__ import annotations
 
 import json
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -17,6 +16,7 @@ from fake_apiserver import FakeApiServer, ServerThread
 from service.launchers import kuberay
 from service.launchers.base import LaunchPhase, LaunchRequest
 from service.launchers.driver import RAY_TRAIN_ENV
+from tests.helpers.waiting import wait_for
 
 TOKEN = "zt_ingest_9b1f3c5d7e2a4f6b8c0d1e3f5a7b9c2d"
 SPEC = {"name": "k8s-smoke", "model": {"preset": "gpt-nano"},
@@ -148,23 +148,13 @@ def kubeconfig(start_apiserver, tmp_path, monkeypatch):
     Configuration.set_default(saved)
 
 
-def wait_for(predicate, timeout: float = 20.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError("condition not met in time")
-
-
 def test_control_plane_runs_jobs_as_rayjobs(kubeconfig, make_live_service):
     fake = kubeconfig
     service = make_live_service(launcher="kuberay")
     client = service.client()
 
     job = client.submit(SPEC)
-    rayjob = wait_for(lambda: next(iter(fake.rayjobs.values()), None))
+    rayjob = wait_for(lambda: next(iter(fake.rayjobs.values()), None), 20, "a RayJob on the API server")
     assert rayjob["metadata"]["labels"][kuberay.LABEL_JOB_ID] == kuberay.label_value(job.id)
     assert rayjob["spec"]["entrypoint"] == \
         f"python -m workers.launch --job-id {job.id} --api {service.settings.api_url}"
@@ -179,7 +169,7 @@ def test_control_plane_runs_jobs_as_rayjobs(kubeconfig, make_live_service):
     assert failed.reason == "max_runtime_exceeded"
 
     second = client.submit({**SPEC, "name": "k8s-cancel"})
-    wait_for(lambda: len(fake.rayjobs) == 2)
+    wait_for(lambda: len(fake.rayjobs) == 2, 20, "two RayJobs on the API server")
     client.cancel(second.id)
     assert client.wait(second.id, timeout=20).state.value == "CANCELLED"
     assert len(fake.rayjobs) == 1, "the cancelled job's RayJob is deleted"
@@ -203,7 +193,7 @@ def test_a_rayjob_carries_none_of_the_control_planes_secrets(kubeconfig, make_li
                    bootstrap_admin_token="zt_bootstrap_admin_6f0e2c9a4b", admin_token=service.admin_token)
 
     job = service.client().submit(SPEC)
-    rayjob = wait_for(lambda: next(iter(fake.rayjobs.values()), None))
+    rayjob = wait_for(lambda: next(iter(fake.rayjobs.values()), None), 20, "a RayJob on the API server")
     (secret,) = fake.secrets.values()
     sent = json.dumps(rayjob) + json.dumps(secret)
     for name, value in secrets.items():

@@ -15,8 +15,9 @@ import time
 import pytest
 
 from service.schemas import JobState
+from tests.helpers.waiting import wait_for
 from tests.integration.conftest import (ControlPlane, cmdline, describe, job_owned_processes, job_processes,
-                                        job_processes_but_the_cleaner, make_control_plane, ray_head, wait_for)
+                                        job_processes_but_the_cleaner, make_control_plane, ray_head)
 from tests.integration.test_ray_jobs import explain, nano_job, running_with_metrics, stop_while_training
 
 pytestmark = [pytest.mark.faults, pytest.mark.ray, pytest.mark.slow]

@@ -1,4 +1,4 @@
-"""Fault: the leader replica is paused (SIGSTOP) past its lease, then resumes (issue 36, must show 2).
+"""Fault: the leader replica is paused (SIGSTOP) past its lease, then resumes.
 
 Two real ``zerotrain serve`` processes share one PostgreSQL database (tests/faults/replicas.py);
 their jobs run the fake driver (tests/service/fake_driver.py) under the local launcher, which
@@ -13,13 +13,15 @@ from __future__ import annotations
 import time
 from collections import Counter
 
-import httpx
 import pytest
 from sqlalchemy import create_engine, text
 
+from service.client import Client
+from service.schemas import JobState
 from tests.conftest import free_port
 from tests.faults.replicas import Replica, admin_token, leader_pid
 from tests.helpers.service_specs import FAKE_DRIVER, make_spec
+from tests.helpers.waiting import wait_for
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow]
 
@@ -27,25 +29,8 @@ LEASE_S = 3.0
 TAKEOVER_LIMIT_S = 15.0  # the issue's bound: a dead leader's duties move within 15 s
 
 
-def wait_for(condition, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"{what}: not within {timeout_s} s")
-
-
-def submit(url: str, token: str, spec: dict) -> str:
-    response = httpx.post(f"{url}/api/v1/jobs", json=spec, headers={"Authorization": f"Bearer {token}"}, timeout=10)
-    assert response.status_code in (200, 201, 202), response.text
-    return response.json()["id"]
-
-
-def state(url: str, token: str, job_id: str) -> str:
-    return httpx.get(f"{url}/api/v1/jobs/{job_id}", headers={"Authorization": f"Bearer {token}"},
-                     timeout=10).raise_for_status().json()["state"]
+def succeeded(client: Client, job_id: str) -> bool:
+    return client.get(job_id).state is JobState.SUCCEEDED
 
 
 def test_a_paused_leader_does_not_act_after_it_resumes(migrated_postgres_url, tmp_path):
@@ -58,6 +43,7 @@ def test_a_paused_leader_does_not_act_after_it_resumes(migrated_postgres_url, tm
                 "scheduler_poll_s": 0.05}
     first = Replica("a", tmp_path / "a", ports[0], migrated_postgres_url, [urls[0], urls[1]], token, **settings)
     replicas = [first]
+    on_first, on_second = (Client(url, token, timeout=10) for url in urls)
     try:
         first.wait_ready()
         wait_for(lambda: leader_pid(migrated_postgres_url) == first.pid, 30, "the first replica leads")
@@ -67,24 +53,26 @@ def test_a_paused_leader_does_not_act_after_it_resumes(migrated_postgres_url, tm
         assert leader_pid(migrated_postgres_url) == first.pid  # the second serves, but does not lead
 
         spec = make_spec(starts_file=str(starts))
-        before = submit(second.url, token, spec)  # any replica takes submissions; the leader admits
-        wait_for(lambda: state(second.url, token, before) == "SUCCEEDED", 60, "the first job ends")
+        before = on_second.submit(spec).id  # any replica takes submissions; the leader admits
+        wait_for(lambda: succeeded(on_second, before), 60, "the first job ends")
 
         first.pause()
         paused_at = time.monotonic()
-        during = submit(second.url, token, spec)
+        during = on_second.submit(spec).id
         wait_for(lambda: leader_pid(migrated_postgres_url) == second.pid, TAKEOVER_LIMIT_S, "take-over")
         takeover_s = time.monotonic() - paused_at
-        wait_for(lambda: state(second.url, token, during) == "SUCCEEDED", 60, "the job admitted by the new leader ends")
+        wait_for(lambda: succeeded(on_second, during), 60, "the job admitted by the new leader ends")
         first.resume()
 
         # the resumed ex-leader runs its loops again; a job submitted through it now must still
         # be admitted once, by the new leader, while the ex-leader finds it no longer leads
-        after = submit(first.url, token, spec)
-        wait_for(lambda: state(first.url, token, after) == "SUCCEEDED", 60, "the job after the resume ends")
+        after = on_first.submit(spec).id
+        wait_for(lambda: succeeded(on_first, after), 60, "the job after the resume ends")
         assert leader_pid(migrated_postgres_url) == second.pid
         assert first.process.poll() is None and second.process.poll() is None
     finally:
+        on_first.close()
+        on_second.close()
         for replica in replicas:
             replica.stop()
 

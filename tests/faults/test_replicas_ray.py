@@ -20,7 +20,8 @@ from service.client import Client
 from service.schemas import JobState
 from tests.conftest import free_port
 from tests.faults.replicas import Replica, admin_token, leader_pid
-from tests.integration.conftest import ray_head, wait_for
+from tests.helpers.waiting import wait_for
+from tests.integration.conftest import ray_head
 from tests.integration.test_ray_jobs import explain, nano_job, running_with_metrics
 
 pytestmark = [pytest.mark.faults, pytest.mark.ray, pytest.mark.slow]

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from tests.integration.conftest import wait_for
+from tests.helpers.waiting import wait_for
 from tests.workers.checkpoint.ranks import GLOBAL_BATCH, MICRO, SEQ, VOCAB, make_engine
 from workers.checkpoint import CheckpointManager, checkpoints_uri
 from storage.manifest import committed_steps

@@ -25,7 +25,8 @@ import pytest
 from service.schemas import JobState
 from tests.faults.test_ray_faults import assert_unique
 from tests.faults.test_s3_outage import S3Server
-from tests.integration.conftest import make_control_plane, running_ray_head, wait_for
+from tests.helpers.waiting import wait_for
+from tests.integration.conftest import make_control_plane, running_ray_head
 from tests.integration.test_ray_jobs import explain, nano_job, running_with_metrics
 
 pytestmark = [pytest.mark.faults, pytest.mark.ray, pytest.mark.slow]

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import pytest
+
+from tests.helpers.waiting import wait_for
 
 RAY_CPUS = 2
 
@@ -117,21 +118,6 @@ def make_control_plane(request: pytest.FixtureRequest, tmp_path_factory: pytest.
                        _migrated_template: str, ray_head: Any) -> Iterator[Callable[..., ControlPlane]]:
     """Started control planes on fresh migrated PostgreSQL databases, using the module's Ray head."""
     yield from control_planes(request, tmp_path_factory, _migrated_template, ray_address=ray_head.dashboard_url)
-
-
-def wait_for(condition: Callable[[], Any], timeout_s: float, what: str, poll_s: float = 0.2,
-             describe: Callable[[], str] | None = None) -> Any:
-    """Poll ``condition`` until it returns something truthy; fail naming ``what`` after ``timeout_s``
-    (and what ``describe()`` says about the state then)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            detail = f": {describe()}" if describe else ""
-            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}{detail}")
-        time.sleep(poll_s)
 
 
 def _read(path: str) -> bytes:

@@ -19,7 +19,8 @@ import pytest
 
 from service.schemas import JobState
 from tests.helpers.tensorboard_files import rank_mean_loss, read_scalars
-from tests.integration.conftest import train_workers, wait_for
+from tests.helpers.waiting import wait_for
+from tests.integration.conftest import train_workers
 from tests.integration.test_ray_jobs import explain, nano_job
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]

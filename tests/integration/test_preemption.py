@@ -17,7 +17,7 @@ from collections import Counter
 import pytest
 
 from service.schemas import JobState
-from tests.integration.conftest import wait_for
+from tests.helpers.waiting import wait_for
 from tests.integration.test_ray_jobs import explain, nano_job
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]

@@ -19,8 +19,8 @@ from service.client import ValidationFailed
 from service.log_text import plain_log
 from service.schemas import JobState
 from tests.helpers.tensorboard_files import rank_mean_loss, read_scalars
-from tests.integration.conftest import (describe, job_owned_processes, job_processes_but_the_cleaner, train_workers,
-                                       wait_for)
+from tests.helpers.waiting import wait_for
+from tests.integration.conftest import describe, job_owned_processes, job_processes_but_the_cleaner, train_workers
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

@@ -25,7 +25,7 @@ from ray._common.usage import usage_lib
 from service.launchers.driver import host_environment
 from service.launchers.ray_local_head import LocalRayHead, quiet_ray_environment, quiet_ray_home
 from tests import connect_watch
-from tests.integration.conftest import wait_for
+from tests.helpers.waiting import wait_for
 
 
 class LeftLoopback(AssertionError):

@@ -7,7 +7,6 @@ import hashlib
 import logging
 import os
 import stat
-import time
 
 import httpx
 import pytest
@@ -22,6 +21,7 @@ from service.schemas import JobState
 from workers.reporting import HTTP_CLIENT_LOGGERS
 
 from tests.helpers.service_specs import FAKE_DRIVER, make_spec
+from tests.helpers.waiting import wait_for
 
 
 def database_text(service) -> str:
@@ -29,13 +29,6 @@ def database_text(service) -> str:
     with service.app.state.sessionmaker() as session:
         tables = session.execute(text("SELECT tablename FROM pg_tables WHERE schemaname = 'public'")).scalars().all()
         return "\n".join(str(row) for table in tables for row in session.execute(text(f'SELECT * FROM "{table}"')))
-
-
-def wait_for(condition, timeout: float = 30.0) -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
 
 
 def test_no_token_is_stored_or_logged_through_a_whole_job(make_live_service, caplog, monkeypatch):
@@ -63,7 +56,7 @@ def test_no_token_is_stored_or_logged_through_a_whole_job(make_live_service, cap
     client = service.client(alice)
     assert httpx.get(f"{service.url}/api/v1/jobs", headers={"Authorization": "Bearer zt_wrong"}).status_code == 401
     job = client.submit(make_spec())
-    wait_for(lambda: client.get(job.id).terminal)
+    wait_for(lambda: client.get(job.id).terminal, 30, "the job to end")
     assert client.get(job.id).state is JobState.SUCCEEDED
     assert len(client.metrics(job.id)) == 10  # the driver did ingest with its token
     assert len(ingest_tokens) == 1

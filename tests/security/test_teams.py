@@ -1,4 +1,4 @@
-"""Issue 34, Must show 2: team isolation. The hostile-tenant checks run again across teams: a
+"""Team isolation. The hostile-tenant checks run again across teams: a
 team's job is visible to its members and to nobody else (404 on every job route, never a 403
 that would confirm the id), a viewer cannot submit, a member cannot cancel a teammate's job,
 a maintainer can; membership is read on every request, so a removed member loses access at once."""
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
+from sqlalchemy import event
 
 from service.client import ZerotrainError
 from tests.helpers.service_specs import make_spec
@@ -119,3 +120,24 @@ def test_only_maintainers_manage_members_and_a_removed_member_loses_access_at_on
     with pytest.raises(ZerotrainError) as duplicate:
         service.client().create_team("red")
     assert status(duplicate) == 409
+
+
+def test_listing_ones_teams_reads_them_in_one_statement(teams):
+    """``GET /teams`` answers an admin (every team) and a member (their own, with their role) from
+    one query of the teams, so the names and the roles cannot come from two different moments."""
+    service, tokens, _, _ = teams
+    statements: list[str] = []
+
+    def record(_conn, _cursor, statement, *_args):  # noqa: ANN001
+        if "team" in statement.lower():
+            statements.append(statement)
+
+    event.listen(service.app.state.engine, "before_cursor_execute", record)
+    try:
+        for token, expected in ((None, [("blue", "maintainer"), ("red", "maintainer")]),
+                                (tokens["mel"], [("red", "member")]), (tokens["olga"], [])):
+            statements.clear()
+            assert [(t.name, t.role) for t in service.client(token).teams()] == expected
+            assert len(statements) == 1, statements
+    finally:
+        event.remove(service.app.state.engine, "before_cursor_execute", record)

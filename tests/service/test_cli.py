@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from unittest.mock import ANY
 from contextlib import contextmanager
 
 import httpx
@@ -20,6 +21,7 @@ from service.cli import main
 from service.schemas import TERMINAL_STATES, JobState
 
 from tests.conftest import free_port
+from tests.helpers.cli_tables import table_rows
 from tests.helpers.service_specs import make_spec
 
 
@@ -91,6 +93,28 @@ def test_every_read_command_prints_the_apis_objects_as_json(cli_env, capsys, tmp
         os.environ.pop(name)
     code, stdout, _ = run(capsys, "jobs", "-o", "json", "--url", cli_env.url, "--token", cli_env.admin_token)
     assert code == 0 and [j["id"] for j in json.loads(stdout)["items"]] == [job["id"]]
+
+
+def test_team_commands_print_a_table_or_the_apis_objects(cli_env, capsys):
+    """``team create|add|list|members|remove``: a sentence or a table for people, and with
+    ``-o json`` exactly what the API answers."""
+    api = httpx.Client(base_url=f"{cli_env.url}/api/v1", timeout=30,
+                       headers={"Authorization": f"Bearer {cli_env.admin_token}"})
+    cli_env.create_user("bob")
+    code, stdout, _ = run(capsys, "team", "create", "red")
+    assert code == 0 and "team red created" in stdout
+    code, stdout, _ = run(capsys, "team", "add", "red", "bob", "--role", "viewer", "-o", "json")
+    assert code == 0 and json.loads(stdout) == api.get("/teams/red/members").json()["items"][0]
+    admin = cli_env.client().teams()[0].created_by
+    code, stdout, _ = run(capsys, "team", "list")
+    assert code == 0 and table_rows(stdout)[:2] == [["team", "your role", "created by", "created"],
+                                                    ["red", "maintainer", admin, ANY]], stdout
+    code, stdout, _ = run(capsys, "team", "members", "red")
+    assert code == 0 and table_rows(stdout) == [["user", "role", "added by", "added"], ["bob", "viewer", admin, ANY]]
+    for argv, path in {("team", "list"): "/teams", ("team", "members", "red"): "/teams/red/members"}.items():
+        code, stdout, _ = run(capsys, *argv, "-o", "json")
+        assert code == 0 and json.loads(stdout) == api.get(path).json(), argv
+    assert run(capsys, "team", "remove", "red", "bob")[:2] == (0, "bob removed from team red\n")
 
 
 def test_submit_with_a_deepspeed_config(cli_env, capsys, tmp_path):

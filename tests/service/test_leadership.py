@@ -19,35 +19,17 @@ from sqlalchemy import select
 from sqlalchemy.exc import DBAPIError
 
 from contract.environment import api_urls, join_api_urls
-from service.db import make_engine, make_sessionmaker
 from service.leadership import AnotherReplica, LeadershipLost, Lease, hold_sole_replica
 from service.models import LeaderLease, Metric
 from service.scheduler import Scheduler
 from service.settings import Settings
 from tests.conftest import free_port
 from tests.helpers.service_specs import make_spec
+from tests.helpers.waiting import wait_for
 from tests.service.test_scheduler import RecordingLauncher, add_jobs, job
 from workers.reporting import WorkerAPI
 
 LEASE_S = 1.0  # short, so that a lease runs out within the test
-
-
-@pytest.fixture
-def db(migrated_postgres_url, tmp_path):
-    engine = make_engine(migrated_postgres_url)
-    yield make_sessionmaker(engine), Settings(home=tmp_path, database_url=migrated_postgres_url,
-                                              launcher="local", scheduler_poll_s=0.01)
-    engine.dispose()
-
-
-def wait_for(condition, timeout_s: float = 10.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"{what} not reached within {timeout_s} s")
 
 
 def lease_row(make_session) -> LeaderLease:
@@ -66,7 +48,7 @@ def test_one_holder_leads_and_the_other_takes_over_once_the_lease_runs_out(db):
 
     # the first stops renewing (dead or paused): the second takes over once the lease has run out
     took_over = time.monotonic()
-    wait_for(second.renew, timeout_s=5 * LEASE_S, what="take-over")
+    wait_for(second.renew, timeout_s=5 * LEASE_S, what="take-over", poll_s=0.02)
     waited = time.monotonic() - took_over
     assert LEASE_S * 0.5 < waited < LEASE_S * 3, waited
     assert second.epoch == first.epoch + 1  # a new holder, a new fencing epoch
@@ -87,7 +69,7 @@ def test_a_stale_epoch_claims_nothing_and_the_new_leader_claims_the_job(db):
     (job_id,) = add_jobs(make_session, 1)
     stale, current = (Lease(make_session, name, lease_s=LEASE_S) for name in ("replica-a", "replica-b"))
     assert stale.renew()
-    wait_for(current.renew, timeout_s=5 * LEASE_S, what="take-over")
+    wait_for(current.renew, timeout_s=5 * LEASE_S, what="take-over", poll_s=0.02)
     launcher = RecordingLauncher()
 
     # the ex-leader has not renewed since (it was paused): its fenced claim is refused in the database
@@ -113,7 +95,7 @@ def test_a_leader_paused_inside_its_claim_past_its_lease_admits_nothing(db):
 
     class PausingLauncher(RecordingLauncher):
         def capacity(self):
-            wait_for(other.renew, timeout_s=5 * LEASE_S, what="take-over")
+            wait_for(other.renew, timeout_s=5 * LEASE_S, what="take-over", poll_s=0.02)
             took_over.set()
             return super().capacity()
 

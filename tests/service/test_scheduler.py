@@ -6,15 +6,12 @@ from __future__ import annotations
 import threading
 from collections import Counter
 
-import pytest
 from sqlalchemy import select
 
-from service.db import make_engine, make_sessionmaker
 from service.launchers.base import LaunchHandle, LaunchPhase, LaunchRequest, LaunchStatus
 from service.models import Job, JobEvent
 from service.scheduler import Scheduler
 from service.schemas import JobState
-from service.settings import Settings
 from service.states import transition
 
 from service.admission import Capacity
@@ -57,14 +54,6 @@ class RecordingLauncher:
 
     def close(self) -> None:
         pass
-
-
-@pytest.fixture
-def db(migrated_postgres_url, tmp_path):
-    engine = make_engine(migrated_postgres_url)
-    yield make_sessionmaker(engine), Settings(home=tmp_path, database_url=migrated_postgres_url,
-                                              launcher="local", scheduler_poll_s=0.01)
-    engine.dispose()
 
 
 def add_jobs(make_session, count: int) -> list[str]:

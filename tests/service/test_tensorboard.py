@@ -18,9 +18,8 @@ from service.cli import main
 from service.db import make_engine, make_sessionmaker
 from service.models import Job, Metric, UserMetric, utcnow
 from service.schemas import JobState
-from tests.helpers.service_specs import make_spec
+from tests.helpers.service_specs import FAKE_DRIVER, make_spec
 from tests.helpers.tensorboard_files import f32, rank_mean_loss, read_scalars
-from tests.service.conftest import FAKE_DRIVER
 
 
 # ----------------------------------------------------------------------------- the exporter over rows

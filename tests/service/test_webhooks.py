@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from unittest.mock import ANY
 
 import pytest
 
@@ -18,6 +19,7 @@ from service.client import NotFound, ValidationFailed
 from service.schemas import JobState
 from service.webhook_targets import TargetRefused, check_target
 
+from tests.helpers.cli_tables import table_rows
 from tests.helpers.service_specs import FAKE_DRIVER, make_spec
 
 SECRET = "a-receiver-secret-0123456789"
@@ -164,6 +166,14 @@ def test_cli_creates_lists_and_deletes_and_refuses_in_one_line(make_live_service
     assert created["events"] == ["job.failed"] and len(created["secret"]) >= 32
     assert main(["webhook", "list", "-o", "json"]) == 0
     assert [hook["id"] for hook in json.loads(capsys.readouterr().out)["items"]] == [created["id"]]
+    assert main(["webhook", "list"]) == 0
+    assert table_rows(capsys.readouterr().out) == [["id", "url", "events", "created"],
+                                                   [str(created["id"]), receiver.url, "job.failed", ANY]]
+    assert main(["webhook", "deliveries", str(created["id"]), "-o", "json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"items": []}
+    assert main(["webhook", "deliveries", str(created["id"])]) == 0
+    assert table_rows(capsys.readouterr().out) == [["delivery", "job", "event", "status", "attempts", "last answer",
+                                                    "created"]]
 
     assert main(["webhook", "create", "http://169.254.169.254/"]) == 2
     error = capsys.readouterr().err.strip()

@@ -14,6 +14,7 @@ import pytest
 from service.schemas import MetricRecord
 from workers.reporting import MetricReporter, StepMeter, WorkerAPI
 from workers.zero.reports import StepInfo
+from tests.helpers.waiting import wait_for
 
 
 class IngestServer:
@@ -67,13 +68,6 @@ def records(n: int, start: int = 0, rank: int = 0) -> list[dict]:
     return [{"attempt": 1, "rank": rank, "step": s, "loss": 1.0 / (s + 1)} for s in range(start, start + n)]
 
 
-def wait_until(condition, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.02)
-
-
 @pytest.fixture
 def server():
     srv = IngestServer().start()
@@ -99,11 +93,11 @@ def test_an_outage_loses_nothing_and_duplicates_nothing(server):
     api = api_for(server)
     reporter = MetricReporter(api.post_metrics, flush_interval_s=0.05, max_backoff_s=0.5)
     reporter.extend(records(10))
-    wait_until(lambda: len(server.stored) == 10)
+    wait_for(lambda: len(server.stored) == 10, 10, "the 10 records stored", poll_s=0.02)
     port = server.port
     server.stop()  # the control plane goes away ...
     reporter.extend(records(30, start=10))
-    wait_until(lambda: reporter.failures >= 2)
+    wait_for(lambda: reporter.failures >= 2, 10, "two failed sends", poll_s=0.02)
     assert reporter.pending == 30
     revived = IngestServer(port=port).start()  # ... and comes back on the same address
     try:
@@ -143,7 +137,7 @@ def test_close_keeps_retrying_until_its_deadline(server):
         assert reporter.close(timeout_s=10) == 0
         assert len(revived.stored) == 5
     finally:
-        wait_until(lambda: revived._server is not None)
+        wait_for(lambda: revived._server is not None, 10, "the revived server", poll_s=0.02)
         revived.stop()
 
 

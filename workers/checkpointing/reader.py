@@ -103,8 +103,8 @@ def restore_group_hyperparameters(saved: list[dict[str, Any]], groups: list[dict
     ``optimizer.load_state_dict`` would at the same layout. If the grouping rule changed (a
     group mixes members of two saved groups, or two groups split one), no saved group
     describes a group, so every group keeps the hyperparameters the job's factory gave it
-    (the per-parameter state is restored either way). A checkpoint without names (written
-    before groups had them) is matched by position when the counts agree, as before.
+    (the per-parameter state is restored either way). A checkpoint without names (an
+    older format) is matched by position when the counts agree.
     """
     owner: dict[str, int] = {}
     for j, group in enumerate(saved):

@@ -17,7 +17,7 @@ trained twice. When the policy's next look at the cluster no longer finds the ca
 withdraws the request and parked ranks train on.
 
 What this does not change: a lost node fails the group at once (RESTARTING, ``worker_failed``),
-and the next group starts at the size that fits from the latest checkpoint, as before; a
+and the next group starts at the size that fits from the latest checkpoint; a
 non-elastic job has no policy of ours and no gate. The price is time: a resize waits for the
 next checkpoint step (at most ``checkpoint.every_steps`` steps, and the commit) instead of
 happening at the policy's look.

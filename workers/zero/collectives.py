@@ -60,7 +60,7 @@ cannot hand its memory to later work of the compute stream too early (every free
 the compute stream was ordered behind the collective). Exposed time on CUDA is measured with a
 pair of timing events around that stream wait: the gap is how long the compute stream stalled
 for communication. On the CPU (Gloo) collectives are launched ``async_op=True`` and
-``wait()`` blocks the host, as before.
+``wait()`` blocks the host.
 
 [Note: hybrid sharding's two steps]
 With ``shard_group_size`` (``hybrid.py``) ``group`` is this rank's shard group and a

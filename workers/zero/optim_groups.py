@@ -14,8 +14,8 @@ groups: no weight decay for biases and norms, another learning rate for some lay
 The engine must know which form a factory expects before calling it, and guessing from a
 signature (a parameter named ``pieces``, an annotation) breaks on lambdas, ``functools.partial``
 and decorators. ``named_factory(f)`` returns a ``NamedFactory``: the form is a property of the
-object, it travels with it through any plumbing, and ``ZeroEngine``'s signature stays as it
-was. Anything else callable is the plain form, called exactly as before.
+object, it travels with it through any plumbing, and ``ZeroEngine``'s signature needs no
+flag. Anything else callable is the plain form, called with the list of views.
 
 [Note: every rank sees every parameter]
 A named factory receives a piece for *every* trainable parameter, on every rank, in
