@@ -302,8 +302,9 @@ def run(stages: list[int], steps: int, cpu: bool = False) -> dict[str, Any]:
 
 def _sdpa_flags() -> dict[str, bool]:
     b = torch.backends.cuda
-    return {"flash": b.flash_sdp_enabled(), "mem_efficient": b.mem_efficient_sdp_enabled(),
-            "cudnn": b.cudnn_sdp_enabled(), "math": b.math_sdp_enabled()}
+    names = {"flash": "flash_sdp_enabled", "mem_efficient": "mem_efficient_sdp_enabled",
+             "cudnn": "cudnn_sdp_enabled", "math": "math_sdp_enabled"}
+    return {k: getattr(b, fn)() if hasattr(b, fn) else None for k, fn in names.items()}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
