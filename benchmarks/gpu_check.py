@@ -536,7 +536,7 @@ def child_throughput(out_path: str, seconds: float) -> None:
     import torch
     import torch.distributed as dist
 
-    from workers.models import GPT, PRESETS, flops_per_token
+    from workers.models import PRESETS, flops_per_token
     from workers.peak_flops import peak_flops
     from workers.zero.planner import PeakMemoryMeter
 
@@ -548,16 +548,9 @@ def child_throughput(out_path: str, seconds: float) -> None:
     preset = next((p for p in PRESET_ORDER if _fits(replace(PRESETS[p], block_size=seq_len), "zero0", micro_batch,
                                                     seq_len, int(0.8 * total))), "gpt-nano")
     cfg = replace(PRESETS[preset], block_size=seq_len)
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        base = GPT(cfg)
-    base.to_empty(device=device)  # once, on the GPU; each system gets a copy
-    for module in base.modules():
-        quick_init(module)
+    base = base_model(cfg, device)  # once, on the GPU; each system gets a copy
     fpt = flops_per_token(base, seq_len)
-    g = torch.Generator().manual_seed(7)
-    batch = [t.to(device) for t in (torch.randint(0, cfg.vocab_size, (micro_batch, seq_len), generator=g),
-                                    torch.randint(0, cfg.vocab_size, (micro_batch, seq_len), generator=g))]
+    batch = fixed_batch(cfg, micro_batch, seq_len, device)
     peak = peak_flops(device, "bf16")
     rows = []
     out = {"preset": preset, "micro_batch": micro_batch, "seq_len": seq_len, "rows": rows,
@@ -593,6 +586,47 @@ def child_throughput(out_path: str, seconds: float) -> None:
     dist.destroy_process_group()
 
 
+def base_model(cfg, device):
+    """A GPT of ``cfg`` in fp32 on ``device``, built on meta and given ``quick_init`` values there:
+    the model (b) copies for each system.
+
+    [Note: to_empty unties]
+    ``Module.to_empty`` gives every module's parameter a new tensor of its own, so a parameter two
+    modules share (the GPT's tied embedding and head) comes out as two: a model with the head's
+    weights added, which the planner (rightly) does not predict. The ties are put back.
+    """
+    import torch
+
+    from workers.models import GPT
+
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        base = GPT(cfg)
+    owner: dict[int, tuple] = {}
+    ties = []
+    for module in base.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                first = owner.setdefault(id(p), (module, name))
+                if first != (module, name):
+                    ties.append((module, name, first))
+    base.to_empty(device=device)
+    for module, name, (first, first_name) in ties:
+        setattr(module, name, getattr(first, first_name))
+    for module in base.modules():
+        quick_init(module)
+    return base
+
+
+def fixed_batch(cfg, micro_batch: int, seq_len: int, device) -> list:
+    """(b)'s one batch of token ids and targets, the same for every system."""
+    import torch
+
+    g = torch.Generator().manual_seed(7)
+    return [t.to(device) for t in (torch.randint(0, cfg.vocab_size, (micro_batch, seq_len), generator=g),
+                                   torch.randint(0, cfg.vocab_size, (micro_batch, seq_len), generator=g))]
+
+
 def quick_init(module) -> None:
     """Values for a model measured for speed and memory only, drawn on its device (a CPU generator
     per parameter, as ``GPT.init_weights`` draws them, takes minutes for billions): weights
@@ -609,6 +643,19 @@ def quick_init(module) -> None:
                 p.zero_()
 
 
+def zero_engine(system: str, model):
+    """The engine of a zerotrain system ("zero<stage>[-offload]") as (b) runs it: bf16, AdamW, the
+    1-rank group's collectives forced (``benchmarks/cuda_peak.py`` builds its engines here too)."""
+    import torch
+
+    from workers.zero import ZeroConfig, ZeroEngine
+
+    offload = system.endswith("-offload")  # the host step fused, as a job's is (workers/train.py)
+    return ZeroEngine(model, lambda ps: torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.1, fused=offload or None),
+                      ZeroConfig(stage=int(system[4]), precision="bf16", offload_optimizer=offload,
+                                 force_distributed=True))
+
+
 def _build_system(system: str, model, batch, device):
     """A ``step()`` callable for one system (bf16) and the list its exposed-communication times go to."""
     import torch
@@ -616,12 +663,7 @@ def _build_system(system: str, model, batch, device):
     x, y = batch
     exposed: list[float] = []
     if system.startswith("zero"):
-        from workers.zero import ZeroConfig, ZeroEngine
-
-        offload = system.endswith("-offload")  # the host step fused, as a job's is (workers/train.py)
-        engine = ZeroEngine(model, lambda ps: torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.1, fused=offload or None),
-                            ZeroConfig(stage=int(system[4]), precision="bf16", offload_optimizer=offload,
-                                       force_distributed=True))
+        engine = zero_engine(system, model)
 
         def step():
             engine.backward(engine(x, y), sync=True)

@@ -117,3 +117,17 @@ def test_every_throughput_system_steps_through_the_engines_public_api():
             assert len(exposed) == 2 and all(isinstance(t, float) and t >= 0 for t in exposed), (system, exposed)
         else:
             assert exposed == [], system
+
+
+def test_the_base_model_b_copies_keeps_the_tied_head():
+    """(b)/(c) measure the preset the planner predicts: ``to_empty`` alone would give the head a weight
+    of its own (103M more parameters at gpt-1b, their master and Adam moments on top)."""
+    from dataclasses import replace
+
+    from workers.models import GPT, PRESETS, num_parameters
+
+    cfg = replace(PRESETS["gpt-nano"], block_size=16)
+    base = gpu_check.base_model(cfg, torch.device("cpu"))
+    assert base.lm_head.weight is base.wte.weight
+    assert num_parameters(base) == num_parameters(GPT(cfg))
+    assert all(p.device.type == "cpu" and torch.isfinite(p).all() for p in base.parameters())

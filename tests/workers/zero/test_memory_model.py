@@ -16,7 +16,13 @@ from workers.models import GPT, PRESETS
 from workers.planning import inputs_for_spec, plan_for_spec
 from workers.zero import ZeroConfig, ZeroEngine
 from workers.zero.flat import ALIGN_ELEMENTS, FlatLayout
-from workers.zero.planner.activations import ActivationTracker, Stage2Layout, profile_activations
+from workers.zero.planner.activations import (
+    ActivationTracker,
+    Stage2Layout,
+    measure_activation_bytes,
+    profile_activations,
+    token_batch,
+)
 from workers.zero.planner.buffers import backward_buffer_bytes, gathered_unit_bytes, step_buffer_bytes
 from workers.zero.planner.check import PeakMemoryMeter, compare
 from workers.zero.planner.plan import NoPlanFits, PlanInputs, choose_plan, predict, predict_all
@@ -395,6 +401,22 @@ def test_stage_2_replay_lies_between_the_activations_and_the_bound(precision):
     stage0 = profile_activations(spec, 4, 128, precision, stage2=replace(layout, in_flight=None, holds_shards=False))
     assert joint <= stage0 <= plain + backward_buffer_bytes(0, precision, buckets, n, "cpu")
     assert joint == pytest.approx(on_cpu, rel=0.02)
+
+
+def test_stage_3_replay_prefetches_the_last_block_as_backward_starts():
+    """The engine's root pre-backward -- when the loss's gradient arrives, before the logits'
+    gradients peak -- gathers the root and prefetches the first ``prefetch`` blocks of the backward
+    order (``stage3.py``): with GPT-2's vocabulary that moment is the peak, and the last block is in
+    it."""
+    cfg = replace(PRESETS["gpt-1b"], block_size=128, n_layer=2, n_embd=256, n_head=2)
+    with torch.device("meta"):
+        model = GPT(cfg).to(torch.bfloat16)
+    batch = token_batch(4, 128, cfg.vocab_size, "meta")
+    units = Stage2Layout(1, bucket_elements(25.0, "bf16"), per_unit=True)
+    without = measure_activation_bytes(model, batch, stage2=replace(units, prefetch=0))
+    prefetching = measure_activation_bytes(model, batch, stage2=replace(units, prefetch=1))
+    _, blocks = model_shape(model).unit_buckets(1)
+    assert prefetching - without == 2 * blocks[-1]
 
 
 def test_peak_meter_laps_record_each_part_and_the_job_peak():

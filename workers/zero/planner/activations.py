@@ -142,7 +142,8 @@ class _Stage3Gathers:
     post-forward; the root from the model's pre-forward to its post-forward. Backward: the root is
     gathered when the gradient reaches the model's output and stays to the end; a unit is gathered
     when the gradient reaches its outputs, with the next ``prefetch`` of the backward order, and
-    freed once every one of its parameters has its gradient (its reduce-scatter launches then).
+    freed once every one of its parameters has its gradient (its reduce-scatter launches then); the
+    root's gather in backward prefetches the first ``prefetch`` blocks of the backward order too.
     Frozen parameters are replicated, never gathered. A unit the engine keeps gathered after its
     forward (``reshard_after_forward``, ``keep_gathered_bytes``: ``units.kept_after_forward``,
     forward order = registration order, the root last) stays until its backward is done.
@@ -205,7 +206,16 @@ class _Stage3Gathers:
             self._free(self.root)
         for t in tree_leaves(output):
             if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None:
-                t.register_hook(lambda grad: self._gather(self.root))
+                t.register_hook(lambda grad: self._root_pre_backward())
+
+    def _root_pre_backward(self) -> None:
+        """The root's pre-backward, as the engine's: it gathers the root and prefetches the first
+        ``prefetch`` units of the backward order (the last blocks), all before the loss's own
+        backward -- at the moment the logits' gradients peak."""
+        self._gather(self.root)
+        for unit in self.blocks[::-1][: self.layout.prefetch]:
+            if self.waiting.get(unit, 0) > 0:
+                self._gather(unit)
 
     def _pre_backward(self, unit: int) -> None:
         if self.waiting.get(unit, 0) > 0:
