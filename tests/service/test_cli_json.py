@@ -5,6 +5,7 @@ argparse tree, so a new command with ``-o`` that no list below names fails the t
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -50,7 +51,7 @@ def test_every_read_command_pipes_into_json_load(make_live_service):
     assert shell("zerotrain team create readers -o json", env).returncode == 0
     made = shell("zerotrain webhook create http://127.0.0.1:9/hook -o json", env)
     assert made.returncode == 0, made.stderr
-    hook = __import__("json").loads(made.stdout)["id"]
+    hook = json.loads(made.stdout)["id"]
 
     reads = {("jobs",): "jobs", ("show",): f"show {job.id}", ("events",): f"events {job.id}",
              ("checkpoints",): f"checkpoints {job.id}", ("tensorboard",): f"tensorboard {job.id}",
