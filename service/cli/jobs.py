@@ -210,6 +210,9 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 def cmd_logs(args: argparse.Namespace) -> int:
     """The log, or with ``--follow`` the log as it grows until the job ends (then its state on
     stderr). Ctrl-C ends following quietly (``run_command``: exit status 130, no traceback)."""
+    if wants_json(args):  # a script piping it into a JSON parser gets a clear no, not text
+        raise CliError("logs prints the job's log as text, as the API answers it; "
+                       "-o json is for commands that print tables or records")
     if args.tail is not None and args.tail < 1:
         raise CliError(f"--tail must be at least 1 byte, got {args.tail}")
     client = client_for(args)

@@ -11,6 +11,7 @@ import pytest
 from playwright.sync_api import expect
 
 from tests.dashboard.conftest import SCREENSHOTS, spec, training_records, with_token
+from tests.dashboard.plots import compact_text, hover_step, legend_value
 
 pytestmark = pytest.mark.browser
 
@@ -103,22 +104,24 @@ def test_two_runs_compared_with_hover_values_and_another_users_job_refused(dashb
 def test_hovering_a_job_chart_shows_the_value_at_that_step(dashboard, page):
     job = dashboard.submit(spec("hover"))
     job.metrics(records(range(1, 51), base=3.0))
+    with dashboard.api() as http:
+        answer = http.get(f"/jobs/{job.job_id}/metrics/chart").raise_for_status().json()
+    at = answer["series"]["step"].index(25)
+    loss, speed = answer["series"]["loss"][at], answer["series"]["tokens_per_s"][at]
+    assert loss == pytest.approx(3.25)  # the ranks' mean of what they reported
     with_token(page, dashboard.service.admin_token)
     page.goto(f"{dashboard.url}/jobs/{job.job_id}")
     chart = page.locator("#chart-loss")
     expect(chart).to_have_attribute("data-last-step", "50")
-    svg = chart.locator("svg")
-    box = svg.bounding_box()
-    # charts.js draws steps 1..50 between x = 58 and x = 640 - 58 of a 640-wide viewBox
-    x = 58 + (25 - 1) / (50 - 1) * (640 - 116)
-    page.mouse.move(box["x"] + x / 640 * box["width"], box["y"] + box["height"] / 2)
-    expect(chart).to_have_attribute("data-hover-step", "25")
-    expect(chart.locator(".chart-readout")).to_contain_text(f"Step 25: loss {loss_text(3.25)}")
-    expect(svg.locator("line.guide")).to_have_count(1)
+    expect(legend_value(chart, "loss")).to_have_text("–")  # nothing pointed at yet
+    hover_step(page, chart, 25)
+    expect(legend_value(chart, "step")).to_have_text("25")
+    expect(legend_value(chart, "loss")).to_have_text(loss_text(loss))
     tput = page.locator("#chart-throughput")
-    tbox = tput.locator("svg").bounding_box()
-    page.mouse.move(tbox["x"] + tbox["width"] / 2, tbox["y"] + tbox["height"] / 2)
-    expect(tput.locator(".chart-readout")).to_contain_text("tokens/s")
+    hover_step(page, tput, 25)
+    expect(legend_value(tput, "step")).to_have_text("25")
+    expect(legend_value(tput, "tokens/s (all ranks)")).to_have_text(compact_text(speed))
+    expect(legend_value(chart, "loss")).to_have_text("–")  # the pointer left the loss chart
 
 
 def test_the_per_rank_log_view_shows_only_that_ranks_lines(dashboard, page):

@@ -6,14 +6,9 @@ import pytest
 from playwright.sync_api import expect
 
 from tests.dashboard.conftest import spec, training_records, with_token
+from tests.dashboard.plots import compact_text, hover_step, legend_value, plot_state
 
 pytestmark = pytest.mark.browser
-
-
-def path_values(d: str) -> list[float]:
-    """The y coordinates of an SVG path "M x y L x y …" (smaller is higher on the chart)."""
-    numbers = [float(part) for part in d.replace("M", " ").replace("L", " ").split()]
-    return numbers[1::2]
 
 
 def test_the_throughput_chart_has_a_moving_median_over_the_raw_points(dashboard, page):
@@ -29,13 +24,19 @@ def test_the_throughput_chart_has_a_moving_median_over_the_raw_points(dashboard,
     job.metrics(records[80:])
     chart = page.locator("#chart-throughput")
     expect(chart).to_have_attribute("data-last-step", "60")
-    expect(chart.locator(".legend")).to_contain_text("tokens/s (all ranks), median of 9 points")
     expect(chart).to_contain_text("median over 9 neighbouring points")
 
-    raw = path_values(chart.locator("path[data-series='tokens_per_s']").get_attribute("d"))
-    smooth = path_values(chart.locator("path[data-series='smoothed:tokens_per_s']").get_attribute("d"))
-    assert len(raw) == len(smooth) == 60
+    state = plot_state(chart)
+    assert state["labels"] == ["step", "tokens/s (all ranks)", "tokens/s (all ranks), median of 9 points"]
+    steps, raw, smooth = state["data"]
+    assert steps == list(range(1, 61))
     # the stalled steps dip the raw line far down; the median line stays with the other steps
     assert max(raw) - min(raw) > 10 * (max(smooth) - min(smooth)), (raw, smooth)
     steady = sorted(raw)[len(raw) // 2]
-    assert all(abs(y - steady) < 0.1 * abs(max(raw) - min(raw)) for y in smooth)
+    assert all(abs(v - steady) < 0.1 * (max(raw) - min(raw)) for v in smooth)
+    # pointing at a stalled step: its own speed, and the median that ignores it
+    hover_step(page, chart, 45)
+    expect(legend_value(chart, "step")).to_have_text("45")
+    assert raw[44] < steady / 5
+    expect(legend_value(chart, "tokens/s (all ranks)")).to_have_text(compact_text(raw[44]))
+    expect(legend_value(chart, "tokens/s (all ranks), median of 9 points")).to_have_text(compact_text(smooth[44]))

@@ -8,6 +8,7 @@ import pytest
 from playwright.sync_api import expect
 
 from tests.dashboard.conftest import spec, training_records, with_token
+from tests.dashboard.plots import canvas_pixels, legend_value, plot_state, series_color
 
 pytestmark = pytest.mark.browser
 
@@ -30,18 +31,27 @@ def test_eval_loss_and_the_users_metrics_are_drawn_and_names_stay_text(dashboard
     expect(page.locator(".job-page")).to_have_attribute("data-rendered", "true")
 
     loss = page.locator("#chart-loss")
-    expect(loss.locator("path[data-series='eval_loss']")).to_have_count(1)
-    # one marker per evaluated step, joined into one line (no gap restarts it: a single "M")
-    expect(loss.locator("g.markers[data-series='eval_loss'] circle")).to_have_count(4)
-    assert loss.locator("path[data-series='eval_loss']").get_attribute("d").count("M") == 1
-    expect(loss.locator(".legend")).to_contain_text("eval loss")
+    expect(loss.locator(".uplot canvas")).to_have_count(1)
+    state = plot_state(loss)
+    assert state["labels"] == ["step", "loss", "eval loss"]
+    evaluated = [(step, v) for step, v in zip(state["data"][0], state["data"][2]) if v is not None]
+    assert [step for step, _ in evaluated] == [10, 20, 30, 40]  # a point per evaluated step
+    # joined across the steps between: the eval line's colour half-way from step 10 to 20
+    # (sampled at every step between, as the line is dashed)
+    (_, at10), (_, at20) = evaluated[:2]
+    colour = series_color(loss, 2)
+    hits = sum(
+        any(pixel[3] > 128 and all(abs(a - b) < 40 for a, b in zip(pixel, colour)) for pixel in area)
+        for step in range(11, 20)
+        for area in canvas_pixels(loss, step, [at10 + (at20 - at10) * (step - 10) / 10], series=2))
+    assert hits >= 3, hits
 
     mine = page.locator("#chart-user")
     expect(mine.locator("h3")).to_have_text("Your metrics")
-    expect(mine.locator(".legend li")).to_have_count(3)
+    expect(mine.locator(".u-legend tr.u-series")).to_have_count(4)  # the step and a line per name
     for name in ("accuracy", MARKUP, "__proto__"):
-        expect(mine.locator(".legend")).to_contain_text(name)
-    expect(mine.locator("path.line")).to_have_count(3)
+        expect(legend_value(mine, name)).to_have_count(1)
+    assert sorted(plot_state(mine)["labels"]) == sorted(["step", "accuracy", MARKUP, "__proto__"])
     expect(mine).to_have_attribute("data-last-step", "40")
 
     # live: a name that arrives later gets its line; a later step moves the chart
@@ -49,8 +59,8 @@ def test_eval_loss_and_the_users_metrics_are_drawn_and_names_stay_text(dashboard
     for record in later:
         record["user"] = {"accuracy": 0.6, "eval/accuracy": 0.55}
     job.metrics(later)
-    expect(mine.locator(".legend li")).to_have_count(4, timeout=15_000)
-    expect(mine.locator(".legend")).to_contain_text("eval/accuracy")
+    expect(mine.locator(".u-legend tr.u-series")).to_have_count(5, timeout=15_000)
+    expect(legend_value(mine, "eval/accuracy")).to_have_count(1)
     expect(mine).to_have_attribute("data-last-step", "80")
 
     # nothing a name holds became markup, and no handler ran

@@ -69,6 +69,9 @@ def test_list_shows_only_committed_checkpoints(saved, capsys):
     assert cli(["ckpt", "list", uri.rsplit("/checkpoints", 1)[0]]) == 0
     steps = [line.split("│")[1].strip() for line in capsys.readouterr().out.splitlines() if line.startswith("│")]
     assert [s for s in steps if s] == ["3"]  # step 9 has no manifest
+    assert cli(["ckpt", "list", uri, "-o", "json"]) == 0  # one JSON document, for scripts
+    listed = json.loads(capsys.readouterr().out)["items"]
+    assert [(c["step"], c["uri"], c["world_size"]) for c in listed] == [(3, f"{uri}/step_00000003", 1)]
 
 
 def test_user_errors_are_one_line(saved, capsys, tmp_path):

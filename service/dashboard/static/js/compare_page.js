@@ -9,8 +9,7 @@
 
 import { request, ApiError } from "./api.js";
 import { h, replaceChildren } from "./dom.js";
-import { number } from "./format.js";
-import { OverlayChart } from "./overlay_chart.js";
+import { StepChart } from "./step_chart.js";
 
 export const MAX_COMPARED = 8;
 
@@ -39,6 +38,30 @@ export function differingFields(specs) {
   return paths
     .filter((p) => new Set(flat.map((f) => JSON.stringify(f[p] === undefined ? null : f[p]))).size > 1)
     .map((p) => ({ path: p, values: flat.map((f) => f[p]) }));
+}
+
+/**
+ * One point per step of any run, `{step, "<job>/<field>": value}`: the union of the runs' steps,
+ * a run's key absent on a step it lacks.
+ *
+ * [Note: runs log different steps (another length, another eval interval). A run's value is
+ * missing on another run's steps, and its line is joined across them (`join`), so one run's
+ * steps never break another's line.]
+ */
+export function overlayPoints(runs, fields) {
+  const byStep = new Map();
+  for (const run of runs) {
+    const steps = run.series.step || [];
+    for (const field of fields) {
+      const values = run.series[field] || [];
+      steps.forEach((step, i) => {
+        if (!Number.isFinite(values[i])) return;
+        if (!byStep.has(step)) byStep.set(step, { step });
+        byStep.get(step)[`${run.job}/${field}`] = values[i];
+      });
+    }
+  }
+  return [...byStep.values()].sort((a, b) => a.step - b.step);
 }
 
 function cellText(value) {
@@ -95,16 +118,14 @@ export function comparePage({ signal }) {
     const names = shown.map((r) => `${r.job.name} (${r.id})`);
     const series = [];
     shown.forEach((r, i) => {
-      series.push({ label: `${names[i]} loss`, job: r.id, field: "loss", color: i });
-      series.push({ label: `${names[i]} eval loss`, job: r.id, field: "eval_loss", color: i, sparse: true });
+      series.push({ label: `${names[i]} loss`, key: `${r.id}/loss`, color: i, dash: undefined, join: true });
+      series.push({ label: `${names[i]} eval loss`, key: `${r.id}/eval_loss`, color: i, dash: [6, 4], width: 1.5, sparse: true });
     });
-    const present = series.filter((s) => {
-      const col = shown.find((r) => r.id === s.job).chart.series[s.field];
-      return s.field === "loss" || (col && col.some(Number.isFinite));
-    });
-    const chart = new OverlayChart({ id: "chart-compare-loss", title: "Loss per step", series: present, format: number });
-    chart.setRuns(shown.map((r) => ({ job: r.id, series: r.chart.series })));
+    const chart = new StepChart({ id: "chart-compare-loss", title: "Loss per step", series, height: 280,
+      description: "Point at the chart to read each run's value at that step in the legend." });
+    chart.setData(overlayPoints(shown.map((r) => ({ job: r.id, series: r.chart.series })), ["loss", "eval_loss"]));
     replaceChildren(chartSlot, chart.element);
+    signal.addEventListener("abort", () => chart.destroy());
 
     const diffs = differingFields(shown.map((r) => r.job.spec));
     replaceChildren(

@@ -32,19 +32,6 @@ export function replaceChildren(el, ...children) {
   return append(el, children);
 }
 
-const SVG_NS = "http://www.w3.org/2000/svg";
-
-export function svg(tag, attrs = {}, ...children) {
-  const el = document.createElementNS(SVG_NS, tag);
-  for (const [key, value] of Object.entries(attrs || {})) {
-    if (value === null || value === undefined) continue;
-    if (key === "text") el.textContent = value;
-    else el.setAttribute(key, String(value));
-  }
-  for (const child of children.flat(Infinity)) if (child) el.append(child);
-  return el;
-}
-
 /** Tell screen-reader users about something that changed without moving their focus. */
 export function announce(message) {
   const region = document.getElementById("announcer");

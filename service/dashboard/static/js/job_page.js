@@ -10,10 +10,10 @@
 import { request, followEvents } from "./api.js";
 import { LogFollower } from "./log_follower.js";
 import { h, replaceChildren, replaceKeepingFocus, announce } from "./dom.js";
-import { LineChart } from "./charts.js";
+import { StepChart } from "./step_chart.js";
 import { MemoryBars } from "./memory.js";
 import { stepTimeText } from "./step_time.js";
-import { SeriesStore, userKey } from "./series_store.js";
+import { SeriesStore, envelopeKeys, userKey } from "./series_store.js";
 import { SMOOTH_WINDOW, addMovingMedian, smoothedSeries } from "./smoothing.js";
 import { TERMINAL_STATES, bytes, compact, duration, number, timestamp } from "./format.js";
 import { stateBadge } from "./state_badge.js";
@@ -30,16 +30,20 @@ function elementBytes(precision) {
 
 const FORMATS = { number, compact, percent, seconds };
 
-/** A chart of the chart answer; the series named `smooth` (the job's speed) gets its smoothed line over it. */
+/**
+ * A chart of the chart answer, each series with its envelope (the lowest and highest step of
+ * each point); the series named `smooth` (the job's speed) is drawn faint, its smoothed line bold over it.
+ */
 function lineChart(spec, smooth) {
-  const series = spec.series.map((s) => ({ key: s.key, label: s.label, axis: s.axis, format: FORMATS[s.format] || number, sparse: s.sparse }));
+  const series = spec.series.map((s, i) => ({ key: s.key, label: s.label, axis: s.axis, format: FORMATS[s.format] || number,
+    sparse: s.sparse, color: i, envelope: envelopeKeys(s.key) }));
   const raw = series.findIndex((s) => s.key === smooth);
   if (raw >= 0) {
-    series[raw].className = "series-raw";
+    Object.assign(series[raw], { faint: true, dash: undefined });
     series.splice(raw + 1, 0, smoothedSeries(series[raw]));
   }
   const why = raw >= 0 ? `The faint line is each step's ${series[raw].label}; the bold one their median over ${SMOOTH_WINDOW} neighbouring points, which one stalled step does not move.` : "";
-  return new LineChart({
+  return new StepChart({
     id: `chart-${spec.id}`,
     title: spec.title,
     zeroBased: spec.zero_based,
@@ -48,16 +52,14 @@ function lineChart(spec, smooth) {
   });
 }
 
-const USER_STYLES = 4; // line styles in dashboard.css (.series-0 … .series-3)
-
-/** "Your metrics": one line per name the job's code reported (user text: labels are text nodes). */
+/** "Your metrics": one line per name the job's code reported (user text: uPlot sets labels as text). */
 function userChart(names) {
-  return new LineChart({
+  return new StepChart({
     id: "chart-user",
     title: "Your metrics",
     description: "Scalars your code reported with report() (workers.user_metrics), mean over ranks.",
     // sparse: a name may be reported on some steps only (e.g. eval/… names, on evaluated steps)
-    series: names.map((name, i) => ({ key: userKey(name), label: name, className: `series-${i % USER_STYLES}`, sparse: true })),
+    series: names.map((name) => ({ key: userKey(name), label: name, sparse: true })),
   });
 }
 
@@ -66,7 +68,7 @@ function userChart(names) {
  * plus the page's own communication chart: comm_bytes per element against the prediction.
  */
 function buildCharts(job, chartList, throughputField) {
-  const comm = new LineChart({
+  const comm = new StepChart({
     id: "chart-comm",
     zeroBased: true,
     title: "Communication per step (elements per rank)",
@@ -299,6 +301,7 @@ export function jobPage({ jobId, signal }) {
     if (speed) addMovingMedian(points, speed.key);
     const names = store.userNames;
     if (names.length !== (charts.user ? charts.user.series.length : 0)) {
+      if (charts.user) charts.user.destroy();
       charts.user = userChart(names);
       replaceChildren(chartsSlot, ...charts.training.map((c) => c.element), charts.user.element);
     }
@@ -447,7 +450,10 @@ export function jobPage({ jobId, signal }) {
     if (!TERMINAL_STATES.has(job.state)) pollTimer = setInterval(poll, POLL_MS);
   }
 
-  signal.addEventListener("abort", () => pollTimer && clearInterval(pollTimer));
+  signal.addEventListener("abort", () => {
+    if (pollTimer) clearInterval(pollTimer);
+    if (charts) for (const chart of [...charts.training, ...charts.communication, charts.user]) if (chart) chart.destroy();
+  });
   firstRender().catch((error) => {
     if (error.name === "AbortError") return;
     replaceChildren(element, h("h1", { text: "Job not available" }), h("p", { role: "alert", text: error.message }), h("p", {}, h("a", { href: "/", "data-nav": true, text: "← All jobs" })));

@@ -13,16 +13,28 @@
  * `user_metrics`) are fields too, combined by their mean over ranks, under the key
  * `user:<name>` (userKey): a user's name is never a key of its own, so neither "loss" nor
  * "__proto__" can reach another field or an object's prototype.
+ *
+ * Each point also holds its field's envelope, the lowest and highest of the steps it stands
+ * for (envelopeKeys): from the answer's `series_min`/`series_max` for the history, the value
+ * itself for a live step, the extremes of both when two points merge.
  */
 
 const USER_PREFIX = "user:";
 export const userKey = (name) => USER_PREFIX + name;
+/** The keys of a field's lowest and highest step value in a point. */
+export const envelopeKeys = (field) => ({ min: `min:${field}`, max: `max:${field}` });
 
 const OPEN_STEPS = 32; // steps whose ranks may still be arriving
 
 function mean(values) {
   const xs = values.filter(Number.isFinite);
   return xs.length ? xs.reduce((a, b) => a + b, 0) / xs.length : null;
+}
+
+/** The lowest or highest (`pick`) of the finite values; null when neither is. */
+function extreme(pick, ...values) {
+  const xs = values.filter(Number.isFinite);
+  return xs.length ? pick(...xs) : null;
 }
 
 export class SeriesStore {
@@ -46,9 +58,16 @@ export class SeriesStore {
     const user = chart.user_metrics || { names: [], values: [] };
     this.userNames = [];
     for (const name of user.names) this.addUserName(name);
+    const lowest = chart.series_min || {};
+    const highest = chart.series_max || {};
     this.final = s.step.map((step, i) => {
       const point = { step };
-      for (const f of Object.keys(chart.aggregation || {})) point[f] = s[f] ? s[f][i] : null;
+      for (const f of Object.keys(chart.aggregation || {})) {
+        const { min, max } = envelopeKeys(f);
+        point[f] = s[f] ? s[f][i] : null;
+        point[min] = lowest[f] ? lowest[f][i] : point[f];
+        point[max] = highest[f] ? highest[f][i] : point[f];
+      }
       user.names.forEach((name, k) => (point[userKey(name)] = user.values[k] ? user.values[k][i] : null));
       return point;
     });
@@ -105,13 +124,20 @@ export class SeriesStore {
       point[f] = across === "total"
         ? mean(records.map((r) => (Number.isFinite(r[f]) ? r[f] * (r.world_size || this.world) : null)))
         : mean(records.map((r) => r[f]));
+      const { min, max } = envelopeKeys(f);
+      point[min] = point[max] = point[f]; // one step
     }
     return point;
   }
 
   mergePair(a, b) {
     const point = { step: b.step };
-    for (const f of this.fields()) point[f] = mean([a[f], b[f]]);
+    for (const f of this.fields()) {
+      const { min, max } = envelopeKeys(f);
+      point[f] = mean([a[f], b[f]]);
+      point[min] = extreme(Math.min, a[min], b[min]);
+      point[max] = extreme(Math.max, a[max], b[max]);
+    }
     return point;
   }
 

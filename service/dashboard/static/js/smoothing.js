@@ -41,6 +41,8 @@ export function smoothedSeries(series, window = SMOOTH_WINDOW) {
     ...series,
     key: smoothedKey(series.key),
     label: `${series.label}, median of ${window} points`,
-    className: "series-smooth",
+    faint: false,
+    width: 3,
+    envelope: undefined,
   };
 }
