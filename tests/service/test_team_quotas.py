@@ -5,9 +5,12 @@ team under its guaranteed share preempts another team's jobs of equal priority."
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from sqlalchemy import select
 
+from service.cli import main
 from service.client import ValidationFailed, ZerotrainError
 from service.models import Job
 from service.schemas import JobState
@@ -137,3 +140,28 @@ def test_a_team_under_its_share_preempts_another_teams_jobs_of_equal_priority(te
     # a second blue job would take blue over its share: it waits in line and asks nobody
     teams.admin.submit(spec_for("blue", workers=2))
     assert teams.claim() == [] and len(teams.asked()) == 2
+
+
+def test_the_cli_shows_a_quota_and_changes_only_the_bounds_named(make_live_service, capsys, monkeypatch):
+    service = make_live_service(scheduler_enabled=False)
+    monkeypatch.setenv("ZEROTRAIN_URL", service.url)
+    monkeypatch.setenv("ZEROTRAIN_TOKEN", service.admin_token)
+    service.client().create_team("red")
+
+    def run(*argv: str) -> tuple[int, str, str]:
+        code = main(["team", "quota", "red", *argv])
+        captured = capsys.readouterr()
+        return code, captured.out, captured.err
+
+    code, out, _ = run("--gpus", "4", "--share", "0.5")
+    rows = [[cell.strip() for cell in line.strip("│").split("│")] for line in out.splitlines() if line.startswith("│")]
+    assert code == 0 and "team red" in out
+    assert ["gpus", "4", "0"] in rows and ["share", "0.5", ""] in rows and ["cpus", "none", "0"] in rows
+    code, out, _ = run("--running-jobs", "2", "-o", "json")
+    quota = json.loads(out)
+    assert (quota["gpus"], quota["share"], quota["running_jobs"], quota["cpus"]) == (4, 0.5, 2, None)
+    code, out, _ = run("--gpus", "none", "-o", "json")
+    assert json.loads(out)["gpus"] is None and json.loads(out)["running_jobs"] == 2
+    code, _, err = run("--share", "2")
+    assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1 and "share" in err
+    assert service.client().team_quota("red").share == 0.5  # a refused change changes nothing
