@@ -30,8 +30,8 @@ numbers alone (no database, no launcher: unit-testable), and the scheduler acts 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from contract.job_states import JobState
@@ -237,7 +237,8 @@ def candidate(job_id: str, owner: str, spec: JobSpec) -> Candidate:
 def stored_candidate(job_id: str, owner: str, spec: dict) -> Candidate:
     """A job row's gang as admission sees it. A stored spec that no longer validates demands
     nothing here: it is admitted, and its launch fails it with the validation error."""
-    from service.models import typed_spec  # the row's spec, read back as every reader does
+    # the row's spec read back as every reader does; imported here: the policy above needs no ORM
+    from service.models import typed_spec
 
     try:
         return candidate(job_id, owner, typed_spec(spec))

@@ -350,7 +350,7 @@ class Client:
         """The team's quota (``contract.quotas``) and what its jobs hold now."""
         return TeamQuotaOut.model_validate(self._api("GET", f"/teams/{team}/quota"))
 
-    def set_team_quota(self, team: str, quota: TeamQuota | None = None, **bounds: float | int | None) -> TeamQuotaOut:
+    def set_team_quota(self, team: str, quota: TeamQuota | None = None, **bounds: float | None) -> TeamQuotaOut:
         """Replace the team's quota (admins): ``quota``, or its fields as keywords (``gpus``, ``cpus``,
         ``running_jobs``, ``max_priority``, ``share``); a bound left out is off."""
         body = (quota or TeamQuota()).model_dump() | bounds

@@ -24,8 +24,8 @@ the ranks agree on a step, stop after committing a checkpoint there and report
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 from itertools import combinations
 from typing import Protocol
 

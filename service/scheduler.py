@@ -34,8 +34,8 @@ import socket
 import threading
 import time
 import uuid
-from datetime import timedelta
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 from sqlalchemy import select, text
