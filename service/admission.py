@@ -14,7 +14,8 @@ numbers alone (no database, no launcher: unit-testable), and the scheduler acts 
   workers (``Candidate.demand``): Ray Train's elastic policy grows the group up to
   ``num_workers`` whenever the cluster holds them, so that much is the job's to take.
 - **Queue order, head of line**: queued jobs are considered by priority (higher first), then
-  oldest first (the scheduler's query orders them), and the first one that does not fit the
+  oldest first (the scheduler's query orders them; within a priority, jobs within their team's
+  guaranteed share go first: ``service.quotas``), and the first one that does not fit the
   cluster stops every one behind it — no backfill. Backfilling
   smaller jobs past a large one would start more work sooner but can starve the large job
   forever on a busy cluster; without runtime estimates there is no safe backfill window.
