@@ -14,6 +14,12 @@ It prints a table and writes JSON; nothing is asserted (docs: speed and memory a
 Everything it creates (server, head, database, data directory) is removed at the end.
 
     python -m benchmarks.admission --json bench-results/admission.json
+
+``--teams`` runs the shared-cluster scenario instead (``benchmarks.admission_teams``): jobs of
+mixed priority from three teams with quotas and guaranteed shares, on the real scheduler and
+admitter with a stand-in driver that holds its resources for a set time.
+
+    python -m benchmarks.admission --teams --json bench-results/admission-teams.json
 """
 
 from __future__ import annotations
@@ -75,6 +81,10 @@ def descendants(pid: int) -> list[int]:
 
 
 def main() -> int:
+    if "--teams" in sys.argv[1:]:
+        from benchmarks.admission_teams import main as teams_main
+
+        return teams_main([arg for arg in sys.argv[1:] if arg != "--teams"])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=20)
     parser.add_argument("--workers", type=int, default=2, help="workers per job (1 CPU each)")

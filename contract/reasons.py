@@ -24,6 +24,7 @@ class Reason:
     RESOURCES_ACQUIRED = "resources_acquired"
     USER_LIMIT = "user_limit"  # queued: its owner's running-jobs or running-workers limit is reached
     SERVICE_LIMIT = "service_limit"  # queued: the service runs as many jobs as it allows
+    TEAM_QUOTA = "team_quota"  # queued: its team's running jobs hold what the team's quota allows
     CANCELLED_BY_USER = "cancelled_by_user"
     MAX_RUNTIME_EXCEEDED = "max_runtime_exceeded"
     CHECKPOINT_FAILED = "checkpoint_failed"

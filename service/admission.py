@@ -14,13 +14,15 @@ unit-testable), and the scheduler acts on it.
   workers (``Candidate.demand``): Ray Train's elastic policy grows the group up to
   ``num_workers`` whenever the cluster holds them, so that much is the job's to take.
 - **Queue order, head of line**: queued jobs are considered by priority (higher first), then
-  oldest first (the scheduler's query orders them), and the first one that does not fit the
+  oldest first (the scheduler's query orders them; within a priority, jobs within their team's
+  guaranteed share go first: ``service.quotas``), and the first one that does not fit the
   cluster stops every one behind it — no backfill. Backfilling
   smaller jobs past a large one would start more work sooner but can starve the large job
   forever on a busy cluster; without runtime estimates there is no safe backfill window.
-- **Per-user limits do not block others**: a job held back only by its owner's own limit
-  (running jobs, running workers) is skipped, and later jobs of other users are still
-  considered in order — one user's backlog never stalls another user.
+- **Per-user limits and team quotas do not block others**: a job held back only by its owner's
+  own limit (running jobs, running workers) or by its team's quota (GPUs, CPUs, running jobs:
+  ``contract.quotas``) is skipped, and later jobs of other users and teams are still
+  considered in order — one user's or team's backlog never stalls another.
 - **Bounded drivers**: at most ``max_running_jobs`` jobs run at once (each costs a driver
   process), whatever the cluster's size.
 - A capacity of ``None`` means the launcher cannot tell (e.g. KubeRay: each job brings its
@@ -29,13 +31,19 @@ unit-testable), and the scheduler acts on it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from contract.job_states import JobState
+from contract.quotas import TeamQuota
 from contract.reasons import Reason
 
 if TYPE_CHECKING:
     from contract.spec import JobSpec
+
+# a job in these states holds its workers (and a driver): what admission and quotas count as used
+HOLDING_STATES = (JobState.STARTING, JobState.RUNNING, JobState.RESTARTING, JobState.CANCELLING)
 
 
 @dataclass(frozen=True)
@@ -52,6 +60,9 @@ class Demand:
 
     def __add__(self, other: "Demand") -> "Demand":
         return Demand(self.workers + other.workers, self.cpus + other.cpus, self.gpus + other.gpus)
+
+    def __sub__(self, other: "Demand") -> "Demand":
+        return Demand(self.workers - other.workers, self.cpus - other.cpus, self.gpus - other.gpus)
 
 
 NOTHING = Demand(0, 0.0, 0.0)
@@ -93,6 +104,7 @@ class Candidate:
     owner: str
     demand: Demand  # what it holds while it runs: all its workers
     least: Demand | None = None  # what it needs to start (an elastic job's min_workers); None: ``demand``
+    team: str | None = None  # the spec's team: its quota bounds the job
 
     @property
     def to_start(self) -> Demand:
@@ -111,15 +123,20 @@ class Decision:
     waiting: dict[str, Waiting] = field(default_factory=dict)
 
 
-def decide(queued: list[Candidate], running: list[Candidate], capacity: Capacity, limits: Limits) -> Decision:
-    """Which of ``queued`` (in queue order: priority, then oldest first) start now, given what ``running`` holds."""
+def decide(queued: list[Candidate], running: list[Candidate], capacity: Capacity, limits: Limits,
+           quotas: Mapping[str, TeamQuota] | None = None) -> Decision:
+    """Which of ``queued`` (in queue order: priority, then oldest first) start now, given what
+    ``running`` holds and the teams' ``quotas`` (by team name; a team not in it is unbounded)."""
     decision = Decision()
+    quotas = quotas or {}
     used = sum((job.demand for job in running), NOTHING)
     jobs_of: dict[str, int] = {}
     workers_of: dict[str, int] = {}
+    team_used = TeamTally()
     for job in running:
         jobs_of[job.owner] = jobs_of.get(job.owner, 0) + 1
         workers_of[job.owner] = workers_of.get(job.owner, 0) + job.demand.workers
+        team_used.add(job)
     running_count = len(running)
     blocked: Waiting | None = None  # set once a job does not fit: every later job waits behind it
     for job in queued:
@@ -129,6 +146,10 @@ def decide(queued: list[Candidate], running: list[Candidate], capacity: Capacity
         own = _own_limit(job, jobs_of, workers_of, limits)
         if own is not None:
             decision.waiting[job.job_id] = Waiting(Reason.USER_LIMIT, own)
+            continue
+        over = team_used.over_quota(job, quotas.get(job.team) if job.team is not None else None)
+        if over is not None:
+            decision.waiting[job.job_id] = Waiting(Reason.TEAM_QUOTA, over)
             continue
         if limits.max_running_jobs is not None and running_count >= limits.max_running_jobs:
             blocked = Waiting(Reason.SERVICE_LIMIT, f"waiting for a slot: the service runs at most "
@@ -150,7 +171,37 @@ def decide(queued: list[Candidate], running: list[Candidate], capacity: Capacity
         running_count += 1
         jobs_of[job.owner] = jobs_of.get(job.owner, 0) + 1
         workers_of[job.owner] = workers_of.get(job.owner, 0) + job.demand.workers
+        team_used.add(job)
     return decision
+
+
+class TeamTally:
+    """What each team's jobs hold (all their workers) and how many run, as admission adds them up."""
+
+    def __init__(self) -> None:
+        self.demand: dict[str, Demand] = {}
+        self.jobs: dict[str, int] = {}
+
+    def add(self, job: Candidate) -> None:
+        if job.team is not None:
+            self.demand[job.team] = self.demand.get(job.team, NOTHING) + job.demand
+            self.jobs[job.team] = self.jobs.get(job.team, 0) + 1
+
+    def over_quota(self, job: Candidate, quota: TeamQuota | None) -> str | None:
+        """Why starting ``job`` would take its team over ``quota`` (with the numbers), or None.
+        A job counts as all its workers, as it does once it runs."""
+        if quota is None or job.team is None:
+            return None
+        held, jobs = self.demand.get(job.team, NOTHING), self.jobs.get(job.team, 0)
+        where = f"(zerotrain team quota {job.team})"
+        if quota.running_jobs is not None and jobs + 1 > quota.running_jobs:
+            return f"waiting: team {job.team} runs {jobs} jobs, its quota is {quota.running_jobs} {where}"
+        for name, need, has, bound in (("GPUs", job.demand.gpus, held.gpus, quota.gpus),
+                                       ("CPUs", job.demand.cpus, held.cpus, quota.cpus)):
+            if bound is not None and need > 0 and has + need > bound + 1e-9:
+                return (f"waiting: team {job.team}'s jobs hold {has:g} {name} and this job needs {need:g}, "
+                        f"its quota is {bound:g} {name} {where}")
+        return None
 
 
 def _own_limit(job: Candidate, jobs_of: dict[str, int], workers_of: dict[str, int], limits: Limits) -> str | None:
@@ -181,7 +232,19 @@ def least_demand_of(spec: JobSpec) -> Demand | None:
 
 def candidate(job_id: str, owner: str, spec: JobSpec) -> Candidate:
     """The job as admission sees it: what it holds running and what it needs to start."""
-    return Candidate(job_id, owner, demand_of(spec), least_demand_of(spec))
+    return Candidate(job_id, owner, demand_of(spec), least_demand_of(spec), spec.team)
+
+
+def stored_candidate(job_id: str, owner: str, spec: dict) -> Candidate:
+    """A job row's gang as admission sees it. A stored spec that no longer validates demands
+    nothing here: it is admitted, and its launch fails it with the validation error."""
+    # the row's spec read back as every reader does; imported here: the policy above needs no ORM
+    from service.models import typed_spec
+
+    try:
+        return candidate(job_id, owner, typed_spec(spec))
+    except ValueError:
+        return Candidate(job_id, owner, NOTHING, team=spec.get("team") if isinstance(spec, dict) else None)
 
 
 def cluster_capacity(launcher: Any, settings: Any) -> Capacity:

@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 
 from contract.environment import HOME_ENV, TOKEN_ENV, URL_ENV
+from contract.quotas import TeamQuota, TeamQuotaOut
 from service.schemas import (
     LOG_SIZE_HEADER,
     SSE_KEEPALIVE_S,
@@ -344,6 +345,16 @@ class Client:
 
     def remove_team_member(self, team: str, user: str) -> TeamMemberOut:
         return TeamMemberOut.model_validate(self._api("DELETE", f"/teams/{team}/members/{user}"))
+
+    def team_quota(self, team: str) -> TeamQuotaOut:
+        """The team's quota (``contract.quotas``) and what its jobs hold now."""
+        return TeamQuotaOut.model_validate(self._api("GET", f"/teams/{team}/quota"))
+
+    def set_team_quota(self, team: str, quota: TeamQuota | None = None, **bounds: float | None) -> TeamQuotaOut:
+        """Replace the team's quota (admins): ``quota``, or its fields as keywords (``gpus``, ``cpus``,
+        ``running_jobs``, ``max_priority``, ``share``); a bound left out is off."""
+        body = (quota or TeamQuota()).model_dump() | bounds
+        return TeamQuotaOut.model_validate(self._api("PUT", f"/teams/{team}/quota", json=body))
 
     def wait(self, job_id: str, timeout: float | None = None, poll: float = 0.5) -> JobOut:
         """Poll until the job is terminal; ``WaitTimeout`` after ``timeout`` seconds."""

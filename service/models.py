@@ -309,6 +309,12 @@ class Team(Base):
     name: Mapped[str] = mapped_column(String(64), primary_key=True)
     created_by: Mapped[str] = mapped_column(String(100))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    # the team's quota (contract.quotas.TeamQuota, one column per field); None: that bound is off
+    quota_gpus: Mapped[float | None] = mapped_column(Float)
+    quota_cpus: Mapped[float | None] = mapped_column(Float)
+    quota_running_jobs: Mapped[int | None] = mapped_column(Integer)
+    quota_max_priority: Mapped[int | None] = mapped_column(Integer)
+    quota_share: Mapped[float | None] = mapped_column(Float)
 
 
 class TeamMember(Base):

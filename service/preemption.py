@@ -11,7 +11,9 @@ the ranks agree on a step, stop after committing a checkpoint there and report
 
 [Note: the choice]
 - Only RUNNING jobs whose spec is ``preemptible`` and whose priority is strictly lower than the
-  blocked job's are candidates: equal priority never preempts (first come, first served there).
+  blocked job's are candidates: equal priority never preempts (first come, first served there),
+  save for a job within its team's guaranteed share, which may also take jobs of equal priority
+  of teams above theirs (``Reclaim``; ``service.quotas``).
 - Jobs already asked to make room count as free: no more are asked while they leave.
 - The fewest jobs whose demand, freed, lets the blocked job start (``Candidate.to_start``); among
   sets of that size, the one with the lowest priorities (its highest priority first, then the
@@ -22,8 +24,10 @@ the ranks agree on a step, stop after committing a checkpoint there and report
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import combinations
+from typing import Protocol
 
 from sqlalchemy import update
 from sqlalchemy.orm import Session
@@ -52,27 +56,36 @@ def _fits(job: Candidate, capacity: Capacity, used: Demand) -> bool:
     return capacity.minus(used).shortfall(job.to_start) is None
 
 
-def _minus(used: Demand, freed: Demand) -> Demand:
-    return Demand(used.workers - freed.workers, used.cpus - freed.cpus, used.gpus - freed.gpus)
+class Reclaim(Protocol):
+    """Which running jobs of other teams a job within its team's guaranteed share may also take
+    at its own priority (``service.quotas``), and which sets of them."""
+
+    def eligible(self, runner: Runner) -> bool: ...
+
+    def allows(self, chosen: Sequence[Runner]) -> bool: ...
 
 
 def choose_victims(blocked: Candidate, priority: int, running: list[Runner], capacity: Capacity,
-                   used: Demand) -> list[str]:
+                   used: Demand, reclaim: Reclaim | None = None) -> list[str]:
     """The ids of the running jobs to ask to make room for ``blocked`` (of ``priority``), given
-    that the cluster's ``used`` includes every runner; [] when none should be (the note above)."""
+    that the cluster's ``used`` includes every runner; [] when none should be (the note above).
+    With ``reclaim``, the jobs it finds eligible are candidates too, in the sets it allows."""
     if _fits(blocked, capacity, used):
         return []
     leaving = sum((r.candidate.demand for r in running if r.asked_for is not None), NOTHING)
-    used = _minus(used, leaving)
+    used = used - leaving
     if _fits(blocked, capacity, used):
         return []  # the jobs already asked free enough once they are gone
-    eligible = sorted((r for r in running if r.asked_for is None and r.preemptible and r.priority < priority),
+    eligible = sorted((r for r in running if r.asked_for is None and r.preemptible
+                       and (r.priority < priority or (reclaim is not None and reclaim.eligible(r)))),
                       key=lambda r: (r.priority, -r.order))[:MAX_CONSIDERED]
     for size in range(1, len(eligible) + 1):
         best: tuple[tuple[int, ...], tuple[Runner, ...]] | None = None
         for chosen in combinations(eligible, size):
             freed = sum((r.candidate.demand for r in chosen), NOTHING)
-            if not _fits(blocked, capacity, _minus(used, freed)):
+            if not _fits(blocked, capacity, used - freed):
+                continue
+            if reclaim is not None and not reclaim.allows(chosen):
                 continue
             key = tuple(sorted((r.priority for r in chosen), reverse=True))
             if best is None or key < best[0]:

@@ -34,6 +34,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -41,7 +42,7 @@ from sqlalchemy import select, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from contract.reasons import Reason
-from service import admission, preemption, tensorboard
+from service import admission, preemption, quotas, tensorboard
 from service.auth import INGEST_TOKEN_PREFIX, hash_token, new_token
 from service.code_package_retention import delete_unused_packages
 from service.launchers.base import (
@@ -52,7 +53,7 @@ from service.launchers.base import (
     LaunchStatus,
 )
 from service.leadership import SOLE_LEADER, LeadershipLost, Lease, SoleLeader
-from service.models import Job, typed_spec, utcnow
+from service.models import Job, utcnow
 from service.poll_loop import PollLoop
 from service.schemas import JobState
 from service.settings import Settings
@@ -61,8 +62,8 @@ from storage import shared as shared_storage
 
 log = logging.getLogger(__name__)
 S = JobState
-RECONCILED_STATES = (S.STARTING, S.RUNNING, S.RESTARTING, S.CANCELLING)
-HOLDING_STATES = RECONCILED_STATES  # a job in these holds its workers (and a driver) for admission
+HOLDING_STATES = admission.HOLDING_STATES  # a job in these holds its workers (and a driver) for admission
+RECONCILED_STATES = HOLDING_STATES  # STARTING, RUNNING, RESTARTING, CANCELLING
 ADMISSION_SCAN = 500  # queued jobs considered per pass, in queue order (priority, then oldest first)
 ADMISSION_LOCK_KEY = 0x7A657472  # pg_advisory_xact_lock key of the admission decision
 # what the launcher reports when a job ended without the driver saying so
@@ -162,10 +163,16 @@ class Scheduler:
                 .where(Job.state.in_([state.value for state in HOLDING_STATES]))
             ).all()
             capacity = admission.cluster_capacity(self.launcher, self.settings)
-            candidates = [_candidate(job.id, job.owner, job.spec) for job in queued]
             runners = [_runner(row) for row in running]
-            decision = admission.decide(candidates, [runner.candidate for runner in runners], capacity, self.limits)
-            self._preempt(session, list(zip(candidates, [job.priority for job in queued])), runners, decision, capacity)
+            team_quotas = quotas.load(session)
+            ordered, guaranteed = quotas.guaranteed_first(
+                [(admission.stored_candidate(job.id, job.owner, job.spec), job.priority) for job in queued],
+                runners, team_quotas, capacity)
+            decision = admission.decide([job for job, _ in ordered], [runner.candidate for runner in runners],
+                                        capacity, self.limits, team_quotas)
+            self._preempt(session, ordered, runners, decision, capacity,
+                          lambda head, priority: quotas.reclaim_for(head, priority, guaranteed, runners,
+                                                                    team_quotas, capacity))
             for job in queued:
                 waiting = decision.waiting.get(job.id)
                 if waiting is not None:
@@ -183,16 +190,19 @@ class Scheduler:
         return claimed
 
     def _preempt(self, session: Session, queued: list[tuple[admission.Candidate, int]],
-                 runners: list[preemption.Runner], decision: admission.Decision, capacity: admission.Capacity) -> None:
+                 runners: list[preemption.Runner], decision: admission.Decision, capacity: admission.Capacity,
+                 reclaim: Callable[[admission.Candidate, int], preemption.Reclaim | None]) -> None:
         """Ask lower-priority running jobs to make room for the head of the queue when it does
-        not fit (``service.preemption``); the jobs admitted in this pass count as used."""
+        not fit (``service.preemption``), and, for a head within its team's guaranteed share,
+        jobs of equal priority of teams above theirs (``reclaim``: ``service.quotas``); the jobs
+        admitted in this pass count as used."""
         head = preemption.blocked_head(queued, decision)
         if head is None:
             return
         starting = set(decision.start[:self.claim_batch])
         used = sum((runner.candidate.demand for runner in runners), admission.NOTHING)
         used = sum((job.demand for job, _ in queued if job.job_id in starting), used)
-        victims = preemption.choose_victims(head[0], head[1], runners, capacity, used)
+        victims = preemption.choose_victims(head[0], head[1], runners, capacity, used, reclaim(*head))
         for job_id in preemption.request(session, victims, head[0].job_id):
             log.info("asked job %s to make room for job %s", job_id, head[0].job_id)
 
@@ -348,15 +358,6 @@ def replica_identity() -> str:
 
 def _runner(row: Any) -> preemption.Runner:
     """A holding job as preemption sees it: only a RUNNING job with a ``preemptible`` spec may be asked."""
-    candidate = _candidate(row.id, row.owner, row.spec)
+    candidate = admission.stored_candidate(row.id, row.owner, row.spec)
     preemptible = row.state == S.RUNNING.value and bool(row.spec.get("preemptible", True))
     return preemption.Runner(candidate, row.priority, row.pk, preemptible, row.preempt_for)
-
-
-def _candidate(job_id: str, owner: str, spec: dict) -> admission.Candidate:
-    """A job's gang as admission sees it. A stored spec that no longer validates demands
-    nothing here: it is admitted, and its launch fails it with the validation error."""
-    try:
-        return admission.candidate(job_id, owner, typed_spec(spec))
-    except ValueError:
-        return admission.Candidate(job_id, owner, admission.NOTHING)

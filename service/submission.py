@@ -23,7 +23,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from contract.teams import SUBMIT_ROLE, allows
-from service import admission
+from service import admission, quotas
 from service.api.errors import field_error
 from service.api.spec_access import check_spec_access
 from service.auth import Principal
@@ -110,7 +110,9 @@ def _replay(session: Session, user: Principal, key: str, request_hash: str) -> J
 
 def check_team(spec: JobSpec, user: Principal, session: Session) -> None:
     """A job submitted to a team needs the member role in it: a 422 naming ``team`` when the caller
-    is not in it (the same words whether or not it exists), a 403 for a viewer."""
+    is not in it (the same words whether or not it exists), a 403 for a viewer; and it must be
+    within the team's quota: a 422 naming ``priority`` above its bound, or the resources when the
+    job alone is more than the team may hold (``service.quotas.refusal_at_submit``)."""
     if spec.team is None:
         return
     role = role_in(session, user, spec.team)
@@ -119,6 +121,10 @@ def check_team(spec: JobSpec, user: Principal, session: Session) -> None:
     if not allows(role, SUBMIT_ROLE):
         raise HTTPException(403, f"{user.name} is a {role} of team {spec.team!r}; submitting needs the "
                                  f"{SUBMIT_ROLE} role")
+    refusal = quotas.refusal_at_submit(spec.team, quotas.quota_of(session, spec.team), admission.demand_of(spec),
+                                       spec.priority, user.is_admin)
+    if refusal is not None:
+        raise field_error(refusal.field, refusal.message, "team_quota")
 
 
 def check_admissible(spec: JobSpec, user: Principal, session: Session, settings: Settings, launcher: Launcher) -> None:

@@ -1,4 +1,5 @@
-"""Teams: create (admins), list one's own, and manage members (``/api/v1/teams``; ``contract.teams``).
+"""Teams: create (admins), list one's own, manage members, and set quotas (admins)
+(``/api/v1/teams``; ``contract.teams``, ``contract.quotas``).
 
 A team the caller is not in is reported as missing (404), as another user's job is; a member
 without the role for an action gets a 403 naming the role it needs. Who sees which job is
@@ -13,10 +14,12 @@ from fastapi import APIRouter, HTTPException, Path
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
+from contract.quotas import SHARE_SLACK, TeamQuota, TeamQuotaOut
 from contract.spec_base import SLUG_PATTERN
 from contract.teams import MANAGE_ROLE, allows
+from service import quotas
 from service.api.deps import CurrentUser, SessionDep
-from service.api.errors import error_responses
+from service.api.errors import error_responses, field_error
 from service.auth import Principal
 from service.models import Team, TeamMember, utcnow
 from service.schemas import TeamIn, TeamList, TeamMemberIn, TeamMemberList, TeamMemberOut, TeamOut
@@ -84,6 +87,33 @@ def remove_member(team: TeamName, member: UserName, session: SessionDep, user: C
     session.delete(row)
     session.commit()
     return out
+
+
+@router.get("/{team}/quota", response_model=TeamQuotaOut, name="get_team_quota")
+def get_quota(team: TeamName, session: SessionDep, user: CurrentUser) -> TeamQuotaOut:
+    """The team's quota and what its jobs hold now (any member)."""
+    _role_or_404(session, user, team)
+    return _quota_out(session, team)
+
+
+@router.put("/{team}/quota", response_model=TeamQuotaOut, name="set_team_quota", responses=error_responses(403))
+def set_quota(team: TeamName, body: TeamQuota, session: SessionDep, user: CurrentUser) -> TeamQuotaOut:
+    """Replace the team's quota (admins); a field left out or null turns that bound off."""
+    _role_or_404(session, user, team)
+    if not user.is_admin:
+        raise HTTPException(403, "only admins set team quotas")
+    if body.share is not None and (others := quotas.other_shares(session, team)) + body.share > 1 + SHARE_SLACK:
+        raise field_error("share", f"share {body.share:g} with the other teams' {others:g} is more than the "
+                                   f"whole cluster (the shares sum to at most 1)", "share_too_large")
+    row = session.get(Team, team)
+    quotas.store(session, row, body)
+    session.commit()
+    return _quota_out(session, team)
+
+
+def _quota_out(session: SessionDep, team: str) -> TeamQuotaOut:
+    quota = quotas.quota_of(session, team)
+    return TeamQuotaOut(**quota.model_dump(), team=team, used=quotas.usage(session, team))
 
 
 def _role_or_404(session: SessionDep, user: Principal, team: str) -> str:

@@ -88,8 +88,8 @@ def print_items(args: argparse.Namespace, items: list[T], columns: Sequence[str 
     return 0
 
 
-def print_one(args: argparse.Namespace, value: Any, message: str) -> int:
-    """A command's one object: as JSON with ``-o json``, else ``message`` (rich markup) for people."""
+def print_one(args: argparse.Namespace, value: Any, message: str | Table) -> int:
+    """A command's one object: as JSON with ``-o json``, else ``message`` (rich markup or a table) for people."""
     if wants_json(args):
         print_json(value)
     else:

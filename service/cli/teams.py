@@ -1,7 +1,9 @@
-"""``zerotrain team create|list|members|add|remove``: teams and their members through the API.
+"""``zerotrain team create|list|members|add|remove|quota``: teams, their members and quotas through the API.
 
-Who may do what is the service's rule (``contract.teams``): admins create teams, maintainers
-add and remove members, anyone leaves a team with ``remove TEAM their-own-name``.
+Who may do what is the service's rule (``contract.teams``): admins create teams and set quotas,
+maintainers add and remove members, anyone leaves a team with ``remove TEAM their-own-name``.
+``quota TEAM`` shows the team's quota; with options it changes the bounds named and keeps the
+others (``--gpus none`` turns a bound off).
 """
 
 from __future__ import annotations
@@ -9,8 +11,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from contract.quotas import QUOTA_FIELDS, TeamQuota, cli_option
 from contract.teams import ROLES
-from service.cli.output import client_for, client_options, print_items, print_one, when
+from service.cli.output import client_for, client_options, print_items, print_one, table_of, when
 
 
 def register(commands: Any) -> None:
@@ -35,6 +38,29 @@ def register(commands: Any) -> None:
     remove.add_argument("name", metavar="TEAM")
     remove.add_argument("user", metavar="USER")
     remove.set_defaults(func=cmd_remove)
+    quota = sub.add_parser("quota", help="show a team's quota, or change it (admins)", parents=[client_options])
+    quota.add_argument("name", metavar="TEAM")
+    for field in QUOTA_FIELDS:
+        info = TeamQuota.model_fields[field]
+        quota.add_argument(cli_option(field), dest=field, default=UNCHANGED, metavar="N|none",
+                           type=_bound(int if "int" in str(info.annotation) else float), help=info.description)
+    quota.set_defaults(func=cmd_quota)
+
+
+UNCHANGED = object()  # an option not given: the bound stays as it is
+
+
+def _bound(kind: type) -> Any:
+    """An option's parser: a number of ``kind``, or ``none`` (the bound is turned off)."""
+    def parse(text: str) -> int | float | None:
+        if text.strip().lower() == "none":
+            return None
+        try:
+            return kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {'an integer' if kind is int else 'a number'} "
+                                             f"or none, got {text!r}") from None
+    return parse
 
 
 def cmd_create(args: argparse.Namespace) -> int:
@@ -61,3 +87,17 @@ def cmd_add(args: argparse.Namespace) -> int:
 def cmd_remove(args: argparse.Namespace) -> int:
     member = client_for(args).remove_team_member(args.name, args.user)
     return print_one(args, member, f"{member.user} removed from team {member.team}")
+
+
+def cmd_quota(args: argparse.Namespace) -> int:
+    client = client_for(args)
+    changes = {field: getattr(args, field) for field in QUOTA_FIELDS if getattr(args, field) is not UNCHANGED}
+    quota = client.team_quota(args.name)
+    if changes:
+        kept = {field: getattr(quota, field) for field in QUOTA_FIELDS}
+        quota = client.set_team_quota(args.name, **(kept | changes))
+    used = {"gpus": f"{quota.used.gpus:g}", "cpus": f"{quota.used.cpus:g}", "running_jobs": str(quota.used.running_jobs)}
+    table = table_of(("bound", "quota", "used now"), QUOTA_FIELDS, lambda field: (
+        field, "none" if getattr(quota, field) is None else f"{getattr(quota, field):g}", used.get(field, "")))
+    table.title = f"team {quota.team}"
+    return print_one(args, quota, table)

@@ -70,3 +70,22 @@ def test_own_volume_check_agrees_up_to_control_and_flags_a_missed_collective() -
     # over two ranks the reduce-scatter is an exchange: 500 sent and 500 received are the input of 1000
     assert check_own_volume(OWN, kinds(all_reduce=9, broadcast=1000, send=500, recv=500))["agrees"] is True
     assert check_own_volume(OWN, kinds(all_reduce=9, broadcast=1000, send=500))["agrees"] is False  # half unseen
+
+
+def test_admission_teams_reads_held_and_queued_spans_from_events_skipping_notices() -> None:
+    from datetime import datetime, timezone
+
+    from benchmarks.admission_teams import spans_in
+    from service.schemas import EventOut
+
+    def event(at: float, before: str | None, after: str, reason: str = "x") -> EventOut:
+        return EventOut(id=int(at * 10), job_id="j", from_state=before, to_state=after, reason=reason,
+                        created_at=datetime.fromtimestamp(100 + at, timezone.utc))
+
+    events = [event(0, None, "QUEUED"), event(1, "QUEUED", "QUEUED", "team_quota"),  # a notice
+              event(2, "QUEUED", "STARTING"), event(3, "STARTING", "RUNNING"),
+              event(5, "RUNNING", "QUEUED", "preempted"), event(6, "QUEUED", "STARTING"),
+              event(7, "STARTING", "RUNNING")]
+    holding = {"STARTING", "RUNNING", "RESTARTING", "CANCELLING"}
+    assert spans_in(events, 100, holding, end=9) == [(2, 5), (6, 9)]  # the last still open at the end
+    assert spans_in(events, 100, {"QUEUED"}, end=9) == [(0, 2), (5, 6)]
