@@ -13,7 +13,14 @@ from typing import Any
 
 from contract.quotas import QUOTA_FIELDS, TeamQuota, cli_option
 from contract.teams import ROLES
-from service.cli.output import client_for, client_options, print_items, print_one, table_of, when
+from service.cli.output import (
+    client_for,
+    client_options,
+    print_items,
+    print_one,
+    table_of,
+    when,
+)
 
 
 def register(commands: Any) -> None:

@@ -56,6 +56,7 @@ def test_every_read_command_pipes_into_json_load(make_live_service):
     reads = {("jobs",): "jobs", ("show",): f"show {job.id}", ("events",): f"events {job.id}",
              ("checkpoints",): f"checkpoints {job.id}", ("tensorboard",): f"tensorboard {job.id}",
              ("token", "list"): "token list", ("team", "list"): "team list", ("team", "members"): "team members readers",
+             ("team", "quota"): "team quota readers",
              ("webhook", "list"): "webhook list", ("webhook", "deliveries"): f"webhook deliveries {hook}",
              ("plan",): "plan --preset gpt-nano --gpus 2"}
     assert set(reads) | set(ELSEWHERE) | WRITES | TEXT == commands_with_output(build_parser())
