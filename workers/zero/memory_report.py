@@ -14,7 +14,7 @@ from .module_buffers import ModuleBuffers
 from .offload import HostOptimizerState
 from .optimizer_swap import OptimizerStateSwap
 from .reports import MemoryReport
-from .stages import Strategy
+from .strategy_base import Strategy
 
 
 def distinct_storage_bytes(tensors: Iterable[Any], seen: set[int]) -> int:

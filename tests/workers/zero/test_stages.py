@@ -11,8 +11,8 @@ import torch.nn as nn
 from workers.zero.buckets import FlatBucket
 from workers.zero.collectives import Pending
 from workers.zero.flat import FlatLayout
+from workers.zero.grad_reducer import MAX_INFLIGHT_BUCKETS
 from workers.zero.stages import (
-    MAX_INFLIGHT_BUCKETS,
     AllReduceStrategy,
     ReduceScatterAtStepStrategy,
     ReduceScatterInBackwardStrategy,

@@ -27,7 +27,7 @@ from contract.zero_math import DEFAULT_PRECISION
 
 from ..config import PRECISIONS
 from ..flat import FlatLayout, packed_numel
-from ..stages import MAX_INFLIGHT_BUCKETS
+from ..grad_reducer import MAX_INFLIGHT_BUCKETS
 from ..units import checkpoint_forward, kept_after_forward, plan_units, unit_modules
 from .model_key import ModelKey
 from .shape import unit_buckets

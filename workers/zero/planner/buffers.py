@@ -17,7 +17,7 @@ from typing import Sequence
 from contract.zero_defaults import ZERO_DEFAULTS
 from contract.zero_math import MIB, low_precision_bytes, precision_traits, shard_numel, stage_traits
 
-from ..stages import MAX_INFLIGHT_BUCKETS
+from ..grad_reducer import MAX_INFLIGHT_BUCKETS
 from ..units import kept_after_forward
 
 
