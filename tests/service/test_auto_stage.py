@@ -53,7 +53,7 @@ def test_a_model_that_fits_gets_stage_0_and_keeps_its_prediction(quiet_service):
 def test_stage_choice_follows_the_budget(quiet_service):
     """With two micro-steps per step stage 1 holds full gradients between them and stage 2 only its
     shard, so the stages' totals differ; with one, stage 1 reduces in its only backward as stage 2
-    does (workers/zero/stages.py, the note on gradients' lifetime) and needs no more."""
+    does (workers/zero/grad_reducer.py, the note on gradients' lifetime) and needs no more."""
     single = totals_gb(submit(quiet_service, medium_spec(80)).json()["prediction"])
     assert single[(1, False)] <= single[(2, False)] < single[(0, False)]
     totals = totals_gb(submit(quiet_service, medium_spec(80, micro_steps=2)).json()["prediction"])

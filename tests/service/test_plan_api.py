@@ -47,7 +47,7 @@ def test_auto_picks_stage_0_when_the_model_fits(client):
 
 
 # one micro-step per step: stage 1 reduces in its only backward as stage 2 does and needs no more
-# memory (workers/zero/stages.py, the note on gradients' lifetime), so it is the lowest that fits
+# memory (workers/zero/grad_reducer.py, the note on gradients' lifetime), so it is the lowest that fits
 @pytest.mark.parametrize("gpu_memory_gb,expected", [(10, 1), (8, 3)])
 def test_auto_picks_a_sharded_stage_when_stage_0_does_not_fit(client, gpu_memory_gb, expected):
     status, plan = post(client, job_spec("gpt-1b", 8, gpu_memory_gb, micro_batch=1))

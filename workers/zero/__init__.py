@@ -4,9 +4,10 @@
 
 Modules, in import order: ``config`` (ZeroConfig), ``flat`` (bucket layout), ``collectives``
 (dist wrappers + accounting), ``precision`` (dtypes, loss scaler), ``buckets`` (one bucket's
-tensors), ``stages`` (what stages 0-2 communicate, and which strategy runs a stage), ``units``
-(stage-3 units, activation checkpointing), ``stage3`` (parameter sharding), ``offload`` (host
-optimizer), ``engine_state`` (the state-dict format), ``reports`` (what ``step()`` and
+tensors), ``grad_reducer`` (every stage's gradient reduce), ``strategy_base`` (what the engine
+asks of a stage), ``stages`` (when stages 0-2 communicate), ``units`` (stage-3 units, activation
+checkpointing), ``stage3`` (parameter sharding), ``strategies`` (which strategy runs a stage),
+``offload`` (host optimizer), ``engine_state`` (the state-dict format), ``reports`` (what ``step()`` and
 ``memory()`` return), ``initial_state``, ``update`` and ``memory_report`` (the engine's
 construction, optimizer step and memory count), ``engine`` (the facade). What each stage
 shards and communicates is ``contract.zero_math``'s stage-traits table. On top of the engine, never imported by it:

@@ -10,7 +10,7 @@ One bucket is what is communicated together (FSDP2's "param group"). It owns
 * ``master_views`` -- one 1-D view of ``master`` per parameter piece this rank holds: these are
   what the user's optimizer receives, so ``grad=None`` skips a parameter exactly as torch.optim
   does and ``foreach`` implementations run over them;
-* the step's gradient storage, whose shape depends on the stage (see ``stages.py``), and the
+* the step's gradient storage, whose shape depends on the stage (see ``grad_reducer.py``), and the
   methods that fill, reduce into and drop it: a strategy decides when, the bucket how.
 """
 
@@ -34,12 +34,12 @@ class FlatBucket:
     master: torch.Tensor
     master_views: list[tuple[ShardPiece, torch.Tensor]]
     shard_rank: int
-    # gradient state of the current step; none of it outlives step() (``stages.py``, the note on
+    # gradient state of the current step; none of it outlives step() (``grad_reducer.py``, the note on
     # gradients' lifetime)
     grad_full: Optional[torch.Tensor] = None  # the full gradient being summed, from its first gradient
     grad_written: Optional[list[bool]] = None  # which slots of ``grad_full`` hold a gradient
     #: two-rank exchanges: the parameters' own gradients by slot, held instead of ``grad_full``
-    #: (``stages.py``, the note on exchanging the gradients themselves)
+    #: (``grad_reducer.py``, the note on exchanging the gradients themselves)
     grad_pieces: Optional[dict[int, torch.Tensor]] = None
     grad_shard: Optional[torch.Tensor] = None  # stages 1-3: this rank's reduced shard (2, 3: accumulates)
     scratch_out: Optional[torch.Tensor] = None  # a reduce-scatter's output before it becomes the shard
@@ -70,9 +70,9 @@ class FlatBucket:
         self.master_views = [(piece, master[piece.shard_offset : piece.shard_offset + piece.numel])
                              for piece, _ in self.master_views]
 
-    # -- gradient state: ``stages.py`` decides when, these methods how -------------------------------
+    # -- gradient state: ``grad_reducer.py`` decides when, these methods how -------------------------
     def grad_target(self) -> torch.Tensor:
-        """The full gradient for this step, allocated uninitialised on first use (``stages.py``,
+        """The full gradient for this step, allocated uninitialised on first use (``grad_reducer.py``,
         the note on gradients' lifetime)."""
         if self.grad_full is None:
             self.grad_full = torch.empty_like(self.flat_param)
@@ -90,7 +90,7 @@ class FlatBucket:
             self.grad_written[pos] = True
 
     def hold_piece(self, pos: int, grad: torch.Tensor) -> None:
-        """Slot ``pos``'s gradient kept as it is, instead of in the full gradient (``stages.py``,
+        """Slot ``pos``'s gradient kept as it is, instead of in the full gradient (``grad_reducer.py``,
         the note on exchanging the gradients themselves); a second one is added in place."""
         pieces = self.grad_pieces = self.grad_pieces if self.grad_pieces is not None else {}
         if pos in pieces:

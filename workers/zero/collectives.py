@@ -325,7 +325,7 @@ class Collectives:
         piece covers are zero, and never travel: the pieces' elements are what is counted -- over a two-rank Gloo exchange (``exchanges``): each piece's part
         in the peer's half is sent from the piece itself, each part of ours is received from the
         peer into its place in ``output`` and our own part added to it, so no flat input is ever
-        built (``stages.py``, the note on exchanging the gradients themselves). Every rank must
+        built (``grad_reducer.py``, the note on exchanging the gradients themselves). Every rank must
         pass the same offsets and sizes: message k of the exchange is piece k's part on both.
         """
         if not self.exchanges:

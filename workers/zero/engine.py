@@ -4,11 +4,11 @@
     loss = engine(x, y); engine.backward(loss); info = engine.step()
 
 It wires the parts together and owns nothing subtle itself: ``flat.py`` decides where every
-parameter lives, ``buckets.py`` holds the tensors (``initial_state.py`` fills them),
-``stages.py`` decides what is communicated when, ``collectives.py`` talks to
-``torch.distributed`` and counts, ``precision.py`` rounds and scales, ``update.py`` steps the
-optimizer, ``memory_report.py`` counts what it all holds. Imports flow one way: config/flat ->
-collectives/precision -> buckets -> stages -> engine.
+parameter lives, ``buckets.py`` holds the tensors (``initial_state.py`` fills them), the stage's
+strategy (``strategies.make_strategy``) decides what is communicated when and its
+``GradReducer`` reduces the gradients, ``collectives.py`` talks to ``torch.distributed``,
+``precision.py`` rounds and scales, ``update.py`` steps the optimizer, ``memory_report.py``
+counts what it all holds.
 
 [Note: what step() does, in order]
 1. finish an open micro-step (launch whatever buckets did not fill, wait for them);
@@ -21,9 +21,9 @@ collectives/precision -> buckets -> stages -> engine.
 6. clip with torch's formula ``coef = min(1, max_norm / (norm + 1e-6))``;
 7. hand the optimizer ``grad`` views for used pieces, ``None`` for unused ones; step;
 8. gradients are zeroed, the stage republishes parameters (stage 0: cast; 1/2: all-gather,
-   launched here and waited per bucket by the next forward, ``param_gathers.py``; 3: cast into
-   the shard, gathered by the next forward). With ``offload_optimizer`` steps 3-7 run on the
-   host (``offload.py``) and step 8 starts with a host-to-device copy.
+   waited per bucket by the next forward, ``param_gathers.py``; 3: cast into the shard,
+   gathered by the next forward). With ``offload_optimizer`` steps 3-7 run on the host
+   (``offload.py``) and step 8 starts with a host-to-device copy.
 
 [Note: unused parameters]
 Semantics are PyTorch's: a parameter no rank produced a gradient for keeps ``grad=None`` in the
@@ -58,7 +58,7 @@ from .offload import HostOptimizerState
 from .optimizer_swap import swap_files
 from .precision import MixedPrecision
 from .reports import MemoryReport, StepInfo
-from .stages import Strategy, params_reached
+from .stages import params_reached
 from .strategies import make_strategy
 from .swap_io import OffloadDiskFull
 from .units import checkpoint_forward, unit_modules
@@ -140,9 +140,9 @@ class ZeroEngine:
             for _, unit_module in unit_modules(model, config.wrap):
                 checkpoint_forward(unit_module)
 
-        self.strategy: Strategy = make_strategy(config.stage, self.buckets, self.comm, config.overlap_comm, units,
-                                                config.prefetch, config.reshard_after_forward, module=model,
-                                                keep_gathered_bytes=config.keep_gathered_bytes)
+        self.strategy = make_strategy(config.stage, self.buckets, self.comm, config.overlap_comm, units,
+                                      config.prefetch, config.reshard_after_forward, module=model,
+                                      keep_gathered_bytes=config.keep_gathered_bytes)
         self.offload = HostOptimizerState(self.buckets, self.device) if config.optimizer_offload == "cpu" else None
         self._opt_params = [(piece, view) for b in self.buckets for piece, view in b.master_views]
         # The factory's two forms, the placeholder of a rank holding only padding and the empty

@@ -14,7 +14,7 @@ from .module_buffers import ModuleBuffers
 from .offload import HostOptimizerState
 from .optimizer_swap import OptimizerStateSwap
 from .reports import MemoryReport
-from .stages import Strategy
+from .strategy_base import Strategy
 
 
 def distinct_storage_bytes(tensors: Iterable[Any], seen: set[int]) -> int:
@@ -43,7 +43,7 @@ def memory_report(strategy: Strategy, masters: list[torch.Tensor], optimizer: to
 
     params: compute-dtype flat parameters (+ ``frozen``: frozen parameters and the fp32 originals
     of cast ones); grads: the step's gradient storage (full buckets at stages 0/1, reduced
-    shards; stage 2's shard accumulator), 0 after ``step()`` (``stages.py``, the note on
+    shards; stage 2's shard accumulator), 0 after ``step()`` (``grad_reducer.py``, the note on
     gradients' lifetime); optimizer: the fp32 ``masters`` when they are a separate copy + every
     tensor in the optimizer state; buffers: in-flight communication scratch, stage 3's gathered
     units and the module's registered buffers (and the originals of cast ones). At stage 3
@@ -83,7 +83,7 @@ def memory_report(strategy: Strategy, masters: list[torch.Tensor], optimizer: to
 def at_step_start(report: MemoryReport, step_grad_bytes: int) -> MemoryReport:
     """``report`` with ``grads`` as the last ``step()`` began (``step_grad_bytes``) and ``total`` to
     match: the step's model states, each at its high point -- gradients live from backward to the
-    end of ``step()`` (``stages.py``, the note on gradients' lifetime), the optimizer's state from
+    end of ``step()`` (``grad_reducer.py``, the note on gradients' lifetime), the optimizer's state from
     the first ``step()`` on."""
     out = MemoryReport(**report)
     out["total"] += step_grad_bytes - out["grads"]

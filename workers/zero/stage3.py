@@ -6,75 +6,55 @@ bucket. Between uses a rank keeps only its shard (compute dtype; for fp32 traini
 
     pre-forward    gather (or wait for the prefetched gather), prefetch the next ``prefetch``
                    units of the forward order, hook the post-backward onto the unit's inputs
-    post-forward   free the gathered parameters (``reshard_after_forward``; never the root
-                   until its forward ends), hook the pre-backward onto the unit's outputs
+    post-forward   free the gathered parameters unless the unit is kept (below; the root once
+                   the whole forward ended), hook the pre-backward onto the unit's outputs
     pre-backward   gather again (or wait for the prefetch), prefetch the next units of the
                    backward order (the reverse of this micro-step's forward order)
-    post-backward  reduce-scatter the unit's gradient into the shard accumulator (stage 2's
-                   machinery, ``ReduceScatterInBackwardStrategy``) and free the parameters
+    post-backward  hand the unit's bucket to the ``GradReducer`` (``grad_reducer.py``, as stage
+                   2 does) and free the parameters
 
-Per step with ``reshard_after_forward=True``: all-gather Φ in forward, Φ in backward,
-reduce-scatter Φ = 3Φ (padded); without resharding the backward gather is not needed: 2Φ.
-The root is resharded after forward too (FSDP2 keeps it gathered into the backward): 3Φ exactly.
+The strategy holds the reducer rather than deriving from stage 2: it shares stage 2's gradient
+path, not its bucket-order launching. ``docs/engine.md`` has the traffic of each policy.
 
 [Note: which units stay gathered into the backward]
-A unit kept gathered after its forward is not gathered again for its backward: the step pays
-3Φ minus the kept units, and holds them from the end of their forward to the end of their
-backward. ``reshard_after_forward`` chooses: True keeps none, False keeps every unit (2Φ),
-"all_but_last" keeps the last block unit (registration order; backward starts with it,
-torchtitan's default). ``keep_gathered_bytes`` adds a cap: besides those, the units of the
-forward are kept while their bytes fit, the oldest let go first (``units.KeptUnits``), so the
-last ones -- the first backward needs -- are what stays; with a cap that fits the model the
-step is 2Φ, as DeepSpeed's ZeRO-3 on a small model. Only forwards with grad keep anything.
+A unit kept gathered after its forward is not gathered again for its backward.
+``reshard_after_forward`` chooses: True keeps none, False keeps every unit, "all_but_last"
+keeps the last block unit (registration order; backward starts with it, torchtitan's default).
+``keep_gathered_bytes`` adds a cap: besides those, the units of the forward are kept while
+their bytes fit, the oldest let go first (``units.KeptUnits``), so the last ones -- the first
+backward needs -- are what stays. Only forwards with grad keep anything.
 
 [Note: freeing without breaking autograd]
-Module parameters are views into the unit's flat buffer (as at stages 0-2) and autograd saves
-views of them for backward. Freeing resizes the flat buffer's *storage* to zero bytes and
-gathering resizes it back and writes into it (FSDP's ``_free_storage``/``_alloc_storage``):
-every view -- the parameters and whatever autograd saved -- sees the gathered values again
-without being re-created. A collective never writes into a buffer being freed: a free first
-waits for the unit's pending gather.
+Module parameters are views into the unit's flat buffer and autograd saves views of them.
+Freeing resizes the flat buffer's *storage* to zero bytes and gathering resizes it back and
+writes into it (FSDP's ``_free_storage``/``_alloc_storage``): every view sees the gathered
+values again without being re-created. A free first waits for the unit's pending gather.
 
 [Note: knowing when a unit's backward ends]
-An identity autograd function (FSDP2's ``RegisterPostBackwardFunction``) is applied to the
-unit's floating inputs in pre-forward; its backward runs once gradients reached the inputs,
-i.e. after the unit's own backward, whose parameter gradients autograd accumulates first
-(AccumulateGrad nodes have the highest priority). A unit called twice waits for both. A unit
+An identity autograd function (FSDP2's ``RegisterPostBackwardFunction``, ``_PostBackward``) on
+the unit's floating inputs runs its backward once gradients reached the inputs, i.e. after the
+unit's own parameter gradients were accumulated. A unit called twice waits for both. A unit
 none of whose inputs require grad (the root: token ids) is reduced when backward ends, in unit
 order, as is any unit whose post-backward did not run.
 
 [Note: order, prefetch and stale prefetches]
-Collectives are issued in the order of the forward (module hooks) and of the autograd graph,
-which is the same on every rank as long as every rank runs the same units in the same order
-in every forward, evaluation forwards included (an evaluation on rank 0 alone would gather
-alone and hang) -- FSDP's rule too; a branch taken by some ranks only must stay inside one
-unit (e.g. the root), else the divergence check (``divergence.py``) raises. The forward prefetch follows the order recorded in the previous
-forward; when the order changes (eval mode, a branch), the prediction stops at the first
-mismatch, and a prefetched unit that is not among the next units predicted at the current
-unit -- or that is still unused when the forward or backward ends -- is freed (after its
-gather completes). At most ``prefetch + 1`` non-root units are gathered at any time when
-``reshard_after_forward=True`` and ``keep_gathered_bytes=0`` (plus units held for a use
-outside, below, and the units other policies keep); ``max_gathered`` records the peak.
+Collectives follow the forward (module hooks) and the autograd graph, the same on every rank
+as long as every rank runs the same units in the same order in every forward, evaluation
+included (FSDP's rule); a branch taken by some ranks only must stay inside one unit, else the
+divergence check (``divergence.py``) raises. The forward prefetch follows the previous
+forward's order and stops at the first mismatch; a prefetched unit no longer predicted, or
+still unused when the forward or backward ends, is freed once its gather completes.
+``max_gathered`` records the peak of non-root units gathered at once.
 
 [Note: parameters used outside their unit]
-A unit is freed after its forward, so a parameter used later outside it -- a module that
-returns its own bias for the caller to add, ``F.linear(x, blocks[0].fc.weight)`` in the root's
-forward -- would read freed storage (a segfault, or "setStorage ... storage of size 0"), also in
-backward through what autograd saved. Two uses are detected, DeepSpeed's two ways:
-* a read: every module registering a unit's parameter gets ``_WatchedParameters`` as its
-  ``_parameters``, through which ``module.weight`` goes; during a forward, a read of a unit's
-  parameter while that unit's forward is not running (DeepSpeed's ``ZeROOrderedDict`` and
-  ``register_external_parameter``, done for the user);
-* a return: a unit's forward output that is a view of its flat buffer (the "dangling
-  parameter" DeepSpeed registers with the enclosing module in its post-forward hook).
-Either way the unit is gathered (if it is not) and *held*: it stays gathered until backward
-ends -- its storage is what the outside use and autograd read -- and is reduce-scattered when
-backward ends, since gradients may reach it from outside its own backward. In a forward without
-grad it is held until that forward ends. Every rank runs the same forward, so the extra gather
-happens at the same point on every rank (and is tag-checked like any other). The cost is
-memory: a held unit is gathered for the whole forward and backward, like the root. A parameter
-reached any other way (a reference kept in a plain Python list) is not seen; list it under a
-module outside the units instead (it then belongs to the root), or choose units with ``wrap``.
+A parameter used after its unit was freed would read freed storage. Two uses are detected,
+DeepSpeed's two ways: a *read* during a forward while its unit's forward is not running (the
+modules holding units' parameters get ``_WatchedParameters`` as ``_parameters``), and a
+*return* of a view of the unit's flat buffer from its forward. Either way the unit is gathered
+and *held* until backward ends (a forward without grad: until it ends), and reduced when
+backward ends, since gradients may reach it from outside its own backward. Every rank runs the
+same forward, so the extra gather happens at the same point on every rank. A parameter reached
+any other way (a plain Python list) is not seen: register it under a module outside the units.
 """
 
 from __future__ import annotations
@@ -94,17 +74,17 @@ from .collectives import Collectives, Pending, tagged_all_gather
 from .divergence import Ledger
 from .stage3_units import HeldFor, Unit, UnitState, _OrderPredictor, _PostBackward, _WatchedParameters
 from .parameter_guards import remove_guards
-from .stages import ReduceScatterInBackwardStrategy
+from .strategy_base import Strategy
 from .units import KeptUnits, UnitPlan
 
 log = logging.getLogger(__name__)
 
-class ParamShardStrategy(ReduceScatterInBackwardStrategy):
-    """Stage 3: stage 2's gradient path, launched per unit, plus parameter gathering."""
+
+class ParamShardStrategy(Strategy):
+    """Stage 3: parameter gathering around each unit's use; a unit's gradient goes to the
+    reducer from its post-backward."""
 
     traits = STAGE_TRAITS[3]
-    launches_when_ready = False  # units launch from their post-backward, never by bucket readiness
-    gathers_params = False  # the next forward gathers each unit itself
 
     def __init__(self, buckets: list[FlatBucket], comm: Collectives, overlap_comm: bool, plan: UnitPlan,
                  prefetch: int = ZERO_DEFAULTS["prefetch"], reshard_after_forward: Any = ZERO_DEFAULTS[
@@ -183,7 +163,7 @@ class ParamShardStrategy(ReduceScatterInBackwardStrategy):
         return [u.shard for u in self.units]
 
     def scratch_tensors(self) -> list[torch.Tensor]:
-        return [u.flat for u in self.units if u.state is not UnitState.FREE] + super().scratch_tensors()
+        return [u.flat for u in self.units if u.state is not UnitState.FREE] + self.grads.scratch_tensors()
 
     # -- gather / free ------------------------------------------------------------------------------
     def _launch_gather(self, unit: Unit) -> None:
@@ -427,7 +407,7 @@ class ParamShardStrategy(ReduceScatterInBackwardStrategy):
 
     def _launch_bucket(self, b: FlatBucket) -> None:
         self._ledger.reduce_scattered(b.spec.index)
-        super()._launch_bucket(b)
+        self.grads.launch(b)
 
     # -- the engine's per-micro-step interface --------------------------------------------------------
     def on_grad(self, bucket: FlatBucket, pos: int, grad: torch.Tensor) -> None:
@@ -437,14 +417,20 @@ class ParamShardStrategy(ReduceScatterInBackwardStrategy):
                 f"gradient for {bucket.spec.slots[pos].name} arrived after unit {unit.index} ({unit.name}) was "
                 "reduce-scattered in this backward; a unit's parameters must not be used outside its forward"
             )
-        self._accumulate(bucket, pos, grad)
+        self.grads.add(bucket, pos, grad)
+
+    @property
+    def launches_during_backward(self) -> bool:
+        return False  # a unit launches from its post-backward, never by bucket readiness
 
     def mark_absent(self, bucket: FlatBucket, pos: int) -> None:
-        pass
+        """Never called (``launches_during_backward`` is False): a unit without gradients is still
+        reduced when its backward, or the whole backward, ends."""
 
     def begin_micro_step(self, sync: bool) -> None:
         self._check_reduce_scatters()
-        super().begin_micro_step(sync)
+        self.drain()
+        self.grads.begin_micro_step(sync)
 
     def end_micro_step(self) -> None:
         """Backward ended: reduce what did not reduce itself (in unit order), free everything.
@@ -476,7 +462,8 @@ class ParamShardStrategy(ReduceScatterInBackwardStrategy):
     def reduced_grads(self) -> list[torch.Tensor]:
         self._rs_check = None
         self._verify()  # every tag of this step, before the optimizer sees a gradient (CUDA: here only)
-        out = super().reduced_grads()
+        self.drain()
+        out = self.grads.reduced()
         self._ledger.next_step()
         return out
 
@@ -486,13 +473,16 @@ class ParamShardStrategy(ReduceScatterInBackwardStrategy):
             if unit.shard.data_ptr() != unit.bucket.master.data_ptr():
                 unit.shard.copy_(unit.bucket.master, non_blocking=True)
 
+    def wait_params(self) -> None:
+        """Nothing to wait for: ``publish_params`` communicates nothing, each forward gathers."""
+
     def drain(self) -> None:
-        """Stage 2's drain, then wait for every unit gather still in flight (prefetches included).
+        """The reducer's drain, then wait for every unit gather still in flight (prefetches included).
 
         A waited gather leaves its unit gathered (and still ``prefetched`` if it was): waiting
         never frees, so this is safe at any point of a forward or backward.
         """
-        super().drain()
+        self.grads.drain()
         for unit in self.units:
             if unit.state is UnitState.GATHERING:
                 unit.pending.wait()

@@ -1,7 +1,7 @@
 """``make_strategy``: the strategy object that runs a ZeRO stage, picked by what the stage shards.
 
-It sits above the stages (``stages.py`` for 0-2, ``stage3.py`` for 3, which builds on stage 2),
-so no stage module imports another's subclass.
+It sits above the stages (``stages.py`` for 0-2, ``stage3.py`` for 3; both derive from
+``strategy_base.Strategy``), so no stage module imports another.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from contract.zero_math import stage_traits
 from .buckets import FlatBucket
 from .collectives import Collectives
 from .stage3 import ParamShardStrategy
-from .stages import AllReduceStrategy, ReduceScatterAtStepStrategy, ReduceScatterInBackwardStrategy, Strategy
+from .stages import AllReduceStrategy, ReduceScatterAtStepStrategy, ReduceScatterInBackwardStrategy
+from .strategy_base import Strategy
 from .units import UnitPlan
 
 

@@ -23,7 +23,7 @@ TABLE = {0: (2, 2, 12), 1: (2, 2, 12 / N), 2: (2, 2 / N, 12 / N)}
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_memory_matches_the_table(world, stage):
     """Between micro-steps a rank holds the table's gradients (stages 0/1 the full ones, stage 2 its
-    shard); after step() it holds no gradient at all (stages.py, the note on gradients' lifetime)."""
+    shard); after step() it holds no gradient at all (grad_reducer.py, the note on gradients' lifetime)."""
     for rank_out in world:
         r = rank_out[stage]
         phi, pad = r["phi"], r["padded"] - r["phi"]

@@ -131,7 +131,7 @@ def pieces_world(rank: int, world_size: int) -> dict:
 
 
 def test_a_reduce_scatter_of_pieces_sums_each_rank_s_half_and_zeros_the_gaps():
-    """The gradients of a bucket exchanged where they lie (stages.py, the note on exchanging the
+    """The gradients of a bucket exchanged where they lie (grad_reducer.py, the note on exchanging the
     gradients themselves) give exactly the reduce-scatter of the flat bucket they stand for."""
     world = spawn_world(pieces_world, 2)
     flat = [torch.zeros(48) for _ in range(2)]

@@ -35,7 +35,7 @@ from workers.zero.planner.shape import (
     padded_numel,
     stage3_units,
 )
-from workers.zero.stages import MAX_INFLIGHT_BUCKETS
+from workers.zero.grad_reducer import MAX_INFLIGHT_BUCKETS
 
 GB = 1e9
 

@@ -5,7 +5,7 @@ Two claims (issue 8, "must show" 2; issue 14, "must show" 5):
 * model states held between steps: predicted params/optimizer bytes (+ host bytes under offload)
   equal ``engine.memory()`` after the last step within 1% plus the padding (the engine pads each
   bucket to a multiple of N; Adam's moments and its ``step`` scalars cover real elements only),
-  and no gradient is held then (``stages.py``, the note on gradients' lifetime; the gradients
+  and no gradient is held then (``grad_reducer.py``, the note on gradients' lifetime; the gradients
   within a step are ``test_accounting.py``'s);
 * peak: the predicted peak of the whole job -- the worst of its parts (``planner/peak.py``:
   construction, forward, backward, step) -- is within 10% of the measured peak growth of every

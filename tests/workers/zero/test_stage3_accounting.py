@@ -1,7 +1,7 @@
 """Issue 3, must-show 2: at N=2 with bf16, stage 3's memory() and comm_volume() match the model-state table (docs/design.md).
 
 params + grads + optimizer = 2Φ/N + 2Φ/N + 12Φ/N = 16Φ/N (within 1% plus padding) once backward
-has reduced the gradient shard, which ``step()`` drops (``stages.py``, the note on gradients' lifetime); the units
+has reduced the gradient shard, which ``step()`` drops (``grad_reducer.py``, the note on gradients' lifetime); the units
 gathered during forward are reported under ``buffers`` and nothing stays gathered after a step;
 one step moves exactly 3Φ (padded) with ``reshard_after_forward=True`` -- all-gather Φ in
 forward, Φ again in backward, reduce-scatter Φ -- and 2Φ when parameters stay gathered.

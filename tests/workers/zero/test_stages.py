@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from abc import ABC
 
 import pytest
 import torch
@@ -11,8 +12,8 @@ import torch.nn as nn
 from workers.zero.buckets import FlatBucket
 from workers.zero.collectives import Pending
 from workers.zero.flat import FlatLayout
+from workers.zero.grad_reducer import MAX_INFLIGHT_BUCKETS
 from workers.zero.stages import (
-    MAX_INFLIGHT_BUCKETS,
     AllReduceStrategy,
     ReduceScatterAtStepStrategy,
     ReduceScatterInBackwardStrategy,
@@ -194,6 +195,23 @@ def test_make_strategy_picks_by_what_the_stage_shards():
         assert strategy.sharded_grads == (stage > 0) and strategy.communicates_every_micro_step == (stage == 2)
     with pytest.raises(ValueError, match="unit plan"):
         build(3)  # stage 3 shards parameters: without the units its buckets came from it cannot run
+
+
+def test_stage_3_shares_the_gradient_path_by_holding_it_not_by_inheriting_stage_2():
+    """Every stage holds one ``GradReducer``; stage 3 derives only from the abstract ``Strategy``
+    and replaces none of its concrete methods, so a change to stage 2 cannot reach stage 3."""
+    from workers.zero.grad_reducer import GradReducer
+    from workers.zero.stage3 import ParamShardStrategy
+    from workers.zero.strategy_base import Strategy
+
+    assert ParamShardStrategy.__mro__[1:] == (Strategy, ABC, object)
+    inherited = {name for cls in (Strategy, ABC) for name, value in vars(cls).items()
+                 if not getattr(getattr(value, "fget", value), "__isabstractmethod__", False)}
+    own = {name for name in vars(ParamShardStrategy) if not name.startswith("__") and name != "_abc_impl"}
+    assert own & inherited == set()
+    for stage in (0, 1, 2):
+        strategy, _, _ = build(stage)
+        assert type(strategy.grads) is GradReducer and strategy.grads.buckets is strategy.buckets
 
 
 def _backward(strategy, sync: bool, record=None) -> None:

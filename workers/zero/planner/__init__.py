@@ -2,7 +2,7 @@
 
 It sits on top of the engine and asks the engine's own rules rather than restating them: the
 bucket layout (``flat.FlatLayout``), the stage-3 units (``units.plan_units``), the stage-2
-in-flight limit (``stages.MAX_INFLIGHT_BUCKETS``); what each stage shards and the torch-free
+in-flight limit (``grad_reducer.MAX_INFLIGHT_BUCKETS``); what each stage shards and the torch-free
 formulas come from ``contract.zero_math``. Nothing in the engine imports the planner.
 
 Modules: ``shape`` (Φ, bucket and unit sizes of a model, built on the meta device),

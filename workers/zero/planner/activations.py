@@ -27,7 +27,7 @@ from contract.zero_math import DEFAULT_PRECISION
 
 from ..config import PRECISIONS
 from ..flat import FlatLayout, packed_numel
-from ..stages import MAX_INFLIGHT_BUCKETS
+from ..grad_reducer import MAX_INFLIGHT_BUCKETS
 from ..units import checkpoint_forward, kept_after_forward, plan_units, unit_modules
 from .model_key import ModelKey
 from .shape import unit_buckets
@@ -125,7 +125,7 @@ class Stage2Layout:
     in_flight: int | None = MAX_INFLIGHT_BUCKETS  # None: a full bucket is kept until backward ends
     holds_shards: bool = True  # a reduced bucket leaves its shard (compute dtype, 1/N) behind
     # CPU: a scratch's pages become resident as gradients are written into them (the engine's note
-    # on the scratch's pages, ``stages.py``); CUDA: the whole bucket is allocated at its first gradient
+    # on the scratch's pages, ``grad_reducer.py``); CUDA: the whole bucket is allocated at its first gradient
     pages_on_write: bool = False
     per_unit: bool = False  # stage 3: one bucket per unit (blocks last-first, then the root)
     prefetch: int = ZERO_DEFAULTS["prefetch"]  # stage 3: units gathered ahead of the one running
@@ -236,7 +236,7 @@ class _Stage3Gathers:
 
 
 class _GradientReplay:
-    """Replays the engine's gradient storage (``workers/zero/stages.py``, the note on gradients'
+    """Replays the engine's gradient storage (``workers/zero/grad_reducer.py``, the note on gradients'
     lifetime) on the tracker's timeline: a bucket's full gradient appears with its first gradient
     (``pages_on_write``: each parameter's slot when its gradient is written, the rest when the
     bucket is launched); a bucket whose gradients all arrived is launched, strictly in bucket

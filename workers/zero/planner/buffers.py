@@ -2,7 +2,7 @@
 
 Each function says what it assumes about the engine, so that when the engine changes the
 prediction that has to change with it is easy to find: the stage-2/3 gradient scratch
-(``stages.py``, its in-flight limit ``MAX_INFLIGHT_BUCKETS`` read from there), the scratch of
+(``grad_reducer.py``, its in-flight limit ``MAX_INFLIGHT_BUCKETS`` read from there), the scratch of
 ``engine.step()``, stage 3's gathered units (``stage3.py``), construction's staging, the
 checkpoint's host copy and the allocator's reserve. What a stage shards comes from its traits
 (``contract.zero_math``). ``device`` is where the job runs: "cuda", or "cpu" for Gloo ranks,
@@ -17,7 +17,7 @@ from typing import Sequence
 from contract.zero_defaults import ZERO_DEFAULTS
 from contract.zero_math import MIB, low_precision_bytes, precision_traits, shard_numel, stage_traits
 
-from ..stages import MAX_INFLIGHT_BUCKETS
+from ..grad_reducer import MAX_INFLIGHT_BUCKETS
 from ..units import kept_after_forward
 
 
@@ -30,7 +30,7 @@ def backward_buffer_bytes(
     accumulation_steps: int = 1,
 ) -> int:
     """Gradient storage and communication scratch alive during backward, on top of what a rank
-    holds between steps (no gradient: ``workers/zero/stages.py``, the note on gradients'
+    holds between steps (no gradient: ``workers/zero/grad_reducer.py``, the note on gradients'
     lifetime), for THIS engine, as a bound that needs no profile.
 
     Stages that keep a full gradient (0/1): every bucket's full gradient (compute dtype); stage 1

@@ -1,7 +1,7 @@
 """A rank's peak over the whole job, part by part: the one formula the planner's total rests on.
 
 Model states are what a rank keeps -- its gradients only within a step: the engine allocates them
-as backward reaches them and drops them when ``step()`` ends (``stages.py``, the note on
+as backward reaches them and drops them when ``step()`` ends (``grad_reducer.py``, the note on
 gradients' lifetime), so between steps a rank holds the parameters and the optimizer's state
 only. Its peak is where something transient comes on top of that, and that happens in different
 parts of a job, never in two at once. ``job_peak`` adds,
