@@ -79,8 +79,9 @@ async def _stream_job(request: Request, job_id: str = JOB_ID_PATH) -> AsyncItera
     job, release = await anyio.to_thread.run_sync(_admit, request, job_id, limiter=slots.limiter)
     try:
         yield job
-    finally:
-        release()
+    finally:  # a database round trip on PostgreSQL: in a thread, and done even when cancelled
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(release, limiter=slots.limiter)
 
 
 StreamJob = Annotated[Job, Depends(_stream_job)]
