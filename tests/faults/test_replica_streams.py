@@ -1,0 +1,168 @@
+"""Event streams across replicas (issue 36): two real ``zerotrain serve`` processes on one
+PostgreSQL database (tests/faults/replicas.py), their schedulers off (the test plays the
+scheduler and the job's worker, so that nothing but the streams is under test).
+
+- The SDK, given both replicas' URLs, follows a metric stream opened on replica A; A is killed
+  (-9) mid-stream; the iterator goes on through B with every record exactly once.
+- A user's open streams are counted across replicas: opens beyond the limit, spread over both,
+  are refused with 429 and ``Retry-After``; the slots of a replica that dies are freed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections import Counter
+
+import httpx
+import pytest
+from sqlalchemy import create_engine
+from sqlalchemy.orm import sessionmaker
+
+from contract.environment import join_api_urls
+from contract.reasons import Reason
+from service.auth import INGEST_TOKEN_PREFIX, hash_token, new_token
+from service.client import Client
+from service.schemas import JobState
+from service.states import transition
+from tests.conftest import free_port
+from tests.faults.replicas import Replica, admin_token
+from tests.helpers.service_specs import make_spec
+from workers.reporting import WorkerAPI
+
+pytestmark = [pytest.mark.faults]
+
+STEPS = 40
+RANKS = 2
+LIMIT = 4  # streams per user
+
+
+def wait_for(condition, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"{what}: not within {timeout_s} s")
+
+
+@contextlib.contextmanager
+def two_replicas(database_url: str, root, **settings):
+    ports = [free_port(), free_port()]
+    urls = [f"http://127.0.0.1:{port}" for port in ports]
+    token = admin_token()
+    settings = {"scheduler_enabled": "false", "sse_poll_s": 0.05, **settings}
+    replicas = [Replica("a", root / "a", ports[0], database_url, urls, token, **settings)]
+    try:
+        replicas.append(Replica("b", root / "b", ports[1], database_url, urls[::-1], token, **settings))
+        for replica in replicas:
+            replica.wait_ready()
+        yield replicas, token
+    finally:
+        for replica in replicas:
+            replica.stop()
+
+
+def claim(database_url: str, job_id: str) -> str:
+    """What the leader's scheduler does to a job it starts: STARTING, with a new ingest token."""
+    token = new_token(INGEST_TOKEN_PREFIX)
+    engine = create_engine(database_url)
+    try:
+        with sessionmaker(engine)() as session:
+            transition(session, job_id, JobState.STARTING, reason=Reason.CLAIMED, expected={JobState.QUEUED},
+                       values={"ingest_token_hash": hash_token(token), "claimed_by": "test"})
+            session.commit()
+    finally:
+        engine.dispose()
+    return token
+
+
+def records(first: int, last: int) -> list[dict]:
+    return [{"attempt": 0, "rank": rank, "step": step, "time": time.time(), "loss": 1.0 / step}
+            for step in range(first, last + 1) for rank in range(RANKS)]
+
+
+def test_a_metric_stream_opened_on_a_replica_that_dies_goes_on_through_the_other(migrated_postgres_url, tmp_path):
+    with two_replicas(migrated_postgres_url, tmp_path) as ((a, b), token):
+        both = join_api_urls([a.url, b.url])
+        with Client(both, token) as user:
+            job_id = user.submit(make_spec()).id
+            ingest = claim(migrated_postgres_url, job_id)
+            worker = WorkerAPI(both, job_id, ingest, timeout_s=5)
+            worker.post_state(JobState.RUNNING)
+
+            received: list = []
+            failure: list[BaseException] = []
+
+            def follow() -> None:
+                try:
+                    received.extend(user.stream_metrics(job_id, timeout=10, reconnect_s=60))
+                except BaseException as error:  # noqa: BLE001 - reported by the test below
+                    failure.append(error)
+
+            follower = threading.Thread(target=follow, daemon=True)
+            follower.start()
+            assert worker.post_metrics(records(1, 15)).status_code == 200
+            wait_for(lambda: len(received) == 15 * RANKS or failure, 30, "the first records through A")
+            assert user.url == a.url  # the stream is A's
+
+            # stored through B while the stream still reads from A: whether A sends them
+            # before it dies or not, each must arrive once
+            direct = httpx.post(f"{b.url}/api/v1/jobs/{job_id}/metrics", json={"records": records(16, 25)},
+                                headers={"Authorization": f"Bearer {ingest}"})
+            assert direct.status_code == 200, direct.text
+            a.kill()
+            assert worker.post_metrics(records(26, STEPS)).status_code == 200  # fails over to B
+            assert worker.failovers >= 1
+            worker.post_state(JobState.SUCCEEDED)
+            follower.join(60)
+            worker.close()
+
+    assert not follower.is_alive(), "the stream did not end with the job"
+    assert not failure, failure
+    keys = [(point.rank, point.step) for point in received]
+    repeated = [key for key, count in Counter(keys).items() if count > 1]
+    assert not repeated, f"records received twice: {repeated}"
+    assert sorted(keys) == sorted((rank, step) for step in range(1, STEPS + 1) for rank in range(RANKS))
+    assert [point.id for point in received] == sorted(point.id for point in received)  # storage order
+    assert user.url == b.url  # the rest came through B
+
+
+def open_stream(stack: contextlib.ExitStack, url: str, token: str, job_id: str) -> httpx.Response:
+    """A metric stream opened and held open until ``stack`` closes (a refusal is read whole)."""
+    client = stack.enter_context(httpx.Client(headers={"Authorization": f"Bearer {token}"}, timeout=30))
+    response = stack.enter_context(client.stream("GET", f"{url}/api/v1/jobs/{job_id}/metrics/stream"))
+    if response.status_code != 200:
+        response.read()
+    return response
+
+
+def test_the_stream_limit_holds_across_replicas_and_a_dead_replicas_streams_are_freed(migrated_postgres_url,
+                                                                                     tmp_path):
+    with two_replicas(migrated_postgres_url, tmp_path, max_streams_per_user=LIMIT) as ((a, b), admin):
+        with Client(a.url, admin) as client:
+            alice = client.create_token("alice").token
+        with Client(a.url, alice) as client:
+            job_id = client.submit(make_spec()).id  # QUEUED: its streams stay open
+        with contextlib.ExitStack() as on_a, contextlib.ExitStack() as on_b:
+            opened = [open_stream(on_a, a.url, alice, job_id).status_code for _ in range(LIMIT // 2)]
+            opened += [open_stream(on_b, b.url, alice, job_id).status_code for _ in range(LIMIT - LIMIT // 2)]
+            assert opened == [200] * LIMIT
+            for replica in (a, b):
+                with contextlib.ExitStack() as stack:
+                    refused = open_stream(stack, replica.url, alice, job_id)
+                    assert refused.status_code == 429, (replica.name, refused.status_code)
+                    assert float(refused.headers["Retry-After"]) > 0
+                    assert "ZEROTRAIN_MAX_STREAMS_PER_USER" in refused.json()["detail"]
+            with contextlib.ExitStack() as stack:  # the bound is alice's, not everyone's
+                assert open_stream(stack, b.url, admin, job_id).status_code == 200
+
+            a.kill()  # its connection to PostgreSQL closes, and alice's slots there with it
+            with contextlib.ExitStack() as stack:
+                def reopened() -> bool:
+                    return open_stream(stack, b.url, alice, job_id).status_code == 200
+                wait_for(reopened, 30, "a slot of the dead replica to be free again")
+                assert open_stream(stack, b.url, alice, job_id).status_code == 200
+                assert open_stream(stack, b.url, alice, job_id).status_code == 429  # the limit again
