@@ -3,7 +3,9 @@ PostgreSQL database (tests/faults/replicas.py), their schedulers off (the test p
 scheduler and the job's worker, so that nothing but the streams is under test).
 
 - The SDK, given both replicas' URLs, follows a metric stream opened on replica A; A is killed
-  (-9) mid-stream; the iterator goes on through B with every record exactly once.
+  (-9) mid-stream, or stopped (SIGTERM: a rolling restart's step); the iterator goes on through
+  B with every record exactly once. A stopped replica exits with the stream open (it does not
+  wait for its streams to end first).
 - A user's open streams are counted across replicas: opens beyond the limit, spread over both,
   are refused with 429 and ``Retry-After``; the slots of a replica that dies are freed.
 """
@@ -84,7 +86,12 @@ def records(first: int, last: int) -> list[dict]:
             for step in range(first, last + 1) for rank in range(RANKS)]
 
 
-def test_a_metric_stream_opened_on_a_replica_that_dies_goes_on_through_the_other(migrated_postgres_url, tmp_path):
+STOP_LIMIT_S = 30.0  # a stopped replica exits by itself well within this (Replica.stop kills after it)
+
+
+@pytest.mark.parametrize("stop", ["kill -9", "SIGTERM"])
+def test_a_metric_stream_opened_on_a_replica_that_goes_away_goes_on_through_the_other(migrated_postgres_url,
+                                                                                      tmp_path, stop):
     with two_replicas(migrated_postgres_url, tmp_path) as ((a, b), token):
         both = join_api_urls([a.url, b.url])
         with Client(both, token) as user:
@@ -113,7 +120,11 @@ def test_a_metric_stream_opened_on_a_replica_that_dies_goes_on_through_the_other
             direct = httpx.post(f"{b.url}/api/v1/jobs/{job_id}/metrics", json={"records": records(16, 25)},
                                 headers={"Authorization": f"Bearer {ingest}"})
             assert direct.status_code == 200, direct.text
-            a.kill()
+            if stop == "kill -9":
+                a.kill()
+            else:
+                a.process.terminate()
+                wait_for(lambda: a.process.poll() is not None, STOP_LIMIT_S, "A to exit with a stream open")
             assert worker.post_metrics(records(26, STEPS)).status_code == 200  # fails over to B
             assert worker.failovers >= 1
             worker.post_state(JobState.SUCCEEDED)
