@@ -50,7 +50,7 @@ from contract.webhooks import (
     SIGNATURE_HEADER,
     SIGNATURE_PREFIX,
 )
-from service.leadership import SOLE_LEADER, Lease, LeadershipLost, SoleLeader
+from service.leadership import SOLE_LEADER, LeadershipLost, Lease, SoleLeader
 from service.models import Job, Webhook, WebhookDelivery, utcnow
 from service.poll_loop import PollLoop
 from service.settings import Settings
