@@ -174,7 +174,7 @@ class Client:
         """``url``: the service, or several replicas of it comma-separated ([Note: replicas])."""
         self.urls = api_urls(url or default_url())
         if not self.urls:
-            raise ValueError(f"no zerotrain URL in {url!r}")
+            raise ZerotrainError(f"no zerotrain URL in {url!r} (one URL, or several comma-separated)")
         self._current = 0  # index into self.urls of the replica that answered last
         self.token = token or default_token()
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
