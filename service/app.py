@@ -113,6 +113,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.sessionmaker = make_session
     app.state.service_metrics = service_metrics
     app.state.wake_scheduler = None
+    app.state.stopping = threading.Event()  # set on SIGTERM/SIGINT (``zerotrain serve``): streams end
     app.state.stream_slots = make_stream_slots(engine, settings.max_streams_per_user, settings.stream_poll_threads)
 
     install_error_handlers(app)
