@@ -15,6 +15,10 @@ backlog left by the abandoned step is not charged to it. A few unmeasured reques
 server up first (the first submission imports the planner).
 
 * ``submit``  POST /api/v1/jobs.
+* ``submit, N replicas``  the same ramp against ``--replicas`` servers on the same database,
+              the requests dealt round-robin between them (as a load balancer would); in the
+              same run as the one-replica ramp, so the two are compared on the same machine
+              under the same load. Server CPU is the sum of every replica's.
 * ``ingest``  ``--ranks`` simulated ranks of one job, each posting one batch per flush
               interval (1 s) the way ``workers.reporting.MetricReporter`` does; the step raises
               the records per rank and second, so the rate is reported in metric points/s.
@@ -54,6 +58,7 @@ SPEC = {
 FLUSH_INTERVAL_S = 1.0  # workers.reporting.MetricReporter's default
 CANCEL_WAIT_S = 5.0  # an abandoned step awaits its cancelled requests this long at most
 SETTLE_WITHIN_S = 120.0  # between phases, the server must answer /healthz promptly again within this
+QUEUE_LIMIT = 10**6  # the per-user queue limit (still counted on every submit) never refuses a ramp's jobs
 
 
 @dataclass
@@ -184,10 +189,10 @@ async def open_loop(rate: float, seconds: float, send: Callable[[int], Awaitable
 
 async def measure(phase: str, rate: float, send: Callable[[int], Awaitable[bool]], args: argparse.Namespace,
                   points_per_request: int = 0) -> Step:
-    cpu_before = cpu_seconds(args.server_pid)
+    cpu_before = sum(cpu_seconds(pid) for pid in args.server_pids)
     load = await open_loop(rate, args.step_seconds, send, give_up_s=10 * args.p99_ms / 1000)
     sent = len(load.latencies)
-    cpu_ms = 1000 * (cpu_seconds(args.server_pid) - cpu_before) / sent
+    cpu_ms = 1000 * (sum(cpu_seconds(pid) for pid in args.server_pids) - cpu_before) / sent
     errors = load.failed + load.unfinished
     loaded_s = load.seconds if load.abandoned else args.step_seconds  # an abandoned step ran shorter
     points = (sent - errors) * points_per_request / loaded_s if points_per_request else None
@@ -253,6 +258,7 @@ def start_server(database_url: str, home: Path, port: int, **settings: str) -> s
     defaults here (the local launcher, scheduler off), e.g. ``LAUNCHER="ray"``."""
     env = {**os.environ, "ZEROTRAIN_HOME": str(home), "ZEROTRAIN_DATABASE_URL": database_url,
            "ZEROTRAIN_LAUNCHER": "local", "ZEROTRAIN_SCHEDULER_ENABLED": "false",
+           "ZEROTRAIN_MAX_QUEUED_JOBS_PER_USER": str(QUEUE_LIMIT),
            "ZEROTRAIN_PORT": str(port), **{f"ZEROTRAIN_{name}": value for name, value in settings.items()}}
     server = subprocess.Popen([sys.executable, "-m", "uvicorn", "service.app:create_app", "--factory",
                                "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
@@ -297,6 +303,15 @@ def admin_sql(statement: str) -> None:
     engine.dispose()
 
 
+def database_sql(database_url: str, statement: str) -> None:
+    from sqlalchemy import create_engine, text
+
+    engine = create_engine(database_url)
+    with engine.begin() as connection:
+        connection.execute(text(statement))
+    engine.dispose()
+
+
 def free_port() -> int:
     import socket
 
@@ -308,18 +323,46 @@ def free_port() -> int:
 # ----------------------------------------------------------------------------- the phases
 
 
+async def submit_ramp(phase: str, bases: list[str], token: str, args: argparse.Namespace) -> list[Step]:
+    """The submissions ramp, the ``i``-th request sent to ``bases[i % len(bases)]``."""
+    limits = httpx.Limits(max_connections=args.connections, max_keepalive_connections=args.connections)
+    async with httpx.AsyncClient(timeout=30, limits=limits, headers={"Authorization": f"Bearer {token}"}) as user:
+        async def submit(index: int) -> bool:
+            return (await user.post(f"{bases[index % len(bases)]}/api/v1/jobs", json=SPEC)).status_code == 201
+
+        for index in range(3 * len(bases)):  # warm-up, not measured: a first submit imports the planner (torch)
+            assert await submit(index), "warm-up submission failed"
+        print(f"{phase}: POST /api/v1/jobs", flush=True)
+        steps = await ramp(args.submit_start, args, lambda rate: measure(phase, rate, submit, args))
+        for base in bases:
+            await settle(user, f"{base}/healthz", args)
+    return steps
+
+
+async def replicas_ramp(token: str, database_url: str, home: Path, args: argparse.Namespace) -> list[Step]:
+    """The submissions ramp against the first server and ``--replicas - 1`` more on its database,
+    from an empty queue again, as the one-replica ramp started (the jobs it queued are ended)."""
+    database_sql(database_url, "UPDATE jobs SET state = 'CANCELLED' WHERE state = 'QUEUED'")
+    ports = [free_port() for _ in range(args.replicas - 1)]
+    for port in ports:
+        (home / f"replica-{port}").mkdir()
+    extra = [start_server(database_url, home / f"replica-{port}", port) for port in ports]
+    args.server_pids = [args.server_pids[0], *(server.pid for server in extra)]
+    try:
+        bases = [args.base, *(f"http://127.0.0.1:{port}" for port in ports)]
+        return await submit_ramp(f"submit, {args.replicas} replicas", bases, token, args)
+    finally:
+        args.server_pids = args.server_pids[:1]
+        for server in extra:
+            server.terminate()
+            server.wait(30)
+
+
 async def run_phases(base: str, token: str, database_url: str, home: Path, args: argparse.Namespace) -> dict:
     limits = httpx.Limits(max_connections=args.connections, max_keepalive_connections=args.connections)
-    async with httpx.AsyncClient(base_url=base, timeout=30, limits=limits,
-                                 headers={"Authorization": f"Bearer {token}"}) as user:
-        async def submit(_index: int) -> bool:
-            return (await user.post("/api/v1/jobs", json=SPEC)).status_code == 201
-
-        for _ in range(3):  # warm-up, not measured: the first submit imports the planner (torch)
-            assert await submit(0), "warm-up submission failed"
-        print("submit: POST /api/v1/jobs", flush=True)
-        submit_steps = await ramp(args.submit_start, args, lambda rate: measure("submit", rate, submit, args))
-        await settle(user, f"{base}/healthz", args)
+    args.base = base
+    submit_steps = await submit_ramp("submit", [base], token, args)
+    replica_steps = await replicas_ramp(token, database_url, home, args) if args.replicas > 1 else []
 
     (job_id, ingest), = claim_ingest_tokens(database_url, home, 1)
     next_step = [0] * args.ranks  # per rank: the next step to report, unique across the ramp
@@ -350,7 +393,7 @@ async def run_phases(base: str, token: str, database_url: str, home: Path, args:
         batch_ms = 1000 * (time.perf_counter() - started)
         assert response.status_code == 200 and response.json()["accepted"] == 10_000, response.text
         print(f"batch:  one POST of 10,000 records: {batch_ms:.0f} ms", flush=True)
-    return {"submit": submit_steps, "ingest": ingest_steps, "batch_10k_ms": batch_ms}
+    return {"submit": submit_steps, "replicas": replica_steps, "ingest": ingest_steps, "batch_10k_ms": batch_ms}
 
 
 def best(steps: list[Step], held: bool = True) -> Step | None:
@@ -368,8 +411,11 @@ def main() -> int:
     parser.add_argument("--ranks", type=int, default=64, help="simulated ranks posting metrics")
     parser.add_argument("--ingest-start", type=float, default=4.0, help="first records per rank and second")
     parser.add_argument("--connections", type=int, default=128, help="client connection pool size")
+    parser.add_argument("--replicas", type=int, default=2,
+                        help="also ramp submissions against this many servers on one database (1: not)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
+    load_at_start = os.getloadavg()[0]
 
     database = f"zt_bench_{uuid.uuid4().hex[:10]}"
     database_url = f"postgresql+psycopg://postgres@127.0.0.1:5432/{database}"
@@ -381,7 +427,7 @@ def main() -> int:
             server = start_server(database_url, home, port)
             try:
                 token = (home / "token").read_text().strip()
-                args.server_pid = server.pid
+                args.server_pids = [server.pid]
                 results = asyncio.run(run_phases(f"http://127.0.0.1:{port}", token, database_url, home, args))
             finally:
                 server.terminate()
@@ -392,9 +438,12 @@ def main() -> int:
     table = Table("phase", f"held: p99 < {args.p99_ms:.0f} ms", "p50 / p99 ms", "server CPU-ms/req",
                   "most kept up (p99 < 10x)", "p50 / p99 ms", "ramp stopped at (offered)", "because",
                   title=f"zerotrain control plane on PostgreSQL ({os.cpu_count()} CPUs, "
-                        f"load average {os.getloadavg()[0]:.1f} at the end)")
+                        f"load average {load_at_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end)")
     summary = {}
-    for phase, label in (("submit", "submit (req/s)"), ("ingest", f"ingest, {args.ranks} ranks (points/s)")):
+    phases = [("submit", "submit, 1 replica (req/s)"), ("ingest", f"ingest, {args.ranks} ranks (points/s)")]
+    if results["replicas"]:
+        phases.insert(1, ("replicas", f"submit, {args.replicas} replicas (req/s)"))
+    for phase, label in phases:
         held, kept = best(results[phase]), best(results[phase], held=False)
         rate = (lambda s: s.points_per_s) if phase == "ingest" else (lambda s: s.offered_per_s)
         cells = []
@@ -413,10 +462,11 @@ def main() -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({
             "p99_ms_limit": args.p99_ms, "step_seconds": args.step_seconds, "ranks": args.ranks,
-            "cpu_count": os.cpu_count(), "load_average": os.getloadavg()[0],
-            "submit_per_s": summary["submit"], "ingest_points_per_s": summary["ingest"],
+            "cpu_count": os.cpu_count(), "load_average": os.getloadavg()[0], "load_average_at_start": load_at_start,
+            "replicas": args.replicas, "submit_per_s": summary["submit"],
+            "submit_replicas_per_s": summary.get("replicas"), "ingest_points_per_s": summary["ingest"],
             "batch_10k_ms": results["batch_10k_ms"],
-            "steps": [asdict(step) for step in results["submit"] + results["ingest"]],
+            "steps": [asdict(step) for step in results["submit"] + results["replicas"] + results["ingest"]],
         }, indent=2))
     return 0
 

@@ -29,7 +29,7 @@ JOB_ENV_PASSTHROUGH_ENV = ENV_PREFIX + "JOB_ENV_PASSTHROUGH"
 # The CLI and SDK (service/client.py).
 HOME_ENV = ENV_PREFIX + "HOME"  # default ~/.zerotrain: the saved token
 TOKEN_ENV = ENV_PREFIX + "TOKEN"
-URL_ENV = ENV_PREFIX + "URL"
+URL_ENV = ENV_PREFIX + "URL"  # one URL or several, comma-separated, as API_URL_ENV: api_urls()
 
 
 def api_urls(value: str) -> list[str]:

@@ -40,7 +40,7 @@ from service.limits import BodySizeLimit
 from service.observability import RequestMetrics, RouteTemplates, ServiceMetrics
 from service.scheduler import Scheduler, replica_identity
 from service.settings import Settings
-from service.stream_slots import StreamSlots
+from service.stream_slots import make_stream_slots
 from service.webhooks import WebhookSender
 
 log = logging.getLogger(__name__)
@@ -101,6 +101,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             webhook_sender.stop()
             lease.stop()  # after the duties: hands the lease over at once
             launcher.close()
+            app.state.stream_slots.close()
             engine.dispose()
             warm_up.join(WARM_UP_JOIN_S)
 
@@ -112,7 +113,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.sessionmaker = make_session
     app.state.service_metrics = service_metrics
     app.state.wake_scheduler = None
-    app.state.stream_slots = StreamSlots(settings.max_streams_per_user, settings.stream_poll_threads)
+    app.state.stopping = threading.Event()  # set on SIGTERM/SIGINT (``zerotrain serve``): streams end
+    app.state.stream_slots = make_stream_slots(engine, settings.max_streams_per_user, settings.stream_poll_threads)
 
     install_error_handlers(app)
     for router in (jobs.router, metrics.router, workers.router, memory_check.router, step_time.router,

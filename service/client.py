@@ -7,6 +7,10 @@
 
 Every HTTP error becomes a typed exception carrying the server's message (``ZerotrainError``
 and its subclasses); connection failures are ``ServiceUnavailable``.
+
+[Note: replicas] The URL may name several replicas, comma-separated (``contract.environment.api_urls``).
+A call that cannot reach one goes to the next when that is safe (``Client._send``); a dropped
+event stream resumes on the next one with ``Last-Event-ID`` (``Client._follow``).
 """
 
 from __future__ import annotations
@@ -19,8 +23,20 @@ from typing import Any
 
 import httpx
 
-from contract.environment import HOME_ENV, TOKEN_ENV, URL_ENV
+from contract.environment import HOME_ENV, TOKEN_ENV, URL_ENV, api_urls
 from contract.quotas import TeamQuota, TeamQuotaOut
+from service.client_errors import (  # noqa: F401 -- re-exported: the SDK's exceptions are its API
+    Conflict,
+    NotFound,
+    PayloadTooLarge,
+    ServerError,
+    ServiceUnavailable,
+    Unauthorized,
+    ValidationFailed,
+    WaitTimeout,
+    ZerotrainError,
+    error_from_response,
+)
 from service.schemas import (
     LOG_SIZE_HEADER,
     SSE_KEEPALIVE_S,
@@ -36,14 +52,14 @@ from service.schemas import (
     JobState,
     MetricList,
     MetricPoint,
-    TensorBoardOut,
-    TokenCreated,
-    TokenList,
-    TokenOut,
     TeamList,
     TeamMemberList,
     TeamMemberOut,
     TeamOut,
+    TensorBoardOut,
+    TokenCreated,
+    TokenList,
+    TokenOut,
     WebhookDeliveryList,
     WebhookDeliveryOut,
     WebhookList,
@@ -51,56 +67,6 @@ from service.schemas import (
 )
 
 DEFAULT_URL = "http://127.0.0.1:8000"
-
-
-class ZerotrainError(Exception):
-    """Base of every SDK error; ``status`` is the HTTP status (None if there was no answer)."""
-
-    def __init__(self, message: str, status: int | None = None, errors: list[dict] | None = None):
-        super().__init__(message)
-        self.message, self.status, self.errors = message, status, errors or []
-
-
-class Unauthorized(ZerotrainError):
-    pass
-
-
-class NotFound(ZerotrainError):
-    pass
-
-
-class Conflict(ZerotrainError):
-    pass
-
-
-class ValidationFailed(ZerotrainError):
-    """422: ``errors`` lists ``{"field", "message", "type"}`` for each bad field."""
-
-    @property
-    def fields(self) -> list[str]:
-        return [error.get("field") or "" for error in self.errors]
-
-
-class PayloadTooLarge(ZerotrainError):
-    pass
-
-
-class ServerError(ZerotrainError):
-    pass
-
-
-class ServiceUnavailable(ZerotrainError):
-    pass
-
-
-class WaitTimeout(ZerotrainError):
-    pass
-
-
-_ERRORS_BY_STATUS: dict[int, type[ZerotrainError]] = {
-    401: Unauthorized, 403: Unauthorized, 404: NotFound, 409: Conflict, 413: PayloadTooLarge,
-    422: ValidationFailed, 503: ServiceUnavailable,
-}
 
 
 def _default_home() -> Path:
@@ -122,18 +88,6 @@ def default_url() -> str:
     return (os.environ.get(URL_ENV) or DEFAULT_URL).rstrip("/")
 
 
-def error_from_response(response: httpx.Response) -> ZerotrainError:
-    try:
-        body = response.json()
-        message, errors = str(body.get("detail", response.text)), body.get("errors") or []
-    except (ValueError, AttributeError):
-        message, errors = response.text or response.reason_phrase, []
-    kind = _ERRORS_BY_STATUS.get(response.status_code)
-    if kind is None:
-        kind = ServerError if response.status_code >= 500 else ZerotrainError
-    return kind(message, response.status_code, errors)
-
-
 STREAM_RECONNECT_S = 120.0  # how long a broken event stream is tried again before raising
 STREAM_BACKOFF_MAX_S = 10.0  # the longest wait between two reconnection attempts
 
@@ -151,23 +105,44 @@ def _retry_after(response: httpx.Response) -> float | None:
         return None
 
 
-def _repeatable(method: str, response: httpx.Response, kwargs: dict[str, Any]) -> bool:
+def _safe_to_repeat(method: str, kwargs: dict[str, Any]) -> bool:
+    """Whether sending the request again cannot do anything twice: it reads, or it carries an
+    ``Idempotency-Key``."""
     headers = {k.lower() for k in (kwargs.get("headers") or {})}
-    return response.status_code == 429 or method.upper() in ("GET", "HEAD") or "idempotency-key" in headers
+    return method.upper() in ("GET", "HEAD") or "idempotency-key" in headers
+
+
+def _repeatable(method: str, response: httpx.Response, kwargs: dict[str, Any]) -> bool:
+    return response.status_code == 429 or _safe_to_repeat(method, kwargs)
+
+
+_NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout)  # no connection: the request never left
 
 
 class Client:
     def __init__(self, url: str | None = None, token: str | None = None, *, timeout: float = 30.0,
                  transport: httpx.BaseTransport | None = None):
-        self.url = (url or default_url()).rstrip("/")
+        """``url``: the service, or several replicas of it comma-separated ([Note: replicas])."""
+        self.urls = api_urls(url or default_url())
+        if not self.urls:
+            raise ZerotrainError(f"no zerotrain URL in {url!r} (one URL, or several comma-separated)")
+        self._current = 0  # index into self.urls of the replica that answered last
         self.token = token or default_token()
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
-        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout, transport=transport)
+        self._http = httpx.Client(headers=headers, timeout=timeout, transport=transport)
+
+    @property
+    def url(self) -> str:
+        """The replica this client talks to now."""
+        return self.urls[self._current]
+
+    def _next_replica(self) -> None:
+        self._current = (self._current + 1) % len(self.urls)
 
     def close(self) -> None:
         self._http.close()
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *_exc: object) -> None:
@@ -179,13 +154,11 @@ class Client:
         """One API call. A 429 or 503 that says ``Retry-After`` is tried again after that many
         seconds, up to ``RETRY_AFTER_BUDGET_S`` of waiting in all, when repeating it is safe: the
         server refused it before doing anything (429), or it reads, or it carries an
-        ``Idempotency-Key``; then the last answer is raised as usual."""
+        ``Idempotency-Key``; then the last answer is raised as usual. A replica that cannot be
+        reached is left for the next (``_send``)."""
         waited = 0.0
         while True:
-            try:
-                response = self._http.request(method, path, **kwargs)
-            except httpx.TransportError as error:
-                raise ServiceUnavailable(f"cannot reach zerotrain at {self.url}: {error}") from None
+            response = self._send(method, path, **kwargs)
             delay = _retry_after(response)
             if delay is None or waited + delay > RETRY_AFTER_BUDGET_S or not _repeatable(method, response, kwargs):
                 break
@@ -194,6 +167,21 @@ class Client:
         if response.status_code >= 400:
             raise error_from_response(response)
         return response
+
+    def _send(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        """``method`` on ``path`` at the current replica, else at the next ones in turn: at once
+        after a connection that could not be made, and after any other transport error when the
+        request is safe to repeat (one that may have arrived is not sent twice)."""
+        problems = []
+        for _ in self.urls:
+            try:
+                return self._http.request(method, self.url + path, **kwargs)
+            except httpx.TransportError as error:
+                problems.append(f"{self.url}: {error or type(error).__name__}")
+                if not isinstance(error, _NOT_SENT) and not _safe_to_repeat(method, kwargs):
+                    break
+                self._next_replica()
+        raise ServiceUnavailable(f"cannot reach zerotrain ({'; '.join(problems)})") from None
 
     def _api(self, method: str, path: str, **kwargs: Any) -> Any:
         return self.request(method, f"/api/v1{path}", **kwargs).json()
@@ -403,7 +391,9 @@ class Client:
         connection, a stream closed before its ``end`` event, a stream silent for ``timeout``
         seconds (default: three keep-alive intervals) or a 429/503, the request is made again
         with ``Last-Event-ID``, so the server goes on with the next event: no duplicate, no gap.
-        The waits start at the stream's ``retry:`` (or a ``Retry-After``) and double up to
+        Each new try goes to the next replica when there are several: every replica serves
+        the same rows under the same ids (one database), so a stream opened on a replica that
+        died goes on from another. The waits start at the stream's ``retry:`` (or a ``Retry-After``) and double up to
         ``STREAM_BACKOFF_MAX_S``; after ``reconnect_s`` seconds without an event or a keep-alive,
         ``ServiceUnavailable`` is raised.
         """
@@ -414,7 +404,7 @@ class Client:
             headers = {"Last-Event-ID": last_id} if last_id is not None else {}
             wait: float | None = None
             try:
-                with self._http.stream("GET", f"/api/v1{path}", params=params, headers=headers,
+                with self._http.stream("GET", f"{self.url}/api/v1{path}", params=params, headers=headers,
                                        timeout=httpx.Timeout(self._http.timeout.connect, read=read_s)) as response:
                     wait = _retry_after(response)
                     if response.status_code >= 400:
@@ -438,8 +428,9 @@ class Client:
             except httpx.TransportError as error:
                 problem = str(error) or type(error).__name__
             if time.monotonic() - failing_since > reconnect_s:
-                raise ServiceUnavailable(f"event stream from {self.url} broke and did not come back "
-                                         f"within {reconnect_s:g} s: {problem}")
+                raise ServiceUnavailable(f"event stream from {', '.join(self.urls)} broke and did not come "
+                                         f"back within {reconnect_s:g} s: {problem}")
+            self._next_replica()
             time.sleep(wait if wait is not None else min(retry_s * 2 ** failures, STREAM_BACKOFF_MAX_S))
             failures += 1
 

@@ -11,15 +11,37 @@ So:
   connections, whatever their number; ordinary requests keep the default pool;
 - a stream's open (token, job, slot) runs under the same limiter, in one short turn with a
   session of its own (``service.api.sse``), so a burst of opens cannot take the default pool.
+
+``StreamSlots`` counts in this process: enough for SQLite, which runs one replica. On
+PostgreSQL ``SharedStreamSlots`` counts across every replica of the database instead.
+
+[Note: slots are advisory locks]
+A user's ``max_per_user`` slots are the PostgreSQL advisory locks ``(user key, 1..max)``: an
+open takes the first free one with ``pg_try_advisory_lock`` (one query, atomic: two replicas
+cannot take the same slot), and 429 when all are held, on whichever replicas. Each replica
+holds its slots on one connection of its own, outside the pool; when the replica dies its
+connection closes and PostgreSQL frees its slots at once: nothing to expire, no table. A
+session's advisory locks are re-entrant, so the query skips the slots this replica already
+holds. Should that connection break, its slots are gone with it: the streams already open go
+on uncounted and the next open takes a new connection. The user key is 31 bits of the name's
+SHA-256: two users whose keys collide share one set of slots. Every open stream holds one lock
+in PostgreSQL's lock table (``max_locks_per_transaction`` × ``max_connections`` entries in all,
+6,400 by default): raise ``max_locks_per_transaction`` for more open streams than that.
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import threading
 from collections.abc import Callable
 
 import anyio
 from fastapi import HTTPException
+from sqlalchemy import Connection, Engine, TextClause, create_engine, text
+from sqlalchemy.pool import NullPool
+
+log = logging.getLogger(__name__)
 
 
 class StreamSlots:
@@ -37,9 +59,17 @@ class StreamSlots:
             self._limiter = anyio.CapacityLimiter(self.poll_threads)
         return self._limiter
 
+    def refusal(self, user: str) -> HTTPException:
+        return HTTPException(429, f"{user} already has {self.max_per_user} open event streams "
+                                  f"(ZEROTRAIN_MAX_STREAMS_PER_USER); close one first",
+                             headers={"Retry-After": "5"})
+
     def open_count(self, user: str) -> int:
         with self._lock:
             return self._open.get(user, 0)
+
+    def close(self) -> None:
+        """Nothing held outside this process."""
 
     def take(self, user: str) -> Callable[[], None]:
         """Take one of ``user``'s slots; returns the (idempotent) release. 429 when all are taken.
@@ -51,9 +81,7 @@ class StreamSlots:
         """
         with self._lock:
             if self._open.get(user, 0) >= self.max_per_user:
-                raise HTTPException(429, f"{user} already has {self.max_per_user} open event streams "
-                                         f"(ZEROTRAIN_MAX_STREAMS_PER_USER); close one first",
-                                    headers={"Retry-After": "5"})
+                raise self.refusal(user)
             self._open[user] = self._open.get(user, 0) + 1
         released = False
 
@@ -68,3 +96,93 @@ class StreamSlots:
                     del self._open[user]
 
         return release
+
+
+_TAKE = text("""
+SELECT slot FROM generate_series(1, CAST(:max_per_user AS int4)) AS slot
+ WHERE CASE WHEN slot = ANY(CAST(:held AS int4[])) THEN false
+            ELSE pg_try_advisory_lock(CAST(:user_key AS int4), slot) END
+ LIMIT 1""")
+_RELEASE = text("SELECT pg_advisory_unlock(CAST(:user_key AS int4), CAST(:slot AS int4))")
+_COUNT = text("""
+SELECT count(*) FROM pg_locks
+ WHERE locktype = 'advisory' AND granted AND objsubid = 2 AND classid::int8 = :user_key
+   AND objid::int8 BETWEEN 1 AND :max_per_user
+   AND database = (SELECT oid FROM pg_database WHERE datname = current_database())""")
+
+
+def user_key(user: str) -> int:
+    """The first lock key of ``user``'s slots (31 bits, so it reads the same as an int4 and an oid)."""
+    return int.from_bytes(hashlib.sha256(user.encode()).digest()[:4], "big") >> 1
+
+
+class SharedStreamSlots(StreamSlots):
+    """The slots of every replica on one PostgreSQL database ([Note: slots are advisory locks])."""
+
+    def __init__(self, engine: Engine, max_per_user: int, poll_threads: int):
+        super().__init__(max_per_user, poll_threads)
+        self._engine = create_engine(engine.url, poolclass=NullPool, isolation_level="AUTOCOMMIT")
+        self._connection: Connection | None = None
+        self._held: dict[str, set[int]] = {}  # the slots this replica holds on self._connection
+
+    def _run(self, statement: TextClause, **params: object) -> object:
+        """One statement on the slots' connection (a new one after a failure), under ``_lock``."""
+        if self._connection is None:
+            self._connection = self._engine.connect()
+        try:
+            return self._connection.execute(statement, params).scalar()
+        except Exception:
+            self._drop_connection()
+            raise
+
+    def _drop_connection(self) -> None:
+        """Close the connection, which frees every slot it held (see the note)."""
+        connection, self._connection = self._connection, None
+        self._held.clear()
+        if connection is not None:
+            connection.invalidate()
+            connection.close()
+
+    def take(self, user: str) -> Callable[[], None]:
+        key = user_key(user)
+        with self._lock:
+            held = self._held.setdefault(user, set())
+            slot = self._run(_TAKE, max_per_user=self.max_per_user, held=sorted(held), user_key=key)
+            if slot is None:
+                raise self.refusal(user)
+            held.add(slot)
+            connection = self._connection
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            with self._lock:
+                if released:
+                    return
+                released = True
+                if connection is not self._connection or slot not in self._held.get(user, ()):
+                    return  # its connection is gone, and the slot with it
+                self._held[user].discard(slot)
+                try:
+                    self._run(_RELEASE, user_key=key, slot=slot)
+                except Exception:  # the connection was dropped, and every slot it held with it
+                    log.warning("releasing a stream slot failed", exc_info=True)
+
+        return release
+
+    def open_count(self, user: str) -> int:
+        """The user's open streams on every replica."""
+        with self._lock:
+            return int(self._run(_COUNT, user_key=user_key(user), max_per_user=self.max_per_user))
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop_connection()
+        self._engine.dispose()
+
+
+def make_stream_slots(engine: Engine, max_per_user: int, poll_threads: int) -> StreamSlots:
+    """The slots of a service on ``engine``: this process's on SQLite, the database's on PostgreSQL."""
+    if engine.dialect.name == "sqlite":
+        return StreamSlots(max_per_user, poll_threads)
+    return SharedStreamSlots(engine, max_per_user, poll_threads)

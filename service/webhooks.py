@@ -16,9 +16,16 @@ retried after ``webhook_retry_base_s * 2**(attempts - 1)`` seconds, capped at an
 [Note: claiming a delivery] The sender claims a due row by moving its ``next_attempt_at`` past the
 request's timeout with a conditional UPDATE; only the sender whose UPDATE matched sends. Another
 sender on the same database (a second replica) skips it, and a sender that dies mid-request
-leaves a row that falls due again, which is sent again with the same delivery id. With
-several replicas only the leader sends (``service.leadership``); a paused ex-leader that
-resumes can at worst send a claimed delivery again, with its same delivery id.
+leaves a row that falls due again, which is sent again with the same delivery id.
+
+[Note: fenced sends] With several replicas only the leader sends, and its three database steps
+are fenced as the scheduler's writes are ([Note: fencing] in ``service.leadership``): the claim,
+a check just before the request, and the record of its answer each run in a transaction that
+checks the lease, and the last two also that the claim is still this sender's (the row still
+pending with the ``next_attempt_at`` its claim set). A leader paused past its lease therefore
+neither sends a delivery it had claimed nor records an answer over the new leader's once it
+resumes. Only a pause in the instant between the check and the request itself can still send
+a delivery once more; it carries the same delivery id, which receivers dedupe on.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ import hmac
 import json
 import logging
 import uuid
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 import httpx
 from sqlalchemy import select, update
@@ -43,7 +50,7 @@ from contract.webhooks import (
     SIGNATURE_HEADER,
     SIGNATURE_PREFIX,
 )
-from service.leadership import SOLE_LEADER, Lease, SoleLeader
+from service.leadership import SOLE_LEADER, LeadershipLost, Lease, SoleLeader
 from service.models import Job, Webhook, WebhookDelivery, utcnow
 from service.poll_loop import PollLoop
 from service.settings import Settings
@@ -104,6 +111,7 @@ class WebhookSender:
         self.settings = settings
         self._loop = PollLoop("zerotrain-webhooks", self.send_due, settings.webhook_poll_s)
         self._http = httpx.Client(timeout=settings.webhook_timeout_s, follow_redirects=False, trust_env=False)
+        self._claims: dict[str, datetime] = {}  # delivery id -> the next_attempt_at this sender's claim set
 
     def start(self) -> None:
         self._loop.start()
@@ -120,15 +128,21 @@ class WebhookSender:
         sent = 0
         if not self.lease.is_leader():
             return sent
-        for delivery_id in self._claim():
-            self._send(delivery_id)
-            sent += 1
+        try:
+            for delivery_id in self._claim():
+                self._send(delivery_id)
+                sent += 1
+        except LeadershipLost as lost:  # the claims left fall due again for the next leader
+            log.warning("webhook pass abandoned: %s", lost)
+        finally:
+            self._claims.clear()
         return sent
 
     def _claim(self) -> list[str]:
         lease = timedelta(seconds=self.settings.webhook_timeout_s + 5)
-        claimed: list[str] = []
+        claimed: dict[str, datetime] = {}
         with self.make_session() as session:
+            self.lease.begin(session)
             now = utcnow()
             due = session.execute(
                 select(WebhookDelivery.id, WebhookDelivery.next_attempt_at)
@@ -141,17 +155,27 @@ class WebhookSender:
                            WebhookDelivery.next_attempt_at == due_at)
                     .values(next_attempt_at=now + lease).execution_options(synchronize_session=False))
                 if result.rowcount == 1:
-                    claimed.append(delivery_id)
-            session.commit()
-        return claimed
+                    claimed[delivery_id] = now + lease
+            self.lease.commit(session)
+        self._claims.update(claimed)
+        return list(claimed)
+
+    def _still_claimed(self, session: Session, delivery_id: str) -> WebhookDelivery | None:
+        """The delivery, locked, if this sender's claim on it still holds ([Note: fenced sends])."""
+        self.lease.begin(session)
+        return session.execute(
+            select(WebhookDelivery).where(WebhookDelivery.id == delivery_id, WebhookDelivery.status == PENDING,
+                                          WebhookDelivery.next_attempt_at == self._claims.get(delivery_id))
+            .with_for_update()).scalar_one_or_none()
 
     def _send(self, delivery_id: str) -> None:
         with self.make_session() as session:
-            delivery = session.get(WebhookDelivery, delivery_id)
+            delivery = self._still_claimed(session, delivery_id)
             hook = session.get(Webhook, delivery.webhook_id) if delivery is not None else None
             if delivery is None or hook is None:
                 return
             url, secret, body, event = hook.url, hook.secret, delivery.body.encode(), delivery.event
+            self.lease.commit(session)
         status_code: int | None = None
         error: str | None = None
         try:
@@ -170,8 +194,8 @@ class WebhookSender:
 
     def _record(self, delivery_id: str, status_code: int | None, error: str | None) -> None:
         with self.make_session() as session:
-            delivery = session.get(WebhookDelivery, delivery_id)
-            if delivery is None:  # its webhook was deleted meanwhile
+            delivery = self._still_claimed(session, delivery_id)
+            if delivery is None:  # its webhook was deleted meanwhile, or the claim ran out
                 return
             now = utcnow()
             delivery.attempts += 1
@@ -183,6 +207,6 @@ class WebhookSender:
                 delivery.status = FAILED
             else:
                 delivery.next_attempt_at = now + timedelta(seconds=backoff_s(self.settings, delivery.attempts))
-            session.commit()
+            self.lease.commit(session)
         if error is not None:
             log.info("webhook delivery %s failed (attempt recorded): %s", delivery_id, error)

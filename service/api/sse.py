@@ -79,8 +79,9 @@ async def _stream_job(request: Request, job_id: str = JOB_ID_PATH) -> AsyncItera
     job, release = await anyio.to_thread.run_sync(_admit, request, job_id, limiter=slots.limiter)
     try:
         yield job
-    finally:
-        release()
+    finally:  # a database round trip on PostgreSQL: in a thread, and done even when cancelled
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(release, limiter=slots.limiter)
 
 
 StreamJob = Annotated[Job, Depends(_stream_job)]
@@ -88,12 +89,19 @@ StreamJob = Annotated[Job, Depends(_stream_job)]
 
 async def poll_rows(request: Request, job_id: str, event: str, fetch: Fetch,
                     cursor: int) -> AsyncIterator[ServerSentEvent]:
-    """The events of a stream: ``retry:`` first, then one ``event`` per row after ``cursor``."""
+    """The events of a stream: ``retry:`` first, then one ``event`` per row after ``cursor``.
+
+    [Note: a stopping server ends its streams] uvicorn stops by waiting for every open
+    connection to finish, and a stream never does: a replica told to stop (a rolling restart)
+    would sit there until killed, and only then hand the leader lease over. So once the server
+    is stopping (``app.state.stopping``) each stream returns at its next poll, without ``end``:
+    clients reconnect with ``Last-Event-ID``, to another replica."""
     poll_s = request.app.state.settings.sse_poll_s
     limiter = request.app.state.stream_slots.limiter
+    stopping = request.app.state.stopping
     yield ServerSentEvent(retry=RETRY_MS)
     last_sent, wait = time.monotonic(), poll_s
-    while not await request.is_disconnected():
+    while not stopping.is_set() and not await request.is_disconnected():
         rows, ended = await anyio.to_thread.run_sync(fetch, cursor, limiter=limiter)
         for row_id, data in rows:
             cursor = row_id

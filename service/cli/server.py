@@ -54,16 +54,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
         _hold_sole_replica(settings)
     where = service_url(settings.host, settings.port)
 
+    app = create_app(settings)
+
     class AnnouncingServer(uvicorn.Server):
         """Once it listens -- after start-up (migrations, the local Ray head) -- it says where the
-        dashboard and the API reference are: what a user opens next."""
+        dashboard and the API reference are: what a user opens next. Told to stop, it first has
+        the event streams end (``service.api.sse``, [Note: a stopping server ends its streams])."""
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            app.state.stopping.set()
+            super().handle_exit(sig, frame)
 
         async def startup(self, sockets: Any = None) -> None:
             await super().startup(sockets)
             if self.started:
                 out.print(f"[bold]dashboard:[/] {where}/   API reference: {where}/docs", highlight=False)
 
-    AnnouncingServer(uvicorn.Config(create_app(settings), host=settings.host, port=settings.port,
+    AnnouncingServer(uvicorn.Config(app, host=settings.host, port=settings.port,
                                     log_level="info")).run()
     return 0
 

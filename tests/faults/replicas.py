@@ -7,6 +7,8 @@ fault tests (tests/faults/test_replicas*.py).
                   ``restarted()`` replaces it with a new process (a rolling restart's step).
 ``leader_pid``    the process id in the lease row's holder (``service.scheduler.replica_identity``:
                   host, pid, random part), or None while no lease is held.
+``MetricFollower`` the SDK's metric stream of a job, given every replica's URL, followed in a
+                  thread until the job ends; ``finish`` checks that each record came once.
 """
 
 from __future__ import annotations
@@ -15,14 +17,18 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import httpx
 from sqlalchemy import create_engine, text
 
+from contract.environment import join_api_urls
 from service.auth import new_token
+from service.client import Client
 
 
 def admin_token() -> str:
@@ -105,3 +111,34 @@ def leader_pid(database_url: str) -> int | None:
     finally:
         engine.dispose()
     return int(holder.split(":")[1]) if holder else None
+
+
+class MetricFollower(threading.Thread):
+    """``Client.stream_metrics`` of ``job_id`` through ``urls`` (opened on the first), in a thread."""
+
+    def __init__(self, urls: list[str], token: str, job_id: str, **stream: Any):
+        super().__init__(name=f"follow-{job_id}", daemon=True)
+        self.client = Client(join_api_urls(urls), token)
+        self.job_id, self.stream = job_id, stream
+        self.received: list[Any] = []
+        self.failure: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            for point in self.client.stream_metrics(self.job_id, **self.stream):
+                self.received.append(point)
+        except BaseException as error:  # noqa: BLE001 - finish() reports it
+            self.failure = error
+
+    def finish(self, timeout_s: float) -> list[tuple[int, int, int]]:
+        """Once the job has ended: the streamed records' (attempt, rank, step), each checked to
+        have come once and in storage order."""
+        self.join(timeout_s)
+        self.client.close()
+        assert not self.is_alive(), "the stream did not end with the job"
+        assert self.failure is None, repr(self.failure)
+        keys = [(point.attempt, point.rank, point.step) for point in self.received]
+        repeated = [key for key, count in Counter(keys).items() if count > 1]
+        assert not repeated, f"records streamed twice: {repeated[:10]}"
+        assert [point.id for point in self.received] == sorted(point.id for point in self.received)
+        return keys

@@ -5,7 +5,8 @@ loopback (``tests.integration.conftest.ray_head``, 2 CPUs), with the default 10 
 A 2-worker gpt-nano job is launched by the leader; once it trains, the leader is killed. The
 job's driver and ranks, told both replicas' URLs, fail over to the survivor, which must take
 the lease within 15 s and see the job through: SUCCEEDED, one metric row per step per rank,
-every event there (claimed and started once). The second test restarts both replicas in turn
+every event there (claimed and started once); and the SDK's metric stream, opened on the
+killed replica with both URLs, goes on through the survivor with every row once. The second test restarts both replicas in turn
 (SIGTERM, then a new process on the same port) during the job: the same must hold.
 """
 
@@ -19,7 +20,7 @@ import pytest
 from service.client import Client
 from service.schemas import JobState
 from tests.conftest import free_port
-from tests.faults.replicas import Replica, admin_token, leader_pid
+from tests.faults.replicas import MetricFollower, Replica, admin_token, leader_pid
 from tests.helpers.waiting import wait_for
 from tests.integration.conftest import ray_head
 from tests.integration.test_ray_jobs import explain, nano_job, running_with_metrics
@@ -68,6 +69,8 @@ def test_killing_the_replica_that_launched_a_running_job_loses_nothing(ray_head,
 
         with Client(survivor.url, token) as client:
             job = client.submit(nano_job(STEPS))
+            follower = MetricFollower([leader.url, survivor.url], token, job.id)  # opened on the leader
+            follower.start()
             wait_for(lambda: running_with_metrics(client, job.id, min_rows=4), 180, "the job to train",
                      describe=lambda: explain(client, job.id))
             assert leader_pid(migrated_postgres_url) == leader.pid  # it launched the job
@@ -80,6 +83,7 @@ def test_killing_the_replica_that_launched_a_running_job_loses_nothing(ray_head,
             assert final.state is JobState.SUCCEEDED, explain(client, job.id)
             rows = client.metrics(job.id)
             events = client.events(job.id)
+            streamed = follower.finish(60)
         assert survivor.process.poll() is None, survivor.log()
     finally:
         for replica in replicas:
@@ -89,6 +93,8 @@ def test_killing_the_replica_that_launched_a_running_job_loses_nothing(ray_head,
     print(f"\n{report}")
     assert takeover_s <= TAKEOVER_LIMIT_S, report
     assert_nothing_lost(rows, events, final.attempt, STEPS, report)
+    assert sorted(streamed) == sorted((row.attempt, row.rank, row.step) for row in rows), "streamed rows differ"
+    assert follower.client.url == survivor.url
     trained_after_kill = [row for row in rows if row.time > killed_wall]
     assert {row.rank for row in trained_after_kill} == {0, 1}, "the kill should fall in the middle of training"
 
@@ -99,6 +105,8 @@ def test_a_rolling_restart_of_both_replicas_during_a_job_loses_nothing(ray_head,
     try:
         with Client(replicas[1].url, token) as client:
             job = client.submit(nano_job(ROLLING_STEPS))
+            follower = MetricFollower([replica.url for replica in replicas], token, job.id)
+            follower.start()
             wait_for(lambda: running_with_metrics(client, job.id, min_rows=4), 180, "the job to train",
                      describe=lambda: explain(client, job.id))
             restarted_during: list[str] = []
@@ -117,6 +125,7 @@ def test_a_rolling_restart_of_both_replicas_during_a_job_loses_nothing(ray_head,
                 assert final.state is JobState.SUCCEEDED, explain(survivor, job.id)
                 rows = survivor.metrics(job.id)
                 events = survivor.events(job.id)
+            streamed = follower.finish(60)
     finally:
         for replica in replicas:
             replica.stop()
@@ -125,3 +134,4 @@ def test_a_rolling_restart_of_both_replicas_during_a_job_loses_nothing(ray_head,
     print(f"\n{report}")
     assert restarted_during == ["RUNNING", "RUNNING"], "the restarts should fall in the middle of training"
     assert_nothing_lost(rows, events, final.attempt, ROLLING_STEPS, report)
+    assert sorted(streamed) == sorted((row.attempt, row.rank, row.step) for row in rows), "streamed rows differ"

@@ -123,3 +123,56 @@ def test_following_a_log_fetches_only_what_is_new():
         httpd.shutdown()
     assert "".join(parts) == "line 0\nline 1\nline 2\n" and parts == ["line 0\n", "line 1\n", "line 2\n"]
     assert GrowingLog.offsets == [None, "7", "14"]  # each poll from the size the last answer reported
+
+
+# ----------------------------------------------------------------------------- several replicas
+
+
+def _refused_url() -> str:
+    """A loopback URL where nothing listens: connections to it are refused."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def test_a_call_goes_to_the_next_replica_when_the_current_one_refuses_and_stays_there(server):
+    live = server.url
+    client = Client(f"{_refused_url()}, {live}/", "token")
+    assert client.urls == [client.urls[0], live]
+    assert client.get("j1").id == "j1"  # refused by the first: sent to the second
+    assert client.url == live
+    assert client.submit({"name": "x"}).id == "j1"  # a POST never sent may go elsewhere too
+    assert [method for method, _ in Scripted.seen] == ["GET", "POST"]
+    with pytest.raises(ServiceUnavailable) as raised:
+        Client(f"{_refused_url()},{_refused_url()}", "token").get("j1")
+    assert raised.value.message.count("127.0.0.1") == 2  # every replica tried is named
+
+
+def test_a_submit_that_may_have_arrived_is_not_sent_to_another_replica():
+    class Silent(BaseHTTPRequestHandler):  # reads the request, then never answers
+        def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+            self.rfile.read(int(self.headers["Content-Length"]))
+            time.sleep(2)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    silent = ThreadingHTTPServer(("127.0.0.1", 0), Silent)
+    threading.Thread(target=silent.serve_forever, daemon=True).start()
+    other = ThreadingHTTPServer(("127.0.0.1", 0), Scripted)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    Scripted.answers, Scripted.seen = [], []
+    try:
+        urls = f"http://127.0.0.1:{silent.server_address[1]},http://127.0.0.1:{other.server_address[1]}"
+        with Client(urls, "token", timeout=0.5) as client, pytest.raises(ServiceUnavailable):
+            client.submit({"name": "x"})  # read timeout: it may have been stored
+        assert Scripted.seen == []
+        with Client(urls, "token", timeout=0.5) as client:
+            assert client.submit({"name": "x"}, idempotency_key="k").id == "j1"  # safe to repeat
+        assert [method for method, _ in Scripted.seen] == ["POST"]
+    finally:
+        for httpd in (silent, other):
+            httpd.shutdown()
+            httpd.server_close()
