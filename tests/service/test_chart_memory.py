@@ -43,7 +43,7 @@ def _memory(attempt: int, rank: int, step: int) -> dict:
 def test_memory_bars_hold_each_ranks_latest_report_when_the_newest_records_miss_ranks(make_job):
     chart, worker = make_job(40)
     batches = [  # in storage order; (attempt, rank, steps, with memory)
-        (0, 0, range(0, 30), True),  # attempt 0 ran further than attempt 1 has yet
+        (0, 0, range(30), True),  # attempt 0 ran further than attempt 1 has yet
         (1, 17, range(10, 14), True), (1, 17, range(14, 16), False),  # reports memory only up to step 13
         (1, 3, range(10, 20), False),  # never reports memory in attempt 1: no bar
         (1, 1, range(10, 12), True),
@@ -56,9 +56,9 @@ def test_memory_bars_hold_each_ranks_latest_report_when_the_newest_records_miss_
                                                   and r["step"] in steps]}).raise_for_status()
     latest: dict[int, dict] = {}  # the rule in plain Python: attempt 1 is the latest with a report
     for record in records:
-        if record["attempt"] == 1 and "mem_params_bytes" in record:
-            if record["rank"] not in latest or record["step"] > latest[record["rank"]]["step"]:
-                latest[record["rank"]] = record
+        reported = record["attempt"] == 1 and "mem_params_bytes" in record
+        if reported and (record["rank"] not in latest or record["step"] > latest[record["rank"]]["step"]):
+            latest[record["rank"]] = record
     expected = [{"rank": rank, "attempt": 1, "step": latest[rank]["step"],
                  **{name: latest[rank][name] for name in MEMORY_FIELDS}} for rank in sorted(latest)]
     assert [bar["rank"] for bar in expected] == [0, 1, 17] and expected[2]["step"] == 13
