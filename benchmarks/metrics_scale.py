@@ -10,7 +10,10 @@ fresh database, then:
               the rows (``metrics``) and of their per-step roll-up (``metric_steps``);
 * ``chart``   ``GET /api/v1/jobs/{id}/metrics/chart?max_points=--points`` (what the job page
               draws: per-bucket mean, min and max of every charted field), ``--queries`` times
-              after two unmeasured ones: p50 / p99 / max;
+              after two unmeasured ones: p50 / p99 / max; with ``--baseline-tree`` (a source
+              tree of another commit, e.g. from ``git archive``) a second server runs that code
+              on the same database and the two are asked in turn, so both figures share the
+              machine's load (``load_avg``: the 1-minute load average before and after);
 * ``ingest``  ``--ingest-ranks`` clients posting ``--batch``-record batches back to back for
               ``--ingest-seconds`` into another job: metric points stored per second.
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -88,18 +92,32 @@ def table_bytes(database_url: str, table: str = "metrics") -> int:
         return connection.execute("SELECT pg_total_relation_size(%s)", (table,)).fetchone()[0]
 
 
-def chart_latencies(base: str, token: str, job_id: str, points: int, queries: int) -> tuple[list[float], dict]:
-    headers = {"Authorization": f"Bearer {token}"}
-    with httpx.Client(base_url=base, headers=headers, timeout=120) as client:
-        url = f"/api/v1/jobs/{job_id}/metrics/chart"
-        for _ in range(2):
-            answer = client.get(url, params={"max_points": points}).raise_for_status().json()
-        took = []
-        for _ in range(queries):
-            started = time.perf_counter()
-            client.get(url, params={"max_points": points}).raise_for_status()
-            took.append(time.perf_counter() - started)
-    return took, answer
+def chart_latencies(servers: list[tuple[str, str]], job_id: str, points: int, queries: int
+                    ) -> tuple[list[list[float]], list[dict]]:
+    """Each server's (base URL, token) chart latencies, asked in turn, and its last answer."""
+    clients = [httpx.Client(base_url=base, headers={"Authorization": f"Bearer {token}"}, timeout=120)
+               for base, token in servers]
+    url = f"/api/v1/jobs/{job_id}/metrics/chart"
+    try:
+        answers = [client.get(url, params={"max_points": points}).raise_for_status().json()
+                   for client in clients for _ in range(2)][1::2]
+        took: list[list[float]] = [[] for _ in clients]
+        for query in range(queries):
+            for i in (range(len(clients)) if query % 2 == 0 else reversed(range(len(clients)))):
+                started = time.perf_counter()
+                clients[i].get(url, params={"max_points": points}).raise_for_status()
+                took[i].append(time.perf_counter() - started)
+    finally:
+        for client in clients:
+            client.close()
+    return took, answers
+
+
+def chart_figures(took: list[float], answer: dict, points: int) -> dict:
+    return {"points": points, "queries": len(took), "bucket_steps": answer["bucket_steps"],
+            "points_returned": len(answer["series"]["step"]),
+            "p50_ms": round(statistics.median(took) * 1000, 1),
+            "p99_ms": round(percentile(took, 0.99) * 1000, 1), "max_ms": round(max(took) * 1000, 1)}
 
 
 async def ingest(base: str, job_id: str, token: str, ranks: int, batch: int, seconds: float) -> dict:
@@ -131,6 +149,12 @@ async def ingest(base: str, job_id: str, token: str, ranks: int, batch: int, sec
             "points_per_s": round(stored / elapsed)}
 
 
+def _comparable(answer: dict) -> dict:
+    """A chart answer without what may differ between two servers' code for the same data."""
+    return {key: answer[key] for key in ("series", "series_min", "series_max", "memory", "records", "bucket_steps")
+            if key in answer}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, default=1024)
@@ -142,12 +166,13 @@ def main() -> int:
     parser.add_argument("--ingest-seconds", type=float, default=15.0)
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--keep-database", action="store_true", help="leave the database for EXPLAIN (prints its name)")
+    parser.add_argument("--baseline-tree", type=Path, help="also serve the chart from this source tree, asked in turn")
     args = parser.parse_args()
 
     database = f"bench_metrics_{uuid.uuid4().hex[:8]}"
     database_url = ADMIN_URL.rsplit("/", 1)[0] + f"/{database}"
     admin_sql(f'CREATE DATABASE "{database}"')
-    server = None
+    server = baseline = None
     try:
         with tempfile.TemporaryDirectory() as home_dir:
             home = Path(home_dir)
@@ -161,18 +186,31 @@ def main() -> int:
             empty = table_bytes(database_url)
             generated_s = generate_rows(database_url, job_id, args.ranks, args.steps)
             size, rollup = table_bytes(database_url), table_bytes(database_url, "metric_steps")
-            took, answer = chart_latencies(base, token, job_id, args.points, args.queries)
-            print(f"chart over {args.ranks * args.steps:,} rows ({size / 2**20:.0f} MiB): p50 "
-                  f"{statistics.median(took) * 1000:.0f} ms, p99 {percentile(took, 0.99) * 1000:.0f} ms", flush=True)
+            servers = [(base, token)]
+            if args.baseline_tree is not None:
+                baseline_home = home / "baseline"
+                baseline_home.mkdir()
+                baseline_port = free_port()
+                baseline = start_server(database_url, baseline_home, baseline_port, cwd=args.baseline_tree)
+                servers.append((f"http://127.0.0.1:{baseline_port}", (baseline_home / "token").read_text().strip()))
+            load_before = os.getloadavg()[0]
+            took, answers = chart_latencies(servers, job_id, args.points, args.queries)
+            load_after = os.getloadavg()[0]
+            chart = chart_figures(took[0], answers[0], args.points)
+            chart_baseline = chart_figures(took[1], answers[1], args.points) if baseline is not None else None
+            print(f"chart over {args.ranks * args.steps:,} rows ({size / 2**20:.0f} MiB): p50 {chart['p50_ms']:.0f} ms, "
+                  f"p99 {chart['p99_ms']:.0f} ms" + ("" if chart_baseline is None else
+                  f"; baseline p50 {chart_baseline['p50_ms']:.0f} ms, p99 {chart_baseline['p99_ms']:.0f} ms"), flush=True)
             httpx.post(f"{base}/api/v1/jobs", json=SPEC, headers=headers, timeout=120).raise_for_status()
             (ingest_job, ingest_token), = [claim for claim in claim_ingest_tokens(database_url, home, 2)
                                            if claim[0] != job_id]
             ingested = asyncio.run(ingest(base, ingest_job, ingest_token, args.ingest_ranks, args.batch,
                                           args.ingest_seconds))
     finally:
-        if server is not None:
-            server.terminate()
-            server.wait(30)
+        for process in (server, baseline):
+            if process is not None:
+                process.terminate()
+                process.wait(30)
         if args.keep_database:
             print(f"kept database {database_url}", flush=True)
         else:
@@ -183,10 +221,10 @@ def main() -> int:
         "generate_s": round(generated_s, 1),
         "table_bytes_empty": empty, "table_bytes": size, "table_mib": round(size / 2**20, 1),
         "rollup_bytes": rollup, "rollup_mib": round(rollup / 2**20, 1),
-        "chart": {"points": args.points, "queries": len(took), "bucket_steps": answer["bucket_steps"],
-                  "points_returned": len(answer["series"]["step"]),
-                  "p50_ms": round(statistics.median(took) * 1000, 1),
-                  "p99_ms": round(percentile(took, 0.99) * 1000, 1), "max_ms": round(max(took) * 1000, 1)},
+        "chart": chart,
+        **({} if chart_baseline is None else {"chart_baseline": chart_baseline,
+                                              "chart_same_answer": _comparable(answers[0]) == _comparable(answers[1])}),
+        "load_avg": [round(load_before, 2), round(load_after, 2)],
         "ingest": {"ranks": args.ingest_ranks, "batch": args.batch, **ingested},
     }
     table = Table(title=f"metrics at scale: {result['rows']:,} rows ({args.ranks} ranks × {args.steps} steps)")
@@ -196,6 +234,9 @@ def main() -> int:
     table.add_row("metric_steps roll-up on disk", f"{result['rollup_mib']} MiB")
     table.add_row(f"chart, {args.points} points: p50 / p99 / max",
                   f"{result['chart']['p50_ms']} / {result['chart']['p99_ms']} / {result['chart']['max_ms']} ms")
+    if chart_baseline is not None:
+        table.add_row("baseline chart: p50 / p99 / max",
+                      f"{chart_baseline['p50_ms']} / {chart_baseline['p99_ms']} / {chart_baseline['max_ms']} ms")
     table.add_row(f"ingest, {args.ingest_ranks} ranks × {args.batch}-record batches",
                   f"{ingested['points_per_s']:,} points/s")
     Console().print(table)

@@ -253,16 +253,20 @@ def metric_record(rank: int, step: int) -> dict:
 # ----------------------------------------------------------------------------- the server
 
 
-def start_server(database_url: str, home: Path, port: int, **settings: str) -> subprocess.Popen:
+def start_server(database_url: str, home: Path, port: int, cwd: Path | None = None,
+                 **settings: str) -> subprocess.Popen:
     """``uvicorn service.app:create_app`` on ``port``; ``settings`` override the ``ZEROTRAIN_*``
-    defaults here (the local launcher, scheduler off), e.g. ``LAUNCHER="ray"``."""
+    defaults here (the local launcher, scheduler off), e.g. ``LAUNCHER="ray"``; ``cwd``: run
+    the code of another source tree (a baseline)."""
     env = {**os.environ, "ZEROTRAIN_HOME": str(home), "ZEROTRAIN_DATABASE_URL": database_url,
            "ZEROTRAIN_LAUNCHER": "local", "ZEROTRAIN_SCHEDULER_ENABLED": "false",
            "ZEROTRAIN_MAX_QUEUED_JOBS_PER_USER": str(QUEUE_LIMIT),
            "ZEROTRAIN_PORT": str(port), **{f"ZEROTRAIN_{name}": value for name, value in settings.items()}}
+    if cwd is not None:
+        env["PYTHONPATH"] = str(cwd)
     server = subprocess.Popen([sys.executable, "-m", "uvicorn", "service.app:create_app", "--factory",
                                "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
-                               "--no-access-log"], env=env)
+                               "--no-access-log"], env=env, cwd=cwd)
     deadline = time.monotonic() + 120  # the Ray launcher starts its head first
     while time.monotonic() < deadline:
         if server.poll() is not None:

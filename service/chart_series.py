@@ -16,7 +16,9 @@ database does the reduction and ships about ``max_points`` rows:
   (the record's ``world_size``; the spec's ``num_workers`` for records without one), i.e. the
   job's total -- right for an elastic job's shrunk attempts too -- so a step whose ranks are
   still arriving does not dip; on PostgreSQL the roll-up's sums are numeric, so no sum
-  overflows, and a mean past the float limit is served as null;
+  overflows; the points leave the database as float8 (no decimal text to parse per value),
+  or, when one is past the float limit, as numeric (``service.metric_sql.execute_overflow_safe``)
+  and are served as null;
 * each point also holds the lowest and highest of its bucket's step values (``series_min``,
   ``series_max``), so a spike of one step still shows however long the job;
 * after a restart two attempts may hold the same steps; only then (a bucket mixes attempts)
@@ -28,11 +30,16 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from sqlalchemy import Select, func, select
+from sqlalchemy import Float, Select, cast, func, select
 from sqlalchemy.orm import Session
 
 from contract.metrics import CHARTED_FIELDS, Across
-from service.metric_sql import latest_attempt_per_step
+from service.metric_sql import (
+    FLOAT8,
+    Averaging,
+    execute_overflow_safe,
+    latest_attempt_per_step,
+)
 from service.models import MetricStep, typed_spec
 
 DEFAULT_POINTS = 1000
@@ -54,14 +61,16 @@ def short(value: Any) -> float | None:
     return None if value is None or not math.isfinite(value) else float(f"{float(value):.7g}")
 
 
-def _bucketed(source: Any, width: int, world: int, bookkeeping: bool = False) -> Select:
+def _bucketed(source: Any, width: int, world: int, averaging: Averaging = FLOAT8,
+              bookkeeping: bool = False) -> Select:
     """One row per bucket of ``width`` steps over ``source``: roll-up rows (``metric_steps``,
-    all of the job's or a subquery of them).
+    all of the job's or a subquery of them); the points as float8, or as they are computed
+    (numeric on PostgreSQL) when ``averaging`` is exact.
 
     [Note: two levels, so spikes show] The first level makes one row per step holding, per
     charted field, the sum and count of the step's shares over its parts (for an
     ``Across.TOTAL`` field the sum times the attempt's world size, or ``world`` for records
-    without one): the step's point is their quotient. The second cuts steps into buckets: a
+    without one): the step's point is their quotient (divided once per step). The second cuts steps into buckets: a
     bucket's ``<field>`` is the mean over all its records (sums over counts), ``min_<field>``
     and ``max_<field>`` the lowest and highest of its steps' points, so a one-step spike a
     mean would flatten still shows as the bucket's envelope."""
@@ -71,17 +80,21 @@ def _bucketed(source: Any, width: int, world: int, bookkeeping: bool = False) ->
         total = func.sum(source.c[f"sum_{field.name}"])
         if field.across is Across.TOTAL:
             total = total * world_size
-        per_step += [total.label(f"sum_{field.name}"), func.sum(source.c[f"n_{field.name}"]).label(f"n_{field.name}")]
+        count = func.sum(source.c[f"n_{field.name}"])
+        per_step += [total.label(f"sum_{field.name}"), count.label(f"n_{field.name}"),
+                     (total / func.nullif(count, 0)).label(f"point_{field.name}")]
     if bookkeeping:
         per_step += [func.sum(source.c.records).label("records"), func.max(source.c.last_id).label("last_id"),
                      func.min(source.c.attempt).label("min_attempt"), func.max(source.c.attempt).label("max_attempt")]
     steps = select(*per_step).group_by(source.c.step).subquery("per_step")
+
+    def out(value: Any) -> Any:
+        return value if averaging.exact else cast(value, Float)
     columns = [func.max(steps.c.step).label("step")]
     for field in CHARTED_FIELDS:
-        total, count = steps.c[f"sum_{field.name}"], steps.c[f"n_{field.name}"]
-        point = total / func.nullif(count, 0)
-        columns += [(func.sum(total) / func.nullif(func.sum(count), 0)).label(field.name),
-                    func.min(point).label(f"min_{field.name}"), func.max(point).label(f"max_{field.name}")]
+        total, count, point = (steps.c[f"{kind}_{field.name}"] for kind in ("sum", "n", "point"))
+        columns += [out(func.sum(total) / func.nullif(func.sum(count), 0)).label(field.name),
+                    out(func.min(point)).label(f"min_{field.name}"), out(func.max(point)).label(f"max_{field.name}")]
     if bookkeeping:
         columns += [func.sum(steps.c.records).label("records"), func.max(steps.c.last_id).label("last_id"),
                     func.min(steps.c.min_attempt).label("min_attempt"),
@@ -97,20 +110,25 @@ def series(session: Session, job_id: str, steps: int, world: int, max_points: in
     width = max(1, math.ceil((max(steps, 1) + 1) / max_points))  # steps 0…steps inclusive
     table = MetricStep.__table__
     job_rows = select(table).where(table.c.job_id == job_id).subquery("job_rows")
-    rows = session.execute(_bucketed(job_rows, width, world, True)).all()
+    rows = execute_overflow_safe(session, lambda averaging: _bucketed(job_rows, width, world, averaging, True))
     records = sum(int(row.records) for row in rows)  # a sum of sums: numeric on PostgreSQL
     last_id = max((int(row.last_id) for row in rows), default=0)
     latest_attempt = max((row.max_attempt for row in rows), default=None)
     mixed_attempts = any(row.min_attempt != row.max_attempt for row in rows)
     if mixed_attempts:
-        rows = session.execute(_bucketed(latest_attempt_per_step(MetricStep, job_id), width, world)).all()
-    columns: dict[str, list] = {"step": [row.step for row in rows]}
+        latest = latest_attempt_per_step(MetricStep, job_id)
+        rows = execute_overflow_safe(session, lambda averaging: _bucketed(latest, width, world, averaging))
+    by_name = dict(zip(rows[0]._fields, zip(*rows), strict=True)) if rows else {}
+
+    def column(name: str) -> list:
+        return [short(value) for value in by_name.get(name, ())]
+    columns: dict[str, list] = {"step": list(by_name.get("step", ()))}
     lowest: dict[str, list] = {}
     highest: dict[str, list] = {}
     for field in CHARTED_FIELDS:
-        columns[field.name] = [short(row._mapping[field.name]) for row in rows]
-        lowest[field.name] = [short(row._mapping[f"min_{field.name}"]) for row in rows]
-        highest[field.name] = [short(row._mapping[f"max_{field.name}"]) for row in rows]
+        columns[field.name] = column(field.name)
+        lowest[field.name] = column(f"min_{field.name}")
+        highest[field.name] = column(f"max_{field.name}")
     return {
         "records": records,
         "last_id": last_id,

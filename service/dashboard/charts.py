@@ -5,8 +5,8 @@ the page needs besides.
 User-reported scalars (``service.user_metrics``) come bucketed the same way, one column per
 name aligned with the points (``user_series``): the mean over the bucket's values of every rank.
 
-Memory bars need every rank's latest numbers, not a mean: they come from the newest records
-(by id) and fall back to a full query when those lack a rank.
+Memory bars need every rank's latest numbers, not a mean: one row per rank, found by a walk
+over the ranks on the metric table's key.
 """
 
 from __future__ import annotations
@@ -58,27 +58,38 @@ def user_series(session: Session, job_id: str, width: int, steps: list[int], *, 
 
 
 def latest_memory(session: Session, job_id: str, world: int) -> list[dict[str, Any]]:
-    """Each rank's most recent memory numbers in the latest attempt that reported any."""
-    columns = (Metric.rank, Metric.attempt, Metric.step, *(getattr(Metric, name) for name in MEMORY_FIELDS))
+    """Each rank's most recent memory numbers in the latest attempt that reported any (the
+    latest among the newest ``4 × world`` reports, so a late report of an older attempt does
+    not hide the current one).
+
+    [Note: one index probe per rank] The ranks are walked with a recursive query, one probe
+    per rank on the (job, attempt, rank, step) key for its next rank and its latest reported
+    step, so the cost follows the ranks, not the job's ranks × steps (a GROUP BY over every
+    record), and only one row per rank leaves the database."""
     reported = and_(Metric.job_id == job_id, Metric.mem_params_bytes.is_not(None))
-    newest = session.execute(select(*columns).where(reported).order_by(Metric.id.desc()).limit(4 * world)).all()
-    if not newest:
+    newest = select(Metric.attempt).where(reported).order_by(Metric.id.desc()).limit(4 * world).subquery("newest")
+    attempt = session.execute(select(func.max(newest.c.attempt))).scalar()
+    if attempt is None:
         return []
-    attempt = max(row.attempt for row in newest)
-    by_rank: dict[int, Any] = {}
-    for row in newest:
-        if row.attempt == attempt and (row.rank not in by_rank or row.step > by_rank[row.rank].step):
-            by_rank[row.rank] = row
-    if len(by_rank) < world:  # some rank's latest report is older: look it up properly
-        last = (
-            select(Metric.rank, func.max(Metric.step).label("step"))
-            .where(reported, Metric.attempt == attempt)
-            .group_by(Metric.rank)
-            .subquery("last")
-        )
-        query = select(*columns).join(last, and_(Metric.rank == last.c.rank, Metric.step == last.c.step))
-        by_rank = {row.rank: row for row in session.execute(query.where(reported, Metric.attempt == attempt))}
-    return [dict(by_rank[rank]._mapping) for rank in sorted(by_rank)]
+    last = _last_reports(job_id, attempt)
+    columns = (Metric.rank, Metric.attempt, Metric.step, *(getattr(Metric, name) for name in MEMORY_FIELDS))
+    query = (select(*columns).join(last, and_(Metric.rank == last.c.rank, Metric.step == last.c.step))
+             .where(Metric.job_id == job_id, Metric.attempt == attempt).order_by(Metric.rank))
+    return [dict(row._mapping) for row in session.execute(query)]
+
+
+def _last_reports(job_id: str, attempt: int) -> Any:
+    """``(rank, step)``: every rank of ``attempt`` with the last step it reported memory at
+    (null when it never did), by a loose index scan portable to SQLite."""
+    other = Metric.__table__.alias("other")
+    mine = and_(other.c.job_id == job_id, other.c.attempt == attempt)
+    first = select(func.min(other.c.rank).label("rank")).where(mine).cte("ranks", recursive=True)
+    following = select(func.min(other.c.rank)).where(mine, other.c.rank > first.c.rank).scalar_subquery()
+    ranks = first.union_all(select(following).where(first.c.rank.is_not(None)))
+    last_step = (select(func.max(other.c.step))
+                 .where(mine, other.c.rank == ranks.c.rank, other.c.mem_params_bytes.is_not(None))
+                 .scalar_subquery())
+    return select(ranks.c.rank, last_step.label("step")).where(ranks.c.rank.is_not(None)).subquery("last")
 
 
 def progress(session: Session, job_ids: list[str], worlds: dict[str, int]) -> dict[str, dict[str, Any]]:
