@@ -44,6 +44,21 @@ from sqlalchemy.pool import NullPool
 log = logging.getLogger(__name__)
 
 
+
+def release_once(lock: threading.Lock, give_back: Callable[[], None]) -> Callable[[], None]:
+    """A slot's release: ``give_back`` under ``lock`` the first time it is called, nothing after
+    (a stream's end and its response's background task may both call it)."""
+    released = False
+
+    def release() -> None:
+        nonlocal released
+        with lock:
+            if not released:
+                released = True
+                give_back()
+
+    return release
+
 class StreamSlots:
     def __init__(self, max_per_user: int, poll_threads: int):
         self.max_per_user = max_per_user
@@ -83,19 +98,13 @@ class StreamSlots:
             if self._open.get(user, 0) >= self.max_per_user:
                 raise self.refusal(user)
             self._open[user] = self._open.get(user, 0) + 1
-        released = False
 
-        def release() -> None:
-            nonlocal released
-            with self._lock:
-                if released:
-                    return
-                released = True
-                self._open[user] -= 1
-                if not self._open[user]:
-                    del self._open[user]
+        def give_back() -> None:
+            self._open[user] -= 1
+            if not self._open[user]:
+                del self._open[user]
 
-        return release
+        return release_once(self._lock, give_back)
 
 
 _TAKE = text("""
@@ -152,23 +161,17 @@ class SharedStreamSlots(StreamSlots):
                 raise self.refusal(user)
             held.add(slot)
             connection = self._connection
-        released = False
 
-        def release() -> None:
-            nonlocal released
-            with self._lock:
-                if released:
-                    return
-                released = True
-                if connection is not self._connection or slot not in self._held.get(user, ()):
-                    return  # its connection is gone, and the slot with it
-                self._held[user].discard(slot)
-                try:
-                    self._run(_RELEASE, user_key=key, slot=slot)
-                except Exception:  # the connection was dropped, and every slot it held with it
-                    log.warning("releasing a stream slot failed", exc_info=True)
+        def give_back() -> None:
+            if connection is not self._connection or slot not in self._held.get(user, ()):
+                return  # its connection is gone, and the slot with it
+            self._held[user].discard(slot)
+            try:
+                self._run(_RELEASE, user_key=key, slot=slot)
+            except Exception:  # the connection was dropped, and every slot it held with it
+                log.warning("releasing a stream slot failed", exc_info=True)
 
-        return release
+        return release_once(self._lock, give_back)
 
     def open_count(self, user: str) -> int:
         """The user's open streams on every replica."""

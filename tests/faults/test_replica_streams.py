@@ -44,7 +44,7 @@ def two_replicas(database_url: str, root, **settings):
     ports = [free_port(), free_port()]
     urls = [f"http://127.0.0.1:{port}" for port in ports]
     token = admin_token()
-    settings = {"scheduler_enabled": "false", "sse_poll_s": 0.05, **settings}
+    settings = {"scheduler_enabled": "false", "launcher": "local", "sse_poll_s": 0.05, **settings}
     replicas = [Replica("a", root / "a", ports[0], database_url, urls, token, **settings)]
     try:
         replicas.append(Replica("b", root / "b", ports[1], database_url, urls[::-1], token, **settings))
