@@ -89,6 +89,7 @@ def inputs_for_spec(
         checkpoint=checkpoint_kind(spec),
         resume=spec.resume_from is not None or checkpoint_kind(spec) == "periodic",
         flops_per_step=None if calibration is None else flops_per_step(spec, shape.phi, n_ranks),
+        step_work=None if calibration is None else step_work(spec, n_ranks),
         calibration=calibration,
     )
 
@@ -106,7 +107,8 @@ def time_prediction(spec: JobSpec, calibration: Any, stage: int, offload: bool |
         reshard_after_forward=zero.reshard_after_forward, keep_gathered_bytes=zero.keep_gathered_bytes,
         shard_group_size=zero.shard_group_size,
         optimizer_states=optimizer_state_tensors(spec.train.optimizer, spec.train.momentum),
-        flops_per_step=flops_per_step(spec, shape.phi, n_ranks), calibration=calibration)
+        flops_per_step=flops_per_step(spec, shape.phi, n_ranks), step_work=step_work(spec, n_ranks),
+        calibration=calibration)
     return predict(inputs, stage, offload)
 
 
@@ -140,6 +142,20 @@ def flops_per_step(spec: JobSpec, phi: int, n_ranks: int) -> float:
     except Exception:  # noqa: BLE001 - a model that cannot be built on meta: its parameters' share
         per_token = 6.0 * phi
     return per_token * tokens
+
+
+def step_work(spec: JobSpec, n_ranks: int) -> Any:
+    """One rank's non-matmul work per step at ``n_ranks`` (``planner.step_work``: one micro-batch
+    counted on meta, × its micro-batches); None when the model does not run on meta (the time
+    model then prices the matmuls alone)."""
+    from workers.zero.planner.step_work import count_step_work
+
+    try:
+        work = count_step_work(model_block(spec.model), spec.train.micro_batch_size,
+                               spec.data.seq_len or DEFAULT_SEQ_LEN, spec.zero.precision, spec.data.vocab_size)
+    except Exception:  # noqa: BLE001 - a user model that does not run on meta
+        return None
+    return work.times(spec.accumulation_steps_at(n_ranks))
 
 
 def job_shape(model: ModelSpec) -> ModelShape:

@@ -5,9 +5,17 @@ rates. A rate a user types (a link's nominal Gbit/s) is rarely what the engine g
 loopback, a loaded host or NVLink all differ from the datasheet. ``calibrate`` measures each
 rate the way the engine incurs it, in well under a second:
 
-* ``compute_flops_per_s``: a matmul of the job's dtype on its device, (m×k)·(k×n): 2·m·k·n flops.
-  By default square (512); a worker passes its model's MLP shape (a micro-batch's tokens × d ×
-  4d), the matmul most of a transformer's flops go through;
+* ``compute_flops_per_s``: the matmuls of the job's dtype on its device that one linear layer's
+  training step runs: the forward (m×k)·(k×n), the input's gradient (m×n)·(n×k) and the weight's
+  gradient (k×m)·(m×n), 6·m·k·n flops together (a step spends two thirds of its matmul flops in
+  backward, whose transposed operands run slower than the forward's). By default square (512); a
+  worker passes its model's MLP shape (a micro-batch's tokens × d × 4d), the matmul most of a
+  transformer's flops go through;
+* ``elementwise_bytes_per_s``: an out-of-place add of two tensors of m×n elements (the MLP's
+  hidden activation, the size most element-wise work of a step runs on), the bytes read and
+  written per second; ``op_overhead_s``: the time of one add of one element, the fixed cost of an
+  operation (dispatch, allocation, a kernel launch). The planner prices a step's non-matmul work
+  with them (``planner/step_work.py``);
 * ``allgather_bytes_per_s`` / ``reduce_scatter_bytes_per_s`` (and ``allreduce_bytes_per_s``):
   one bucket of ``bucket_numel`` elements through the engine's own ``Collectives`` (Gloo's
   broadcast all-gather and two-rank exchange included), as a ring's bus rate:
@@ -53,6 +61,8 @@ class Calibration:
     allgather_bytes_per_s: float
     reduce_scatter_bytes_per_s: float
     allreduce_bytes_per_s: float = math.inf
+    elementwise_bytes_per_s: float = math.inf  # an add's bytes read and written (inf: not measured)
+    op_overhead_s: float = 0.0  # the fixed cost of one operation (0: not measured)
     optimizer_params_per_s: float = math.inf  # AdamW on the device (the engine's step without offload)
     host_optimizer_params_per_s: float = math.inf  # AdamW on the host (optimizer offload)
     world_size: int = 1
@@ -66,6 +76,8 @@ class Calibration:
             value = getattr(self, name)
             if not value > 0:  # NaN fails too
                 raise ValueError(f"{name} must be positive, got {value!r}")
+        if not (self.op_overhead_s >= 0 and math.isfinite(self.op_overhead_s)):
+            raise ValueError(f"op_overhead_s must be finite and non-negative, got {self.op_overhead_s!r}")
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able: an infinite rate (nothing measured: a world of one) becomes None."""
@@ -82,7 +94,8 @@ class Calibration:
 
 
 RATES = ("compute_flops_per_s", "allgather_bytes_per_s", "reduce_scatter_bytes_per_s", "allreduce_bytes_per_s",
-         "optimizer_params_per_s", "host_optimizer_params_per_s")
+         "elementwise_bytes_per_s", "optimizer_params_per_s", "host_optimizer_params_per_s")
+TIMES = ("op_overhead_s",)
 
 
 def calibrate(group: Optional[dist.ProcessGroup] = None, dtype: torch.dtype = torch.float32,
@@ -92,7 +105,8 @@ def calibrate(group: Optional[dist.ProcessGroup] = None, dtype: torch.dtype = to
     """Measure this rank's rates (collectively on ``group``: every rank of it must call this).
 
     ``group`` None means the default process group when one is initialized, else a world of one.
-    ``matmul_shape`` (m, k, n): the timed matmul, (m×k)·(k×n); None: 512 square.
+    ``matmul_shape`` (m, k, n): the timed matmuls' shape, (m×k)·(k×n), and the element-wise add's
+    (m×n); None: 512 square.
     """
     m, k, n = matmul_shape or (DEFAULT_MATMUL_SIZE,) * 3
     if repeats < 1 or bucket_numel < 1 or min(m, k, n) < 1 or optimizer_numel < 1:
@@ -103,12 +117,16 @@ def calibrate(group: Optional[dist.ProcessGroup] = None, dtype: torch.dtype = to
         group = dist.group.WORLD
     world = dist.get_world_size(group) if group is not None else 1
     sync = _synchronizer(device)
-    flops = 2.0 * m * k * n / _median_time(_matmul(m, k, n, dtype, device), repeats, sync)
+    flops = 6.0 * m * k * n / _median_time(_linear_matmuls(m, k, n, dtype, device), repeats, sync)
+    elementwise = 3 * m * n * torch.empty((), dtype=dtype).element_size() \
+        / _median_time(_add(m * n, dtype, device), repeats, sync)
+    overhead = _median_time(_add(1, dtype, device), repeats, sync)
     optimizer = optimizer_numel / _median_time(_adamw_step(optimizer_numel, device), repeats, sync)
     host = optimizer if device.type == "cpu" else \
         optimizer_numel / _median_time(_adamw_step(optimizer_numel, torch.device("cpu")), repeats, lambda: None)
-    rates = {"compute_flops_per_s": flops, "optimizer_params_per_s": optimizer, "host_optimizer_params_per_s": host,
-             "allgather_bytes_per_s": math.inf, "reduce_scatter_bytes_per_s": math.inf}  # a world of one
+    rates = {"compute_flops_per_s": flops, "elementwise_bytes_per_s": elementwise, "optimizer_params_per_s": optimizer,
+             "host_optimizer_params_per_s": host, "allgather_bytes_per_s": math.inf,
+             "reduce_scatter_bytes_per_s": math.inf, "op_overhead_s": overhead}  # a world of one
     if world > 1:
         comm = Collectives(group, device)
         numel = -(-bucket_numel // world) * world  # padded to a multiple of N, as the engine's buckets are
@@ -142,12 +160,26 @@ def _median_time(run: Callable[[], None], repeats: int, sync: Callable[[], None]
     return max(statistics.median(times), 1e-9)
 
 
-def _matmul(m: int, k: int, n: int, dtype: torch.dtype, device: torch.device) -> Callable[[], None]:
+def _linear_matmuls(m: int, k: int, n: int, dtype: torch.dtype, device: torch.device) -> Callable[[], None]:
+    """A linear layer's three training matmuls: y = x·w, dx = dy·wᵀ, dw = xᵀ·dy."""
     seeded = torch.Generator().manual_seed(0)  # the job's own random state stays untouched
-    a = torch.randn(m, k, generator=seeded).to(device=device, dtype=dtype)
-    b = torch.randn(k, n, generator=seeded).to(device=device, dtype=dtype)
-    out = torch.empty(m, n, dtype=dtype, device=device)
-    return lambda: torch.mm(a, b, out=out)
+    x = torch.randn(m, k, generator=seeded).to(device=device, dtype=dtype)
+    w = torch.randn(k, n, generator=seeded).to(device=device, dtype=dtype)
+    dy = torch.randn(m, n, generator=seeded).to(device=device, dtype=dtype)
+    y, dx, dw = (torch.empty(shape, dtype=dtype, device=device) for shape in ((m, n), (m, k), (k, n)))
+
+    def run() -> None:
+        torch.mm(x, w, out=y)
+        torch.mm(dy, w.t(), out=dx)
+        torch.mm(x.t(), dy, out=dw)
+    return run
+
+
+def _add(numel: int, dtype: torch.dtype, device: torch.device) -> Callable[[], None]:
+    """An out-of-place add, as a step's element-wise operations run (a fresh result each time)."""
+    a = torch.ones(numel, dtype=dtype, device=device)
+    b = torch.ones(numel, dtype=dtype, device=device)
+    return lambda: torch.add(a, b)
 
 
 def _adamw_step(numel: int, device: torch.device) -> Callable[[], None]:
@@ -171,10 +203,12 @@ def _collective_runs(comm: Collectives, numel: int, dtype: torch.dtype,
     }
 
 
-def _slowest(rates: dict[str, float], group: dist.ProcessGroup, device: torch.device) -> dict[str, float]:
-    """Every rank's lowest figure of each rate (a step waits for the slowest rank)."""
-    names = sorted(rates)
+def _slowest(figures: dict[str, float], group: dist.ProcessGroup, device: torch.device) -> dict[str, float]:
+    """Every rank's slowest figure of each (a step waits for the slowest rank): the lowest rate, the
+    longest time (``TIMES``)."""
+    names = sorted(figures)
+    signs = [1.0 if n in TIMES else -1.0 for n in names]
     backend_device = device if dist.get_backend(group) != "gloo" else torch.device("cpu")
-    values = torch.tensor([-rates[n] for n in names], dtype=torch.float64, device=backend_device)
+    values = torch.tensor([s * figures[n] for s, n in zip(signs, names)], dtype=torch.float64, device=backend_device)
     dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
-    return {n: float(-v) for n, v in zip(names, values.tolist())}
+    return {n: s * v for s, n, v in zip(signs, names, values.tolist())}

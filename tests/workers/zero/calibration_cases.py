@@ -52,3 +52,11 @@ def predicted_vs_measured_world(rank: int, world_size: int, settings: dict) -> d
                 step_times[stage].append(time.perf_counter() - started)
         engine.close()
     return {"calibrations": calibrations, "step_times": step_times}
+
+
+def slowest_world(rank: int, world_size: int) -> dict:
+    """``_slowest`` on figures that differ by rank: rank 0 has the lower rate, rank 1 the longer time."""
+    from workers.zero.calibration import _slowest
+
+    figures = {"compute_flops_per_s": 1e9 * (1 + rank), "op_overhead_s": 1e-6 * (1 + rank)}
+    return _slowest(figures, dist.group.WORLD, torch.device("cpu"))

@@ -13,6 +13,7 @@ from workers.models import build_model, flops_per_token
 from workers.planning import plan_for_spec
 from workers.zero.calibration import Calibration
 from workers.zero.planner import ModelShape, PlanInputs, predict
+from workers.zero.planner.step_work import StepWork, count_step_work
 
 RATES = Calibration(compute_flops_per_s=1e11, allgather_bytes_per_s=2e9, reduce_scatter_bytes_per_s=1e9,
                     allreduce_bytes_per_s=1.5e9, optimizer_params_per_s=1e8, host_optimizer_params_per_s=2.5e7,
@@ -83,3 +84,26 @@ def test_plan_for_spec_prices_the_jobs_flops_and_records_the_calibration():
     for candidate in plan.candidates:
         assert candidate.step_time_s is not None and candidate.compute_time_s == pytest.approx(flops / 1e11)
     assert plan.chosen.to_dict()["step_time_s"] == plan.chosen.step_time_s
+
+
+def test_compute_adds_the_non_matmul_work_at_its_measured_rates():
+    rates = replace(RATES, elementwise_bytes_per_s=2e10, op_overhead_s=5e-6)
+    work = StepWork(elementwise_bytes=4_000_000_000, ops=3000)
+    for stage in range(4):
+        p = predict(inputs(calibration=rates, step_work=work), stage)
+        assert p.compute_time_s == pytest.approx(3e11 / 1e11 + 4e9 / 2e10 + 3000 * 5e-6)  # 3 + 0.2 + 0.015 s
+        assert p.step_time_s == pytest.approx(p.compute_time_s + p.comm_time_s + p.optimizer_time_s)
+    assert predict(inputs(calibration=rates), 2).compute_time_s == pytest.approx(3.0)  # no work counted: matmuls only
+
+
+def test_plan_for_spec_counts_the_jobs_work_for_every_micro_batch():
+    spec = JobSpec(name="t", model=ModelSpec(preset="gpt-nano"), data=DataSpec(kind="synthetic", seq_len=64),
+                   train=TrainSpec(steps=1, global_batch_size=8, micro_batch_size=2),
+                   zero=ZeroSpec(stage=1), resources=ResourcesSpec(num_workers=2))
+    rates = replace(RATES, world_size=2, elementwise_bytes_per_s=2e10, op_overhead_s=5e-6)
+    plan = plan_for_spec(spec, calibration=rates)
+    micro = count_step_work({"preset": "gpt-nano"}, 2, 64, "fp32")  # two micro-batches per rank and step
+    assert plan.inputs["step_work"] == {"elementwise_bytes": 2 * micro.elementwise_bytes, "ops": 2 * micro.ops}
+    flops = plan.inputs["flops_per_step"]
+    assert plan.chosen.compute_time_s == pytest.approx(
+        flops / 1e11 + 2 * micro.elementwise_bytes / 2e10 + 2 * micro.ops * 5e-6)

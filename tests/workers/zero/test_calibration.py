@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from workers.zero.calibration import RATES, Calibration, calibrate
+from workers.zero.calibration import RATES, TIMES, Calibration, calibrate
 from workers.zero.testing import spawn_world
 
-from .calibration_cases import calibrate_world
+from .calibration_cases import calibrate_world, slowest_world
 
 
 def test_two_gloo_ranks_measure_positive_finite_rates_and_agree():
@@ -19,8 +19,10 @@ def test_two_gloo_ranks_measure_positive_finite_rates_and_agree():
     for name in RATES:
         value = getattr(first, name)
         assert 0 < value < math.inf, name
+    assert 0 < first.op_overhead_s < 1e-2  # one operation's fixed cost: microseconds, not a step
     # every rank takes the slowest rank's figures: the ranks agree
-    assert [r["calibration"][n] for r in results for n in RATES] == [results[0]["calibration"][n] for n in RATES] * 2
+    figures = RATES + TIMES
+    assert [r["calibration"][n] for r in results for n in figures] == [results[0]["calibration"][n] for n in figures] * 2
     assert first.world_size == 2 and first.dtype == "float32" and first.bucket_numel == 1 << 18
     assert first.seconds < 1.0  # cheap enough to run at every job start
     assert [r["after"] for r in results] == [2.0, 2.0]  # nothing left half-sent on the group
@@ -41,3 +43,20 @@ def test_rates_must_be_positive():
         Calibration(compute_flops_per_s=1e9, allgather_bytes_per_s=1e9, reduce_scatter_bytes_per_s=0.0)
     with pytest.raises(ValueError, match="compute_flops_per_s"):
         Calibration(compute_flops_per_s=float("nan"), allgather_bytes_per_s=1.0, reduce_scatter_bytes_per_s=1.0)
+
+
+def test_every_rank_takes_the_lowest_rate_and_the_longest_time():
+    assert spawn_world(slowest_world, 2) == [{"compute_flops_per_s": 1e9, "op_overhead_s": 2e-6}] * 2
+
+
+def test_a_report_from_before_the_non_matmul_rates_reads_as_not_measured():
+    old = {"compute_flops_per_s": 1e9, "allgather_bytes_per_s": 1e9, "reduce_scatter_bytes_per_s": 1e9}
+    calibration = Calibration.from_dict(old)
+    assert calibration.elementwise_bytes_per_s == math.inf and calibration.op_overhead_s == 0.0
+
+
+def test_the_operation_overhead_must_be_a_finite_non_negative_time():
+    for bad in (-1e-6, float("nan"), math.inf):
+        with pytest.raises(ValueError, match="op_overhead_s"):
+            Calibration(compute_flops_per_s=1e9, allgather_bytes_per_s=1e9, reduce_scatter_bytes_per_s=1e9,
+                        op_overhead_s=bad)

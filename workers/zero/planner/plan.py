@@ -129,6 +129,7 @@ class PlanInputs:
     resume: bool = False  # the job may start from a checkpoint (resume_from, or a restart)
     per_bucket_step: bool = True  # the optimizer steps bucket by bucket (torch's element-wise ones)
     flops_per_step: float | None = None  # one rank's training flops per step (calibrated time model)
+    step_work: Any = None  # step_work.StepWork: one rank's non-matmul work per step (calibrated time model)
     calibration: Any = None  # workers.zero.calibration.Calibration: measured rates (step_time.py)
 
     def __post_init__(self) -> None:
@@ -163,6 +164,7 @@ class PlanInputs:
             "checkpoint": self.checkpoint,
             "resume": self.resume,
             "flops_per_step": self.flops_per_step,
+            "step_work": None if self.step_work is None else asdict(self.step_work),
             "calibration": None if self.calibration is None else self.calibration.to_dict(),
         }
 

@@ -11,8 +11,10 @@ Per rank and step, with B the bytes of a communicated element, f = (N-1)/N and e
 ``Calibration``'s (a collective's rate is its buffer's bytes × f per second, measured on one
 bucket through the engine's own collectives):
 
-* compute: ``flops_per_step`` (``workers.models.flops_per_token`` × the rank's tokens per step)
-  / ``compute_flops_per_s`` (a square matmul of the job's dtype);
+* compute: the matmuls, ``flops_per_step`` (``workers.models.flops_per_token`` × the rank's tokens
+  per step) / ``compute_flops_per_s`` (a linear layer's training matmuls of the job's dtype); plus
+  the rest of the step's forward and backward (``step_work.py``, counted on meta): its element-wise
+  bytes / ``elementwise_bytes_per_s`` and its operations × ``op_overhead_s``;
 * communication, each stage's real collectives: stage 0 all-reduces Φ (at the all-reduce rate);
   stages 1-2 reduce-scatter Φ and all-gather Φ; stage 3 all-gathers every unit in forward and
   again in backward (less the units kept gathered) and reduce-scatters Φ. With hybrid sharding
@@ -80,11 +82,21 @@ def add_calibrated_time(prediction: Any, inputs: Any, calibration: Any, group: i
         prediction.disk_time_s = disk_time_s(prediction.disk_bytes, inputs.disk_bytes_per_s)
     if inputs.flops_per_step is None:
         return
-    prediction.compute_time_s = inputs.flops_per_step / calibration.compute_flops_per_s
+    prediction.compute_time_s = compute_time_s(inputs.flops_per_step, inputs.step_work, calibration)
     prediction.efficiency = efficiency(prediction.compute_time_s, prediction.comm_time_s)
     if not prediction.disk_bytes or prediction.disk_time_s is not None:
         prediction.step_time_s = (prediction.compute_time_s + prediction.comm_time_s + prediction.optimizer_time_s
                                   + (prediction.disk_time_s or 0.0))
+
+
+def compute_time_s(flops: float, work: Any, calibration: Any) -> float:
+    """Seconds of one rank's forward and backward: ``flops`` at the matmul rate, and the non-matmul
+    ``work`` (a ``step_work.StepWork``, or None: not counted) at the element-wise rate and the
+    per-operation overhead."""
+    seconds = flops / calibration.compute_flops_per_s
+    if work is not None:
+        seconds += work.elementwise_bytes / calibration.elementwise_bytes_per_s + work.ops * calibration.op_overhead_s
+    return seconds
 
 
 def calibrated_comm_time_s(prediction: Any, inputs: Any, calibration: Any, group: int) -> float:
