@@ -170,7 +170,7 @@ def test_only_the_owner_of_an_upload_may_run_it(make_live_service, tmp_path):
 
     def submit(client, working_dir: str) -> httpx.Response:
         spec = {**make_spec(), "runtime": {"working_dir": working_dir}}
-        return client._http.post("/api/v1/jobs", json=spec)
+        return client._http.post(client.url + "/api/v1/jobs", json=spec)
 
     assert submit(alice, stored.uri).status_code == 201
     refused = submit(bob, stored.uri)
@@ -184,25 +184,26 @@ def test_only_the_owner_of_an_upload_may_run_it(make_live_service, tmp_path):
 
 def test_the_server_bounds_and_checks_what_it_stores(make_live_service):
     service = make_live_service(scheduler_enabled=False, max_code_package_bytes=4096, max_body_bytes=1024)
-    http = service.client()._http
+    client = service.client()
+    http, api = client._http, client.url + "/api/v1"
     small = zip_of({"a.bin": os.urandom(2000), MANIFEST: b"{}"})
     assert len(small) > 1024
-    answer = http.post("/api/v1/code-packages", content=small)
+    answer = http.post(api + "/code-packages", content=small)
     assert answer.status_code == 201, answer.text  # the package's limit, not the JSON bodies' 1024 bytes
-    assert http.post("/api/v1/code-packages", content=small).status_code == 200  # the same bytes: kept once
+    assert http.post(api + "/code-packages", content=small).status_code == 200  # the same bytes: kept once
     too_big = zip_of({"a.bin": os.urandom(5000)})
-    answer = http.post("/api/v1/code-packages", content=too_big)
+    answer = http.post(api + "/code-packages", content=too_big)
     assert answer.status_code == 413 and "4096 bytes" in answer.json()["detail"]
-    answer = http.post("/api/v1/code-packages", content=b"not a zip")
+    answer = http.post(api + "/code-packages", content=b"not a zip")
     assert answer.status_code == 422 and answer.json()["errors"][0]["message"] == "the body is not a zip file"
-    lone = http.post("/api/v1/code-packages", content=zip_of({"pkg/a.py": b""}))
+    lone = http.post(api + "/code-packages", content=zip_of({"pkg/a.py": b""}))
     assert lone.status_code == 422 and "only the directory 'pkg/'" in lone.json()["detail"]
 
 
 def test_without_user_code_a_user_cannot_upload(make_live_service):
     service = make_live_service(scheduler_enabled=False, allow_user_code=False)
     alice = service.client(service.create_user("alice"))
-    answer = alice._http.post("/api/v1/code-packages", content=zip_of({"a.py": b""}))
+    answer = alice._http.post(alice.url + "/api/v1/code-packages", content=zip_of({"a.py": b""}))
     assert answer.status_code == 403 and "user code is disabled" in answer.json()["detail"]
 
 
