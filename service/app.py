@@ -76,6 +76,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # ("terminate called without an active exception"), so shutdown waits for it.
         warm_up = threading.Thread(target=prediction.warm_up, name="planner-warm-up", daemon=True)
         warm_up.start()
+        app.state.planner_warm_up = warm_up
         launcher = make_launcher(settings)
         # [Note: replicas] the scheduler and the webhook sender act only while this replica
         # holds the leader lease (service.leadership); with the scheduler disabled (a scheduler
