@@ -106,6 +106,10 @@ def test_a_preempted_jobs_page_says_when_and_for_which_job(queue, page):
     queue.admit()
     urgent = queue.submit("alice", "alices-urgent-run", priority=5, workers=2, team="red")
     queue.admit()
+    with_token(page, queue.tokens["alice"])  # the urgent job's page, while carol's job is asked to stop
+    page.goto(f"{queue.service.url}/jobs/{urgent}")
+    expect(page.locator("#job-preempted .making-room")).to_have_text(
+        "Stopping carols-long-run (priority 0, team red) at its next checkpoint to make room for it.")
     queue.preempted(low, step=100)
 
     with_token(page, queue.tokens["carol"])
@@ -134,6 +138,10 @@ def test_a_job_of_a_team_the_viewer_is_not_in_is_only_another_job(queue, page):
     expect(making_room.locator("a")).to_have_count(0)
     expect(page.locator("#jobs-table")).not_to_contain_text("bobs-long-run")
     expect(page.locator("#jobs-table")).not_to_contain_text(bobs)
+    page.goto(f"{queue.service.url}/jobs/{secret}")  # her job's page says the same
+    expect(page.locator("#job-preempted .making-room")).to_have_text(
+        "Stopping another job at its next checkpoint to make room for it.")
+    expect(page.locator("#job-reason")).to_have_text("Reason: preempting")  # not the message naming bob's job
 
     # bob's page of his preempted job: when, and "another job", nothing of alice's
     queue.preempted(bobs, step=100)

@@ -59,13 +59,22 @@ export function preemptedLine(entry) {
   );
 }
 
+/** Reasons whose messages name other jobs by id: shown through the endpoint's answer instead. */
+export const NAMES_JOBS = new Set(["preempting", "preempted"]);
+
+/** A job page's lines: the jobs it is making room for, then each time it was preempted. */
+export function preemptionLines(info) {
+  if (!info) return [];
+  return [info.asked.length + info.asked_hidden ? makingRoom(info) : null, ...info.preempted.map(preemptedLine)];
+}
+
 /**
  * The queue's reason cell: the reason as a phrase and, for a QUEUED job, why it waits — the
  * jobs it is making room for, or the scheduler's message — and, for a job back in the queue
  * because it was preempted (a QUEUED job that ran), when and for whom that was.
  */
 export function reasonCell(job, info) {
-  const namesJobs = job.reason === "preempting" || job.reason === "preempted"; // their messages name jobs by id
+  const namesJobs = NAMES_JOBS.has(job.reason);
   const cell = h("td", { class: "reason", "data-reason": job.reason || "", title: namesJobs ? null : job.message || null },
     h("span", { class: "reason-phrase", text: reasonPhrase(job.reason) }));
   if (job.state !== "QUEUED") return cell;
