@@ -172,7 +172,8 @@ export function jobsPage({ navigate, signal }) {
       const queued = idsOf(page.items.filter((j) => j.state === "QUEUED")); // why they wait: what they preempt, or for whom they were
       const [answer, preemption] = await Promise.all([
         ids ? request(`/dashboard/progress?${ids}`, { signal: controller.signal }) : { items: {} },
-        queued ? request(`/dashboard/preemption?${queued}`, { signal: controller.signal }) : { items: {} },
+        queued ? request(`/dashboard/preemption?${queued}`, { signal: controller.signal })
+          .catch((error) => (error.name === "AbortError" ? Promise.reject(error) : { items: {} })) : { items: {} }, // the list without it
       ]);
       const progress = answer.items; // the field holding the speed is named by the answer (the metric table's)
       replaceKeepingFocus(
