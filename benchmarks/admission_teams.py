@@ -34,16 +34,15 @@ import argparse
 import json
 import os
 import random
-import tempfile
 import time
-import uuid
 from pathlib import Path
 
 import httpx
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.service import admin_sql, free_port, percentile, start_server
+from benchmarks.scratch import scratch_service
+from benchmarks.service import percentile
 from service.client import Client, ValidationFailed
 
 HOLD_DRIVER = str(Path(__file__).resolve().parent / "hold_driver.py")
@@ -105,51 +104,37 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     submissions = plan(args.jobs, args.seed)
 
-    database = f"zt_admission_teams_{uuid.uuid4().hex[:10]}"
-    database_url = f"postgresql+psycopg://postgres@127.0.0.1:5432/{database}"
-    admin_sql(f'CREATE DATABASE "{database}"')
-    port = free_port()
     latencies: list[float] = []
-    try:
-        with tempfile.TemporaryDirectory(prefix="zerotrain-admission-teams-") as home_dir:
-            home = Path(home_dir)
-            server = start_server(database_url, home, port, SCHEDULER_ENABLED="true", LOCAL_ENTRYPOINT=HOLD_DRIVER,
-                                  LOCAL_CAPACITY_CPUS=str(args.cpus), MAX_USER_PRIORITY="5",
-                                  SCHEDULER_POLL_S=str(args.scheduler_poll_s))
-            try:
-                base = f"http://127.0.0.1:{port}"
-                admin = Client(base, (home / "token").read_text().strip())
-                members = {}
-                for team, quota in QUOTAS.items():
-                    admin.create_team(team)
-                    admin.set_team_member(team, f"user-{team}", "member")
-                    admin.set_team_quota(team, **quota)
-                    members[team] = Client(base, admin.create_token(f"user-{team}").token)
-                observer = {"Authorization": f"Bearer {admin.create_token('observer').token}"}
-                try:
-                    members["b"].submit(job_spec({**submissions[0], "team": "b", "priority": 4}))
-                    bound_refused = None
-                except ValidationFailed as refused:
-                    bound_refused = refused.fields
-                started = time.time()
-                ids = [members[job["team"]].submit(job_spec(job)).id for job in submissions]
-                with httpx.Client(timeout=60) as http:
-                    while time.time() - started < args.timeout_s:
-                        sent = time.perf_counter()
-                        http.get(f"{base}/api/v1/jobs", headers=observer).raise_for_status()
-                        latencies.append(time.perf_counter() - sent)
-                        page = admin.list(limit=200)
-                        states = {job.id: job.state.value for job in page.items}
-                        if all(states.get(job_id) in TERMINAL for job_id in ids):
-                            break
-                        time.sleep(args.poll_s)
-                events = {job_id: admin.events(job_id) for job_id in ids}
-                final = {job_id: admin.get(job_id).state.value for job_id in ids}
-            finally:
-                server.terminate()
-                server.wait(60)
-    finally:
-        admin_sql(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
+    with scratch_service("admission-teams", SCHEDULER_ENABLED="true", LOCAL_ENTRYPOINT=HOLD_DRIVER,
+                         LOCAL_CAPACITY_CPUS=str(args.cpus), MAX_USER_PRIORITY="5",
+                         SCHEDULER_POLL_S=str(args.scheduler_poll_s)) as scratch:
+        admin = Client(scratch.base, scratch.token)
+        members = {}
+        for team, quota in QUOTAS.items():
+            admin.create_team(team)
+            admin.set_team_member(team, f"user-{team}", "member")
+            admin.set_team_quota(team, **quota)
+            members[team] = Client(scratch.base, admin.create_token(f"user-{team}").token)
+        observer = {"Authorization": f"Bearer {admin.create_token('observer').token}"}
+        try:
+            members["b"].submit(job_spec({**submissions[0], "team": "b", "priority": 4}))
+            bound_refused = None
+        except ValidationFailed as refused:
+            bound_refused = refused.fields
+        started = time.time()
+        ids = [members[job["team"]].submit(job_spec(job)).id for job in submissions]
+        with httpx.Client(timeout=60) as http:
+            while time.time() - started < args.timeout_s:
+                sent = time.perf_counter()
+                http.get(f"{scratch.base}/api/v1/jobs", headers=observer).raise_for_status()
+                latencies.append(time.perf_counter() - sent)
+                page = admin.list(limit=200)
+                states = {job.id: job.state.value for job in page.items}
+                if all(states.get(job_id) in TERMINAL for job_id in ids):
+                    break
+                time.sleep(args.poll_s)
+        events = {job_id: admin.events(job_id) for job_id in ids}
+        final = {job_id: admin.get(job_id).state.value for job_id in ids}
 
     result = summarize(submissions, ids, events, final, started, args)
     result["get_jobs_ms"] = {"p50": 1000 * percentile(latencies, 0.5), "p99": 1000 * percentile(latencies, 0.99),
