@@ -203,6 +203,11 @@ def summarize(submissions: list[dict], ids: list[str], events: dict, final: dict
     }
 
 
+def _or_dash(value: float | None, spec: str) -> str:
+    """``value`` formatted, or "-" where there is none (a team that never waited or ran)."""
+    return "-" if value is None else format(value, spec)
+
+
 def show(result: dict) -> None:
     console = Console(width=150)
     order = Table("#", "team", "priority", "submitted #", "workers", "started at", title="start order")
@@ -214,13 +219,15 @@ def show(result: dict) -> None:
                   "owed and waiting", "share overall", "preempted",
                   "waited on team_quota", title=f"{result['jobs']} jobs, {result['cluster_cpus']:g} CPUs, "
                                                 f"{result['busy_until_s']:.0f} s, utilization "
-                                                f"{result['cluster_utilization']:.2f}; loaded machine")
+                                                f"{_or_dash(result['cluster_utilization'], '.2f')}; loaded machine")
     for team, row in result["teams"].items():
         quota = ", ".join(f"{name} {value:g}" for name, value in row["quota"].items())
         teams.add_row(team, quota, f"{row['cpu_s']:.1f}",
-                      f"{row['share_of_cluster_while_waiting_at_top_priority']:.2f} ({row['waiting_s']:.0f} s)",
+                      f"{_or_dash(row['share_of_cluster_while_waiting_at_top_priority'], '.2f')} "
+                      f"({row['waiting_s']:.0f} s)",
                       "-" if row["owed_s"] is None else f"{row['owed_s']:.1f} s",
-                      f"{row['share_of_cluster_overall']:.2f}", str(row["preempted"]), str(row["waited_on_team_quota"]))
+                      _or_dash(row["share_of_cluster_overall"], ".2f"), str(row["preempted"]),
+                      str(row["waited_on_team_quota"]))
     console.print(teams)
     g = result["get_jobs_ms"]
     console.print(f"final states: {result['states']}; GET /jobs p50 / p99 / max: {g['p50']:.0f} / {g['p99']:.0f} / "
