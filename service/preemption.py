@@ -43,14 +43,7 @@ from sqlalchemy.orm import Session, aliased
 
 from contract.job_states import JobState
 from contract.reasons import Reason
-from service.admission import (
-    HOLDING_STATES,
-    NOTHING,
-    Candidate,
-    Capacity,
-    Decision,
-    Demand,
-)
+from service.admission import HOLDING_STATES, NOTHING, Candidate, Capacity, Decision, Demand
 from service.models import Job, JobEvent, utcnow
 from service.states import load_job, record_notice
 
@@ -152,9 +145,9 @@ def withdraw_stale(session: Session) -> list[str]:
             update(Job).where(Job.id == job_id, Job.preempt_for == for_job)
             .values(preempt_for=None, preempt_requested_at=None).execution_options(synchronize_session=False))
         if result.rowcount == 1:
-            now = "gone" if state is None else state
             record_notice(session, load_job(session, job_id), Reason.PREEMPTION_WITHDRAWN,
-                          f"no longer asked to stop: job {for_job} it was to make room for is {now}, not waiting")
+                          f"no longer asked to stop: job {for_job}, which it was to make room for, "
+                          f"is {state or 'gone'}, not waiting")
             withdrawn.append(job_id)
     return withdrawn
 

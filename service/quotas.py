@@ -28,7 +28,7 @@ in name order so two writers cannot deadlock), then checks the shares' sum and w
 ``PUT``s at once are applied one after the other: neither is lost or mixed with the other (the
 ORM writes only the columns a request changed, so two unlocked writers to one team would each
 keep the other's), and two shares that would together exceed the cluster are not both accepted.
-SQLite has no row locks but runs one writer at a time.
+On SQLite every transaction begins IMMEDIATE (``service.db``), so each runs alone anyway.
 """
 
 from __future__ import annotations

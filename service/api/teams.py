@@ -22,14 +22,7 @@ from service.api.deps import CurrentUser, SessionDep
 from service.api.errors import error_responses, field_error
 from service.auth import Principal
 from service.models import Team, TeamMember, utcnow
-from service.schemas import (
-    TeamIn,
-    TeamList,
-    TeamMemberIn,
-    TeamMemberList,
-    TeamMemberOut,
-    TeamOut,
-)
+from service.schemas import TeamIn, TeamList, TeamMemberIn, TeamMemberList, TeamMemberOut, TeamOut
 from service.teams import role_in, teams_of
 
 router = APIRouter(prefix="/teams", tags=["teams"])

@@ -166,9 +166,11 @@ def test_a_teams_webhook_hears_every_team_job_besides_its_owners_own(make_live_s
             [(headers, body)] = receiver.wait_for(1, timeout=30)
             payload = json.loads(body)
             assert _signature_ok(headers, body)
-            assert (payload["event"], payload["job"]["id"], payload["job"]["team"]) == ("job.succeeded", team_job, "red")
+            job = payload["job"]
+            assert (payload["event"], job["id"], job["team"]) == ("job.succeeded", team_job, "red")
         wait_for(lambda: [d.status for d in maia.webhook_deliveries(team_hook.id)] == ["delivered"], 10,
-                 "the team webhook's delivery to be recorded", describe=lambda: str(maia.webhook_deliveries(team_hook.id)))
+                 "the team webhook's delivery to be recorded",
+                 describe=lambda: str(maia.webhook_deliveries(team_hook.id)))
         assert len(team_receiver.requests) == 1  # maia's own job went to no team webhook
     finally:
         team_receiver.close()
