@@ -31,6 +31,7 @@ class Reason:
     WORKERS_RESIZED = "workers_resized"  # an elastic job's worker group now runs at another size
     DEEPSPEED_CONFIG = "deepspeed_config"  # a notice at submit: what a deepspeed block left aside
     PREEMPTION_REQUESTED = "preemption_requested"  # a notice: asked to stop at a checkpoint for a job
+    PREEMPTION_WITHDRAWN = "preemption_withdrawn"  # a notice: the job it was to make room for no longer waits
     PREEMPTED = "preempted"  # stopped at a checkpoint for a higher-priority job; queued again
     PREEMPTING = "preempting"  # queued: running jobs it names are asked to stop at a checkpoint for it
     OFFLOAD_DISK_FULL = "offload_disk_full"  # zero.nvme_path's filesystem cannot hold the swap files

@@ -299,12 +299,14 @@ class Client:
     def revoke_token(self, token_id: int) -> TokenOut:
         return TokenOut.model_validate(self._api("DELETE", f"/tokens/{token_id}"))
 
-    def create_webhook(self, url: str, events: list[str], secret: str) -> WebhookOut:
-        """Have ``url`` told about your jobs' ``events`` (``contract.webhooks``), signed with ``secret``."""
-        return WebhookOut.model_validate(self._api("POST", "/webhooks", json={"url": url, "events": events,
-                                                                             "secret": secret}))
+    def create_webhook(self, url: str, events: list[str], secret: str, team: str | None = None) -> WebhookOut:
+        """Have ``url`` told about your jobs' ``events`` (``contract.webhooks``), signed with ``secret``;
+        given ``team``, about every job of that team (its maintainers and admins)."""
+        body = {"url": url, "events": events, "secret": secret} | ({"team": team} if team is not None else {})
+        return WebhookOut.model_validate(self._api("POST", "/webhooks", json=body))
 
     def webhooks(self) -> list[WebhookOut]:
+        """Your webhooks and those of the teams you manage."""
         return WebhookList.model_validate(self._api("GET", "/webhooks")).items
 
     def delete_webhook(self, webhook_id: int) -> WebhookOut:

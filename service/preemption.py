@@ -20,6 +20,15 @@ the ranks agree on a step, stop after committing a checkpoint there and report
   next); ties go to the most recently submitted. If even every candidate freed would not be
   enough, nobody is asked: stopping them would gain nothing.
 - A capacity the launcher cannot tell (``Capacity()``) never preempts: nothing is known to lack.
+
+[Note: withdrawing a request]
+A request stands only while the job it makes room for waits in the queue. Once that job is
+no longer QUEUED (cancelled, or admitted because resources freed elsewhere), every admission
+pass clears the request of each job asked for it (``withdraw_stale``) and records a
+``preemption_withdrawn`` notice. Rank 0's next poll then answers ``requested: false`` and the
+ranks train on. A rank 0 that had already decided to stop before that poll still stops at its
+checkpoint and reports it; the report is accepted (``withdrawn_this_attempt``) and the job
+queues again as preempted, losing no step, and is admitted again like any queued job.
 """
 
 from __future__ import annotations
@@ -29,13 +38,13 @@ from dataclasses import dataclass
 from itertools import combinations
 from typing import Protocol
 
-from sqlalchemy import update
-from sqlalchemy.orm import Session
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session, aliased
 
 from contract.job_states import JobState
 from contract.reasons import Reason
-from service.admission import NOTHING, Candidate, Capacity, Decision, Demand
-from service.models import Job, utcnow
+from service.admission import HOLDING_STATES, NOTHING, Candidate, Capacity, Decision, Demand
+from service.models import Job, JobEvent, utcnow
 from service.states import load_job, record_notice
 
 MAX_CONSIDERED = 12  # the lowest this many candidates are searched exhaustively (2**12 subsets)
@@ -119,6 +128,38 @@ def request(session: Session, victims: list[str], for_job: str) -> list[str]:
                           f"asked to stop at a checkpoint to make room for job {for_job}")
             asked.append(job_id)
     return asked
+
+
+def withdraw_stale(session: Session) -> list[str]:
+    """Withdraw every request whose job to make room for is no longer QUEUED ([Note: withdrawing
+    a request]); a notice on each job says so. Returns the jobs no longer asked. The caller commits."""
+    wanted = aliased(Job)
+    rows = session.execute(
+        select(Job.id, Job.preempt_for, wanted.state).outerjoin(wanted, wanted.id == Job.preempt_for)
+        .where(Job.preempt_for.is_not(None), Job.state.in_([state.value for state in HOLDING_STATES]))).all()
+    withdrawn = []
+    for job_id, for_job, state in rows:
+        if state == JobState.QUEUED.value:
+            continue
+        result = session.execute(
+            update(Job).where(Job.id == job_id, Job.preempt_for == for_job)
+            .values(preempt_for=None, preempt_requested_at=None).execution_options(synchronize_session=False))
+        if result.rowcount == 1:
+            record_notice(session, load_job(session, job_id), Reason.PREEMPTION_WITHDRAWN,
+                          f"no longer asked to stop: job {for_job}, which it was to make room for, "
+                          f"is {state or 'gone'}, not waiting")
+            withdrawn.append(job_id)
+    return withdrawn
+
+
+def withdrawn_this_attempt(session: Session, job: Job) -> bool:
+    """Whether the job's latest preemption notice of its current attempt is a withdrawal: its ranks
+    may have decided to stop before they saw it ([Note: withdrawing a request])."""
+    latest = session.execute(
+        select(JobEvent.reason).where(JobEvent.job_id == job.id, JobEvent.attempt == job.attempt,
+                                      JobEvent.reason.in_([Reason.PREEMPTION_REQUESTED, Reason.PREEMPTION_WITHDRAWN]))
+        .order_by(JobEvent.id.desc()).limit(1)).scalar_one_or_none()
+    return latest == Reason.PREEMPTION_WITHDRAWN
 
 
 def grace_left_s(job: Job, grace_s: float) -> float | None:

@@ -34,6 +34,12 @@ def preempted(step: int, for_job: str) -> str:
     return f"stopped at the checkpoint of step {step} to make room for job {for_job}"
 
 
+def preempted_after_withdrawal(step: int) -> str:
+    """The message of a ``preempted`` event whose ranks decided to stop before they saw the
+    request withdrawn (``service.preemption``): it names no job."""
+    return f"stopped at the checkpoint of step {step}; the request to make room was withdrawn meanwhile"
+
+
 def preempted_for(message: str | None) -> str | None:
     """The id of the job a ``preempted`` event's message (``preempted``) names, or None."""
     found = _PREEMPTED_FOR.search(message or "")

@@ -21,6 +21,14 @@ Jobs already asked to make room do not count: they are leaving.
 - Shares sum to at most 1 (``check_shares``, at ``PUT``), so two teams within their shares never
   take from each other and reclaiming cannot go back and forth.
 - On a cluster whose capacity is unknown a share means nothing: no reordering, no reclaiming.
+
+[Note: quota writes]
+A ``PUT`` of a quota first locks every team's row (``lock_teams``: ``SELECT ... FOR UPDATE``,
+in name order so two writers cannot deadlock), then checks the shares' sum and writes. So two
+``PUT``s at once are applied one after the other: neither is lost or mixed with the other (the
+ORM writes only the columns a request changed, so two unlocked writers to one team would each
+keep the other's), and two shares that would together exceed the cluster are not both accepted.
+On SQLite every transaction begins IMMEDIATE (``service.db``), so each runs alone anyway.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from sqlalchemy import func, or_, select
+from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
 from contract.quotas import QUOTA_FIELDS, SHARE_SLACK, TeamQuota, TeamUsage, column
@@ -174,10 +182,16 @@ def store(session: Session, team: Team, quota: TeamQuota) -> None:
         setattr(team, column(name), getattr(quota, name))
 
 
-def other_shares(session: Session, team: str) -> float:
+def lock_teams(session: Session) -> dict[str, Team]:
+    """Every team, read afresh and row-locked until the caller's transaction ends ([Note: quota writes])."""
+    rows = session.execute(select(Team).order_by(Team.name).with_for_update()
+                           .execution_options(populate_existing=True)).scalars()
+    return {row.name: row for row in rows}
+
+
+def other_shares(teams: Mapping[str, Team], team: str) -> float:
     """The shares of every team but ``team``, summed."""
-    total = session.execute(select(func.sum(Team.quota_share)).where(Team.name != team)).scalar_one()
-    return float(total or 0.0)
+    return float(sum(row.quota_share or 0.0 for name, row in teams.items() if name != team))
 
 
 def usage(session: Session, team: str) -> TeamUsage:

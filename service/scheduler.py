@@ -156,7 +156,9 @@ class Scheduler:
                 select(Job).where(Job.state == S.QUEUED.value).order_by(Job.priority.desc(), Job.pk)
                 .limit(ADMISSION_SCAN).with_for_update(skip_locked=True)
             ).scalars().all()
+            self._withdraw(session)
             if not queued:
+                self.lease.commit(session)
                 return claimed
             running = session.execute(
                 select(Job.id, Job.owner, Job.spec, Job.state, Job.priority, Job.pk, Job.preempt_for)
@@ -186,8 +188,16 @@ class Scheduler:
                 except IllegalTransition:
                     continue  # cancelled or claimed elsewhere meanwhile
                 claimed.append((job_id, token))
+            if claimed:
+                self._withdraw(session)  # the jobs admitted now wait no longer
             self.lease.commit(session)
         return claimed
+
+    def _withdraw(self, session: Session) -> None:
+        """Withdraw the requests to make room for jobs that no longer wait ([Note: withdrawing a
+        request] in ``service.preemption``)."""
+        for job_id in preemption.withdraw_stale(session):
+            log.info("job %s is no longer asked to make room", job_id)
 
     def _preempt(self, session: Session, queued: list[tuple[admission.Candidate, int]],
                  runners: list[preemption.Runner], decision: admission.Decision, capacity: admission.Capacity,

@@ -395,11 +395,16 @@ class WebhookIn(BaseModel):
                      "are refused unless the operator allows them")
     events: list[WebhookEvent] = Field(min_length=1, max_length=5, description="the events to send")
     secret: str = Field(min_length=16, max_length=200, description="the HMAC-SHA256 key of the signatures")
+    team: str | None = Field(default=None, pattern=SLUG_PATTERN, description=(
+        "a team's webhook, told about every job of the team (its maintainers and admins); none: the caller's own"))
 
 
-class WebhookOut(OutModel):
+class WebhookOut(BaseModel):
+    """A webhook: the user's whose jobs it hears about (``owner``), or a team's (``team``)."""
+
     id: int
-    owner: str
+    owner: str | None = Field(default=None, description="the user whose jobs it hears about; none for a team's")
+    team: str | None = Field(default=None, description="the team whose jobs it hears about; none for a user's")
     url: str
     events: list[str]
     created_at: datetime

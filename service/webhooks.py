@@ -1,7 +1,8 @@
-"""Webhooks: job transitions announced to users' URLs, signed, retried and recorded.
+"""Webhooks: job transitions announced to users' and teams' URLs, signed, retried and recorded.
 
 A transition that reaches a state in ``contract.webhooks.EVENT_FOR_STATE`` writes one
-``WebhookDelivery`` per matching webhook of the job's owner, in the transition's own
+``WebhookDelivery`` per matching webhook of the job's owner and of the job's team ([Note: whose
+webhook]), in the transition's own
 transaction (``enqueue``, called by ``service.states``). The control plane's ``WebhookSender``
 thread then sends the due ones. Workers never send webhooks.
 
@@ -17,6 +18,12 @@ retried after ``webhook_retry_base_s * 2**(attempts - 1)`` seconds, capped at an
 request's timeout with a conditional UPDATE; only the sender whose UPDATE matched sends. Another
 sender on the same database (a second replica) skips it, and a sender that dies mid-request
 leaves a row that falls due again, which is sent again with the same delivery id.
+
+[Note: whose webhook] ``webhooks.owner`` names whose jobs a webhook hears about: a user's name,
+or ``team:<team>`` for a team's webhook (``team_owner``). User names are slugs (``SLUG_PATTERN``,
+at the API and at ``zerotrain token create``), which cannot hold a ``:``, so no user can own a
+team's webhook by name. ``owner_filter`` and ``enqueue`` read it; ``webhook_out`` shows it as
+``owner`` or ``team``.
 
 [Note: fenced sends] With several replicas only the leader sends, and its three database steps
 are fenced as the scheduler's writes are ([Note: fencing] in ``service.leadership``): the claim,
@@ -53,6 +60,7 @@ from contract.webhooks import (
 from service.leadership import SOLE_LEADER, LeadershipLost, Lease, SoleLeader
 from service.models import Job, Webhook, WebhookDelivery, utcnow
 from service.poll_loop import PollLoop
+from service.schemas import WebhookOut
 from service.settings import Settings
 from service.webhook_targets import TargetRefused, check_target
 
@@ -69,10 +77,30 @@ def sign(secret: str, body: bytes) -> str:
     return SIGNATURE_PREFIX + hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
 
 
+TEAM_OWNER_PREFIX = "team:"
+
+
+def team_owner(team: str) -> str:
+    """The ``webhooks.owner`` of a team's webhook ([Note: whose webhook])."""
+    return TEAM_OWNER_PREFIX + team
+
+
+def team_of(hook: Webhook) -> str | None:
+    """The team whose webhook ``hook`` is; None for a user's."""
+    return hook.owner.removeprefix(TEAM_OWNER_PREFIX) if hook.owner.startswith(TEAM_OWNER_PREFIX) else None
+
+
+def webhook_out(hook: Webhook) -> WebhookOut:
+    team = team_of(hook)
+    return WebhookOut(id=hook.id, owner=None if team else hook.owner, team=team, url=hook.url,
+                      events=hook.events, created_at=hook.created_at)
+
+
 def enqueue(session: Session, job: Job, event: str) -> int:
-    """Add a delivery of ``event`` about ``job`` for each of its owner's webhooks that wants it;
-    the caller's transaction commits them with the change they announce. Returns how many."""
-    hooks = session.execute(select(Webhook).where(Webhook.owner == job.owner)).scalars().all()
+    """Add a delivery of ``event`` about ``job`` for each webhook of its owner and of its team that
+    wants it; the caller's transaction commits them with the change they announce. Returns how many."""
+    owners = [job.owner] + ([team_owner(job.team)] if job.team is not None else [])
+    hooks = session.execute(select(Webhook).where(Webhook.owner.in_(owners)).order_by(Webhook.id)).scalars().all()
     now = utcnow()
     count = 0
     for hook in hooks:
@@ -80,7 +108,7 @@ def enqueue(session: Session, job: Job, event: str) -> int:
             continue
         delivery_id = uuid.uuid4().hex
         body = {"id": delivery_id, "event": event, "created_at": now.isoformat(),
-                "job": {"id": job.id, "name": job.name, "owner": job.owner, "state": job.state,
+                "job": {"id": job.id, "name": job.name, "owner": job.owner, "team": job.team, "state": job.state,
                         "reason": job.reason, "message": job.message, "attempt": job.attempt}}
         session.add(WebhookDelivery(id=delivery_id, webhook_id=hook.id, job_id=job.id, event=event,
                                     body=json.dumps(body, separators=(",", ":")), status=PENDING, attempts=0,

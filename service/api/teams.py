@@ -102,11 +102,11 @@ def set_quota(team: TeamName, body: TeamQuota, session: SessionDep, user: Curren
     _role_or_404(session, user, team)
     if not user.is_admin:
         raise HTTPException(403, "only admins set team quotas")
-    if body.share is not None and (others := quotas.other_shares(session, team)) + body.share > 1 + SHARE_SLACK:
+    teams = quotas.lock_teams(session)  # [Note: quota writes] in service.quotas
+    if body.share is not None and (others := quotas.other_shares(teams, team)) + body.share > 1 + SHARE_SLACK:
         raise field_error("share", f"share {body.share:g} with the other teams' {others:g} is more than the "
                                    f"whole cluster (the shares sum to at most 1)", "share_too_large")
-    row = session.get(Team, team)
-    quotas.store(session, row, body)
+    quotas.store(session, teams[team], body)
     session.commit()
     return _quota_out(session, team)
 

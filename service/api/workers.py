@@ -16,6 +16,7 @@ from service.api.errors import error_responses, field_error
 from service.job_credentials import CredentialsUnavailable, StsIssuer, job_access
 from service.log_text import plain_log
 from service.models import Checkpoint, Job, JobEvent
+from service.preemption import grace_left_s, withdrawn_this_attempt
 from service.schemas import (
     MAX_INT32,
     CheckpointFailureIn,
@@ -31,7 +32,6 @@ from service.schemas import (
     WorkerSpecOut,
     WorkerStateIn,
 )
-from service.preemption import grace_left_s
 from service.settings import Settings
 from service.states import IllegalTransition, Reason, record_notice, transition
 from service.storage_policy import UnsafeUri, check_registered_checkpoint
@@ -157,9 +157,12 @@ def report_worker_preempted(stopped: WorkerPreemptedIn, job: WorkerJob, session:
     Idempotent: a retried report answers the same event."""
     if job.state == JobState.QUEUED.value and job.reason == Reason.PREEMPTED:
         return _latest_event(session, job.id)
-    if job.preempt_for is None:
+    if job.preempt_for is not None:
+        message = preemption_notes.preempted(stopped.step, job.preempt_for)
+    elif withdrawn_this_attempt(session, job):  # the ranks decided before they saw the withdrawal
+        message = preemption_notes.preempted_after_withdrawal(stopped.step)
+    else:
         raise HTTPException(409, f"job {job.id} was not asked to make room for another job")
-    message = preemption_notes.preempted(stopped.step, job.preempt_for)
     try:
         transition(session, job.id, JobState.QUEUED, reason=Reason.PREEMPTED, message=message,
                    expected={JobState.RUNNING, JobState.RESTARTING},

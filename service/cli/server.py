@@ -10,9 +10,11 @@ commands and ``--help`` stay quick.
 from __future__ import annotations
 
 import argparse
+import re
 from datetime import timedelta
 from typing import Any
 
+from contract.spec_base import SLUG_PATTERN
 from service.cli import tokens
 from service.cli.errors import CliError
 from service.cli.output import err, out
@@ -125,6 +127,8 @@ def cmd_token_create(args: argparse.Namespace) -> int:
     from service.db import make_engine, make_sessionmaker
     from service.models import utcnow
 
+    if re.match(SLUG_PATTERN, args.name) is None:  # as the API's tokens: a name cannot pass for a team's
+        raise CliError(f"NAME must be letters, digits, '.', '_' and '-' (at most 63), got {args.name!r}")
     if args.expires_days is not None and not 0 < args.expires_days <= 3650:
         raise CliError(f"--expires-days must be in (0, 3650], got {args.expires_days:g}")
     expires_at = None if args.expires_days is None else utcnow() + timedelta(days=args.expires_days)

@@ -1,4 +1,4 @@
-"""``zerotrain webhook create|list|delete|deliveries``: your webhooks through the API.
+"""``zerotrain webhook create|list|delete|deliveries``: your webhooks, and your teams', through the API.
 
 ``create`` makes a signing secret when none is given (``--secret-file`` reads one) and prints it
 once, as ``token create`` does with a token: a secret on the command line would show in ``ps``.
@@ -28,8 +28,9 @@ def register(commands: Any) -> None:
     create.add_argument("--event", dest="events", action="append", choices=EVENTS,
                         help="an event to send (repeatable; default: every job transition)")
     create.add_argument("--secret-file", type=Path, help="read the signing secret from this file")
+    create.add_argument("--team", help="a webhook of this team, told about all its jobs (maintainers and admins)")
     create.set_defaults(func=cmd_create)
-    listing = sub.add_parser("list", help="your webhooks", parents=[client_options])
+    listing = sub.add_parser("list", help="your webhooks and those of the teams you manage", parents=[client_options])
     listing.set_defaults(func=cmd_list)
     delete = sub.add_parser("delete", help="delete the webhook with this id", parents=[client_options])
     delete.add_argument("webhook_id", type=int, metavar="ID")
@@ -49,19 +50,21 @@ def cmd_create(args: argparse.Namespace) -> int:
     else:
         secret = secrets.token_urlsafe(SECRET_BYTES)
     events = args.events or [event for event in EVENTS if event != "job.preempted"]
-    hook = client_for(args).create_webhook(args.target, events, secret)
+    hook = client_for(args).create_webhook(args.target, events, secret, team=args.team)
     if wants_json(args):
         print_json({**hook.model_dump(mode="json"), "secret": None if args.secret_file else secret})
         return 0
-    out.print(f"webhook {hook.id} → {hook.url} ({', '.join(hook.events)})")
+    whose = f" for team {hook.team}" if hook.team else ""
+    out.print(f"webhook {hook.id}{whose} → {hook.url} ({', '.join(hook.events)})")
     if args.secret_file is None:
         out.print(f"signing secret (shown once): {secret}")
     return 0
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    return print_items(args, client_for(args).webhooks(), ("id", "url", "events", "created"),
-                       lambda hook: (str(hook.id), hook.url, ", ".join(hook.events), when(hook.created_at)))
+    return print_items(args, client_for(args).webhooks(), ("id", "team", "url", "events", "created"),
+                       lambda hook: (str(hook.id), hook.team or "", hook.url, ", ".join(hook.events),
+                                     when(hook.created_at)))
 
 
 def cmd_delete(args: argparse.Namespace) -> int:

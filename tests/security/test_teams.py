@@ -141,3 +141,34 @@ def test_listing_ones_teams_reads_them_in_one_statement(teams):
             assert len(statements) == 1, statements
     finally:
         event.remove(service.app.state.engine, "before_cursor_execute", record)
+
+
+TEAM_HOOK = "https://93.184.216.34/hook"  # a global address: no allow-list entry, no DNS
+
+
+def test_only_a_teams_maintainers_manage_its_webhooks_and_outsiders_see_nothing(teams):
+    service, tokens, _, _ = teams
+    maia, mel, vic, olga = (service.client(tokens[name]) for name in ("maia", "mel", "vic", "olga"))
+    secret = "s" * 16
+    for member in (mel, vic):
+        with pytest.raises(ZerotrainError) as refused:
+            member.create_webhook(TEAM_HOOK, ["job.succeeded"], secret, team="red")
+        assert status(refused) == 403 and "maintainer" in str(refused.value)
+    for team in ("red", "no-such-team"):  # outside the team: missing, as its jobs are
+        with pytest.raises(ZerotrainError) as outsider:
+            olga.create_webhook(TEAM_HOOK, ["job.succeeded"], secret, team=team)
+        assert status(outsider) == 404
+    hook = maia.create_webhook(TEAM_HOOK, ["job.succeeded"], secret, team="red")
+    assert (hook.team, hook.owner) == ("red", None)
+    assert [h.id for h in maia.webhooks()] == [hook.id] and [h.id for h in service.client().webhooks()] == [hook.id]
+    assert mel.webhooks() == vic.webhooks() == olga.webhooks() == []
+    for member in (mel, vic):
+        for act in (member.delete_webhook, member.webhook_deliveries):
+            with pytest.raises(ZerotrainError) as refused:
+                act(hook.id)
+            assert status(refused) == 403
+    for act in (olga.delete_webhook, olga.webhook_deliveries, service.client(tokens["bo"]).delete_webhook):
+        with pytest.raises(ZerotrainError) as outsider:
+            act(hook.id)
+        assert status(outsider) == 404
+    assert maia.webhook_deliveries(hook.id) == [] and maia.delete_webhook(hook.id).id == hook.id

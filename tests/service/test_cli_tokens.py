@@ -47,3 +47,8 @@ def test_revoking_someone_elses_token_is_one_line_not_found(as_user, capsys):
 def test_token_create_refuses_a_bad_expiry_with_one_line(capsys):
     code, _, stderr = run(capsys, "token", "create", "dave", "--expires-days", "0")
     assert code == 2 and "--expires-days must be in (0, 3650]" in stderr
+
+
+def test_token_create_refuses_a_name_that_is_not_a_slug_with_one_line(capsys):
+    code, _, stderr = run(capsys, "token", "create", "team:red")  # it could pass for team red's webhooks' owner
+    assert code == 2 and "NAME must be letters" in stderr and len(stderr.strip().splitlines()) == 1

@@ -189,3 +189,52 @@ def test_the_job_making_room_waits_naming_the_jobs_asked_once_not_once_per_pass(
     cluster.service.app.state.scheduler.claim()  # one of the two left: the wait names the other
     assert cluster.client.get(high).message == (f"waiting for room: job {lower} is asked to stop at its next "
                                                 f"checkpoint to make room for it")
+
+
+def _events(cluster: Cluster, job_id: str, reason: str) -> list[JobEvent]:
+    with cluster.service.app.state.sessionmaker() as session:
+        return session.execute(select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.reason == reason)
+                               ).scalars().all()
+
+
+def test_a_request_is_withdrawn_when_the_job_it_made_room_for_is_cancelled(cluster):
+    low = cluster.run(priority=0, workers=4)
+    high = cluster.submit(priority=10, workers=2)
+    assert cluster.asked() == {low: high}
+    cluster.client.cancel(high)
+    assert cluster.service.app.state.scheduler.claim() == []
+    assert cluster.asked() == {}
+    with cluster.worker(low) as worker:  # what rank 0 polls: the ranks train on
+        assert worker.get("/preemption").json() == {"requested": False, "for_job": None, "grace_left_s": None}
+    [withdrawn] = _events(cluster, low, Reason.PREEMPTION_WITHDRAWN)
+    assert high in withdrawn.message and "CANCELLED" in withdrawn.message
+    assert cluster.client.get(low).state is JobState.RUNNING
+
+
+def test_a_request_is_withdrawn_when_the_job_it_made_room_for_starts_on_resources_freed_elsewhere(cluster):
+    first = cluster.run(priority=0, workers=2)
+    second = cluster.run(priority=0, workers=2)
+    high = cluster.submit(priority=10, workers=2)
+    [asked] = cluster.asked()
+    other = first if asked == second else second
+    with cluster.service.app.state.sessionmaker() as session:  # the other ends on its own
+        transition(session, other, JobState.SUCCEEDED, reason="test")
+        session.commit()
+    assert [job_id for job_id, _ in cluster.service.app.state.scheduler.claim()] == [high]
+    assert cluster.asked() == {}
+    assert len(_events(cluster, asked, Reason.PREEMPTION_WITHDRAWN)) == 1
+    assert cluster.client.get(asked).state is JobState.RUNNING
+
+
+def test_ranks_that_stopped_before_seeing_the_withdrawal_are_queued_again_not_refused(cluster):
+    low = cluster.run(priority=0, workers=4)
+    high = cluster.submit(priority=10, workers=2)
+    with cluster.worker(low) as worker:
+        assert worker.get("/preemption").json()["requested"]  # rank 0 decides to stop on this answer
+        cluster.client.cancel(high)
+        cluster.service.app.state.scheduler.claim()
+        stopped = worker.post("/preempted", json={"step": 7})
+    assert stopped.status_code == 201, stopped.text
+    event = stopped.json()
+    assert (event["to_state"], event["reason"]) == ("QUEUED", "preempted") and "withdrawn" in event["message"]
+    assert [job_id for job_id, _ in cluster.service.app.state.scheduler.claim()] == [low]  # and it resumes

@@ -21,6 +21,7 @@ from service.webhook_targets import TargetRefused, check_target
 
 from tests.helpers.cli_tables import table_rows
 from tests.helpers.service_specs import FAKE_DRIVER, make_spec
+from tests.helpers.waiting import wait_for
 
 SECRET = "a-receiver-secret-0123456789"
 
@@ -145,11 +146,43 @@ def test_a_webhook_is_its_owners_alone(make_live_service, receiver):
     assert alice.delete_webhook(hook.id).id == hook.id and alice.webhooks() == []
 
 
+def test_a_teams_webhook_hears_every_team_job_besides_its_owners_own(make_live_service):
+    service = make_live_service(local_entrypoint=FAKE_DRIVER, webhook_allowed_hosts="127.0.0.1",
+                                webhook_poll_s=0.05, webhook_retry_base_s=0.2)
+    admin = service.client()
+    admin.create_team("red")
+    admin.set_team_member("red", "maia", "maintainer")
+    admin.set_team_member("red", "mel", "member")
+    maia, mel = service.client(service.create_user("maia")), service.client(service.create_user("mel"))
+    team_receiver, own_receiver = Receiver(failures=0), Receiver(failures=0)
+    try:
+        team_hook = maia.create_webhook(team_receiver.url, ["job.succeeded"], SECRET, team="red")
+        mel.create_webhook(own_receiver.url, ["job.succeeded"], SECRET)
+        maia_own = maia.submit(make_spec()).id  # no team: not the team's webhook's business
+        team_job = mel.submit({**make_spec(), "team": "red"}).id
+        for client, job_id in ((maia, maia_own), (mel, team_job)):
+            assert client.wait(job_id, timeout=60, poll=0.1).state is JobState.SUCCEEDED
+        for receiver in (team_receiver, own_receiver):
+            [(headers, body)] = receiver.wait_for(1, timeout=30)
+            payload = json.loads(body)
+            assert _signature_ok(headers, body)
+            job = payload["job"]
+            assert (payload["event"], job["id"], job["team"]) == ("job.succeeded", team_job, "red")
+        wait_for(lambda: [d.status for d in maia.webhook_deliveries(team_hook.id)] == ["delivered"], 10,
+                 "the team webhook's delivery to be recorded",
+                 describe=lambda: str(maia.webhook_deliveries(team_hook.id)))
+        assert len(team_receiver.requests) == 1  # maia's own job went to no team webhook
+    finally:
+        team_receiver.close()
+        own_receiver.close()
+
+
 def test_bad_bodies_name_their_field(live_service, receiver):
     client = live_service.client()
     for body, field in [({"url": receiver.url, "events": ["job.exploded"], "secret": SECRET}, "events.0"),
                         ({"url": receiver.url, "events": ["job.failed"], "secret": "short"}, "secret"),
-                        ({"url": receiver.url, "events": [], "secret": SECRET}, "events")]:
+                        ({"url": receiver.url, "events": [], "secret": SECRET}, "events"),
+                        ({"url": receiver.url, "events": ["job.failed"], "secret": SECRET, "team": "no/team"}, "team")]:
         with pytest.raises(ValidationFailed) as refused:
             client.request("POST", "/api/v1/webhooks", json=body)
         assert refused.value.fields == [field]
@@ -167,8 +200,8 @@ def test_cli_creates_lists_and_deletes_and_refuses_in_one_line(make_live_service
     assert main(["webhook", "list", "-o", "json"]) == 0
     assert [hook["id"] for hook in json.loads(capsys.readouterr().out)["items"]] == [created["id"]]
     assert main(["webhook", "list"]) == 0
-    assert table_rows(capsys.readouterr().out) == [["id", "url", "events", "created"],
-                                                   [str(created["id"]), receiver.url, "job.failed", ANY]]
+    assert table_rows(capsys.readouterr().out) == [["id", "team", "url", "events", "created"],
+                                                   [str(created["id"]), "", receiver.url, "job.failed", ANY]]
     assert main(["webhook", "deliveries", str(created["id"]), "-o", "json"]) == 0
     assert json.loads(capsys.readouterr().out) == {"items": []}
     assert main(["webhook", "deliveries", str(created["id"])]) == 0

@@ -101,3 +101,24 @@ def test_when_the_ranks_stop():
     assert decide(7, False, 0.0, 0.01, 5, 60)
     assert not decide(58, False, 10.0, 1.0, 5, 60)  # the run ends within the grace: let it finish
     assert not decide(60, True, 0.0, 1.0, 5, 60)  # the last step: it has finished
+
+
+def test_a_withdrawn_request_reaches_the_gate_and_the_ranks_train_on():
+    """Rank 0's watch keeps only the latest answer: once the control plane withdraws the request
+    (service.preemption.withdraw_stale), the next poll clears it and no step stops, saved or not."""
+    import torch
+
+    from tests.helpers.waiting import wait_for
+    from workers.preemption import PreemptGate, PreemptionWatch
+
+    answers = [{"requested": True, "for_job": "job-h", "grace_left_s": 100.0}]
+    watch = PreemptionWatch(lambda: answers[-1], poll_s=0.01)
+    gate = PreemptGate(rank=0, device=torch.device("cpu"), watch=watch, every_steps=5, total_steps=60)
+    try:
+        wait_for(lambda: watch.grace_left_s() is not None, 10, "the request to be seen")
+        assert gate.should_stop(5, saved=True, step_time_s=0.1)  # asked: a step that saved stops
+        answers.append({"requested": False, "for_job": None, "grace_left_s": None})  # withdrawn
+        wait_for(lambda: watch.grace_left_s() is None, 10, "the withdrawal to be seen")
+        assert not gate.should_stop(10, saved=True, step_time_s=0.1) and gate.for_job() is None
+    finally:
+        gate.close()
