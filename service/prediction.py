@@ -76,9 +76,11 @@ def warm_up() -> None:
     # that every full (generation 2) collection would walk again: a pause of a few hundred ms in
     # which no request of any user is answered. ``gc.freeze`` moves what exists now, the modules
     # above all, out of the collector's sight; what requests allocate later is collected as ever.
-    # Collected first, so that no garbage of the start-up is frozen with them (it would never go).
-    gc.collect()
-    gc.freeze()
+    # Collected first, so that no garbage of the start-up is frozen with them (it would never go);
+    # once per process: a later service in the same process (tests) finds the heap frozen already.
+    if gc.get_freeze_count() == 0:
+        gc.collect()
+        gc.freeze()
 
 
 def plan_for_question(question: Any, spec: dict[str, Any] | None = None, allow_factories: bool = True) -> Any:
