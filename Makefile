@@ -32,7 +32,7 @@ demo: install
 # Ray cluster) to `make test-slow`, so that it stays under 30 minutes on two cores; CI
 # (.ci/run) runs both.
 test: install services
-	$(LOOPBACK) $(PY) -m pytest -q -p no:cacheprovider --durations=25 -m "not slow" $(PYTEST_ARGS)
+	$(LOOPBACK) $(PY) -m pytest -q -p no:cacheprovider --durations=60 -m "not slow" $(PYTEST_ARGS)
 
 test-slow: install services
 	$(LOOPBACK) $(PY) -m pytest -q -p no:cacheprovider --durations=25 -m slow $(PYTEST_ARGS)
