@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from sqlalchemy import Float, Select, cast, func, select
+from sqlalchemy import Float, Row, Select, cast, func, select
 from sqlalchemy.orm import Session
 
 from contract.metrics import CHARTED_FIELDS, Across
@@ -39,6 +39,7 @@ from service.metric_sql import (
     Averaging,
     execute_overflow_safe,
     latest_attempt_per_step,
+    try_float8,
 )
 from service.models import MetricStep, typed_spec
 
@@ -61,10 +62,23 @@ def short(value: Any) -> float | None:
     return None if value is None or not math.isfinite(value) else float(f"{float(value):.7g}")
 
 
+def _rows(session: Session, source: Any, width: int, world: int, bookkeeping: bool = False) -> list[Row]:
+    """``_bucketed`` rows from the float8 sums, or, where those overflow or any point is not
+    finite (an exact sum past the float limit is stored as an infinity, see
+    ``service.metric_ingest.float8_of``), from the exact sums, as before the float8 sums
+    existed (``execute_overflow_safe``)."""
+    rows = try_float8(session, _bucketed(source, width, world, FLOAT8, bookkeeping, sums="fsum"))
+    if rows is not None and all(math.isfinite(value) for row in rows for value in row
+                                if isinstance(value, float)):
+        return rows
+    return execute_overflow_safe(session, lambda averaging: _bucketed(source, width, world, averaging, bookkeeping))
+
+
 def _bucketed(source: Any, width: int, world: int, averaging: Averaging = FLOAT8,
-              bookkeeping: bool = False) -> Select:
+              bookkeeping: bool = False, sums: str = "sum") -> Select:
     """One row per bucket of ``width`` steps over ``source``: roll-up rows (``metric_steps``,
-    all of the job's or a subquery of them); the points as float8, or as they are computed
+    all of the job's or a subquery of them) summed from their ``sums`` columns (``sum``: exact,
+    numeric on PostgreSQL; ``fsum``: float8); the points as float8, or as they are computed
     (numeric on PostgreSQL) when ``averaging`` is exact.
 
     [Note: two levels, so spikes show] The first level makes one row per step holding, per
@@ -77,7 +91,7 @@ def _bucketed(source: Any, width: int, world: int, averaging: Averaging = FLOAT8
     world_size = func.coalesce(func.max(source.c.world_size), world)
     per_step = [source.c.step]
     for field in CHARTED_FIELDS:
-        total = func.sum(source.c[f"sum_{field.name}"])
+        total = func.sum(source.c[f"{sums}_{field.name}"])
         if field.across is Across.TOTAL:
             total = total * world_size
         count = func.sum(source.c[f"n_{field.name}"])
@@ -110,14 +124,14 @@ def series(session: Session, job_id: str, steps: int, world: int, max_points: in
     width = max(1, math.ceil((max(steps, 1) + 1) / max_points))  # steps 0…steps inclusive
     table = MetricStep.__table__
     job_rows = select(table).where(table.c.job_id == job_id).subquery("job_rows")
-    rows = execute_overflow_safe(session, lambda averaging: _bucketed(job_rows, width, world, averaging, True))
+    rows = _rows(session, job_rows, width, world, bookkeeping=True)
     records = sum(int(row.records) for row in rows)  # a sum of sums: numeric on PostgreSQL
     last_id = max((int(row.last_id) for row in rows), default=0)
     latest_attempt = max((row.max_attempt for row in rows), default=None)
     mixed_attempts = any(row.min_attempt != row.max_attempt for row in rows)
     if mixed_attempts:
         latest = latest_attempt_per_step(MetricStep, job_id)
-        rows = execute_overflow_safe(session, lambda averaging: _bucketed(latest, width, world, averaging))
+        rows = _rows(session, latest, width, world)
     by_name = dict(zip(rows[0]._fields, zip(*rows), strict=True)) if rows else {}
 
     def column(name: str) -> list:

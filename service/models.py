@@ -164,12 +164,15 @@ METRIC_STEP_PARTS = 16
 
 
 def _metric_step_columns() -> type:
-    """Per charted field (``contract.metrics.CHARTED_FIELDS``): the sum of the part's values
-    and how many of its records reported one (the migration spells them out)."""
+    """Per charted field (``contract.metrics.CHARTED_FIELDS``): the sum of the part's values,
+    how many of its records reported one, and the sum again as float8 (``fsum_``: what the
+    charts read first; an infinity or NaN where the exact sum is past the float limit or below
+    the smallest denormal, ``service.metric_ingest``). The migrations spell them out."""
     columns: dict[str, Any] = {}
     for index, field in enumerate(CHARTED_FIELDS):
         columns[f"sum_{field.name}"] = mapped_column(RollupSum, nullable=True, sort_order=2 * index + 1)
         columns[f"n_{field.name}"] = mapped_column(Integer, nullable=False, server_default="0", sort_order=2 * index + 2)
+        columns[f"fsum_{field.name}"] = mapped_column(Float, nullable=True, sort_order=2 * len(CHARTED_FIELDS) + index + 1)
     return type("_MetricStepColumns", (), columns)
 
 
