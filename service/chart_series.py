@@ -15,8 +15,9 @@ database does the reduction and ships about ``max_points`` rows:
   (``Across.TOTAL``: tokens/s, TFLOPs) of each record's share times its attempt's world size
   (the record's ``world_size``; the spec's ``num_workers`` for records without one), i.e. the
   job's total -- right for an elastic job's shrunk attempts too -- so a step whose ranks are
-  still arriving does not dip; on PostgreSQL the roll-up's sums are numeric, so no sum
-  overflows; the points leave the database as float8 (no decimal text to parse per value),
+  still arriving does not dip; the points are computed from the roll-up's float sums, or from
+  its exact ones (numeric on PostgreSQL, so no sum overflows) when a float sum or point is not
+  finite (``_rows``); they leave the database as float8 (no decimal text to parse per value),
   or, when one is past the float limit, as numeric (``service.metric_sql.execute_overflow_safe``)
   and are served as null;
 * each point also holds the lowest and highest of its bucket's step values (``series_min``,
@@ -63,10 +64,16 @@ def short(value: Any) -> float | None:
 
 
 def _rows(session: Session, source: Any, width: int, world: int, bookkeeping: bool = False) -> list[Row]:
-    """``_bucketed`` rows from the float8 sums, or, where those overflow or any point is not
-    finite (an exact sum past the float limit is stored as an infinity, see
-    ``service.metric_ingest.float8_of``), from the exact sums, as before the float8 sums
-    existed (``execute_overflow_safe``)."""
+    """``_bucketed`` rows from the float sums, or, where those overflow or any point is not
+    finite, from the exact sums (``execute_overflow_safe``).
+
+    [Note: float sums first, the exact answer either way] On PostgreSQL the exact sums are
+    numeric, and aggregating them cost the chart most of its time; ``fsum_`` holds each as
+    float8 (migration 0017). It differs from the exact sum only by rounding, far below the seven
+    digits served (``short``), except where the exact sum is past the float limit or below the
+    smallest denormal: there ``fsum_`` holds an infinity or NaN, as it does for a sum of
+    infinities or NaN. Every such value, or a float8 sum or product overflowing in the query,
+    leaves a point that is not finite (or an error), and the exact sums are read instead."""
     rows = try_float8(session, _bucketed(source, width, world, FLOAT8, bookkeeping, sums="fsum"))
     if rows is not None and all(math.isfinite(value) for row in rows for value in row
                                 if isinstance(value, float)):

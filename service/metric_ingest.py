@@ -4,10 +4,12 @@ Ingest relies on the unique (job, attempt, rank, step) key with ``ON CONFLICT DO
 a batch re-sent after a timeout is counted as duplicates and changes nothing. Only the rows
 actually inserted are added to ``metric_steps`` (``service.models.MetricStep``): one row per
 (attempt, step, part of the ranks) holding per charted field the sum of the values (numeric
-on PostgreSQL, so no sum overflows), how many records had one, and the sum again as float8,
-which the charts read first (``fsum_``, see ``float8_of``). The roll-up is written in the same transaction as the rows -- on
-PostgreSQL in the same statement -- so it counts every stored record exactly once, a re-sent
-batch included, and a chart never sees a row its roll-up lacks.
+on PostgreSQL, so no sum overflows) and how many records had one. The sum as a float, which
+the charts read first (``fsum_``), PostgreSQL computes itself (a generated column, migration
+0017); on SQLite, whose sums are floats already, it is written here. The roll-up is written
+in the same transaction as the rows -- on PostgreSQL in the same statement -- so it counts
+every stored record exactly once, a re-sent batch included, and a chart never sees a row its
+roll-up lacks.
 
 [Note: parts, and locks taken in step order]
 Ranks post the same steps at about the same time. Were a step one roll-up row, every rank's
@@ -18,7 +20,6 @@ batch would wait for the previous one's commit to update it; a step's rows are s
 
 from __future__ import annotations
 
-import sys
 from collections import defaultdict
 from typing import Any
 
@@ -38,53 +39,25 @@ _STORED_COLUMNS = ("attempt", "rank", "step", "time", "world_size", *METRIC_FIEL
 _INT_COLUMNS = frozenset({"attempt", "rank", "step", "world_size"})
 _QUOTED_COLUMNS = ", ".join(f'"{name}"' for name in _STORED_COLUMNS)  # "rank", "time" are keywords
 _CHARTED = tuple(field.name for field in CHARTED_FIELDS)
-_ROLLUP_COLUMNS = ", ".join(f"sum_{name}, n_{name}, fsum_{name}" for name in _CHARTED)
-
-
-def float8_of(numeric: str) -> str:
-    """SQL for a numeric sum as float8 (PostgreSQL): an infinity past the float limit and NaN
-    below the smallest denormal, where a plain cast would fail; either one sends the chart
-    back to the exact sums (``service.chart_series``)."""
-    top = int(sys.float_info.max)  # written out in full: numeric compares it exactly
-    return (f"CASE WHEN {numeric} = 'NaN' THEN 'NaN'::float8 WHEN {numeric} > {top} THEN 'Infinity'::float8 "
-            f"WHEN {numeric} < -{top} THEN '-Infinity'::float8 "
-            f"WHEN {numeric} <> 0 AND abs({numeric}) < 1e-323 THEN 'NaN'::float8 ELSE CAST({numeric} AS float8) END")
-
-
-def _pg_rollup_insert(rows: str, where: str = "") -> str:
-    """``INSERT INTO metric_steps`` of the roll-up of ``rows`` (a table or CTE of metric rows
-    with ``job_id``): exact numeric sums, and the float8 of each."""
-    grouped = (f'SELECT job_id, attempt, step, "rank" % {METRIC_STEP_PARTS} AS part, COUNT(*) AS records, '
-               "MAX(id) AS last_id, MAX(world_size) AS world_size, "
-               + ", ".join(f"SUM(CAST({name} AS numeric)) AS sum_{name}, COUNT({name}) AS n_{name}"
-                           for name in _CHARTED)
-               + f' FROM {rows} {where} GROUP BY job_id, attempt, step, "rank" % {METRIC_STEP_PARTS}')
-    return (f"INSERT INTO metric_steps (job_id, attempt, step, part, records, last_id, world_size, {_ROLLUP_COLUMNS}) "
-            "SELECT job_id, attempt, step, part, records, last_id, world_size, "
-            + ", ".join(f"sum_{name}, n_{name}, {float8_of(f'sum_{name}')}" for name in _CHARTED)
-            + f" FROM ({grouped}) AS parts ORDER BY 2, 3, 4")
-
-
-def _added(name: str) -> str:
-    """The exact sum of ``name`` once a batch's part is added to the stored part."""
-    return f"COALESCE(metric_steps.sum_{name}, 0) + COALESCE(excluded.sum_{name}, 0)"
-
-
+_ROLLUP_COLUMNS = ", ".join(f"sum_{name}, n_{name}" for name in _CHARTED)
 _PG_INSERT = text(
     "WITH new AS ("
     f"INSERT INTO metrics (job_id, {_QUOTED_COLUMNS}) "
     "SELECT CAST(:job_id AS text), * FROM unnest("
     + ", ".join(f"CAST(:{name} AS {'int4' if name in _INT_COLUMNS else 'float8'}[])" for name in _STORED_COLUMNS)
     + ") ON CONFLICT DO NOTHING "
-    f'RETURNING id, job_id, attempt, "rank", step, world_size, {", ".join(_CHARTED)}), '
+    f'RETURNING id, attempt, "rank", step, world_size, {", ".join(_CHARTED)}), '
     "rolled AS ("
-    + _pg_rollup_insert("new")
-    + " ON CONFLICT (job_id, attempt, step, part) DO UPDATE SET "
+    f"INSERT INTO metric_steps (job_id, attempt, step, part, records, last_id, world_size, {_ROLLUP_COLUMNS}) "
+    f'SELECT CAST(:job_id AS text), attempt, step, "rank" % {METRIC_STEP_PARTS}, COUNT(*), MAX(id), MAX(world_size), '
+    + ", ".join(f"SUM(CAST({name} AS numeric)), COUNT({name})" for name in _CHARTED)
+    + f' FROM new GROUP BY attempt, step, "rank" % {METRIC_STEP_PARTS} ORDER BY 2, 3, 4 '
+    "ON CONFLICT (job_id, attempt, step, part) DO UPDATE SET "
     "records = metric_steps.records + excluded.records, "
     "last_id = GREATEST(metric_steps.last_id, excluded.last_id), "
     "world_size = GREATEST(metric_steps.world_size, excluded.world_size), "
-    + ", ".join(f"sum_{name} = {_added(name)}, n_{name} = metric_steps.n_{name} + excluded.n_{name}, "
-                f"fsum_{name} = {float8_of(_added(name))}" for name in _CHARTED)
+    + ", ".join(f"sum_{name} = COALESCE(metric_steps.sum_{name}, 0) + COALESCE(excluded.sum_{name}, 0), "
+                f"n_{name} = metric_steps.n_{name} + excluded.n_{name}" for name in _CHARTED)
     + ") SELECT COUNT(*) FROM new"
 )
 
@@ -136,7 +109,7 @@ def _insert_new_sqlite(session: Session, job_id: str, records: list[MetricRecord
             "last_id": _greatest(table.c.last_id, upsert.excluded.last_id),
             "world_size": _greatest(table.c.world_size, upsert.excluded.world_size),
             **{f"{kind}_{name}": _plus(table.c[f"sum_{name}"], upsert.excluded[f"sum_{name}"])
-               for name in _CHARTED for kind in ("sum", "fsum")},  # SQLite's sums are floats already
+               for name in _CHARTED for kind in ("sum", "fsum")},
             **{f"n_{name}": table.c[f"n_{name}"] + upsert.excluded[f"n_{name}"] for name in _CHARTED},
         })
         session.execute(upsert, [{"job_id": job_id, "attempt": attempt, "step": step, "part": part, **values,
@@ -157,13 +130,13 @@ def _plus(a: Any, b: Any) -> Any:
 def rebuild_rollup(session: Session, job_id: str) -> None:
     """Recompute ``job_id``'s roll-up from its stored rows: for rows written around ingest
     (a bulk load with COPY, a benchmark's generated job)."""
+    postgresql = session.get_bind().dialect.name == "postgresql"
     session.execute(text("DELETE FROM metric_steps WHERE job_id = :job_id"), {"job_id": job_id})
-    if session.get_bind().dialect.name == "postgresql":
-        session.execute(text(_pg_rollup_insert("metrics", "WHERE job_id = :job_id")), {"job_id": job_id})
-        return
     session.execute(text(
-        f"INSERT INTO metric_steps (job_id, attempt, step, part, records, last_id, world_size, {_ROLLUP_COLUMNS}) "
+        f"INSERT INTO metric_steps (job_id, attempt, step, part, records, last_id, world_size, {_ROLLUP_COLUMNS}"
+        + ("" if postgresql else ", " + ", ".join(f"fsum_{name}" for name in _CHARTED)) + ") "
         f'SELECT job_id, attempt, step, "rank" % {METRIC_STEP_PARTS}, COUNT(*), MAX(id), MAX(world_size), '
-        + ", ".join(f"SUM(CAST({name} AS real)), COUNT({name}), SUM(CAST({name} AS real))" for name in _CHARTED)
+        + ", ".join(f"SUM(CAST({name} AS {'numeric' if postgresql else 'real'})), COUNT({name})" for name in _CHARTED)
+        + ("" if postgresql else ", " + ", ".join(f"SUM(CAST({name} AS real))" for name in _CHARTED))
         + f' FROM metrics WHERE job_id = :job_id GROUP BY job_id, attempt, step, "rank" % {METRIC_STEP_PARTS}'),
         {"job_id": job_id})

@@ -1,7 +1,12 @@
-"""The roll-up's sums also as float8 (``metric_steps.fsum_<field>``), what the charts read first:
-aggregating numeric sums cost the chart query most of its time. Filled here from the exact
-sums; a sum past the float limit is stored as an infinity (or NaN), which sends the chart back
-to the exact sums (``service.chart_series``).
+"""The roll-up's sums also as floats (``metric_steps.fsum_<field>``), what the charts read
+first: aggregating the numeric sums took most of the chart query's time.
+
+On PostgreSQL each is a stored generated column, the float8 of the exact numeric sum: the
+database keeps it with every write of the sum, whichever code writes it (a replica not yet
+upgraded included). Where a plain cast would fail, it holds an infinity (a sum past the float
+limit) or NaN (below the smallest denormal); NaN also for a NaN sum. Any of these makes the
+chart read the exact sums instead (``service.chart_series``). On SQLite the sums are floats
+already: plain columns, written by ingest and filled here.
 
 Revision ID: 0017
 Revises: 0016
@@ -24,22 +29,24 @@ FIELDS = ('loss', 'eval_loss', 'step_time_s', 'tokens_per_s', 'tflops', 'mfu', '
           'io_wait_s')
 
 
-def _float8(column: str) -> str:
-    """A numeric sum as float8: an infinity past the float limit, NaN below the smallest
-    denormal (a plain cast fails on both), either of which sends the chart to the exact sums."""
-    top = int(sys.float_info.max)  # written out: numeric compares it exactly
+def float8_of(column: str) -> str:
+    """PostgreSQL: a numeric sum as float8, never failing (see the module's docstring)."""
+    top = int(sys.float_info.max)  # written out in full: numeric compares it exactly
     return (f"CASE WHEN {column} = 'NaN' THEN 'NaN'::float8 WHEN {column} > {top} THEN 'Infinity'::float8 "
             f"WHEN {column} < -{top} THEN '-Infinity'::float8 "
             f"WHEN {column} <> 0 AND abs({column}) < 1e-323 THEN 'NaN'::float8 ELSE CAST({column} AS float8) END")
 
 
 def upgrade() -> None:
+    if op.get_bind().dialect.name == 'postgresql':
+        for name in FIELDS:  # ADD COLUMN … STORED computes it for every stored row
+            op.add_column('metric_steps', sa.Column(f'fsum_{name}', sa.Float(),
+                                                    sa.Computed(float8_of(f'sum_{name}'), persisted=True)))
+        return
     with op.batch_alter_table('metric_steps', schema=None) as batch_op:
         for name in FIELDS:
             batch_op.add_column(sa.Column(f'fsum_{name}', sa.Float(), nullable=True))
-    postgresql = op.get_bind().dialect.name == 'postgresql'
-    op.execute('UPDATE metric_steps SET ' + ', '.join(
-        f"fsum_{name} = {_float8(f'sum_{name}') if postgresql else f'sum_{name}'}" for name in FIELDS))
+    op.execute('UPDATE metric_steps SET ' + ', '.join(f'fsum_{name} = sum_{name}' for name in FIELDS))
 
 
 def downgrade() -> None:
