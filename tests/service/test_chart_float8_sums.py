@@ -55,7 +55,7 @@ def _records() -> list[dict]:
     checkpoint at step 30, so steps 30-39 are replayed. A loss spike of one rank every 13 steps,
     eval loss every 10 steps, values with many digits."""
     out = []
-    for attempt, steps, ranks in ((0, range(0, 40), RANKS), (1, range(30, STEPS + 1), 12)):
+    for attempt, steps, ranks in ((0, range(40), RANKS), (1, range(30, STEPS + 1), 12)):
         for step in steps:
             for rank in range(ranks):
                 record = {"attempt": attempt, "rank": rank, "step": step, "world_size": ranks,
