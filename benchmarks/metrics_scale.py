@@ -13,7 +13,9 @@ fresh database, then:
               after two unmeasured ones: p50 / p99 / max; with ``--baseline-tree`` (a source
               tree of another commit, e.g. from ``git archive``) a second server runs that code
               on the same database and the two are asked in turn, so both figures share the
-              machine's load (``load_avg``: the 1-minute load average before and after);
+              machine's load (``load_avg``: the 1-minute load average before and after); it
+              starts first, so that it runs on the schema this tree migrates to, as a replica
+              not yet upgraded does during a rolling upgrade;
 * ``ingest``  ``--ingest-ranks`` clients posting ``--batch``-record batches back to back for
               ``--ingest-seconds`` into another job: metric points stored per second.
 
@@ -176,6 +178,11 @@ def main() -> int:
     try:
         with tempfile.TemporaryDirectory() as home_dir:
             home = Path(home_dir)
+            if args.baseline_tree is not None:  # first: this tree's migrations may be newer than its code
+                baseline_home = home / "baseline"
+                baseline_home.mkdir()
+                baseline_port = free_port()
+                baseline = start_server(database_url, baseline_home, baseline_port, cwd=args.baseline_tree)
             port = free_port()
             server = start_server(database_url, home, port)
             base, token = f"http://127.0.0.1:{port}", (home / "token").read_text().strip()
@@ -187,11 +194,7 @@ def main() -> int:
             generated_s = generate_rows(database_url, job_id, args.ranks, args.steps)
             size, rollup = table_bytes(database_url), table_bytes(database_url, "metric_steps")
             servers = [(base, token)]
-            if args.baseline_tree is not None:
-                baseline_home = home / "baseline"
-                baseline_home.mkdir()
-                baseline_port = free_port()
-                baseline = start_server(database_url, baseline_home, baseline_port, cwd=args.baseline_tree)
+            if baseline is not None:
                 servers.append((f"http://127.0.0.1:{baseline_port}", (baseline_home / "token").read_text().strip()))
             load_before = os.getloadavg()[0]
             took, answers = chart_latencies(servers, job_id, args.points, args.queries)
