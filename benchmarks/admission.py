@@ -28,16 +28,15 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
-import uuid
 from pathlib import Path
 
 import httpx
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.service import admin_sql, free_port, percentile, start_server
+from benchmarks.scratch import scratch_service
+from benchmarks.service import percentile
 
 TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
 ACTIVE = {"STARTING", "RUNNING", "RESTARTING"}
@@ -95,46 +94,33 @@ def main() -> int:
     args = parser.parse_args()
     args.cpus = os.cpu_count() or 1  # the embedded head has this machine's CPUs
 
-    database = f"zt_admission_{uuid.uuid4().hex[:10]}"
-    database_url = f"postgresql+psycopg://postgres@127.0.0.1:5432/{database}"
-    admin_sql(f'CREATE DATABASE "{database}"')
-    port = free_port()
     samples: list[dict] = []
-    try:
-        with tempfile.TemporaryDirectory(prefix="zerotrain-admission-") as home_dir:
-            home = Path(home_dir)
-            server = start_server(database_url, home, port, LAUNCHER="ray", SCHEDULER_ENABLED="true")
-            try:
-                base = f"http://127.0.0.1:{port}/api/v1"
-                admin = {"Authorization": f"Bearer {(home / 'token').read_text().strip()}"}
-                with httpx.Client(timeout=60) as http:
-                    other = http.post(f"{base}/tokens", json={"name": "other-user"}, headers=admin)
-                    other_auth = {"Authorization": f"Bearer {other.raise_for_status().json()['token']}"}
-                    rss_before = rss_bytes(server.pid)
-                    ids = [http.post(f"{base}/jobs", json=job_spec(args.workers, args.steps),
-                                     headers=admin).raise_for_status().json()["id"] for _ in range(args.jobs)]
-                    started = time.monotonic()
-                    states: dict[str, str] = {}
-                    while time.monotonic() - started < args.timeout_s:
-                        sent = time.perf_counter()
-                        http.get(f"{base}/jobs", headers=other_auth).raise_for_status()
-                        latency = time.perf_counter() - sent
-                        page = http.get(f"{base}/jobs", params={"limit": 200}, headers=admin).raise_for_status().json()
-                        states = {job["id"]: job["state"] for job in page["items"]}
-                        tree = descendants(server.pid)
-                        samples.append({"t": time.monotonic() - started, "get_jobs_s": latency,
-                                        "active": [job_id for job_id in ids if states.get(job_id) in ACTIVE],
-                                        "service_rss": rss_bytes(server.pid),
-                                        "tree_rss": rss_bytes(server.pid) + sum(rss_bytes(p) for p in tree)})
-                        if all(states.get(job_id) in TERMINAL for job_id in ids):
-                            break
-                        time.sleep(args.poll_s)
-                    jobs = [http.get(f"{base}/jobs/{job_id}", headers=admin).json() for job_id in ids]
-            finally:
-                server.terminate()
-                server.wait(60)
-    finally:
-        admin_sql(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
+    with scratch_service("admission", LAUNCHER="ray", SCHEDULER_ENABLED="true") as scratch:
+        base = f"{scratch.base}/api/v1"
+        admin = {"Authorization": f"Bearer {scratch.token}"}
+        with httpx.Client(timeout=60) as http:
+            other = http.post(f"{base}/tokens", json={"name": "other-user"}, headers=admin)
+            other_auth = {"Authorization": f"Bearer {other.raise_for_status().json()['token']}"}
+            rss_before = rss_bytes(scratch.server.pid)
+            ids = [http.post(f"{base}/jobs", json=job_spec(args.workers, args.steps),
+                             headers=admin).raise_for_status().json()["id"] for _ in range(args.jobs)]
+            started = time.monotonic()
+            states: dict[str, str] = {}
+            while time.monotonic() - started < args.timeout_s:
+                sent = time.perf_counter()
+                http.get(f"{base}/jobs", headers=other_auth).raise_for_status()
+                latency = time.perf_counter() - sent
+                page = http.get(f"{base}/jobs", params={"limit": 200}, headers=admin).raise_for_status().json()
+                states = {job["id"]: job["state"] for job in page["items"]}
+                tree = descendants(scratch.server.pid)
+                samples.append({"t": time.monotonic() - started, "get_jobs_s": latency,
+                                "active": [job_id for job_id in ids if states.get(job_id) in ACTIVE],
+                                "service_rss": rss_bytes(scratch.server.pid),
+                                "tree_rss": rss_bytes(scratch.server.pid) + sum(rss_bytes(p) for p in tree)})
+                if all(states.get(job_id) in TERMINAL for job_id in ids):
+                    break
+                time.sleep(args.poll_s)
+            jobs = [http.get(f"{base}/jobs/{job_id}", headers=admin).json() for job_id in ids]
 
     started_at = [job.get("started_at") for job in jobs]
     in_order = all(started_at) and started_at == sorted(started_at)

@@ -34,16 +34,15 @@ import argparse
 import json
 import os
 import random
-import tempfile
 import time
-import uuid
 from pathlib import Path
 
 import httpx
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.service import admin_sql, free_port, percentile, start_server
+from benchmarks.scratch import scratch_service
+from benchmarks.service import percentile
 from service.client import Client, ValidationFailed
 
 HOLD_DRIVER = str(Path(__file__).resolve().parent / "hold_driver.py")
@@ -105,51 +104,37 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     submissions = plan(args.jobs, args.seed)
 
-    database = f"zt_admission_teams_{uuid.uuid4().hex[:10]}"
-    database_url = f"postgresql+psycopg://postgres@127.0.0.1:5432/{database}"
-    admin_sql(f'CREATE DATABASE "{database}"')
-    port = free_port()
     latencies: list[float] = []
-    try:
-        with tempfile.TemporaryDirectory(prefix="zerotrain-admission-teams-") as home_dir:
-            home = Path(home_dir)
-            server = start_server(database_url, home, port, SCHEDULER_ENABLED="true", LOCAL_ENTRYPOINT=HOLD_DRIVER,
-                                  LOCAL_CAPACITY_CPUS=str(args.cpus), MAX_USER_PRIORITY="5",
-                                  SCHEDULER_POLL_S=str(args.scheduler_poll_s))
-            try:
-                base = f"http://127.0.0.1:{port}"
-                admin = Client(base, (home / "token").read_text().strip())
-                members = {}
-                for team, quota in QUOTAS.items():
-                    admin.create_team(team)
-                    admin.set_team_member(team, f"user-{team}", "member")
-                    admin.set_team_quota(team, **quota)
-                    members[team] = Client(base, admin.create_token(f"user-{team}").token)
-                observer = {"Authorization": f"Bearer {admin.create_token('observer').token}"}
-                try:
-                    members["b"].submit(job_spec({**submissions[0], "team": "b", "priority": 4}))
-                    bound_refused = None
-                except ValidationFailed as refused:
-                    bound_refused = refused.fields
-                started = time.time()
-                ids = [members[job["team"]].submit(job_spec(job)).id for job in submissions]
-                with httpx.Client(timeout=60) as http:
-                    while time.time() - started < args.timeout_s:
-                        sent = time.perf_counter()
-                        http.get(f"{base}/api/v1/jobs", headers=observer).raise_for_status()
-                        latencies.append(time.perf_counter() - sent)
-                        page = admin.list(limit=200)
-                        states = {job.id: job.state.value for job in page.items}
-                        if all(states.get(job_id) in TERMINAL for job_id in ids):
-                            break
-                        time.sleep(args.poll_s)
-                events = {job_id: admin.events(job_id) for job_id in ids}
-                final = {job_id: admin.get(job_id).state.value for job_id in ids}
-            finally:
-                server.terminate()
-                server.wait(60)
-    finally:
-        admin_sql(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
+    with scratch_service("admission-teams", SCHEDULER_ENABLED="true", LOCAL_ENTRYPOINT=HOLD_DRIVER,
+                         LOCAL_CAPACITY_CPUS=str(args.cpus), MAX_USER_PRIORITY="5",
+                         SCHEDULER_POLL_S=str(args.scheduler_poll_s)) as scratch:
+        admin = Client(scratch.base, scratch.token)
+        members = {}
+        for team, quota in QUOTAS.items():
+            admin.create_team(team)
+            admin.set_team_member(team, f"user-{team}", "member")
+            admin.set_team_quota(team, **quota)
+            members[team] = Client(scratch.base, admin.create_token(f"user-{team}").token)
+        observer = {"Authorization": f"Bearer {admin.create_token('observer').token}"}
+        try:
+            members["b"].submit(job_spec({**submissions[0], "team": "b", "priority": 4}))
+            bound_refused = None
+        except ValidationFailed as refused:
+            bound_refused = refused.fields
+        started = time.time()
+        ids = [members[job["team"]].submit(job_spec(job)).id for job in submissions]
+        with httpx.Client(timeout=60) as http:
+            while time.time() - started < args.timeout_s:
+                sent = time.perf_counter()
+                http.get(f"{scratch.base}/api/v1/jobs", headers=observer).raise_for_status()
+                latencies.append(time.perf_counter() - sent)
+                page = admin.list(limit=200)
+                states = {job.id: job.state.value for job in page.items}
+                if all(states.get(job_id) in TERMINAL for job_id in ids):
+                    break
+                time.sleep(args.poll_s)
+        events = {job_id: admin.events(job_id) for job_id in ids}
+        final = {job_id: admin.get(job_id).state.value for job_id in ids}
 
     result = summarize(submissions, ids, events, final, started, args)
     result["get_jobs_ms"] = {"p50": 1000 * percentile(latencies, 0.5), "p99": 1000 * percentile(latencies, 0.99),
@@ -218,6 +203,11 @@ def summarize(submissions: list[dict], ids: list[str], events: dict, final: dict
     }
 
 
+def _or_dash(value: float | None, spec: str) -> str:
+    """``value`` formatted, or "-" where there is none (a team that never waited or ran)."""
+    return "-" if value is None else format(value, spec)
+
+
 def show(result: dict) -> None:
     console = Console(width=150)
     order = Table("#", "team", "priority", "submitted #", "workers", "started at", title="start order")
@@ -229,13 +219,15 @@ def show(result: dict) -> None:
                   "owed and waiting", "share overall", "preempted",
                   "waited on team_quota", title=f"{result['jobs']} jobs, {result['cluster_cpus']:g} CPUs, "
                                                 f"{result['busy_until_s']:.0f} s, utilization "
-                                                f"{result['cluster_utilization']:.2f}; loaded machine")
+                                                f"{_or_dash(result['cluster_utilization'], '.2f')}; loaded machine")
     for team, row in result["teams"].items():
         quota = ", ".join(f"{name} {value:g}" for name, value in row["quota"].items())
         teams.add_row(team, quota, f"{row['cpu_s']:.1f}",
-                      f"{row['share_of_cluster_while_waiting_at_top_priority']:.2f} ({row['waiting_s']:.0f} s)",
+                      f"{_or_dash(row['share_of_cluster_while_waiting_at_top_priority'], '.2f')} "
+                      f"({row['waiting_s']:.0f} s)",
                       "-" if row["owed_s"] is None else f"{row['owed_s']:.1f} s",
-                      f"{row['share_of_cluster_overall']:.2f}", str(row["preempted"]), str(row["waited_on_team_quota"]))
+                      _or_dash(row["share_of_cluster_overall"], ".2f"), str(row["preempted"]),
+                      str(row["waited_on_team_quota"]))
     console.print(teams)
     g = result["get_jobs_ms"]
     console.print(f"final states: {result['states']}; GET /jobs p50 / p99 / max: {g['p50']:.0f} / {g['p99']:.0f} / "

@@ -1,7 +1,7 @@
 """Metrics at scale on PostgreSQL: a 1,024-rank × 2,000-step job's chart, and ingest.
 
-Starts the service (``benchmarks.service.start_server``: its own process, scheduler off) on a
-fresh database, then:
+Starts the service (``benchmarks.scratch.scratch_service``: its own process, scheduler off) on
+a fresh database, then:
 
 * ``rows``    generates the metric rows of one job of ``--ranks`` ranks × ``--steps`` steps
               (2,048,000 by default) with one ``INSERT … SELECT generate_series`` -- directly,
@@ -14,8 +14,7 @@ fresh database, then:
               tree of another commit, e.g. from ``git archive``) a second server runs that code
               on the same database and the two are asked in turn, so both figures share the
               machine's load (``load_avg``: the 1-minute load average before and after); it
-              starts first, so that it runs on the schema this tree migrates to, as a replica
-              not yet upgraded does during a rolling upgrade;
+              starts first, so a baseline older than this tree's migrations still runs;
 * ``ingest``  ``--ingest-ranks`` clients posting ``--batch``-record batches back to back for
               ``--ingest-seconds`` into another job: metric points stored per second.
 
@@ -32,25 +31,15 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
-import uuid
 from pathlib import Path
 
 import httpx
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.service import (
-    ADMIN_URL,
-    SPEC,
-    admin_sql,
-    claim_ingest_tokens,
-    free_port,
-    metric_record,
-    percentile,
-    start_server,
-)
+from benchmarks.scratch import scratch_service
+from benchmarks.service import SPEC, claim_ingest_tokens, metric_record, percentile
 
 
 def generate_rows(database_url: str, job_id: str, ranks: int, steps: int) -> float:
@@ -171,53 +160,33 @@ def main() -> int:
     parser.add_argument("--baseline-tree", type=Path, help="also serve the chart from this source tree, asked in turn")
     args = parser.parse_args()
 
-    database = f"bench_metrics_{uuid.uuid4().hex[:8]}"
-    database_url = ADMIN_URL.rsplit("/", 1)[0] + f"/{database}"
-    admin_sql(f'CREATE DATABASE "{database}"')
-    server = baseline = None
-    try:
-        with tempfile.TemporaryDirectory() as home_dir:
-            home = Path(home_dir)
-            if args.baseline_tree is not None:  # first: this tree's migrations may be newer than its code
-                baseline_home = home / "baseline"
-                baseline_home.mkdir()
-                baseline_port = free_port()
-                baseline = start_server(database_url, baseline_home, baseline_port, cwd=args.baseline_tree)
-            port = free_port()
-            server = start_server(database_url, home, port)
-            base, token = f"http://127.0.0.1:{port}", (home / "token").read_text().strip()
-            spec = {**SPEC, "train": {**SPEC["train"], "steps": args.steps, "global_batch_size": 2 * args.ranks},
-                    "resources": {**SPEC["resources"], "num_workers": args.ranks}}
-            headers = {"Authorization": f"Bearer {token}"}
-            job_id = httpx.post(f"{base}/api/v1/jobs", json=spec, headers=headers, timeout=120).raise_for_status().json()["id"]
-            empty = table_bytes(database_url)
-            generated_s = generate_rows(database_url, job_id, args.ranks, args.steps)
-            size, rollup = table_bytes(database_url), table_bytes(database_url, "metric_steps")
-            servers = [(base, token)]
-            if baseline is not None:
-                servers.append((f"http://127.0.0.1:{baseline_port}", (baseline_home / "token").read_text().strip()))
-            load_before = os.getloadavg()[0]
-            took, answers = chart_latencies(servers, job_id, args.points, args.queries)
-            load_after = os.getloadavg()[0]
-            chart = chart_figures(took[0], answers[0], args.points)
-            chart_baseline = chart_figures(took[1], answers[1], args.points) if baseline is not None else None
-            print(f"chart over {args.ranks * args.steps:,} rows ({size / 2**20:.0f} MiB): p50 {chart['p50_ms']:.0f} ms, "
-                  f"p99 {chart['p99_ms']:.0f} ms" + ("" if chart_baseline is None else
-                  f"; baseline p50 {chart_baseline['p50_ms']:.0f} ms, p99 {chart_baseline['p99_ms']:.0f} ms"), flush=True)
-            httpx.post(f"{base}/api/v1/jobs", json=SPEC, headers=headers, timeout=120).raise_for_status()
-            (ingest_job, ingest_token), = [claim for claim in claim_ingest_tokens(database_url, home, 2)
-                                           if claim[0] != job_id]
-            ingested = asyncio.run(ingest(base, ingest_job, ingest_token, args.ingest_ranks, args.batch,
-                                          args.ingest_seconds))
-    finally:
-        for process in (server, baseline):
-            if process is not None:
-                process.terminate()
-                process.wait(30)
-        if args.keep_database:
-            print(f"kept database {database_url}", flush=True)
-        else:
-            admin_sql(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
+    baseline = None
+    with scratch_service("metrics-scale", keep_database=args.keep_database, baseline=args.baseline_tree) as scratch:
+        database_url, base, token = scratch.database_url, scratch.base, scratch.token
+        spec = {**SPEC, "train": {**SPEC["train"], "steps": args.steps, "global_batch_size": 2 * args.ranks},
+                "resources": {**SPEC["resources"], "num_workers": args.ranks}}
+        headers = {"Authorization": f"Bearer {token}"}
+        job_id = httpx.post(f"{base}/api/v1/jobs", json=spec, headers=headers, timeout=120).raise_for_status().json()["id"]
+        empty = table_bytes(database_url)
+        generated_s = generate_rows(database_url, job_id, args.ranks, args.steps)
+        size, rollup = table_bytes(database_url), table_bytes(database_url, "metric_steps")
+        servers = [(base, token)]
+        if args.baseline_tree is not None:
+            baseline = scratch.servers[1]
+            servers.append((baseline.base, baseline.token))
+        load_before = os.getloadavg()[0]
+        took, answers = chart_latencies(servers, job_id, args.points, args.queries)
+        load_after = os.getloadavg()[0]
+        chart = chart_figures(took[0], answers[0], args.points)
+        chart_baseline = chart_figures(took[1], answers[1], args.points) if baseline is not None else None
+        print(f"chart over {args.ranks * args.steps:,} rows ({size / 2**20:.0f} MiB): p50 {chart['p50_ms']:.0f} ms, "
+              f"p99 {chart['p99_ms']:.0f} ms" + ("" if chart_baseline is None else
+              f"; baseline p50 {chart_baseline['p50_ms']:.0f} ms, p99 {chart_baseline['p99_ms']:.0f} ms"), flush=True)
+        httpx.post(f"{base}/api/v1/jobs", json=SPEC, headers=headers, timeout=120).raise_for_status()
+        (ingest_job, ingest_token), = [claim for claim in claim_ingest_tokens(database_url, scratch.home, 2)
+                                       if claim[0] != job_id]
+        ingested = asyncio.run(ingest(base, ingest_job, ingest_token, args.ingest_ranks, args.batch,
+                                      args.ingest_seconds))
 
     result = {
         "rows": args.ranks * args.steps, "ranks": args.ranks, "steps": args.steps,

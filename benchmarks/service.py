@@ -35,11 +35,8 @@ import argparse
 import asyncio
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -48,7 +45,8 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+from benchmarks.scratch import Scratch, scratch_service
+
 SPEC = {
     "name": "bench", "model": {"preset": "gpt-nano"},
     "data": {"kind": "synthetic", "seq_len": 64},
@@ -58,7 +56,6 @@ SPEC = {
 FLUSH_INTERVAL_S = 1.0  # workers.reporting.MetricReporter's default
 CANCEL_WAIT_S = 5.0  # an abandoned step awaits its cancelled requests this long at most
 SETTLE_WITHIN_S = 120.0  # between phases, the server must answer /healthz promptly again within this
-QUEUE_LIMIT = 10**6  # the per-user queue limit (still counted on every submit) never refuses a ramp's jobs
 
 
 @dataclass
@@ -250,35 +247,7 @@ def metric_record(rank: int, step: int) -> dict:
             "checkpoint_blocked_s": 0.0}
 
 
-# ----------------------------------------------------------------------------- the server
-
-
-def start_server(database_url: str, home: Path, port: int, cwd: Path | None = None,
-                 **settings: str) -> subprocess.Popen:
-    """``uvicorn service.app:create_app`` on ``port``; ``settings`` override the ``ZEROTRAIN_*``
-    defaults here (the local launcher, scheduler off), e.g. ``LAUNCHER="ray"``; ``cwd``: run
-    the code of another source tree (a baseline)."""
-    env = {**os.environ, "ZEROTRAIN_HOME": str(home), "ZEROTRAIN_DATABASE_URL": database_url,
-           "ZEROTRAIN_LAUNCHER": "local", "ZEROTRAIN_SCHEDULER_ENABLED": "false",
-           "ZEROTRAIN_MAX_QUEUED_JOBS_PER_USER": str(QUEUE_LIMIT),
-           "ZEROTRAIN_PORT": str(port), **{f"ZEROTRAIN_{name}": value for name, value in settings.items()}}
-    if cwd is not None:
-        env["PYTHONPATH"] = str(cwd)
-    server = subprocess.Popen([sys.executable, "-m", "uvicorn", "service.app:create_app", "--factory",
-                               "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
-                               "--no-access-log"], env=env, cwd=cwd)
-    deadline = time.monotonic() + 120  # the Ray launcher starts its head first
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise SystemExit("the server exited during start-up")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
-                return server
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    server.terminate()
-    raise SystemExit("the server did not become healthy within 120 s")
+# ----------------------------------------------------------------------------- the database
 
 
 def claim_ingest_tokens(database_url: str, home: Path, count: int) -> list[tuple[str, str]]:
@@ -298,15 +267,6 @@ def claim_ingest_tokens(database_url: str, home: Path, count: int) -> list[tuple
         engine.dispose()
 
 
-def admin_sql(statement: str) -> None:
-    from sqlalchemy import create_engine, text
-
-    engine = create_engine(ADMIN_URL, isolation_level="AUTOCOMMIT")
-    with engine.connect() as connection:
-        connection.execute(text(statement))
-    engine.dispose()
-
-
 def database_sql(database_url: str, statement: str) -> None:
     from sqlalchemy import create_engine, text
 
@@ -314,14 +274,6 @@ def database_sql(database_url: str, statement: str) -> None:
     with engine.begin() as connection:
         connection.execute(text(statement))
     engine.dispose()
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # ----------------------------------------------------------------------------- the phases
@@ -343,32 +295,29 @@ async def submit_ramp(phase: str, bases: list[str], token: str, args: argparse.N
     return steps
 
 
-async def replicas_ramp(token: str, database_url: str, home: Path, args: argparse.Namespace) -> list[Step]:
+async def replicas_ramp(scratch: Scratch, args: argparse.Namespace) -> list[Step]:
     """The submissions ramp against the first server and ``--replicas - 1`` more on its database,
     from an empty queue again, as the one-replica ramp started (the jobs it queued are ended)."""
-    database_sql(database_url, "UPDATE jobs SET state = 'CANCELLED' WHERE state = 'QUEUED'")
-    ports = [free_port() for _ in range(args.replicas - 1)]
-    for port in ports:
-        (home / f"replica-{port}").mkdir()
-    extra = [start_server(database_url, home / f"replica-{port}", port) for port in ports]
-    args.server_pids = [args.server_pids[0], *(server.pid for server in extra)]
+    database_sql(scratch.database_url, "UPDATE jobs SET state = 'CANCELLED' WHERE state = 'QUEUED'")
+    extra = [scratch.serve(f"replica-{index}") for index in range(1, args.replicas)]
+    args.server_pids = [scratch.server.pid, *(server.pid for server in extra)]
     try:
-        bases = [args.base, *(f"http://127.0.0.1:{port}" for port in ports)]
-        return await submit_ramp(f"submit, {args.replicas} replicas", bases, token, args)
+        bases = [scratch.base, *(server.base for server in extra)]
+        return await submit_ramp(f"submit, {args.replicas} replicas", bases, scratch.token, args)
     finally:
         args.server_pids = args.server_pids[:1]
         for server in extra:
-            server.terminate()
-            server.wait(30)
+            server.stop()
 
 
-async def run_phases(base: str, token: str, database_url: str, home: Path, args: argparse.Namespace) -> dict:
+async def run_phases(scratch: Scratch, args: argparse.Namespace) -> dict:
     limits = httpx.Limits(max_connections=args.connections, max_keepalive_connections=args.connections)
-    args.base = base
+    base, token = scratch.base, scratch.token
+    args.server_pids = [scratch.server.pid]
     submit_steps = await submit_ramp("submit", [base], token, args)
-    replica_steps = await replicas_ramp(token, database_url, home, args) if args.replicas > 1 else []
+    replica_steps = await replicas_ramp(scratch, args) if args.replicas > 1 else []
 
-    (job_id, ingest), = claim_ingest_tokens(database_url, home, 1)
+    (job_id, ingest), = claim_ingest_tokens(scratch.database_url, scratch.home, 1)
     next_step = [0] * args.ranks  # per rank: the next step to report, unique across the ramp
     async with httpx.AsyncClient(base_url=f"{base}/api/v1/jobs/{job_id}", timeout=30, limits=limits,
                                  headers={"Authorization": f"Bearer {ingest}"}) as worker:
@@ -421,23 +370,8 @@ def main() -> int:
     args = parser.parse_args()
     load_at_start = os.getloadavg()[0]
 
-    database = f"zt_bench_{uuid.uuid4().hex[:10]}"
-    database_url = f"postgresql+psycopg://postgres@127.0.0.1:5432/{database}"
-    admin_sql(f'CREATE DATABASE "{database}"')
-    port = free_port()
-    try:
-        with tempfile.TemporaryDirectory(prefix="zerotrain-bench-") as home_dir:
-            home = Path(home_dir)
-            server = start_server(database_url, home, port)
-            try:
-                token = (home / "token").read_text().strip()
-                args.server_pids = [server.pid]
-                results = asyncio.run(run_phases(f"http://127.0.0.1:{port}", token, database_url, home, args))
-            finally:
-                server.terminate()
-                server.wait(30)
-    finally:
-        admin_sql(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
+    with scratch_service("bench") as scratch:
+        results = asyncio.run(run_phases(scratch, args))
 
     table = Table("phase", f"held: p99 < {args.p99_ms:.0f} ms", "p50 / p99 ms", "server CPU-ms/req",
                   "most kept up (p99 < 10x)", "p50 / p99 ms", "ramp stopped at (offered)", "because",

@@ -32,6 +32,7 @@ class Reason:
     DEEPSPEED_CONFIG = "deepspeed_config"  # a notice at submit: what a deepspeed block left aside
     PREEMPTION_REQUESTED = "preemption_requested"  # a notice: asked to stop at a checkpoint for a job
     PREEMPTED = "preempted"  # stopped at a checkpoint for a higher-priority job; queued again
+    PREEMPTING = "preempting"  # queued: running jobs it names are asked to stop at a checkpoint for it
     OFFLOAD_DISK_FULL = "offload_disk_full"  # zero.nvme_path's filesystem cannot hold the swap files
 
 

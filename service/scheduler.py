@@ -42,7 +42,7 @@ from sqlalchemy import select, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from contract.reasons import Reason
-from service import admission, preemption, quotas, tensorboard
+from service import admission, preemption, preemption_notes, quotas, tensorboard
 from service.auth import INGEST_TOKEN_PREFIX, hash_token, new_token
 from service.code_package_retention import delete_unused_packages
 from service.launchers.base import (
@@ -195,7 +195,7 @@ class Scheduler:
         """Ask lower-priority running jobs to make room for the head of the queue when it does
         not fit (``service.preemption``), and, for a head within its team's guaranteed share,
         jobs of equal priority of teams above theirs (``reclaim``: ``service.quotas``); the jobs
-        admitted in this pass count as used."""
+        admitted in this pass count as used. The head's wait then names the jobs asked for it."""
         head = preemption.blocked_head(queued, decision)
         if head is None:
             return
@@ -203,8 +203,15 @@ class Scheduler:
         used = sum((runner.candidate.demand for runner in runners), admission.NOTHING)
         used = sum((job.demand for job, _ in queued if job.job_id in starting), used)
         victims = preemption.choose_victims(head[0], head[1], runners, capacity, used, reclaim(*head))
-        for job_id in preemption.request(session, victims, head[0].job_id):
+        asked = preemption.request(session, victims, head[0].job_id)
+        for job_id in asked:
             log.info("asked job %s to make room for job %s", job_id, head[0].job_id)
+        # [Note: the head names its victims] asked in this pass or an earlier one (those count
+        # as free, so choose_victims asks nobody more): it waits with reason `preempting`
+        asked += [runner.candidate.job_id for runner in runners if runner.asked_for == head[0].job_id]
+        if asked:
+            decision.waiting[head[0].job_id] = admission.Waiting(Reason.PREEMPTING,
+                                                                 preemption_notes.making_room(asked))
 
     def launch(self, job_id: str, ingest_token: str) -> None:
         with self.make_session() as session:

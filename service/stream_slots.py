@@ -22,11 +22,18 @@ cannot take the same slot), and 429 when all are held, on whichever replicas. Ea
 holds its slots on one connection of its own, outside the pool; when the replica dies its
 connection closes and PostgreSQL frees its slots at once: nothing to expire, no table. A
 session's advisory locks are re-entrant, so the query skips the slots this replica already
-holds. Should that connection break, its slots are gone with it: the streams already open go
-on uncounted and the next open takes a new connection. The user key is 31 bits of the name's
-SHA-256: two users whose keys collide share one set of slots. Every open stream holds one lock
-in PostgreSQL's lock table (``max_locks_per_transaction`` × ``max_connections`` entries in all,
-6,400 by default): raise ``max_locks_per_transaction`` for more open streams than that.
+holds. That is why a take holds the process lock over its query, not just over ``_held``: two
+takes of one user at once would each pass the slots held so far and both be granted the next
+one by the re-entrant lock -- one slot counted for two streams. Nor would a shorter lock let
+takes run side by side: the connection is one session, which runs one statement at a time (and
+SQLAlchemy's ``Connection`` is not thread-safe); that would take several slot connections, each
+with slots of its own. Opens reach this lock through the ``poll_threads`` limiter, so at most
+that many wait on it (docs/design.md, "Measurements"). Should that connection break, its slots
+are gone with it: the streams already open go on uncounted and the next open takes a new
+connection. The user key is 31 bits of the name's SHA-256: two users whose keys collide share
+one set of slots. Every open stream holds one lock in PostgreSQL's lock table
+(``max_locks_per_transaction`` × ``max_connections`` entries in all, 6,400 by default): raise
+``max_locks_per_transaction`` for more open streams than that.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ from fastapi import APIRouter, HTTPException, Path
 from sqlalchemy import delete, select
 from sqlalchemy.dialects import postgresql, sqlite
 
+from service import preemption_notes
 from service.api.deps import SessionDep, SettingsDep, WorkerJob
 from service.api.errors import error_responses, field_error
 from service.job_credentials import CredentialsUnavailable, StsIssuer, job_access
@@ -158,7 +159,7 @@ def report_worker_preempted(stopped: WorkerPreemptedIn, job: WorkerJob, session:
         return _latest_event(session, job.id)
     if job.preempt_for is None:
         raise HTTPException(409, f"job {job.id} was not asked to make room for another job")
-    message = f"stopped at the checkpoint of step {stopped.step} to make room for job {job.preempt_for}"
+    message = preemption_notes.preempted(stopped.step, job.preempt_for)
     try:
         transition(session, job.id, JobState.QUEUED, reason=Reason.PREEMPTED, message=message,
                    expected={JobState.RUNNING, JobState.RESTARTING},

@@ -7,6 +7,9 @@
   stream (``/metrics/stream?after_id=``) continues exactly where the first render stopped.
 * ``GET /api/v1/dashboard/progress?job_id=…`` — latest step and tokens/s of the jobs on one
   page of the jobs list (a job row holds neither).
+* ``GET /api/v1/dashboard/preemption?job_id=…`` — for the queue and a job page: the running
+  jobs asked to make room for each job, and when each was preempted and for whom, naming only
+  jobs the viewer may see (``preemption.py``).
 * ``GET /api/v1/dashboard/whoami`` — the name and role the token acts as (sign-in check).
 
 All use the control plane's auth (a user sees only their jobs; admins see all).
@@ -27,8 +30,9 @@ from service.api.deps import CurrentUser, SessionDep, VisibleJob
 from service.api.errors import COMMON_ERRORS, error_responses
 from service.chart_series import DEFAULT_POINTS, MAX_POINTS, MIN_POINTS
 from service.dashboard import charts
+from service.dashboard.preemption import preemption
 from service.dashboard.prediction import predict, stored_spec
-from service.dashboard.schemas import ChartOut, ProgressOut, WhoAmI
+from service.dashboard.schemas import ChartOut, PreemptionOut, ProgressOut, WhoAmI
 from service.models import Checkpoint, Job
 from service.teams import job_filter
 
@@ -80,6 +84,15 @@ def dashboard_progress(
     query = select(Job.id, Job.spec).where(Job.id.in_(job_id[:500]), job_filter(user))
     worlds = {row.id: _world(stored_spec(row.spec)) for row in session.execute(query)}
     return {"items": charts.progress(session, list(worlds), worlds)}
+
+
+@router.get("/dashboard/preemption", name="dashboard_preemption", response_model=PreemptionOut)
+def dashboard_preemption(
+    session: SessionDep,
+    user: CurrentUser,
+    job_id: Annotated[list[JobId], Query(max_length=500, description="jobs of one page of the list, or one job")] = [],  # noqa: B006
+) -> dict[str, Any]:
+    return {"items": preemption(session, user, job_id[:500])}
 
 
 @router.get("/dashboard/whoami", name="dashboard_whoami", response_model=WhoAmI)

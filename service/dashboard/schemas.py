@@ -6,6 +6,7 @@ metric fields in them come from the metric table (``contract.metrics``).
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field, create_model
@@ -132,3 +133,28 @@ class ProgressOut(BaseModel):
 class WhoAmI(BaseModel):
     name: str
     is_admin: bool
+
+
+class JobRef(BaseModel):
+    """Another job the viewer may see, as the queue and a job page name it."""
+
+    id: str
+    name: str
+    priority: int
+    team: str | None
+    state: str
+
+
+class Preempted(BaseModel):
+    at: datetime = Field(description="when the job went back to the queue (its `preempted` event)")
+    for_job: JobRef | None = Field(description="the job it made room for; null: one the viewer may not see")
+
+
+class JobPreemption(BaseModel):
+    asked: list[JobRef] = Field(description="running jobs asked to stop at a checkpoint to make room for this one")
+    asked_hidden: int = Field(description="how many more are asked that the viewer may not see")
+    preempted: list[Preempted] = Field(description="each time this job was preempted, oldest first")
+
+
+class PreemptionOut(BaseModel):
+    items: dict[str, JobPreemption] = Field(description="only jobs that make or made room")

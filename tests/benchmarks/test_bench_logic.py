@@ -89,3 +89,26 @@ def test_admission_teams_reads_held_and_queued_spans_from_events_skipping_notice
     holding = {"STARTING", "RUNNING", "RESTARTING", "CANCELLING"}
     assert spans_in(events, 100, holding, end=9) == [(2, 5), (6, 9)]  # the last still open at the end
     assert spans_in(events, 100, {"QUEUED"}, end=9) == [(0, 2), (5, 6)]
+
+
+def test_admission_teams_summary_prints_a_team_that_never_waited_or_submitted() -> None:
+    """A small run (``--jobs 3``: team c's backlog only) leaves teams a and b without a share
+    while waiting; the table says so rather than failing after the run."""
+    from argparse import Namespace
+    from datetime import datetime, timezone
+
+    from benchmarks.admission_teams import plan, show, summarize
+    from service.schemas import EventOut
+
+    def event(at: float, before: str | None, after: str) -> EventOut:
+        return EventOut(id=int(at * 10), job_id="j", from_state=before, to_state=after, reason="x",
+                        created_at=datetime.fromtimestamp(100 + at, timezone.utc))
+
+    submissions = plan(1, seed=34)
+    assert submissions[0]["team"] == "c"
+    events = {"j": [event(0, None, "QUEUED"), event(1, "QUEUED", "STARTING"), event(3, "STARTING", "SUCCEEDED")]}
+    result = summarize(submissions, ["j"], events, {"j": "SUCCEEDED"}, 100, Namespace(cpus=2.0, seed=34))
+    assert result["teams"]["a"]["share_of_cluster_while_waiting_at_top_priority"] is None
+    assert result["teams"]["c"]["share_of_cluster_while_waiting_at_top_priority"] == 0.0
+    show({**result, "get_jobs_ms": {"p50": 1.0, "p99": 2.0, "max": 3.0, "samples": 1},
+          "priority_above_team_bound": {"submitted": 4, "bound": 3, "refused_fields": ["priority"]}})

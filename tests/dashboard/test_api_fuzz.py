@@ -19,7 +19,7 @@ def test_generated_requests_never_crash_the_dashboard_api(make_live_service):
         [str(Path(sys.executable).with_name("schemathesis")), "run", f"{service.url}/openapi.json",
          "--checks", "not_a_server_error,status_code_conformance,content_type_conformance",
          "--header", f"Authorization: Bearer {service.admin_token}",
-         "--include-path-regex", r"(/metrics/chart|/dashboard/(progress|whoami))$",
+         "--include-path-regex", r"(/metrics/chart|/dashboard/(progress|preemption|whoami))$",
          "--phases", "examples,coverage,fuzzing", "--max-examples", "20", "--seed", "1", "--workers", "1",
          "--no-color"],
         capture_output=True, text=True, timeout=300, env={**os.environ, "NO_COLOR": "1"},

@@ -165,3 +165,27 @@ def test_the_choice_prefers_one_lower_set_over_another_of_the_same_size():
     assert sorted(choose_victims(blocked, 3, running, Capacity(cpus=5.0), used)) == ["b", "d"]
     # an unknown capacity (an autoscaling or per-job cluster) never preempts
     assert choose_victims(blocked, 5, running, Capacity(), used) == []
+
+
+def test_the_job_making_room_waits_naming_the_jobs_asked_once_not_once_per_pass(cluster):
+    low = cluster.run(priority=0, workers=2)
+    lower = cluster.run(priority=-1, workers=2)
+    high = cluster.submit(priority=5, workers=4)
+    behind = cluster.submit(priority=0, workers=1)
+    assert cluster.asked() == {low: high, lower: high}
+    job = cluster.client.get(high)
+    assert job.reason == Reason.PREEMPTING == "preempting"
+    assert job.message == (f"waiting for room: jobs {', '.join(sorted([low, lower]))} are asked to stop at their "
+                           f"next checkpoint to make room for it")
+    assert cluster.client.get(behind).reason == Reason.INSUFFICIENT_RESOURCES  # it waits behind, making no room
+    cluster.service.app.state.scheduler.claim()  # nobody more is asked; the wait still names both
+    assert cluster.client.get(high).message == job.message
+    with cluster.service.app.state.sessionmaker() as session:
+        notices = session.execute(select(JobEvent).where(JobEvent.job_id == high,
+                                                         JobEvent.reason == Reason.PREEMPTING)).scalars().all()
+    assert len(notices) == 1
+    with cluster.worker(low) as worker:
+        worker.post("/preempted", json={"step": 10}).raise_for_status()
+    cluster.service.app.state.scheduler.claim()  # one of the two left: the wait names the other
+    assert cluster.client.get(high).message == (f"waiting for room: job {lower} is asked to stop at its next "
+                                                f"checkpoint to make room for it")

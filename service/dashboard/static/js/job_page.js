@@ -17,6 +17,7 @@ import { SeriesStore, envelopeKeys, userKey } from "./series_store.js";
 import { SMOOTH_WINDOW, addMovingMedian, smoothedSeries } from "./smoothing.js";
 import { TERMINAL_STATES, bytes, compact, duration, number, timestamp } from "./format.js";
 import { stateBadge } from "./state_badge.js";
+import { NAMES_JOBS, preemptionLines } from "./queue.js";
 
 const MAX_POINTS = 1000;
 const POLL_MS = 2000;
@@ -190,6 +191,7 @@ export function jobPage({ jobId, signal }) {
   const liveStatus = h("span", { id: "live-status", class: "live", text: "" });
   const progressText = h("p", { id: "job-progress", class: "progress-line" });
   const reasonText = h("p", { id: "job-reason", class: "muted" });
+  const preemptedSlot = h("div", { id: "job-preempted" }); // what it preempts; when it was preempted, for whom (queue.js)
   // A failed job: its message's first line stays in view (reasonText), the user's frames after
   // it, and the whole traceback (the job's `details`) folded until asked for. Text only.
   const reasonFrames = h("pre", { id: "job-reason-frames", class: "reason-frames", hidden: true });
@@ -213,6 +215,7 @@ export function jobPage({ jobId, signal }) {
     h("div", { class: "page-head" }, h("div", {}, heading, h("div", { class: "head-line" }, badgeSlot, " ", liveStatus)), cancelButton),
     progressText,
     reasonText,
+    preemptedSlot,
     reasonFrames,
     tracebackFold,
     metaSlot,
@@ -266,7 +269,7 @@ export function jobPage({ jobId, signal }) {
   });
 
   function renderReason(job) {
-    const [first, ...rest] = (job.message || "").split("\n");
+    const [first, ...rest] = NAMES_JOBS.has(job.reason) ? [""] : (job.message || "").split("\n"); // in words below: #job-preempted
     reasonText.textContent = job.reason ? `Reason: ${job.reason}${first ? ` — ${first}` : ""}` : "";
     const frames = job.reason ? rest.join("\n").replace(/\s+$/, "") : "";
     reasonFrames.textContent = frames;
@@ -348,6 +351,7 @@ export function jobPage({ jobId, signal }) {
     if (eventsKey !== shownEvents) {
       shownEvents = eventsKey;
       replaceChildren(events, eventList.items.map(eventItem));
+      if (eventList.items.some((e) => NAMES_JOBS.has(e.reason))) showPreemption();
     }
     const items = ckpts.items || [];
     const checkpointsKey = items.map((c) => `${c.step}:${c.uri}`).join(",");
@@ -356,6 +360,16 @@ export function jobPage({ jobId, signal }) {
       replaceKeepingFocus(checkpoints, ...checkpointRows(items));
     }
     renderLog(logText);
+  }
+
+  /** The jobs it is making room for, and each time it was preempted and for whom, naming only jobs the viewer may see. */
+  async function showPreemption() {
+    try {
+      const answer = await request(`/dashboard/preemption?job_id=${encodeURIComponent(jobId)}`, { signal });
+      replaceChildren(preemptedSlot, preemptionLines(answer.items[jobId]));
+    } catch (error) {
+      if (error.name !== "AbortError") preemptedSlot.textContent = `(preemptions unavailable: ${error.message})`;
+    }
   }
 
   /** The log panel stays where the reader scrolled, or follows the end if they are there. */

@@ -12,6 +12,7 @@ import { ALL_STATES, TERMINAL_STATES, age, compact } from "./format.js";
 import { SpecForm } from "./spec_form.js";
 import { stateBadge } from "./state_badge.js";
 import { MAX_COMPARED } from "./compare_page.js";
+import { reasonCell } from "./queue.js";
 
 const PAGE_SIZE = 50;
 const REFRESH_MS = 3000;
@@ -99,7 +100,7 @@ export function jobsPage({ navigate, signal }) {
     await load();
   }
 
-  function row(job, progress, speedField) {
+  function row(job, progress, speedField, preemption) {
     const spec = job.spec || {};
     const steps = spec.train && spec.train.steps;
     const done = progress ? progress.step : null;
@@ -120,7 +121,7 @@ export function jobsPage({ navigate, signal }) {
       h("td", {}, pick),
       h("th", { scope: "row" }, link, h("div", { class: "muted small mono", text: job.id })),
       h("td", {}, stateBadge(job.state)),
-      h("td", { class: "reason", text: job.reason || "–", title: job.message || null }),
+      reasonCell(job, preemption),
       h("td", { text: job.owner }),
       h("td", { class: "team", text: job.team || "–" }),
       h("td", { class: "num priority", text: String(job.priority ?? 0) }),
@@ -166,13 +167,19 @@ export function jobsPage({ navigate, signal }) {
     if (cursor) query.set("cursor", cursor);
     try {
       const page = await request(`/jobs?${query}`, { signal: controller.signal });
-      const ids = page.items.map((j) => `job_id=${encodeURIComponent(j.id)}`).join("&");
-      const answer = ids ? await request(`/dashboard/progress?${ids}`, { signal: controller.signal }) : { items: {} };
+      const idsOf = (jobs) => jobs.map((j) => `job_id=${encodeURIComponent(j.id)}`).join("&");
+      const ids = idsOf(page.items);
+      const queued = idsOf(page.items.filter((j) => j.state === "QUEUED")); // why they wait: what they preempt, or for whom they were
+      const [answer, preemption] = await Promise.all([
+        ids ? request(`/dashboard/progress?${ids}`, { signal: controller.signal }) : { items: {} },
+        queued ? request(`/dashboard/preemption?${queued}`, { signal: controller.signal })
+          .catch((error) => (error.name === "AbortError" ? Promise.reject(error) : { items: {} })) : { items: {} }, // the list without it
+      ]);
       const progress = answer.items; // the field holding the speed is named by the answer (the metric table's)
       replaceKeepingFocus(
         tbody,
         page.items.length
-          ? page.items.map((job) => row(job, progress[job.id], answer.throughput_field))
+          ? page.items.map((job) => row(job, progress[job.id], answer.throughput_field, preemption.items[job.id]))
           : h("tr", {}, h("td", { colspan: 14, class: "muted", text: state.filter ? `No ${state.filter} jobs.` : "No jobs yet. Submit one above." })),
       );
       renderPager(page.next_cursor, page.items.length);
