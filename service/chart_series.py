@@ -70,7 +70,8 @@ def _rows(session: Session, source: Any, width: int, world: int, bookkeeping: bo
     [Note: float sums first, the exact answer either way] On PostgreSQL the exact sums are
     numeric, and aggregating them cost the chart most of its time; ``fsum_`` holds each as
     float8 (migration 0017). It differs from the exact sum only by rounding, far below the seven
-    digits served (``short``), except where the exact sum is past the float limit or below the
+    digits served (``short``: a served digit changes only for a mean within that rounding of a
+    half-way point between two seven-digit values), except where the exact sum is past the float limit or below the
     smallest denormal: there ``fsum_`` holds an infinity or NaN, as it does for a sum of
     infinities or NaN. Every such value, or a float8 sum or product overflowing in the query,
     leaves a point that is not finite (or an error), and the exact sums are read instead."""
