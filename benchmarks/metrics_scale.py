@@ -13,7 +13,8 @@ a fresh database, then:
               after two unmeasured ones: p50 / p99 / max; with ``--baseline-tree`` (a source
               tree of another commit, e.g. from ``git archive``) a second server runs that code
               on the same database and the two are asked in turn, so both figures share the
-              machine's load (``load_avg``: the 1-minute load average before and after);
+              machine's load (``load_avg``: the 1-minute load average before and after); it
+              starts first, so a baseline older than this tree's migrations still runs;
 * ``ingest``  ``--ingest-ranks`` clients posting ``--batch``-record batches back to back for
               ``--ingest-seconds`` into another job: metric points stored per second.
 
@@ -160,7 +161,7 @@ def main() -> int:
     args = parser.parse_args()
 
     baseline = None
-    with scratch_service("metrics-scale", keep_database=args.keep_database) as scratch:
+    with scratch_service("metrics-scale", keep_database=args.keep_database, baseline=args.baseline_tree) as scratch:
         database_url, base, token = scratch.database_url, scratch.base, scratch.token
         spec = {**SPEC, "train": {**SPEC["train"], "steps": args.steps, "global_batch_size": 2 * args.ranks},
                 "resources": {**SPEC["resources"], "num_workers": args.ranks}}
@@ -171,7 +172,7 @@ def main() -> int:
         size, rollup = table_bytes(database_url), table_bytes(database_url, "metric_steps")
         servers = [(base, token)]
         if args.baseline_tree is not None:
-            baseline = scratch.serve("baseline", cwd=args.baseline_tree)
+            baseline = scratch.servers[1]
             servers.append((baseline.base, baseline.token))
         load_before = os.getloadavg()[0]
         took, answers = chart_latencies(servers, job_id, args.points, args.queries)

@@ -89,11 +89,14 @@ class Scratch:
 
 
 @contextmanager
-def scratch_service(prefix: str, keep_database: bool = False, **settings: str) -> Iterator[Scratch]:
+def scratch_service(prefix: str, keep_database: bool = False, baseline: Path | None = None,
+                    **settings: str) -> Iterator[Scratch]:
     """A database ``zt_<prefix>_<random>`` and a server on it with ``settings`` (``ZEROTRAIN_*``
     names without the prefix, as in ``start_server``) over a temporary home. At the end every
     server is stopped, the home removed and the database dropped (``keep_database``: left for
-    inspection, its URL printed)."""
+    inspection, its URL printed). ``baseline``: a source tree whose server (``servers[1]``, home
+    ``home / "baseline"``) starts before the first, so that it runs on the schema the first
+    migrates to, as a replica not yet upgraded does (on a newer schema it could not start)."""
     database = f"zt_{prefix.replace('-', '_')}_{uuid.uuid4().hex[:10]}"
     database_url = ADMIN_URL.rsplit("/", 1)[0] + f"/{database}"
     admin_sql(f'CREATE DATABASE "{database}"')
@@ -101,8 +104,13 @@ def scratch_service(prefix: str, keep_database: bool = False, **settings: str) -
         with tempfile.TemporaryDirectory(prefix=f"zerotrain-{prefix}-") as home_dir:
             home, servers = Path(home_dir), []
             try:
+                if baseline is not None:
+                    (home / "baseline").mkdir()
+                    port = free_port()
+                    servers.append(Server(start_server(database_url, home / "baseline", port, cwd=baseline, **settings),
+                                          port, home / "baseline"))
                 port = free_port()
-                servers.append(Server(start_server(database_url, home, port, **settings), port, home))
+                servers.insert(0, Server(start_server(database_url, home, port, **settings), port, home))
                 yield Scratch(database_url, home, servers[0], servers)
             finally:
                 for server in servers:

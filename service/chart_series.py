@@ -15,8 +15,9 @@ database does the reduction and ships about ``max_points`` rows:
   (``Across.TOTAL``: tokens/s, TFLOPs) of each record's share times its attempt's world size
   (the record's ``world_size``; the spec's ``num_workers`` for records without one), i.e. the
   job's total -- right for an elastic job's shrunk attempts too -- so a step whose ranks are
-  still arriving does not dip; on PostgreSQL the roll-up's sums are numeric, so no sum
-  overflows; the points leave the database as float8 (no decimal text to parse per value),
+  still arriving does not dip; the points are computed from the roll-up's float sums, or from
+  its exact ones (numeric on PostgreSQL, so no sum overflows) when a float sum or point is not
+  finite (``_rows``); they leave the database as float8 (no decimal text to parse per value),
   or, when one is past the float limit, as numeric (``service.metric_sql.execute_overflow_safe``)
   and are served as null;
 * each point also holds the lowest and highest of its bucket's step values (``series_min``,
@@ -30,7 +31,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from sqlalchemy import Float, Select, cast, func, select
+from sqlalchemy import Float, Row, Select, cast, func, select
 from sqlalchemy.orm import Session
 
 from contract.metrics import CHARTED_FIELDS, Across
@@ -39,6 +40,7 @@ from service.metric_sql import (
     Averaging,
     execute_overflow_safe,
     latest_attempt_per_step,
+    try_float8,
 )
 from service.models import MetricStep, typed_spec
 
@@ -61,10 +63,30 @@ def short(value: Any) -> float | None:
     return None if value is None or not math.isfinite(value) else float(f"{float(value):.7g}")
 
 
+def _rows(session: Session, source: Any, width: int, world: int, bookkeeping: bool = False) -> list[Row]:
+    """``_bucketed`` rows from the float sums, or, where those overflow or any point is not
+    finite, from the exact sums (``execute_overflow_safe``).
+
+    [Note: float sums first, the exact answer either way] On PostgreSQL the exact sums are
+    numeric, and aggregating them cost the chart most of its time; ``fsum_`` holds each as
+    float8 (migration 0017). It differs from the exact sum only by rounding, far below the seven
+    digits served (``short``: a served digit changes only for a mean within that rounding of a
+    half-way point between two seven-digit values), except where the exact sum is past the float limit or below the
+    smallest denormal: there ``fsum_`` holds an infinity or NaN, as it does for a sum of
+    infinities or NaN. Every such value, or a float8 sum or product overflowing in the query,
+    leaves a point that is not finite (or an error), and the exact sums are read instead."""
+    rows = try_float8(session, _bucketed(source, width, world, FLOAT8, bookkeeping, sums="fsum"))
+    if rows is not None and all(math.isfinite(value) for row in rows for value in row
+                                if isinstance(value, float)):
+        return rows
+    return execute_overflow_safe(session, lambda averaging: _bucketed(source, width, world, averaging, bookkeeping))
+
+
 def _bucketed(source: Any, width: int, world: int, averaging: Averaging = FLOAT8,
-              bookkeeping: bool = False) -> Select:
+              bookkeeping: bool = False, sums: str = "sum") -> Select:
     """One row per bucket of ``width`` steps over ``source``: roll-up rows (``metric_steps``,
-    all of the job's or a subquery of them); the points as float8, or as they are computed
+    all of the job's or a subquery of them) summed from their ``sums`` columns (``sum``: exact,
+    numeric on PostgreSQL; ``fsum``: float8); the points as float8, or as they are computed
     (numeric on PostgreSQL) when ``averaging`` is exact.
 
     [Note: two levels, so spikes show] The first level makes one row per step holding, per
@@ -77,7 +99,7 @@ def _bucketed(source: Any, width: int, world: int, averaging: Averaging = FLOAT8
     world_size = func.coalesce(func.max(source.c.world_size), world)
     per_step = [source.c.step]
     for field in CHARTED_FIELDS:
-        total = func.sum(source.c[f"sum_{field.name}"])
+        total = func.sum(source.c[f"{sums}_{field.name}"])
         if field.across is Across.TOTAL:
             total = total * world_size
         count = func.sum(source.c[f"n_{field.name}"])
@@ -110,14 +132,14 @@ def series(session: Session, job_id: str, steps: int, world: int, max_points: in
     width = max(1, math.ceil((max(steps, 1) + 1) / max_points))  # steps 0…steps inclusive
     table = MetricStep.__table__
     job_rows = select(table).where(table.c.job_id == job_id).subquery("job_rows")
-    rows = execute_overflow_safe(session, lambda averaging: _bucketed(job_rows, width, world, averaging, True))
+    rows = _rows(session, job_rows, width, world, bookkeeping=True)
     records = sum(int(row.records) for row in rows)  # a sum of sums: numeric on PostgreSQL
     last_id = max((int(row.last_id) for row in rows), default=0)
     latest_attempt = max((row.max_attempt for row in rows), default=None)
     mixed_attempts = any(row.min_attempt != row.max_attempt for row in rows)
     if mixed_attempts:
         latest = latest_attempt_per_step(MetricStep, job_id)
-        rows = execute_overflow_safe(session, lambda averaging: _bucketed(latest, width, world, averaging))
+        rows = _rows(session, latest, width, world)
     by_name = dict(zip(rows[0]._fields, zip(*rows), strict=True)) if rows else {}
 
     def column(name: str) -> list:

@@ -3,10 +3,13 @@
 Ingest relies on the unique (job, attempt, rank, step) key with ``ON CONFLICT DO NOTHING``, so
 a batch re-sent after a timeout is counted as duplicates and changes nothing. Only the rows
 actually inserted are added to ``metric_steps`` (``service.models.MetricStep``): one row per
-(attempt, step, part of the ranks) holding per charted field the sum of the values and how
-many records had one. The roll-up is written in the same transaction as the rows -- on
-PostgreSQL in the same statement -- so it counts every stored record exactly once, a re-sent
-batch included, and a chart never sees a row its roll-up lacks.
+(attempt, step, part of the ranks) holding per charted field the sum of the values (numeric
+on PostgreSQL, so no sum overflows) and how many records had one. The sum as a float, which
+the charts read first (``fsum_``), PostgreSQL computes itself (a generated column, migration
+0017); on SQLite, whose sums are floats already, it is written here. The roll-up is written
+in the same transaction as the rows -- on PostgreSQL in the same statement -- so it counts
+every stored record exactly once, a re-sent batch included, and a chart never sees a row its
+roll-up lacks.
 
 [Note: parts, and locks taken in step order]
 Ranks post the same steps at about the same time. Were a step one roll-up row, every rank's
@@ -105,10 +108,12 @@ def _insert_new_sqlite(session: Session, job_id: str, records: list[MetricRecord
             "records": table.c.records + upsert.excluded.records,
             "last_id": _greatest(table.c.last_id, upsert.excluded.last_id),
             "world_size": _greatest(table.c.world_size, upsert.excluded.world_size),
-            **{f"sum_{name}": _plus(table.c[f"sum_{name}"], upsert.excluded[f"sum_{name}"]) for name in _CHARTED},
+            **{f"{kind}_{name}": _plus(table.c[f"sum_{name}"], upsert.excluded[f"sum_{name}"])
+               for name in _CHARTED for kind in ("sum", "fsum")},
             **{f"n_{name}": table.c[f"n_{name}"] + upsert.excluded[f"n_{name}"] for name in _CHARTED},
         })
-        session.execute(upsert, [{"job_id": job_id, "attempt": attempt, "step": step, "part": part, **values}
+        session.execute(upsert, [{"job_id": job_id, "attempt": attempt, "step": step, "part": part, **values,
+                                  **{f"fsum_{name}": values[f"sum_{name}"] for name in _CHARTED}}
                                  for (attempt, step, part), values in sorted(parts.items())])
     return len(new)
 
@@ -125,11 +130,13 @@ def _plus(a: Any, b: Any) -> Any:
 def rebuild_rollup(session: Session, job_id: str) -> None:
     """Recompute ``job_id``'s roll-up from its stored rows: for rows written around ingest
     (a bulk load with COPY, a benchmark's generated job)."""
-    number = "numeric" if session.get_bind().dialect.name == "postgresql" else "real"
+    postgresql = session.get_bind().dialect.name == "postgresql"
     session.execute(text("DELETE FROM metric_steps WHERE job_id = :job_id"), {"job_id": job_id})
     session.execute(text(
-        f"INSERT INTO metric_steps (job_id, attempt, step, part, records, last_id, world_size, {_ROLLUP_COLUMNS}) "
+        f"INSERT INTO metric_steps (job_id, attempt, step, part, records, last_id, world_size, {_ROLLUP_COLUMNS}"
+        + ("" if postgresql else ", " + ", ".join(f"fsum_{name}" for name in _CHARTED)) + ") "
         f'SELECT job_id, attempt, step, "rank" % {METRIC_STEP_PARTS}, COUNT(*), MAX(id), MAX(world_size), '
-        + ", ".join(f"SUM(CAST({name} AS {number})), COUNT({name})" for name in _CHARTED)
+        + ", ".join(f"SUM(CAST({name} AS {'numeric' if postgresql else 'real'})), COUNT({name})" for name in _CHARTED)
+        + ("" if postgresql else ", " + ", ".join(f"SUM(CAST({name} AS real))" for name in _CHARTED))
         + f' FROM metrics WHERE job_id = :job_id GROUP BY job_id, attempt, step, "rank" % {METRIC_STEP_PARTS}'),
         {"job_id": job_id})

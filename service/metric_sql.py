@@ -63,15 +63,22 @@ NUMERIC = Averaging(exact=True)
 
 def execute_overflow_safe(session: Session, statement_for: Callable[[Averaging], Executable]) -> list[Row]:
     """Rows of ``statement_for(FLOAT8)``, or of ``statement_for(NUMERIC)`` if float8 overflowed."""
+    rows = try_float8(session, statement_for(FLOAT8))
+    return rows if rows is not None else session.execute(statement_for(NUMERIC)).all()
+
+
+def try_float8(session: Session, statement: Executable) -> list[Row] | None:
+    """Rows of a statement computed in float8, or None where PostgreSQL found it overflowing
+    (only the savepoint is aborted, not the session's transaction)."""
     if session.get_bind().dialect.name != "postgresql":
-        return session.execute(statement_for(FLOAT8)).all()
+        return session.execute(statement).all()
     try:
-        with session.begin_nested():  # an error aborts only the savepoint, not the transaction
-            return session.execute(statement_for(FLOAT8)).all()
+        with session.begin_nested():
+            return session.execute(statement).all()
     except DBAPIError as error:
         if getattr(error.orig, "sqlstate", None) != NUMERIC_VALUE_OUT_OF_RANGE:
             raise
-    return session.execute(statement_for(NUMERIC)).all()
+    return None
 
 
 def latest_attempt_per_step(table: Any, job_id: str) -> Any:

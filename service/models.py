@@ -164,12 +164,19 @@ METRIC_STEP_PARTS = 16
 
 
 def _metric_step_columns() -> type:
-    """Per charted field (``contract.metrics.CHARTED_FIELDS``): the sum of the part's values
-    and how many of its records reported one (the migration spells them out)."""
+    """Per charted field (``contract.metrics.CHARTED_FIELDS``): the sum of the part's values,
+    how many of its records reported one, and the sum as a float (``fsum_``: what the charts
+    read first). The migrations spell them out.
+
+    [Note: fsum_ is PostgreSQL's to write] There it is a stored generated column (migration
+    0017: the float8 of the numeric sum, an infinity or NaN where a cast would fail), which
+    nothing may insert or update, so that writes by any code keep it in step with the sum; the
+    model declares a plain column, which SQLite has (written by ``service.metric_ingest``)."""
     columns: dict[str, Any] = {}
     for index, field in enumerate(CHARTED_FIELDS):
         columns[f"sum_{field.name}"] = mapped_column(RollupSum, nullable=True, sort_order=2 * index + 1)
         columns[f"n_{field.name}"] = mapped_column(Integer, nullable=False, server_default="0", sort_order=2 * index + 2)
+        columns[f"fsum_{field.name}"] = mapped_column(Float, nullable=True, sort_order=2 * len(CHARTED_FIELDS) + index + 1)
     return type("_MetricStepColumns", (), columns)
 
 

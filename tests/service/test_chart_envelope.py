@@ -98,6 +98,10 @@ def _rollup(session) -> list[tuple]:
     from service.models import MetricStep
 
     rows = session.execute(select(MetricStep).order_by(MetricStep.attempt, MetricStep.step, MetricStep.part)).scalars()
+    rows = rows.all()
+    for r in rows:  # the float copy the charts read (written by ingest or, on PostgreSQL, generated)
+        assert r.fsum_loss == float(r.sum_loss)
+        assert r.fsum_tokens_per_s == (None if r.sum_tokens_per_s is None else float(r.sum_tokens_per_s))
     return [(r.attempt, r.step, r.part, r.records, r.last_id, r.world_size, float(r.sum_loss), r.n_loss,
              None if r.sum_tokens_per_s is None else float(r.sum_tokens_per_s), r.n_tokens_per_s) for r in rows]
 
