@@ -177,3 +177,18 @@ def test_a_full_disk_is_a_clear_error_before_any_state_is_overwritten(small_file
     assert engine.closed and not (folder / "0").exists()
     with pytest.raises(RuntimeError, match="after close"):
         _train(engine, 1)
+
+
+def test_a_disk_too_small_for_the_parameter_files_fails_construction_and_leaves_nothing(tmp_path, monkeypatch):
+    """Every parameter file is allocated when the engine is built: a full disk stops it there."""
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    folder = tmp_path / "job"
+    config = ZeroConfig(stage=3, precision="fp32", offload_params="nvme", nvme_path=str(folder))
+    with pytest.raises(OffloadDiskFull) as raised:
+        ZeroEngine(_tiny(), lambda ps: torch.optim.AdamW(ps, lr=1e-3), config)
+    assert str(raised.value).startswith(f"offload_disk_full: {folder / '0'}")
+    assert raised.value.needed >= (32 * 256 + 256 + 256 * 32 + 32) * 4  # the whole fp32 shard (N=1)
+    assert not folder.exists()
