@@ -89,6 +89,7 @@ import gc
 import json
 import os
 import platform
+import shutil
 import socket
 import statistics
 import sys
@@ -261,8 +262,9 @@ class ZeroRunner(Runner):
                  offload_params: str | None = None):
         from workers.zero import ZeroConfig, ZeroEngine
 
-        swap = {"nvme_path": tempfile.mkdtemp(prefix="zerotrain-bench-nvme-", dir=args["nvme_dir"]),
-                "offload_params": offload_params} if offload == "nvme" else {}
+        self.folder = tempfile.mkdtemp(prefix="zerotrain-bench-nvme-", dir=args["nvme_dir"]) \
+            if offload == "nvme" else None
+        swap = {"nvme_path": self.folder, "offload_params": offload_params} if self.folder else {}
         cfg = ZeroConfig(stage=stage, precision=args["precision"], bucket_mb=args["bucket_mb"],
                          offload_optimizer=offload, prefetch=1, grad_clip=None, **swap)
         lr = args["lr"]
@@ -288,6 +290,12 @@ class ZeroRunner(Runner):
 
     def own_volume(self) -> dict[str, int]:
         return {k: int(v) for k, v in self.engine.comm_volume().items()}
+
+    def close(self) -> None:
+        """``engine.close()`` removes the rank's swap files; the folder made for them goes too."""
+        self.engine.close()
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def build_runner(row: str, model: torch.nn.Module, args: dict, device: torch.device) -> Runner:
@@ -383,6 +391,7 @@ def run_one(row: str, rank: int, args: dict, device: torch.device,
                   peak_bytes=peak.peak_growth(),
                   construction_peak_bytes=peak.parts["construction"], peak_source=peak_source(args))
     finish(result, runner, batches[total_steps])
+    runner.close()
     del runner
     return result
 
@@ -434,6 +443,7 @@ def run_interleaved(rows: list[str], rank: int, args: dict, device: torch.device
             results[row]["losses"].append(loss)
     for row in live:
         finish(results[row], runners[row], batches[total_steps])
+        runners[row].close()
     return results
 
 
