@@ -30,33 +30,35 @@ from .swap_io import SwapFolder
 class NvmeSwaps:
     """The optimizer-state swap and the parameter-shard swap of one rank (each None when off)."""
 
-    def __init__(self, folder: SwapFolder, params: Optional[ParamShardSwap]):
-        self.folder, self.params = folder, params
+    def __init__(self, root: str, rank: int, params: Optional[ParamShardSwap]):
+        self.root, self.rank, self.params = root, rank, params
+        self.folder: Optional[SwapFolder] = None
         self.optimizer: Optional[OptimizerStateSwap] = None
 
     @classmethod
     def open(cls, config: ZeroConfig, buckets: list[FlatBucket], device: torch.device,
              rank: int) -> Optional["NvmeSwaps"]:
-        """The rank's folder and the parameter swap (before the strategy is built); None without NVMe."""
+        """The parameter swap, for the strategy (no file yet: ``attach``); None without NVMe."""
         if config.offload_params is not None and device.type != "cpu":
             raise ValueError(f"offload_params={config.offload_params!r} is built for CPU ranks only (where "
                              f"the shard is host memory already); not for {device.type} devices yet: leave it null")
         if config.nvme_path is None:
             return None
-        folder = SwapFolder(config.nvme_path, rank)
-        return cls(folder, ParamShardSwap(buckets, folder) if config.offload_params == "nvme" else None)
+        return cls(config.nvme_path, rank, ParamShardSwap(buckets) if config.offload_params == "nvme" else None)
 
     def attach(self, config: ZeroConfig, optimizer: torch.optim.Optimizer, buckets: list[FlatBucket],
                device: torch.device) -> None:
-        """Once the optimizer is built over the masters: its state to files, the shards to theirs."""
+        """Once the optimizer is built over the masters: the rank's folder (emptied), the
+        optimizer's state to files, the shards to theirs."""
+        if self.params is not None:
+            check_per_piece(optimizer, "offload_params='nvme'")
+        self.folder = SwapFolder(self.root, self.rank)
         try:
-            if self.params is not None:
-                check_per_piece(optimizer, "offload_params='nvme'")
             if config.optimizer_offload == "nvme":
                 self.optimizer = swap_files(optimizer, [[v for _, v in b.master_views] for b in buckets], device,
                                             self.folder)
             if self.params is not None:
-                self.params.start()
+                self.params.start(self.folder)
         except BaseException:
             self.close()
             raise
@@ -119,4 +121,5 @@ class NvmeSwaps:
             for part in self.parts:
                 part.close()
         finally:
-            self.folder.remove()
+            if self.folder is not None:
+                self.folder.remove()

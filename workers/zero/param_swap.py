@@ -40,8 +40,8 @@ from .swap_io import AlignedBuffer, BlockIO, DirectFile, SwapFolder, aligned, fi
 class ParamShardSwap:
     """The parameter shards of a stage-3 rank's units (one bucket each) in swap files."""
 
-    def __init__(self, buckets: list[FlatBucket], folder: SwapFolder):
-        self.buckets, self.folder = buckets, folder
+    def __init__(self, buckets: list[FlatBucket]):
+        self.buckets = buckets
         self.numel = [b.param_shard.numel() for b in buckets]
         self.dtype = [b.param_shard.dtype for b in buckets]
         self.nbytes = [n * b.param_shard.element_size() for n, b in zip(self.numel, buckets)]
@@ -60,12 +60,13 @@ class ParamShardSwap:
     def holds_masters(self) -> bool:
         return any(self.is_master)
 
-    def start(self) -> None:
-        """Write every shard to its file and free its memory (after the optimizer was built over the masters)."""
+    def start(self, folder: SwapFolder) -> None:
+        """Write every shard to its file in ``folder`` and free its memory (once the optimizer was
+        built over the masters)."""
         total = sum(aligned(n) for n in self.nbytes)
         for i, b in enumerate(self.buckets):
             self.is_master[i] = b.param_shard.untyped_storage().data_ptr() == b.master.untyped_storage().data_ptr()
-            self.files.append(self.folder.open(f"param-{i:05d}.swap"))
+            self.files.append(folder.open(f"param-{i:05d}.swap"))
             self.files[i].reserve(self.nbytes[i], total)
         for i, b in enumerate(self.buckets):
             buffer = self._take()
