@@ -19,6 +19,8 @@ into the next row's numbers. Rows:
     zero1-nvme .. zero3-nvme  (not in the default rows) stages 1-3 with offload_optimizer="nvme": the
                    optimizer state in swap files under --nvme-dir (a fresh folder per row, removed by
                    close()); the table shows the bytes on disk and the exposed swap I/O per step
+    zero3-nvme-params  (not in the default rows) zero3-nvme with offload_params="nvme" too: the
+                   parameter shards (in fp32 the masters) in swap files as well (ZeRO-Infinity)
     local          (not in the default rows) the plain model, no communication at all: each rank
                    trains alone -- the compute-only step time the others can be read against
 
@@ -87,6 +89,7 @@ import gc
 import json
 import os
 import platform
+import shutil
 import socket
 import statistics
 import sys
@@ -124,6 +127,7 @@ ROWS: dict[str, str] = {
     "zero1-nvme": "zerotrain stage 1 + NVMe",
     "zero2-nvme": "zerotrain stage 2 + NVMe",
     "zero3-nvme": "zerotrain stage 3 + NVMe",
+    "zero3-nvme-params": "zerotrain stage 3 + NVMe optimizer + params",
     "local": "no communication (local)",
 }
 DEFAULT_ROWS = ["ddp", "fsdp2", *deepspeed_row.ROWS, "zero0", "zero1", "zero2", "zero3", "zero3-offload"]
@@ -254,11 +258,13 @@ class ZeroRunner(Runner):
     is the last; without the flag stages 0/1 would reduce everything at once in ``step()``.
     """
 
-    def __init__(self, stage: int, offload: bool | str, model: torch.nn.Module, args: dict):
+    def __init__(self, stage: int, offload: bool | str, model: torch.nn.Module, args: dict,
+                 offload_params: str | None = None):
         from workers.zero import ZeroConfig, ZeroEngine
 
-        swap = {"nvme_path": tempfile.mkdtemp(prefix="zerotrain-bench-nvme-", dir=args["nvme_dir"])} \
-            if offload == "nvme" else {}
+        self.folder = tempfile.mkdtemp(prefix="zerotrain-bench-nvme-", dir=args["nvme_dir"]) \
+            if offload == "nvme" else None
+        swap = {"nvme_path": self.folder, "offload_params": offload_params} if self.folder else {}
         cfg = ZeroConfig(stage=stage, precision=args["precision"], bucket_mb=args["bucket_mb"],
                          offload_optimizer=offload, prefetch=1, grad_clip=None, **swap)
         lr = args["lr"]
@@ -276,7 +282,7 @@ class ZeroRunner(Runner):
             self.measured["total"] = sum(self.measured.values())
             if "host" in mem:  # offload: master weights + optimizer state in host memory
                 self.measured["host"] = int(mem["host"])
-            if "disk" in mem:  # NVMe offload: optimizer state in swap files; the step's swap I/O
+            if "disk" in mem:  # NVMe offload: optimizer state (and parameters) in swap files; the step's swap I/O
                 self.measured["disk"] = int(mem["disk"])
                 self.measured.update({k: getattr(info, k) for k in ("io_read_bytes", "io_write_bytes", "io_wait_s")})
             self.buffers = int(mem.get("buffers", 0))
@@ -285,12 +291,19 @@ class ZeroRunner(Runner):
     def own_volume(self) -> dict[str, int]:
         return {k: int(v) for k, v in self.engine.comm_volume().items()}
 
+    def close(self) -> None:
+        """``engine.close()`` removes the rank's swap files; the folder made for them goes too."""
+        self.engine.close()
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+
 
 def build_runner(row: str, model: torch.nn.Module, args: dict, device: torch.device) -> Runner:
     if row in ("ddp", "fsdp2", "local"):
         return TorchRunner(row, model, args, device)
     if row.startswith("zero"):
-        return ZeroRunner(int(row[4]), "nvme" if row.endswith("-nvme") else row.endswith("-offload"), model, args)
+        offload = "nvme" if "-nvme" in row else row.endswith("-offload")
+        return ZeroRunner(int(row[4]), offload, model, args, "nvme" if row.endswith("-params") else None)
     if row in deepspeed_row.ROWS:
         return deepspeed_row.DeepSpeedRunner(row, model, args, device)
     raise ValueError(f"unknown row {row!r}")
@@ -378,6 +391,7 @@ def run_one(row: str, rank: int, args: dict, device: torch.device,
                   peak_bytes=peak.peak_growth(),
                   construction_peak_bytes=peak.parts["construction"], peak_source=peak_source(args))
     finish(result, runner, batches[total_steps])
+    runner.close()
     del runner
     return result
 
@@ -429,6 +443,7 @@ def run_interleaved(rows: list[str], rank: int, args: dict, device: torch.device
             results[row]["losses"].append(loss)
     for row in live:
         finish(results[row], runners[row], batches[total_steps])
+        runners[row].close()
     return results
 
 

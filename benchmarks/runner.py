@@ -60,3 +60,7 @@ class Runner:
     def own_volume(self) -> dict[str, int] | None:
         """The system's own account of the last step's communication, if it keeps one."""
         return None
+
+    def close(self) -> None:
+        """End the system once its row is measured (every rank at the same point): what it keeps
+        outside the process, such as swap files, is removed."""

@@ -219,10 +219,17 @@ def _zero(zero: _Reader, out: Translation) -> None:
                                                                 "zerotrain offloads every bucket (ratio 1)")
         _ignore_rest(optimizer, IGNORED_OFFLOAD, out)
     if (params := zero.block("offload_param")) is not None:
-        if params.value("device", _choice("none", "cpu", "nvme")) not in (None, "none"):
-            raise DeepSpeedConfigError(params.path("device"), "parameter offload is not built yet; offload the "
-                                                              "optimizer (offload_optimizer) and use stage 3")
-        params.value("nvme_path", _str)
+        device = params.value("device", _choice("none", "cpu", "nvme"))
+        if device is not None:
+            out.set("zero", "offload_params", None if device == "none" else device, params.path("device"))
+        if (path := params.value("nvme_path", _str)) is not None:
+            if device != "nvme":
+                out.notes.append(f"ignored: {params.path('nvme_path')} (read with device 'nvme' only)")
+            elif out.fields.get("zero", {}).get("nvme_path", path) != path:
+                raise DeepSpeedConfigError(params.path("nvme_path"), "zerotrain keeps every swap file in one "
+                                                                     "folder: give the optimizer's nvme_path")
+            else:
+                out.set("zero", "nvme_path", path, params.path("nvme_path"))
         _ignore_rest(params, IGNORED_OFFLOAD, out)
     for key, field in ZEROPP_KEYS.items():
         if (on := zero.value(key, _bool)) is not None:

@@ -52,7 +52,7 @@ from contract.zero_math import (DEFAULT_BUCKET_MB, DEFAULT_PRECISION, DEFAULT_PR
                                 PRECISIONS, STAGES)
 from contract import deepspeed as deepspeed_config
 from contract.zero_rules import (OFFLOAD_OPTIMIZER, OFFLOAD_PARAMS, ZeroRuleBroken, check_nvme_path,
-                                 check_hpz_built, check_params_offload_built, check_stage_fields,
+                                 check_hpz_built, check_stage_fields,
                                  shard_group_misfits)
 
 # --------------------------------------------------------------------------- job spec
@@ -269,7 +269,6 @@ class ZeroSpec(SpecModel):
                                quantized_weights=self.quantized_weights,
                                quantized_gradients=self.quantized_gradients)
             check_nvme_path(self.offload_optimizer, self.nvme_path, self.offload_params)
-            check_params_offload_built(self.offload_params)
             check_hpz_built(self.hpz_partition_size)
         except ZeroRuleBroken as broken:
             raise PydanticCustomError("zero_rule", "{message}", {"message": broken.message, "field": broken.field})

@@ -110,25 +110,15 @@ def check_nvme_path(offload_optimizer: bool | str, nvme_path: str | None,
         raise ZeroRuleBroken("zero.nvme_path", f"nvme_path must be an absolute path; got {nvme_path!r}")
 
 
-def check_params_offload_built(offload_params: str | None) -> None:
-    """Refuse ``zero.offload_params`` until the engine keeps parameter shards off the device.
+def check_hpz_built(hpz_partition_size: int | None) -> None:
+    """Refuse ``zero.hpz_partition_size`` (ZeRO++'s hpZ) until the engine keeps a secondary weight
+    partition.
 
     [Note: a field the engine does not run yet]
     The field, its values and its rules are the contract; the engine's side is not built. A job
     asking for it is refused at submit (``ZeroSpec``) and by ``ZeroEngine`` with this sentence, so no
-    job is admitted that would fail at start or run without what it asked for. ``ZeroConfig``
-    keeps the field, so building the engine's side removes these two calls and nothing else.
+    job is admitted that would fail at start or run without what it asked for.
     """
-    if offload_params is not None:
-        raise ZeroRuleBroken("zero.offload_params", f"offload_params={offload_params!r}: parameter offload is not "
-                                                    "built in the engine yet; leave it null (offload_optimizer "
-                                                    "'cpu' or 'nvme' moves the optimizer state)")
-
-
-def check_hpz_built(hpz_partition_size: int | None) -> None:
-    """Refuse ``zero.hpz_partition_size`` (ZeRO++'s hpZ) until the engine keeps a secondary weight
-    partition: the field is the contract, the engine's side is not built (the note on a field the
-    engine does not run yet, above)."""
     if hpz_partition_size is not None:
         raise ZeroRuleBroken("zero.hpz_partition_size", f"hpz_partition_size={hpz_partition_size!r}: hpZ (a "
                                                         "secondary weight partition within groups of that size) "

@@ -56,3 +56,24 @@ def test_engine_benchmark_tiny(tmp_path: Path) -> None:
     # model state: FSDP2 shards everything, stage 2 shards gradients and optimizer state
     assert by["fsdp2"]["model_state_bytes"]["total"] < by["zero2"]["model_state_bytes"]["total"]
     assert by["zero2"]["model_state_bytes"]["total"] < by["ddp"]["model_state_bytes"]["total"]
+
+
+def test_engine_benchmark_nvme_rows_train_alike_and_leave_no_swap_files(tmp_path: Path) -> None:
+    """The NVMe rows (optimizer, and optimizer + parameters) end with ``close()``: the swap files
+    and the folders made for them are gone; their losses are stage 3's in memory, bit for bit."""
+    out, nvme = tmp_path / "engine.json", tmp_path / "nvme"
+    nvme.mkdir()
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "GLOO_SOCKET_IFNAME": "lo"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.engine", "--preset", "gpt-nano", "--layers", "2", "--width", "32",
+         "--seq-len", "16", "--micro-batch", "2", "--steps", "1", "--warmup", "1", "--nvme-dir", str(nvme),
+         "--rows", "zero3,zero3-nvme,zero3-nvme-params", "--row-timeout", "120", "--json", str(out)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    by = {r["row"]: r for r in json.loads(out.read_text())["rows"]}
+    assert all(row["ok"] for row in by.values()), [row["error"] for row in by.values()]
+    assert by["zero3-nvme-params"]["model_state_bytes"]["disk"] > by["zero3-nvme"]["model_state_bytes"]["disk"] > 0
+    assert by["zero3-nvme-params"]["losses_per_rank"] == by["zero3-nvme"]["losses_per_rank"] == \
+        by["zero3"]["losses_per_rank"]
+    assert list(nvme.iterdir()) == []

@@ -18,7 +18,10 @@ SPEC = {"name": "ds", "model": {"preset": "gpt-nano"}, "data": {"kind": "synthet
 ZERO2_CPU_OFFLOAD = {  # "ZeRO-Offload" tutorial
     "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}, "contiguous_gradients": True,
                           "overlap_comm": True}}
-ZERO3_NVME_OPTIMIZER = {  # "ZeRO-Infinity": the optimizer on NVMe (parameters stay: not built yet)
+ZERO3_NVME_BOTH = {  # "ZeRO-Infinity": the optimizer and the parameters on NVMe
+    "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme"},
+                          "offload_param": {"device": "nvme", "nvme_path": "/local_nvme", "buffer_count": 5}}}
+ZERO3_NVME_OPTIMIZER = {  # "ZeRO-Infinity": the optimizer on NVMe
     "zero_optimization": {"stage": 3, "contiguous_gradients": True, "stage3_max_live_parameters": 1e9,
                           "stage3_max_reuse_distance": 1e9, "stage3_prefetch_bucket_size": 1e7,
                           "stage3_param_persistence_threshold": 1e5, "reduce_bucket_size": 1e7,
@@ -43,6 +46,8 @@ HF_TRAINER_AUTO = {  # what HF Trainer's documented ZeRO-2 config looks like: "a
 @pytest.mark.parametrize("ds, by_hand, ignored", [
     (ZERO2_CPU_OFFLOAD, {"zero": {"stage": 2, "offload_optimizer": "cpu"}}, 2),
     (ZERO3_NVME_OPTIMIZER, {"zero": {"stage": 3, "offload_optimizer": "nvme", "nvme_path": "/local_nvme"}}, 8),
+    (ZERO3_NVME_BOTH, {"zero": {"stage": 3, "offload_optimizer": "nvme", "nvme_path": "/local_nvme",
+                                "offload_params": "nvme"}}, 1),
     (BF16, {"zero": {"precision": "bf16"}}, 0),
     (WARMUP_LR, {"train": {"optimizer": "adamw", "lr": 0.001, "betas": [0.8, 0.999], "eps": 1e-8,
                            "weight_decay": 3e-7, "warmup_steps": 1000, "warmup_type": "log",
@@ -90,8 +95,9 @@ def test_schedulers_map_onto_warmup_schedule_and_floor():
 
 WRONG = [
     ({"zero_optimization": {"stage": 4}}, "deepspeed.zero_optimization.stage", "0, 1, 2 or 3"),
-    ({"zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": "/x"}}},
-     "deepspeed.zero_optimization.offload_param.device", "not built"),
+    ({"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": "/x"},
+                            "offload_param": {"device": "nvme", "nvme_path": "/y"}}},
+     "deepspeed.zero_optimization.offload_param.nvme_path", "one folder"),
     ({"zero_optimization": {"mics_shard_size": 4}}, "deepspeed.zero_optimization.mics_shard_size", "MiCS"),
     ({"zero_optimization": {"zero_quantized_weights": "yes"}}, "deepspeed.zero_optimization.zero_quantized_weights",
      "true or false"),

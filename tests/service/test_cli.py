@@ -130,9 +130,9 @@ def test_submit_with_a_deepspeed_config(cli_env, capsys, tmp_path):
     stored = cli_env.client().get(stdout.split()[1]).spec
     assert (stored["zero"]["stage"], stored["zero"]["precision"]) == (2, "bf16")
     assert "ignored: deepspeed.zero_optimization.overlap_comm" in stderr
-    ds_file.write_text(json.dumps({"zero_optimization": {"offload_param": {"device": "cpu"}}}))
+    ds_file.write_text(json.dumps({"zero_optimization": {"mics_shard_size": 4}}))
     code, _, stderr = run(capsys, "submit", str(spec_file), "--deepspeed", str(ds_file))
-    assert_one_line_error(code, stderr, "deepspeed.zero_optimization.offload_param.device", "not built")
+    assert_one_line_error(code, stderr, "deepspeed.zero_optimization.mics_shard_size", "not built")
 
 
 def interruptible() -> None:

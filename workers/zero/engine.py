@@ -44,8 +44,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from contract.zero_rules import check_params_offload_built
-
 from . import engine_state, optim_groups
 from .buckets import FlatBucket
 from .collectives import Collectives, CommCounter
@@ -55,7 +53,7 @@ from .materialize import InitWeights, Materializer, compute_device
 from .memory_report import at_step_start, distinct_storage_bytes, memory_report
 from .module_buffers import ModuleBuffers
 from .offload import HostOptimizerState
-from .optimizer_swap import swap_files
+from .nvme_swaps import NvmeSwaps
 from .precision import MixedPrecision
 from .reports import MemoryReport, StepInfo
 from .stages import params_reached
@@ -97,7 +95,6 @@ class ZeroEngine:
         config = config if config is not None else ZeroConfig()
         if not isinstance(config, ZeroConfig):
             raise TypeError(f"config must be a ZeroConfig, got {type(config).__name__}")
-        check_params_offload_built(config.offload_params)
         if isinstance(optimizer, torch.optim.Optimizer) or not callable(optimizer):
             raise TypeError(
                 "optimizer must be a factory, e.g. lambda params: torch.optim.AdamW(params, lr=1e-3); "
@@ -131,6 +128,7 @@ class ZeroEngine:
         builder = BucketBuilder(self.materializer, self.comm, self.precision, self.device, self.shard_rank,
                                 self.shard_world, traits.shards_parameters)
         self.buckets = builder.build(self.layout, self._trainable)
+        self.swap = NvmeSwaps.open(config, self.buckets, self.device, self.comm.rank)  # swap files (NVMe)
         self.materializer.finish()  # frozen parameters and buffers still on meta, or loaded from the file
         # the fp32 originals of frozen parameters cast to the compute dtype (for full_state_dict)
         self._frozen_fp32 = sync_frozen([p for _, p in self._frozen], self.comm, self.precision.compute_dtype)
@@ -142,7 +140,8 @@ class ZeroEngine:
 
         self.strategy = make_strategy(config.stage, self.buckets, self.comm, config.overlap_comm, units,
                                       config.prefetch, config.reshard_after_forward, module=model,
-                                      keep_gathered_bytes=config.keep_gathered_bytes)
+                                      keep_gathered_bytes=config.keep_gathered_bytes,
+                                      param_swap=self.swap.params if self.swap is not None else None)
         self.offload = HostOptimizerState(self.buckets, self.device) if config.optimizer_offload == "cpu" else None
         self._opt_params = [(piece, view) for b in self.buckets for piece, view in b.master_views]
         # The factory's two forms, the placeholder of a rank holding only padding and the empty
@@ -153,8 +152,8 @@ class ZeroEngine:
         self.optimizer, self._placeholder, self._opt_names = optim_groups.build(
             optimizer, held, self.layout.slots, opt_device)
         optim_groups.check(self.optimizer, held, self._placeholder)  # every view once, nothing foreign
-        self.swap = swap_files(self.optimizer, [[view for _, view in b.master_views] for b in self.buckets], self.device,
-                               config.nvme_path, self.comm.rank) if config.optimizer_offload == "nvme" else None
+        if self.swap is not None:
+            self.swap.attach(config, self.optimizer, self.buckets, self.device)
         self.scaler = self.precision.make_scaler(config.initial_loss_scale, config.loss_scale_growth_interval)
 
         self._got_grad = [False] * len(self.layout.slots)
@@ -301,10 +300,7 @@ class ZeroEngine:
         self._last_comm = self.comm.counter
         exposed = self.comm.exposed_seconds()
         self.comm.reset()
-        io = {}
-        if self.swap is not None:  # io_read_bytes, io_write_bytes, io_wait_s (exposed)
-            self.swap.end_step()
-            io = self.swap.step_io()
+        io = self.swap.end_step() if self.swap is not None else {}  # io_read_bytes, io_write_bytes, io_wait_s
         return StepInfo(grad_norm=norm, skipped=skipped, loss_scale=scale, comm_exposed_s=exposed, step=self._step,
                         micro_steps=micro_steps, comm_elements=self._last_comm.snapshot()["total"], **io)
 
@@ -361,21 +357,22 @@ class ZeroEngine:
         """Full fp32 parameters and buffers keyed as ``model.state_dict()`` (``engine_state``)."""
         self._check_open("full_state_dict")
         self.strategy.wait_params()
-        return engine_state.full_state_dict(self.state_view())
+        with self._resident(write_back=False, optimizer=False):
+            return engine_state.full_state_dict(self.state_view())
 
     def state_dict(self, copy: bool = True) -> dict[str, Any]:
         """This rank's shard, enough to continue bit-identically (format: ``engine_state``);
         ``copy=False``: the live host tensors, for a reader done before the next ``step()``."""
         self.strategy.wait_params()
-        with self._optimizer_state_resident(write_back=False):
-            return engine_state.state_dict(self.state_view(), copy)
+        with self._resident(write_back=False):  # masters in files are copied out (nvme_swaps.py)
+            return engine_state.state_dict(self.state_view(), copy or self.swap is not None and self.swap.holds_masters)
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Load a ``state_dict()`` of a run with the same stage, world size and layout."""
         self._check_open("load_state_dict")
         self.strategy.wait_params()
         self._fence_host_masters()
-        with self._optimizer_state_resident(write_back=True):
+        with self._resident(write_back=True):
             self._step = engine_state.load_state_dict(self.state_view(), sd)
         self._publish_loaded()
         self._forget_grads()
@@ -386,7 +383,8 @@ class ZeroEngine:
         self._check_open("load_full_state_dict")
         self.strategy.wait_params()
         self._fence_host_masters()
-        engine_state.load_full_state_dict(self.state_view(), full)
+        with self._resident(write_back=True, optimizer=False):
+            engine_state.load_full_state_dict(self.state_view(), full)
         self._publish_loaded()
         self.strategy.wait_params()
 
@@ -405,9 +403,9 @@ class ZeroEngine:
             opt_params=self._opt_params, opt_names=self._opt_names, trainable=self._trainable, frozen=self._frozen,
             frozen_fp32=self._frozen_fp32, module_buffers=self.module_buffers, scaler=self.scaler)
 
-    def _optimizer_state_resident(self, write_back: bool):
-        """The whole optimizer state in memory for the block (swap files: ``optimizer_swap.py``)."""
-        return self.swap.resident(write_back) if self.swap is not None else contextlib.nullcontext()
+    def _resident(self, write_back: bool, optimizer: bool = True):
+        """Masters (and ``optimizer`` state) kept in swap files in memory for the block (``nvme_swaps.py``)."""
+        return self.swap.resident(write_back, optimizer) if self.swap is not None else contextlib.nullcontext()
 
     def _fence_host_masters(self) -> None:
         """Before a load overwrites offloaded masters: the last step's asynchronous copies of them

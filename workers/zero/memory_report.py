@@ -6,15 +6,17 @@ roles (an fp32 master that is a view of the flat buffer), are one allocation.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 import torch
 
 from .module_buffers import ModuleBuffers
 from .offload import HostOptimizerState
-from .optimizer_swap import OptimizerStateSwap
 from .reports import MemoryReport
 from .strategy_base import Strategy
+
+if TYPE_CHECKING:
+    from .nvme_swaps import NvmeSwaps
 
 
 def distinct_storage_bytes(tensors: Iterable[Any], seen: set[int]) -> int:
@@ -38,7 +40,7 @@ def distinct_storage_bytes(tensors: Iterable[Any], seen: set[int]) -> int:
 
 def memory_report(strategy: Strategy, masters: list[torch.Tensor], optimizer: torch.optim.Optimizer,
                   offload: Optional[HostOptimizerState], module_buffers: ModuleBuffers,
-                  frozen: list[torch.Tensor], swap: Optional[OptimizerStateSwap] = None) -> MemoryReport:
+                  frozen: list[torch.Tensor], swap: Optional["NvmeSwaps"] = None) -> MemoryReport:
     """Bytes of the tensors an engine holds right now, by role; shared storage counted once.
 
     params: compute-dtype flat parameters (+ ``frozen``: frozen parameters and the fp32 originals
@@ -49,8 +51,9 @@ def memory_report(strategy: Strategy, masters: list[torch.Tensor], optimizer: to
     units and the module's registered buffers (and the originals of cast ones). At stage 3
     ``params`` is the shards only. With ``offload`` the host's master, optimizer state and fp32
     gradient shard are under an extra key ``host``, ``optimizer`` is 0 and ``total`` counts the
-    device only. With ``swap`` (NVMe offload) its buffers count as ``optimizer`` and the bytes of
-    its files are under an extra key ``disk``, not in ``total``.
+    device only. With ``swap`` (NVMe offload) the optimizer swap's buffers count as ``optimizer``
+    (the parameter swap's as ``params``, through the strategy) and the bytes of all its files are
+    under an extra key ``disk``, not in ``total``.
     """
     seen: set[int] = set()
 
@@ -73,7 +76,7 @@ def memory_report(strategy: Strategy, masters: list[torch.Tensor], optimizer: to
     if offload is not None:
         out["host"] = host
     if swap is not None:  # the swap buffers are the optimizer's memory; the files, apart
-        swap_buffers = tally(swap.tensors())
+        swap_buffers = tally(swap.optimizer_tensors())
         out["optimizer"] += swap_buffers
         out["total"] += swap_buffers
         out["disk"] = swap.disk_bytes()

@@ -82,9 +82,9 @@ def _signature(entries: tuple[Entry, ...]) -> tuple:
 class OptimizerStateSwap:
     """The optimizer state of ``buckets`` (each a list of the optimizer's views) in swap files."""
 
-    def __init__(self, buckets: list[list[torch.Tensor]], optimizer: torch.optim.Optimizer, root: str, rank: int):
+    def __init__(self, buckets: list[list[torch.Tensor]], optimizer: torch.optim.Optimizer, folder: SwapFolder):
         self.buckets, self.optimizer = buckets, optimizer
-        self.folder = SwapFolder(root, rank)
+        self.folder = folder
         self.io = BlockIO()
         self.files: list[DirectFile | None] = [None] * len(buckets)
         self.layouts: list[tuple[Entry, ...] | None] = [None] * len(buckets)
@@ -178,7 +178,7 @@ class OptimizerStateSwap:
         return [buffer.bytes for buffer in self.pool]
 
     def close(self) -> None:
-        """Wait for what is in flight and delete this rank's swap files."""
+        """Wait for what is in flight and close the files (the folder is removed by its owner)."""
         try:
             self.end_step()
             for _buffer, futures in self.reading.values():
@@ -189,7 +189,6 @@ class OptimizerStateSwap:
             for file in self.files:
                 if file is not None:
                     file.close()
-            self.folder.remove()
 
     # -- buffers, files and binding ------------------------------------------------------------------
     def _prefetch(self, i: int) -> None:
@@ -253,14 +252,19 @@ class OptimizerStateSwap:
 
 
 def swap_files(optimizer: torch.optim.Optimizer, buckets: list[list[torch.Tensor]], device: torch.device,
-               root: str, rank: int) -> OptimizerStateSwap:
+               folder: SwapFolder) -> OptimizerStateSwap:
     """An engine's optimizer state in swap files: bucket by bucket, so only an optimizer that may
     step a bucket at a time, and on the CPU, where the state is stepped."""
-    if not optim_groups.steps_per_piece(optimizer):
-        raise ValueError(f"offload_optimizer='nvme' steps the optimizer bucket by bucket, which "
-                         f"{type(optimizer).__name__} does not allow; use one of "
-                         f"{sorted(t.__name__ for t in optim_groups.PER_PIECE_OPTIMIZERS)}")
+    check_per_piece(optimizer, "offload_optimizer='nvme'")
     if device.type != "cpu":
         raise ValueError(f"offload_optimizer='nvme' runs the optimizer on the CPU; it is not built for "
                          f"{device.type} devices yet: use offload_optimizer='cpu' there")
-    return OptimizerStateSwap(buckets, optimizer, root, rank)
+    return OptimizerStateSwap(buckets, optimizer, folder)
+
+
+def check_per_piece(optimizer: torch.optim.Optimizer, what: str) -> None:
+    """Refuse an optimizer that may not step a bucket at a time: ``what`` swaps per bucket."""
+    if not optim_groups.steps_per_piece(optimizer):
+        raise ValueError(f"{what} steps the optimizer bucket by bucket, which "
+                         f"{type(optimizer).__name__} does not allow; use one of "
+                         f"{sorted(t.__name__ for t in optim_groups.PER_PIECE_OPTIMIZERS)}")

@@ -15,7 +15,9 @@ from contract.zero_math import stage_traits
 
 from .buckets import FlatBucket
 from .collectives import Collectives
+from .param_swap import ParamShardSwap
 from .stage3 import ParamShardStrategy
+from .stage3_swap import SwappedParamShardStrategy
 from .stages import AllReduceStrategy, ReduceScatterAtStepStrategy, ReduceScatterInBackwardStrategy
 from .strategy_base import Strategy
 from .units import UnitPlan
@@ -31,18 +33,23 @@ def make_strategy(
     reshard_after_forward: Any = ZERO_DEFAULTS["reshard_after_forward"],
     module: Optional[nn.Module] = None,
     keep_gathered_bytes: int = ZERO_DEFAULTS["keep_gathered_bytes"],
+    param_swap: Optional[ParamShardSwap] = None,
 ) -> Strategy:
     """The strategy that runs ``stage`` over ``buckets``, chosen by what the stage shards.
 
     A stage that shards parameters (3) needs the unit plan its buckets were built from (one
     bucket per non-empty unit), the prefetch depth and which units to keep gathered after
     forward (``reshard_after_forward``, ``keep_gathered_bytes``).
+    With ``param_swap`` (``offload_params="nvme"``) stage 3 reads its shards from swap files.
     Stages 1/2 hook ``module`` to wait for their parameter gathers (None: they wait in ``step()``).
     """
     traits = stage_traits(stage)
     if traits.shards_parameters:
         if units is None:
             raise ValueError(f"stage {stage} shards parameters: it needs the unit plan (units.plan_units)")
+        if param_swap is not None:
+            return SwappedParamShardStrategy(buckets, comm, overlap_comm, units, prefetch, reshard_after_forward,
+                                             keep_gathered_bytes, param_swap=param_swap)
         return ParamShardStrategy(buckets, comm, overlap_comm, units, prefetch, reshard_after_forward,
                                   keep_gathered_bytes)
     if traits.shards_gradients:

@@ -52,7 +52,7 @@ class OffloadDiskFull(RuntimeError):
 
     def __init__(self, path: str, needed: int, free: int | None):
         free_text = "an unknown number of" if free is None else f"{free:,}"
-        super().__init__(f"offload_disk_full: {path} needs {needed:,} bytes for this rank's optimizer swap "
+        super().__init__(f"offload_disk_full: {path} needs {needed:,} bytes for this rank's swap "
                          f"files; {free_text} bytes are free there")
         self.path, self.needed, self.free = path, needed, free
 

@@ -17,7 +17,7 @@ model (group-level state, step hooks counting calls).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -25,7 +25,9 @@ from . import optim_groups
 from .buckets import FlatBucket
 from .collectives import Collectives
 from .flat import ShardPiece
-from .optimizer_swap import OptimizerStateSwap
+
+if TYPE_CHECKING:
+    from .nvme_swaps import NvmeSwaps
 
 
 def norm_and_usage(grads: list[torch.Tensor], inv_scale: Optional[float], got_grad: list[bool], comm: Collectives,
@@ -56,10 +58,10 @@ def clip_coef(grad_clip: Optional[float], norm: float, device: torch.device) -> 
 def optimizer_step(optimizer: torch.optim.Optimizer, buckets: list[FlatBucket],
                    opt_params: list[tuple[ShardPiece, torch.Tensor]], grads: list[torch.Tensor],
                    inv_scale: Optional[float], coef: Optional[torch.Tensor], used: list[bool],
-                   swap: Optional[OptimizerStateSwap] = None) -> None:
+                   swap: Optional["NvmeSwaps"] = None) -> None:
     """The optimizer's step on ``grads`` (one per bucket) as fp32, clipped by ``coef``; a piece of
     a parameter no rank ``used`` gets no gradient. ``opt_params``: every bucket's master views;
-    ``swap``: where the optimizer state lives between its buckets' steps (NVMe offload)."""
+    ``swap``: where the optimizer state (and fp32 masters) live between its buckets' steps (NVMe offload)."""
     per_bucket = optim_groups.steps_per_piece(optimizer)
     for index, (b, g) in enumerate(zip(buckets, grads)):
         g32 = fp32_grad(g, inv_scale)

@@ -1,5 +1,6 @@
-"""NVMe optimizer offload runs (importable by spawned ranks): the same run in memory and with the
-optimizer state in swap files, in one world, and the NVMe run resumed from a ``state_dict()``."""
+"""NVMe offload runs (importable by spawned ranks): the same run in memory and with the optimizer
+state, the stage-3 parameter shards or both in swap files, in one world, and the NVMe run
+resumed from a ``state_dict()``."""
 
 from __future__ import annotations
 
@@ -32,34 +33,46 @@ def _engine(rank: int, cfg: dict, opt: str) -> ZeroEngine:
     return ZeroEngine(model, OPTIMIZERS[opt], ZeroConfig(**{"grad_clip": CLIP, "bucket_mb": BUCKET_MB, **cfg}))
 
 
-def _steps(engine: ZeroEngine, rank: int, world_size: int, steps: range) -> list[dict]:
+def _steps(engine: ZeroEngine, rank: int, world_size: int, steps: range, losses: list) -> list[dict]:
+    """Train ``steps``; every micro-step's loss and every evaluation's output go to ``losses``."""
     sl = slice(rank * MICRO_B, (rank + 1) * MICRO_B)
     infos = []
     batches = make_batches(world_size, STEPS, MICRO)
     for step in steps:
         for idx, tgt in batches[step]:
-            engine.backward(forward(engine, "blocks", idx[sl], tgt[sl], rank, step))
+            loss = forward(engine, "blocks", idx[sl], tgt[sl], rank, step)
+            losses.append(loss.detach().clone())
+            engine.backward(loss)
         infos.append(engine.step())
         engine.eval()
         with torch.no_grad():
-            engine(idx[sl], tgt[sl], uses_extra(rank), EVAL_ORDER)
+            losses.append(engine(idx[sl], tgt[sl], uses_extra(rank), EVAL_ORDER))
         engine.train()
     return infos
 
 
-def run_pair(rank: int, world_size: int, stage: int, precision: str, opt: str, folder: str, resume_at: int) -> dict:
-    """In memory for ``STEPS`` steps; then with ``offload_optimizer="nvme"``: ``resume_at`` steps,
+#: what a case puts in swap files: the optimizer's state, the parameter shards (stage 3), or both
+OFFLOAD = {"optimizer": {"offload_optimizer": "nvme"}, "params": {"offload_params": "nvme"},
+           "both": {"offload_optimizer": "nvme", "offload_params": "nvme"}}
+
+
+def run_pair(rank: int, world_size: int, stage: int, precision: str, opt: str, offload: str = "optimizer", *,
+             folder: str, resume_at: int) -> dict:
+    """In memory for ``STEPS`` steps; then with ``OFFLOAD[offload]``: ``resume_at`` steps,
     ``state_dict()``, ``close()``, a new engine loads it and takes the rest."""
     torch.set_num_threads(1)
     cfg = {"stage": stage, "precision": precision}
     memory = _engine(rank, cfg, opt)
-    memory_infos = _steps(memory, rank, world_size, range(STEPS))
+    memory_losses: list = []
+    memory_infos = _steps(memory, rank, world_size, range(STEPS), memory_losses)
     memory_full, memory_sd = memory.full_state_dict(), memory.state_dict()
+    memory_mem = memory.memory()
     memory.close()
 
-    nvme_cfg = {**cfg, "offload_optimizer": "nvme", "nvme_path": folder}
+    nvme_cfg = {**cfg, **OFFLOAD[offload], "nvme_path": folder}
     nvme = _engine(rank, nvme_cfg, opt)
-    infos = _steps(nvme, rank, world_size, range(resume_at))
+    losses: list = []
+    infos = _steps(nvme, rank, world_size, range(resume_at), losses)
     mid_memory = nvme.memory()
     files_mid = sorted(os.listdir(os.path.join(folder, str(rank))))
     state = nvme.state_dict()
@@ -67,8 +80,9 @@ def run_pair(rank: int, world_size: int, stage: int, precision: str, opt: str, f
     closed_leaves = os.path.exists(os.path.join(folder, str(rank)))
     resumed = _engine(rank, nvme_cfg, opt)
     resumed.load_state_dict(state)
-    infos += _steps(resumed, rank, world_size, range(resume_at, STEPS))
+    infos += _steps(resumed, rank, world_size, range(resume_at, STEPS), losses)
     out = {"memory_full": memory_full, "memory_sd": memory_sd, "memory_infos": memory_infos,
+           "memory_losses": memory_losses, "memory_mem": memory_mem, "nvme_losses": losses,
            "nvme_full": resumed.full_state_dict(), "nvme_sd": resumed.state_dict(), "nvme_infos": infos,
            "mid_memory": mid_memory, "files_mid": files_mid, "closed_leaves": closed_leaves}
     resumed.close()

@@ -134,16 +134,19 @@ def test_from_spec_takes_nvme_path_as_given():
     assert ZeroConfig.from_spec(zero, train, nvme_path="/mnt/nvme/job-1").nvme_path == "/mnt/nvme/job-1"
 
 
-def test_offload_params_is_a_config_field_that_submit_and_the_engine_refuse_until_built():
-    """The field and its rules are the contract's; a job asking for it is refused, never run without it."""
+def test_offload_params_is_a_config_and_spec_field_the_engine_runs(tmp_path):
+    """Submit admits it at stage 3; on a CPU rank "cpu" is where the shard already is, and "nvme"
+    puts it in swap files (tests/workers/zero/test_nvme_offload.py has the runs)."""
     assert ZeroConfig(stage=3, offload_params="cpu").offload_params == "cpu"
     with pytest.raises(ValueError, match="offload_params must be None, 'cpu' or 'nvme'"):
         ZeroConfig(stage=3, offload_params="disk")
-    with pytest.raises(ValidationError, match="parameter offload is not built in the engine yet"):
-        ZeroSpec(stage=3, offload_params="nvme", nvme_path="/mnt/nvme")
-    with pytest.raises(ValueError, match="parameter offload is not built in the engine yet"):
-        ZeroEngine(torch.nn.Linear(2, 2), lambda ps: torch.optim.SGD(ps, lr=0.1),
-                   ZeroConfig(stage=3, offload_params="cpu"))
+    assert ZeroSpec(stage=3, offload_params="nvme", nvme_path="/mnt/nvme").offload_params == "nvme"
+    for place, path in (("cpu", None), ("nvme", str(tmp_path / "swap"))):
+        engine = ZeroEngine(torch.nn.Linear(2, 2), lambda ps: torch.optim.SGD(ps, lr=0.1),
+                            ZeroConfig(stage=3, offload_params=place, nvme_path=path))
+        assert ("disk" in engine.memory()) == (place == "nvme")
+        engine.close()
+    assert not (tmp_path / "swap").exists()
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -1,4 +1,5 @@
-"""Issue 32: ``offload_optimizer="nvme"`` keeps the optimizer state in swap files and changes nothing.
+"""Issue 32: ``offload_optimizer="nvme"`` keeps the optimizer state in swap files, ``offload_params="nvme"``
+stage 3's parameter shards, and neither changes anything.
 
 At N=2 and 3, stages 1-3, fp32 and bf16, AdamW and SGD with momentum, on ``cases3.BlockNet``
 (units, ties, frozen and unused parameters, a layer only some ranks use, a block order that
@@ -62,6 +63,38 @@ def test_nvme_optimizer_offload_is_bit_for_bit_the_run_in_memory_with_a_resume(w
             assert all(x.io_read_bytes >= x.io_write_bytes for x in out["nvme_infos"][1:3]), what
             assert not out["closed_leaves"] and not out["end_leaves"], what  # close() removes them
         assert not (tmp_path / f"case{i}").exists()  # and the folder made for them
+
+
+PARAM_CASES = {2: [(3, "fp32", "adamw", "params"), (3, "bf16", "adamw", "params"), (3, "fp32", "adamw", "both"),
+                   (3, "bf16", "sgd", "both")],
+               3: [(3, "fp32", "sgd", "params"), (3, "bf16", "adamw", "params"), (3, "fp32", "adamw", "both"),
+                   (3, "bf16", "adamw", "both")]}
+
+
+@pytest.mark.parametrize("world_size", sorted(PARAM_CASES))
+def test_nvme_parameter_offload_is_bit_for_bit_stage_3_in_memory_with_a_resume(world_size, tmp_path):
+    """``offload_params="nvme"``, alone and with the optimizer state: the shards in swap files
+    (fp32: the masters themselves), read back for every gather; losses, evaluation outputs,
+    gradient norms, parameters and optimizer state equal the run in memory."""
+    per_rank = spawn_world(world, world_size=world_size, args=(PARAM_CASES[world_size], str(tmp_path)),
+                           timeout_s=300)
+    for i, case in enumerate(PARAM_CASES[world_size]):
+        for rank, results in enumerate(per_rank):
+            out, what = results[i], f"N={world_size} {case} rank {rank}"
+            _same(out["nvme_losses"], out["memory_losses"], f"{what} losses")
+            _same(out["nvme_full"], out["memory_full"], f"{what} parameters")
+            _same(out["nvme_sd"]["master"], out["memory_sd"]["master"], f"{what} masters")
+            _same(out["nvme_sd"]["optimizer"], out["memory_sd"]["optimizer"], f"{what} optimizer state")
+            assert [x.grad_norm for x in out["nvme_infos"]] == [x.grad_norm for x in out["memory_infos"]], what
+            # while it ran: one file per unit, the shards' memory freed (only the pool's buffers
+            # are left under params), each step reads every unit and writes it back
+            params = [n for n in out["files_mid"] if n.startswith("param-")]
+            assert len(params) == len(out["memory_sd"]["layout"]["buckets"]), what
+            assert (len(params) < len(out["files_mid"])) == (case[3] == "both"), what
+            assert out["mid_memory"]["disk"] >= out["memory_mem"]["params"], what
+            assert all(x.io_read_bytes > 0 and x.io_write_bytes > 0 for x in out["nvme_infos"]), what
+            assert not out["closed_leaves"] and not out["end_leaves"], what
+        assert not (tmp_path / f"case{i}").exists()
 
 
 def _tiny(seed: int = 0) -> torch.nn.Module:
@@ -144,3 +177,18 @@ def test_a_full_disk_is_a_clear_error_before_any_state_is_overwritten(small_file
     assert engine.closed and not (folder / "0").exists()
     with pytest.raises(RuntimeError, match="after close"):
         _train(engine, 1)
+
+
+def test_a_disk_too_small_for_the_parameter_files_fails_construction_and_leaves_nothing(tmp_path, monkeypatch):
+    """Every parameter file is allocated when the engine is built: a full disk stops it there."""
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    folder = tmp_path / "job"
+    config = ZeroConfig(stage=3, precision="fp32", offload_params="nvme", nvme_path=str(folder))
+    with pytest.raises(OffloadDiskFull) as raised:
+        ZeroEngine(_tiny(), lambda ps: torch.optim.AdamW(ps, lr=1e-3), config)
+    assert str(raised.value).startswith(f"offload_disk_full: {folder / '0'}")
+    assert raised.value.needed >= (32 * 256 + 256 + 256 * 32 + 32) * 4  # the whole fp32 shard (N=1)
+    assert not folder.exists()
