@@ -25,6 +25,7 @@ from sqlalchemy.dialects import sqlite
 from sqlalchemy.orm import Session
 
 from contract.metrics import CHARTED_FIELDS
+from service.advisory_locks import lock_job_metrics
 from service.models import METRIC_STEP_PARTS, Metric, MetricStep
 from service.schemas import METRIC_FIELDS, MetricRecord
 
@@ -67,11 +68,16 @@ def _array_literal(values: list[Any], number: type) -> str:
 
 def insert_new(session: Session, job_id: str, records: list[MetricRecord]) -> int:
     """Insert ``records`` for ``job_id`` (and their roll-up), ignoring ones already stored;
-    return how many were new."""
+    return how many were new. Holds the job's metric lock until the caller ends the
+    transaction, so commit soon after ([Note: metric ids in commit order] in
+    service.advisory_locks). Call it before the transaction's other writes: a lock taken
+    earlier (``user_metrics`` locks the job row for a new name) would be held while waiting
+    here, and the ingest holding the job's metric lock may be waiting for it: a deadlock."""
     if session.get_bind().dialect.name == "postgresql":
         columns = {name: _array_literal([getattr(record, name) for record in records],
                                         int if name in _INT_COLUMNS else float)
                    for name in _STORED_COLUMNS}
+        lock_job_metrics(session, job_id)  # before the insert draws its ids from the sequence
         return session.execute(_PG_INSERT, {"job_id": job_id, **columns}).scalar_one()
     return _insert_new_sqlite(session, job_id, records)
 
