@@ -17,7 +17,10 @@ batch would wait for the previous one's commit to update it; a step's rows are s
 
 from __future__ import annotations
 
+import threading
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from sqlalchemy import func, text
@@ -66,13 +69,49 @@ def _array_literal(values: list[Any], number: type) -> str:
     return "{" + ",".join("NULL" if value is None else repr(number(value)) for value in values) + "}"
 
 
+_turns: dict[str, list] = {}  # job id -> [its lock, requests holding or waiting for it]
+_turns_lock = threading.Lock()
+
+
+@contextmanager
+def job_turn(job_id: str) -> Iterator[None]:
+    """This process's turn to ingest ``job_id``'s metrics: one request at a time per job.
+
+    [Note: waiting without a connection]
+    ``insert_new`` holds the job's metric lock in the database until commit, so one job's
+    ingests go one at a time anyway. Waiting for that lock in the database would hold a pooled
+    connection: a job's ranks posting at once would take every connection and leave the other
+    requests of the service to time out (503). So a request ends its transaction (the token
+    check) and waits here, connection-free; only the one whose turn it is takes a connection,
+    and across replicas at most one per replica waits in the database. A waiting request still
+    holds its server thread, as it did while its insert ran concurrently."""
+    with _turns_lock:
+        turn = _turns.setdefault(job_id, [threading.Lock(), 0])
+        turn[1] += 1
+    try:
+        with turn[0]:
+            yield
+    finally:
+        with _turns_lock:
+            turn[1] -= 1
+            if not turn[1]:
+                del _turns[job_id]
+
+
+def queued(job_id: str) -> int:
+    """Requests of ``job_id`` holding or waiting for their ``job_turn`` in this process."""
+    with _turns_lock:
+        return _turns[job_id][1] if job_id in _turns else 0
+
+
 def insert_new(session: Session, job_id: str, records: list[MetricRecord]) -> int:
     """Insert ``records`` for ``job_id`` (and their roll-up), ignoring ones already stored;
     return how many were new. Holds the job's metric lock until the caller ends the
     transaction, so commit soon after ([Note: metric ids in commit order] in
-    service.advisory_locks). Call it before the transaction's other writes: a lock taken
-    earlier (``user_metrics`` locks the job row for a new name) would be held while waiting
-    here, and the ingest holding the job's metric lock may be waiting for it: a deadlock."""
+    service.advisory_locks), and call it during this process's ``job_turn``. Call it before
+    the transaction's other writes: a lock taken earlier (``user_metrics`` locks the job row
+    for a new name) would be held while waiting here, and the ingest holding the job's metric
+    lock may be waiting for it: a deadlock."""
     if session.get_bind().dialect.name == "postgresql":
         columns = {name: _array_literal([getattr(record, name) for record in records],
                                         int if name in _INT_COLUMNS else float)

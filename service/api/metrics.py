@@ -54,9 +54,11 @@ router = APIRouter(prefix="/jobs", tags=["metrics"])
 def ingest_metrics(batch: MetricBatch, job: WorkerJob, request: Request, session: SessionDep) -> IngestResult:
     if not batch.records:
         return IngestResult(accepted=0, duplicates=0)
-    accepted = metric_ingest.insert_new(session, job.id, batch.records)  # first: the job's metric lock
-    user_metrics.store(session, job.id, batch.records)
-    session.commit()
+    session.commit()  # the token check's transaction ends: no connection held while waiting for the turn
+    with metric_ingest.job_turn(job.id):
+        accepted = metric_ingest.insert_new(session, job.id, batch.records)  # first: the job's metric lock
+        user_metrics.store(session, job.id, batch.records)
+        session.commit()
     request.app.state.service_metrics.metric_points.inc(accepted)
     return IngestResult(accepted=accepted, duplicates=len(batch.records) - accepted)
 

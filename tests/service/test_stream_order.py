@@ -13,11 +13,15 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from sqlalchemy import select, text
+import httpx
+from sqlalchemy import func, select, text
 
+from service import metric_ingest
+from service.advisory_locks import JOB_METRICS_CLASS, name_key
 from service.api.jobs import _event_rows
 from service.api.metrics import _metric_rows
 from service.api.sse import Fetch
+from service.db import make_engine
 from service.metric_ingest import insert_new
 from service.models import Job, JobEvent, Metric
 from service.schemas import JobState, MetricRecord
@@ -116,3 +120,41 @@ def test_an_event_stream_polled_between_a_notice_and_a_transition_that_commit_ou
         stored = session.execute(select(JobEvent.id).where(JobEvent.job_id == JOB).order_by(JobEvent.id)).scalars().all()
     assert len(stored) == 2
     assert sent == stored
+
+
+def test_ingests_waiting_for_their_job_s_turn_hold_no_connection_other_requests_need(make_live_service):
+    """One job's ingests go one at a time; the ones waiting must not take the pool's
+    connections, or every other request of the service times out (503)."""
+    service = make_live_service(scheduler_enabled=False, db_pool_size=2, db_max_overflow=0, db_pool_timeout_s=2.0)
+    job_id = service.client().submit(make_spec()).id
+    (_, ingest), = service.app.state.scheduler.claim()
+    pool = service.app.state.engine.pool
+    results: list[int] = []
+
+    def post(rank: int) -> None:
+        records = [{"attempt": 0, "rank": rank, "step": step, "loss": 1.0} for step in range(5)]
+        results.append(httpx.post(f"{service.url}/api/v1/jobs/{job_id}/metrics", json={"records": records},
+                                  headers={"Authorization": f"Bearer {ingest}"}, timeout=60).status_code)
+
+    outside = make_engine(service.database_url)  # an ingest of the job on another replica, say
+    try:
+        with outside.connect() as holder:
+            holder.execute(text("SELECT pg_advisory_lock(CAST(:c AS int4), CAST(:k AS int4))"),
+                           {"c": JOB_METRICS_CLASS, "k": name_key(job_id)})
+            posters = [threading.Thread(target=post, args=(rank,)) for rank in range(4)]
+            for poster in posters:
+                poster.start()
+            wait_for(lambda: metric_ingest.queued(job_id) == 4 or pool.checkedout() >= 2, 30,
+                     "the four ingests to wait for their turn (or to fill the pool)")
+            other = httpx.get(f"{service.url}/api/v1/jobs/{job_id}", timeout=30,
+                              headers={"Authorization": f"Bearer {service.admin_token}"})
+            assert other.status_code == 200, other.text
+            holder.execute(text("SELECT pg_advisory_unlock_all()"))
+            holder.commit()
+        for poster in posters:
+            poster.join(60)
+    finally:
+        outside.dispose()
+    assert results == [200] * 4
+    with service.app.state.sessionmaker() as session:
+        assert session.execute(select(func.count()).select_from(Metric).where(Metric.job_id == job_id)).scalar() == 20
