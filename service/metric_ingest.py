@@ -17,10 +17,7 @@ batch would wait for the previous one's commit to update it; a step's rows are s
 
 from __future__ import annotations
 
-import threading
 from collections import defaultdict
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 from sqlalchemy import func, text
@@ -59,7 +56,7 @@ _PG_INSERT = text(
     "world_size = GREATEST(metric_steps.world_size, excluded.world_size), "
     + ", ".join(f"sum_{name} = COALESCE(metric_steps.sum_{name}, 0) + COALESCE(excluded.sum_{name}, 0), "
                 f"n_{name} = metric_steps.n_{name} + excluded.n_{name}" for name in _CHARTED)
-    + ") SELECT COUNT(*) FROM new"
+    + ') SELECT attempt, "rank", step FROM new'
 )
 
 
@@ -69,59 +66,30 @@ def _array_literal(values: list[Any], number: type) -> str:
     return "{" + ",".join("NULL" if value is None else repr(number(value)) for value in values) + "}"
 
 
-_turns: dict[str, list] = {}  # job id -> [its lock, requests holding or waiting for it]
-_turns_lock = threading.Lock()
-
-
-@contextmanager
-def job_turn(job_id: str) -> Iterator[None]:
-    """This process's turn to ingest ``job_id``'s metrics: one request at a time per job.
-
-    [Note: waiting without a connection]
-    ``insert_new`` holds the job's metric lock in the database until commit, so one job's
-    ingests go one at a time anyway. Waiting for that lock in the database would hold a pooled
-    connection: a job's ranks posting at once would take every connection and leave the other
-    requests of the service to time out (503). So a request ends its transaction (the token
-    check) and waits here, connection-free; only the one whose turn it is takes a connection,
-    and across replicas at most one per replica waits in the database. A waiting request still
-    holds its server thread, as it did while its insert ran concurrently."""
-    with _turns_lock:
-        turn = _turns.setdefault(job_id, [threading.Lock(), 0])
-        turn[1] += 1
-    try:
-        with turn[0]:
-            yield
-    finally:
-        with _turns_lock:
-            turn[1] -= 1
-            if not turn[1]:
-                del _turns[job_id]
-
-
-def queued(job_id: str) -> int:
-    """Requests of ``job_id`` holding or waiting for their ``job_turn`` in this process."""
-    with _turns_lock:
-        return _turns[job_id][1] if job_id in _turns else 0
-
-
 def insert_new(session: Session, job_id: str, records: list[MetricRecord]) -> int:
     """Insert ``records`` for ``job_id`` (and their roll-up), ignoring ones already stored;
-    return how many were new. Holds the job's metric lock until the caller ends the
-    transaction, so commit soon after ([Note: metric ids in commit order] in
-    service.advisory_locks), and call it during this process's ``job_turn``. Call it before
-    the transaction's other writes: a lock taken earlier (``user_metrics`` locks the job row
-    for a new name) would be held while waiting here, and the ingest holding the job's metric
-    lock may be waiting for it: a deadlock."""
+    return how many were new."""
+    return len(insert_new_keys(session, job_id, records))
+
+
+def insert_new_keys(session: Session, job_id: str, records: list[MetricRecord]) -> list[tuple[int, int, int]]:
+    """``insert_new``, answering the (attempt, rank, step) of each record that was new.
+
+    Holds the job's metric lock until the caller ends the transaction, so commit soon after
+    ([Note: metric ids in commit order] in service.advisory_locks); requests take their turn
+    first (service.ingest_turns). Call it before the transaction's other writes: a lock taken
+    earlier (``user_metrics`` locks the job row for a new name) would be held while waiting
+    here, and the ingest holding the job's metric lock may be waiting for it: a deadlock."""
     if session.get_bind().dialect.name == "postgresql":
         columns = {name: _array_literal([getattr(record, name) for record in records],
                                         int if name in _INT_COLUMNS else float)
                    for name in _STORED_COLUMNS}
         lock_job_metrics(session, job_id)  # before the insert draws its ids from the sequence
-        return session.execute(_PG_INSERT, {"job_id": job_id, **columns}).scalar_one()
+        return [tuple(row) for row in session.execute(_PG_INSERT, {"job_id": job_id, **columns})]
     return _insert_new_sqlite(session, job_id, records)
 
 
-def _insert_new_sqlite(session: Session, job_id: str, records: list[MetricRecord]) -> int:
+def _insert_new_sqlite(session: Session, job_id: str, records: list[MetricRecord]) -> list[tuple[int, int, int]]:
     """The embedded database: small batches, so the portable form is fast enough; the roll-up
     is summed here from the rows the insert returned."""
     rows = [{**record.model_dump(exclude={"user"}), "job_id": job_id} for record in records]
@@ -155,7 +123,7 @@ def _insert_new_sqlite(session: Session, job_id: str, records: list[MetricRecord
         })
         session.execute(upsert, [{"job_id": job_id, "attempt": attempt, "step": step, "part": part, **values}
                                  for (attempt, step, part), values in sorted(parts.items())])
-    return len(new)
+    return [(row.attempt, row.rank, row.step) for row in new]
 
 
 def _greatest(a: Any, b: Any) -> Any:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import httpx
 from sqlalchemy import func, select, text
 
-from service import metric_ingest
+from service import ingest_turns
 from service.advisory_locks import JOB_METRICS_CLASS, name_key
 from service.api.jobs import _event_rows
 from service.api.metrics import _metric_rows
@@ -122,19 +122,21 @@ def test_an_event_stream_polled_between_a_notice_and_a_transition_that_commit_ou
     assert sent == stored
 
 
-def test_ingests_waiting_for_their_job_s_turn_hold_no_connection_other_requests_need(make_live_service):
+def test_ingests_waiting_for_their_job_s_turn_hold_no_connection_and_are_stored_once(make_live_service):
     """One job's ingests go one at a time; the ones waiting must not take the pool's
-    connections, or every other request of the service times out (503)."""
+    connections, or every other request of the service times out (503). Those that waited are
+    stored together (service.ingest_turns), a record sent twice among them once."""
     service = make_live_service(scheduler_enabled=False, db_pool_size=2, db_max_overflow=0, db_pool_timeout_s=2.0)
     job_id = service.client().submit(make_spec()).id
     (_, ingest), = service.app.state.scheduler.claim()
     pool = service.app.state.engine.pool
-    results: list[int] = []
+    results: list[tuple[int, dict]] = []
 
     def post(rank: int) -> None:
-        records = [{"attempt": 0, "rank": rank, "step": step, "loss": 1.0} for step in range(5)]
-        results.append(httpx.post(f"{service.url}/api/v1/jobs/{job_id}/metrics", json={"records": records},
-                                  headers={"Authorization": f"Bearer {ingest}"}, timeout=60).status_code)
+        records = [{"attempt": 0, "rank": rank % 3, "step": step, "loss": 1.0} for step in range(5)]  # rank 3 = 0
+        answer = httpx.post(f"{service.url}/api/v1/jobs/{job_id}/metrics", json={"records": records},
+                            headers={"Authorization": f"Bearer {ingest}"}, timeout=60)
+        results.append((answer.status_code, answer.json()))
 
     outside = make_engine(service.database_url)  # an ingest of the job on another replica, say
     try:
@@ -144,7 +146,7 @@ def test_ingests_waiting_for_their_job_s_turn_hold_no_connection_other_requests_
             posters = [threading.Thread(target=post, args=(rank,)) for rank in range(4)]
             for poster in posters:
                 poster.start()
-            wait_for(lambda: metric_ingest.queued(job_id) == 4 or pool.checkedout() >= 2, 30,
+            wait_for(lambda: ingest_turns.queued(job_id) == 4 or pool.checkedout() >= 2, 30,
                      "the four ingests to wait for their turn (or to fill the pool)")
             other = httpx.get(f"{service.url}/api/v1/jobs/{job_id}", timeout=30,
                               headers={"Authorization": f"Bearer {service.admin_token}"})
@@ -155,6 +157,8 @@ def test_ingests_waiting_for_their_job_s_turn_hold_no_connection_other_requests_
             poster.join(60)
     finally:
         outside.dispose()
-    assert results == [200] * 4
+    assert [status for status, _ in results] == [200] * 4, results
+    assert sum(answer["accepted"] for _, answer in results) == 15
+    assert sum(answer["duplicates"] for _, answer in results) == 5
     with service.app.state.sessionmaker() as session:
-        assert session.execute(select(func.count()).select_from(Metric).where(Metric.job_id == job_id)).scalar() == 20
+        assert session.execute(select(func.count()).select_from(Metric).where(Metric.job_id == job_id)).scalar() == 15
