@@ -28,6 +28,7 @@ from sqlalchemy.dialects import sqlite
 from sqlalchemy.orm import Session
 
 from contract.metrics import CHARTED_FIELDS
+from service.advisory_locks import lock_job_metrics
 from service.models import METRIC_STEP_PARTS, Metric, MetricStep
 from service.schemas import METRIC_FIELDS, MetricRecord
 
@@ -58,7 +59,7 @@ _PG_INSERT = text(
     "world_size = GREATEST(metric_steps.world_size, excluded.world_size), "
     + ", ".join(f"sum_{name} = COALESCE(metric_steps.sum_{name}, 0) + COALESCE(excluded.sum_{name}, 0), "
                 f"n_{name} = metric_steps.n_{name} + excluded.n_{name}" for name in _CHARTED)
-    + ") SELECT COUNT(*) FROM new"
+    + ') SELECT attempt, "rank", step FROM new'
 )
 
 
@@ -71,15 +72,27 @@ def _array_literal(values: list[Any], number: type) -> str:
 def insert_new(session: Session, job_id: str, records: list[MetricRecord]) -> int:
     """Insert ``records`` for ``job_id`` (and their roll-up), ignoring ones already stored;
     return how many were new."""
+    return len(insert_new_keys(session, job_id, records))
+
+
+def insert_new_keys(session: Session, job_id: str, records: list[MetricRecord]) -> list[tuple[int, int, int]]:
+    """``insert_new``, answering the (attempt, rank, step) of each record that was new.
+
+    Holds the job's metric lock until the caller ends the transaction, so commit soon after
+    ([Note: metric ids in commit order] in service.advisory_locks); requests take their turn
+    first (service.ingest_turns). Call it before the transaction's other writes: a lock taken
+    earlier (``user_metrics`` locks the job row for a new name) would be held while waiting
+    here, and the ingest holding the job's metric lock may be waiting for it: a deadlock."""
     if session.get_bind().dialect.name == "postgresql":
         columns = {name: _array_literal([getattr(record, name) for record in records],
                                         int if name in _INT_COLUMNS else float)
                    for name in _STORED_COLUMNS}
-        return session.execute(_PG_INSERT, {"job_id": job_id, **columns}).scalar_one()
+        lock_job_metrics(session, job_id)  # before the insert draws its ids from the sequence
+        return [tuple(row) for row in session.execute(_PG_INSERT, {"job_id": job_id, **columns})]
     return _insert_new_sqlite(session, job_id, records)
 
 
-def _insert_new_sqlite(session: Session, job_id: str, records: list[MetricRecord]) -> int:
+def _insert_new_sqlite(session: Session, job_id: str, records: list[MetricRecord]) -> list[tuple[int, int, int]]:
     """The embedded database: small batches, so the portable form is fast enough; the roll-up
     is summed here from the rows the insert returned."""
     rows = [{**record.model_dump(exclude={"user"}), "job_id": job_id} for record in records]
@@ -115,7 +128,7 @@ def _insert_new_sqlite(session: Session, job_id: str, records: list[MetricRecord
         session.execute(upsert, [{"job_id": job_id, "attempt": attempt, "step": step, "part": part, **values,
                                   **{f"fsum_{name}": values[f"sum_{name}"] for name in _CHARTED}}
                                  for (attempt, step, part), values in sorted(parts.items())])
-    return len(new)
+    return [(row.attempt, row.rank, row.step) for row in new]
 
 
 def _greatest(a: Any, b: Any) -> Any:

@@ -5,6 +5,16 @@ with a conditional ``UPDATE … WHERE state = :current`` (so a concurrent cancel
 completion cannot both win; the loser re-reads and is judged against the new state) and
 writes the ``job_events`` row in the same transaction. Terminal states are final: they have
 no outgoing moves. Callers commit.
+
+[Note: events under the job's row lock]
+An event stream's cursor is the last event id it sent (service.api.sse), and PostgreSQL draws
+an id when the row is inserted, not when it commits. So every event is inserted while its
+transaction holds the job's row lock (a transition's or ``note_waiting``'s UPDATE, the
+``FOR NO KEY UPDATE`` of ``record_notice``; a new job's row is not yet visible to anyone):
+one job's event ids are drawn one transaction at a time, each after the previous one
+committed, and a stream never moves past an event still to commit. ``FOR NO KEY UPDATE``
+is the UPDATE's own lock mode, so it does not hold up inserts that merely reference the job
+(metric rows). Metric rows get the same order from an advisory lock (service.advisory_locks).
 """
 
 from __future__ import annotations
@@ -124,8 +134,10 @@ def record_notice(session: Session, job: Job, reason: str, message: str) -> JobE
     """Record something that happened to a job without changing it (a checkpoint that failed).
 
     The event has ``from_state == to_state``; the same notice for the same attempt is written
-    once, so a worker that retries its report adds nothing.
+    once, so a worker that retries its report adds nothing. The job's row is locked first, as a
+    transition's UPDATE does ([Note: events under the job's row lock]).
     """
+    session.execute(select(Job.id).where(Job.id == job.id).with_for_update(key_share=True))
     existing = session.execute(
         select(JobEvent).where(JobEvent.job_id == job.id, JobEvent.reason == reason,
                                JobEvent.attempt == job.attempt, JobEvent.message == message)

@@ -30,15 +30,14 @@ SQLAlchemy's ``Connection`` is not thread-safe); that would take several slot co
 with slots of its own. Opens reach this lock through the ``poll_threads`` limiter, so at most
 that many wait on it (docs/design.md, "Measurements"). Should that connection break, its slots
 are gone with it: the streams already open go on uncounted and the next open takes a new
-connection. The user key is 31 bits of the name's SHA-256: two users whose keys collide share
-one set of slots. Every open stream holds one lock in PostgreSQL's lock table
+connection. The user key is the name's ``service.advisory_locks.name_key``: two users whose keys
+collide share one set of slots. Every open stream holds one lock in PostgreSQL's lock table
 (``max_locks_per_transaction`` × ``max_connections`` entries in all, 6,400 by default): raise
 ``max_locks_per_transaction`` for more open streams than that.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 from collections.abc import Callable
@@ -47,6 +46,8 @@ import anyio
 from fastapi import HTTPException
 from sqlalchemy import Connection, Engine, TextClause, create_engine, text
 from sqlalchemy.pool import NullPool
+
+from service.advisory_locks import name_key
 
 log = logging.getLogger(__name__)
 
@@ -128,8 +129,8 @@ SELECT count(*) FROM pg_locks
 
 
 def user_key(user: str) -> int:
-    """The first lock key of ``user``'s slots (31 bits, so it reads the same as an int4 and an oid)."""
-    return int.from_bytes(hashlib.sha256(user.encode()).digest()[:4], "big") >> 1
+    """The first lock key of ``user``'s slots (service.advisory_locks: never a negative class)."""
+    return name_key(user)
 
 
 class SharedStreamSlots(StreamSlots):

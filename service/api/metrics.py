@@ -1,8 +1,9 @@
 """Training metrics: batched idempotent ingest from workers, queries, and a live SSE stream
 (``service.api.sse``).
 
-Ingest (``service.metric_ingest``) relies on the unique (job, attempt, rank, step) key, so a
-batch re-sent after a timeout is counted as duplicates and changes nothing. Queries can be
+Ingest (``service.ingest_turns``, ``service.metric_ingest``) relies on the unique (job,
+attempt, rank, step) key, so a batch re-sent after a timeout is counted as duplicates and
+changes nothing. Queries can be
 downsampled server-side (``max_points``): steps are cut into equal buckets and each bucket
 becomes one point per rank holding the mean of every metric (overflow-safe: ``service.metric_sql``).
 A record's ``user`` object (scalars the job's code reported) is stored and read back by
@@ -20,7 +21,7 @@ from fastapi.sse import ServerSentEvent
 from sqlalchemy import Select, func, select
 from sqlalchemy.orm import Session
 
-from service import chart_series, metric_ingest, user_metrics
+from service import chart_series, ingest_turns, user_metrics
 from service.api.deps import SessionDep, VisibleJob, WorkerJob
 from service.api.errors import error_responses, text_response
 from service.api.sse import (
@@ -54,9 +55,7 @@ router = APIRouter(prefix="/jobs", tags=["metrics"])
 def ingest_metrics(batch: MetricBatch, job: WorkerJob, request: Request, session: SessionDep) -> IngestResult:
     if not batch.records:
         return IngestResult(accepted=0, duplicates=0)
-    accepted = metric_ingest.insert_new(session, job.id, batch.records)
-    user_metrics.store(session, job.id, batch.records)
-    session.commit()
+    accepted = ingest_turns.store(session, job.id, batch.records)
     request.app.state.service_metrics.metric_points.inc(accepted)
     return IngestResult(accepted=accepted, duplicates=len(batch.records) - accepted)
 

@@ -1,6 +1,7 @@
 """Server-sent event streams of stored rows (metric records, job events) that survive drops.
 
-Every event's ``id:`` is its row's id; ids grow in storage order, so a client that reconnects
+Every event's ``id:`` is its row's id; a job's rows become visible in id order, also when
+written concurrently (service.advisory_locks, service.states), so a client that reconnects
 with ``Last-Event-ID`` (browsers' ``EventSource`` does by itself, so does the SDK) resumes right
 after the last event it received: no duplicate, no gap. FastAPI's ``EventSourceResponse`` writes
 the wire format; an idle stream (a QUEUED job, a quiet one) sends a ``: keep-alive`` comment every
