@@ -34,18 +34,17 @@ taken.
 from __future__ import annotations
 
 import contextlib
-import time
 from collections import deque
+from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 
 from contract.zero_math import SWAP_BUFFERS
 
 from . import optim_groups
-from .swap_io import AlignedBuffer, BlockIO, DirectFile, SwapFolder, aligned, finish
+from .swap_io import AlignedBuffer, BlockIO, DirectFile, SwapFolder, aligned
 
 BUFFERS = SWAP_BUFFERS  # one stepping, one being read ahead, one being written behind
 ENTRY_ALIGN = 64  # bytes: every state tensor in a file starts on a cache line
@@ -94,8 +93,6 @@ class OptimizerStateSwap:
         self.reading: dict[int, tuple[AlignedBuffer, list[Future]]] = {}
         self.writing: deque[tuple[AlignedBuffer, list[Future]]] = deque()
         self.bound: dict[int, AlignedBuffer | None] = {}
-        self.wait_s = 0.0
-        self._read_mark = self._write_mark = 0
 
     # -- one step ------------------------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -110,7 +107,7 @@ class OptimizerStateSwap:
         buffer = None
         if entry is not None:
             buffer, futures = entry
-            self._wait(futures)
+            self.io.wait(futures)
             self._bind(i, buffer)
         self.bound[i] = buffer
         self._prefetch(i + 1)
@@ -137,15 +134,12 @@ class OptimizerStateSwap:
         """Wait for every write: the files hold the step's state when ``step()`` returns."""
         while self.writing:
             buffer, futures = self.writing.popleft()
-            self._wait(futures)
+            self.io.wait(futures)
             self.pool.append(buffer)
 
     def step_io(self) -> dict[str, float]:
-        """Bytes read and written and the seconds waited on I/O since the last call."""
-        out = {"io_read_bytes": self.io.bytes_read - self._read_mark,
-               "io_write_bytes": self.io.bytes_written - self._write_mark, "io_wait_s": self.wait_s}
-        self._read_mark, self._write_mark, self.wait_s = self.io.bytes_read, self.io.bytes_written, 0.0
-        return out
+        """Bytes read and written and the seconds waited on them since the last call."""
+        return self.io.step_io()
 
     # -- outside a step ------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -156,7 +150,7 @@ class OptimizerStateSwap:
         for i, entries in enumerate(self.layouts):
             if entries is not None:
                 buffer = AlignedBuffer(self.sizes[i])  # its own memory: a reader may keep the tensors
-                self._wait(self.io.read(self.files[i], buffer, self.sizes[i]))
+                self.io.wait(self.io.read(self.files[i], buffer, self.sizes[i]))
                 self._bind(i, buffer)
         try:
             yield
@@ -182,7 +176,7 @@ class OptimizerStateSwap:
         try:
             self.end_step()
             for _buffer, futures in self.reading.values():
-                self._wait(futures)
+                self.io.wait(futures)
         finally:
             self.reading.clear()
             self.io.close()
@@ -207,7 +201,7 @@ class OptimizerStateSwap:
             if len(self.reading) + len(self.writing) + sum(b is not None for b in self.bound.values()) < BUFFERS:
                 return AlignedBuffer(self.capacity)
             buffer, futures = self.writing.popleft()
-            self._wait(futures)
+            self.io.wait(futures)
             if buffer.nbytes >= self.capacity:
                 self.pool.append(buffer)
         buffer = self.pool.pop()
@@ -245,10 +239,6 @@ class OptimizerStateSwap:
         for e in self.layouts[i] or ():
             self.optimizer.state[views[e.piece]][e.key] = torch.empty(0, dtype=e.dtype)
 
-    def _wait(self, futures: list[Future]) -> None:
-        start = time.perf_counter()
-        finish(futures)
-        self.wait_s += time.perf_counter() - start
 
 
 def swap_files(optimizer: torch.optim.Optimizer, buckets: list[list[torch.Tensor]], device: torch.device,

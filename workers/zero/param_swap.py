@@ -26,15 +26,14 @@ copies it (``holds_masters``).
 from __future__ import annotations
 
 import contextlib
-import time
 from collections import deque
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
-from typing import Iterable, Iterator, Optional
 
 import torch
 
 from .buckets import FlatBucket
-from .swap_io import AlignedBuffer, BlockIO, DirectFile, SwapFolder, aligned, finish
+from .swap_io import AlignedBuffer, BlockIO, DirectFile, SwapFolder, aligned
 
 
 class ParamShardSwap:
@@ -53,8 +52,6 @@ class ParamShardSwap:
         self.reading: dict[int, tuple[AlignedBuffer, list[Future]]] = {}
         self.loaded: dict[int, AlignedBuffer] = {}  # read, for a gather in flight or for a step
         self.writing: deque[tuple[int, AlignedBuffer, list[Future]]] = deque()
-        self.wait_s = 0.0
-        self._read_mark = self._write_mark = 0
 
     @property
     def holds_masters(self) -> bool:
@@ -89,7 +86,7 @@ class ParamShardSwap:
         if i not in self.loaded:
             self._start_read(i)
             buffer, futures = self.reading.pop(i)
-            self._wait(futures)
+            self.io.wait(futures)
             self.loaded[i] = buffer
         return self._view(i, self.loaded[i])
 
@@ -139,15 +136,12 @@ class ParamShardSwap:
         """Wait for every write: the files hold the step's parameters."""
         while self.writing:
             _, buffer, futures = self.writing.popleft()
-            self._wait(futures)
+            self.io.wait(futures)
             self.pool.append(buffer)
 
     def step_io(self) -> dict[str, float]:
         """Bytes read and written and the seconds waited on them since the last call."""
-        out = {"io_read_bytes": self.io.bytes_read - self._read_mark,
-               "io_write_bytes": self.io.bytes_written - self._write_mark, "io_wait_s": self.wait_s}
-        self._read_mark, self._write_mark, self.wait_s = self.io.bytes_read, self.io.bytes_written, 0.0
-        return out
+        return self.io.step_io()
 
     # -- outside a step --------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -198,7 +192,7 @@ class ParamShardSwap:
         """A free buffer: from the pool, else the oldest write's once it finished, else a new one."""
         while not self.pool and self.writing:
             _, buffer, futures = self.writing.popleft()
-            self._wait(futures)
+            self.io.wait(futures)
             self.pool.append(buffer)
         return self.pool.pop() if self.pool else AlignedBuffer(self.capacity)
 
@@ -211,7 +205,7 @@ class ParamShardSwap:
 
     def _drop_read(self, i: int) -> None:
         buffer, futures = self.reading.pop(i)
-        self._wait(futures)
+        self.io.wait(futures)
         self.pool.append(buffer)
 
     def _write(self, i: int, buffer: AlignedBuffer) -> None:
@@ -224,11 +218,7 @@ class ParamShardSwap:
         """No transfer of unit ``i``'s file may overlap a write of it."""
         for entry in [e for e in self.writing if e[0] == i]:
             self.writing.remove(entry)
-            self._wait(entry[2])
+            self.io.wait(entry[2])
             self.pool.append(entry[1])
 
-    def _wait(self, futures: list[Future]) -> None:
-        start = time.perf_counter()
-        finish(futures)
-        self.wait_s += time.perf_counter() - start
 

@@ -29,6 +29,7 @@ import logging
 import mmap
 import os
 import shutil
+import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
@@ -173,6 +174,21 @@ class BlockIO:
         self.block_bytes = block_bytes
         self.pool = ThreadPoolExecutor(queue_depth, thread_name_prefix="zerotrain-swap")
         self.bytes_read = self.bytes_written = 0
+        self.wait_s = 0.0  # seconds a caller waited in ``wait`` since the last ``step_io``
+        self._read_mark = self._write_mark = 0
+
+    def wait(self, futures: list[Future]) -> None:
+        """``finish(futures)``, the time it took counted as waited (exposed I/O)."""
+        start = time.perf_counter()
+        finish(futures)
+        self.wait_s += time.perf_counter() - start
+
+    def step_io(self) -> dict[str, float]:
+        """Bytes read and written and the seconds waited on them since the last call."""
+        out = {"io_read_bytes": self.bytes_read - self._read_mark,
+               "io_write_bytes": self.bytes_written - self._write_mark, "io_wait_s": self.wait_s}
+        self._read_mark, self._write_mark, self.wait_s = self.bytes_read, self.bytes_written, 0.0
+        return out
 
     def read(self, file: DirectFile, buffer: AlignedBuffer, nbytes: int) -> list[Future]:
         """Start reading the first ``aligned(nbytes)`` bytes of ``file`` into ``buffer``."""
