@@ -567,3 +567,39 @@ def test_nvme_offload_is_priced_as_the_engine_holds_it(stage, precision, tmp_pat
     slack = 4096 * len(buckets)  # each file's state entries start on 64 bytes; the planner rounds files only
     assert abs(measured["disk"] - nvme.disk_bytes) <= slack
     assert abs(measured["optimizer"] - nvme.gpu["optimizer"]) <= 3 * 4096 + 64 * 2 * len(list(model.parameters()))
+
+
+@pytest.mark.parametrize("precision, optimizer, prefetch", [("fp32", False, 1), ("bf16", False, 1),
+                                                           ("fp32", "nvme", 2), ("bf16", "nvme", 0)])
+def test_nvme_parameter_offload_is_priced_as_the_engine_holds_it(precision, optimizer, prefetch, tmp_path):
+    """``offload_params="nvme"`` (stage 3): every unit's shard in a page-rounded file on disk and, in
+    memory, the parameter swap's buffer pool instead of the shards (``param_swap.py``); the
+    optimizer's terms are what they are without it."""
+    torch.manual_seed(0)
+    model = GPT(PRESETS["gpt-nano"])
+    shape = model_shape(model)
+    config = ZeroConfig(stage=3, precision=precision, bucket_mb=0.25, prefetch=prefetch, offload_params="nvme",
+                        offload_optimizer=optimizer, nvme_path=str(tmp_path / "swap"))
+    engine = ZeroEngine(model, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), config=config)
+    try:
+        for _ in range(3):
+            x = torch.randint(0, 256, (2, 32))
+            engine.backward(engine(x, x))
+            engine.step()
+        measured = engine.memory()
+        units = len(engine.buckets)
+    finally:
+        engine.close()
+    inputs = PlanInputs(shape=shape, n_ranks=1, precision=precision, bucket_mb=0.25, prefetch=prefetch,
+                        device="cpu", offload_params="nvme")
+    offload = "nvme" if optimizer else False
+    swapped, in_memory = predict(inputs, 3, offload), predict(replace(inputs, offload_params=None), 3, offload)
+    assert swapped.offload_params == "nvme" and in_memory.offload_params is None
+    slack = 4096 * units  # a page per unit (the optimizer's files: their entries start on 64 bytes)
+    assert abs(measured["params"] - swapped.gpu["params"]) <= slack
+    assert abs(measured["disk"] - swapped.disk_bytes) <= slack
+    assert swapped.gpu["params"] < in_memory.gpu["params"]
+    assert swapped.disk_bytes > in_memory.disk_bytes
+    assert swapped.gpu["optimizer"] == in_memory.gpu["optimizer"]
+    # the planner's other stages have no parameter shard to swap: priced as in memory
+    assert predict(inputs, 2, offload).to_dict() == predict(replace(inputs, offload_params=None), 2, offload).to_dict()

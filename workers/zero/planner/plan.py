@@ -40,6 +40,7 @@ from contract.zero_math import (
     comm_elements,
     low_precision_bytes,
     model_state_bytes,
+    precision_traits,
     shard_numel,
     stage_traits,
     swap_bytes,
@@ -50,6 +51,7 @@ from .buffers import (
     backward_buffer_bytes,
     gathered_unit_bytes,
     kept_unit_elements,
+    param_swap_bytes,
     stage2_tail_bytes,
     step_buffer_bytes,
 )
@@ -76,6 +78,7 @@ class StagePrediction:
     peak: dict[str, Any]  # the job's parts (peak.summarize): bytes per part, the worst part, host peaks
     comm_elements: int
     comm_bytes: int
+    offload_params: str | None = None  # stage 3: "cpu" (as in memory on a CPU rank) or "nvme" (swap files)
     #: of comm_elements: inside a shard group / across groups (hybrid sharding; 0 without it)
     comm_intra_elements: int = 0
     comm_inter_elements: int = 0
@@ -83,7 +86,7 @@ class StagePrediction:
     efficiency: float | None = None
     bandwidth_needed_bytes_per_s: float | None = None
     fits: bool | None = None
-    disk_bytes: int = 0  # "nvme": the optimizer state's swap files
+    disk_bytes: int = 0  # the swap files: the optimizer state's ("nvme" offload), the parameters' (offload_params)
     disk_time_s: float | None = None  # "nvme": reading and writing them once per step (step_time.py)
     compute_time_s: float | None = None  # calibrated: flops_per_step / the measured matmul rate
     optimizer_time_s: float | None = None  # calibrated: the elements this rank steps / the measured AdamW rate
@@ -123,6 +126,7 @@ class PlanInputs:
     shard_group_size: int | None = ZERO_DEFAULTS["shard_group_size"]  # hybrid: states sharded over G ranks
     quantized_weights: bool = ZERO_DEFAULTS["quantized_weights"]  # ZeRO++ qwZ (stage 3): int8 gathers
     quantized_gradients: bool = ZERO_DEFAULTS["quantized_gradients"]  # ZeRO++ qgZ (stage 3): int4 reduce
+    offload_params: str | None = ZERO_DEFAULTS["offload_params"]  # stage 3: None, "cpu" or "nvme"
     optimizer_states: int = 2  # fp32 optimizer state tensors per parameter (Adam: m, v)
     deferred_init: bool = True  # built on the meta device, one bucket at a time; False: eagerly, in fp32
     checkpoint: str = "none"  # peak.CHECKPOINTS: "none", "at_end", "periodic"
@@ -148,6 +152,7 @@ class PlanInputs:
             "precision": self.precision,
             "bucket_mb": self.bucket_mb,
             "prefetch": self.prefetch,
+            "offload_params": self.offload_params,
             "activation_bytes": self.activation_bytes,
             "activation_bytes_stage0": self.activation_bytes_stage0,
             "activation_bytes_stage2": self.activation_bytes_stage2,
@@ -197,6 +202,13 @@ def predict(inputs: PlanInputs, stage: int, offload: bool | str = False) -> Stag
         states = replace(states, gpu_optimizer=states.gpu_optimizer - 4 * inputs.optimizer_states
                          * shard_numel(phi_padded, traits.shard_world(n)) + pool)
         offload = "nvme"
+    params_in_files, masters_in_files = 0, False
+    if inputs.offload_params == "nvme" and traits.shards_parameters:  # the shards in swap files, a pool in memory
+        masters_in_files = not host_offload and not precision_traits(precision).master_bytes
+        param_disk, param_pool = param_swap_bytes(buckets, n, precision, inputs.prefetch, masters_in_files)
+        params_in_files = states.gpu_params
+        disk += param_disk
+        states = replace(states, gpu_params=param_pool)
     states = replace(states, gpu_params=states.gpu_params + shape.frozen * low_precision_bytes(precision))
     activations = inputs.activation_bytes or 0
     backward = activations + backward_buffer_bytes(
@@ -231,7 +243,8 @@ def predict(inputs: PlanInputs, stage: int, offload: bool | str = False) -> Stag
         largest_param=largest_param, optimizer_states=inputs.optimizer_states,
         forward_bytes=forward, backward_bytes=backward_transient, deferred_init=inputs.deferred_init,
         checkpoint=inputs.checkpoint, resume=inputs.resume, per_bucket_step=inputs.per_bucket_step,
-        accumulation_steps=inputs.accumulation_steps,
+        accumulation_steps=inputs.accumulation_steps, params_in_files=params_in_files,
+        masters_in_files=masters_in_files,
     ))
     step = step_buffer_bytes(stage, precision, buckets, n, inputs.device, host_offload, largest_param,
                              inputs.optimizer_states, inputs.per_bucket_step)
@@ -277,6 +290,7 @@ def predict(inputs: PlanInputs, stage: int, offload: bool | str = False) -> Stag
                               quantized_gradients=inputs.quantized_gradients),
         comm_intra_elements=intra,
         comm_inter_elements=inter,
+        offload_params=inputs.offload_params if traits.shards_parameters else None,
         disk_bytes=disk,
     )
     add_calibrated_time(prediction, inputs, inputs.calibration, n) if inputs.calibration is not None \
