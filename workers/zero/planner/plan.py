@@ -349,6 +349,7 @@ class Plan:
         return {
             "stage": self.stage,
             "offload_optimizer": self.offload,
+            "offload_params": self.chosen.offload_params,
             "reason": self.reason,
             "budget_bytes": self.budget_bytes,
             "host_budget_bytes": self.host_budget_bytes,
@@ -402,7 +403,7 @@ def choose_plan(
                     reason=f"no memory budget known: stage {lowest}, the least communication{note}")
     for c in candidates:
         if c.fits:
-            what = f"stage {c.stage}" + (" with optimizer offload" if c.offload else "")
+            what = f"stage {c.stage}{_offload_words(c.offload, c.offload_params)}"
             reason = (
                 f"{what} is the lowest that fits: {c.total / GB:.2f} GB per rank <= "
                 f"{limit / GB:.2f} GB ({1 - margin:.0%} of {budget_bytes / GB:.2f} GB)"
@@ -447,8 +448,10 @@ def plan_for_count(
     prefetch: int = DEFAULT_PREFETCH,
     activation_bytes: int | None = None,
     units: int = DEFAULT_UNITS,
+    offload_params: str | None = None,
 ) -> Plan:
-    """The whiteboard question: Φ parameters on ``gpus`` GPUs, activations given or left out."""
+    """The whiteboard question: Φ parameters on ``gpus`` GPUs, activations given or left out;
+    ``offload_params`` limits it to stage 3, the only stage that shards the parameters."""
     inputs = PlanInputs(
         shape=ModelShape.from_count(params, units),
         n_ranks=gpus,
@@ -461,12 +464,15 @@ def plan_for_count(
         disk_bytes_per_s=disk_bytes_per_s,
         compute_s=compute_s,
         target_efficiency=target_efficiency,
+        offload_params=offload_params,
     )
-    return choose_plan(inputs, gpu_memory_bytes, margin, host_budget_bytes=host_memory_bytes)
+    return choose_plan(inputs, gpu_memory_bytes, margin, host_budget_bytes=host_memory_bytes,
+                       stages=(3,) if offload_params else STAGES)
 
 
-def _offload_words(offload: bool | str) -> str:
-    return " with the optimizer state on NVMe" if offload == "nvme" else " with optimizer offload" if offload else ""
+def _offload_words(offload: bool | str, params: str | None = None) -> str:
+    optimizer = " with the optimizer state on NVMe" if offload == "nvme" else " with optimizer offload" if offload else ""
+    return optimizer + (" with the parameters on NVMe" if params == "nvme" else "")
 
 
 def fixed_plan(inputs: PlanInputs, stage: int, offload: bool | str, budget_bytes: int | None,
@@ -481,7 +487,8 @@ def fixed_plan(inputs: PlanInputs, stage: int, offload: bool | str, budget_bytes
     return Plan(
         stage=stage,
         offload=offload,
-        reason=f"stage {stage}{_offload_words(offload)} fixed by the job spec",
+        reason=f"stage {stage}{_offload_words(offload, inputs.offload_params if stage == 3 else None)} "
+               "fixed by the job spec",
         budget_bytes=budget_bytes,
         host_budget_bytes=None,
         margin=margin,
