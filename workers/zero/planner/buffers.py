@@ -124,6 +124,13 @@ def param_swap_bytes(units: Sequence[int], n_ranks: int, precision: str, prefetc
     return sum(files), pool_buffers(prefetch, masters_in_files) * max(files, default=0)
 
 
+def param_swap_reads(files: int, masters_in_files: bool, accumulation_steps: int, backward_share: float) -> int:
+    """Bytes one step reads of stage 3's parameter files (``files``: their bytes): every micro-step's
+    forward reads every unit's file and its backward the ``backward_share`` it gathers again; in
+    fp32 (``masters_in_files``) the step reads each master once more."""
+    return int(files * (accumulation_steps * (1 + backward_share) + masters_in_files))
+
+
 def kept_unit_elements(root_numel: int, block_numels: Sequence[int], root_bucket: int, block_buckets: Sequence[int],
                        precision: str, reshard_after_forward=ZERO_DEFAULTS["reshard_after_forward"],
                        keep_gathered_bytes: int = ZERO_DEFAULTS["keep_gathered_bytes"]) -> tuple[int, int]:

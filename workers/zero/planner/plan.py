@@ -51,7 +51,7 @@ from .buffers import (
     backward_buffer_bytes,
     gathered_unit_bytes,
     kept_unit_elements,
-    param_swap_bytes,
+    param_swap_bytes, param_swap_reads,
     stage2_tail_bytes,
     step_buffer_bytes,
 )
@@ -87,7 +87,9 @@ class StagePrediction:
     bandwidth_needed_bytes_per_s: float | None = None
     fits: bool | None = None
     disk_bytes: int = 0  # the swap files: the optimizer state's ("nvme" offload), the parameters' (offload_params)
-    disk_time_s: float | None = None  # "nvme": reading and writing them once per step (step_time.py)
+    disk_read_bytes: int = 0  # of them per step (step_time.py, the note on the disk traffic)
+    disk_write_bytes: int = 0
+    disk_time_s: float | None = None  # reading and writing them in a step (step_time.py)
     compute_time_s: float | None = None  # calibrated: flops_per_step / the measured matmul rate
     optimizer_time_s: float | None = None  # calibrated: the elements this rank steps / the measured AdamW rate
     step_time_s: float | None = None  # compute + communication (+ optimizer) + disk, none overlapped
@@ -202,12 +204,11 @@ def predict(inputs: PlanInputs, stage: int, offload: bool | str = False) -> Stag
         states = replace(states, gpu_optimizer=states.gpu_optimizer - 4 * inputs.optimizer_states
                          * shard_numel(phi_padded, traits.shard_world(n)) + pool)
         offload = "nvme"
-    params_in_files, masters_in_files = 0, False
+    params_in_files, masters_in_files, param_disk = 0, False, 0
     if inputs.offload_params == "nvme" and traits.shards_parameters:  # the shards in swap files, a pool in memory
         masters_in_files = not host_offload and not precision_traits(precision).master_bytes
         param_disk, param_pool = param_swap_bytes(buckets, n, precision, inputs.prefetch, masters_in_files)
-        params_in_files = states.gpu_params
-        disk += param_disk
+        params_in_files, disk = states.gpu_params, disk + param_disk
         states = replace(states, gpu_params=param_pool)
     states = replace(states, gpu_params=states.gpu_params + shape.frozen * low_precision_bytes(precision))
     activations = inputs.activation_bytes or 0
@@ -291,7 +292,8 @@ def predict(inputs: PlanInputs, stage: int, offload: bool | str = False) -> Stag
         comm_intra_elements=intra,
         comm_inter_elements=inter,
         offload_params=inputs.offload_params if traits.shards_parameters else None,
-        disk_bytes=disk,
+        disk_bytes=disk, disk_write_bytes=disk, disk_read_bytes=disk - param_disk + param_swap_reads(
+            param_disk, masters_in_files, inputs.accumulation_steps, 1 - kept_elements / max(shape.phi, 1)),
     )
     add_calibrated_time(prediction, inputs, inputs.calibration, n) if inputs.calibration is not None \
         else add_time_model(prediction, inputs)
