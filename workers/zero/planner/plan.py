@@ -51,7 +51,8 @@ from .buffers import (
     backward_buffer_bytes,
     gathered_unit_bytes,
     kept_unit_elements,
-    param_swap_bytes, param_swap_reads,
+    param_swap_bytes,
+    param_swap_reads,
     stage2_tail_bytes,
     step_buffer_bytes,
 )
@@ -198,13 +199,12 @@ def predict(inputs: PlanInputs, stage: int, offload: bool | str = False) -> Stag
     host_offload = bool(offload) and not nvme  # the master and state in host memory (offload.py)
     states = model_state_bytes(shape.phi, n, precision, stage, False if nvme else offload, phi_padded,
                                inputs.optimizer_states)
-    disk = 0
+    disk, param_disk, params_in_files, masters_in_files = 0, 0, 0, False  # swap files (params: stage 3)
     if nvme:  # the state in swap files; three buffers of the largest bucket's state in memory
         disk, pool = swap_bytes(buckets, traits.shard_world(n), inputs.optimizer_states)
         states = replace(states, gpu_optimizer=states.gpu_optimizer - 4 * inputs.optimizer_states
                          * shard_numel(phi_padded, traits.shard_world(n)) + pool)
         offload = "nvme"
-    params_in_files, masters_in_files, param_disk = 0, False, 0
     if inputs.offload_params == "nvme" and traits.shards_parameters:  # the shards in swap files, a pool in memory
         masters_in_files = not host_offload and not precision_traits(precision).master_bytes
         param_disk, param_pool = param_swap_bytes(buckets, n, precision, inputs.prefetch, masters_in_files)
