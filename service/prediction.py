@@ -93,7 +93,8 @@ def plan_for_question(question: Any, spec: dict[str, Any] | None = None, allow_f
     ``target_efficiency``. With a ``spec`` (a whole job spec or the part of one a plan needs,
     ``question_spec``) the model comes from it (``plan_for_spec``); without,
     from a bare count: ``params``, ``gpus``, ``precision`` (None: ``DEFAULT_PRECISION``, as a job's), ``bucket_mb``,
-    ``prefetch``, ``activation_gb``, ``units`` (``plan_for_count``).
+    ``prefetch``, ``activation_gb``, ``units``, ``offload_params`` (``plan_for_count``; a spec
+    question carries the last in its ``zero`` block).
     """
     from workers.planning import plan_for_spec
     from workers.zero.planner import plan_for_count
@@ -117,6 +118,7 @@ def plan_for_question(question: Any, spec: dict[str, Any] | None = None, allow_f
         prefetch=question.prefetch,
         activation_bytes=gb_to_bytes(question.activation_gb),
         units=question.units,
+        offload_params=question.offload_params,
         **common,
     )
 

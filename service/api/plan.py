@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
+from contract.spec import OffloadParams
 from contract.zero_math import (DEFAULT_BUCKET_MB, DEFAULT_DISK_GBPS, DEFAULT_PRECISION, DEFAULT_PREFETCH,
                                 DEFAULT_TARGET_EFFICIENCY, PRECISIONS)
 from service.api.deps import current_user, get_settings
@@ -45,6 +46,9 @@ class PlanRequest(BaseModel):
     )
     activation_gb: float | None = Field(default=None, ge=0, le=1e6, description="activations per rank, GB (with params)")
     units: int = Field(default=32, ge=1, le=10_000, description="stage-3 units assumed for a bare count")
+    offload_params: OffloadParams = Field(default=None, description=(
+        "stage 3's parameter shards: null (in memory), \"cpu\" or \"nvme\" (swap files: on disk, a buffer pool "
+        "in memory); default: zero.offload_params of the spec"))
     # a job spec (or its relevant part)
     model: dict[str, Any] | None = None
     data: dict[str, Any] | None = None
@@ -77,6 +81,7 @@ class PlanResponse(BaseModel):
 
     stage: int
     offload_optimizer: bool | Literal["nvme"]  # True: host memory; "nvme": swap files (zero.nvme_path)
+    offload_params: OffloadParams = None  # stage 3: "nvme" prices the shards as swap files (disk_bytes)
     reason: str
     budget_bytes: int | None
     host_budget_bytes: int | None
@@ -109,6 +114,8 @@ def plan_from_request(req: PlanRequest) -> "Any":
         zero = dict(req.zero or {})
         if req.precision:
             zero["precision"] = req.precision
+        if req.offload_params:
+            zero["offload_params"] = req.offload_params
         spec = {"model": req.model, "data": req.data, "train": req.train, "zero": zero, "resources": req.resources}
     return plan_for_question(req, spec, allow_factories=False)
 

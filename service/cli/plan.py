@@ -7,7 +7,9 @@
 One row per candidate (stages 0–3, then 1–3 with the optimizer offloaded): GB per GPU by term,
 host GB under offload, communication per step, and with a bandwidth and a compute time the
 efficiency and the bandwidth a target efficiency needs; with ``--nvme-path`` the optimizer
-state is priced in swap files and a step's disk time is added (``planner/step_time.py``). A
+state is priced in swap files and a step's disk time is added (``planner/step_time.py``);
+with ``--offload-params nvme`` stage 3's parameter shards too (label "+nvme params"). Swap
+files' bytes per rank are the "disk" column. A
 second table splits each candidate's peak by the part of the job it happens in (model and
 engine construction, forward and backward pass, optimizer step, checkpoint copy and loading)
 and says which part is the worst; below it, one sentence says where the chosen plan's peak
@@ -53,6 +55,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                              f"(default {DEFAULT_DISK_GBPS:g})")
     parser.add_argument("--nvme-path", help="with --preset: the optimizer state in swap files under this "
                                             "absolute folder (offload_optimizer 'nvme'); adds the disk time")
+    parser.add_argument("--offload-params", choices=("cpu", "nvme"),
+                        help="stage 3's parameter shards: 'nvme' prices them in swap files (on disk, a buffer "
+                             "pool in memory; with --preset it needs --nvme-path); plans stage 3 only")
     parser.add_argument("--compute-s", type=float, help="compute time of one step, seconds")
     parser.add_argument("--target-efficiency", type=float, default=DEFAULT_TARGET_EFFICIENCY)
     parser.add_argument("--seq-len", type=int, help="with --preset: tokens per sample (default: its context)")
@@ -96,7 +101,8 @@ def _plan(args: argparse.Namespace) -> Any:
             "train": {"micro_batch_size": args.micro_batch},
             "zero": {"stage": "auto", "precision": args.precision, "bucket_mb": args.bucket_mb,
                      "prefetch": args.prefetch,
-                     **({"offload_optimizer": "nvme", "nvme_path": args.nvme_path} if args.nvme_path else {})},
+                     **({"offload_optimizer": "nvme", "nvme_path": args.nvme_path} if args.nvme_path else {}),
+                     **({"offload_params": args.offload_params} if args.offload_params else {})},
             "resources": {"num_workers": args.gpus, "gpus_per_worker": 1},
         }
     return plan_for_question(args, spec)
@@ -136,17 +142,21 @@ def plan_table(plan: dict[str, Any], chosen: tuple[int, bool] | None, target_eff
     timed = [k for k, name in (("disk_time_s", "disk s"), ("step_time_s", "step s"))
              if any(c.get(k) is not None for c in plan["candidates"])]  # NVMe I/O, a given compute time
     columns[-1:-1] = [{"disk_time_s": "disk s", "step_time_s": "step s"}[k] for k in timed]
+    on_disk = any(c.get("disk_bytes") for c in plan["candidates"])  # swap files: their GB per rank
+    if on_disk:
+        columns.insert(columns.index("host") + 1, "disk")
     for name in columns:
         table.add_column(name, justify="left" if name == "stage" else "right")
     for c in plan["candidates"]:
         gpu = c["gpu"]
-        label = f"{c['stage']}" + (" +nvme" if c["offload"] == "nvme" else " +offload" if c["offload"] else "")
+        label = _label(c, nvme=True)
         is_chosen = chosen == (c["stage"], c["offload"])
         table.add_row(
             ("→ " if is_chosen else "  ") + label,
             *(_fmt_gb(gpu[k]) for k in ("params", "grads", "optimizer", "buffers", "gathered_units",
                                         "activations", "reserve", "total")),
             _fmt_gb(c["cpu"]["total"]) if c["offload"] else "",
+            *([_fmt_gb(c.get("disk_bytes", 0))] if on_disk else []),
             _fmt_gb(c["comm_bytes"]),
             "" if c["comm_time_s"] is None else f"{c['comm_time_s']:.3g}",
             "" if c["efficiency"] is None else f"{c['efficiency']:.0%}",
@@ -176,7 +186,7 @@ def peak_table(plan: dict[str, Any], chosen: tuple[int, bool] | None) -> Any:
         peak = c.get("peak") or {}
         is_chosen = chosen == (c["stage"], c["offload"])
         table.add_row(
-            ("→ " if is_chosen else "  ") + f"{c['stage']}" + (" +offload" if c["offload"] else ""),
+            ("→ " if is_chosen else "  ") + _label(c, nvme=False),
             *(_fmt_gb(peak["parts"][p]) if p in peak.get("parts", {}) else "" for p in parts),
             PEAK_PARTS.get(peak.get("part"), ""), _fmt_gb(peak.get("bytes", 0)), _fmt_gb(c["gpu"]["total"]),
             _fmt_gb(c["cpu"].get("peak", c["cpu"]["total"])),
@@ -193,6 +203,13 @@ def peak_sentence(candidate: dict[str, Any]) -> str:
     others = ", ".join(f"{PEAK_PARTS[p]} {_fmt_gb(v)}" for p, v in peak["parts"].items() if p != peak["part"])
     return (f"peak: {_fmt_gb(peak['bytes'])} GB per GPU, reached in the {PEAK_PARTS[peak['part']]} "
             f"(the other parts, GB: {others}); with the allocator's reserve {_fmt_gb(candidate['gpu']['total'])} GB")
+
+
+def _label(candidate: dict[str, Any], nvme: bool) -> str:
+    """A candidate's row label: its stage, where its optimizer state is, and its parameters on NVMe."""
+    offload = candidate["offload"]
+    where = (" +nvme" if nvme and offload == "nvme" else " +offload") if offload else ""
+    return f"{candidate['stage']}{where}" + (" +nvme params" if candidate.get("offload_params") == "nvme" else "")
 
 
 def _fmt_gb(value: float) -> str:

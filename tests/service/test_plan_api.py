@@ -215,3 +215,49 @@ def test_cli_plan_shows_the_disk_time_with_an_nvme_path(capsys):
                  "--disk-gbps", "8", "--compute-s", "0.5", "--bandwidth-gbps", "100"]) == 0
     out = capsys.readouterr().out
     assert "+nvme" in out and "disk s" in out and "step s" in out
+
+
+NVME_PARAMS = {"model": {"preset": "gpt-nano"}, "data": {"seq_len": 64}, "train": {"micro_batch_size": 2},
+               "resources": {"num_workers": 2, "gpus_per_worker": 1}}
+
+
+def test_parameters_on_nvme_are_priced_on_disk_with_the_pool_in_memory(client):
+    zero = {"stage": 3, "precision": "bf16", "nvme_path": "/mnt/nvme"}
+    status, swapped = post(client, {**NVME_PARAMS, "zero": {**zero, "offload_params": "nvme"}})
+    assert status == 200, swapped
+    status, in_memory = post(client, {**NVME_PARAMS, "zero": {**zero, "offload_optimizer": "nvme"}})
+    assert status == 200, in_memory
+    assert swapped["offload_params"] == swapped["chosen"]["offload_params"] == "nvme"
+    assert in_memory["offload_params"] is None and "parameters on NVMe" in swapped["reason"]
+    params = swapped["chosen"]["gpu"]["params"]
+    assert 0 < params < in_memory["chosen"]["gpu"]["params"]  # the pool, not the shard
+    assert swapped["chosen"]["disk_bytes"] >= in_memory["chosen"]["gpu"]["params"]  # every unit's shard, page-rounded
+    # the question's own field says the same as the spec's zero block
+    status, asked = post(client, {**NVME_PARAMS, "zero": zero, "offload_params": "nvme"})
+    assert status == 200 and asked["chosen"] == swapped["chosen"]
+
+
+def test_a_bare_count_with_parameters_on_nvme_is_stage_3(client):
+    status, plan = post(client, {"params": 1e9, "gpus": 8, "gpu_mem_gb": 80, "offload_params": "nvme"})
+    assert status == 200, plan
+    assert (plan["stage"], plan["offload_params"]) == (3, "nvme")
+    assert {c["stage"] for c in plan["candidates"]} == {3}
+    assert all(c["offload_params"] == "nvme" and c["disk_bytes"] >= 2e9 / 8 for c in plan["candidates"])
+    status, body = post(client, {"params": 1e9, "offload_params": "disk"})
+    assert status == 422 and "offload_params" in str(body)
+
+
+def test_cli_plan_shows_parameters_on_nvme_as_the_api_does(client, capsys):
+    import json
+
+    argv = ["plan", "--preset", "gpt-nano", "--gpus", "2", "--seq-len", "64", "--micro-batch", "2",
+            "--precision", "bf16", "--offload-params", "nvme", "--nvme-path", "/mnt/nvme"]
+    assert _cli(argv + ["--json"]) == 0
+    from_cli = json.loads(capsys.readouterr().out)
+    status, from_api = post(client, {**NVME_PARAMS, "zero": {"precision": "bf16", "offload_optimizer": "nvme",
+                                                             "offload_params": "nvme", "nvme_path": "/mnt/nvme"}})
+    assert status == 200, from_api
+    assert from_cli["chosen"] == from_api["chosen"] and from_cli["offload_params"] == "nvme"
+    assert _cli(argv) == 0
+    out = capsys.readouterr().out
+    assert "3 +nvme +nvme params" in out and " disk " in out

@@ -25,6 +25,19 @@ from .stage3_units import Unit, UnitState
 READ_AHEAD = 1  # units read from disk beyond the prefetched gathers
 
 
+def pool_buffers(prefetch: int, masters_in_files: bool) -> int:
+    """The buffers the parameter swap's pool grows to (``ParamShardSwap._take`` maps a new one only
+    when none is free and no write can be waited for), each as large as the largest unit's shard:
+    what the planner prices in memory.
+
+    A unit's buffer goes back to the pool once its gather was waited, so forward and backward
+    hold the ``prefetch`` gathers in flight plus ``READ_AHEAD`` reads; after a step the next
+    forward's first ``1 + prefetch`` units are read ahead (``publish_params``); a step over fp32
+    masters in the files reads two ahead (``begin_step``), then reuses what its writes free.
+    """
+    return max(prefetch + READ_AHEAD, 1 + prefetch, 2 if masters_in_files else 1)
+
+
 class SwappedParamShardStrategy(ParamShardStrategy):
     """Stage 3 whose units' shards are read from swap files for their gathers."""
 

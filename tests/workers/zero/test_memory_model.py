@@ -567,3 +567,47 @@ def test_nvme_offload_is_priced_as_the_engine_holds_it(stage, precision, tmp_pat
     slack = 4096 * len(buckets)  # each file's state entries start on 64 bytes; the planner rounds files only
     assert abs(measured["disk"] - nvme.disk_bytes) <= slack
     assert abs(measured["optimizer"] - nvme.gpu["optimizer"]) <= 3 * 4096 + 64 * 2 * len(list(model.parameters()))
+
+
+@pytest.mark.parametrize("precision, optimizer, prefetch, micro, reshard", [
+    ("fp32", False, 1, 1, True), ("bf16", False, 1, 1, True), ("fp32", "nvme", 2, 2, True),
+    ("bf16", "nvme", 0, 1, False)])
+def test_nvme_parameter_offload_is_priced_as_the_engine_holds_it(precision, optimizer, prefetch, micro, reshard,
+                                                                  tmp_path):
+    """``offload_params="nvme"`` (stage 3): every unit's shard in a page-rounded file on disk and, in
+    memory, the parameter swap's buffer pool instead of the shards (``param_swap.py``); the
+    optimizer's terms are what they are without it. A step's reads and writes are the predicted
+    traffic (``step_time.py``, the note on the disk traffic)."""
+    torch.manual_seed(0)
+    model = GPT(PRESETS["gpt-nano"])
+    shape = model_shape(model)
+    config = ZeroConfig(stage=3, precision=precision, bucket_mb=0.25, prefetch=prefetch, offload_params="nvme",
+                        offload_optimizer=optimizer, nvme_path=str(tmp_path / "swap"), reshard_after_forward=reshard)
+    engine = ZeroEngine(model, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), config=config)
+    try:
+        infos = []
+        for _ in range(3):
+            for _ in range(micro):
+                x = torch.randint(0, 256, (2, 32))
+                engine.backward(engine(x, x))
+            infos.append(engine.step())
+        measured = engine.memory()
+        units = len(engine.buckets)
+    finally:
+        engine.close()
+    inputs = PlanInputs(shape=shape, n_ranks=1, precision=precision, bucket_mb=0.25, prefetch=prefetch,
+                        device="cpu", offload_params="nvme", accumulation_steps=micro, reshard_after_forward=reshard)
+    offload = "nvme" if optimizer else False
+    swapped, in_memory = predict(inputs, 3, offload), predict(replace(inputs, offload_params=None), 3, offload)
+    assert swapped.offload_params == "nvme" and in_memory.offload_params is None
+    slack = 4096 * units  # a page per unit (the optimizer's files: their entries start on 64 bytes)
+    assert abs(measured["params"] - swapped.gpu["params"]) <= slack
+    assert abs(measured["disk"] - swapped.disk_bytes) <= slack
+    assert swapped.gpu["params"] < in_memory.gpu["params"]
+    assert swapped.disk_bytes > in_memory.disk_bytes
+    assert swapped.gpu["optimizer"] == in_memory.gpu["optimizer"]
+    for info in infos[1:]:  # the first step reads no optimizer state yet
+        assert abs(info.io_read_bytes - swapped.disk_read_bytes) <= slack
+        assert abs(info.io_write_bytes - swapped.disk_write_bytes) <= slack
+    # the planner's other stages have no parameter shard to swap: priced as in memory
+    assert predict(inputs, 2, offload).to_dict() == predict(replace(inputs, offload_params=None), 2, offload).to_dict()

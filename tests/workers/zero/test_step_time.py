@@ -54,10 +54,11 @@ def test_no_step_time_while_a_term_is_unknown():
 
 
 def test_disk_time_adds_reads_and_writes():
-    assert disk_time_s(10**9, 2e9, 1e9) == pytest.approx(0.5 + 1.0)
-    assert disk_time_s(10**9, 2e9) == pytest.approx(1.0)
+    assert disk_time_s(10**9, 10**9, 2e9, 1e9) == pytest.approx(0.5 + 1.0)
+    assert disk_time_s(10**9, 10**9, 2e9) == pytest.approx(1.0)
+    assert disk_time_s(3 * 10**9, 10**9, 1e9) == pytest.approx(3.0 + 1.0)  # stage 3's parameter files: read more
     with pytest.raises(ValueError, match="positive"):
-        disk_time_s(1, 0.0)
+        disk_time_s(1, 1, 0.0)
 
 
 def test_measure_disk_rate_moves_the_bytes_and_cleans_up(tmp_path):

@@ -15,9 +15,10 @@ from __future__ import annotations
 from typing import Sequence
 
 from contract.zero_defaults import ZERO_DEFAULTS
-from contract.zero_math import MIB, low_precision_bytes, precision_traits, shard_numel, stage_traits
+from contract.zero_math import MIB, low_precision_bytes, page_bytes, precision_traits, shard_numel, stage_traits
 
 from ..grad_reducer import MAX_INFLIGHT_BUCKETS
+from ..stage3_swap import pool_buffers
 from ..units import kept_after_forward
 
 
@@ -111,6 +112,23 @@ def gathered_unit_bytes(root_bucket: int, block_buckets: Sequence[int], precisio
     lengths: ``ModelShape.unit_buckets``)."""
     blocks = sorted(block_buckets, reverse=True)[: prefetch + 1]
     return low_precision_bytes(precision) * (root_bucket + sum(blocks))
+
+
+def param_swap_bytes(units: Sequence[int], n_ranks: int, precision: str, prefetch: int,
+                     masters_in_files: bool) -> tuple[int, int]:
+    """Stage 3 with ``offload_params="nvme"`` (``param_swap.py``): (bytes in swap files, bytes of
+    the buffer pool). A page-rounded file per unit of its compute-dtype shard (``units``: the
+    padded unit lengths), and ``stage3_swap.pool_buffers`` buffers of the largest file; in fp32
+    (``masters_in_files``) the file is the master's."""
+    files = [page_bytes(low_precision_bytes(precision) * shard_numel(u, n_ranks)) for u in units]
+    return sum(files), pool_buffers(prefetch, masters_in_files) * max(files, default=0)
+
+
+def param_swap_reads(files: int, masters_in_files: bool, accumulation_steps: int, backward_share: float) -> int:
+    """Bytes one step reads of stage 3's parameter files (``files``: their bytes): every micro-step's
+    forward reads every unit's file and its backward the ``backward_share`` it gathers again; in
+    fp32 (``masters_in_files``) the step reads each master once more."""
+    return int(files * (accumulation_steps * (1 + backward_share) + masters_in_files))
 
 
 def kept_unit_elements(root_numel: int, block_numels: Sequence[int], root_bucket: int, block_buckets: Sequence[int],

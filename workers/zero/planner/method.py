@@ -7,6 +7,9 @@ METHOD = {
     "model_states": "per rank, each term whole or sharded as the stage's traits say; partitioned terms use Φ "
     "padded per bucket to a multiple of N",
     "offload": "host keeps fp32 master (4Φ/N), fp32 gradient shard (4Φ/N), Adam moments (8Φ/N)",
+    "offload_params": "stage 3, nvme: each unit's compute-dtype shard (fp32: the master) in a page-rounded "
+    "file (disk_bytes); params in memory is the swap's buffer pool, max(prefetch + 1, 2 with fp32 masters) "
+    "× the largest file; construction holds the shards, an fp32 step one unit's master, a checkpoint all",
     "buffers": "larger of backward scratch (stages 2/3: the engine's bucket -- stage 3: unit -- "
     "scratch replayed on the profile's timeline, 2 in flight + 1 filling; on a CPU rank its pages appear "
     "as gradients are written; bound without a profile: the largest 3 buckets) and step scratch (one "
@@ -25,7 +28,9 @@ METHOD = {
     "meta device at submit time, SDPA as flash attention)",
     "reserve": "5% of the other terms, + 512 MiB CUDA context on GPUs",
     "comm_time": "ring collectives: bytes × (N-1)/N / link bandwidth; fully exposed (no overlap)",
-    "disk_time": "nvme: the swap files read and written once per step, disk_bytes / rate each way; exposed",
+    "disk_time": "nvme: disk_read_bytes / rate + disk_write_bytes / rate per step, exposed; every file is "
+    "written once, the optimizer's read once, stage 3's parameter files read by each micro-step's forward "
+    "and backward (less the units kept gathered) and in fp32 by the step",
     "step_time": "compute + comm_time + disk_time, none overlapped (given compute_s); calibrated: each term at "
     "its measured rate, + the optimizer step (planner/step_time.py)",
     "fits": "total <= (1 - margin) × budget; a GPU rank's host peak must also fit (1 - margin) × host budget",

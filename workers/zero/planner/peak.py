@@ -82,6 +82,10 @@ class PeakInputs:
     resume: bool = False
     per_bucket_step: bool = True
     accumulation_steps: int = 1  # micro-batches per step: from the second on, gradients are held in forward
+    #: stage 3, offload_params "nvme": the shard bytes kept in swap files between uses (the states'
+    #: params are the buffer pool then); in fp32 (``masters_in_files``) the files hold the masters
+    params_in_files: int = 0
+    masters_in_files: bool = False
 
 
 def job_peak(states: ModelStateBytes, x: PeakInputs) -> dict[str, dict[str, int]]:
@@ -104,6 +108,8 @@ def job_peak(states: ModelStateBytes, x: PeakInputs) -> dict[str, dict[str, int]
     # buckets are built one by one (the master on the device until offload moves it), then offload's
     # host state; gradients come with the first backward
     params_and_master = kept_device - opt_state_device + (master if x.offload else 0)
+    # a swapped shard is written to its file only once the engine is built: construction holds it
+    params_and_master += x.params_in_files
     building = {"device": params_and_master + staging, "host": 0}
     if not x.deferred_init:  # the whole fp32 model first, freed bucket by bucket as the engine takes it
         building["device"] = max(building["device"], 4 * x.phi_model + staging - 4 * max(x.buckets, default=0))
@@ -115,7 +121,12 @@ def job_peak(states: ModelStateBytes, x: PeakInputs) -> dict[str, dict[str, int]
     parts["backward"] = {"device": kept_device + x.backward_bytes, "host": kept_host}
     scratch = step_buffer_bytes(x.stage, x.precision, x.buckets, x.n_ranks, x.device, x.offload,
                                 x.largest_param, x.optimizer_states, x.per_bucket_step)
-    parts["step"] = {"device": kept_device + step_grads + scratch["device"], "host": kept_host + scratch["host"]}
+    # fp32 masters in files: the step reads one unit's master back at a time (besides its pooled buffer)
+    acquired = 4 * shard_numel(max(x.buckets, default=0), world) if x.masters_in_files else 0
+    parts["step"] = {"device": kept_device + step_grads + scratch["device"] + acquired,
+                     "host": kept_host + scratch["host"]}
+    # a checkpoint's state_dict and a resume's load bring every master file into memory for the call
+    resident = x.params_in_files if x.masters_in_files else 0
     if x.checkpoint != "none":
         copy = snapshot_bytes(x.stage, x.phi_padded, x.n_ranks, x.optimizer_states, x.frozen)
         if x.checkpoint == "at_end" and (x.device == "cpu" or x.offload):
@@ -123,12 +134,12 @@ def job_peak(states: ModelStateBytes, x: PeakInputs) -> dict[str, dict[str, int]
         under = {"device": kept_device, "host": kept_host}
         if x.checkpoint == "periodic":  # the worst training part, as the meter sees it
             under = max((parts[k] for k in ("forward", "backward", "step")), key=lambda v: _seen(v, x.device))
-        parts["checkpoint"] = {"device": under["device"], "host": under["host"] + copy}
+        parts["checkpoint"] = {"device": under["device"] + resident, "host": under["host"] + copy}
     if x.resume:
         read = 4 * (1 + x.optimizer_states) * shard_numel(x.phi_padded, world) + 4 * x.frozen
         if x.device == "cpu":  # the optimizer adopts the read state; the master is copied into place
             read = 4 * shard_numel(x.phi_padded, world) + 4 * x.frozen
-        parts["resume"] = {"device": kept_device, "host": kept_host + read}
+        parts["resume"] = {"device": kept_device + resident, "host": kept_host + read}
     return parts
 
 

@@ -40,6 +40,7 @@ from contract.zero_math import (
     comm_elements,
     low_precision_bytes,
     model_state_bytes,
+    precision_traits,
     shard_numel,
     stage_traits,
     swap_bytes,
@@ -50,6 +51,8 @@ from .buffers import (
     backward_buffer_bytes,
     gathered_unit_bytes,
     kept_unit_elements,
+    param_swap_bytes,
+    param_swap_reads,
     stage2_tail_bytes,
     step_buffer_bytes,
 )
@@ -76,6 +79,7 @@ class StagePrediction:
     peak: dict[str, Any]  # the job's parts (peak.summarize): bytes per part, the worst part, host peaks
     comm_elements: int
     comm_bytes: int
+    offload_params: str | None = None  # stage 3: "cpu" (as in memory on a CPU rank) or "nvme" (swap files)
     #: of comm_elements: inside a shard group / across groups (hybrid sharding; 0 without it)
     comm_intra_elements: int = 0
     comm_inter_elements: int = 0
@@ -83,8 +87,10 @@ class StagePrediction:
     efficiency: float | None = None
     bandwidth_needed_bytes_per_s: float | None = None
     fits: bool | None = None
-    disk_bytes: int = 0  # "nvme": the optimizer state's swap files
-    disk_time_s: float | None = None  # "nvme": reading and writing them once per step (step_time.py)
+    disk_bytes: int = 0  # the swap files: the optimizer state's ("nvme" offload), the parameters' (offload_params)
+    disk_read_bytes: int = 0  # of them per step (step_time.py, the note on the disk traffic)
+    disk_write_bytes: int = 0
+    disk_time_s: float | None = None  # reading and writing them in a step (step_time.py)
     compute_time_s: float | None = None  # calibrated: flops_per_step / the measured matmul rate
     optimizer_time_s: float | None = None  # calibrated: the elements this rank steps / the measured AdamW rate
     step_time_s: float | None = None  # compute + communication (+ optimizer) + disk, none overlapped
@@ -123,6 +129,7 @@ class PlanInputs:
     shard_group_size: int | None = ZERO_DEFAULTS["shard_group_size"]  # hybrid: states sharded over G ranks
     quantized_weights: bool = ZERO_DEFAULTS["quantized_weights"]  # ZeRO++ qwZ (stage 3): int8 gathers
     quantized_gradients: bool = ZERO_DEFAULTS["quantized_gradients"]  # ZeRO++ qgZ (stage 3): int4 reduce
+    offload_params: str | None = ZERO_DEFAULTS["offload_params"]  # stage 3: None, "cpu" or "nvme"
     optimizer_states: int = 2  # fp32 optimizer state tensors per parameter (Adam: m, v)
     deferred_init: bool = True  # built on the meta device, one bucket at a time; False: eagerly, in fp32
     checkpoint: str = "none"  # peak.CHECKPOINTS: "none", "at_end", "periodic"
@@ -148,6 +155,7 @@ class PlanInputs:
             "precision": self.precision,
             "bucket_mb": self.bucket_mb,
             "prefetch": self.prefetch,
+            "offload_params": self.offload_params,
             "activation_bytes": self.activation_bytes,
             "activation_bytes_stage0": self.activation_bytes_stage0,
             "activation_bytes_stage2": self.activation_bytes_stage2,
@@ -191,12 +199,17 @@ def predict(inputs: PlanInputs, stage: int, offload: bool | str = False) -> Stag
     host_offload = bool(offload) and not nvme  # the master and state in host memory (offload.py)
     states = model_state_bytes(shape.phi, n, precision, stage, False if nvme else offload, phi_padded,
                                inputs.optimizer_states)
-    disk = 0
+    disk, param_disk, params_in_files, masters_in_files = 0, 0, 0, False  # swap files (params: stage 3)
     if nvme:  # the state in swap files; three buffers of the largest bucket's state in memory
         disk, pool = swap_bytes(buckets, traits.shard_world(n), inputs.optimizer_states)
         states = replace(states, gpu_optimizer=states.gpu_optimizer - 4 * inputs.optimizer_states
                          * shard_numel(phi_padded, traits.shard_world(n)) + pool)
         offload = "nvme"
+    if inputs.offload_params == "nvme" and traits.shards_parameters:  # the shards in swap files, a pool in memory
+        masters_in_files = not host_offload and not precision_traits(precision).master_bytes
+        param_disk, param_pool = param_swap_bytes(buckets, n, precision, inputs.prefetch, masters_in_files)
+        params_in_files, disk = states.gpu_params, disk + param_disk
+        states = replace(states, gpu_params=param_pool)
     states = replace(states, gpu_params=states.gpu_params + shape.frozen * low_precision_bytes(precision))
     activations = inputs.activation_bytes or 0
     backward = activations + backward_buffer_bytes(
@@ -231,7 +244,8 @@ def predict(inputs: PlanInputs, stage: int, offload: bool | str = False) -> Stag
         largest_param=largest_param, optimizer_states=inputs.optimizer_states,
         forward_bytes=forward, backward_bytes=backward_transient, deferred_init=inputs.deferred_init,
         checkpoint=inputs.checkpoint, resume=inputs.resume, per_bucket_step=inputs.per_bucket_step,
-        accumulation_steps=inputs.accumulation_steps,
+        accumulation_steps=inputs.accumulation_steps, params_in_files=params_in_files,
+        masters_in_files=masters_in_files,
     ))
     step = step_buffer_bytes(stage, precision, buckets, n, inputs.device, host_offload, largest_param,
                              inputs.optimizer_states, inputs.per_bucket_step)
@@ -277,7 +291,9 @@ def predict(inputs: PlanInputs, stage: int, offload: bool | str = False) -> Stag
                               quantized_gradients=inputs.quantized_gradients),
         comm_intra_elements=intra,
         comm_inter_elements=inter,
-        disk_bytes=disk,
+        offload_params=inputs.offload_params if traits.shards_parameters else None,
+        disk_bytes=disk, disk_write_bytes=disk, disk_read_bytes=disk - param_disk + param_swap_reads(
+            param_disk, masters_in_files, inputs.accumulation_steps, 1 - kept_elements / max(shape.phi, 1)),
     )
     add_calibrated_time(prediction, inputs, inputs.calibration, n) if inputs.calibration is not None \
         else add_time_model(prediction, inputs)
@@ -335,6 +351,7 @@ class Plan:
         return {
             "stage": self.stage,
             "offload_optimizer": self.offload,
+            "offload_params": self.chosen.offload_params,
             "reason": self.reason,
             "budget_bytes": self.budget_bytes,
             "host_budget_bytes": self.host_budget_bytes,
@@ -388,7 +405,7 @@ def choose_plan(
                     reason=f"no memory budget known: stage {lowest}, the least communication{note}")
     for c in candidates:
         if c.fits:
-            what = f"stage {c.stage}" + (" with optimizer offload" if c.offload else "")
+            what = f"stage {c.stage}{_offload_words(c.offload, c.offload_params)}"
             reason = (
                 f"{what} is the lowest that fits: {c.total / GB:.2f} GB per rank <= "
                 f"{limit / GB:.2f} GB ({1 - margin:.0%} of {budget_bytes / GB:.2f} GB)"
@@ -433,8 +450,10 @@ def plan_for_count(
     prefetch: int = DEFAULT_PREFETCH,
     activation_bytes: int | None = None,
     units: int = DEFAULT_UNITS,
+    offload_params: str | None = None,
 ) -> Plan:
-    """The whiteboard question: Φ parameters on ``gpus`` GPUs, activations given or left out."""
+    """The whiteboard question: Φ parameters on ``gpus`` GPUs, activations given or left out;
+    ``offload_params`` limits it to stage 3, the only stage that shards the parameters."""
     inputs = PlanInputs(
         shape=ModelShape.from_count(params, units),
         n_ranks=gpus,
@@ -447,12 +466,15 @@ def plan_for_count(
         disk_bytes_per_s=disk_bytes_per_s,
         compute_s=compute_s,
         target_efficiency=target_efficiency,
+        offload_params=offload_params,
     )
-    return choose_plan(inputs, gpu_memory_bytes, margin, host_budget_bytes=host_memory_bytes)
+    return choose_plan(inputs, gpu_memory_bytes, margin, host_budget_bytes=host_memory_bytes,
+                       stages=(3,) if offload_params else STAGES)
 
 
-def _offload_words(offload: bool | str) -> str:
-    return " with the optimizer state on NVMe" if offload == "nvme" else " with optimizer offload" if offload else ""
+def _offload_words(offload: bool | str, params: str | None = None) -> str:
+    optimizer = " with the optimizer state on NVMe" if offload == "nvme" else " with optimizer offload" if offload else ""
+    return optimizer + (" with the parameters on NVMe" if params == "nvme" else "")
 
 
 def fixed_plan(inputs: PlanInputs, stage: int, offload: bool | str, budget_bytes: int | None,
@@ -467,7 +489,8 @@ def fixed_plan(inputs: PlanInputs, stage: int, offload: bool | str, budget_bytes
     return Plan(
         stage=stage,
         offload=offload,
-        reason=f"stage {stage}{_offload_words(offload)} fixed by the job spec",
+        reason=f"stage {stage}{_offload_words(offload, inputs.offload_params if stage == 3 else None)} "
+               "fixed by the job spec",
         budget_bytes=budget_bytes,
         host_budget_bytes=None,
         margin=margin,

@@ -32,8 +32,12 @@ added. The step time is therefore a bound the engine's pipelines can only improv
 benchmark (``benchmarks/step_time_model.py``) measures how far each stage lands from it.
 
 [Note: the disk traffic of an NVMe step] Each optimizer step reads every bucket's swap file
-into the buffer pool and writes it back (``optimizer_swap.py``): ``disk_bytes`` in and
-``disk_bytes`` out per step and rank, whatever the micro-steps. Reads and writes share the
+into the buffer pool and writes it back (``optimizer_swap.py``): its bytes in and out per step
+and rank, whatever the micro-steps. Stage 3's parameter files (``offload_params="nvme"``,
+``param_swap.py``) are written once per step too, but read more often: by every micro-step's
+forward, again by its backward for the units it gathers again, and in fp32 (the files hold the
+masters) once more by the step (``buffers.param_swap_reads``). The prediction's
+``disk_read_bytes`` and ``disk_write_bytes`` are these per step; reads and writes share the
 disk, so their times add.
 """
 
@@ -44,12 +48,13 @@ from typing import Any
 from contract.zero_math import bandwidth_for_efficiency, comm_time_s, efficiency, low_precision_bytes, stage_traits
 
 
-def disk_time_s(disk_bytes: int, read_bytes_per_s: float, write_bytes_per_s: float | None = None) -> float:
-    """Seconds one step spends moving ``disk_bytes`` of swap files in and out at these rates."""
+def disk_time_s(read_bytes: int, write_bytes: int, read_bytes_per_s: float,
+                write_bytes_per_s: float | None = None) -> float:
+    """Seconds one step spends reading ``read_bytes`` and writing ``write_bytes`` of swap files at these rates."""
     write = read_bytes_per_s if write_bytes_per_s is None else write_bytes_per_s
     if read_bytes_per_s <= 0 or write <= 0:
         raise ValueError(f"disk rates must be positive, got read={read_bytes_per_s!r} write={write!r}")
-    return disk_bytes / read_bytes_per_s + disk_bytes / write
+    return read_bytes / read_bytes_per_s + write_bytes / write
 
 
 def add_time_model(prediction: Any, inputs: Any) -> None:
@@ -64,7 +69,8 @@ def add_time_model(prediction: Any, inputs: Any) -> None:
         if inputs.compute_s:
             prediction.efficiency = efficiency(inputs.compute_s, prediction.comm_time_s)
     if prediction.disk_bytes and inputs.disk_bytes_per_s:
-        prediction.disk_time_s = disk_time_s(prediction.disk_bytes, inputs.disk_bytes_per_s)
+        prediction.disk_time_s = disk_time_s(prediction.disk_read_bytes, prediction.disk_write_bytes,
+                                             inputs.disk_bytes_per_s)
     comm_known = n == 1 or prediction.comm_time_s is not None
     disk_known = not prediction.disk_bytes or prediction.disk_time_s is not None
     if inputs.compute_s and comm_known and disk_known:  # a sum with a term left out would mislead
@@ -79,7 +85,8 @@ def add_calibrated_time(prediction: Any, inputs: Any, calibration: Any, group: i
     prediction.comm_time_s = calibrated_comm_time_s(prediction, inputs, calibration, group)
     prediction.optimizer_time_s = optimizer_time_s(prediction, inputs, calibration, group)
     if prediction.disk_bytes and inputs.disk_bytes_per_s:
-        prediction.disk_time_s = disk_time_s(prediction.disk_bytes, inputs.disk_bytes_per_s)
+        prediction.disk_time_s = disk_time_s(prediction.disk_read_bytes, prediction.disk_write_bytes,
+                                             inputs.disk_bytes_per_s)
     if inputs.flops_per_step is None:
         return
     prediction.compute_time_s = compute_time_s(inputs.flops_per_step, inputs.step_work, calibration)
