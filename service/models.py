@@ -209,7 +209,8 @@ class MetricMemory(_memory_columns(), Base):
 
     [Note: kept by the database] A trigger on ``metrics`` (migration 0018) upserts it for every
     inserted row, so rows any code writes (a replica not yet upgraded, ingest, a bulk load)
-    keep it right; no Python writes it."""
+    keep it right; no Python writes it. The trigger names the memory fields: a new one needs a
+    migration that adds its column here and replaces the trigger."""
 
     __tablename__ = "metric_memory"
 
