@@ -30,7 +30,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from contract.metrics import CHARTED_FIELDS, MAX_USER_METRIC_NAME_CHARS, METRICS
+from contract.metrics import BY_NAME, CHARTED_FIELDS, MAX_USER_METRIC_NAME_CHARS, MEMORY_FIELDS, METRICS
 from contract.spec import JobSpec
 
 BigId = BigInteger().with_variant(Integer, "sqlite")  # SQLite autoincrements INTEGER keys only
@@ -194,6 +194,30 @@ class MetricStep(_metric_step_columns(), Base):
     records: Mapped[int] = mapped_column(Integer)
     last_id: Mapped[int] = mapped_column(BigInteger)  # the newest metric row counted
     world_size: Mapped[int | None] = mapped_column(Integer)  # of the attempt's worker group
+
+
+def _memory_columns() -> type:
+    """The metric table's memory columns (``contract.metrics.MEMORY_FIELDS``), typed as there."""
+    return type("_MemoryColumns", (), {
+        name: mapped_column(_COLUMN_TYPES[BY_NAME[name].type], nullable=True, sort_order=index)
+        for index, name in enumerate(MEMORY_FIELDS, start=1)})
+
+
+class MetricMemory(_memory_columns(), Base):
+    """Each rank's latest memory report (the record of its latest step holding one) per
+    attempt: what the job page's memory bars read (``service.dashboard.charts``).
+
+    [Note: kept by the database] A trigger on ``metrics`` (migration 0018) upserts it for every
+    inserted row, so rows any code writes (a replica not yet upgraded, ingest, a bulk load)
+    keep it right; no Python writes it. The trigger names the memory fields: a new one needs a
+    migration that adds its column here and replaces the trigger."""
+
+    __tablename__ = "metric_memory"
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    attempt: Mapped[int] = mapped_column(Integer, primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    step: Mapped[int] = mapped_column(Integer)
 
 
 class UserMetricName(Base):

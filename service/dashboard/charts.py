@@ -5,8 +5,8 @@ the page needs besides.
 User-reported scalars (``service.user_metrics``) come bucketed the same way, one column per
 name aligned with the points (``user_series``): the mean over the bucket's values of every rank.
 
-Memory bars need every rank's latest numbers, not a mean: one row per rank, found by a walk
-over the ranks on the metric table's key.
+Memory bars need every rank's latest numbers, not a mean: one row per rank, read from the
+roll-up the database keeps of each rank's latest report (``metric_memory``, migration 0018).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 from contract.metrics import MEMORY_FIELDS, THROUGHPUT
 from service import chart_series, user_metrics
 from service.metric_sql import Averaging, execute_overflow_safe, latest_attempt_per_step
-from service.models import Metric, UserMetric
+from service.models import Metric, MetricMemory, UserMetric
 
 
 def series(session: Session, job_id: str, steps: int, world: int, max_points: int) -> dict[str, Any]:
@@ -62,34 +62,19 @@ def latest_memory(session: Session, job_id: str, world: int) -> list[dict[str, A
     latest among the newest ``4 × world`` reports, so a late report of an older attempt does
     not hide the current one).
 
-    [Note: one index probe per rank] The ranks are walked with a recursive query, one probe
-    per rank on the (job, attempt, rank, step) key for its next rank and its latest reported
-    step, so the cost follows the ranks, not the job's ranks × steps (a GROUP BY over every
-    record), and only one row per rank leaves the database."""
+    [Note: read from the roll-up] A rank's latest report per attempt is kept by the database
+    at every insert (``metric_memory``, ``service.models.MetricMemory``): one row per rank is
+    read, whatever the job's length, instead of a probe per rank into the metric rows."""
     reported = and_(Metric.job_id == job_id, Metric.mem_params_bytes.is_not(None))
     newest = select(Metric.attempt).where(reported).order_by(Metric.id.desc()).limit(4 * world).subquery("newest")
     attempt = session.execute(select(func.max(newest.c.attempt))).scalar()
     if attempt is None:
         return []
-    last = _last_reports(job_id, attempt)
-    columns = (Metric.rank, Metric.attempt, Metric.step, *(getattr(Metric, name) for name in MEMORY_FIELDS))
-    query = (select(*columns).join(last, and_(Metric.rank == last.c.rank, Metric.step == last.c.step))
-             .where(Metric.job_id == job_id, Metric.attempt == attempt).order_by(Metric.rank))
+    columns = (MetricMemory.rank, MetricMemory.attempt, MetricMemory.step,
+               *(getattr(MetricMemory, name) for name in MEMORY_FIELDS))
+    query = (select(*columns).where(MetricMemory.job_id == job_id, MetricMemory.attempt == attempt)
+             .order_by(MetricMemory.rank))
     return [dict(row._mapping) for row in session.execute(query)]
-
-
-def _last_reports(job_id: str, attempt: int) -> Any:
-    """``(rank, step)``: every rank of ``attempt`` with the last step it reported memory at
-    (null when it never did), by a loose index scan portable to SQLite."""
-    other = Metric.__table__.alias("other")
-    mine = and_(other.c.job_id == job_id, other.c.attempt == attempt)
-    first = select(func.min(other.c.rank).label("rank")).where(mine).cte("ranks", recursive=True)
-    following = select(func.min(other.c.rank)).where(mine, other.c.rank > first.c.rank).scalar_subquery()
-    ranks = first.union_all(select(following).where(first.c.rank.is_not(None)))
-    last_step = (select(func.max(other.c.step))
-                 .where(mine, other.c.rank == ranks.c.rank, other.c.mem_params_bytes.is_not(None))
-                 .scalar_subquery())
-    return select(ranks.c.rank, last_step.label("step")).where(ranks.c.rank.is_not(None)).subquery("last")
 
 
 def progress(session: Session, job_ids: list[str], worlds: dict[str, int]) -> dict[str, dict[str, Any]]:

@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from contract.metrics import MEMORY_FIELDS
+from service.dashboard import charts
 from tests.helpers.service_specs import make_spec
 
 
@@ -84,3 +85,117 @@ def test_a_chart_has_at_most_max_points_per_series(make_job, steps):
                         / len(range(b * width, min(b * width + width, steps + 1))) for b in range(len(expected_steps))]
         assert answer["series"]["loss"] == pytest.approx(bucket_means, rel=1e-6)
         assert set(answer["series"]["tokens_per_s"]) == {4.0}  # the job's total: 2 ranks × 2
+
+
+# --- the roll-up (metric_memory) against the walk over the metric rows it replaced ---------------
+
+def _walk_latest_memory(session, job_id: str, world: int) -> list[dict]:
+    """The memory bars as computed before the roll-up (a probe per rank into the metric rows):
+    the reference the roll-up must match."""
+    from sqlalchemy import and_, func, select
+
+    from service.models import Metric
+
+    reported = and_(Metric.job_id == job_id, Metric.mem_params_bytes.is_not(None))
+    newest = select(Metric.attempt).where(reported).order_by(Metric.id.desc()).limit(4 * world).subquery("newest")
+    attempt = session.execute(select(func.max(newest.c.attempt))).scalar()
+    if attempt is None:
+        return []
+    other = Metric.__table__.alias("other")
+    mine = and_(other.c.job_id == job_id, other.c.attempt == attempt)
+    first = select(func.min(other.c.rank).label("rank")).where(mine).cte("ranks", recursive=True)
+    following = select(func.min(other.c.rank)).where(mine, other.c.rank > first.c.rank).scalar_subquery()
+    ranks = first.union_all(select(following).where(first.c.rank.is_not(None)))
+    last_step = (select(func.max(other.c.step))
+                 .where(mine, other.c.rank == ranks.c.rank, other.c.mem_params_bytes.is_not(None))
+                 .scalar_subquery())
+    last = select(ranks.c.rank, last_step.label("step")).where(ranks.c.rank.is_not(None)).subquery("last")
+    columns = (Metric.rank, Metric.attempt, Metric.step, *(getattr(Metric, name) for name in MEMORY_FIELDS))
+    query = (select(*columns).join(last, and_(Metric.rank == last.c.rank, Metric.step == last.c.step))
+             .where(Metric.job_id == job_id, Metric.attempt == attempt).order_by(Metric.rank))
+    return [dict(row._mapping) for row in session.execute(query)]
+
+
+@pytest.fixture(params=["postgresql", "sqlite"])
+def job_session(request, tmp_path):
+    """A session on a migrated database (PostgreSQL, SQLite) holding two jobs' rows."""
+    from service import migrate
+    from service.db import make_engine, make_sessionmaker
+    from service.models import Job
+
+    url = (f"sqlite:///{tmp_path / 'zerotrain.db'}" if request.param == "sqlite"
+           else request.getfixturevalue("migrated_postgres_url"))
+    if request.param == "sqlite":
+        migrate.upgrade(url)
+    engine = make_engine(url)
+    with make_sessionmaker(engine)() as session:
+        session.add_all([Job(id=job, name=job, owner="admin", state="RUNNING", spec={}) for job in ("job-a", "job-b")])
+        session.commit()
+        yield session
+    engine.dispose()
+
+
+def _raw_insert(session, job_id: str, records: list[dict]) -> None:
+    """Rows written around ingest (a replica not yet upgraded, a bulk load): plain INSERTs."""
+    from sqlalchemy import insert
+
+    from service.models import Metric
+
+    if records:
+        empty = dict.fromkeys(MEMORY_FIELDS)
+        session.execute(insert(Metric), [{"job_id": job_id, **empty, **record} for record in records])
+
+
+def test_memory_rollup_answers_what_the_walk_over_the_metric_rows_answers(job_session):
+    """Restarts replaying steps, ranks that report memory only at some steps or never, batches
+    stored out of step order, re-sent batches, late reports of an older attempt, rows written
+    around ingest, and a second job interleaved: after every batch the bars read from the
+    roll-up are the walk's, for several world sizes."""
+    import random
+
+    from service.metric_ingest import insert_new
+    from service.schemas import MetricRecord
+
+    rng = random.Random(36)
+    batches = []  # (job, attempt, rank, steps)
+    for attempt, (first, last), ranks in ((0, (0, 50), 6), (1, (30, 70), 6), (2, (60, 90), 4)):
+        for start in range(first, last, 10):
+            for rank in rng.sample(range(ranks), ranks):
+                steps = list(range(start, min(start + 10, last)))
+                if rng.random() < 0.3:
+                    rng.shuffle(steps)
+                batches.append(("job-a" if rng.random() < 0.8 else "job-b", attempt, rank, steps))
+    batches[40:40] = [("job-a", 0, rank, list(range(50, 60))) for rank in range(6)]  # late, older attempt
+    batches += rng.sample(batches, 15)  # re-sent: stored once
+    sometimes = {rank: rng.choice([1, 3, 7]) for rank in range(6)}  # rank 5 reports every 7th step only
+
+    def record(job: str, attempt: int, rank: int, step: int) -> dict:
+        out = {"attempt": attempt, "rank": rank, "step": step, "loss": 1.0}
+        if rank != 4 and step % sometimes[rank] == 0:  # rank 4 never reports memory
+            out.update({name: float(rng.randrange(1, 10**9)) for name in MEMORY_FIELDS})
+            if rng.random() < 0.2:
+                out[MEMORY_FIELDS[-1]] = None  # a report without every field
+        return out
+
+    for number, (job, attempt, rank, steps) in enumerate(batches):
+        records = [record(job, attempt, rank, step) for step in steps]
+        if number % 5 == 4:
+            _raw_insert(job_session, job, [r for r in records if not _stored(job_session, job, r)])
+        else:
+            insert_new(job_session, job, [MetricRecord(**r) for r in records])
+        job_session.commit()
+        for job_id in ("job-a", "job-b"):
+            for world in (1, 4, 6):
+                assert charts.latest_memory(job_session, job_id, world) == _walk_latest_memory(job_session, job_id, world)
+    bars = charts.latest_memory(job_session, "job-a", 6)
+    assert {bar["attempt"] for bar in bars} == {2} and len(bars) >= 3
+
+
+def _stored(session, job_id: str, record: dict) -> bool:
+    from sqlalchemy import select
+
+    from service.models import Metric
+
+    return session.execute(select(Metric.id).where(
+        Metric.job_id == job_id, Metric.attempt == record["attempt"], Metric.rank == record["rank"],
+        Metric.step == record["step"])).first() is not None

@@ -16,7 +16,7 @@ from service.models import Base
 
 TABLES = {"jobs", "job_events", "metrics", "checkpoints", "api_tokens", "idempotency_keys", "user_metrics",
           "user_metric_names", "webhooks", "webhook_deliveries", "leader_lease", "teams", "team_members",
-          "metric_steps"}
+          "metric_steps", "metric_memory"}
 
 
 @pytest.fixture(params=["postgresql", "sqlite"])
@@ -101,3 +101,51 @@ def test_float8_rollup_sums_are_filled_from_the_exact_ones(database_url):
         engine.dispose()
     big = float("inf") if database_url.startswith("postgresql") else 1e300
     assert [tuple(row) for row in got] == [(1.5, None), (big, None), (None, None)]
+
+
+def test_memory_rollup_is_filled_from_the_stored_rows_and_kept_by_the_database(database_url):
+    """0018 adds ``metric_memory`` (each rank's latest memory report per attempt, what the
+    memory bars read), filled from the rows already stored: per (job, attempt, rank) the row of
+    its latest step holding a report, none for a rank that never reported. Rows inserted later
+    by code that knows nothing of it (a replica not yet upgraded) keep it right, out of step
+    order too; after a downgrade to 0017 inserts no longer touch it."""
+    from sqlalchemy import text
+
+    from service.db import make_sessionmaker
+    from service.models import Job
+
+    migrate.upgrade(database_url, "0017")
+    engine = make_engine(database_url)
+
+    def insert(connection, rows: list[tuple]) -> None:  # (attempt, rank, step, memory or None)
+        for attempt, rank, step, memory in rows:
+            connection.execute(text(
+                "INSERT INTO metrics (job_id, attempt, \"rank\", step, loss, mem_params_bytes, mem_peak_bytes) "
+                "VALUES ('job-mem', :attempt, :rank, :step, 1.0, :memory, :peak)"),
+                {"attempt": attempt, "rank": rank, "step": step, "memory": memory,
+                 "peak": None if memory is None else memory + 0.5})
+
+    def stored(connection) -> list[tuple]:
+        return [tuple(row) for row in connection.execute(text(
+            'SELECT attempt, "rank", step, mem_params_bytes, mem_peak_bytes, mem_grads_bytes FROM metric_memory '
+            'ORDER BY attempt, "rank"'))]
+    try:
+        with make_sessionmaker(engine)() as session:
+            session.add(Job(id="job-mem", name="mem", owner="admin", state="RUNNING", spec={}))
+            session.commit()
+        with engine.begin() as connection:
+            insert(connection, [(0, 0, 5, 50.0), (0, 0, 7, 70.0), (0, 0, 9, None), (0, 1, 3, 31.0),
+                                (0, 2, 4, None), (1, 0, 2, 102.0), (1, 0, 1, 101.0)])
+        migrate.upgrade(database_url)
+        with engine.begin() as connection:
+            assert stored(connection) == [(0, 0, 7, 70.0, 70.5, None), (0, 1, 3, 31.0, 31.5, None),
+                                          (1, 0, 2, 102.0, 102.5, None)]
+            insert(connection, [(1, 0, 4, 104.0), (1, 0, 3, 103.0), (0, 2, 6, 62.0), (0, 1, 8, None)])
+            assert stored(connection) == [(0, 0, 7, 70.0, 70.5, None), (0, 1, 3, 31.0, 31.5, None),
+                                          (0, 2, 6, 62.0, 62.5, None), (1, 0, 4, 104.0, 104.5, None)]
+        migrate.downgrade(database_url, "0017")
+        assert "metric_memory" not in tables(database_url)
+        with engine.begin() as connection:
+            insert(connection, [(1, 0, 9, 109.0)])
+    finally:
+        engine.dispose()
