@@ -268,7 +268,7 @@ class ZeroSpec(SpecModel):
             check_stage_fields(self.stage, self.offload_optimizer, self.keep_gathered_bytes, self.offload_params,
                                quantized_weights=self.quantized_weights,
                                quantized_gradients=self.quantized_gradients)
-            check_nvme_path(self.offload_optimizer, self.nvme_path, self.offload_params)
+            check_nvme_path(self.offload_optimizer, self.nvme_path, self.offload_params, self.stage)
             check_hpz_built(self.hpz_partition_size)
         except ZeroRuleBroken as broken:
             raise PydanticCustomError("zero_rule", "{message}", {"message": broken.message, "field": broken.field})

@@ -93,8 +93,10 @@ OFFLOAD_PARAMS = (None, "cpu", "nvme")
 
 
 def check_nvme_path(offload_optimizer: bool | str, nvme_path: str | None,
-                    offload_params: str | None) -> None:
-    """``zero.nvme_path`` is an absolute folder, given exactly when some state goes to "nvme"."""
+                    offload_params: str | None, stage: int | str | None = None) -> None:
+    """``zero.nvme_path`` is an absolute folder, given exactly when some state goes to "nvme" or
+    when ``stage`` is "auto": there it is the folder the planner may put the state in when
+    nothing fits in memory (``workers/planning.py``, [Note: "auto" on NVMe])."""
     if offload_params == "nvme" and nvme_path is None:
         raise ZeroRuleBroken("zero.offload_params", "offload_params 'nvme' needs nvme_path, the local folder "
                                                     "of the swap files (on a fast disk of every worker node)")
@@ -102,9 +104,10 @@ def check_nvme_path(offload_optimizer: bool | str, nvme_path: str | None,
     if nvme and nvme_path is None:
         raise ZeroRuleBroken("zero.nvme_path", "offload_optimizer 'nvme' needs nvme_path, the local folder "
                                                "of the swap files (on a fast disk of every worker node)")
-    if not nvme and offload_params != "nvme" and nvme_path is not None:
+    if not nvme and offload_params != "nvme" and nvme_path is not None and stage != "auto":
         raise ZeroRuleBroken("zero.nvme_path", "nvme_path is read with offload_optimizer or offload_params "
-                                               f"'nvme' only; got offload_optimizer={offload_optimizer!r}, "
+                                               "'nvme', or with stage 'auto' (where nothing fits in memory); "
+                                               f"got offload_optimizer={offload_optimizer!r}, "
                                                f"offload_params={offload_params!r}")
     if nvme_path is not None and not nvme_path.startswith("/"):
         raise ZeroRuleBroken("zero.nvme_path", f"nvme_path must be an absolute path; got {nvme_path!r}")

@@ -39,11 +39,11 @@ class NothingFits(ValueError):
 def plan_at_submit(spec: JobSpec) -> tuple[JobSpec, dict[str, Any] | None]:
     """(the spec to store, the prediction or None). Raises ``NothingFits`` for an "auto" job.
 
-    An "auto" stage comes back resolved in a copy of ``spec``: the planner's stage and offload
-    set in its ``zero`` block, nothing validated again (the chosen pair is one the rules allow).
+    An "auto" stage comes back resolved in a copy of ``spec``: the planner's stage and offloads
+    set in its ``zero`` block (``workers.planning.resolved_zero``).
     """
     try:
-        from workers.planning import plan_for_spec
+        from workers.planning import plan_for_spec, resolved_zero
         from workers.zero.planner import NoPlanFits
     except ImportError as missing:  # control plane without torch
         log.info("no memory prediction at submit: %s", missing)
@@ -58,8 +58,7 @@ def plan_at_submit(spec: JobSpec) -> tuple[JobSpec, dict[str, Any] | None]:
     prediction = {**plan.to_dict(), "requested_stage": spec.zero.stage}
     if spec.zero.stage != "auto":
         return spec, prediction
-    resolved = {"stage": plan.stage, "offload_optimizer": plan.offload}  # "nvme" stays (planning.py)
-    return spec.model_copy(update={"zero": spec.zero.model_copy(update=resolved)}), prediction
+    return spec.model_copy(update={"zero": resolved_zero(spec.zero, plan)}), prediction
 
 
 def warm_up() -> None:

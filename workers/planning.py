@@ -11,11 +11,12 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Sequence
 
-from contract.spec import JobSpec, ModelSpec
+from contract.spec import JobSpec, ModelSpec, ZeroSpec
 from contract.zero_defaults import ZERO_DEFAULTS
 from contract.zero_math import DEFAULT_SEQ_LEN, DEFAULT_TARGET_EFFICIENCY, GB, STAGES, optimizer_state_tensors
 from contract.zero_rules import allowed_stages, offload_target
-from workers.zero.planner import DEFAULT_MARGIN, Plan, PlanInputs, choose_plan, fixed_plan, model_shape, predict
+from workers.zero.planner import (DEFAULT_MARGIN, NoPlanFits, Plan, PlanInputs, choose_plan, fixed_plan, model_shape,
+                                  predict)
 from workers.zero.planner.activations import Stage2Layout, profile_activations
 from workers.zero.planner.shape import ModelShape, bucket_elements
 
@@ -291,7 +292,7 @@ def plan_for_spec(
     # [Note: NVMe offload in the plan] A job with offload_optimizer "nvme" is priced with its state
     # in swap files (plan.predict: disk_bytes, and the buffer pool in memory). "auto" picks its
     # stage among 1-3 as it would in memory (a bound: the state on disk only lowers it), never CPU
-    # offload instead; the planner never chooses NVMe by itself.
+    # offload instead. It chooses NVMe itself only when nothing in memory fits (_plan_on_nvme).
     target = offload_target(zero.offload_optimizer)
     offload = "nvme" if target == "nvme" else target == "cpu"
     if zero.stage == "auto":  # only among the stages the other zero fields allow (contract/zero_rules.py)
@@ -299,10 +300,58 @@ def plan_for_spec(
         open_stages = allowed_stages(zero.offload_optimizer, zero.keep_gathered_bytes, stages,
                                      offload_params=zero.offload_params, quantized_weights=zero.quantized_weights,
                                      quantized_gradients=zero.quantized_gradients)
-        chosen = choose_plan(inputs, budget, margin, host_budget, allow_offload and target != "nvme", open_stages)
+        try:
+            chosen = choose_plan(inputs, budget, margin, host_budget, allow_offload and target != "nvme", open_stages)
+        except NoPlanFits as in_memory:
+            if target == "nvme" or zero.nvme_path is None or gpu_job:  # NVMe is not built for CUDA ranks
+                raise
+            return _plan_on_nvme(inputs, budget, margin, open_stages, in_memory)
         if target != "nvme":
             return chosen
         plan = fixed_plan(inputs, chosen.stage, "nvme", budget, margin)  # priced with its swap files
         plan.reason = f"{chosen.reason}; the optimizer state on NVMe (zero.offload_optimizer)"
         return plan
     return fixed_plan(inputs, zero.stage, offload, budget, margin)
+
+
+def _plan_on_nvme(inputs: PlanInputs, budget: int, margin: float, stages: Sequence[int],
+                  in_memory: NoPlanFits) -> Plan:
+    """For "auto" with ``nvme_path`` when nothing fits in memory: the lowest stage whose optimizer
+    state on NVMe fits, then stage 3 with the parameters on NVMe too.
+
+    [Note: "auto" on NVMe] NVMe is the last resort, never a choice over memory: a step that reads
+    and writes its state from disk is slower than any plan in memory, host memory included
+    (docs/engine.md). So "auto" tries it only when every candidate in memory was refused, and
+    only where the user named the folder (``zero.nvme_path``): the disk is theirs to offer; and
+    only for CPU ranks, as the engine refuses NVMe offload on CUDA (not built there).
+    Raises ``in_memory``'s refusal, with the NVMe candidates' numbers added, when even those do not fit."""
+    limit = int((1 - margin) * budget)
+    tries = [(inputs, stage) for stage in stages if stage >= 1]
+    if 3 in stages and inputs.offload_params != "nvme":
+        tries.append((replace(inputs, offload_params="nvme"), 3))
+    tried = []
+    for trial, stage in tries:
+        plan = fixed_plan(trial, stage, "nvme", budget, margin)
+        tried.append(plan.chosen)
+        if plan.chosen.total <= limit:
+            where = "the optimizer state" + (" and the parameters" if trial.offload_params == "nvme" else "")
+            plan.reason = (f"nothing fits in memory; stage {stage} with {where} on NVMe (zero.nvme_path) is the "
+                           f"lowest that fits: {plan.chosen.total / GB:.2f} GB per rank <= {limit / GB:.2f} GB "
+                           f"({1 - margin:.0%} of {budget / GB:.2f} GB)")
+            return plan
+    smallest = min(tried, key=lambda c: c.total)
+    detail = in_memory.detail
+    raise NoPlanFits({**detail, "candidates": detail["candidates"] + [c.to_dict() for c in tried],
+                      "message": f"{detail['message']}; not even with the state on NVMe: the smallest (stage "
+                                 f"{smallest.stage} on NVMe) needs {smallest.total / GB:.2f} GB per rank"})
+
+
+def resolved_zero(zero: ZeroSpec, plan: Plan) -> ZeroSpec:
+    """The ``zero`` block an "auto" job runs with: ``plan``'s stage and offloads, and
+    ``nvme_path`` only where some state goes to NVMe (the rules refuse it otherwise). Not
+    validated again: the plan only chooses what the rules allow. One function for the control
+    plane (at submit) and the worker (a factory model's plan)."""
+    params = plan.chosen.offload_params
+    on_nvme = plan.offload == "nvme" or params == "nvme"
+    return zero.model_copy(update={"stage": plan.stage, "offload_optimizer": plan.offload, "offload_params": params,
+                                   "nvme_path": zero.nvme_path if on_nvme else None})

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from contract.environment import INGEST_TOKEN_ENV
 from contract.job_states import JobState
 from contract.reasons import Reason
-from contract.spec import MIN_LR_RATIO, JobSpec, TrainSpec
+from contract.spec import MIN_LR_RATIO, JobSpec, TrainSpec, ZeroSpec
 from storage.shared import check_marker
 from workers.data import ShardedBatchLoader, build_dataset, check_vocabulary
 from workers.evaluation import evaluate
@@ -166,24 +166,23 @@ def start_attempt(attempt_base: int, world: World, api: WorkerAPI | None,
 # ----------------------------------------------------------------------------- engine
 
 
-def resolve_stage(spec: JobSpec, device: torch.device) -> tuple[int, bool | str]:
-    """(stage, offload): the spec's, or the planner's choice for ``"auto"`` with this machine's memory
-    (an ``offload_optimizer: "nvme"`` stays "nvme": planning.py, the note on NVMe offload).
+def resolve_zero(spec: JobSpec, device: torch.device) -> ZeroSpec:
+    """The spec's ``zero`` block, or for ``"auto"`` the planner's choice with this machine's memory
+    (``workers.planning.resolved_zero``: stage, offloads, ``nvme_path`` where NVMe is used).
 
     The control plane resolves "auto" at submit for presets; it reaches a worker only for user
     factories, which are planned here (workers run user code by design).
     """
     if spec.zero.stage != "auto":
-        return spec.zero.stage, spec.zero.offload_optimizer
-    from workers.planning import plan_for_spec
+        return spec.zero
+    from workers.planning import plan_for_spec, resolved_zero
 
     if device.type == "cuda":
         budget = {"gpu_memory_bytes": torch.cuda.get_device_properties(device).total_memory}
     else:  # CPU workers of one machine share its memory
         host_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         budget = {"host_memory_bytes": host_bytes // spec.resources.num_workers}
-    plan = plan_for_spec(spec, **budget)
-    return int(plan.stage), plan.offload
+    return resolved_zero(spec.zero, plan_for_spec(spec, **budget))
 
 
 def build_job_model(spec: JobSpec, *, resuming: bool) -> tuple[torch.nn.Module, Any]:
@@ -220,9 +219,9 @@ def build_engine(spec: JobSpec, model: torch.nn.Module, device: torch.device,
     a model on meta is materialized on ``device`` from ``init_weights`` (``build_job_model``).
     Swap files (``zero.nvme_path``) go to ``nvme_path/<job_id>/<rank>/``."""
     train = spec.train
-    stage, offload = resolve_stage(spec, device)
-    nvme_path = None if spec.zero.nvme_path is None else os.path.join(spec.zero.nvme_path, job_id)
-    config = ZeroConfig.from_spec(spec.zero, train, stage=stage, offload_optimizer=offload, nvme_path=nvme_path)
+    zero = resolve_zero(spec, device)
+    nvme_path = None if zero.nvme_path is None else os.path.join(zero.nvme_path, job_id)
+    config = ZeroConfig.from_spec(zero, train, nvme_path=nvme_path)
     optimizer = optimizer_factory(train, on_host=config.optimizer_offload is not None)
     if any(p.is_meta for p in model.parameters()):
         buffers_to(model, device)

@@ -125,11 +125,13 @@ def test_a_refused_start_stops_the_worker():
 def test_auto_stage_is_resolved_by_the_planner_with_this_machines_memory():
     spec = nano_spec(1)
     spec["zero"] = {"stage": "auto", "precision": "fp32"}
-    stage, offload = train.resolve_stage(JobSpec.model_validate(spec), torch.device("cpu"))
-    assert stage in (0, 1, 2, 3) and (stage > 0 or not offload)  # the engine refuses offload at stage 0
+    zero = train.resolve_zero(JobSpec.model_validate(spec), torch.device("cpu"))
+    assert zero.stage in (0, 1, 2, 3) and (zero.stage > 0 or not zero.offload_optimizer)  # none at stage 0
+    assert zero.nvme_path is None
     spec["zero"]["stage"] = 1
     spec["zero"]["offload_optimizer"] = True
-    assert train.resolve_stage(JobSpec.model_validate(spec), torch.device("cpu")) == (1, True)
+    zero = train.resolve_zero(JobSpec.model_validate(spec), torch.device("cpu"))
+    assert (zero.stage, zero.offload_optimizer) == (1, True)
 
 
 def test_rank_zero_prints_a_readable_progress_line_about_twenty_times():

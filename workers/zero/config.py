@@ -165,7 +165,7 @@ class ZeroConfig:
         if offload_optimizer is not None:
             fields["offload_optimizer"] = offload_optimizer
         if fields["stage"] == "auto":
-            raise ValueError("zero.stage is 'auto': resolve it (workers/train.py resolve_stage) before from_spec")
+            raise ValueError("zero.stage is 'auto': resolve it (workers/train.py resolve_zero) before from_spec")
         return cls(**fields, grad_clip=train.grad_clip, **engine_knobs)
 
     def __post_init__(self) -> None:

@@ -154,7 +154,7 @@ def test_offload_params_is_a_config_and_spec_field_the_engine_runs(tmp_path):
     ({"stage": 2, "keep_gathered_bytes": 1}, "keep_gathered_bytes needs stage 3"),
     ({"stage": 2, "offload_params": "cpu"}, "offload_params needs stage 3"),
     ({"stage": 3, "offload_params": "nvme"}, "offload_params 'nvme' needs nvme_path"),
-    ({"stage": 3, "nvme_path": "/x"}, "nvme_path is read with offload_optimizer or offload_params 'nvme' only"),
+    ({"stage": 3, "nvme_path": "/x"}, "nvme_path is read with offload_optimizer or offload_params 'nvme', or with stage 'auto'"),
     ({"stage": 2, "quantized_weights": True}, r"quantized_weights \(ZeRO\+\+\) needs stage 3"),
     ({"stage": 0, "quantized_gradients": True}, r"quantized_gradients \(ZeRO\+\+\) needs stage 3"),
     ({"stage": 3, "hpz_partition_size": 2}, "hpZ .* is not built in the engine yet"),
