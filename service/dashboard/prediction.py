@@ -56,6 +56,7 @@ def from_planner(planner: dict[str, Any], memory_check: dict[str, Any] | None) -
         "source": "planner",
         "stage": chosen["stage"],
         "offload": chosen["offload"],
+        "offload_params": chosen.get("offload_params"),
         "world": chosen["n_ranks"],
         "precision": chosen["precision"],
         **terms,

@@ -75,7 +75,11 @@ class Prediction(BaseModel):
     stage: int | None = None
     world: int | None = None
     precision: str | None = None
-    offload: bool | None = None
+    offload: bool | Literal["cpu", "nvme"] | None = Field(
+        default=None, description="where the optimizer state is: false (with the parameters), true or 'cpu' "
+        "(host memory), 'nvme' (swap files)")
+    offload_params: Literal["cpu", "nvme"] | None = Field(
+        default=None, description="stage 3: where the parameter shards are between uses (null: with the ranks)")
     params: float | None = None
     grads: float | None = None
     optimizer: float | None = None

@@ -77,3 +77,19 @@ def test_the_planners_stored_prediction_takes_priority_and_carries_the_end_check
     # the formula's numbers for the same job differ only by the padding the planner counts
     formula = predict(JobSpec.model_validate(spec), None)
     assert shown["total"] == pytest.approx(formula["total"], rel=0.01)
+
+
+def test_an_nvme_jobs_prediction_says_where_its_state_is_and_fits_the_published_schema():
+    pytest.importorskip("torch")
+    from contract.spec import JobSpec
+    from service.dashboard.schemas import Prediction
+    from workers.planning import plan_for_spec
+
+    spec = JobSpec.model_validate({
+        "name": "on-disk", "model": {"preset": "gpt-nano"}, "data": {"kind": "synthetic", "seq_len": 32},
+        "train": {"steps": 2, "global_batch_size": 2, "micro_batch_size": 1},
+        "zero": {"stage": 3, "precision": "fp32", "offload_optimizer": "nvme", "offload_params": "nvme",
+                 "nvme_path": "/var/tmp/swap"}, "resources": {"num_workers": 2}})
+    shown = predict(spec, None, plan_for_spec(spec).to_dict())
+    assert (shown["offload"], shown["offload_params"]) == ("nvme", "nvme")
+    assert Prediction.model_validate(shown).offload == "nvme"  # what GET .../metrics/chart documents

@@ -81,7 +81,9 @@ export class MemoryBars {
       const how = prediction.source === "planner"
         ? "the planner's prediction"
         : `the ZeRO model-state formula with Φ = ${Number(prediction.phi).toLocaleString("en-US")}, N = ${prediction.world}, ${prediction.precision}`;
-      let text = `Marker: predicted params + grads + optimizer per rank at stage ${prediction.stage ?? "?"}: ${bytes(prediction.total)} (${how}). Buffers are extra.`;
+      const where = (prediction.offload === "nvme" ? " with the optimizer state on NVMe" : prediction.offload ? " with the optimizer state in host memory" : "")
+        + (prediction.offload_params === "nvme" ? ", the parameters on NVMe" : "");
+      let text = `Marker: predicted params + grads + optimizer per rank at stage ${prediction.stage ?? "?"}${where}: ${bytes(prediction.total)} (${how}). Buffers are extra.`;
       if (prediction.source === "planner") {
         if (Number.isFinite(prediction.peak)) {
           text += ` Predicted peak per rank: ${bytes(prediction.peak)} (worst part: ${prediction.peak_where})`;
