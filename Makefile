@@ -29,8 +29,8 @@ demo: install
 	$(LOOPBACK) $(PY) -m examples.demo
 
 # `make test` leaves the suites marked `slow` (real Ray jobs end to end, fault injection on a
-# Ray cluster) to `make test-slow`, so that it stays under 30 minutes on two cores; CI
-# (.ci/run) runs both.
+# Ray cluster, the schemathesis fuzz of the whole API) to `make test-slow`, so that it stays
+# under 25 minutes on two cores; CI (.ci/run) runs both.
 test: install services
 	$(LOOPBACK) $(PY) -m pytest -q -p no:cacheprovider --durations=60 -m "not slow" $(PYTEST_ARGS)
 

@@ -74,6 +74,7 @@ def fuzz(service, plan: list[list], tmp_path: Path, phases: str) -> subprocess.C
     )
 
 
+@pytest.mark.slow  # two and a half minutes on two cores: `make test-slow` (and CI) run it, `make test` stays under 25
 def test_no_caller_gets_a_5xx_or_a_leak_from_any_route(jobs, tmp_path):
     service, alice, tokens, running, stateful, finished = jobs
     # Without a valid token every route but /healthz and /metrics answers 401 before reading
