@@ -88,9 +88,12 @@ def test_a_killed_and_replaced_control_plane_reattaches_the_running_job(make_con
         replacement.stop()
     keys = assert_unique(rows)
     assert sorted(keys) == [(1, k, s) for k in (0, 1) for s in range(1, steps + 1)]
-    to_states = [e.to_state for e in events]
-    assert to_states.count(JobState.STARTING) == 1 and to_states.count(JobState.RUNNING) == 1, to_states
-    assert to_states[-1] is JobState.SUCCEEDED
+    # one transition into each state; notices (from_state == to_state: "waiting for resources" on a
+    # loaded machine, then "resources acquired") are not transitions
+    shown = [(e.from_state, e.to_state, e.reason) for e in events]
+    to_states = [e.to_state for e in events if e.from_state != e.to_state]
+    assert to_states.count(JobState.STARTING) == 1 and to_states.count(JobState.RUNNING) == 1, shown
+    assert to_states[-1] is JobState.SUCCEEDED, shown
     assert not job_owned_processes(job_id) or wait_for(lambda: not job_owned_processes(job_id), 30,
                                                        "the finished job's processes to exit")
     trained_while_down = [r for r in rows if down < r.time < up]

@@ -57,9 +57,12 @@ def assert_nothing_lost(rows, events, attempt: int, steps: int, report: str) -> 
     per_key = Counter((row.attempt, row.rank, row.step) for row in rows)
     assert max(per_key.values()) == 1, f"a metric row stored twice: {report}"
     assert sorted(per_key) == [(attempt, rank, step) for rank in (0, 1) for step in range(1, steps + 1)], report
-    to_states = [event.to_state for event in events]
-    assert to_states.count(JobState.STARTING) == 1 and to_states.count(JobState.RUNNING) == 1, to_states
-    assert to_states[-1] is JobState.SUCCEEDED, to_states
+    # launched once: one transition into each state; notices (from_state == to_state, such as a
+    # launcher's "waiting for resources" on a loaded machine) are not transitions
+    shown = [(event.from_state, event.to_state, event.reason) for event in events]
+    to_states = [event.to_state for event in events if event.from_state != event.to_state]
+    assert to_states.count(JobState.STARTING) == 1 and to_states.count(JobState.RUNNING) == 1, shown
+    assert to_states[-1] is JobState.SUCCEEDED, shown
 
 
 def test_killing_the_replica_that_launched_a_running_job_loses_nothing(ray_head, migrated_postgres_url, tmp_path):
