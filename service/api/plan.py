@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
 from contract.spec import OffloadParams
+from contract.zero_defaults import ZERO_DEFAULTS
 from contract.zero_math import (DEFAULT_BUCKET_MB, DEFAULT_DISK_GBPS, DEFAULT_PRECISION, DEFAULT_PREFETCH,
                                 DEFAULT_TARGET_EFFICIENCY, PRECISIONS)
 from service.api.deps import current_user, get_settings
@@ -81,7 +82,7 @@ class PlanResponse(BaseModel):
 
     stage: int
     offload_optimizer: bool | Literal["nvme"]  # True: host memory; "nvme": swap files (zero.nvme_path)
-    offload_params: OffloadParams = None  # stage 3: "nvme" prices the shards as swap files (disk_bytes)
+    offload_params: OffloadParams = ZERO_DEFAULTS["offload_params"]  # stage 3: "nvme" prices the shards as swap files
     reason: str
     budget_bytes: int | None
     host_budget_bytes: int | None

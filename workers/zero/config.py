@@ -203,7 +203,7 @@ class ZeroConfig:
                            self.offload_params, quantized_weights=self.quantized_weights,
                            quantized_gradients=self.quantized_gradients)
         check_hpz_built(self.hpz_partition_size)
-        check_nvme_path(self.offload_optimizer, self.nvme_path, self.offload_params)
+        check_nvme_path(self.offload_optimizer, self.nvme_path, self.offload_params, self.stage)
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ValueError(f"prefetch must be an integer >= 0, got {self.prefetch!r}")
         if self.grad_clip is not None and (
