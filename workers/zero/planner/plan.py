@@ -31,6 +31,8 @@ from typing import Any, Sequence
 from contract.zero_defaults import ZERO_DEFAULTS
 from contract.zero_math import (
     DEFAULT_BUCKET_MB,
+    DEFAULT_MARGIN,
+    DEFAULT_UNITS,
     DEFAULT_PRECISION,
     DEFAULT_PREFETCH,
     DEFAULT_TARGET_EFFICIENCY,
@@ -58,10 +60,8 @@ from .buffers import (
 )
 from .method import METHOD
 from .peak import CHECKPOINTS, PeakInputs, job_peak, step_gradient_bytes, summarize
-from .shape import DEFAULT_UNITS, ModelShape, bucket_elements, bucket_numels
+from .shape import ModelShape, bucket_elements, bucket_numels
 from .step_time import add_calibrated_time, add_time_model
-
-DEFAULT_MARGIN = 0.10  # a plan fits when its total is at most (1 - margin) of the budget
 
 
 @dataclass
