@@ -3,24 +3,11 @@ field written out anywhere but ``ZeroSpec`` (contract/spec.py), and does find on
 
 from __future__ import annotations
 
-import importlib.util
-import subprocess
-import sys
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parent.parent
-SCRIPT = REPO / "scripts" / "zero_defaults.py"
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("zero_defaults", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.helpers.repo_scripts import load_script, run_script
 
 
 def test_each_zero_default_is_defined_once_in_the_contract():
-    run = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, cwd=REPO)
+    run = run_script("zero_defaults.py")
     assert run.returncode == 0, run.stdout + run.stderr
     assert "places defining a zero field's default: [1] (per field" in run.stdout
     assert "literals outside contract/spec.py: 0" in run.stdout
@@ -32,6 +19,6 @@ def test_a_second_default_is_found_and_a_not_given_none_is_not_one(tmp_path):
         "from dataclasses import dataclass\n"
         "@dataclass\nclass Config:\n    stage: int = 2\n    bucket_mb: float = ZERO_DEFAULTS['bucket_mb']\n"
         "def build(precision=None, offload_params=None, stage: int = 'auto'):\n    ...\n")
-    kinds = {(field, how) for how, _, field, _ in _script().defaults(str(source))}
+    kinds = {(field, how) for how, _, field, _ in load_script("zero_defaults.py").defaults(str(source))}
     assert kinds == {("stage", "literal"), ("bucket_mb", "derived"), ("precision", "sentinel"),
                      ("offload_params", "literal"), ("stage", "literal")}
