@@ -93,7 +93,7 @@ OFFLOAD_PARAMS = (None, "cpu", "nvme")
 
 
 def check_nvme_path(offload_optimizer: bool | str, nvme_path: str | None,
-                    offload_params: str | None, stage: int | str | None = None) -> None:
+                    offload_params: str | None, stage: int | str) -> None:
     """``zero.nvme_path`` is an absolute folder, given exactly when some state goes to "nvme" or
     when ``stage`` is "auto": there it is the folder the planner may put the state in when
     nothing fits in memory (``workers/planning.py``, [Note: "auto" on NVMe])."""

@@ -131,6 +131,7 @@ BAD_SPECS: list[tuple[str, dict]] = [
     # ZeRO++: the quantized collectives are stage 3's; hpZ is not built yet
     ("zero.quantized_weights", with_value("zero", {"stage": 2, "quantized_weights": True})),
     ("zero.quantized_gradients", with_value("zero", {"stage": 1, "quantized_gradients": True})),
+    ("zero.quantized_gradients", with_value("zero", {"stage": 3, "quantized_gradients": "int4"})),
     ("zero.quantized_weights", with_value("zero", {"stage": 3, "quantized_weights": "int8"})),
     ("zero.hpz_partition_size", with_value("zero", {"stage": 3, "hpz_partition_size": 2})),
     ("zero.hpz_partition_size", with_value("zero", {"stage": 3, "hpz_partition_size": 0})),
@@ -139,6 +140,8 @@ BAD_SPECS: list[tuple[str, dict]] = [
     ("zero.keep_gathered_bytes", with_value("zero", {"stage": 3, "keep_gathered_bytes": True})),
     ("zero.shard_group_size", with_value("zero.shard_group_size", True)),
     ("zero.bucket_mb", with_value("zero.bucket_mb", -25)),
+    ("zero.bucket_mb", with_value("zero.bucket_mb", float("nan"))),
+    ("zero.prefetch", with_value("zero.prefetch", 1.5)),
     ("resources.num_workers", with_value("resources.num_workers", 0)),
     ("resources.min_workers", with_value("resources.min_workers", 0)),
     ("resources.min_workers", with_value("resources.min_workers", 3)),  # more than num_workers (2)

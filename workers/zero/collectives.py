@@ -86,6 +86,7 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+from contract.zero_defaults import ZERO_DEFAULTS
 
 from . import quantized_comm
 from .hybrid import check_shard_group_size, hybrid_groups, is_hybrid
@@ -112,7 +113,7 @@ class Collectives:
     """The engine's only door to ``torch.distributed``."""
 
     def __init__(self, group: Optional[dist.ProcessGroup], device: torch.device, timeout_s: float = 300.0,
-                 force_distributed: bool = False, shard_group_size: Optional[int] = None,
+                 force_distributed: bool = False, shard_group_size: Optional[int] = ZERO_DEFAULTS["shard_group_size"],
                  quantize_weights: bool = False, quantize_gradients: bool = False):
         #: the whole data-parallel world: control messages, set-up broadcasts, stage 0's all-reduce
         self.dp_group = group

@@ -124,9 +124,15 @@ class ZeroConfig:
     force_distributed   a world of one still runs every collective through its process group
                         instead of copying locally (a one-GPU run that exercises NCCL:
                         ``benchmarks/gpu_check.py``); needs an initialized process group.
+
+    [Note: ``stage`` has no default]
+    The contract's default stage is ``"auto"``: the planner chooses one from the job's memory
+    budget (``workers/planning.py``). The engine has no planner, so any integer written here
+    would be a second default that no job follows. A caller names the stage; a job's is the
+    planner's choice, passed to ``from_spec``.
     """
 
-    stage: int = 2  # the engine needs a stage; a job's "auto" is resolved by the planner first
+    stage: int  # required: a job's default, "auto", names no stage the engine could run (note below)
     precision: str = ZERO_DEFAULTS["precision"]
     bucket_mb: float = ZERO_DEFAULTS["bucket_mb"]
     overlap_comm: bool = True
@@ -197,7 +203,7 @@ class ZeroConfig:
                            self.offload_params, quantized_weights=self.quantized_weights,
                            quantized_gradients=self.quantized_gradients)
         check_hpz_built(self.hpz_partition_size)
-        check_nvme_path(self.offload_optimizer, self.nvme_path, self.offload_params)
+        check_nvme_path(self.offload_optimizer, self.nvme_path, self.offload_params, self.stage)
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ValueError(f"prefetch must be an integer >= 0, got {self.prefetch!r}")
         if self.grad_clip is not None and (

@@ -88,11 +88,10 @@ class ZeroEngine:
         self,
         model: nn.Module,
         optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
-        config: Optional[ZeroConfig] = None,
+        config: ZeroConfig,
         process_group: Optional[dist.ProcessGroup] = None,
         init_weights: InitWeights = None,
     ):
-        config = config if config is not None else ZeroConfig()
         if not isinstance(config, ZeroConfig):
             raise TypeError(f"config must be a ZeroConfig, got {type(config).__name__}")
         if isinstance(optimizer, torch.optim.Optimizer) or not callable(optimizer):

@@ -40,7 +40,7 @@ from workers.zero import config as config_mod
 )
 def test_bad_values_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
-        ZeroConfig(**kwargs)
+        ZeroConfig(**{"stage": 2, **kwargs})
 
 
 def test_good_values():
@@ -57,8 +57,8 @@ def test_fp16_on_a_cpu_that_cannot_is_a_value_error(monkeypatch):
     monkeypatch.setattr(config_mod, "dtype_usable", lambda dtype, device="cpu": dtype != torch.float16)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match="precision='fp16' is not supported"):
-        ZeroConfig(precision="fp16")
-    ZeroConfig(precision="bf16")
+        ZeroConfig(stage=2, precision="fp16")
+    ZeroConfig(stage=2, precision="bf16")
 
 
 def test_the_probe_is_real():
@@ -102,17 +102,26 @@ def test_precisions_are_the_contracts_with_the_element_sizes_it_states():
 
 
 def test_bucket_numel_is_bucket_mb_of_the_compute_dtype():
-    assert ZeroConfig(precision="fp32", bucket_mb=1).bucket_numel == 2**20 // 4
+    assert ZeroConfig(stage=2, precision="fp32", bucket_mb=1).bucket_numel == 2**20 // 4
     assert config_mod.elements_per_bucket(1e-9, 4) == 1  # never an empty bucket
 
 
 def test_the_job_facing_defaults_are_the_contracts():
     """One definition: a field ZeroSpec and ZeroConfig share has ZeroSpec's default on both sides."""
-    spec, cfg = ZeroSpec(), ZeroConfig()
+    spec, cfg = ZeroSpec(), ZeroConfig(stage=2)
     shared = set(ZeroSpec.model_fields) & set(ZeroConfig.__dataclass_fields__) - {"stage"}  # "auto" is a job's
     assert shared == set(ZeroSpec.model_fields) - {"stage"}
     assert {name: getattr(cfg, name) for name in shared} == {name: getattr(spec, name) for name in shared}
     assert cfg.precision == "fp32"
+
+
+def test_the_engine_takes_no_stage_it_was_not_given():
+    """The contract's default stage is "auto", which the engine cannot run: a caller names one,
+    so no second default stage exists beside ZeroSpec's."""
+    with pytest.raises(TypeError, match="stage"):
+        ZeroConfig()
+    with pytest.raises(TypeError):
+        ZeroEngine(nn.Linear(3, 2), _adamw)
 
 
 def test_from_spec_takes_every_field_of_the_block_and_the_jobs_grad_clip():

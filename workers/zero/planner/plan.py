@@ -31,6 +31,8 @@ from typing import Any, Sequence
 from contract.zero_defaults import ZERO_DEFAULTS
 from contract.zero_math import (
     DEFAULT_BUCKET_MB,
+    DEFAULT_MARGIN,
+    DEFAULT_UNITS,
     DEFAULT_PRECISION,
     DEFAULT_PREFETCH,
     DEFAULT_TARGET_EFFICIENCY,
@@ -58,10 +60,8 @@ from .buffers import (
 )
 from .method import METHOD
 from .peak import CHECKPOINTS, PeakInputs, job_peak, step_gradient_bytes, summarize
-from .shape import DEFAULT_UNITS, ModelShape, bucket_elements, bucket_numels
+from .shape import ModelShape, bucket_elements, bucket_numels
 from .step_time import add_calibrated_time, add_time_model
-
-DEFAULT_MARGIN = 0.10  # a plan fits when its total is at most (1 - margin) of the budget
 
 
 @dataclass
@@ -79,7 +79,7 @@ class StagePrediction:
     peak: dict[str, Any]  # the job's parts (peak.summarize): bytes per part, the worst part, host peaks
     comm_elements: int
     comm_bytes: int
-    offload_params: str | None = None  # stage 3: "cpu" (as in memory on a CPU rank) or "nvme" (swap files)
+    offload_params: str | None = ZERO_DEFAULTS["offload_params"]  # stage 3: "cpu" (in memory on a CPU rank), "nvme"
     #: of comm_elements: inside a shard group / across groups (hybrid sharding; 0 without it)
     comm_intra_elements: int = 0
     comm_inter_elements: int = 0
@@ -450,7 +450,7 @@ def plan_for_count(
     prefetch: int = DEFAULT_PREFETCH,
     activation_bytes: int | None = None,
     units: int = DEFAULT_UNITS,
-    offload_params: str | None = None,
+    offload_params: str | None = ZERO_DEFAULTS["offload_params"],
 ) -> Plan:
     """The whiteboard question: Φ parameters on ``gpus`` GPUs, activations given or left out;
     ``offload_params`` limits it to stage 3, the only stage that shards the parameters."""
