@@ -187,8 +187,8 @@ def report_worker_preempted(stopped: WorkerPreemptedIn, job: WorkerJob, session:
     try:
         transition(session, job.id, JobState.QUEUED, reason=Reason.PREEMPTED, message=message,
                    expected={JobState.RUNNING, JobState.RESTARTING},
-                   values={"preempt_for": None, "preempt_requested_at": None, "launch_handle": None,
-                           "claimed_by": None})
+                   values={"preempt_for": None, "preempt_requested_at": None, "preempt_shrink_to": None,
+                           "launch_handle": None, "claimed_by": None})
     except IllegalTransition as refused:
         raise HTTPException(409, str(refused)) from None
     session.commit()
