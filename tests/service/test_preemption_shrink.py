@@ -108,6 +108,24 @@ def test_the_shrink_report_lets_the_blocked_job_start_and_the_job_stays_running(
     assert cluster.asked() == {elastic: high, high: higher}
 
 
+def test_the_dashboard_says_which_job_shrinks_to_how_many_workers_until_it_has(cluster):
+    import httpx
+
+    elastic = run_elastic(cluster, priority=0, workers=4, least=1)
+    high = cluster.submit(priority=5, workers=2)
+
+    def items() -> dict:
+        return httpx.get(f"{cluster.service.url}/api/v1/dashboard/preemption", params={"job_id": [high]},
+                         headers={"Authorization": f"Bearer {cluster.service.admin_token}"}
+                         ).raise_for_status().json()["items"]
+
+    [asked] = items()[high]["asked"]
+    assert asked["id"] == elastic and items()[high]["shrink_to"] == 2
+    with cluster.worker(elastic) as worker:
+        worker.post("/shrunk", json={"step": 6, "workers": 2}).raise_for_status()
+    assert items() == {}  # done: nothing is asked for it any more (the cap is no request)
+
+
 def test_the_cap_is_lifted_once_the_job_it_made_room_for_has_ended(cluster):
     elastic = run_elastic(cluster, priority=0, workers=4, least=1)
     high = cluster.submit(priority=5, workers=2)
