@@ -60,7 +60,7 @@ def test_an_elastic_low_job_shrinks_at_a_checkpoint_for_a_high_one_and_both_succ
     assert not [e for e in events if e.to_state is JobState.QUEUED and e.from_state is not None], story
     assert not [e for e in events if e.reason == "preempted"], story
     # resizes only (the shrink; a grow-back once the high job ended, if the run outlasts it), no failure
-    restarting = [e for e in events if e.to_state is JobState.RESTARTING]
+    restarting = [e for e in events if e.to_state is JobState.RESTARTING and e.from_state is not JobState.RESTARTING]
     assert restarting and {e.reason for e in restarting} == {"workers_resized"}, story
     resized = [e.message for e in events if e.reason == "workers_resized" and e.from_state == e.to_state]
     assert resized[0] == "worker group resized from 2 to 1 workers", story
