@@ -4,10 +4,11 @@ When admission (``service.admission``) finds that the job at the head of the que
 what the running jobs leave free, and lower-priority running jobs hold enough of what it lacks,
 the admitter asks one elastic job to shrink or else the fewest and lowest of them to stop.
 Asking writes ``jobs.preempt_for`` (the job it makes room for) and ``jobs.preempt_requested_at``
-and a ``preemption_requested`` notice; the job's rank 0 reads it through ``GET /jobs/{id}/worker/preemption`` (``workers.preemption``),
-the ranks agree on a step, stop after committing a checkpoint there and report
-``POST /jobs/{id}/worker/preempted``: the job moves RUNNING → QUEUED with reason ``preempted``
-(``job.preempted`` webhook) and later resumes from that checkpoint like any restarted attempt.
+and a ``preemption_requested`` notice; the job's rank 0 reads it through
+``GET /jobs/{id}/worker/preemption`` (``workers.preemption``), the ranks agree on a step, stop
+after committing a checkpoint there and report ``POST /jobs/{id}/worker/preempted``: the job
+moves RUNNING → QUEUED with reason ``preempted`` (``job.preempted`` webhook) and later resumes
+from that checkpoint like any restarted attempt.
 A shrink is asked the same way with ``jobs.preempt_shrink_to`` set too: [Note: shrinking].
 
 [Note: the choice]
