@@ -6,6 +6,15 @@ with the optimizer's files), and its memory is freed. ``stage3_swap.py`` reads i
 pooled page-aligned buffer before the unit's gather and hands the buffer back once the gather
 was waited; the values gathered are the file's, bit for bit the shard in memory.
 
+[Note: building straight to disk]
+The files are allocated (``open``) before the engine builds its first unit, and each unit's
+shard goes to its file as soon as the unit is built (``store``, called by
+``initial_state.BucketBuilder``), its memory freed before the next unit is built. So a rank
+never holds its whole shard, nor (with a meta model) the whole model: at most one unit's full
+values, its shard and one buffer being written. The optimizer's views of an fp32 master are
+made before its memory is freed (a view cannot be cut from a storage of 0 bytes) and the
+optimizer is built over them without reading them.
+
 [Note: two kinds of unit file]
 In fp32 (and with the optimizer on the host, whose master is its own copy, in neither) the
 shard *is* the fp32 master (``initial_state.py``): the file then holds the master, the
@@ -39,14 +48,14 @@ from .swap_io import AlignedBuffer, BlockIO, DirectFile, SwapFolder, aligned
 class ParamShardSwap:
     """The parameter shards of a stage-3 rank's units (one bucket each) in swap files."""
 
-    def __init__(self, buckets: list[FlatBucket]):
-        self.buckets = buckets
-        self.numel = [b.param_shard.numel() for b in buckets]
-        self.dtype = [b.param_shard.dtype for b in buckets]
-        self.nbytes = [n * b.param_shard.element_size() for n, b in zip(self.numel, buckets)]
+    def __init__(self, shard_numels: list[int], dtype: torch.dtype):
+        self.buckets: list[FlatBucket] = []  # filled by ``store`` as the engine builds them
+        self.numel = list(shard_numels)
+        self.dtype = dtype
+        self.nbytes = [n * dtype.itemsize for n in self.numel]
         self.io = BlockIO()
         self.files: list[DirectFile] = []
-        self.is_master = [False] * len(buckets)  # set by start(): the file holds the fp32 master
+        self.is_master: list[bool] = []  # set by store(): the file holds the fp32 master
         self.capacity = aligned(max(self.nbytes, default=1))
         self.pool: list[AlignedBuffer] = []
         self.reading: dict[int, tuple[AlignedBuffer, list[Future]]] = {}
@@ -57,20 +66,32 @@ class ParamShardSwap:
     def holds_masters(self) -> bool:
         return any(self.is_master)
 
-    def start(self, folder: SwapFolder) -> None:
-        """Write every shard to its file in ``folder`` and free its memory (once the optimizer was
-        built over the masters)."""
+    def open(self, folder: SwapFolder) -> None:
+        """Every unit's file in ``folder``, allocated now: a disk too small fails before a unit is built."""
         total = sum(aligned(n) for n in self.nbytes)
-        for i, b in enumerate(self.buckets):
-            self.is_master[i] = b.param_shard.untyped_storage().data_ptr() == b.master.untyped_storage().data_ptr()
+        for i, nbytes in enumerate(self.nbytes):
             self.files.append(folder.open(f"param-{i:05d}.swap"))
-            self.files[i].reserve(self.nbytes[i], total)
-        for i, b in enumerate(self.buckets):
-            buffer = self._take()
-            self._view(i, buffer).copy_(b.param_shard)
-            self._write(i, buffer)
-            self.end_step()  # one buffer at a time: the start holds no more than a step does
-            b.param_shard.untyped_storage().resize_(0)
+            self.files[i].reserve(nbytes, total)
+
+    def store(self, b: FlatBucket, keep_master: bool) -> None:
+        """The next unit, just built: its shard written to its file (behind the next unit's build)
+        and its memory freed (the note on building straight to disk). ``keep_master``: the
+        optimizer copies the fp32 master elsewhere (host offload), so a master that is the
+        shard stays in memory and the shard becomes a tensor of its own."""
+        i = len(self.buckets)
+        shard = b.param_shard
+        if shard.numel() != self.numel[i] or shard.dtype != self.dtype:
+            raise RuntimeError(f"unit {i}: built {shard.numel()} {shard.dtype} elements, the swap file holds "
+                               f"{self.numel[i]} {self.dtype}")
+        self.buckets.append(b)
+        shared = shard.untyped_storage().data_ptr() == b.master.untyped_storage().data_ptr()
+        self.is_master.append(shared and not keep_master)
+        buffer = self._take()
+        self._view(i, buffer).copy_(shard)
+        self._write(i, buffer)
+        if shared and keep_master:
+            b.param_shard = torch.empty(self.numel[i], dtype=self.dtype)
+        b.param_shard.untyped_storage().resize_(0)
 
     # -- a unit's gather (stage3_swap.py) ------------------------------------------------------------
     def read_ahead(self, units: Iterable[int]) -> None:
@@ -186,7 +207,7 @@ class ParamShardSwap:
 
     # -- buffers and files -------------------------------------------------------------------------------
     def _view(self, i: int, buffer: AlignedBuffer) -> torch.Tensor:
-        return buffer.view(0, self.numel[i], self.dtype[i])
+        return buffer.view(0, self.numel[i], self.dtype)
 
     def _take(self) -> AlignedBuffer:
         """A free buffer: from the pool, else the oldest write's once it finished, else a new one."""
