@@ -35,14 +35,13 @@ copies it (``holds_masters``).
 from __future__ import annotations
 
 import contextlib
-from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
 
 import torch
 
 from .buckets import FlatBucket
-from .swap_io import AlignedBuffer, BlockIO, DirectFile, SwapFolder, aligned
+from .swap_io import AlignedBuffer, BlockIO, DirectFile, SwapFolder, WriteBehind, aligned
 
 
 class ParamShardSwap:
@@ -60,7 +59,7 @@ class ParamShardSwap:
         self.pool: list[AlignedBuffer] = []
         self.reading: dict[int, tuple[AlignedBuffer, list[Future]]] = {}
         self.loaded: dict[int, AlignedBuffer] = {}  # read, for a gather in flight or for a step
-        self.writing: deque[tuple[int, AlignedBuffer, list[Future]]] = deque()
+        self.writes = WriteBehind(self.io)
 
     @property
     def holds_masters(self) -> bool:
@@ -155,10 +154,7 @@ class ParamShardSwap:
 
     def end_step(self) -> None:
         """Wait for every write: the files hold the step's parameters."""
-        while self.writing:
-            _, buffer, futures = self.writing.popleft()
-            self.io.wait(futures)
-            self.pool.append(buffer)
+        self.pool.extend(self.writes.all())
 
     def step_io(self) -> dict[str, float]:
         """Bytes read and written and the seconds waited on them since the last call."""
@@ -192,7 +188,7 @@ class ParamShardSwap:
     def tensors(self) -> list[torch.Tensor]:
         """The host memory the swap holds now: its buffers, free or in use."""
         held = self.pool + list(self.loaded.values()) + [b for b, _ in self.reading.values()] + \
-            [b for _, b, _ in self.writing]
+            self.writes.buffers()
         return [buffer.bytes for buffer in held]
 
     def close(self) -> None:
@@ -211,10 +207,8 @@ class ParamShardSwap:
 
     def _take(self) -> AlignedBuffer:
         """A free buffer: from the pool, else the oldest write's once it finished, else a new one."""
-        while not self.pool and self.writing:
-            _, buffer, futures = self.writing.popleft()
-            self.io.wait(futures)
-            self.pool.append(buffer)
+        if not self.pool and self.writes:
+            self.pool.append(self.writes.oldest())
         return self.pool.pop() if self.pool else AlignedBuffer(self.capacity)
 
     def _start_read(self, i: int) -> None:
@@ -233,13 +227,10 @@ class ParamShardSwap:
         if i in self.reading:  # a read ahead of the old values: stale once this write starts
             self._drop_read(i)
         self._wait_writes(i)
-        self.writing.append((i, buffer, self.io.write(self.files[i], buffer, self.nbytes[i])))
+        self.writes.start(i, self.files[i], buffer, self.nbytes[i])
 
     def _wait_writes(self, i: int) -> None:
         """No transfer of unit ``i``'s file may overlap a write of it."""
-        for entry in [e for e in self.writing if e[0] == i]:
-            self.writing.remove(entry)
-            self.io.wait(entry[2])
-            self.pool.append(entry[1])
+        self.pool.extend(self.writes.of(i))
 
 
