@@ -96,3 +96,47 @@ def test_built_straight_to_disk_is_bit_for_bit_the_engine_built_in_memory(precis
         _same(nvme["sd"]["master"], memory["sd"]["master"], f"{what} trained: masters")
         _same(nvme["sd"]["optimizer"], memory["sd"]["optimizer"], f"{what} trained: optimizer state")
     assert not (tmp_path / "nvme").exists()
+
+
+def _steps(engine: ZeroEngine, steps: int = 2) -> list[torch.Tensor]:
+    losses = []
+    for rows in dc.batches(1, steps):
+        loss = engine(*rows[0])
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.detach().clone())
+    return losses
+
+
+def test_with_the_optimizer_on_the_host_the_master_stays_and_the_shard_goes_to_its_file(tmp_path):
+    """``offload_optimizer="cpu"`` copies the fp32 master to the host offload's arena after the
+    build: the master a unit's file would otherwise hold stays in memory for it, and the file
+    holds the shard. One rank, fp32: bit for bit the same engine without parameter offload."""
+    out = {}
+    for kind, swap in (("memory", {}), ("nvme", {"offload_params": "nvme", "nvme_path": str(tmp_path / "nvme")})):
+        torch.manual_seed(7)
+        with torch.device("meta"):
+            model = GPT(dc.SMALL)
+        with ZeroEngine(model, dc.adamw, ZeroConfig(stage=3, precision="fp32", offload_optimizer="cpu", **swap)) as e:
+            out[kind] = (_steps(e), e.full_state_dict(), e.state_dict())
+            if kind == "nvme":
+                assert not e.swap.holds_masters and len(os.listdir(tmp_path / "nvme" / "0")) == len(e.buckets)
+    _same(out["nvme"][0], out["memory"][0], "losses")
+    _same(out["nvme"][1], out["memory"][1], "parameters")
+    _same(out["nvme"][2]["optimizer"], out["memory"][2]["optimizer"], "optimizer state")
+    assert not (tmp_path / "nvme").exists()
+
+
+def test_a_construction_that_fails_after_the_shards_were_written_leaves_no_files(tmp_path):
+    """The parameter files exist from the first bucket on: an optimizer factory that raises, after
+    every shard went to its file, still leaves nothing on disk."""
+    def broken(params):
+        raise RuntimeError("no optimizer today")
+
+    folder = tmp_path / "job"
+    with torch.device("meta"):
+        model = GPT(dc.SMALL)
+    config = ZeroConfig(stage=3, precision="fp32", offload_params="nvme", nvme_path=str(folder))
+    with pytest.raises(RuntimeError, match="no optimizer today"):
+        ZeroEngine(model, broken, config)
+    assert not folder.exists()
