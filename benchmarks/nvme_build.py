@@ -55,6 +55,7 @@ def rank_main(rank: int, world_size: int, args: dict) -> dict[str, Any]:
     folder = os.path.join(args["nvme_dir"], "job")
     meter = PeakMemoryMeter("cpu")
     meter.start()
+    torch.manual_seed(args["seed"])  # the presets' initial values derive from it: the same model on every run
     with torch.device("meta"):
         model = GPT(cfg)
     params = num_parameters(model)
@@ -105,6 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--nvme-dir", default=tempfile.gettempdir(), help="where the swap files go (a folder per run)")
     p.add_argument("--json", help="write the per-rank results here")
     args = vars(p.parse_args(argv))
