@@ -14,7 +14,12 @@ The teams (quotas set through the API as an admin would):
 * ``a``: share 0.5 (one of the two CPUs), max priority 5;
 * ``b``: share 0.5, max priority 3 (one submit at priority 4 is made to see the 422). Not the
   stand-in's 0.25: half a CPU holds no 1-CPU worker, so b's guarantee would never be owed;
-* ``c``: no share, at most 2 running jobs; it submits its backlog first.
+* ``c``: no share, at most 2 running jobs; it submits its backlog (the first ``--backlog``
+  jobs) first, and a and b submit theirs once c's RUNNING jobs hold the whole cluster. Submitted
+  all at once (``--backlog 0``) on a loaded machine, every job is queued before the admitter's
+  first pass: they start in priority order and nothing is ever preempted. Arriving while
+  c holds the cluster, a's and b's jobs preempt c's (lower priority, or equal priority and c
+  above its share of nothing).
 
 Reported, besides the stand-in form's table (start order, each team's CPU-seconds and share
 against its guarantee, another user's ``GET /jobs`` p50/p99/max throughout; see
@@ -105,9 +110,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=30)
     parser.add_argument("--cpus", type=int, default=2, help="the Ray head's CPUs")
     parser.add_argument("--seed", type=int, default=34)
-    parser.add_argument("--steps", type=int, nargs=2, default=(20, 60), metavar=("MIN", "MAX"),
+    parser.add_argument("--steps", type=int, nargs=2, default=(30, 80), metavar=("MIN", "MAX"),
                         help="each job's steps, drawn from this range")
-    parser.add_argument("--every", type=int, default=10, help="checkpoint every this many steps")
+    parser.add_argument("--every", type=int, default=5, help="checkpoint every this many steps")
+    parser.add_argument("--backlog", type=int, default=10,
+                        help="submit this many (team c's backlog) first, the rest once they hold the cluster (0: all at once)")
     parser.add_argument("--poll-s", type=float, default=0.5, help="GET /jobs sampling interval")
     parser.add_argument("--scheduler-poll-s", type=float, default=0.25)
     parser.add_argument("--timeout-s", type=float, default=3600)
@@ -126,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
             with scratch_service("admission-teams-ray", LAUNCHER="ray", RAY_ADDRESS=head.dashboard_url,
                                  SCHEDULER_ENABLED="true", MAX_USER_PRIORITY="5",
                                  SCHEDULER_POLL_S=str(args.scheduler_poll_s)) as scratch:
-                run = drive(scratch, submissions, lambda job: job_spec(job, args.every), QUOTAS, args)
+                run = drive(scratch, submissions, lambda job: job_spec(job, args.every), QUOTAS, args,
+                            first=args.backlog)
                 rows = {job_id: run.admin.metrics(job_id) for job_id in run.ids}
         finally:
             head.stop()
