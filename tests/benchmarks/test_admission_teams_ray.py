@@ -3,20 +3,14 @@ and events (no server), and a smoke run at the smallest size on a real 2-CPU Ray
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from datetime import datetime, timezone
 from pathlib import Path
 from types import SimpleNamespace
 
-import pytest
 
 from benchmarks.admission_teams_ray import start_ups, step_rows, steps_kept
 from service.schemas import EventOut
 
-REPO = Path(__file__).resolve().parents[2]
 
 
 def rows(*triples: tuple[int, int, int]) -> list[SimpleNamespace]:
@@ -61,24 +55,3 @@ def test_steps_kept_counts_preemptions_and_judges_the_preempted_jobs_apart() -> 
     events["q"].insert(2, event(1.5, "STARTING", "STARTING", "insufficient_resources"))
     assert start_ups(events) == [1.0, 1.0, 1.0]
 
-
-@pytest.mark.slow
-@pytest.mark.ray
-@pytest.mark.timeout(600)
-def test_the_real_ray_admission_benchmark_runs_at_the_smallest_size(tmp_path: Path) -> None:
-    """Two jobs of team c (its backlog comes first) on a real 2-CPU head: both succeed with one
-    metric row per rank per step, the JSON has the start order, the teams and GET /jobs."""
-    out = tmp_path / "admission-teams-ray.json"
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "GLOO_SOCKET_IFNAME": "lo"}
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.admission", "--teams", "--real-ray", "--jobs", "2",
-                           "--steps", "3", "6", "--every", "2", "--timeout-s", "420", "--json", str(out)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=560)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    report = json.loads(out.read_text())
-    assert report["ray"] is True and report["states"] == {"SUCCEEDED": 2}
-    assert [job["team"] for job in report["start_order"]] == ["c", "c"]
-    assert report["steps_kept"]["jobs_exact"] == 2
-    assert report["teams"]["c"]["cpu_s"] > 0 and report["teams"]["a"]["cpu_s"] == 0
-    assert report["get_jobs_ms"]["samples"] > 0 and report["get_jobs_ms"]["p99"] > 0
-    assert report["priority_above_team_bound"]["refused_fields"] == ["priority"]
-    assert len(report["start_up_s"]) == 2
