@@ -35,7 +35,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from . import hybrid
+from . import hpz, hybrid
 
 
 def destroy_groups(comm) -> None:
@@ -48,6 +48,7 @@ def destroy_groups(comm) -> None:
     """
     dp_group: Optional[dist.ProcessGroup] = comm.dp_group
     own = [g for g in (comm.group, comm.replicate_group) if g is not None and g is not dp_group]
+    own += [g for g in hpz.forget(dp_group) if g is not None and all(g is not o for o in own)]
     comm.dp_group = comm.group = comm.replicate_group = None
     hybrid.forget(dp_group)
     if dp_group is not None and dist.is_initialized():
