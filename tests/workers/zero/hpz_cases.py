@@ -93,12 +93,14 @@ def training_world(rank: int, world_size: int) -> dict:
     return out
 
 
-def sizes_world(rank: int, world_size: int) -> dict:
-    """At N=2: hpZ groups of 1 (the secondary is the whole unit: backward sends nothing) and of 2
-    (the whole world) against stage 3, two steps each; sizes that do not divide the world refused."""
+def sizes_world(rank: int, world_size: int, folder: str) -> dict:
+    """At N=2: hpZ groups of 1 (the secondary is the whole unit: backward sends nothing), of 2
+    (the whole world), and of 1 with the primary shards in swap files under ``folder``, against
+    stage 3, two steps each; sizes that do not divide the world refused."""
     torch.set_num_threads(1)
     out = {}
-    for name, fields in {"stage3": {}, "h1": {"hpz_partition_size": 1}, "h2": {"hpz_partition_size": 2}}.items():
+    for name, fields in {"stage3": {}, "h1": {"hpz_partition_size": 1}, "h2": {"hpz_partition_size": 2},
+                         "h1_nvme": {"hpz_partition_size": 1, "offload_params": "nvme", "nvme_path": folder}}.items():
         engine = gpt_engine(rank, "fp32", 3, n_layer=1, **fields)
         counts, phase = _phase_counter(engine)
         try:
@@ -106,7 +108,8 @@ def sizes_world(rank: int, world_size: int) -> dict:
         finally:
             counts.pop("restore")()
         out[name] = {**run, "full": engine.full_state_dict(), "padded": engine.layout.numel,
-                     "sent": {k: v for k, v in counts.items() if k[0] == "backward" and k[1] == "broadcast"}}
+                     "sent": {k: v for k, v in counts.items() if k[0] == "backward" and k[1] == "broadcast"},
+                     "strategy": type(engine.strategy).__name__}
         engine.close()
     for size in (3, 4):
         try:

@@ -6,7 +6,9 @@
 * the backward's all-gathers stay inside the hpZ groups: counted by the engine per group
   (``comm_volume(by_group=True)``) and below it (what torch.distributed was asked to broadcast,
   over which group, in which phase), while the forward's gathers go over the world;
-* nothing of the secondary shards is left after a step.
+* nothing of the secondary shards is left after a step;
+* at N=2: groups of one (a whole secondary copy, also with the primary in swap files) and of
+  the whole world equal stage 3; sizes that do not divide the world are refused.
 """
 
 from __future__ import annotations
@@ -84,10 +86,12 @@ def test_hpz_backward_gathers_send_nothing_across_groups(trained):
     assert hpz_cases.H == 2
 
 
-def test_hpz_groups_of_one_and_of_the_world_and_sizes_that_do_not_fit():
-    for rank, runs in enumerate(spawn_world(hpz_cases.sizes_world, 2, timeout_s=300)):
+def test_hpz_groups_of_one_and_of_the_world_with_nvme_and_sizes_that_do_not_fit(tmp_path):
+    for rank, runs in enumerate(spawn_world(hpz_cases.sizes_world, 2, (str(tmp_path),), timeout_s=300)):
         phi = runs["stage3"]["padded"]
-        for name in ("h1", "h2"):
+        assert runs["h1_nvme"]["strategy"] == "HpzSwappedParamShardStrategy"
+        assert runs["h1_nvme"]["sent"] == runs["h1"]["sent"]
+        for name in ("h1", "h2", "h1_nvme"):
             for part in ("losses", "norms", "full"):
                 _equal(runs["stage3"][part], runs[name][part], f"rank {rank} {name} {part}")
         for step in range(2):  # groups of one: the backward's gathers are local copies, counted under "hpz"
