@@ -20,8 +20,10 @@ gpt_engine, gpt_batch = _cases.gpt_engine, _cases.gpt_batch
 H = 2
 #: the runs compared pairwise: name -> the zero fields (fp32, every unit re-gathered for its backward)
 VARIANTS = {"stage3": {}, "hpz": {"hpz_partition_size": H},
-            "qwz": {"quantized_weights": True}, "hpz_qwz": {"quantized_weights": True, "hpz_partition_size": H}}
-STEPS, ACCUM, RESUMED = 3, 2, 2
+            "qwz": {"quantized_weights": True}, "hpz_qwz": {"quantized_weights": True, "hpz_partition_size": H},
+            # hybrid sharding over groups of 2, hpZ groups of one inside them
+            "hsdp": {"shard_group_size": 2}, "hsdp_hpz": {"shard_group_size": 2, "hpz_partition_size": 1}}
+STEPS, ACCUM, RESUMED = 2, 2, 1
 
 
 def _phase_counter(engine) -> tuple[dict, list]:

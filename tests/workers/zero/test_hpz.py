@@ -1,8 +1,9 @@
 """ZeRO++'s hpZ (``hpz_partition_size``) at N=4 on two groups of 2 (issue 35, must show 1).
 
 * bit for bit stage 3: the losses, the gradient norms, the parameters and the optimizer state
-  over 3 steps of 2 micro-steps each, then after a resume from ``state_dict()`` into an engine
-  built from another seed; the same with qwZ on both sides (hpZ composes with it);
+  over 2 steps of 2 micro-steps each, then after a resume from ``state_dict()`` into an engine
+  built from another seed; the same with qwZ on both sides and with hybrid sharding (groups of
+  2, hpZ groups of 1) on both sides: hpZ composes with them;
 * the backward's all-gathers stay inside the hpZ groups: counted by the engine per group
   (``comm_volume(by_group=True)``) and below it (what torch.distributed was asked to broadcast,
   over which group, in which phase), while the forward's gathers go over the world;
@@ -44,7 +45,7 @@ def _equal(a, b, where: str) -> None:
         assert a == b, (where, a, b)
 
 
-@pytest.mark.parametrize("exact,hpz", [("stage3", "hpz"), ("qwz", "hpz_qwz")])
+@pytest.mark.parametrize("exact,hpz", [("stage3", "hpz"), ("qwz", "hpz_qwz"), ("hsdp", "hsdp_hpz")])
 def test_hpz_is_stage_3_bit_for_bit(trained, exact, hpz):
     for rank, runs in enumerate(trained):
         a, b = runs[exact], runs[hpz]
