@@ -98,7 +98,9 @@ def training_world(rank: int, world_size: int) -> dict:
 def sizes_world(rank: int, world_size: int, folder: str) -> dict:
     """At N=2: hpZ groups of 1 (the secondary is the whole unit: backward sends nothing), of 2
     (the whole world), and of 1 with the primary shards in swap files under ``folder``, against
-    stage 3, two steps each; sizes that do not divide the world refused."""
+    stage 3, two steps each; groups of 1 under ``keep_gathered_bytes`` (a kept unit let go by the
+    next one keeps its secondary then) against stage 3 under the same cap; sizes that do not
+    divide the world refused."""
     torch.set_num_threads(1)
     out = {}
     for name, fields in {"stage3": {}, "h1": {"hpz_partition_size": 1}, "h2": {"hpz_partition_size": 2},
@@ -112,6 +114,15 @@ def sizes_world(rank: int, world_size: int, folder: str) -> dict:
         out[name] = {**run, "full": engine.full_state_dict(), "padded": engine.layout.numel,
                      "sent": {k: v for k, v in counts.items() if k[0] == "backward" and k[1] == "broadcast"},
                      "strategy": type(engine.strategy).__name__}
+        engine.close()
+    probe = gpt_engine(rank, "fp32", 3, n_layer=2)  # a cap that keeps one block: the next one lets it go
+    cap = max(u.flat.numel() * 4 for u in probe.strategy.units if not u.is_root)
+    probe.close()
+    for name, fields in {"keep": {}, "keep_h1": {"hpz_partition_size": 1}}.items():
+        engine = gpt_engine(rank, "fp32", 3, n_layer=2, keep_gathered_bytes=cap, **fields)
+        out[name] = {**_steps(engine, rank, 0, 2, ["-"]), "full": engine.full_state_dict(),
+                     "hpz_gathers": engine.strategy.counts.get("hpz_gathers", 0),
+                     "gathers": engine.strategy.counts["gathers"]}
         engine.close()
     for size in (3, 4):
         try:

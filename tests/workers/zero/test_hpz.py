@@ -8,8 +8,10 @@
   (``comm_volume(by_group=True)``) and below it (what torch.distributed was asked to broadcast,
   over which group, in which phase), while the forward's gathers go over the world;
 * nothing of the secondary shards is left after a step;
-* at N=2: groups of one (a whole secondary copy, also with the primary in swap files) and of
-  the whole world equal stage 3; sizes that do not divide the world are refused.
+* at N=2: groups of one (a whole secondary copy, also with the primary in swap files, and under
+  a ``keep_gathered_bytes`` cap that lets kept units go) and of the whole world equal stage 3;
+  sizes that do not divide the world are refused;
+* ``stage: "auto"`` with hpZ resolves to stage 3.
 """
 
 from __future__ import annotations
@@ -87,7 +89,7 @@ def test_hpz_backward_gathers_send_nothing_across_groups(trained):
     assert hpz_cases.H == 2
 
 
-def test_hpz_groups_of_one_and_of_the_world_with_nvme_and_sizes_that_do_not_fit(tmp_path):
+def test_hpz_at_n2_groups_of_one_and_two_with_nvme_or_a_keep_cap_and_sizes_that_do_not_fit(tmp_path):
     for rank, runs in enumerate(spawn_world(hpz_cases.sizes_world, 2, (str(tmp_path),), timeout_s=300)):
         phi = runs["stage3"]["padded"]
         assert runs["h1_nvme"]["strategy"] == "HpzSwappedParamShardStrategy"
@@ -99,6 +101,9 @@ def test_hpz_groups_of_one_and_of_the_world_with_nvme_and_sizes_that_do_not_fit(
             assert runs["h1"]["groups"][step]["hpz"]["all_gather"] == ACCUM * phi * 4
             assert runs["h2"]["groups"][step]["hpz"]["all_gather"] == ACCUM * phi * 4
         assert runs["h1"]["sent"] == {("backward", "broadcast", "hpz"): 2 * ACCUM * phi}  # from itself, to itself
+        for part in ("losses", "norms", "full"):
+            _equal(runs["keep"][part], runs["keep_h1"][part], f"rank {rank} keep_gathered_bytes {part}")
+        assert runs["keep_h1"]["gathers"] == runs["keep"]["gathers"] and runs["keep_h1"]["hpz_gathers"] > 0
         for size in (3, 4):
             message = runs[f"refused {size}"]
             assert message is not None and f"hpz_partition_size={size} must divide the world size 2" in message
