@@ -85,6 +85,7 @@ def inputs_for_spec(
         shard_group_size=zero.shard_group_size,
         quantized_weights=zero.quantized_weights,
         quantized_gradients=zero.quantized_gradients,
+        hpz_partition_size=zero.hpz_partition_size,
         offload_params=zero.offload_params,
         optimizer_states=optimizer_state_tensors(spec.train.optimizer, spec.train.momentum),
         deferred_init=builds_on_meta(spec),

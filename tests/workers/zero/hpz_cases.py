@@ -15,7 +15,7 @@ from workers.zero.testing import load_module
 _here = pathlib.Path(__file__)
 _cases = load_module("tests.workers.zero.cases", _here.with_name("cases.py"))
 cases3 = load_module("tests.workers.zero.cases3", _here.with_name("cases3.py"))
-gpt_engine, gpt_batch = _cases.gpt_engine, _cases.gpt_batch
+gpt_engine, gpt_batch, make_gpt = _cases.gpt_engine, _cases.gpt_batch, _cases.make_gpt
 
 H = 2
 #: the runs compared pairwise: name -> the zero fields (fp32, every unit re-gathered for its backward)
@@ -47,13 +47,15 @@ def _phase_counter(engine) -> tuple[dict, list]:
 
 
 def _steps(engine, rank: int, start: int, stop: int, phase: list) -> dict:
-    losses, norms, groups = [], [], []
+    losses, norms, groups, buffers = [], [], [], None
     for step in range(start, stop):
         total = 0.0
         for micro in range(ACCUM):
             x, y = gpt_batch(step, micro, rank)
             phase[0] = "forward"
             loss = engine(x, y)
+            if buffers is None:  # as the first backward begins: hpZ's secondary shards are all alive
+                buffers = engine.memory()["buffers"]
             total += loss.item() / ACCUM
             phase[0] = "backward"
             engine.backward(loss / ACCUM)
@@ -61,7 +63,7 @@ def _steps(engine, rank: int, start: int, stop: int, phase: list) -> dict:
         norms.append(engine.step().grad_norm)
         losses.append(total)
         groups.append(engine.comm_volume(by_group=True))
-    return {"losses": losses, "norms": norms, "groups": groups}
+    return {"losses": losses, "norms": norms, "groups": groups, "buffers_after_forward": buffers}
 
 
 def training_world(rank: int, world_size: int) -> dict:

@@ -123,3 +123,24 @@ def test_auto_with_hpz_resolves_to_stage_3():
 
     assert plan_for_spec(spec({}), host_memory_bytes=10**15).stage != 3
     assert plan_for_spec(spec({"hpz_partition_size": 2}), host_memory_bytes=10**15).stage == 3
+
+
+def test_the_planner_prices_the_secondary_shards_as_the_engine_holds_them(trained):
+    """The planner's gathered units grow by hpZ's secondary shards (1/H of the padded units, fp32
+    here), which is what the engine's ``memory()["buffers"]`` grows by as the first backward begins."""
+    from workers.zero.planner.plan import PlanInputs, predict
+    from workers.zero.planner.shape import ModelShape
+
+    shape = ModelShape.of(hpz_cases.make_gpt(0, 2))
+    plain, hpz = (predict(PlanInputs(shape=shape, n_ranks=N, precision="fp32", device="cpu",
+                                     hpz_partition_size=h), 3) for h in (None, hpz_cases.H))
+    predicted = hpz.gpu["gathered_units"] - plain.gpu["gathered_units"]
+    for rank, runs in enumerate(trained):
+        measured = runs["hpz"]["buffers_after_forward"] - runs["stage3"]["buffers_after_forward"]
+        assert measured == runs["hpz"]["padded"] * 4 // hpz_cases.H, (rank, measured)
+        assert predicted == measured, (rank, predicted, measured)
+    assert hpz.peak["bytes"] > plain.peak["bytes"]
+    assert predict(PlanInputs(shape=shape, n_ranks=N, precision="fp32", device="cpu", hpz_partition_size=2,
+                              reshard_after_forward=False), 3).gpu["gathered_units"] == predict(
+        PlanInputs(shape=shape, n_ranks=N, precision="fp32", device="cpu", reshard_after_forward=False), 3
+    ).gpu["gathered_units"]  # every unit stays gathered: no secondary
