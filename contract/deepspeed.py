@@ -235,7 +235,7 @@ def _zero(zero: _Reader, out: Translation) -> None:
         if (on := zero.value(key, _bool)) is not None:
             out.set("zero", name, on, zero.path(key))
     if (hpz := zero.value("zero_hpz_partition_size", _positive_int)) is not None and hpz != 1:
-        out.set("zero", "hpz_partition_size", hpz, zero.path("zero_hpz_partition_size"))  # refused: not built
+        out.set("zero", "hpz_partition_size", hpz, zero.path("zero_hpz_partition_size"))
     for key in zero.rest():
         if key in NOT_BUILT_ZERO:
             raise DeepSpeedConfigError(zero.path(key), f"{NOT_BUILT_ZERO[key]} is not built")

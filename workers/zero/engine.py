@@ -142,12 +142,12 @@ class ZeroEngine:
             self.strategy = make_strategy(config.stage, self.buckets, self.comm, config.overlap_comm, units,
                                           config.prefetch, config.reshard_after_forward, module=model,
                                           keep_gathered_bytes=config.keep_gathered_bytes,
+                                          hpz_partition_size=config.hpz_partition_size,
                                           param_swap=self.swap.params if self.swap is not None else None)
             self.offload = HostOptimizerState(self.buckets, self.device) if config.optimizer_offload == "cpu" else None
             self._opt_params = [(piece, view) for b in self.buckets for piece, view in b.master_views]
-            # The factory's two forms, the placeholder of a rank holding only padding and the empty
-            # stand-ins of a named factory: optim_groups.build. _placeholder: every tensor the
-            # optimizer may hold that is not a view of the shard.
+            # optim_groups.build: the factory's two forms, the placeholder of a rank holding only padding,
+            # the empty stand-ins of a named factory; _placeholder: what the optimizer holds beyond the shard.
             opt_device = "cpu" if self.offload is not None else self.device
             held = [(piece.slot.name, view) for piece, view in self._opt_params]
             self.optimizer, self._placeholder, self._opt_names = optim_groups.build(
@@ -327,7 +327,7 @@ class ZeroEngine:
     def global_step(self) -> int:
         return self._step
 
-    def comm_volume(self, unit: str = "elements") -> dict[str, int]:
+    def comm_volume(self, unit: str = "elements", by_group: bool = False) -> dict:
         """Elements (``unit="bytes"``: bytes on the wire) handed to collectives in the last step.
 
         ``all_reduce`` counts twice its elements; ``total`` = all_gather + reduce_scatter +
@@ -335,9 +335,10 @@ class ZeroEngine:
         apart and is not in ``total``. Nothing is counted on one rank without a process group.
         ``intra_group`` + ``inter_group`` = ``total``: with hybrid sharding (``shard_group_size``)
         ``inter_group`` is the all-reduce of the reduced shards across the groups, 2Φ/G per
-        reduce-scatter of Φ; without it everything is intra-group (``docs/engine.md``).
+        reduce-scatter of Φ; without it everything is intra-group (``docs/engine.md``). ``by_group``:
+        bytes by the process group they went over, then kind (``CommCounter.by_group``; hpZ's "hpz").
         """
-        return self._last_comm.snapshot(unit)
+        return self._last_comm.by_group() if by_group else self._last_comm.snapshot(unit)
 
     def memory(self) -> MemoryReport:
         """Bytes of the tensors this engine holds right now, by role (``memory_report.py``)."""

@@ -166,7 +166,9 @@ def test_offload_params_is_a_config_and_spec_field_the_engine_runs(tmp_path):
     ({"stage": 3, "nvme_path": "/x"}, "nvme_path is read with offload_optimizer or offload_params 'nvme', or with stage 'auto'"),
     ({"stage": 2, "quantized_weights": True}, r"quantized_weights \(ZeRO\+\+\) needs stage 3"),
     ({"stage": 0, "quantized_gradients": True}, r"quantized_gradients \(ZeRO\+\+\) needs stage 3"),
-    ({"stage": 3, "hpz_partition_size": 2}, "hpZ .* is not built in the engine yet"),
+    ({"stage": 2, "hpz_partition_size": 2}, r"hpz_partition_size \(ZeRO\+\+'s hpZ\) needs stage 3"),
+    ({"stage": 3, "hpz_partition_size": 3, "shard_group_size": 4}, r"hpz_partition_size \(3\) must divide "
+                                                                    r"shard_group_size \(4\)"),
 ])
 def test_the_cross_field_rules_are_the_contracts(kwargs, message):
     """The engine refuses with the sentence the control plane's 422 carries (contract/zero_rules.py)."""
@@ -186,6 +188,20 @@ def test_zeropp_fields_default_off_and_come_from_the_spec():
     assert (got.quantized_weights, got.quantized_gradients) == (True, True)
     with pytest.raises(ValueError, match="quantized_weights must be True or False"):
         ZeroConfig(stage=3, quantized_weights=1)
+
+
+def test_hpz_partition_size_is_taken_at_stage_3_and_checked():
+    assert ZeroConfig(stage=3, hpz_partition_size=2).hpz_partition_size == 2
+    assert ZeroConfig(stage=3, hpz_partition_size=2, shard_group_size=4).hpz_partition_size == 2
+    zero = ZeroSpec(stage=3, hpz_partition_size=2)
+    got = ZeroConfig.from_spec(zero, TrainSpec(steps=1, global_batch_size=2, micro_batch_size=1))
+    assert got.hpz_partition_size == 2
+    for bad in (0, True, 1.5, "2"):
+        with pytest.raises(ValueError, match="hpz_partition_size must be None"):
+            ZeroConfig(stage=3, hpz_partition_size=bad)
+    assert allowed_stages(False, 0, offload_params=None, quantized_weights=False, quantized_gradients=False,
+                          hpz_partition_size=2) == (3,)
+    assert ZeroSpec(stage="auto", hpz_partition_size=2).hpz_partition_size == 2  # "auto" picks stage 3
 
 
 def test_offload_params_leaves_auto_only_stage_3():

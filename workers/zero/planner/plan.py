@@ -13,7 +13,8 @@ Terms of one rank's device memory (each reported separately):
   (``contract.zero_math``); under optimizer offload the fp32 master, the moments and an fp32
   gradient shard live on the host instead (``cpu`` terms);
 * communication/step scratch (``buffers.py``);
-* stage-3 gathered units: the root unit (kept gathered) and ``prefetch + 1`` blocks;
+* stage-3 gathered units: the root unit (kept gathered) and ``prefetch + 1`` blocks (with hpZ,
+  the secondary shards too: ``groups.py``);
 * activations, measured (``activations.py``);
 * an allocator reserve (``buffers.allocator_reserve_bytes``).
 
@@ -58,6 +59,7 @@ from .buffers import (
     stage2_tail_bytes,
     step_buffer_bytes,
 )
+from .groups import hpz_secondary_bytes, hybrid_group_size
 from .method import METHOD
 from .peak import CHECKPOINTS, PeakInputs, job_peak, step_gradient_bytes, summarize
 from .shape import ModelShape, bucket_elements, bucket_numels
@@ -129,6 +131,7 @@ class PlanInputs:
     shard_group_size: int | None = ZERO_DEFAULTS["shard_group_size"]  # hybrid: states sharded over G ranks
     quantized_weights: bool = ZERO_DEFAULTS["quantized_weights"]  # ZeRO++ qwZ (stage 3): int8 gathers
     quantized_gradients: bool = ZERO_DEFAULTS["quantized_gradients"]  # ZeRO++ qgZ (stage 3): int4 reduce
+    hpz_partition_size: int | None = ZERO_DEFAULTS["hpz_partition_size"]  # ZeRO++ hpZ (stage 3): groups of H
     offload_params: str | None = ZERO_DEFAULTS["offload_params"]  # stage 3: None, "cpu" or "nvme"
     optimizer_states: int = 2  # fp32 optimizer state tensors per parameter (Adam: m, v)
     deferred_init: bool = True  # built on the meta device, one bucket at a time; False: eagerly, in fp32
@@ -152,6 +155,7 @@ class PlanInputs:
             "units": len(self.shape.unit_numels) + bool(self.shape.root_numel),
             "n_ranks": self.n_ranks,
             "shard_group_size": self.shard_group_size,
+            "hpz_partition_size": self.hpz_partition_size,
             "precision": self.precision,
             "bucket_mb": self.bucket_mb,
             "prefetch": self.prefetch,
@@ -234,10 +238,12 @@ def predict(inputs: PlanInputs, stage: int, offload: bool | str = False) -> Stag
         backward = backward_transient - (gathered if traits.shards_parameters else 0)  # for the terms below
     else:
         backward_transient = backward + gathered
+    secondary = hpz_secondary_bytes(inputs, stage, phi_padded, kept_bytes)  # alive from forward to backward
+    backward_transient, gathered = backward_transient + secondary, gathered + secondary
     largest_param = max(shape.param_numels, default=0)
     forward = (activations if inputs.activation_bytes_forward is None else inputs.activation_bytes_forward) + gathered
     if traits.shards_parameters and inputs.activation_bytes_forward_stage3 is not None:
-        forward = inputs.activation_bytes_forward_stage3  # the gathers replayed on the forward's timeline
+        forward = inputs.activation_bytes_forward_stage3 + secondary  # the gathers replayed on the forward's timeline
     parts = job_peak(states, PeakInputs(
         stage=stage, offload=host_offload, precision=precision, n_ranks=n, device=inputs.device, buckets=buckets,
         phi_padded=phi_padded, phi_model=shape.phi + shape.frozen, frozen=shape.frozen,
@@ -298,15 +304,6 @@ def predict(inputs: PlanInputs, stage: int, offload: bool | str = False) -> Stag
     add_calibrated_time(prediction, inputs, inputs.calibration, n) if inputs.calibration is not None \
         else add_time_model(prediction, inputs)
     return prediction
-
-
-def hybrid_group_size(inputs: PlanInputs, stage: int) -> int | None:
-    """G when ``stage`` runs hybrid-sharded (it shards something and G < N: the engine's
-    ``hybrid.is_hybrid``), else None."""
-    g = inputs.shard_group_size
-    if g is None or g >= inputs.n_ranks or not stage_traits(stage).shards_optimizer:
-        return None
-    return g
 
 
 def _replayed_activations(inputs: PlanInputs, stage: int) -> int | None:
