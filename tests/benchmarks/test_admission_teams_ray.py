@@ -1,10 +1,9 @@
 """``benchmarks/admission_teams_ray.py``: its step accounting and start-up reading on made-up rows
-and events (no server), and a smoke run at the smallest size on a real 2-CPU Ray head (slow)."""
+and events (no server); the benchmark itself runs by hand (README)."""
 
 from __future__ import annotations
 
 from datetime import datetime, timezone
-from pathlib import Path
 from types import SimpleNamespace
 
 
