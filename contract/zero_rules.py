@@ -32,7 +32,7 @@ class ZeroRuleBroken(ValueError):
 
 def _needs(stage: int, offload_optimizer: bool, keep_gathered_bytes: int, offload_params: str | None,
            quantized_weights: bool, quantized_gradients: bool,
-           hpz_partition_size: int | None = None) -> ZeroRuleBroken | None:
+           hpz_partition_size: int | None) -> ZeroRuleBroken | None:
     traits = stage_traits(stage)
     if hpz_partition_size is not None and not traits.shards_parameters:
         return ZeroRuleBroken("zero.hpz_partition_size", f"hpz_partition_size (ZeRO++'s hpZ) needs stage 3 (it keeps "
@@ -59,7 +59,7 @@ def _needs(stage: int, offload_optimizer: bool, keep_gathered_bytes: int, offloa
 
 def check_stage_fields(stage: int | str, offload_optimizer: bool, keep_gathered_bytes: int,
                        offload_params: str | None, *, quantized_weights: bool, quantized_gradients: bool,
-                       hpz_partition_size: int | None = None) -> None:
+                       hpz_partition_size: int | None) -> None:
     """Raise ``ZeroRuleBroken`` when ``stage`` cannot run with the other fields; ``"auto"`` passes
     when some stage can (``allowed_stages`` then limits the planner's choice)."""
     if stage == "auto":
@@ -76,7 +76,7 @@ def check_stage_fields(stage: int | str, offload_optimizer: bool, keep_gathered_
 
 def allowed_stages(offload_optimizer: bool, keep_gathered_bytes: int,
                    stages: Sequence[int] = STAGES, *, offload_params: str | None, quantized_weights: bool,
-                   quantized_gradients: bool, hpz_partition_size: int | None = None) -> tuple[int, ...]:
+                   quantized_gradients: bool, hpz_partition_size: int | None) -> tuple[int, ...]:
     """The stages among ``stages`` that run with these fields: what ``"auto"`` may resolve to."""
     return tuple(s for s in stages if _needs(s, offload_optimizer, keep_gathered_bytes, offload_params,
                                              quantized_weights, quantized_gradients, hpz_partition_size) is None)

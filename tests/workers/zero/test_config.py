@@ -206,9 +206,9 @@ def test_hpz_partition_size_is_taken_at_stage_3_and_checked():
 
 def test_offload_params_leaves_auto_only_stage_3():
     assert allowed_stages(False, 0, offload_params="nvme", quantized_weights=False,
-                          quantized_gradients=False) == (3,)
+                          quantized_gradients=False, hpz_partition_size=None) == (3,)
     assert allowed_stages(True, 0, offload_params=None, quantized_weights=False,
-                          quantized_gradients=False) == (1, 2, 3)
+                          quantized_gradients=False, hpz_partition_size=None) == (1, 2, 3)
     for name in ("quantized_weights", "quantized_gradients"):  # ZeRO++ is stage 3's
-        assert allowed_stages(False, 0, offload_params=None, **{"quantized_weights": False,
-                                                                "quantized_gradients": False, name: True}) == (3,)
+        assert allowed_stages(False, 0, offload_params=None, hpz_partition_size=None,
+                              **{"quantized_weights": False, "quantized_gradients": False, name: True}) == (3,)
