@@ -52,7 +52,8 @@ def _drain(fetch: Fetch, cursor, sent: list) -> object:
             cursor = row_cursor
 
 
-def _interleave(make_session, first: Callable, second: Callable, fetch: Fetch, start=0) -> list[int]:
+def _interleave(make_session, first: Callable, second: Callable, fetch: Fetch, start=0,
+                before_commit: Callable = lambda session: None) -> list[int]:
     """``first(session)`` in an open transaction, ``second(session)`` (then commit) in a thread,
     a poll of ``fetch`` once the second has committed or waits for a lock, then the first's
     commit and the rest of the stream; returns the ids the stream sent."""
@@ -84,6 +85,7 @@ def _interleave(make_session, first: Callable, second: Callable, fetch: Fetch, s
         wait_for(lambda: second_done.is_set() or (second_pid and second_waits_for_a_lock()), 30,
                  "the second write to commit or to wait for the first")
         cursor = _drain(fetch, start, sent)  # a poll between the two commits
+        before_commit(held)
         held.commit()
     thread.join(30)
     assert not thread.is_alive() and not failures, failures
@@ -222,7 +224,9 @@ def test_a_job_ends_only_after_its_ingests_in_flight_commit_and_a_later_ingest_i
     seen_during: list[tuple[int, bool]] = []
 
     def ingest_in_flight(session) -> None:
-        share_job_metrics(session, JOB)  # what metric_ingest.store does, its token check passed
+        share_job_metrics(session, JOB)  # what metric_ingest.store does before its token check
+
+    def its_insert(session) -> None:
         insert_new(session, JOB, _records(0, range(5)))
 
     def end_job(session) -> None:
@@ -233,7 +237,7 @@ def test_a_job_ends_only_after_its_ingests_in_flight_commit_and_a_later_ingest_i
         seen_during.append((len(rows), ended))
         return rows, ended
 
-    sent = _interleave(make_session, ingest_in_flight, end_job, fetch_and_note, stream_cursor.START)
+    sent = _interleave(make_session, ingest_in_flight, end_job, fetch_and_note, stream_cursor.START, its_insert)
     assert seen_during[0] == (0, False)  # between: the job has not ended, its ingest not visible
     assert sent == _stored_in_commit_order(make_session) and len(sent) == 5
     rows, ended = fetch(stream_cursor.Position(*_last_position(make_session)))
@@ -273,46 +277,48 @@ def test_ingests_of_one_job_do_not_wait_for_each_other(make_live_service):
 
 
 def test_a_stream_resumed_with_an_id_from_before_the_change_goes_on_after_it(postgres_url):
-    """A ``Last-Event-ID`` (or ``after_id``) that is a plain row id, sent before migration 0020,
-    resumes right after that row once rows carry positions: rows stored before and after the
-    migration, each sent once; a position sent since resumes as well, and the latest of
-    ``after_id``, ``after`` and ``Last-Event-ID`` wins."""
+    """A ``Last-Event-ID`` (or ``after_id``) that is a plain row id, sent by a replica from
+    before migration 0020, resumes right after that row once rows carry positions: rows stored
+    before the migration, rows a not-yet-upgraded replica writes after it (their transaction
+    ids filled by the column's default) and new ones, each sent once. A position sent since
+    resumes as well, and the latest of ``after_id``, ``after`` and ``Last-Event-ID`` wins."""
+    def old_replica_writes(connection, rank: int, steps: range) -> list[int]:
+        connection.execute(text("SELECT pg_advisory_xact_lock(CAST(:c AS int4), CAST(:k AS int4))"),
+                           {"c": JOB_METRICS_CLASS, "k": name_key(JOB)})
+        return [connection.execute(text("INSERT INTO metrics (job_id, attempt, \"rank\", step, loss) "
+                                        "VALUES (:job, 0, :rank, :step, 1.0) RETURNING id"),
+                                   {"job": JOB, "rank": rank, "step": step}).scalar_one() for step in steps]
+
     migrate.upgrade(postgres_url, "0018")
     engine = make_engine(postgres_url)
-    make_session = make_sessionmaker(engine)
     try:
-        _add_job(make_session, JobState.RUNNING)
-        with engine.begin() as connection:  # rows written by a replica from before the change
-            for step in range(10):
-                connection.execute(text("INSERT INTO metrics (job_id, attempt, \"rank\", step, loss) "
-                                        "VALUES (:job, 0, 0, :step, 1.0)"), {"job": JOB, "step": step})
-        old_ids = [row for row, in engine.connect().execute(text(
-            "SELECT id FROM metrics WHERE job_id = :job ORDER BY id"), {"job": JOB})]
+        _add_job(make_sessionmaker(engine), JobState.RUNNING)
+        with engine.begin() as connection:
+            before = old_replica_writes(connection, 0, range(10))
         migrate.upgrade(postgres_url)
         engine.dispose()
         engine = make_engine(postgres_url)
         make_session = make_sessionmaker(engine)
+        with engine.begin() as connection:
+            after = old_replica_writes(connection, 2, range(5))
         _ingest(make_session, 1, range(5))
         _ingest(make_session, 0, range(10, 15))
         fetch = _metric_rows(make_session, JOB, None)
         everything = _stored_in_commit_order(make_session)
-        assert everything[:10] == old_ids
+        assert everything[:15] == before + after
 
-        last_sent_by_the_old_replica = str(old_ids[4])
-        sent: list[int] = []
-        _drain(fetch, _start(make_session, JOB, 0, None, last_sent_by_the_old_replica), sent)
-        assert sent == everything[5:]
+        for last_sent_by_an_old_replica, rest in ((before[4], everything[5:]), (after[2], everything[13:])):
+            sent: list[int] = []
+            _drain(fetch, _start(make_session, JOB, 0, None, str(last_sent_by_an_old_replica)), sent)
+            assert sent == rest
 
-        resumed: list[int] = []
-        position = str(stream_cursor.Position(*_position_of(make_session, everything[12])))
-        _drain(fetch, _start(make_session, JOB, old_ids[2], None, position), resumed)
-        assert resumed == everything[13:]
-        resumed = []
-        _drain(fetch, _start(make_session, JOB, old_ids[7], position, None), resumed)
-        assert resumed == everything[13:]
-        resumed = []
-        _drain(fetch, _start(make_session, JOB, old_ids[7], None, "not-an-id"), resumed)
-        assert resumed == everything[8:]
+        position = str(stream_cursor.Position(*_position_of(make_session, everything[17])))
+        for after_id, after_position, last_event_id, rest in (
+                (before[2], None, position, everything[18:]), (before[7], position, None, everything[18:]),
+                (before[7], None, "not-an-id", everything[8:])):
+            sent = []
+            _drain(fetch, _start(make_session, JOB, after_id, after_position, last_event_id), sent)
+            assert sent == rest
     finally:
         engine.dispose()
 
