@@ -186,7 +186,7 @@ def main() -> int:
               f"p99 {chart['p99_ms']:.0f} ms" + ("" if chart_baseline is None else
               f"; baseline p50 {chart_baseline['p50_ms']:.0f} ms, p99 {chart_baseline['p99_ms']:.0f} ms"), flush=True)
         rounds = [(i, server) for round_ in range(args.ingest_rounds if baseline is not None else 1)
-                  for i, server in enumerate(servers if round_ % 2 == 0 else servers[::-1])]
+                  for i, server in (list(enumerate(servers)) if round_ % 2 == 0 else list(enumerate(servers))[::-1])]
         for _ in rounds:
             httpx.post(f"{base}/api/v1/jobs", json=SPEC, headers=headers, timeout=120).raise_for_status()
         claims = [claim for claim in claim_ingest_tokens(database_url, scratch.home, len(rounds) + 1)
