@@ -93,9 +93,11 @@ def position_of_id(session: Session, job_id: str, after_id: int) -> Position:
     """The position a plain id ``after_id`` stands for ([Note: ids from before the change])."""
     if after_id <= 0:
         return START
-    found = session.execute(
-        select(Metric.xid, Metric.id).where(Metric.job_id == job_id, Metric.id <= after_id)
-        .order_by(Metric.xid.desc(), Metric.id.desc()).limit(1)).first()
+    found = session.execute(select(Metric.xid, Metric.id).where(Metric.id == after_id, Metric.job_id == job_id)).first()
+    if found is None:  # not a row of this job (or not stored): the highest of its rows up to the id
+        found = session.execute(
+            select(Metric.xid, Metric.id).where(Metric.job_id == job_id, Metric.id <= after_id)
+            .order_by(Metric.xid.desc(), Metric.id.desc()).limit(1)).first()
     return Position(*found) if found is not None else Position(0, after_id)
 
 
