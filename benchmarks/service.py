@@ -339,7 +339,8 @@ async def run_phases(scratch: Scratch, args: argparse.Namespace) -> dict:
                 return response.status_code == 200 and response.json()["accepted"] == size
             return post
 
-        assert await batches_of(1)(0), "warm-up ingest failed"
+        for index in range(len(workers)):  # each replica warmed up (a started one has opened nothing yet)
+            assert await batches_of(1)(index), "warm-up ingest failed"
         request_rate = args.ranks / FLUSH_INTERVAL_S  # every rank flushes once per interval
         print(f"ingest: {args.ranks} ranks, one batch per rank every {FLUSH_INTERVAL_S:.0f} s, "
               f"{len(workers)} replica(s)", flush=True)
