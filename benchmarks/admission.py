@@ -20,6 +20,9 @@ mixed priority from three teams with quotas and guaranteed shares, on the real s
 admitter with a stand-in driver that holds its resources for a set time.
 
     python -m benchmarks.admission --teams --json bench-results/admission-teams.json
+
+``--teams --real-ray``: the same scenario with real Ray Train jobs on a 2-CPU local Ray head
+(``benchmarks.admission_teams_ray``), preemptions and lost steps counted too.
 """
 
 from __future__ import annotations
@@ -80,6 +83,10 @@ def descendants(pid: int) -> list[int]:
 
 
 def main() -> int:
+    if "--teams" in sys.argv[1:] and "--real-ray" in sys.argv[1:]:
+        from benchmarks.admission_teams_ray import main as teams_ray_main
+
+        return teams_ray_main([arg for arg in sys.argv[1:] if arg not in ("--teams", "--real-ray")])
     if "--teams" in sys.argv[1:]:
         from benchmarks.admission_teams import main as teams_main
 

@@ -35,13 +35,15 @@ import json
 import os
 import random
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.scratch import scratch_service
+from benchmarks.scratch import Scratch, scratch_service
 from benchmarks.service import percentile
 from service.client import Client, ValidationFailed
 
@@ -54,12 +56,13 @@ QUOTAS = {"a": {"share": 0.5, "max_priority": 5}, "b": {"share": 0.25, "max_prio
 SUBMIT_ORDER = "c" * 10 + "ab" * 10  # c's backlog first, then a and b in turn (30 jobs)
 
 
-def plan(jobs: int, seed: int) -> list[dict]:
-    """The submissions, in order: team, priority, workers, seconds held."""
+def plan(jobs: int, seed: int, steps: tuple[int, int] = (3, 8), cpus_per_worker: float = CPUS_PER_WORKER) -> list[dict]:
+    """The submissions, in order: team, priority, workers, steps (here: seconds held), CPUs per
+    worker. The same seed gives the same teams, priorities and workers whatever ``steps`` is."""
     rng = random.Random(seed)
     order = (SUBMIT_ORDER * (jobs // len(SUBMIT_ORDER) + 1))[:jobs]
     return [{"team": team, "priority": rng.choice([-1, 0, 0, 0, 2]), "workers": rng.choice([1, 1, 2]),
-             "steps": rng.randint(3, 8)} for team in order]
+             "steps": rng.randint(*steps), "cpus_per_worker": cpus_per_worker} for team in order]
 
 
 def job_spec(job: dict) -> dict:
@@ -68,7 +71,7 @@ def job_spec(job: dict) -> dict:
             "priority": job["priority"], "data": {"kind": "synthetic", "seq_len": 32},
             "train": {"steps": job["steps"], "global_batch_size": 2 * workers, "micro_batch_size": 2},
             "zero": {"stage": 2, "precision": "fp32"}, "checkpoint": {"every_steps": 1, "keep_last": 1},
-            "resources": {"num_workers": workers, "cpus_per_worker": CPUS_PER_WORKER}, "max_failures": 0}
+            "resources": {"num_workers": workers, "cpus_per_worker": job["cpus_per_worker"]}, "max_failures": 0}
 
 
 def spans_in(events: list, started: float, states: set[str], end: float) -> list[tuple[float, float]]:
@@ -104,42 +107,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     submissions = plan(args.jobs, args.seed)
 
-    latencies: list[float] = []
     with scratch_service("admission-teams", SCHEDULER_ENABLED="true", LOCAL_ENTRYPOINT=HOLD_DRIVER,
                          LOCAL_CAPACITY_CPUS=str(args.cpus), MAX_USER_PRIORITY="5",
                          SCHEDULER_POLL_S=str(args.scheduler_poll_s)) as scratch:
-        admin = Client(scratch.base, scratch.token)
-        members = {}
-        for team, quota in QUOTAS.items():
-            admin.create_team(team)
-            admin.set_team_member(team, f"user-{team}", "member")
-            admin.set_team_quota(team, **quota)
-            members[team] = Client(scratch.base, admin.create_token(f"user-{team}").token)
-        observer = {"Authorization": f"Bearer {admin.create_token('observer').token}"}
-        try:
-            members["b"].submit(job_spec({**submissions[0], "team": "b", "priority": 4}))
-            bound_refused = None
-        except ValidationFailed as refused:
-            bound_refused = refused.fields
-        started = time.time()
-        ids = [members[job["team"]].submit(job_spec(job)).id for job in submissions]
-        with httpx.Client(timeout=60) as http:
-            while time.time() - started < args.timeout_s:
-                sent = time.perf_counter()
-                http.get(f"{scratch.base}/api/v1/jobs", headers=observer).raise_for_status()
-                latencies.append(time.perf_counter() - sent)
-                page = admin.list(limit=200)
-                states = {job.id: job.state.value for job in page.items}
-                if all(states.get(job_id) in TERMINAL for job_id in ids):
-                    break
-                time.sleep(args.poll_s)
-        events = {job_id: admin.events(job_id) for job_id in ids}
-        final = {job_id: admin.get(job_id).state.value for job_id in ids}
+        run = drive(scratch, submissions, job_spec, QUOTAS, args)
 
-    result = summarize(submissions, ids, events, final, started, args)
-    result["get_jobs_ms"] = {"p50": 1000 * percentile(latencies, 0.5), "p99": 1000 * percentile(latencies, 0.99),
-                             "max": 1000 * max(latencies, default=float("nan")), "samples": len(latencies)}
-    result["priority_above_team_bound"] = {"submitted": 4, "bound": 3, "refused_fields": bound_refused}
+    result = {**summarize(submissions, run.ids, run.events, run.final, run.started, args), **run.measured()}
     show(result)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -147,15 +120,89 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if result["states"].get("SUCCEEDED") == args.jobs else 1
 
 
+@dataclass
+class Run:
+    """What ``drive`` saw: the jobs (in submission order), their events and final states, and
+    another user's ``GET /jobs`` latencies throughout. ``admin`` is usable while the service is."""
+
+    admin: Client
+    ids: list[str]
+    events: dict
+    final: dict
+    started: float  # time.time() just before the first of the jobs was submitted
+    ended: float  # when every job had ended (or the timeout)
+    latencies: list[float]
+    bound_refused: list | None  # the fields a submit above team b's priority bound was refused on
+    rest_submitted_s: float | None = None  # when the jobs after ``drive``'s ``first`` were submitted
+
+
+    def measured(self) -> dict:
+        return {"wall_s": self.ended - self.started, "rest_submitted_s": self.rest_submitted_s,
+                "get_jobs_ms": {"p50": 1000 * percentile(self.latencies, 0.5),
+                                "p99": 1000 * percentile(self.latencies, 0.99),
+                                "max": 1000 * max(self.latencies, default=float("nan")),
+                                "samples": len(self.latencies)},
+                "priority_above_team_bound": {"submitted": 4, "bound": 3, "refused_fields": self.bound_refused}}
+
+
+def drive(scratch: Scratch, submissions: list[dict], spec_of: Callable[[dict], dict], quotas: dict,
+          args: argparse.Namespace, first: int = 0) -> Run:
+    """Set up the teams (a member each, ``quotas`` through the API), try one submit above team
+    b's bound, submit every job as its team's member, then sample another user's ``GET /jobs``
+    every ``args.poll_s`` until every job has ended (or ``args.timeout_s``).
+
+    ``first``: submit only the first ``first`` jobs, and the rest once those RUNNING hold the
+    whole cluster (``args.cpus``) or none of them waits any more: a backlog already running
+    when the others arrive, so that admission has running jobs to preempt."""
+    admin = Client(scratch.base, scratch.token)
+    members = {}
+    for team, quota in quotas.items():
+        admin.create_team(team)
+        admin.set_team_member(team, f"user-{team}", "member")
+        admin.set_team_quota(team, **quota)
+        members[team] = Client(scratch.base, admin.create_token(f"user-{team}").token)
+    observer = {"Authorization": f"Bearer {admin.create_token('observer').token}"}
+    try:
+        members["b"].submit(spec_of({**submissions[0], "team": "b", "priority": 4}))
+        bound_refused = None
+    except ValidationFailed as refused:
+        bound_refused = refused.fields
+    latencies: list[float] = []
+    started, rest_at = time.time(), None
+    now, pending = (submissions[:first], submissions[first:]) if first else (submissions, [])
+    ids = [members[job["team"]].submit(spec_of(job)).id for job in now]
+    with httpx.Client(timeout=60) as http:
+        while time.time() - started < args.timeout_s:
+            sent = time.perf_counter()
+            http.get(f"{scratch.base}/api/v1/jobs", headers=observer).raise_for_status()
+            latencies.append(time.perf_counter() - sent)
+            states = {job.id: job.state.value for job in admin.list(limit=200).items}
+            if pending:
+                running = sum(job["workers"] * job["cpus_per_worker"] for job, job_id in zip(now, ids)
+                              if states.get(job_id) == "RUNNING")
+                if running >= args.cpus or not any(states.get(j) in ("QUEUED", "STARTING") for j in ids):
+                    rest_at = time.time() - started
+                    ids += [members[job["team"]].submit(spec_of(job)).id for job in pending]
+                    pending = []
+            elif all(states.get(job_id) in TERMINAL for job_id in ids):
+                break
+            time.sleep(args.poll_s)
+    ended = time.time()
+    events = {job_id: admin.events(job_id) for job_id in ids}
+    final = {job_id: admin.get(job_id).state.value for job_id in ids}
+    return Run(admin, ids, events, final, started, ended, latencies, bound_refused, rest_at)
+
+
 def summarize(submissions: list[dict], ids: list[str], events: dict, final: dict, started: float,
-              args: argparse.Namespace, grid_s: float = 0.05) -> dict:
-    """Start order, and per team: CPU-seconds held, the share of the cluster it held while it had
-    a job waiting (QUEUED) at the highest priority anywhere, and overall; from each job's events."""
+              args: argparse.Namespace, grid_s: float = 0.05, quotas: dict = QUOTAS) -> dict:
+    """Start order, and per team (``quotas``: what each was given): CPU-seconds held, the share
+    of the cluster it held while it had a job waiting (QUEUED) at the highest priority anywhere,
+    and overall; from each job's events."""
     last = max(e.created_at.timestamp() - started for job_id in ids for e in events[job_id])
     held = {j: spans_in(events[j], started, HOLDING, last) for j in ids}
     queued = {j: spans_in(events[j], started, {"QUEUED"}, last) for j in ids}
     by_id = dict(zip(ids, submissions))
-    cpus_of = {j: by_id[j]["workers"] * CPUS_PER_WORKER for j in ids}
+    cpus_of = {j: by_id[j]["workers"] * by_id[j]["cpus_per_worker"] for j in ids}
     first_start = {j: held[j][0][0] for j in ids if held[j]}
     busy_end = max((stop for j in ids for _, stop in held[j]), default=0.0)
     grid = [index * grid_s for index in range(int(busy_end / grid_s))]
@@ -166,7 +213,7 @@ def summarize(submissions: list[dict], ids: list[str], events: dict, final: dict
         outranked = waiting is not None and any(by_id[j]["priority"] > waiting and during(held[j], t) for j in ids)
         top.append(None if outranked else waiting)
     teams = {}
-    for team, quota in QUOTAS.items():
+    for team, quota in quotas.items():
         mine = [j for j in ids if by_id[j]["team"] == team]
         waiting = [t for t, served in zip(grid, top)
                    if any(by_id[j]["priority"] == served and during(queued[j], t) for j in mine)]

@@ -198,6 +198,23 @@ def _precision(reader: _Reader, out: Translation) -> None:
         out.set("zero", "precision", "fp32", "deepspeed.bf16.enabled" if bf16 is not None else "deepspeed.fp16.enabled")
 
 
+def _offload(block: _Reader, name: str, off: Any, out: Translation) -> None:
+    """An ``offload_optimizer`` or ``offload_param`` block: its ``device`` to ``zero.<name>`` ("none"
+    is ``off``), its ``nvme_path`` to ``zero.nvme_path``, which both share (one folder of swap files)."""
+    device = block.value("device", _choice("none", "cpu", "nvme"))
+    if device is not None:
+        out.set("zero", name, off if device == "none" else device, block.path("device"))
+    if (path := block.value("nvme_path", _str)) is None:
+        return
+    if device != "nvme":
+        out.notes.append(f"ignored: {block.path('nvme_path')} (read with device 'nvme' only)")
+    elif out.fields.get("zero", {}).get("nvme_path", path) != path:
+        raise DeepSpeedConfigError(block.path("nvme_path"), "zerotrain keeps every swap file in one folder: "
+                                                            "give the optimizer's nvme_path")
+    else:
+        out.set("zero", "nvme_path", path, block.path("nvme_path"))
+
+
 def _zero(zero: _Reader, out: Translation) -> None:
     if (stage := zero.value("stage", _int)) is not None:
         if stage not in (0, 1, 2, 3):
@@ -206,36 +223,19 @@ def _zero(zero: _Reader, out: Translation) -> None:
     if zero.value("cpu_offload", _bool):  # DeepSpeed's older spelling of offload_optimizer.device: cpu
         out.set("zero", "offload_optimizer", "cpu", zero.path("cpu_offload"))
     if (optimizer := zero.block("offload_optimizer")) is not None:
-        device = optimizer.value("device", _choice("none", "cpu", "nvme"))
-        if device is not None:
-            out.set("zero", "offload_optimizer", False if device == "none" else device, optimizer.path("device"))
-        if (path := optimizer.value("nvme_path", _str)) is not None:
-            if device != "nvme":
-                out.notes.append(f"ignored: {optimizer.path('nvme_path')} (read with device 'nvme' only)")
-            else:
-                out.set("zero", "nvme_path", path, optimizer.path("nvme_path"))
+        _offload(optimizer, "offload_optimizer", False, out)
         if optimizer.value("ratio", _number) not in (None, 1, 1.0):
             raise DeepSpeedConfigError(optimizer.path("ratio"), "a partial optimizer offload is not built; "
                                                                 "zerotrain offloads every bucket (ratio 1)")
         _ignore_rest(optimizer, IGNORED_OFFLOAD, out)
     if (params := zero.block("offload_param")) is not None:
-        device = params.value("device", _choice("none", "cpu", "nvme"))
-        if device is not None:
-            out.set("zero", "offload_params", None if device == "none" else device, params.path("device"))
-        if (path := params.value("nvme_path", _str)) is not None:
-            if device != "nvme":
-                out.notes.append(f"ignored: {params.path('nvme_path')} (read with device 'nvme' only)")
-            elif out.fields.get("zero", {}).get("nvme_path", path) != path:
-                raise DeepSpeedConfigError(params.path("nvme_path"), "zerotrain keeps every swap file in one "
-                                                                     "folder: give the optimizer's nvme_path")
-            else:
-                out.set("zero", "nvme_path", path, params.path("nvme_path"))
+        _offload(params, "offload_params", None, out)
         _ignore_rest(params, IGNORED_OFFLOAD, out)
-    for key, field in ZEROPP_KEYS.items():
+    for key, name in ZEROPP_KEYS.items():
         if (on := zero.value(key, _bool)) is not None:
-            out.set("zero", field, on, zero.path(key))
+            out.set("zero", name, on, zero.path(key))
     if (hpz := zero.value("zero_hpz_partition_size", _positive_int)) is not None and hpz != 1:
-        out.set("zero", "hpz_partition_size", hpz, zero.path("zero_hpz_partition_size"))  # refused: not built
+        out.set("zero", "hpz_partition_size", hpz, zero.path("zero_hpz_partition_size"))
     for key in zero.rest():
         if key in NOT_BUILT_ZERO:
             raise DeepSpeedConfigError(zero.path(key), f"{NOT_BUILT_ZERO[key]} is not built")

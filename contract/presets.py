@@ -10,12 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+BYTE_VOCAB = 256  # a vocabulary of bytes: the presets', synthetic data's, the planner's for a model without one
+
 
 @dataclass(frozen=True)
 class GPTConfig:
     """The shape of a GPT-2 style decoder (``workers.models.GPT``)."""
 
-    vocab_size: int = 256
+    vocab_size: int = BYTE_VOCAB
     block_size: int = 256  # longest sequence the position table holds
     n_layer: int = 4
     n_head: int = 4

@@ -33,6 +33,8 @@ class Reason:
     PREEMPTION_REQUESTED = "preemption_requested"  # a notice: asked to stop at a checkpoint for a job
     PREEMPTION_WITHDRAWN = "preemption_withdrawn"  # a notice: the job it was to make room for no longer waits
     PREEMPTED = "preempted"  # stopped at a checkpoint for a higher-priority job; queued again
+    PREEMPTED_SHRINK = "preempted_shrink"  # a notice: an elastic job shrank at a checkpoint for a job; runs on
+    SHRINK_LIFTED = "shrink_lifted"  # a notice: the job a shrink made room for holds it no more; may grow back
     PREEMPTING = "preempting"  # queued: running jobs it names are asked to stop at a checkpoint for it
     OFFLOAD_DISK_FULL = "offload_disk_full"  # zero.nvme_path's filesystem cannot hold the swap files
 

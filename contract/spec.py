@@ -52,7 +52,7 @@ from contract.zero_math import (DEFAULT_BUCKET_MB, DEFAULT_PRECISION, DEFAULT_PR
                                 PRECISIONS, STAGES)
 from contract import deepspeed as deepspeed_config
 from contract.zero_rules import (OFFLOAD_OPTIMIZER, OFFLOAD_PARAMS, ZeroRuleBroken, check_nvme_path,
-                                 check_hpz_built, check_stage_fields,
+                                 check_hpz_groups, check_stage_fields, hpz_misfits,
                                  shard_group_misfits)
 
 # --------------------------------------------------------------------------- job spec
@@ -245,8 +245,9 @@ class ZeroSpec(SpecModel):
     # ZeRO++ (stage 3): the gradient reduce-scatter sends blockwise int4 through an all-to-all and
     # reduces in fp32 (qgZ, the one-level variant)
     quantized_gradients: bool = False
-    # ZeRO++ hpZ: a secondary weight partition within groups of this many ranks; not built yet
-    # (refused unless null)
+    # ZeRO++ hpZ (stage 3, workers/zero/hpz.py): after a unit's forward gather each rank keeps its
+    # part of the unit's parameters over a group of this many contiguous ranks (a node), so the
+    # backward gather stays inside the group; must divide every world size (and shard_group_size)
     hpz_partition_size: int | None = Field(default=None, ge=1, le=MAX_INT32)
 
     @field_validator("stage", "offload_optimizer", mode="before")
@@ -267,9 +268,10 @@ class ZeroSpec(SpecModel):
         try:
             check_stage_fields(self.stage, self.offload_optimizer, self.keep_gathered_bytes, self.offload_params,
                                quantized_weights=self.quantized_weights,
-                               quantized_gradients=self.quantized_gradients)
+                               quantized_gradients=self.quantized_gradients,
+                               hpz_partition_size=self.hpz_partition_size)
             check_nvme_path(self.offload_optimizer, self.nvme_path, self.offload_params, self.stage)
-            check_hpz_built(self.hpz_partition_size)
+            check_hpz_groups(self.hpz_partition_size, self.shard_group_size)
         except ZeroRuleBroken as broken:
             raise PydanticCustomError("zero_rule", "{message}", {"message": broken.message, "field": broken.field})
         return self
@@ -445,7 +447,8 @@ class JobSpec(SpecModel):
                  "incompatible": bad, "field": "resources.min_workers"})
 
     def _shard_groups(self) -> None:
-        """``zero.shard_group_size`` splits every world the job may run at into whole groups."""
+        """``zero.shard_group_size`` and ``zero.hpz_partition_size`` split every world the job may run
+        at into whole groups."""
         g, resources = self.zero.shard_group_size, self.resources
         bad = shard_group_misfits(g, resources.world_sizes)
         if bad:
@@ -458,6 +461,18 @@ class JobSpec(SpecModel):
                              if resources.elastic else ""),
                  "bad_list": ", ".join(map(str, bad)) + (" does not" if len(bad) == 1 else " do not"),
                  "incompatible": bad, "field": "zero.shard_group_size"})
+        h = self.zero.hpz_partition_size
+        bad = hpz_misfits(h, resources.world_sizes)
+        if bad:
+            raise PydanticCustomError(
+                "hpz_partition_size",
+                "zero.hpz_partition_size ({h}) must divide resources.num_workers ({num_workers}){elastic}: "
+                "hpZ keeps a secondary partition over groups of {h} contiguous ranks; world size {bad_list}",
+                {"h": h, "num_workers": resources.num_workers,
+                 "elastic": (f" and every world size down to resources.min_workers ({resources.min_workers})"
+                             if resources.elastic else ""),
+                 "bad_list": ", ".join(map(str, bad)) + (" does not" if len(bad) == 1 else " do not"),
+                 "incompatible": bad, "field": "zero.hpz_partition_size"})
 
     @property
     def accumulation_steps(self) -> int:

@@ -7,6 +7,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from contract.presets import BYTE_VOCAB
 from contract.spec_base import (BACKSLASH_OR_CONTROL, MAX_INT32, MAX_URI_CHARS, BoundedJson, SpecModel,
                                 check_factory_path, check_storage_uri)
 
@@ -135,7 +136,7 @@ class DataSpec(SpecModel):
             raise refuse("field", "field_for_format",
                          "{where}.field is read for {where}.format 'jsonl' or 'parquet' only")
         if kind == "synthetic" and self.vocab_size is None:
-            self.vocab_size = 256
+            self.vocab_size = BYTE_VOCAB
         return self
 
 

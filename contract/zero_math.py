@@ -41,6 +41,8 @@ DEFAULT_PRECISION = "fp32"  # zero.precision, /plan and the engine: the one defa
 DEFAULT_BUCKET_MB = 25.0  # zero.bucket_mb, /plan and the engine
 DEFAULT_PREFETCH = 1  # zero.prefetch, /plan and the planner
 DEFAULT_SEQ_LEN = 256  # the planner's sequence length when a spec or a plan question gives none
+DEFAULT_MARGIN = 0.10  # a plan fits when its total is at most (1 - margin) of the budget
+DEFAULT_UNITS = 32  # the stage-3 units the planner assumes for a bare parameter count
 
 
 # --------------------------------------------------------------------------- stages

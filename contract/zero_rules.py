@@ -31,8 +31,13 @@ class ZeroRuleBroken(ValueError):
 
 
 def _needs(stage: int, offload_optimizer: bool, keep_gathered_bytes: int, offload_params: str | None,
-           quantized_weights: bool, quantized_gradients: bool) -> ZeroRuleBroken | None:
+           quantized_weights: bool, quantized_gradients: bool,
+           hpz_partition_size: int | None = None) -> ZeroRuleBroken | None:
     traits = stage_traits(stage)
+    if hpz_partition_size is not None and not traits.shards_parameters:
+        return ZeroRuleBroken("zero.hpz_partition_size", f"hpz_partition_size (ZeRO++'s hpZ) needs stage 3 (it keeps "
+                                                         f"a secondary partition of stage 3's gathered parameters); "
+                                                         f"got stage={stage}")
     for name, on in (("quantized_weights", quantized_weights), ("quantized_gradients", quantized_gradients)):
         if on and not traits.shards_parameters:  # ZeRO++ is a stage-3 feature, as DeepSpeed's
             return ZeroRuleBroken(f"zero.{name}", f"{name} (ZeRO++) needs stage 3 (it quantizes stage 3's "
@@ -53,27 +58,28 @@ def _needs(stage: int, offload_optimizer: bool, keep_gathered_bytes: int, offloa
 
 
 def check_stage_fields(stage: int | str, offload_optimizer: bool, keep_gathered_bytes: int,
-                       offload_params: str | None, *, quantized_weights: bool, quantized_gradients: bool) -> None:
+                       offload_params: str | None, *, quantized_weights: bool, quantized_gradients: bool,
+                       hpz_partition_size: int | None = None) -> None:
     """Raise ``ZeroRuleBroken`` when ``stage`` cannot run with the other fields; ``"auto"`` passes
     when some stage can (``allowed_stages`` then limits the planner's choice)."""
     if stage == "auto":
         if not allowed_stages(offload_optimizer, keep_gathered_bytes, offload_params=offload_params,
-                              quantized_weights=quantized_weights,
-                              quantized_gradients=quantized_gradients):  # pragma: no cover - every rule leaves 3
+                              quantized_weights=quantized_weights, quantized_gradients=quantized_gradients,
+                              hpz_partition_size=hpz_partition_size):  # pragma: no cover - every rule leaves 3
             raise ZeroRuleBroken("zero.stage", "no ZeRO stage runs with these zero fields")
         return
     broken = _needs(stage, offload_optimizer, keep_gathered_bytes, offload_params, quantized_weights,
-                    quantized_gradients)
+                    quantized_gradients, hpz_partition_size)
     if broken is not None:
         raise broken
 
 
 def allowed_stages(offload_optimizer: bool, keep_gathered_bytes: int,
                    stages: Sequence[int] = STAGES, *, offload_params: str | None, quantized_weights: bool,
-                   quantized_gradients: bool) -> tuple[int, ...]:
+                   quantized_gradients: bool, hpz_partition_size: int | None = None) -> tuple[int, ...]:
     """The stages among ``stages`` that run with these fields: what ``"auto"`` may resolve to."""
     return tuple(s for s in stages if _needs(s, offload_optimizer, keep_gathered_bytes, offload_params,
-                                             quantized_weights, quantized_gradients) is None)
+                                             quantized_weights, quantized_gradients, hpz_partition_size) is None)
 
 
 #: ``zero.offload_optimizer``'s values: False, True and "cpu" (host memory; True is "cpu") or "nvme" (swap files)
@@ -93,7 +99,7 @@ OFFLOAD_PARAMS = (None, "cpu", "nvme")
 
 
 def check_nvme_path(offload_optimizer: bool | str, nvme_path: str | None,
-                    offload_params: str | None, stage: int | str | None = None) -> None:
+                    offload_params: str | None, stage: int | str) -> None:
     """``zero.nvme_path`` is an absolute folder, given exactly when some state goes to "nvme" or
     when ``stage`` is "auto": there it is the folder the planner may put the state in when
     nothing fits in memory (``workers/planning.py``, [Note: "auto" on NVMe])."""
@@ -113,19 +119,22 @@ def check_nvme_path(offload_optimizer: bool | str, nvme_path: str | None,
         raise ZeroRuleBroken("zero.nvme_path", f"nvme_path must be an absolute path; got {nvme_path!r}")
 
 
-def check_hpz_built(hpz_partition_size: int | None) -> None:
-    """Refuse ``zero.hpz_partition_size`` (ZeRO++'s hpZ) until the engine keeps a secondary weight
-    partition.
+def check_hpz_groups(hpz_partition_size: int | None, shard_group_size: int | None) -> None:
+    """``zero.hpz_partition_size`` (ZeRO++'s hpZ groups of contiguous ranks) lies within one shard
+    group: with hybrid sharding it must divide ``shard_group_size`` (the world sizes are
+    ``hpz_misfits``'s)."""
+    if hpz_partition_size is not None and shard_group_size is not None and shard_group_size % hpz_partition_size:
+        raise ZeroRuleBroken("zero.hpz_partition_size", f"hpz_partition_size ({hpz_partition_size}) must divide "
+                                                        f"shard_group_size ({shard_group_size}): each hpZ group of "
+                                                        "contiguous ranks lies within one shard group")
 
-    [Note: a field the engine does not run yet]
-    The field, its values and its rules are the contract; the engine's side is not built. A job
-    asking for it is refused at submit (``ZeroSpec``) and by ``ZeroEngine`` with this sentence, so no
-    job is admitted that would fail at start or run without what it asked for.
-    """
-    if hpz_partition_size is not None:
-        raise ZeroRuleBroken("zero.hpz_partition_size", f"hpz_partition_size={hpz_partition_size!r}: hpZ (a "
-                                                        "secondary weight partition within groups of that size) "
-                                                        "is not built in the engine yet; leave it null")
+
+def hpz_misfits(hpz_partition_size: int | None, world_sizes: Iterable[int]) -> list[int]:
+    """The world sizes that ``hpz_partition_size`` does not split into whole hpZ groups (a size
+    above the world's never does)."""
+    if hpz_partition_size is None:
+        return []
+    return [n for n in world_sizes if n % hpz_partition_size]
 
 
 def shard_group_misfits(shard_group_size: int | None, world_sizes: Iterable[int]) -> list[int]:

@@ -12,7 +12,9 @@ unit-testable), and the scheduler acts on it.
 - **Elastic jobs** (``resources.min_workers < num_workers``) are admitted once their
   ``min_workers`` fit (``Candidate.least``), and while they run they count as all their
   workers (``Candidate.demand``): Ray Train's elastic policy grows the group up to
-  ``num_workers`` whenever the cluster holds them, so that much is the job's to take.
+  ``num_workers`` whenever the cluster holds them, so that much is the job's to take -- save
+  for one that shrank to make room for another job, which counts as its cap while that stands
+  (``service.preemption``, [Note: shrinking]).
 - **Queue order, head of line**: queued jobs are considered by priority (higher first), then
   oldest first (the scheduler's query orders them; within a priority, jobs within their team's
   guaranteed share go first: ``service.quotas``), and the first one that does not fit the

@@ -93,6 +93,9 @@ class Job(Base):
     # service.preemption: the job this running job was asked to make room for, and when
     preempt_for: Mapped[str | None] = mapped_column(String(40))
     preempt_requested_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    # an elastic job asked to shrink (not stop) for preempt_for: to this many workers; once it has,
+    # preempt_requested_at is cleared and this caps its size while that job holds or awaits the room
+    preempt_shrink_to: Mapped[int | None] = mapped_column(Integer)
 
     @property
     def job_spec(self) -> JobSpec:

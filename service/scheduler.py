@@ -161,7 +161,8 @@ class Scheduler:
                 self.lease.commit(session)
                 return claimed
             running = session.execute(
-                select(Job.id, Job.owner, Job.spec, Job.state, Job.priority, Job.pk, Job.preempt_for)
+                select(Job.id, Job.owner, Job.spec, Job.state, Job.priority, Job.pk, Job.preempt_for,
+                       Job.preempt_requested_at, Job.preempt_shrink_to)
                 .where(Job.state.in_([state.value for state in HOLDING_STATES]))
             ).all()
             capacity = admission.cluster_capacity(self.launcher, self.settings)
@@ -212,16 +213,19 @@ class Scheduler:
         starting = set(decision.start[:self.claim_batch])
         used = sum((runner.candidate.demand for runner in runners), admission.NOTHING)
         used = sum((job.demand for job, _ in queued if job.job_id in starting), used)
-        victims = preemption.choose_victims(head[0], head[1], runners, capacity, used, reclaim(*head))
-        asked = preemption.request(session, victims, head[0].job_id)
-        for job_id in asked:
-            log.info("asked job %s to make room for job %s", job_id, head[0].job_id)
+        asks = preemption.choose(head[0], head[1], runners, capacity, used, reclaim(*head))
+        asked = preemption.request(session, asks, head[0].job_id)
+        for ask in asked:
+            log.info("asked job %s to %s to make room for job %s", ask.job_id,
+                     "stop" if ask.shrink_to is None else f"shrink to {ask.shrink_to} workers", head[0].job_id)
         # [Note: the head names its victims] asked in this pass or an earlier one (those count
-        # as free, so choose_victims asks nobody more): it waits with reason `preempting`
-        asked += [runner.candidate.job_id for runner in runners if runner.asked_for == head[0].job_id]
+        # as free, so choose asks nobody more): it waits with reason `preempting`
+        asked += [preemption.Ask(runner.candidate.job_id, runner.shrink_to)
+                  for runner in runners if runner.asked_for == head[0].job_id]
         if asked:
-            decision.waiting[head[0].job_id] = admission.Waiting(Reason.PREEMPTING,
-                                                                 preemption_notes.making_room(asked))
+            shrinking = {ask.job_id: ask.shrink_to for ask in asked if ask.shrink_to is not None}
+            decision.waiting[head[0].job_id] = admission.Waiting(
+                Reason.PREEMPTING, preemption_notes.making_room([ask.job_id for ask in asked], shrinking))
 
     def launch(self, job_id: str, ingest_token: str) -> None:
         with self.make_session() as session:
@@ -374,7 +378,14 @@ def replica_identity() -> str:
 
 
 def _runner(row: Any) -> preemption.Runner:
-    """A holding job as preemption sees it: only a RUNNING job with a ``preemptible`` spec may be asked."""
+    """A holding job as preemption sees it: only a RUNNING job with a ``preemptible`` spec may be
+    asked; one that shrank for another counts as its cap and is not asked again while it stands
+    ([Note: shrinking] in ``service.preemption``)."""
     candidate = admission.stored_candidate(row.id, row.owner, row.spec)
     preemptible = row.state == S.RUNNING.value and bool(row.spec.get("preemptible", True))
-    return preemption.Runner(candidate, row.priority, row.pk, preemptible, row.preempt_for)
+    pending = row.preempt_for is not None and row.preempt_requested_at is not None
+    if not pending and row.preempt_shrink_to is not None:
+        candidate = preemption.capped(candidate, row.preempt_shrink_to)
+        preemptible = False
+    return preemption.Runner(candidate, row.priority, row.pk, preemptible,
+                             row.preempt_for if pending else None, row.preempt_shrink_to if pending else None)

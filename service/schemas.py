@@ -294,24 +294,6 @@ class WorkerResizeIn(BaseModel):
     to_workers: int = Field(ge=1, le=MAX_INT32)
 
 
-class WorkerPreemptionOut(BaseModel):
-    """Whether the control plane asks this running job to make room (service.preemption): stop
-    at the next checkpoint boundary, or checkpoint at once when that is more than
-    ``grace_left_s`` away."""
-
-    requested: bool
-    for_job: str | None = None  # the job it makes room for
-    grace_left_s: float | None = None  # of the preempt_grace_s setting, since it was asked
-
-
-class WorkerPreemptedIn(BaseModel):
-    """The ranks stopped after committing the checkpoint of ``step`` (workers.preemption)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    step: int = Field(ge=0, le=MAX_INT32)
-
-
 class CheckpointFailureIn(BaseModel):
     """A save that every rank gave up on (workers.checkpointing.writer); becomes a job event."""
 

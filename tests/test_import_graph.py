@@ -4,30 +4,17 @@ when there is one."""
 
 from __future__ import annotations
 
-import importlib.util
-import subprocess
-import sys
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parent.parent
-SCRIPT = REPO / "scripts" / "import_graph.py"
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("import_graph", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.helpers.repo_scripts import load_script, run_script
 
 
 def test_the_product_has_no_import_cycle():
-    run = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, cwd=REPO)
+    run = run_script("import_graph.py")
     assert run.returncode == 0, run.stdout + run.stderr
     assert ", 0 cycle(s)" in run.stdout
 
 
 def test_a_cycle_through_a_function_level_relative_import_is_found(tmp_path):
-    graph = _script()
+    graph = load_script("import_graph.py")
     package = tmp_path / "workers" / "zero"
     package.mkdir(parents=True)
     for root in ("workers", "workers/zero", "service", "contract", "storage", "migrations"):

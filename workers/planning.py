@@ -85,6 +85,7 @@ def inputs_for_spec(
         shard_group_size=zero.shard_group_size,
         quantized_weights=zero.quantized_weights,
         quantized_gradients=zero.quantized_gradients,
+        hpz_partition_size=zero.hpz_partition_size,
         offload_params=zero.offload_params,
         optimizer_states=optimizer_state_tensors(spec.train.optimizer, spec.train.momentum),
         deferred_init=builds_on_meta(spec),
@@ -299,7 +300,8 @@ def plan_for_spec(
         host_budget = host_memory_bytes if gpu_job else None
         open_stages = allowed_stages(zero.offload_optimizer, zero.keep_gathered_bytes, stages,
                                      offload_params=zero.offload_params, quantized_weights=zero.quantized_weights,
-                                     quantized_gradients=zero.quantized_gradients)
+                                     quantized_gradients=zero.quantized_gradients,
+                                     hpz_partition_size=zero.hpz_partition_size)
         try:
             chosen = choose_plan(inputs, budget, margin, host_budget, allow_offload and target != "nvme", open_stages)
         except NoPlanFits as in_memory:

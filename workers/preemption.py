@@ -13,6 +13,11 @@ one broadcast of one integer), so they all stop after the same step:
 - when the next boundary is the run's last step, the job is let finish if that fits the grace
   (finishing frees the workers as well); else, as above, it saves now.
 
+An elastic job may be asked to shrink instead (the answer's ``shrink_to``): the same step is
+chosen and agreed with the size (``PreemptGate.shrink_to``), and the ranks shrink there
+through the elastic resize path (``workers.runtime.resize_at_checkpoint``, [Note: shrinking for
+a preemption]) instead of stopping; the gate then takes no notice of that same request again.
+
 Stopping waits for the checkpoint's commit (which waits for the step's metric records: every
 rank's metrics stay one row per step), then rank 0 reports ``POST /worker/preempted`` and the
 loop returns; the driver sees the job QUEUED again and exits without a final state. The next
@@ -68,6 +73,16 @@ class PreemptionWatch:
         latest = self._latest
         return None if latest is None else latest[0].get("for_job")
 
+    def request(self) -> tuple[str | None, int | None]:
+        """What the latest answer asks: the job to make room for and the size to shrink to (None: stop)."""
+        latest = self._latest
+        return (None, None) if latest is None else (latest[0].get("for_job"), latest[0].get("shrink_to"))
+
+    def cap(self) -> tuple[bool, int | None]:
+        """Whether an answer came yet, and the size the job is capped at (or asked to shrink to)."""
+        latest = self._latest
+        return (False, None) if latest is None else (True, latest[0].get("shrink_to"))
+
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5.0)
@@ -101,19 +116,37 @@ class PreemptGate:
         self.rank, self.device, self.watch = rank, device, watch
         self.every_steps, self.total_steps = every_steps, total_steps
         self._step_s_total, self._steps = 0.0, 0
+        self.shrink_to: int | None = None  # with should_stop: shrink to this many workers instead
+        self._acting: tuple[str | None, int | None] | None = None  # rank 0: the request acted on
+        self._handled: tuple[str | None, int | None] | None = None  # rank 0: a shrink already done
 
     def should_stop(self, step: int, *, saved: bool, step_time_s: float) -> bool:
-        """Collective: whether every rank stops after ``step`` (rank 0 decides)."""
+        """Collective: whether every rank stops (or, with ``shrink_to`` set, shrinks) after
+        ``step`` (rank 0 decides)."""
         self._step_s_total += step_time_s
         self._steps += 1
-        stop = 0
+        stop, target = 0, 0
         if self.rank == 0 and self.watch is not None:
-            stop = int(decide(step, saved, self.watch.grace_left_s(), self._step_s_total / self._steps,
-                              self.every_steps, self.total_steps))
-        value = torch.tensor([stop], dtype=torch.int64, device=self.device)
+            asked = self.watch.request()
+            if asked != self._handled:
+                stop = int(decide(step, saved, self.watch.grace_left_s(), self._step_s_total / self._steps,
+                                  self.every_steps, self.total_steps))
+                target = int(asked[1] or 0) if stop else 0
+                self._acting = asked
+        value = torch.tensor([stop, target], dtype=torch.int64, device=self.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast(value, src=0)
-        return bool(value.item())
+        self.shrink_to = int(value[1].item()) or None
+        return bool(value[0].item())
+
+    def shrunk(self) -> None:
+        """The ranks shrank for the request acted on last: take no notice of it again (rank 0's
+        answers may still show it until its next poll)."""
+        self._handled = self._acting
+
+    def cap(self) -> tuple[bool, int | None]:
+        """Rank 0: whether the control plane answered yet, and the size the job is capped at."""
+        return (False, None) if self.watch is None else self.watch.cap()
 
     def for_job(self) -> str | None:
         return None if self.watch is None else self.watch.for_job()

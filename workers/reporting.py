@@ -174,12 +174,23 @@ class WorkerAPI:
         response.raise_for_status()
 
     def get_preemption(self, deadline_s: float = 30.0) -> dict[str, Any]:
-        """``{"requested", "for_job", "grace_left_s"}``: whether the job is asked to make room
+        """``{"requested", "for_job", "grace_left_s", "shrink_to"}``: whether the job is asked to make room
         (service.preemption); polled by rank 0 (workers.preemption)."""
         response = self._with_retries(lambda: self.http.get(f"{self.base}/worker/preemption"),
                                       "asking whether the job is preempted", deadline_s)
         response.raise_for_status()
         return response.json()
+
+    def post_shrunk(self, step: int, workers: int, deadline_s: float = 120.0) -> None:
+        """The ranks committed the checkpoint of ``step`` and their group restarts at ``workers``
+        from it (an elastic job asked to shrink); idempotent. Raises ``JobNotActive`` when the
+        control plane refuses it (409/401)."""
+        body = {"step": step, "workers": workers}
+        response = self._with_retries(lambda: self.http.post(f"{self.base}/worker/shrunk", json=body),
+                                      f"reporting the shrink to {workers} workers at step {step}", deadline_s)
+        if response.status_code in (401, 409):
+            raise JobNotActive(f"control plane refused the shrink: {response.text}")
+        response.raise_for_status()
 
     def post_preempted(self, step: int, deadline_s: float = 120.0) -> None:
         """The ranks stopped after committing the checkpoint of ``step``: the job queues again;

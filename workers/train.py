@@ -377,8 +377,14 @@ def train_loop(config: LoopConfig, context: RunContext | None = None) -> dict[st
             if world.rank == 0 and (shows_progress(step, total_steps) or eval_loss is not None):
                 print(progress_line(record, total_steps, world.world_size), flush=True)
             if resize_gate is not None and blocked and step < total_steps:
+                if preempt is not None and preempt.cap()[0]:
+                    resize_gate.keep_cap(preempt.cap()[1])
                 resize_gate.at_checkpoint(step, wait_commit=checkpoints.finish)
             if preempt is not None and preempt.should_stop(step, saved=bool(blocked), step_time_s=step_time):
+                if preempt.shrink_to is not None and resize_gate is not None:
+                    shrink_for_preemption(step, bool(blocked), preempt, resize_gate, checkpoints, engine, loader,
+                                          world, api)
+                    continue  # a group already as small as asked trains on
                 preempted_at = stop_for_preemption(step, bool(blocked), preempt, checkpoints, engine, loader,
                                                    world, api)
                 break
@@ -427,6 +433,25 @@ def stop_for_preemption(step: int, saved: bool, preempt: Any, checkpoints: Check
         print(f"preempted at the checkpoint of step {step} to make room for job {preempt.for_job()}", flush=True)
         api.post_preempted(step)
     return step
+
+
+def shrink_for_preemption(step: int, saved: bool, preempt: Any, resize_gate: Any, checkpoints: CheckpointHook,
+                          engine: ZeroEngine, loader: ShardedBatchLoader, world: World, api: WorkerAPI) -> None:
+    """Every rank: save at ``step`` unless it just did; the group shrinks to ``preempt.shrink_to``
+    workers from that checkpoint (``ResizeGate.shrink``: Ray replaces this group, or one already
+    that small trains on); rank 0 reports it."""
+    if not saved:
+        checkpoints.save_now(step, engine, loader)
+    workers = preempt.shrink_to
+    preempt.shrunk()
+
+    def report() -> None:  # a report that fails is made again by the smaller group's rank 0, still asked
+        try:
+            api.post_shrunk(step, workers)
+        except Exception as error:  # noqa: BLE001 - the shrink goes on: Ray replaces the parked group
+            log.warning("could not report the shrink to %s workers at step %s: %s", workers, step, error)
+
+    resize_gate.shrink(step, workers, world.world_size, wait_commit=checkpoints.finish, report=report)
 
 
 def report_measured_memory(config: LoopConfig, world: World, attempt: int, measured: dict[str, float]) -> None:

@@ -14,7 +14,7 @@ readers (a not-yet-upgraded replica's stream, ``after_id`` listing) fall back to
 key, fast for a recent cursor.
 
 Revision ID: 0020
-Revises: 0018
+Revises: 0019
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = '0020'
-down_revision = '0018'
+down_revision = '0019'
 branch_labels = None
 depends_on = None
 

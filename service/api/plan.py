@@ -20,8 +20,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
 from contract.spec import OffloadParams
-from contract.zero_math import (DEFAULT_BUCKET_MB, DEFAULT_DISK_GBPS, DEFAULT_PRECISION, DEFAULT_PREFETCH,
-                                DEFAULT_TARGET_EFFICIENCY, PRECISIONS)
+from contract.zero_defaults import ZERO_DEFAULTS
+from contract.zero_math import (DEFAULT_BUCKET_MB, DEFAULT_DISK_GBPS, DEFAULT_MARGIN, DEFAULT_PRECISION,
+                                DEFAULT_PREFETCH, DEFAULT_TARGET_EFFICIENCY, DEFAULT_UNITS, PRECISIONS)
 from service.api.deps import current_user, get_settings
 from service.prediction import plan_for_question
 from service.schemas import ErrorOut
@@ -45,7 +46,7 @@ class PlanRequest(BaseModel):
         default=None, description=f"default: zero.precision of the spec, else {DEFAULT_PRECISION} (a job's default)"
     )
     activation_gb: float | None = Field(default=None, ge=0, le=1e6, description="activations per rank, GB (with params)")
-    units: int = Field(default=32, ge=1, le=10_000, description="stage-3 units assumed for a bare count")
+    units: int = Field(default=DEFAULT_UNITS, ge=1, le=10_000, description="stage-3 units assumed for a bare count")
     offload_params: OffloadParams = Field(default=None, description=(
         "stage 3's parameter shards: null (in memory), \"cpu\" or \"nvme\" (swap files: on disk, a buffer pool "
         "in memory); default: zero.offload_params of the spec"))
@@ -58,7 +59,7 @@ class PlanRequest(BaseModel):
     # budget and time model (both ways)
     gpu_mem_gb: float | None = Field(default=None, gt=0, le=1e6, description="memory per GPU (or per CPU worker), GB")
     host_mem_gb: float | None = Field(default=None, gt=0, le=1e7, description="host memory per rank for offload, GB")
-    margin: float = Field(default=0.10, ge=0, lt=1, description="fraction of the budget kept free")
+    margin: float = Field(default=DEFAULT_MARGIN, ge=0, lt=1, description="fraction of the budget kept free")
     bandwidth_gbps: float | None = Field(default=None, gt=0, le=1e6, description="per-rank link, gigabits/s")
     compute_s: float | None = Field(default=None, gt=0, le=1e6, description="compute time of one step, s")
     disk_gbps: float = Field(default=DEFAULT_DISK_GBPS, gt=0, le=1e6, description=(
@@ -81,7 +82,7 @@ class PlanResponse(BaseModel):
 
     stage: int
     offload_optimizer: bool | Literal["nvme"]  # True: host memory; "nvme": swap files (zero.nvme_path)
-    offload_params: OffloadParams = None  # stage 3: "nvme" prices the shards as swap files (disk_bytes)
+    offload_params: OffloadParams = ZERO_DEFAULTS["offload_params"]  # stage 3: "nvme" prices the shards as swap files
     reason: str
     budget_bytes: int | None
     host_budget_bytes: int | None

@@ -16,7 +16,8 @@ from service.api.errors import error_responses, field_error
 from service.job_credentials import CredentialsUnavailable, StsIssuer, job_access
 from service.log_text import plain_log
 from service.models import Checkpoint, Job, JobEvent
-from service.preemption import grace_left_s, withdrawn_this_attempt
+from service.preemption import grace_left_s, shrunk, withdrawn_this_attempt
+from service.preemption_schemas import WorkerPreemptedIn, WorkerPreemptionOut, WorkerShrunkIn
 from service.schemas import (
     MAX_INT32,
     CheckpointFailureIn,
@@ -26,8 +27,6 @@ from service.schemas import (
     JobOut,
     JobState,
     StorageCredentialsOut,
-    WorkerPreemptedIn,
-    WorkerPreemptionOut,
     WorkerResizeIn,
     WorkerSpecOut,
     WorkerStateIn,
@@ -145,7 +144,29 @@ def get_worker_preemption(job: WorkerJob, settings: SettingsDep) -> WorkerPreemp
     """Whether this job is asked to make room for a higher-priority one (service.preemption);
     its rank 0 polls this while it trains (workers.preemption)."""
     left = grace_left_s(job, settings.preempt_grace_s)
-    return WorkerPreemptionOut(requested=left is not None, for_job=job.preempt_for, grace_left_s=left)
+    return WorkerPreemptionOut(requested=left is not None, for_job=job.preempt_for, grace_left_s=left,
+                               shrink_to=job.preempt_shrink_to)
+
+
+@router.post("/shrunk", status_code=201, response_model=EventOut, name="report_worker_shrunk",
+             responses=error_responses(409))
+def report_worker_shrunk(shrink: WorkerShrunkIn, job: WorkerJob, session: SessionDep) -> JobEvent:
+    """The ranks of an elastic job asked to shrink committed the checkpoint of ``step`` and their
+    group restarts at ``workers`` from it: a ``preempted_shrink`` notice naming the job it makes
+    room for, and the job counts as ``workers`` from now on, so that job is admitted (the job
+    stays RUNNING; the restart itself is the elastic resize's). Idempotent."""
+    if job.state not in (JobState.RUNNING.value, JobState.RESTARTING.value):
+        raise HTTPException(409, f"job {job.id} is {job.state}, not running")
+    if job.preempt_for is None and not withdrawn_this_attempt(session, job):
+        raise HTTPException(409, f"job {job.id} was not asked to shrink to make room for another job")
+    if job.preempt_for is not None and job.preempt_shrink_to is None:
+        raise HTTPException(409, f"job {job.id} was asked to stop, not to shrink")
+    if job.preempt_shrink_to is not None and shrink.workers > job.preempt_shrink_to:
+        raise HTTPException(409, f"job {job.id} was asked to shrink to {job.preempt_shrink_to} workers, "
+                                 f"not {shrink.workers}")
+    event = shrunk(session, job, shrink.step, shrink.workers)
+    session.commit()
+    return event
 
 
 @router.post("/preempted", status_code=201, response_model=EventOut, name="report_worker_preempted",
@@ -166,8 +187,8 @@ def report_worker_preempted(stopped: WorkerPreemptedIn, job: WorkerJob, session:
     try:
         transition(session, job.id, JobState.QUEUED, reason=Reason.PREEMPTED, message=message,
                    expected={JobState.RUNNING, JobState.RESTARTING},
-                   values={"preempt_for": None, "preempt_requested_at": None, "launch_handle": None,
-                           "claimed_by": None})
+                   values={"preempt_for": None, "preempt_requested_at": None, "preempt_shrink_to": None,
+                           "launch_handle": None, "claimed_by": None})
     except IllegalTransition as refused:
         raise HTTPException(409, str(refused)) from None
     session.commit()

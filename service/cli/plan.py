@@ -23,8 +23,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from contract.zero_math import (DEFAULT_BUCKET_MB, DEFAULT_DISK_GBPS, DEFAULT_PRECISION, DEFAULT_PREFETCH,
-                                DEFAULT_TARGET_EFFICIENCY, PRECISIONS)
+from contract.zero_math import (DEFAULT_BUCKET_MB, DEFAULT_DISK_GBPS, DEFAULT_MARGIN, DEFAULT_PRECISION,
+                                DEFAULT_PREFETCH, DEFAULT_TARGET_EFFICIENCY, DEFAULT_UNITS, PRECISIONS)
 from service.cli.errors import CliError
 from service.cli.output import output_option, print_json
 
@@ -48,7 +48,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                         help="memory per GPU, GB (decimal); picks the stage")
     parser.add_argument("--host-mem", type=float, dest="host_mem_gb", metavar="HOST_MEM",
                         help="host memory per rank for offload, GB")
-    parser.add_argument("--margin", type=float, default=0.10, help="budget fraction kept free (default 0.10)")
+    parser.add_argument("--margin", type=float, default=DEFAULT_MARGIN,
+                        help=f"budget fraction kept free (default {DEFAULT_MARGIN:.2f})")
     parser.add_argument("--bandwidth-gbps", type=float, help="per-rank link bandwidth, gigabits per second")
     parser.add_argument("--disk-gbps", type=float, default=DEFAULT_DISK_GBPS,
                         help="with --nvme-path: the swap disk's rate, read and write each, gigabits per second "
@@ -63,7 +64,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--seq-len", type=int, help="with --preset: tokens per sample (default: its context)")
     parser.add_argument("--micro-batch", type=int, default=1, help="with --preset: samples per micro-batch")
     parser.add_argument("--activation-gb", type=float, help="with --params: activations per GPU, GB")
-    parser.add_argument("--units", type=int, default=32, help="with --params: stage-3 units assumed")
+    parser.add_argument("--units", type=int, default=DEFAULT_UNITS, help="with --params: stage-3 units assumed")
     parser.add_argument("--bucket-mb", type=float, default=DEFAULT_BUCKET_MB)
     parser.add_argument("--prefetch", type=int, default=DEFAULT_PREFETCH)
     parser.add_argument("--json", action="store_true", help="print the plan as JSON (the same as -o json)")

@@ -40,6 +40,7 @@ router = APIRouter(prefix="/api/v1", tags=["dashboard"], responses=error_respons
 
 CHART_LIST, AGGREGATION = chart_list(), aggregation()  # the same for every job
 JobId = Annotated[str, StringConstraints(min_length=1, max_length=40, pattern=r"^[A-Za-z0-9._-]+$")]
+PAGE_JOBS = 500  # the most job ids one call names: a page of the job list
 
 
 def _world(spec: JobSpec | None) -> int:
@@ -79,9 +80,9 @@ def job_metrics_chart(
 def dashboard_progress(
     session: SessionDep,
     user: CurrentUser,
-    job_id: Annotated[list[JobId], Query(max_length=500, description="jobs of one page of the list")] = [],  # noqa: B006
+    job_id: Annotated[list[JobId], Query(max_length=PAGE_JOBS, description="jobs of one page of the list")] = [],  # noqa: B006
 ) -> dict[str, Any]:
-    query = select(Job.id, Job.spec).where(Job.id.in_(job_id[:500]), job_filter(user))
+    query = select(Job.id, Job.spec).where(Job.id.in_(job_id), job_filter(user))
     worlds = {row.id: _world(stored_spec(row.spec)) for row in session.execute(query)}
     return {"items": charts.progress(session, list(worlds), worlds)}
 
@@ -90,9 +91,9 @@ def dashboard_progress(
 def dashboard_preemption(
     session: SessionDep,
     user: CurrentUser,
-    job_id: Annotated[list[JobId], Query(max_length=500, description="jobs of one page of the list, or one job")] = [],  # noqa: B006
+    job_id: Annotated[list[JobId], Query(max_length=PAGE_JOBS, description="jobs of one page of the list, or one job")] = [],  # noqa: B006
 ) -> dict[str, Any]:
-    return {"items": preemption(session, user, job_id[:500])}
+    return {"items": preemption(session, user, job_id)}
 
 
 @router.get("/dashboard/whoami", name="dashboard_whoami", response_model=WhoAmI)

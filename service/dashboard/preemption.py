@@ -26,14 +26,16 @@ from service.teams import job_filter
 
 def preemption(session: Session, user: Principal, job_ids: Iterable[str]) -> dict[str, dict[str, Any]]:
     """For each of ``job_ids`` the viewer may see and that makes or made room: the jobs asked to
-    stop for it (``asked``, ``asked_hidden``) and its own preemptions (``preempted``), oldest first."""
+    stop for it (``asked``, ``asked_hidden``), or the one asked to shrink to ``shrink_to`` workers,
+    and its own preemptions (``preempted``), oldest first."""
     wanted = list(dict.fromkeys(job_ids))
     visible = set(session.execute(select(Job.id).where(Job.id.in_(wanted), job_filter(user))).scalars())
     if not visible:
         return {}
-    asked = session.execute(
-        select(Job.id, Job.preempt_for).where(Job.preempt_for.in_(visible),
-                                              Job.state.in_([state.value for state in HOLDING_STATES]))
+    asked = session.execute(  # asked and not done yet: a job that shrank keeps preempt_for as its cap's
+        select(Job.id, Job.preempt_for, Job.preempt_shrink_to)
+        .where(Job.preempt_for.in_(visible), Job.preempt_requested_at.is_not(None),
+               Job.state.in_([state.value for state in HOLDING_STATES]))
         .order_by(Job.pk)).all()
     events = session.execute(
         select(JobEvent.job_id, JobEvent.created_at, JobEvent.message)
@@ -46,9 +48,11 @@ def preemption(session: Session, user: Principal, job_ids: Iterable[str]) -> dic
     items: dict[str, dict[str, Any]] = {}
 
     def item(job_id: str) -> dict[str, Any]:
-        return items.setdefault(job_id, {"asked": [], "asked_hidden": 0, "preempted": []})
+        return items.setdefault(job_id, {"asked": [], "asked_hidden": 0, "shrink_to": None, "preempted": []})
 
     for row in asked:
+        if row.preempt_shrink_to is not None:  # a shrink is never asked beside another request
+            item(row.preempt_for)["shrink_to"] = row.preempt_shrink_to
         if row.id in shown:
             item(row.preempt_for)["asked"].append(shown[row.id])
         else:

@@ -158,6 +158,8 @@ class Preempted(BaseModel):
 class JobPreemption(BaseModel):
     asked: list[JobRef] = Field(description="running jobs asked to stop at a checkpoint to make room for this one")
     asked_hidden: int = Field(description="how many more are asked that the viewer may not see")
+    shrink_to: int | None = Field(default=None, description="the one job asked (elastic) shrinks to this "
+                                                            "many workers instead of stopping; null: they stop")
     preempted: list[Preempted] = Field(description="each time this job was preempted, oldest first")
 
 

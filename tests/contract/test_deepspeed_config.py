@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from contract.deepspeed import DeepSpeedConfigError, apply, translate
+from contract.spec import JobSpec
 
 SPEC = {"name": "ds", "model": {"preset": "gpt-nano"}, "data": {"kind": "synthetic", "seq_len": 64},
         "train": {"steps": 100, "global_batch_size": 16, "micro_batch_size": 2},
@@ -79,7 +80,9 @@ def test_zeropp_keys_become_the_zero_fields():
                                            "zero_quantized_gradients": True, "zero_hpz_partition_size": 1}}, SPEC)
     assert got.fields["zero"] == {"stage": 3, "quantized_weights": True, "quantized_gradients": True}
     hpz = translate({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8}}, SPEC)
-    assert hpz.fields["zero"]["hpz_partition_size"] == 8  # then refused by ZeroSpec: not built
+    assert hpz.fields["zero"]["hpz_partition_size"] == 8
+    fields, _ = apply({**SPEC, "deepspeed": {"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}}})
+    assert JobSpec(**fields).zero.hpz_partition_size == 2  # hpZ is built: a job on 2 workers takes it
 
 
 def test_schedulers_map_onto_warmup_schedule_and_floor():

@@ -43,3 +43,18 @@ def test_the_answer_names_the_jobs_asked_and_the_job_made_room_for_on_sqlite(mak
     assert answer(alice, high, low).json() == {"items": {}}  # neither is hers
     bad = answer(alice, "no such id!")
     assert bad.status_code == 422 and "job_id" in bad.text
+
+
+def test_more_job_ids_than_a_page_is_a_422_naming_job_id(make_live_service, tmp_path):
+    """The dashboard's per-page calls take at most a page of ids: more is refused, not cut short."""
+    from service.dashboard.api import PAGE_JOBS
+
+    service = make_live_service(home=tmp_path / "home", database_url="", scheduler_enabled=False)
+    ids = [f"job-{n}" for n in range(PAGE_JOBS + 1)]
+    for route in ("preemption", "progress"):
+        answer = httpx.get(f"{service.url}/api/v1/dashboard/{route}", params={"job_id": ids},
+                           headers={"Authorization": f"Bearer {service.admin_token}"})
+        assert answer.status_code == 422 and "job_id" in answer.text, (route, answer.text)
+        fits = httpx.get(f"{service.url}/api/v1/dashboard/{route}", params={"job_id": ids[:PAGE_JOBS]},
+                         headers={"Authorization": f"Bearer {service.admin_token}"})
+        assert fits.status_code == 200 and fits.json()["items"] == {}, (route, fits.text)

@@ -164,3 +164,17 @@ def test_a_job_of_a_team_the_viewer_is_not_in_is_only_another_job(queue, page):
     expect(row(page, bobs).locator("td.reason .preempted-line")).to_have_text(
         re.compile(r"^Preempted at .+Z for another job\.$"))
     expect(page.locator("#jobs-table")).not_to_contain_text(secret)
+
+
+def test_a_job_making_room_by_a_shrink_says_which_job_shrinks_to_how_many_workers(queue, page):
+    elastic = spec("carols-elastic-run", priority=0, team="red", resources__num_workers=4, resources__min_workers=1,
+                   train__global_batch_size=24, train__micro_batch_size=1)  # whole at every size 1..4
+    low = queue.service.client(queue.tokens["carol"]).submit(elastic).id
+    assert queue.admit() == [low]
+    urgent = queue.submit("alice", "alices-urgent-run", priority=5, workers=2, team="red")
+    assert queue.admit() == []  # carol's elastic job is asked to give up 2 of its 4 workers
+
+    with_token(page, queue.tokens["alice"])
+    page.goto(queue.service.url)
+    expect(row(page, urgent).locator("td.reason .making-room")).to_have_text(
+        "Shrinking carols-elastic-run (priority 0, team red) to 2 workers at its next checkpoint to make room for it.")

@@ -128,17 +128,27 @@ BAD_SPECS: list[tuple[str, dict]] = [
     ("zero.offload_params", with_value("zero", {"stage": 3, "offload_params": "disk"})),
     ("zero.offload_params", with_value("zero", {"stage": 3, "offload_params": "nvme"})),
     ("zero.offload_optimizer", with_value("zero.offload_optimizer", "disk")),
-    # ZeRO++: the quantized collectives are stage 3's; hpZ is not built yet
+    # ZeRO++: the quantized collectives and hpZ are stage 3's; hpZ's groups split the world and
+    # the shard group
     ("zero.quantized_weights", with_value("zero", {"stage": 2, "quantized_weights": True})),
     ("zero.quantized_gradients", with_value("zero", {"stage": 1, "quantized_gradients": True})),
+    ("zero.quantized_gradients", with_value("zero", {"stage": 3, "quantized_gradients": "int4"})),
     ("zero.quantized_weights", with_value("zero", {"stage": 3, "quantized_weights": "int8"})),
-    ("zero.hpz_partition_size", with_value("zero", {"stage": 3, "hpz_partition_size": 2})),
+    ("zero.hpz_partition_size", with_value("zero", {"stage": 2, "hpz_partition_size": 2})),
     ("zero.hpz_partition_size", with_value("zero", {"stage": 3, "hpz_partition_size": 0})),
+    ("zero.hpz_partition_size", with_value("zero", {"stage": 3, "hpz_partition_size": True})),
+    ("zero.hpz_partition_size", with_value("zero", {"stage": 3, "hpz_partition_size": 4})),  # > num_workers (2)
+    ("zero.hpz_partition_size", with_value("resources.num_workers", 3, with_value(  # 3 is no whole number of 2s
+        "zero", {"stage": 3, "hpz_partition_size": 2}, with_value("train.global_batch_size", 12)))),
+    ("zero.hpz_partition_size", with_value("resources.num_workers", 4, with_value(  # 4 is no multiple of 3
+        "zero", {"stage": 3, "hpz_partition_size": 3, "shard_group_size": 4}))),
     # the engine's ZeroConfig refuses a boolean where it counts (bytes, units, ranks): so does submit
     ("zero.prefetch", with_value("zero.prefetch", True)),
     ("zero.keep_gathered_bytes", with_value("zero", {"stage": 3, "keep_gathered_bytes": True})),
     ("zero.shard_group_size", with_value("zero.shard_group_size", True)),
     ("zero.bucket_mb", with_value("zero.bucket_mb", -25)),
+    ("zero.bucket_mb", with_value("zero.bucket_mb", float("nan"))),
+    ("zero.prefetch", with_value("zero.prefetch", 1.5)),
     ("resources.num_workers", with_value("resources.num_workers", 0)),
     ("resources.min_workers", with_value("resources.min_workers", 0)),
     ("resources.min_workers", with_value("resources.min_workers", 3)),  # more than num_workers (2)
@@ -262,6 +272,20 @@ def test_a_shard_group_size_that_does_not_split_an_elastic_range_is_refused_with
     assert response.status_code == 422
     (error,) = response.json()["errors"]
     assert error["field"] == "zero.shard_group_size" and error["type"] == "shard_group_size"
+    assert "must divide resources.num_workers (4)" in error["message"]
+    assert "world size 3 does not" in error["message"]
+    assert counts(service) == (0, 0, 0)
+
+
+def test_an_hpz_partition_size_that_does_not_split_an_elastic_range_is_refused_with_the_sizes(service):
+    # 24 samples split into whole micro-batches of 2 at 2, 3 and 4 ranks; 3 ranks are no whole hpZ groups of 2
+    spec = with_value("zero", {"stage": 3, "hpz_partition_size": 2}, with_value(
+        "train.global_batch_size", 24, with_value("resources", {"num_workers": 4, "min_workers": 2})))
+    response = httpx.post(f"{service.url}/api/v1/jobs", json=spec,
+                          headers={"Authorization": f"Bearer {service.admin_token}"})
+    assert response.status_code == 422
+    (error,) = response.json()["errors"]
+    assert error["field"] == "zero.hpz_partition_size" and error["type"] == "hpz_partition_size"
     assert "must divide resources.num_workers (4)" in error["message"]
     assert "world size 3 does not" in error["message"]
     assert counts(service) == (0, 0, 0)

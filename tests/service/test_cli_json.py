@@ -12,8 +12,7 @@ import sys
 from pathlib import Path
 
 from service.cli.main import build_parser
-from tests.service.conftest import FAKE_DRIVER
-from tests.helpers.service_specs import make_spec
+from tests.helpers.service_specs import FAKE_DRIVER, make_spec
 
 LOAD = "python -c 'import json,sys; json.load(sys.stdin)'"
 # commands with -o that change something (their JSON is tested with them) or print text

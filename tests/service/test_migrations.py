@@ -64,6 +64,18 @@ def test_alembic_command_line_works_with_the_shipped_ini(postgres_url, monkeypat
     assert tables(postgres_url) == TABLES
 
 
+def insert_job(connection, job_id: str) -> None:
+    """A RUNNING job row in the columns every revision since 0014 has: the ORM's ``Job`` knows
+    the head's columns, which an older schema lacks."""
+    from sqlalchemy import text
+
+    from service.models import utcnow
+
+    connection.execute(text("INSERT INTO jobs (id, name, owner, state, spec, attempt, priority, tensorboard_done, "
+                            "created_at, updated_at) VALUES (:id, 'old', 'admin', 'RUNNING', '{}', 0, 0, false, "
+                            ":now, :now)"), {"id": job_id, "now": utcnow()})
+
+
 def test_float8_rollup_sums_are_filled_from_the_exact_ones(database_url):
     """0017 adds ``metric_steps.fsum_*`` (what the charts read first), filled from the stored
     exact sums: the same number, an infinity where it is past the float limit (PostgreSQL's
@@ -72,15 +84,13 @@ def test_float8_rollup_sums_are_filled_from_the_exact_ones(database_url):
     from sqlalchemy import text
 
     from service.db import make_sessionmaker
-    from service.models import Job
 
     migrate.upgrade(database_url, "0016")
     huge = "3.4e308" if database_url.startswith("postgresql") else "1e300"  # SQLite's sums are floats
     engine = make_engine(database_url)
     try:
         with make_sessionmaker(engine)() as session:
-            session.add(Job(id="job-rollup", name="rollup", owner="admin", state="RUNNING", spec={}))
-            session.flush()
+            insert_job(session.connection(), "job-rollup")
             for step, loss in ((0, "1.5"), (1, huge), (2, "NULL")):
                 session.execute(text(
                     "INSERT INTO metric_steps (job_id, attempt, step, part, records, last_id, sum_loss, n_loss) "
@@ -111,8 +121,6 @@ def test_memory_rollup_is_filled_from_the_stored_rows_and_kept_by_the_database(d
     order too; after a downgrade to 0017 inserts no longer touch it."""
     from sqlalchemy import text
 
-    from service.db import make_sessionmaker
-    from service.models import Job
 
     migrate.upgrade(database_url, "0017")
     engine = make_engine(database_url)
@@ -130,9 +138,8 @@ def test_memory_rollup_is_filled_from_the_stored_rows_and_kept_by_the_database(d
             'SELECT attempt, "rank", step, mem_params_bytes, mem_peak_bytes, mem_grads_bytes FROM metric_memory '
             'ORDER BY attempt, "rank"'))]
     try:
-        with make_sessionmaker(engine)() as session:
-            session.add(Job(id="job-mem", name="mem", owner="admin", state="RUNNING", spec={}))
-            session.commit()
+        with engine.begin() as connection:
+            insert_job(connection, "job-mem")
         with engine.begin() as connection:
             insert(connection, [(0, 0, 5, 50.0), (0, 0, 7, 70.0), (0, 0, 9, None), (0, 1, 3, 31.0),
                                 (0, 2, 4, None), (1, 0, 2, 102.0), (1, 0, 1, 101.0)])
@@ -151,10 +158,34 @@ def test_memory_rollup_is_filled_from_the_stored_rows_and_kept_by_the_database(d
         engine.dispose()
 
 
+def test_preempt_shrink_to_is_added_empty_and_dropped_again(database_url):
+    """0019 adds ``jobs.preempt_shrink_to`` (the size an elastic job is asked to shrink to, then
+    its cap: service.preemption); jobs stored before it are asked nothing; a downgrade to 0018
+    drops it and keeps the rows."""
+    from sqlalchemy import text
+
+    migrate.upgrade(database_url, "0018")
+    engine = make_engine(database_url)
+    try:
+        with engine.begin() as connection:
+            insert_job(connection, "job-old")
+        migrate.upgrade(database_url)
+        with engine.begin() as connection:
+            assert connection.execute(text("SELECT preempt_shrink_to FROM jobs")).all() == [(None,)]
+            connection.execute(text("UPDATE jobs SET preempt_shrink_to = 2"))
+        migrate.downgrade(database_url, "0018")
+        assert "preempt_shrink_to" not in {column["name"] for column in inspect(make_engine(database_url))
+                                           .get_columns("jobs")}
+        with engine.begin() as connection:
+            assert connection.execute(text("SELECT id FROM jobs")).all() == [("job-old",)]
+    finally:
+        engine.dispose()
+
+
 def test_metric_rows_carry_their_writing_transaction(database_url):
     """0020 adds ``metrics.xid`` (the streams' commit order): rows stored before read 0, and on
     PostgreSQL a row inserted by code that does not name the column (a replica not yet upgraded)
-    carries its transaction's id; SQLite keeps 0. A downgrade to 0018 removes it."""
+    carries its transaction's id; SQLite keeps 0. A downgrade to 0019 removes it."""
     from sqlalchemy import text
 
     from service.db import make_sessionmaker
@@ -164,7 +195,7 @@ def test_metric_rows_carry_their_writing_transaction(database_url):
         connection.execute(text("INSERT INTO metrics (job_id, attempt, \"rank\", step, loss) "
                                 "VALUES ('job-xid', 0, 0, :step, 1.0)"), {"step": step})
 
-    migrate.upgrade(database_url, "0018")
+    migrate.upgrade(database_url, "0019")
     engine = make_engine(database_url)
     try:
         with make_sessionmaker(engine)() as session:
@@ -185,7 +216,7 @@ def test_metric_rows_carry_their_writing_transaction(database_url):
             xids = [row for row, in connection.execute(text("SELECT xid FROM metrics ORDER BY step"))]
         assert xids[:3] == [0, xact, xact]
         assert (xids[3] > xact) if postgresql else xids[3] == 0
-        migrate.downgrade(database_url, "0018")
+        migrate.downgrade(database_url, "0019")
         with engine.begin() as connection:
             assert "xid" not in {column["name"] for column in inspect(connection).get_columns("metrics")}
             insert(connection, 4)

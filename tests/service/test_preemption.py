@@ -112,7 +112,8 @@ def test_nobody_is_asked_when_even_all_of_them_would_not_be_enough(cluster):
 def test_the_ranks_see_the_request_and_the_job_queues_again_with_a_preempted_event(cluster):
     low = cluster.run(priority=0, workers=4)
     with cluster.worker(low) as worker:
-        assert worker.get("/preemption").json() == {"requested": False, "for_job": None, "grace_left_s": None}
+        assert worker.get("/preemption").json() == {"requested": False, "for_job": None, "grace_left_s": None,
+                                                     "shrink_to": None}
         assert worker.post("/preempted", json={"step": 10}).status_code == 409  # not asked: refused
     with cluster.service.app.state.sessionmaker() as session:
         session.add(Webhook(owner="admin", url="https://example.invalid/hook", events=["job.preempted"],
@@ -205,7 +206,8 @@ def test_a_request_is_withdrawn_when_the_job_it_made_room_for_is_cancelled(clust
     assert cluster.service.app.state.scheduler.claim() == []
     assert cluster.asked() == {}
     with cluster.worker(low) as worker:  # what rank 0 polls: the ranks train on
-        assert worker.get("/preemption").json() == {"requested": False, "for_job": None, "grace_left_s": None}
+        assert worker.get("/preemption").json() == {"requested": False, "for_job": None, "grace_left_s": None,
+                                                     "shrink_to": None}
     [withdrawn] = _events(cluster, low, Reason.PREEMPTION_WITHDRAWN)
     assert high in withdrawn.message and "CANCELLED" in withdrawn.message
     assert cluster.client.get(low).state is JobState.RUNNING

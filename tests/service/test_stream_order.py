@@ -289,7 +289,7 @@ def test_a_stream_resumed_with_an_id_from_before_the_change_goes_on_after_it(pos
                                         "VALUES (:job, 0, :rank, :step, 1.0) RETURNING id"),
                                    {"job": JOB, "rank": rank, "step": step}).scalar_one() for step in steps]
 
-    migrate.upgrade(postgres_url, "0018")
+    migrate.upgrade(postgres_url, "0019")
     engine = make_engine(postgres_url)
     try:
         _add_job(make_sessionmaker(engine), JobState.RUNNING)

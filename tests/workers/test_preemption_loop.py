@@ -122,3 +122,33 @@ def test_a_withdrawn_request_reaches_the_gate_and_the_ranks_train_on():
         assert not gate.should_stop(10, saved=True, step_time_s=0.1) and gate.for_job() is None
     finally:
         gate.close()
+
+
+def test_an_elastic_job_asked_to_shrink_agrees_on_the_size_and_takes_no_notice_of_it_once_shrunk():
+    """The answer's ``shrink_to`` rides with the decision (``PreemptGate.shrink_to``); once the
+    ranks shrank, the same request, still in rank 0's latest answer (now the cap), stops nothing."""
+    import torch
+
+    from tests.helpers.waiting import wait_for
+    from workers.preemption import PreemptGate, PreemptionWatch
+
+    answers = [{"requested": True, "for_job": "job-h", "grace_left_s": 100.0, "shrink_to": 1}]
+    watch = PreemptionWatch(lambda: answers[-1], poll_s=0.01)
+    gate = PreemptGate(rank=0, device=torch.device("cpu"), watch=watch, every_steps=5, total_steps=60)
+    try:
+        wait_for(lambda: watch.grace_left_s() is not None, 10, "the request to be seen")
+        assert not gate.should_stop(4, saved=False, step_time_s=0.1) and gate.shrink_to is None
+        assert gate.should_stop(5, saved=True, step_time_s=0.1) and gate.shrink_to == 1
+        assert gate.cap() == (True, 1)
+        gate.shrunk()
+        assert not gate.should_stop(10, saved=True, step_time_s=0.1)  # the same request: done
+        answers.append({"requested": False, "for_job": "job-h", "grace_left_s": None, "shrink_to": 1})
+        wait_for(lambda: watch.grace_left_s() is None, 10, "the cap to be answered")
+        assert not gate.should_stop(15, saved=True, step_time_s=0.1) and gate.cap() == (True, 1)
+        answers.append({"requested": False, "for_job": None, "grace_left_s": None, "shrink_to": None})
+        wait_for(lambda: gate.cap() == (True, None), 10, "the cap to be lifted")
+        answers.append({"requested": True, "for_job": "job-k", "grace_left_s": 100.0, "shrink_to": None})
+        wait_for(lambda: watch.grace_left_s() is not None, 10, "a new request to be seen")
+        assert gate.should_stop(20, saved=True, step_time_s=0.1) and gate.shrink_to is None  # a stop
+    finally:
+        gate.close()

@@ -136,3 +136,62 @@ def test_ranks_park_at_the_next_checkpoint_after_a_request_and_go_on_when_it_is_
         # the commit of step 4 was waited for, before the park; step 8's checkpoint found nothing asked
         assert done == [(s, "step") for s in range(1, 5)] + [(4, "commit")] + [(s, "step") for s in range(5, 11)]
     assert not channel.pending()
+
+
+def test_ranks_parked_to_shrink_are_replaced_at_once_and_no_decision_goes_past_the_cap(tmp_path):
+    """[Note: shrinking for a preemption]: the policy's side, against Ray's decisions."""
+    channel = file_channel(tmp_path)
+    held = HeldResize(channel, noop=NOOP, resize=Resize)
+    channel.set_cap(1)  # rank 0, once asked to shrink to 1: before parking, nothing changes yet
+    assert held.decide(NOOP, looked=False, workers=2) is NOOP and channel.cap() == 1
+    assert held.decide(Resize(3), looked=True, workers=2) is NOOP  # room for 3: not past the cap
+    channel.park(6)  # the checkpoint of step 6 committed
+    assert held.decide(NOOP, looked=False, workers=2) == Resize(1)  # now, not at the next look
+    assert held.decide(NOOP, looked=False, workers=2) is NOOP  # parked until Ray stops them
+    held.group_restarts()
+    assert held.capped(Resize(2)) == Resize(1)  # the group Ray starts next is of the cap's size
+    assert held.decide(Resize(2), looked=True, workers=1) is NOOP and channel.wanted() is None
+    channel.set_cap(None)  # lifted: the next look's room for 2 is asked for at a checkpoint as before
+    assert held.decide(Resize(2), looked=True, workers=1) is NOOP and channel.wanted() == 2
+
+
+def shrink_world(rank: int, world_size: int, root: str, workers: int) -> list[str]:
+    """Ranks asked to shrink to ``workers`` at step 3; what each did, in order."""
+    torch.set_num_threads(1)
+    channel = file_channel(Path(root))
+    gate = ResizeGate(channel, rank=rank, device=torch.device("cpu"), poll_s=0.05)
+    done: list[str] = []
+    gate.shrink(3, workers, world_size, wait_commit=lambda: done.append("commit"),
+                report=lambda: done.append(f"report parked={channel.parked()} cap={channel.cap()}"))
+    done.append("trains on")
+    return done
+
+
+def test_ranks_shrinking_commit_then_rank_0_caps_parks_and_reports_and_all_wait_for_the_new_group(tmp_path):
+    import threading
+
+    channel = file_channel(tmp_path)
+    seen: list[tuple[int | None, int | None]] = []
+
+    def ray() -> None:  # plays Ray replacing the parked group; here it lets the ranks out instead
+        deadline = time.monotonic() + 60
+        while channel.parked() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        seen.append((channel.parked(), channel.cap()))
+        channel.clear()
+
+    thread = threading.Thread(target=ray)
+    thread.start()
+    per_rank = spawn_world(shrink_world, world_size=2, args=(str(tmp_path), 1), timeout_s=120)
+    thread.join(10)
+    assert seen == [(3, 1)]
+    assert per_rank[0] == ["commit", "report parked=3 cap=1", "trains on"]
+    assert per_rank[1] == ["commit", "trains on"]
+    assert channel.cap() == 1  # the cap stays for the next group
+
+
+def test_a_group_already_as_small_as_asked_takes_the_cap_and_trains_on_without_parking(tmp_path):
+    channel = file_channel(tmp_path)
+    [done] = spawn_world(shrink_world, world_size=1, args=(str(tmp_path), 1), timeout_s=60)
+    assert done == ["commit", "report parked=None cap=1", "trains on"]
+    assert channel.cap() == 1 and not channel.pending()

@@ -22,6 +22,17 @@ non-elastic job has no policy of ours and no gate. The price is time: a resize w
 next checkpoint step (at most ``checkpoint.every_steps`` steps, and the commit) instead of
 happening at the policy's look.
 
+[Note: shrinking for a preemption]
+The control plane may ask an elastic job to shrink to N workers to make room for another job
+(``service.preemption``, [Note: shrinking]). The ranks pick the step as for a stop
+(``workers.preemption``), commit a checkpoint there, and rank 0 sets the job's cap (a second
+key, ``cap:N``) and parks (``ResizeGate.shrink``). The policy, finding ranks parked and a cap
+below the group's size, asks Ray for a group of N at once (``HeldResize.decide``): Ray stops the
+parked group and starts one of N that resumes from that checkpoint, as for any resize. While the
+cap is set, no decision of Ray's policy makes a group larger than it; rank 0 keeps the key as the
+control plane's poll answers (``ResizeGate.keep_cap``, at every checkpoint), so once the job it
+made room for has ended the cap is gone and the job grows back at a checkpoint as above.
+
 The channel is Ray's internal KV store (the GCS), reachable from the controller actor and
 from every worker; ``ResizeChannel`` takes other get/put/delete functions, which the tests use
 to run the gate on a plain Gloo world.
@@ -92,6 +103,19 @@ class ResizeChannel:
     def clear(self) -> None:
         self.delete(self.key)
 
+    def set_cap(self, num_workers: int | None) -> None:
+        """The most workers a group of this job may have ([Note: shrinking for a preemption]);
+        None: no cap."""
+        key = f"{self.job_id}/cap"
+        if num_workers is None:
+            self.delete(key)
+        else:
+            self.put(key, str(int(num_workers)).encode())
+
+    def cap(self) -> Optional[int]:
+        value = self.get(f"{self.job_id}/cap")
+        return int(value.decode()) if value else None
+
 
 @dataclass
 class HeldResize:
@@ -106,15 +130,22 @@ class HeldResize:
 
     channel: ResizeChannel
     noop: Any
+    resize: Callable[[int], Any] = field(default=lambda num_workers: None)  # Ray's decision for a size
     held: Any = field(default=None)
     released: bool = False  # a held decision was let go: its parked ranks wait for Ray to stop them
 
-    def decide(self, decision: Any, looked: bool) -> Any:
+    def decide(self, decision: Any, looked: bool, workers: int | None = None) -> Any:
+        """``workers``: the running group's size, which a cap below it shrinks once the ranks park."""
         parked = self.channel.parked()
         if parked is None:
             self.released = False  # the next group's rank 0 cleared the park
         elif self.released:
             return self.noop
+        cap = self.channel.cap()
+        if parked is not None and cap is not None and workers is not None and cap < workers:
+            self.held, self.released = None, True  # parked to shrink for a preemption: go
+            return self.resize(cap)
+        decision = self.capped(decision, workers)
         if parked is not None and self.held is not None:
             decision, self.held = self.held, None  # the ranks wait at a committed checkpoint: go
             self.released = True
@@ -127,6 +158,13 @@ class HeldResize:
             self.held = None  # that capacity is gone (or nothing is held for these parked ranks):
             self.channel.clear()  # parked ranks train on
         return decision
+
+    def capped(self, decision: Any, workers: int | None = None) -> Any:
+        """``decision`` with no more workers than the cap: "no change" when that is ``workers``."""
+        cap, wanted = self.channel.cap(), getattr(decision, "num_workers", None)
+        if cap is None or wanted is None or wanted <= cap:
+            return decision
+        return self.noop if workers is not None and workers >= cap else self.resize(cap)
 
     def group_restarts(self) -> None:
         """A group is (re)started: nothing is held or parked for the one before."""
@@ -147,17 +185,19 @@ def boundary_scaling_policy(scaling_config: Any, job_id: str) -> Any:
 
         def _hold(self) -> HeldResize:
             if self._held is None:  # made on the controller: the channel needs its Ray connection
-                self._held = HeldResize(ResizeChannel.ray(self.job_id), noop=NoopDecision())
+                self._held = HeldResize(ResizeChannel.ray(self.job_id), noop=NoopDecision(),
+                                        resize=self._get_resize_decision)
             return self._held
 
         def make_decision_for_non_running_worker_group(self):
             self._hold().group_restarts()
-            return super().make_decision_for_non_running_worker_group()
+            return self._hold().capped(super().make_decision_for_non_running_worker_group())
 
         def make_decision_for_running_worker_group(self, worker_group_state, worker_group_status):
             looked_before = self._latest_monitor_time
             decision = super().make_decision_for_running_worker_group(worker_group_state, worker_group_status)
-            return self._hold().decide(decision, looked=self._latest_monitor_time != looked_before)
+            return self._hold().decide(decision, looked=self._latest_monitor_time != looked_before,
+                                       workers=worker_group_state.num_workers)
 
         def __reduce__(self):  # travels pickled to the controller: rebuilt there, fresh
             return boundary_scaling_policy, (scaling_config, job_id)
@@ -218,3 +258,27 @@ class ResizeGate:
             time.sleep(self.poll_s)
         if self.rank == 0:
             print(f"the resize was withdrawn: training goes on from step {step}", flush=True)
+
+    def shrink(self, step: int, workers: int, world_size: int, wait_commit: Callable[[], Any],
+               report: Callable[[], Any]) -> None:
+        """Every rank, after the gate of ``workers.preemption`` chose ``step`` to shrink at: wait for
+        its checkpoint's commit; rank 0 caps the job at ``workers``, parks and ``report()``s;
+        then wait until Ray replaces this group with one of ``workers`` (the process ends here).
+        A group already that small only takes the cap and trains on ([Note: shrinking for a
+        preemption])."""
+        wait_commit()
+        parks = world_size > workers
+        if self.rank == 0:
+            self.channel.set_cap(workers)
+            if parks:
+                self.channel.park(step)
+                print(f"parked at the checkpoint of step {step}: the worker group shrinks to {workers} "
+                      f"workers to make room for another job", flush=True)
+            report()
+        while parks and self._agreed(lambda: int(self.channel.pending())):
+            time.sleep(self.poll_s)
+
+    def keep_cap(self, workers: int | None) -> None:
+        """Rank 0: keep the cap key as the control plane's latest answer says (None: no cap)."""
+        if self.rank == 0 and self.channel.cap() != workers:
+            self.channel.set_cap(workers)

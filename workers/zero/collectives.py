@@ -86,6 +86,7 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+from contract.zero_defaults import ZERO_DEFAULTS
 
 from . import quantized_comm
 from .hybrid import check_shard_group_size, hybrid_groups, is_hybrid
@@ -112,7 +113,7 @@ class Collectives:
     """The engine's only door to ``torch.distributed``."""
 
     def __init__(self, group: Optional[dist.ProcessGroup], device: torch.device, timeout_s: float = 300.0,
-                 force_distributed: bool = False, shard_group_size: Optional[int] = None,
+                 force_distributed: bool = False, shard_group_size: Optional[int] = ZERO_DEFAULTS["shard_group_size"],
                  quantize_weights: bool = False, quantize_gradients: bool = False):
         #: the whole data-parallel world: control messages, set-up broadcasts, stage 0's all-reduce
         self.dp_group = group
@@ -135,6 +136,7 @@ class Collectives:
             self.rank, self.world_size = 0, 1
         #: which copy of the shards this rank holds (0 .. replicas-1); 0 without hybrid sharding
         self.replica_index = self.dp_rank // self.world_size if self.replicate_group is not None else 0
+        self.group_name = "shard" if self.replicate_group is not None else "world"  # CommCounter.by_group's
         if force_distributed and group is None:
             raise ValueError("force_distributed needs a process group (dist.init_process_group first)")
         self.force_distributed = force_distributed
@@ -269,7 +271,7 @@ class Collectives:
         seq = self._next_seq()
         if not self.distributed:
             return Pending(None, label, seq, self, done=True)
-        self.counter.add("all_reduce", 2 * tensor.numel(), 2 * _nbytes(tensor))
+        self.counter.add("all_reduce", 2 * tensor.numel(), 2 * _nbytes(tensor), "world")
         work = self._issue(self.reduce_stream, lambda a: dist.all_reduce(tensor, group=self.dp_group, async_op=a))
         return self._launched(work, label, seq, (tensor,), async_op)
 
@@ -283,7 +285,7 @@ class Collectives:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return Pending(None, label, seq, self, done=True)
-        self.counter.add("reduce_scatter", input.numel(), 0 if self.quantize_gradients else _nbytes(input))
+        self.counter.add("reduce_scatter", input.numel(), 0 if self.quantize_gradients else _nbytes(input), self.group_name)
         if self.quantize_gradients:  # ZeRO++'s qgZ: int4 through an all-to-all (quantized_comm.py)
             work = quantized_comm.reduce_scatter(self, output, input)
         elif self.exchanges and not _is_slot(output, input, self.rank, self.world_size):  # the note on Gloo's copies
@@ -335,7 +337,7 @@ class Collectives:
                 raise ValueError(f"{label}: a piece of {piece.dtype} {tuple(piece.shape)} for a {output.dtype} shard")
         seq = self._next_seq()
         self.counter.add("reduce_scatter", sum(p.numel() for _, p in pieces),  # what is handed over: no gaps
-                         sum(_nbytes(p) for _, p in pieces))
+                         sum(_nbytes(p) for _, p in pieces), self.group_name)
         shard = numel // 2
         lo, peer_lo = self.rank * shard, (1 - self.rank) * shard
         peer = self._global_ranks[1 - self.rank]
@@ -380,7 +382,7 @@ class Collectives:
 
     def _count_replicate(self, shard: torch.Tensor) -> None:
         """The all-reduce of a reduced shard across the replicate group: all-reduce, and inter-group."""
-        self.counter.add("all_reduce", 2 * shard.numel(), 2 * _nbytes(shard))
+        self.counter.add("all_reduce", 2 * shard.numel(), 2 * _nbytes(shard), "replicate")
         self.counter.add("inter_group", 2 * shard.numel(), 2 * _nbytes(shard))
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, label: str, async_op: bool = True,
@@ -395,7 +397,7 @@ class Collectives:
         if quantize and self.quantize_weights:  # ZeRO++'s qwZ: int8 codes and scales (quantized_comm.py)
             work = quantized_comm.all_gather(self, output, input)
         else:
-            self.counter.add("all_gather", output.numel(), _nbytes(output))
+            self.counter.add("all_gather", output.numel(), _nbytes(output), self.group_name)
             work = self.gather_work(output, input, label)
         return self._launched(work, label, seq, (output, input), async_op)
 
@@ -435,7 +437,7 @@ class Collectives:
         seq = self._next_seq()
         if not self.distributed:
             return
-        self.counter.add("control", 2 * tensor.numel(), 2 * _nbytes(tensor))
+        self.counter.add("control", 2 * tensor.numel(), 2 * _nbytes(tensor), "world")
         self._control(lambda a: dist.all_reduce(tensor, group=self.dp_group, async_op=a), label, seq)
 
     def control_broadcast(self, tensor: torch.Tensor, label: str, elements: int) -> None:
@@ -443,7 +445,7 @@ class Collectives:
         seq = self._next_seq()
         if not self.distributed:
             return
-        self.counter.add("control", elements, elements * tensor.element_size())
+        self.counter.add("control", elements, elements * tensor.element_size(), "world")
         src = dist.get_global_rank(self.dp_group, 0)
         self._control(lambda a: dist.broadcast(tensor, src=src, group=self.dp_group, async_op=a), label, seq)
 
@@ -485,7 +487,7 @@ def tagged_all_gather(comm: Collectives, output: Optional[torch.Tensor], input: 
         if output is None:
             return Pending(None, label, comm._next_seq(), comm, done=True), tags
         return comm.all_gather(output, input, label, quantize=True), tags
-    comm.counter.add("control", tags.numel(), _nbytes(tags))
+    comm.counter.add("control", tags.numel(), _nbytes(tags), comm.group_name)
     if output is None:
         seq = comm._next_seq()
     tag_work = comm._issue(comm.gather_stream,

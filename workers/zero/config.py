@@ -20,7 +20,7 @@ import torch
 from contract.spec import ZeroSpec
 from contract.zero_defaults import ZERO_DEFAULTS  # the job-facing fields' defaults, as ZeroSpec defines them
 from contract.zero_math import PRECISION_TRAITS, STAGES, StageTraits, stage_traits
-from contract.zero_rules import (OFFLOAD_OPTIMIZER, OFFLOAD_PARAMS, check_hpz_built, check_nvme_path, check_stage_fields,
+from contract.zero_rules import (OFFLOAD_OPTIMIZER, OFFLOAD_PARAMS, check_hpz_groups, check_nvme_path, check_stage_fields,
                                  offload_target)
 
 if TYPE_CHECKING:
@@ -119,14 +119,23 @@ class ZeroConfig:
                         the shards and masters stay exact (``quantized_comm.py``).
     quantized_gradients stage 3, ZeRO++'s qgZ: the gradient reduce-scatter sends blockwise int4
                         codes and fp32 scales through an all-to-all and sums in fp32.
-    hpz_partition_size  ZeRO++'s hpZ (a secondary weight partition within groups of this many
-                        ranks): not built yet, refused unless None.
+    hpz_partition_size  stage 3, ZeRO++'s hpZ (``hpz.py``): after a unit's forward gather each
+                        rank keeps its part of the unit's parameters over a group of this many
+                        contiguous ranks (a node), so the unit's backward gather stays inside the
+                        group; exact, at Φ/H more memory at the end of the forward. None: off.
+                        Must divide the world size (and ``shard_group_size``).
     force_distributed   a world of one still runs every collective through its process group
                         instead of copying locally (a one-GPU run that exercises NCCL:
                         ``benchmarks/gpu_check.py``); needs an initialized process group.
+
+    [Note: ``stage`` has no default]
+    The contract's default stage is ``"auto"``: the planner chooses one from the job's memory
+    budget (``workers/planning.py``). The engine has no planner, so any integer written here
+    would be a second default that no job follows. A caller names the stage; a job's is the
+    planner's choice, passed to ``from_spec``.
     """
 
-    stage: int = 2  # the engine needs a stage; a job's "auto" is resolved by the planner first
+    stage: int  # required: a job's default, "auto", names no stage the engine could run (note below)
     precision: str = ZERO_DEFAULTS["precision"]
     bucket_mb: float = ZERO_DEFAULTS["bucket_mb"]
     overlap_comm: bool = True
@@ -195,9 +204,9 @@ class ZeroConfig:
             raise ValueError(f"offload_params must be None, 'cpu' or 'nvme', got {self.offload_params!r}")
         check_stage_fields(self.stage, self.offload_optimizer, self.keep_gathered_bytes,  # ZeroRuleBroken
                            self.offload_params, quantized_weights=self.quantized_weights,
-                           quantized_gradients=self.quantized_gradients)
-        check_hpz_built(self.hpz_partition_size)
-        check_nvme_path(self.offload_optimizer, self.nvme_path, self.offload_params)
+                           quantized_gradients=self.quantized_gradients,
+                           hpz_partition_size=self.hpz_partition_size)
+        check_nvme_path(self.offload_optimizer, self.nvme_path, self.offload_params, self.stage)
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ValueError(f"prefetch must be an integer >= 0, got {self.prefetch!r}")
         if self.grad_clip is not None and (
@@ -223,6 +232,12 @@ class ZeroConfig:
                                                   or self.shard_group_size < 1):
             raise ValueError(f"shard_group_size must be None (the whole world) or an integer >= 1, "
                              f"got {self.shard_group_size!r}")
+        if self.hpz_partition_size is not None and (isinstance(self.hpz_partition_size, bool)
+                                                    or not isinstance(self.hpz_partition_size, int)
+                                                    or self.hpz_partition_size < 1):
+            raise ValueError(f"hpz_partition_size must be None (hpZ off) or an integer >= 1, "
+                             f"got {self.hpz_partition_size!r}")
+        check_hpz_groups(self.hpz_partition_size, self.shard_group_size)  # ZeroRuleBroken
         if self.precision != "fp32" and not torch.cuda.is_available():
             # Only the CPU can run this job here; refuse a dtype it cannot compute in.
             if not dtype_usable(PRECISIONS[self.precision], "cpu"):

@@ -88,11 +88,10 @@ class ZeroEngine:
         self,
         model: nn.Module,
         optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
-        config: Optional[ZeroConfig] = None,
+        config: ZeroConfig,
         process_group: Optional[dist.ProcessGroup] = None,
         init_weights: InitWeights = None,
     ):
-        config = config if config is not None else ZeroConfig()
         if not isinstance(config, ZeroConfig):
             raise TypeError(f"config must be a ZeroConfig, got {type(config).__name__}")
         if isinstance(optimizer, torch.optim.Optimizer) or not callable(optimizer):
@@ -125,35 +124,37 @@ class ZeroEngine:
         if units is not None:
             log.info("stage %d units: %s", config.stage, units.describe())
         self._trainable = [p for _, p in trainable]
-        builder = BucketBuilder(self.materializer, self.comm, self.precision, self.device, self.shard_rank,
-                                self.shard_world, traits.shards_parameters)
-        self.buckets = builder.build(self.layout, self._trainable)
-        self.swap = NvmeSwaps.open(config, self.buckets, self.device, self.comm.rank)  # swap files (NVMe)
-        self.materializer.finish()  # frozen parameters and buffers still on meta, or loaded from the file
-        # the fp32 originals of frozen parameters cast to the compute dtype (for full_state_dict)
-        self._frozen_fp32 = sync_frozen([p for _, p in self._frozen], self.comm, self.precision.compute_dtype)
-        self.module_buffers = ModuleBuffers(model, self.comm, self.precision.compute_dtype, config.broadcast_buffers,
-                                            config.sync_batchnorm)
-        if config.activation_checkpointing:
-            for _, unit_module in unit_modules(model, config.wrap):
-                checkpoint_forward(unit_module)
-
-        self.strategy = make_strategy(config.stage, self.buckets, self.comm, config.overlap_comm, units,
-                                      config.prefetch, config.reshard_after_forward, module=model,
-                                      keep_gathered_bytes=config.keep_gathered_bytes,
-                                      param_swap=self.swap.params if self.swap is not None else None)
-        self.offload = HostOptimizerState(self.buckets, self.device) if config.optimizer_offload == "cpu" else None
-        self._opt_params = [(piece, view) for b in self.buckets for piece, view in b.master_views]
-        # The factory's two forms, the placeholder of a rank holding only padding and the empty
-        # stand-ins of a named factory: optim_groups.build. _placeholder: every tensor the
-        # optimizer may hold that is not a view of the shard.
-        opt_device = "cpu" if self.offload is not None else self.device
-        held = [(piece.slot.name, view) for piece, view in self._opt_params]
-        self.optimizer, self._placeholder, self._opt_names = optim_groups.build(
-            optimizer, held, self.layout.slots, opt_device)
-        optim_groups.check(self.optimizer, held, self._placeholder)  # every view once, nothing foreign
-        if self.swap is not None:
-            self.swap.attach(config, self.optimizer, self.buckets, self.device)
+        # swap files (NVMe), closed if the rest fails; stage 3's shards go to theirs as each bucket is built
+        self.swap = NvmeSwaps.open(config, self.layout, self.shard_rank, self.precision.compute_dtype, self.device,
+                                   self.comm.rank)
+        with NvmeSwaps.closed_on_error(self.swap):
+            builder = BucketBuilder(self.materializer, self.comm, self.precision, self.device, self.shard_rank,
+                                    self.shard_world, traits.shards_parameters, self.swap.store if self.swap else None)
+            self.buckets = builder.build(self.layout, self._trainable)
+            self.materializer.finish()  # frozen parameters and buffers still on meta, or loaded from the file
+            # the fp32 originals of frozen parameters cast to the compute dtype (for full_state_dict)
+            self._frozen_fp32 = sync_frozen([p for _, p in self._frozen], self.comm, self.precision.compute_dtype)
+            self.module_buffers = ModuleBuffers(model, self.comm, self.precision.compute_dtype,
+                                                config.broadcast_buffers, config.sync_batchnorm)
+            if config.activation_checkpointing:
+                for _, unit_module in unit_modules(model, config.wrap):
+                    checkpoint_forward(unit_module)
+            self.strategy = make_strategy(config.stage, self.buckets, self.comm, config.overlap_comm, units,
+                                          config.prefetch, config.reshard_after_forward, module=model,
+                                          keep_gathered_bytes=config.keep_gathered_bytes,
+                                          hpz_partition_size=config.hpz_partition_size,
+                                          param_swap=self.swap.params if self.swap is not None else None)
+            self.offload = HostOptimizerState(self.buckets, self.device) if config.optimizer_offload == "cpu" else None
+            self._opt_params = [(piece, view) for b in self.buckets for piece, view in b.master_views]
+            # optim_groups.build: the factory's two forms, the placeholder of a rank holding only padding,
+            # the empty stand-ins of a named factory; _placeholder: what the optimizer holds beyond the shard.
+            opt_device = "cpu" if self.offload is not None else self.device
+            held = [(piece.slot.name, view) for piece, view in self._opt_params]
+            self.optimizer, self._placeholder, self._opt_names = optim_groups.build(
+                optimizer, held, self.layout.slots, opt_device)
+            optim_groups.check(self.optimizer, held, self._placeholder)  # every view once, nothing foreign
+            if self.swap is not None:
+                self.swap.attach(config, self.optimizer, self.buckets, self.device)
         self.scaler = self.precision.make_scaler(config.initial_loss_scale, config.loss_scale_growth_interval)
 
         self._got_grad = [False] * len(self.layout.slots)
@@ -326,7 +327,7 @@ class ZeroEngine:
     def global_step(self) -> int:
         return self._step
 
-    def comm_volume(self, unit: str = "elements") -> dict[str, int]:
+    def comm_volume(self, unit: str = "elements", by_group: bool = False) -> dict:
         """Elements (``unit="bytes"``: bytes on the wire) handed to collectives in the last step.
 
         ``all_reduce`` counts twice its elements; ``total`` = all_gather + reduce_scatter +
@@ -334,9 +335,10 @@ class ZeroEngine:
         apart and is not in ``total``. Nothing is counted on one rank without a process group.
         ``intra_group`` + ``inter_group`` = ``total``: with hybrid sharding (``shard_group_size``)
         ``inter_group`` is the all-reduce of the reduced shards across the groups, 2Φ/G per
-        reduce-scatter of Φ; without it everything is intra-group (``docs/engine.md``).
+        reduce-scatter of Φ; without it everything is intra-group (``docs/engine.md``). ``by_group``:
+        bytes by the process group they went over, then kind (``CommCounter.by_group``; hpZ's "hpz").
         """
-        return self._last_comm.snapshot(unit)
+        return self._last_comm.by_group() if by_group else self._last_comm.snapshot(unit)
 
     def memory(self) -> MemoryReport:
         """Bytes of the tensors this engine holds right now, by role (``memory_report.py``)."""

@@ -9,7 +9,7 @@ Buckets are built one at a time, so a stage that shards parameters never holds t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -46,12 +46,15 @@ class BucketBuilder:
     shard_rank: int
     shard_world: int
     shards_parameters: bool
+    #: each bucket once built (``NvmeSwaps.store``: a stage-3 shard straight to its swap file)
+    sink: Optional[Callable[[FlatBucket], None]] = None
 
     def build(self, layout: FlatLayout, params: list[nn.Parameter]) -> list[FlatBucket]:
         """The flat buffers, one bucket at a time: values in, what the stage keeps out.
 
         Stages 1/2 keep the full compute-dtype flat buffer and their fp32 master shard; stage 3
-        keeps only its shard and frees the flat buffer before the next bucket is built.
+        keeps only its shard and frees the flat buffer before the next bucket is built, and a
+        ``sink`` may take the shard away too (to its swap file) before the next bucket.
         """
         out = []
         for spec in layout.buckets:
@@ -74,6 +77,8 @@ class BucketBuilder:
                 for piece in spec.pieces(self.shard_rank)
             ]
             out.append(FlatBucket(spec, members, flat, master, views, self.shard_rank, param_shard=param_shard))
+            if self.sink is not None:
+                self.sink(out[-1])
         return out
 
     def _broadcast_bucket(self, spec: Bucket, members: list[nn.Parameter], lo: int, hi: int):

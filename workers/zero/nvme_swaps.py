@@ -2,7 +2,9 @@
 
 ``offload_optimizer="nvme"`` puts the optimizer's state in files (``optimizer_swap.py``),
 ``offload_params="nvme"`` stage 3's parameter shards (``param_swap.py``); either or both share
-the rank's folder (``swap_io.SwapFolder``: emptied when opened, removed by ``close()``). Around
+the rank's folder (``swap_io.SwapFolder``: emptied when opened, removed by ``close()``). The
+parameter files exist before the first bucket is built, which goes to its file as soon as it is
+(``store``; ``param_swap.py``, the note on building straight to disk). Around
 each bucket's optimizer step the master comes in before the state and goes out after it, so a
 bucket's fp32 master, moments and gradient are in memory together and no other bucket's are.
 
@@ -22,6 +24,7 @@ import torch
 
 from .buckets import FlatBucket
 from .config import ZeroConfig
+from .flat import FlatLayout
 from .optimizer_swap import OptimizerStateSwap, check_per_piece, swap_files
 from .param_swap import ParamShardSwap
 from .swap_io import SwapFolder
@@ -30,37 +33,65 @@ from .swap_io import SwapFolder
 class NvmeSwaps:
     """The optimizer-state swap and the parameter-shard swap of one rank (each None when off)."""
 
-    def __init__(self, root: str, rank: int, params: Optional[ParamShardSwap]):
-        self.root, self.rank, self.params = root, rank, params
+    def __init__(self, root: str, rank: int, params: Optional[ParamShardSwap], keep_master: bool):
+        self.root, self.rank, self.params, self.keep_master = root, rank, params, keep_master
         self.folder: Optional[SwapFolder] = None
         self.optimizer: Optional[OptimizerStateSwap] = None
 
     @classmethod
-    def open(cls, config: ZeroConfig, buckets: list[FlatBucket], device: torch.device,
-             rank: int) -> Optional["NvmeSwaps"]:
-        """The parameter swap, for the strategy (no file yet: ``attach``); None without NVMe."""
+    def open(cls, config: ZeroConfig, layout: FlatLayout, shard_rank: int, dtype: torch.dtype,
+             device: torch.device, rank: int) -> Optional["NvmeSwaps"]:
+        """Before the engine builds its buckets: with ``offload_params="nvme"`` the rank's folder
+        (emptied) and every unit's file, allocated, ready for ``store``; None without NVMe."""
         if config.offload_params is not None and device.type != "cpu":
             raise ValueError(f"offload_params={config.offload_params!r} is built for CPU ranks only (where "
                              f"the shard is host memory already); not for {device.type} devices yet: leave it null")
         if config.nvme_path is None:
             return None
-        return cls(config.nvme_path, rank, ParamShardSwap(buckets) if config.offload_params == "nvme" else None)
+        params = None
+        if config.offload_params == "nvme":
+            params = ParamShardSwap([hi - lo for lo, hi in (b.shard_range(shard_rank) for b in layout.buckets)], dtype)
+        swaps = cls(config.nvme_path, rank, params, keep_master=config.optimizer_offload == "cpu")
+        if params is not None:
+            swaps.folder = SwapFolder(swaps.root, rank)
+            try:
+                params.open(swaps.folder)
+            except BaseException:
+                swaps.close()
+                raise
+        return swaps
+
+    def store(self, bucket: FlatBucket) -> None:
+        """A bucket just built (``initial_state.BucketBuilder``): a stage-3 shard to its file."""
+        if self.params is not None:
+            self.params.store(bucket, self.keep_master)
 
     def attach(self, config: ZeroConfig, optimizer: torch.optim.Optimizer, buckets: list[FlatBucket],
                device: torch.device) -> None:
-        """Once the optimizer is built over the masters: the rank's folder (emptied), the
-        optimizer's state to files, the shards to theirs."""
-        if self.params is not None:
-            check_per_piece(optimizer, "offload_params='nvme'")
-        self.folder = SwapFolder(self.root, self.rank)
+        """Once the optimizer is built over the masters: the rank's folder (emptied, unless the
+        shards are in it already) and the optimizer's state to files."""
         try:
+            if self.params is not None:
+                check_per_piece(optimizer, "offload_params='nvme'")
+            if self.folder is None:
+                self.folder = SwapFolder(self.root, self.rank)
             if config.optimizer_offload == "nvme":
                 self.optimizer = swap_files(optimizer, [[v for _, v in b.master_views] for b in buckets], device,
                                             self.folder)
-            if self.params is not None:
-                self.params.start(self.folder)
         except BaseException:
             self.close()
+            raise
+
+    @staticmethod
+    @contextlib.contextmanager
+    def closed_on_error(swaps: Optional["NvmeSwaps"]) -> Iterator[None]:
+        """Close ``swaps`` (its files and folder gone) if the block raises: an engine whose
+        construction failed leaves nothing on disk."""
+        try:
+            yield
+        except BaseException:
+            if swaps is not None:
+                swaps.close()
             raise
 
     @property

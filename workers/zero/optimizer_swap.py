@@ -34,7 +34,6 @@ taken.
 from __future__ import annotations
 
 import contextlib
-from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -44,7 +43,7 @@ import torch
 from contract.zero_math import SWAP_BUFFERS
 
 from . import optim_groups
-from .swap_io import AlignedBuffer, BlockIO, DirectFile, SwapFolder, aligned
+from .swap_io import AlignedBuffer, BlockIO, DirectFile, SwapFolder, WriteBehind, aligned
 
 BUFFERS = SWAP_BUFFERS  # one stepping, one being read ahead, one being written behind
 ENTRY_ALIGN = 64  # bytes: every state tensor in a file starts on a cache line
@@ -91,7 +90,7 @@ class OptimizerStateSwap:
         self.capacity = 0
         self.pool: list[AlignedBuffer] = []
         self.reading: dict[int, tuple[AlignedBuffer, list[Future]]] = {}
-        self.writing: deque[tuple[AlignedBuffer, list[Future]]] = deque()
+        self.writes = WriteBehind(self.io)
         self.bound: dict[int, AlignedBuffer | None] = {}
 
     # -- one step ------------------------------------------------------------------------------------
@@ -127,15 +126,12 @@ class OptimizerStateSwap:
             buffer = packed
             self._reserve(i, nbytes)
         self.layouts[i], self.sizes[i] = entries, nbytes
-        self.writing.append((buffer, self.io.write(self.files[i], buffer, nbytes)))
+        self.writes.start(i, self.files[i], buffer, nbytes)
         self._unbind(i)
 
     def end_step(self) -> None:
         """Wait for every write: the files hold the step's state when ``step()`` returns."""
-        while self.writing:
-            buffer, futures = self.writing.popleft()
-            self.io.wait(futures)
-            self.pool.append(buffer)
+        self.pool.extend(self.writes.all())
 
     def step_io(self) -> dict[str, float]:
         """Bytes read and written and the seconds waited on them since the last call."""
@@ -198,10 +194,9 @@ class OptimizerStateSwap:
             self.pool.clear()
             self.capacity = aligned(nbytes)
         while not self.pool:
-            if len(self.reading) + len(self.writing) + sum(b is not None for b in self.bound.values()) < BUFFERS:
+            if len(self.reading) + len(self.writes) + sum(b is not None for b in self.bound.values()) < BUFFERS:
                 return AlignedBuffer(self.capacity)
-            buffer, futures = self.writing.popleft()
-            self.io.wait(futures)
+            buffer = self.writes.oldest()
             if buffer.nbytes >= self.capacity:
                 self.pool.append(buffer)
         buffer = self.pool.pop()

@@ -6,6 +6,15 @@ with the optimizer's files), and its memory is freed. ``stage3_swap.py`` reads i
 pooled page-aligned buffer before the unit's gather and hands the buffer back once the gather
 was waited; the values gathered are the file's, bit for bit the shard in memory.
 
+[Note: building straight to disk]
+The files are allocated (``open``) before the engine builds its first unit, and each unit's
+shard goes to its file as soon as the unit is built (``store``, called by
+``initial_state.BucketBuilder``), its memory freed before the next unit is built. So a rank
+never holds its whole shard, nor (with a meta model) the whole model: at most one unit's full
+values, its shard and one buffer being written. The optimizer's views of an fp32 master are
+made before its memory is freed (a view cannot be cut from a storage of 0 bytes) and the
+optimizer is built over them without reading them.
+
 [Note: two kinds of unit file]
 In fp32 (and with the optimizer on the host, whose master is its own copy, in neither) the
 shard *is* the fp32 master (``initial_state.py``): the file then holds the master, the
@@ -26,51 +35,62 @@ copies it (``holds_masters``).
 from __future__ import annotations
 
 import contextlib
-from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
 
 import torch
 
 from .buckets import FlatBucket
-from .swap_io import AlignedBuffer, BlockIO, DirectFile, SwapFolder, aligned
+from .swap_io import AlignedBuffer, BlockIO, DirectFile, SwapFolder, WriteBehind, aligned
 
 
 class ParamShardSwap:
     """The parameter shards of a stage-3 rank's units (one bucket each) in swap files."""
 
-    def __init__(self, buckets: list[FlatBucket]):
-        self.buckets = buckets
-        self.numel = [b.param_shard.numel() for b in buckets]
-        self.dtype = [b.param_shard.dtype for b in buckets]
-        self.nbytes = [n * b.param_shard.element_size() for n, b in zip(self.numel, buckets)]
+    def __init__(self, shard_numels: list[int], dtype: torch.dtype):
+        self.buckets: list[FlatBucket] = []  # filled by ``store`` as the engine builds them
+        self.numel = list(shard_numels)
+        self.dtype = dtype
+        self.nbytes = [n * dtype.itemsize for n in self.numel]
         self.io = BlockIO()
         self.files: list[DirectFile] = []
-        self.is_master = [False] * len(buckets)  # set by start(): the file holds the fp32 master
+        self.is_master: list[bool] = []  # set by store(): the file holds the fp32 master
         self.capacity = aligned(max(self.nbytes, default=1))
         self.pool: list[AlignedBuffer] = []
         self.reading: dict[int, tuple[AlignedBuffer, list[Future]]] = {}
         self.loaded: dict[int, AlignedBuffer] = {}  # read, for a gather in flight or for a step
-        self.writing: deque[tuple[int, AlignedBuffer, list[Future]]] = deque()
+        self.writes = WriteBehind(self.io)
 
     @property
     def holds_masters(self) -> bool:
         return any(self.is_master)
 
-    def start(self, folder: SwapFolder) -> None:
-        """Write every shard to its file in ``folder`` and free its memory (once the optimizer was
-        built over the masters)."""
+    def open(self, folder: SwapFolder) -> None:
+        """Every unit's file in ``folder``, allocated now: a disk too small fails before a unit is built."""
         total = sum(aligned(n) for n in self.nbytes)
-        for i, b in enumerate(self.buckets):
-            self.is_master[i] = b.param_shard.untyped_storage().data_ptr() == b.master.untyped_storage().data_ptr()
+        for i, nbytes in enumerate(self.nbytes):
             self.files.append(folder.open(f"param-{i:05d}.swap"))
-            self.files[i].reserve(self.nbytes[i], total)
-        for i, b in enumerate(self.buckets):
-            buffer = self._take()
-            self._view(i, buffer).copy_(b.param_shard)
-            self._write(i, buffer)
-            self.end_step()  # one buffer at a time: the start holds no more than a step does
-            b.param_shard.untyped_storage().resize_(0)
+            self.files[i].reserve(nbytes, total)
+
+    def store(self, b: FlatBucket, keep_master: bool) -> None:
+        """The next unit, just built: its shard written to its file (behind the next unit's build)
+        and its memory freed (the note on building straight to disk). ``keep_master``: the
+        optimizer copies the fp32 master elsewhere (host offload), so a master that is the
+        shard stays in memory and the shard becomes a tensor of its own."""
+        i = len(self.buckets)
+        shard = b.param_shard
+        if shard.numel() != self.numel[i] or shard.dtype != self.dtype:
+            raise RuntimeError(f"unit {i}: built {shard.numel()} {shard.dtype} elements, the swap file holds "
+                               f"{self.numel[i]} {self.dtype}")
+        self.buckets.append(b)
+        shared = shard.untyped_storage().data_ptr() == b.master.untyped_storage().data_ptr()
+        self.is_master.append(shared and not keep_master)
+        buffer = self._take()
+        self._view(i, buffer).copy_(shard)
+        self._write(i, buffer)
+        if shared and keep_master:
+            b.param_shard = torch.empty(self.numel[i], dtype=self.dtype)
+        b.param_shard.untyped_storage().resize_(0)
 
     # -- a unit's gather (stage3_swap.py) ------------------------------------------------------------
     def read_ahead(self, units: Iterable[int]) -> None:
@@ -134,10 +154,7 @@ class ParamShardSwap:
 
     def end_step(self) -> None:
         """Wait for every write: the files hold the step's parameters."""
-        while self.writing:
-            _, buffer, futures = self.writing.popleft()
-            self.io.wait(futures)
-            self.pool.append(buffer)
+        self.pool.extend(self.writes.all())
 
     def step_io(self) -> dict[str, float]:
         """Bytes read and written and the seconds waited on them since the last call."""
@@ -171,7 +188,7 @@ class ParamShardSwap:
     def tensors(self) -> list[torch.Tensor]:
         """The host memory the swap holds now: its buffers, free or in use."""
         held = self.pool + list(self.loaded.values()) + [b for b, _ in self.reading.values()] + \
-            [b for _, b, _ in self.writing]
+            self.writes.buffers()
         return [buffer.bytes for buffer in held]
 
     def close(self) -> None:
@@ -186,14 +203,12 @@ class ParamShardSwap:
 
     # -- buffers and files -------------------------------------------------------------------------------
     def _view(self, i: int, buffer: AlignedBuffer) -> torch.Tensor:
-        return buffer.view(0, self.numel[i], self.dtype[i])
+        return buffer.view(0, self.numel[i], self.dtype)
 
     def _take(self) -> AlignedBuffer:
         """A free buffer: from the pool, else the oldest write's once it finished, else a new one."""
-        while not self.pool and self.writing:
-            _, buffer, futures = self.writing.popleft()
-            self.io.wait(futures)
-            self.pool.append(buffer)
+        if not self.pool and self.writes:
+            self.pool.append(self.writes.oldest())
         return self.pool.pop() if self.pool else AlignedBuffer(self.capacity)
 
     def _start_read(self, i: int) -> None:
@@ -212,13 +227,10 @@ class ParamShardSwap:
         if i in self.reading:  # a read ahead of the old values: stale once this write starts
             self._drop_read(i)
         self._wait_writes(i)
-        self.writing.append((i, buffer, self.io.write(self.files[i], buffer, self.nbytes[i])))
+        self.writes.start(i, self.files[i], buffer, self.nbytes[i])
 
     def _wait_writes(self, i: int) -> None:
         """No transfer of unit ``i``'s file may overlap a write of it."""
-        for entry in [e for e in self.writing if e[0] == i]:
-            self.writing.remove(entry)
-            self.io.wait(entry[2])
-            self.pool.append(entry[1])
+        self.pool.extend(self.writes.of(i))
 
 

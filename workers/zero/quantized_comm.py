@@ -55,7 +55,7 @@ def all_gather(comm: Any, output: torch.Tensor, input: torch.Tensor):
     scales = torch.empty(n * nb, dtype=torch.float32, device=input.device)
     codes_slot, scales_slot = codes.narrow(0, comm.rank * shard, shard), scales.narrow(0, comm.rank * nb, nb)
     quantize(input, WEIGHT_BITS, codes=codes_slot, scales=scales_slot)
-    comm.counter.add("all_gather", output.numel(), nbytes(codes) + nbytes(scales))
+    comm.counter.add("all_gather", output.numel(), nbytes(codes) + nbytes(scales), comm.group_name)
     works = [comm.gather_work(codes, codes_slot, "quantized all-gather codes"),
              comm.gather_work(scales, scales_slot, "quantized all-gather scales")]
     flat = output.view(-1)
@@ -83,7 +83,8 @@ def reduce_scatter(comm: Any, output: torch.Tensor, input: torch.Tensor):
     for r in range(n):  # a non-finite gradient poisons its block: the step's norm sees it (quantize.py)
         quantize(flat[r * shard:(r + 1) * shard], GRADIENT_BITS, codes=send_codes[r], scales=send_scales[r],
                  poison=True)
-    comm.counter.add("reduce_scatter", 0, nbytes(send_codes) + nbytes(send_scales))  # elements: the caller's
+    comm.counter.add("reduce_scatter", 0, nbytes(send_codes) + nbytes(send_scales),  # elements: the caller's
+                     comm.group_name)
     recv_codes, recv_scales = torch.empty_like(send_codes), torch.empty_like(send_scales)
 
     def both(async_op: bool):

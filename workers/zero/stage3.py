@@ -170,12 +170,16 @@ class ParamShardStrategy(Strategy):
         storage = unit.flat.untyped_storage()
         if storage.nbytes() == 0:
             storage.resize_(unit.flat.numel() * unit.flat.element_size())
-        unit.pending, tags = tagged_all_gather(self.comm, unit.flat, unit.shard, self._ledger.next_gather(unit.index),
-                                               label=f"all_gather unit {unit.index} ({unit.name})")
+        unit.pending, tags = self._gather(unit, self._ledger.next_gather(unit.index),
+                                          label=f"all_gather unit {unit.index} ({unit.name})")
         self._ledger.unchecked.append((unit.pending, tags))
         unit.state = UnitState.GATHERING
         self.counts["gathers"] += 1
         self._observe()
+
+    def _gather(self, unit: Unit, tag: torch.Tensor, label: str) -> tuple[Pending, torch.Tensor]:
+        """Launch the tagged all-gather of ``unit``'s shard into its flat buffer (hpZ: ``hpz.py``)."""
+        return tagged_all_gather(self.comm, unit.flat, unit.shard, tag, label=label)
 
     def _unshard(self, unit: Unit) -> None:
         if unit.state is UnitState.FREE:

@@ -14,6 +14,8 @@ What the NVMe offload (``optimizer_swap.py``) reads and writes, and nothing abou
 * ``BlockIO``: reads and writes split into ``BLOCK_BYTES`` blocks issued ``QUEUE_DEPTH`` at a time
   on a thread pool (``os.preadv``/``os.pwritev`` release the GIL), so one transfer keeps the
   device's queue full while the caller computes; each transfer is a ``Future``.
+* ``WriteBehind``: the writes a swap started and has not waited for, oldest first; waiting for
+  one hands its buffer back for reuse (both swaps write behind their step this way).
 
 [Note: sizes and alignment]
 ``O_DIRECT`` needs the buffer address, the file offset and the length aligned to the logical
@@ -30,6 +32,7 @@ import mmap
 import os
 import shutil
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
@@ -207,6 +210,46 @@ class BlockIO:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
+
+
+class WriteBehind:
+    """Writes in flight, oldest first, each of a buffer to one file under a key (its bucket or unit).
+
+    A buffer is free once its write finished: the waits below return the buffers they freed,
+    which the swap puts back in its pool. The time waited counts as exposed I/O (``BlockIO.wait``).
+    """
+
+    def __init__(self, io: BlockIO):
+        self.io = io
+        self.queue: deque[tuple[int, AlignedBuffer, list[Future]]] = deque()
+
+    def __len__(self) -> int:
+        return len(self.queue)
+
+    def start(self, key: int, file: DirectFile, buffer: AlignedBuffer, nbytes: int) -> None:
+        self.queue.append((key, buffer, self.io.write(file, buffer, nbytes)))
+
+    def oldest(self) -> AlignedBuffer:
+        """Wait for the oldest write; its buffer."""
+        _, buffer, futures = self.queue.popleft()
+        self.io.wait(futures)
+        return buffer
+
+    def of(self, key: int) -> list[AlignedBuffer]:
+        """Wait for every write under ``key`` (before its file is read or written again); their buffers."""
+        mine = [entry for entry in self.queue if entry[0] == key]
+        for entry in mine:
+            self.queue.remove(entry)
+            self.io.wait(entry[2])
+        return [entry[1] for entry in mine]
+
+    def all(self) -> list[AlignedBuffer]:
+        """Wait for every write (the files hold what was written); their buffers."""
+        return [self.oldest() for _ in range(len(self.queue))]
+
+    def buffers(self) -> list[AlignedBuffer]:
+        """The buffers being written now."""
+        return [buffer for _, buffer, _ in self.queue]
 
 
 def _transfer(call, file: DirectFile, block: memoryview, offset: int) -> None:

@@ -12,7 +12,7 @@ other thread that asks for the GIL with ``pthread_exit``; unwinding that C++ wor
 ``noexcept`` destructor calls ``std::terminate``: the rank dies of SIGABRT with "terminate called
 without an active exception", after training succeeded. ``destroy_groups`` therefore destroys
 the groups while the interpreter is fully alive *and* drops every reference the engine and
-``hybrid.py``'s cache hold, so the C++ groups are destroyed right here: their destructors (GIL
+``hybrid.py``'s and ``hpz.py``'s caches hold, so the C++ groups are destroyed right here: their destructors (GIL
 released) join every worker, transport and store thread, and nothing of Gloo's is left to run
 at interpreter shutdown.
 
@@ -35,7 +35,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from . import hybrid
+from . import hpz, hybrid
 
 
 def destroy_groups(comm) -> None:
@@ -43,11 +43,12 @@ def destroy_groups(comm) -> None:
 
     When the engine runs on the default group: ``dist.destroy_process_group()`` (every group of
     the process, as a script's last line would); otherwise the engine's own groups (hybrid
-    sharding's shard and replicate groups), then the group it was given. Local: every rank calls
+    sharding's shard and replicate groups, hpZ's group: ``hpz.py``), then the group it was given. Local: every rank calls
     it after ``close()``'s barrier, so no peer still communicates.
     """
     dp_group: Optional[dist.ProcessGroup] = comm.dp_group
     own = [g for g in (comm.group, comm.replicate_group) if g is not None and g is not dp_group]
+    own += [g for g in hpz.forget(dp_group) if g is not None and all(g is not o for o in own)]
     comm.dp_group = comm.group = comm.replicate_group = None
     hybrid.forget(dp_group)
     if dp_group is not None and dist.is_initialized():

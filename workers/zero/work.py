@@ -37,11 +37,22 @@ class CommCounter:
     exposed_s: float = 0.0
     calls: int = 0
     nbytes: dict = field(default_factory=dict)  # kind -> bytes, the kinds above
+    groups: dict = field(default_factory=dict)  # group -> kind -> bytes (``by_group``)
 
-    def add(self, kind: str, elements: int, nbytes: int) -> None:
-        """Count ``elements`` under ``kind`` and ``nbytes`` bytes that carried them."""
+    def add(self, kind: str, elements: int, nbytes: int, group: Optional[str] = None) -> None:
+        """Count ``elements`` under ``kind`` and ``nbytes`` bytes that carried them; also under
+        ``group``, the process group they were sent over, when given."""
         setattr(self, kind, getattr(self, kind) + elements)
         self.nbytes[kind] = self.nbytes.get(kind, 0) + nbytes
+        if group is not None:
+            per_kind = self.groups.setdefault(group, {})
+            per_kind[kind] = per_kind.get(kind, 0) + nbytes
+
+    def by_group(self) -> dict:
+        """Bytes by the process group they were sent over and by kind: ``"world"`` (the whole
+        data-parallel world), ``"shard"`` and ``"replicate"`` (hybrid sharding, ``hybrid.py``),
+        ``"hpz"`` (ZeRO++'s hpZ groups, ``hpz.py``)."""
+        return {group: dict(kinds) for group, kinds in self.groups.items()}
 
     def snapshot(self, unit: str = "elements") -> dict:
         """The counts by kind: ``unit`` "elements" (``comm_volume()``'s historical unit) or "bytes"."""

@@ -157,3 +157,28 @@ def frozen_bn_world(rank: int, world_size: int, source: str, zero: dict):
     full = engine.full_state_dict()
     engine.close()
     return full
+
+
+def nvme_build_world(rank: int, world_size: int, precision: str, root: str, steps: int = 3):
+    """SMALL built on meta at stage 3 twice: in memory, then with the parameters and the optimizer
+    state on NVMe (built straight into the swap files). What each holds after construction and
+    after ``steps`` steps, and what was on disk while the NVMe engine was built."""
+    out = {}
+    for kind in ("memory", "nvme"):
+        torch.manual_seed(7)
+        with torch.device("meta"):
+            model = GPT(SMALL)
+        swap = {"offload_params": "nvme", "offload_optimizer": "nvme", "nvme_path": root} if kind == "nvme" else {}
+        engine = ZeroEngine(model, adamw, ZeroConfig(stage=3, precision=precision, **swap))
+        built = {"full": engine.full_state_dict(), "sd": engine.state_dict(), "memory": engine.memory()}
+        if kind == "nvme":
+            built["files"] = sorted(os.listdir(os.path.join(root, str(rank))))
+        losses = []
+        for rows in batches(world_size, steps):
+            loss = engine(*rows[rank])
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.detach().clone())
+        out[kind] = {"built": built, "losses": losses, "full": engine.full_state_dict(), "sd": engine.state_dict()}
+        engine.close()
+    return out

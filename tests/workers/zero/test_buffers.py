@@ -272,6 +272,6 @@ def test_bf16_buffers_follow_their_module_and_state_dicts_keep_fp32():
 def test_config_fields_are_booleans(field):
     from workers.zero import ZeroConfig
 
-    assert ZeroConfig().broadcast_buffers is True and ZeroConfig().sync_batchnorm is False
+    assert ZeroConfig(stage=2).broadcast_buffers is True and ZeroConfig(stage=2).sync_batchnorm is False
     with pytest.raises(ValueError, match=field):
-        ZeroConfig(**{field: "yes"})
+        ZeroConfig(stage=2, **{field: "yes"})

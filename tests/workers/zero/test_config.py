@@ -40,7 +40,7 @@ from workers.zero import config as config_mod
 )
 def test_bad_values_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
-        ZeroConfig(**kwargs)
+        ZeroConfig(**{"stage": 2, **kwargs})
 
 
 def test_good_values():
@@ -57,8 +57,8 @@ def test_fp16_on_a_cpu_that_cannot_is_a_value_error(monkeypatch):
     monkeypatch.setattr(config_mod, "dtype_usable", lambda dtype, device="cpu": dtype != torch.float16)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match="precision='fp16' is not supported"):
-        ZeroConfig(precision="fp16")
-    ZeroConfig(precision="bf16")
+        ZeroConfig(stage=2, precision="fp16")
+    ZeroConfig(stage=2, precision="bf16")
 
 
 def test_the_probe_is_real():
@@ -102,17 +102,26 @@ def test_precisions_are_the_contracts_with_the_element_sizes_it_states():
 
 
 def test_bucket_numel_is_bucket_mb_of_the_compute_dtype():
-    assert ZeroConfig(precision="fp32", bucket_mb=1).bucket_numel == 2**20 // 4
+    assert ZeroConfig(stage=2, precision="fp32", bucket_mb=1).bucket_numel == 2**20 // 4
     assert config_mod.elements_per_bucket(1e-9, 4) == 1  # never an empty bucket
 
 
 def test_the_job_facing_defaults_are_the_contracts():
     """One definition: a field ZeroSpec and ZeroConfig share has ZeroSpec's default on both sides."""
-    spec, cfg = ZeroSpec(), ZeroConfig()
+    spec, cfg = ZeroSpec(), ZeroConfig(stage=2)
     shared = set(ZeroSpec.model_fields) & set(ZeroConfig.__dataclass_fields__) - {"stage"}  # "auto" is a job's
     assert shared == set(ZeroSpec.model_fields) - {"stage"}
     assert {name: getattr(cfg, name) for name in shared} == {name: getattr(spec, name) for name in shared}
     assert cfg.precision == "fp32"
+
+
+def test_the_engine_takes_no_stage_it_was_not_given():
+    """The contract's default stage is "auto", which the engine cannot run: a caller names one,
+    so no second default stage exists beside ZeroSpec's."""
+    with pytest.raises(TypeError, match="stage"):
+        ZeroConfig()
+    with pytest.raises(TypeError):
+        ZeroEngine(nn.Linear(3, 2), _adamw)
 
 
 def test_from_spec_takes_every_field_of_the_block_and_the_jobs_grad_clip():
@@ -157,7 +166,9 @@ def test_offload_params_is_a_config_and_spec_field_the_engine_runs(tmp_path):
     ({"stage": 3, "nvme_path": "/x"}, "nvme_path is read with offload_optimizer or offload_params 'nvme', or with stage 'auto'"),
     ({"stage": 2, "quantized_weights": True}, r"quantized_weights \(ZeRO\+\+\) needs stage 3"),
     ({"stage": 0, "quantized_gradients": True}, r"quantized_gradients \(ZeRO\+\+\) needs stage 3"),
-    ({"stage": 3, "hpz_partition_size": 2}, "hpZ .* is not built in the engine yet"),
+    ({"stage": 2, "hpz_partition_size": 2}, r"hpz_partition_size \(ZeRO\+\+'s hpZ\) needs stage 3"),
+    ({"stage": 3, "hpz_partition_size": 3, "shard_group_size": 4}, r"hpz_partition_size \(3\) must divide "
+                                                                    r"shard_group_size \(4\)"),
 ])
 def test_the_cross_field_rules_are_the_contracts(kwargs, message):
     """The engine refuses with the sentence the control plane's 422 carries (contract/zero_rules.py)."""
@@ -177,6 +188,20 @@ def test_zeropp_fields_default_off_and_come_from_the_spec():
     assert (got.quantized_weights, got.quantized_gradients) == (True, True)
     with pytest.raises(ValueError, match="quantized_weights must be True or False"):
         ZeroConfig(stage=3, quantized_weights=1)
+
+
+def test_hpz_partition_size_is_taken_at_stage_3_and_checked():
+    assert ZeroConfig(stage=3, hpz_partition_size=2).hpz_partition_size == 2
+    assert ZeroConfig(stage=3, hpz_partition_size=2, shard_group_size=4).hpz_partition_size == 2
+    zero = ZeroSpec(stage=3, hpz_partition_size=2)
+    got = ZeroConfig.from_spec(zero, TrainSpec(steps=1, global_batch_size=2, micro_batch_size=1))
+    assert got.hpz_partition_size == 2
+    for bad in (0, True, 1.5, "2"):
+        with pytest.raises(ValueError, match="hpz_partition_size must be None"):
+            ZeroConfig(stage=3, hpz_partition_size=bad)
+    assert allowed_stages(False, 0, offload_params=None, quantized_weights=False, quantized_gradients=False,
+                          hpz_partition_size=2) == (3,)
+    assert ZeroSpec(stage="auto", hpz_partition_size=2).hpz_partition_size == 2  # "auto" picks stage 3
 
 
 def test_offload_params_leaves_auto_only_stage_3():

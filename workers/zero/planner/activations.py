@@ -22,6 +22,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from contract.presets import BYTE_VOCAB
 from contract.zero_defaults import ZERO_DEFAULTS
 from contract.zero_math import DEFAULT_PRECISION
 
@@ -404,7 +405,7 @@ def _profile(
     if recompute:
         checkpoint_units(model)
     config = getattr(model, "config", None)
-    vocab = vocab or getattr(config, "vocab_size", None) or 256
+    vocab = vocab or getattr(config, "vocab_size", None) or BYTE_VOCAB
     loss_fn = hf_loss if block.get("hf") else default_loss
     return measure_activation_bytes(model, token_batch(micro_batch, seq_len, vocab, device), stage2=stage2,
                                     forward_only=forward_only, loss_fn=loss_fn)

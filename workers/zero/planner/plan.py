@@ -13,7 +13,8 @@ Terms of one rank's device memory (each reported separately):
   (``contract.zero_math``); under optimizer offload the fp32 master, the moments and an fp32
   gradient shard live on the host instead (``cpu`` terms);
 * communication/step scratch (``buffers.py``);
-* stage-3 gathered units: the root unit (kept gathered) and ``prefetch + 1`` blocks;
+* stage-3 gathered units: the root unit (kept gathered) and ``prefetch + 1`` blocks (with hpZ,
+  the secondary shards too: ``groups.py``);
 * activations, measured (``activations.py``);
 * an allocator reserve (``buffers.allocator_reserve_bytes``).
 
@@ -31,6 +32,8 @@ from typing import Any, Sequence
 from contract.zero_defaults import ZERO_DEFAULTS
 from contract.zero_math import (
     DEFAULT_BUCKET_MB,
+    DEFAULT_MARGIN,
+    DEFAULT_UNITS,
     DEFAULT_PRECISION,
     DEFAULT_PREFETCH,
     DEFAULT_TARGET_EFFICIENCY,
@@ -56,12 +59,11 @@ from .buffers import (
     stage2_tail_bytes,
     step_buffer_bytes,
 )
+from .groups import hpz_secondary_bytes, hybrid_group_size
 from .method import METHOD
 from .peak import CHECKPOINTS, PeakInputs, job_peak, step_gradient_bytes, summarize
-from .shape import DEFAULT_UNITS, ModelShape, bucket_elements, bucket_numels
+from .shape import ModelShape, bucket_elements, bucket_numels
 from .step_time import add_calibrated_time, add_time_model
-
-DEFAULT_MARGIN = 0.10  # a plan fits when its total is at most (1 - margin) of the budget
 
 
 @dataclass
@@ -79,7 +81,7 @@ class StagePrediction:
     peak: dict[str, Any]  # the job's parts (peak.summarize): bytes per part, the worst part, host peaks
     comm_elements: int
     comm_bytes: int
-    offload_params: str | None = None  # stage 3: "cpu" (as in memory on a CPU rank) or "nvme" (swap files)
+    offload_params: str | None = ZERO_DEFAULTS["offload_params"]  # stage 3: "cpu" (in memory on a CPU rank), "nvme"
     #: of comm_elements: inside a shard group / across groups (hybrid sharding; 0 without it)
     comm_intra_elements: int = 0
     comm_inter_elements: int = 0
@@ -129,6 +131,7 @@ class PlanInputs:
     shard_group_size: int | None = ZERO_DEFAULTS["shard_group_size"]  # hybrid: states sharded over G ranks
     quantized_weights: bool = ZERO_DEFAULTS["quantized_weights"]  # ZeRO++ qwZ (stage 3): int8 gathers
     quantized_gradients: bool = ZERO_DEFAULTS["quantized_gradients"]  # ZeRO++ qgZ (stage 3): int4 reduce
+    hpz_partition_size: int | None = ZERO_DEFAULTS["hpz_partition_size"]  # ZeRO++ hpZ (stage 3): groups of H
     offload_params: str | None = ZERO_DEFAULTS["offload_params"]  # stage 3: None, "cpu" or "nvme"
     optimizer_states: int = 2  # fp32 optimizer state tensors per parameter (Adam: m, v)
     deferred_init: bool = True  # built on the meta device, one bucket at a time; False: eagerly, in fp32
@@ -152,6 +155,7 @@ class PlanInputs:
             "units": len(self.shape.unit_numels) + bool(self.shape.root_numel),
             "n_ranks": self.n_ranks,
             "shard_group_size": self.shard_group_size,
+            "hpz_partition_size": self.hpz_partition_size,
             "precision": self.precision,
             "bucket_mb": self.bucket_mb,
             "prefetch": self.prefetch,
@@ -234,10 +238,12 @@ def predict(inputs: PlanInputs, stage: int, offload: bool | str = False) -> Stag
         backward = backward_transient - (gathered if traits.shards_parameters else 0)  # for the terms below
     else:
         backward_transient = backward + gathered
+    secondary = hpz_secondary_bytes(inputs, stage, phi_padded, kept_bytes)  # alive from forward to backward
+    backward_transient, gathered = backward_transient + secondary, gathered + secondary
     largest_param = max(shape.param_numels, default=0)
     forward = (activations if inputs.activation_bytes_forward is None else inputs.activation_bytes_forward) + gathered
     if traits.shards_parameters and inputs.activation_bytes_forward_stage3 is not None:
-        forward = inputs.activation_bytes_forward_stage3  # the gathers replayed on the forward's timeline
+        forward = inputs.activation_bytes_forward_stage3 + secondary  # the gathers replayed on the forward's timeline
     parts = job_peak(states, PeakInputs(
         stage=stage, offload=host_offload, precision=precision, n_ranks=n, device=inputs.device, buckets=buckets,
         phi_padded=phi_padded, phi_model=shape.phi + shape.frozen, frozen=shape.frozen,
@@ -298,15 +304,6 @@ def predict(inputs: PlanInputs, stage: int, offload: bool | str = False) -> Stag
     add_calibrated_time(prediction, inputs, inputs.calibration, n) if inputs.calibration is not None \
         else add_time_model(prediction, inputs)
     return prediction
-
-
-def hybrid_group_size(inputs: PlanInputs, stage: int) -> int | None:
-    """G when ``stage`` runs hybrid-sharded (it shards something and G < N: the engine's
-    ``hybrid.is_hybrid``), else None."""
-    g = inputs.shard_group_size
-    if g is None or g >= inputs.n_ranks or not stage_traits(stage).shards_optimizer:
-        return None
-    return g
 
 
 def _replayed_activations(inputs: PlanInputs, stage: int) -> int | None:
@@ -450,7 +447,7 @@ def plan_for_count(
     prefetch: int = DEFAULT_PREFETCH,
     activation_bytes: int | None = None,
     units: int = DEFAULT_UNITS,
-    offload_params: str | None = None,
+    offload_params: str | None = ZERO_DEFAULTS["offload_params"],
 ) -> Plan:
     """The whiteboard question: Φ parameters on ``gpus`` GPUs, activations given or left out;
     ``offload_params`` limits it to stage 3, the only stage that shards the parameters."""

@@ -17,14 +17,12 @@ from typing import Any, Sequence
 import torch
 import torch.nn as nn
 
-from contract.zero_math import low_precision_bytes
+from contract.zero_math import DEFAULT_UNITS, low_precision_bytes
 
 from ..config import elements_per_bucket
 from ..flat import FlatLayout, packed_numel
 from ..units import plan_units
 from .model_key import ModelKey
-
-DEFAULT_UNITS = 32
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from contract.presets import BYTE_VOCAB
+
 from ..config import PRECISIONS
 from .activations import _FlashAttentionOnMeta, default_loss, hf_loss, token_batch
 from .model_key import ModelKey
@@ -101,7 +103,7 @@ def _count_on_meta(model_key: ModelKey, micro_batch: int, seq_len: int, precisio
     block = model_key.block()
     with torch.device("meta"):
         model = build_model(block).to(PRECISIONS[precision])
-    vocab = vocab or getattr(getattr(model, "config", None), "vocab_size", None) or 256
+    vocab = vocab or getattr(getattr(model, "config", None), "vocab_size", None) or BYTE_VOCAB
     batch = token_batch(micro_batch, seq_len, vocab, "meta")
     loss_fn = hf_loss if block.get("hf") else default_loss
     counter = WorkCounter()

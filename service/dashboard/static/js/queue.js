@@ -44,6 +44,10 @@ function makingRoom(info) {
   const parts = info.asked.map(jobLink);
   if (info.asked_hidden) parts.push(info.asked_hidden === 1 ? "another job" : `${info.asked_hidden} other jobs`);
   const many = info.asked.length + info.asked_hidden > 1;
+  if (info.shrink_to) {  // one elastic job gives up some of its workers: "Shrinking A to 1 worker at …"
+    const size = `${info.shrink_to} worker${info.shrink_to === 1 ? "" : "s"}`;
+    return h("p", { class: "making-room" }, "Shrinking ", joined(parts), ` to ${size} at its next checkpoint to make room for it.`);
+  }
   return h("p", { class: "making-room" }, "Stopping ", joined(parts), ` at ${many ? "their" : "its"} next checkpoint to make room for it.`);
 }
 
