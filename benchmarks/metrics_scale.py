@@ -16,7 +16,9 @@ a fresh database, then:
               machine's load (``load_avg``: the 1-minute load average before and after); it
               starts first, so a baseline older than this tree's migrations still runs;
 * ``ingest``  ``--ingest-ranks`` clients posting ``--batch``-record batches back to back for
-              ``--ingest-seconds`` into another job: metric points stored per second.
+              ``--ingest-seconds`` into another job: metric points stored per second; with
+              ``--baseline-tree``, ``--ingest-rounds`` rounds on each server in turn (a fresh job
+              each), reported one by one and as the median of each server's rounds.
 
 Everything it creates (server, database, data directory) is removed at the end.
 
@@ -155,6 +157,7 @@ def main() -> int:
     parser.add_argument("--ingest-ranks", type=int, default=64)
     parser.add_argument("--batch", type=int, default=500, help="records per ingest request")
     parser.add_argument("--ingest-seconds", type=float, default=15.0)
+    parser.add_argument("--ingest-rounds", type=int, default=2, help="ingest rounds per server with --baseline-tree")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--keep-database", action="store_true", help="leave the database for EXPLAIN (prints its name)")
     parser.add_argument("--baseline-tree", type=Path, help="also serve the chart from this source tree, asked in turn")
@@ -182,11 +185,25 @@ def main() -> int:
         print(f"chart over {args.ranks * args.steps:,} rows ({size / 2**20:.0f} MiB): p50 {chart['p50_ms']:.0f} ms, "
               f"p99 {chart['p99_ms']:.0f} ms" + ("" if chart_baseline is None else
               f"; baseline p50 {chart_baseline['p50_ms']:.0f} ms, p99 {chart_baseline['p99_ms']:.0f} ms"), flush=True)
-        httpx.post(f"{base}/api/v1/jobs", json=SPEC, headers=headers, timeout=120).raise_for_status()
-        (ingest_job, ingest_token), = [claim for claim in claim_ingest_tokens(database_url, scratch.home, 2)
-                                       if claim[0] != job_id]
-        ingested = asyncio.run(ingest(base, ingest_job, ingest_token, args.ingest_ranks, args.batch,
-                                      args.ingest_seconds))
+        rounds = [(i, server) for round_ in range(args.ingest_rounds if baseline is not None else 1)
+                  for i, server in (list(enumerate(servers)) if round_ % 2 == 0 else list(enumerate(servers))[::-1])]
+        for _ in rounds:
+            httpx.post(f"{base}/api/v1/jobs", json=SPEC, headers=headers, timeout=120).raise_for_status()
+        claims = [claim for claim in claim_ingest_tokens(database_url, scratch.home, len(rounds) + 1)
+                  if claim[0] != job_id]
+        ingest_load = [round(os.getloadavg()[0], 2)]
+        by_server: list[list[dict]] = [[] for _ in servers]
+        for (i, (server_base, _)), (ingest_job, ingest_token) in zip(rounds, claims, strict=True):
+            by_server[i].append(asyncio.run(ingest(server_base, ingest_job, ingest_token, args.ingest_ranks,
+                                                   args.batch, args.ingest_seconds)))
+            print(f"ingest round on {'baseline' if i else 'this tree'}: {by_server[i][-1]['points_per_s']:,} "
+                  f"points/s", flush=True)
+        ingest_load.append(round(os.getloadavg()[0], 2))
+        ingested = {**by_server[0][0], "points_per_s": round(statistics.median(r["points_per_s"] for r in by_server[0])),
+                    "rounds": [r["points_per_s"] for r in by_server[0]], "load_avg": ingest_load}
+        ingested_baseline = None if baseline is None else {
+            "points_per_s": round(statistics.median(r["points_per_s"] for r in by_server[1])),
+            "rounds": [r["points_per_s"] for r in by_server[1]]}
 
     result = {
         "rows": args.ranks * args.steps, "ranks": args.ranks, "steps": args.steps,
@@ -198,6 +215,7 @@ def main() -> int:
                                               "chart_same_answer": _comparable(answers[0]) == _comparable(answers[1])}),
         "load_avg": [round(load_before, 2), round(load_after, 2)],
         "ingest": {"ranks": args.ingest_ranks, "batch": args.batch, **ingested},
+        **({} if ingested_baseline is None else {"ingest_baseline": ingested_baseline}),
     }
     table = Table(title=f"metrics at scale: {result['rows']:,} rows ({args.ranks} ranks × {args.steps} steps)")
     for column in ("measure", "value"):
@@ -211,6 +229,8 @@ def main() -> int:
                       f"{chart_baseline['p50_ms']} / {chart_baseline['p99_ms']} / {chart_baseline['max_ms']} ms")
     table.add_row(f"ingest, {args.ingest_ranks} ranks × {args.batch}-record batches",
                   f"{ingested['points_per_s']:,} points/s")
+    if ingested_baseline is not None:
+        table.add_row("baseline ingest (median of its rounds)", f"{ingested_baseline['points_per_s']:,} points/s")
     Console().print(table)
     print(json.dumps(result))
     if args.json:

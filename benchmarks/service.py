@@ -22,6 +22,8 @@ server up first (the first submission imports the planner).
 * ``ingest``  ``--ranks`` simulated ranks of one job, each posting one batch per flush
               interval (1 s) the way ``workers.reporting.MetricReporter`` does; the step raises
               the records per rank and second, so the rate is reported in metric points/s.
+              With ``--ingest-replicas``, the requests are dealt round-robin between that
+              many servers on the database (the others started for this phase).
 * ``batch``   one 10,000-record POST (the contract's largest batch), as a latency.
 
 Everything it creates (server, database, data directory) is removed at the end.
@@ -32,6 +34,7 @@ Everything it creates (server, database, data directory) is removed at the end.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import asyncio
 import json
 import os
@@ -319,20 +322,28 @@ async def run_phases(scratch: Scratch, args: argparse.Namespace) -> dict:
 
     (job_id, ingest), = claim_ingest_tokens(scratch.database_url, scratch.home, 1)
     next_step = [0] * args.ranks  # per rank: the next step to report, unique across the ramp
-    async with httpx.AsyncClient(base_url=f"{base}/api/v1/jobs/{job_id}", timeout=30, limits=limits,
-                                 headers={"Authorization": f"Bearer {ingest}"}) as worker:
+    extra = [scratch.serve(f"ingest-replica-{index}") for index in range(1, args.ingest_replicas)]
+    args.server_pids = [scratch.server.pid, *(server.pid for server in extra)]
+    async with contextlib.AsyncExitStack() as stack:
+        workers = [await stack.enter_async_context(httpx.AsyncClient(
+            base_url=f"{server_base}/api/v1/jobs/{job_id}", timeout=30, limits=limits,
+            headers={"Authorization": f"Bearer {ingest}"})) for server_base in [base, *(s.base for s in extra)]]
+        worker = workers[0]
+
         def batches_of(size: int) -> Callable[[int], Awaitable[bool]]:  # ``size`` records per batch
             async def post(index: int) -> bool:
                 rank = index % args.ranks
                 first, next_step[rank] = next_step[rank], next_step[rank] + size
                 body = {"records": [metric_record(rank, step) for step in range(first, first + size)]}
-                response = await worker.post("/metrics", json=body)
+                response = await workers[index % len(workers)].post("/metrics", json=body)  # round-robin
                 return response.status_code == 200 and response.json()["accepted"] == size
             return post
 
-        assert await batches_of(1)(0), "warm-up ingest failed"
+        for index in range(len(workers)):  # each replica warmed up (a started one has opened nothing yet)
+            assert await batches_of(1)(index), "warm-up ingest failed"
         request_rate = args.ranks / FLUSH_INTERVAL_S  # every rank flushes once per interval
-        print(f"ingest: {args.ranks} ranks, one batch per rank every {FLUSH_INTERVAL_S:.0f} s", flush=True)
+        print(f"ingest: {args.ranks} ranks, one batch per rank every {FLUSH_INTERVAL_S:.0f} s, "
+              f"{len(workers)} replica(s)", flush=True)
 
         async def ingest_at(records_per_rank_s: float) -> Step:  # the batch size grows, not the request rate
             size = max(1, round(records_per_rank_s * FLUSH_INTERVAL_S))
@@ -346,6 +357,8 @@ async def run_phases(scratch: Scratch, args: argparse.Namespace) -> dict:
         batch_ms = 1000 * (time.perf_counter() - started)
         assert response.status_code == 200 and response.json()["accepted"] == 10_000, response.text
         print(f"batch:  one POST of 10,000 records: {batch_ms:.0f} ms", flush=True)
+    for server in extra:
+        server.stop()
     return {"submit": submit_steps, "replicas": replica_steps, "ingest": ingest_steps, "batch_10k_ms": batch_ms}
 
 
@@ -364,6 +377,8 @@ def main() -> int:
     parser.add_argument("--ranks", type=int, default=64, help="simulated ranks posting metrics")
     parser.add_argument("--ingest-start", type=float, default=4.0, help="first records per rank and second")
     parser.add_argument("--connections", type=int, default=128, help="client connection pool size")
+    parser.add_argument("--ingest-replicas", type=int, default=1,
+                        help="servers on the database the ingest phase deals its requests between")
     parser.add_argument("--replicas", type=int, default=2,
                         help="also ramp submissions against this many servers on one database (1: not)")
     parser.add_argument("--json", type=Path, help="also write the results here")
@@ -401,7 +416,7 @@ def main() -> int:
         args.json.write_text(json.dumps({
             "p99_ms_limit": args.p99_ms, "step_seconds": args.step_seconds, "ranks": args.ranks,
             "cpu_count": os.cpu_count(), "load_average": os.getloadavg()[0], "load_average_at_start": load_at_start,
-            "replicas": args.replicas, "submit_per_s": summary["submit"],
+            "replicas": args.replicas, "ingest_replicas": args.ingest_replicas, "submit_per_s": summary["submit"],
             "submit_replicas_per_s": summary.get("replicas"), "ingest_points_per_s": summary["ingest"],
             "batch_10k_ms": results["batch_10k_ms"],
             "steps": [asdict(step) for step in results["submit"] + results["replicas"] + results["ingest"]],

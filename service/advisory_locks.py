@@ -1,5 +1,5 @@
-"""PostgreSQL advisory locks keyed by a name (a user, a job), and the per-job lock that keeps a
-job's metric ids in commit order.
+"""PostgreSQL advisory locks keyed by a name (a user, a job), and the per-job lock that keeps an
+ended job's metric rows final.
 
 A two-key advisory lock ``(class, key)`` lives apart from the one-key locks (migrations,
 admission, code packages). ``name_key`` turns a name into ``key``: 31 bits of its SHA-256, so it
@@ -8,17 +8,15 @@ for each other (or share stream slots), nothing worse. The stream slots (service
 are ``(user key, 1..max)``, so their class is never negative; every class here is negative and
 never meets theirs.
 
-[Note: metric ids in commit order]
-A stream's cursor is the last row id it sent (service.api.sse), so a row that becomes visible
-after a higher id of the same job was sent is never sent. On PostgreSQL a row's id is drawn
-from its sequence when it is inserted, not when it commits: of two ingests of one job, the one
-with the higher ids can commit first. So every transaction that inserts a job's metric rows
-first takes ``lock_job_metrics``, held until it commits or rolls back: the ids of one job's
-rows are drawn by one transaction at a time, each after the previous one committed, and a
-reader that sees a row sees every lower id of that job. Streams are per job, so per-job
-order is all a cursor needs; ingests of different jobs do not wait for each other. Job events
-get the same order from the job's row lock instead (service.states). SQLite has one writer at
-a time, so ids are drawn in commit order there already and nothing is locked.
+[Note: the job's metric lock]
+``(JOB_METRICS_CLASS, job key)``: every transaction that inserts a job's metric rows holds it
+in shared mode until it ends (``share_job_metrics``), so ingests of one job never wait for each
+other; the job's terminal transition takes it exclusively (``lock_job_metrics``), so it waits
+for the ingests in flight, and an ingest that comes after finds its token gone: no row of an
+ended job commits after its stream sent ``end`` (service.stream_cursor). A replica from before
+migration 0020 takes it exclusively for each ingest (its streams' ids had to be drawn in commit
+order); shared holders wait for it and it for them, so its rows and new ones never interleave.
+Nothing is locked on SQLite (one writer at a time).
 """
 
 from __future__ import annotations
@@ -30,6 +28,7 @@ from sqlalchemy.orm import Session
 
 JOB_METRICS_CLASS = -1  # (class, job key): the inserts of one job's metric rows
 _LOCK = text("SELECT pg_advisory_xact_lock(CAST(:lock_class AS int4), CAST(:key AS int4))")
+_SHARE = text("SELECT pg_advisory_xact_lock_shared(CAST(:lock_class AS int4), CAST(:key AS int4))")
 
 
 def name_key(name: str) -> int:
@@ -37,9 +36,15 @@ def name_key(name: str) -> int:
     return int.from_bytes(hashlib.sha256(name.encode()).digest()[:4], "big") >> 1
 
 
+def share_job_metrics(session: Session, job_id: str) -> None:
+    """Hold, until this transaction ends, the right to insert ``job_id``'s metric rows alongside
+    its other ingests ([Note: the job's metric lock]); nothing on SQLite."""
+    if session.get_bind().dialect.name == "postgresql":
+        session.execute(_SHARE, {"lock_class": JOB_METRICS_CLASS, "key": name_key(job_id)})
+
+
 def lock_job_metrics(session: Session, job_id: str) -> None:
-    """Wait for, then hold until this transaction ends, the right to insert ``job_id``'s metric
-    rows ([Note: metric ids in commit order]); nothing on SQLite. Take it just before the
-    insert and commit soon after: the job's other ingests wait meanwhile."""
+    """Wait for ``job_id``'s ingests in flight to end, and keep new ones out until this
+    transaction ends ([Note: the job's metric lock]); nothing on SQLite."""
     if session.get_bind().dialect.name == "postgresql":
         session.execute(_LOCK, {"lock_class": JOB_METRICS_CLASS, "key": name_key(job_id)})

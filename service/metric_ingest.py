@@ -23,13 +23,14 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from sqlalchemy import func, text
+from sqlalchemy import func, select, text
 from sqlalchemy.dialects import sqlite
 from sqlalchemy.orm import Session
 
 from contract.metrics import CHARTED_FIELDS
-from service.advisory_locks import lock_job_metrics
-from service.models import METRIC_STEP_PARTS, Metric, MetricStep
+from service import user_metrics
+from service.advisory_locks import share_job_metrics
+from service.models import METRIC_STEP_PARTS, Job, Metric, MetricStep
 from service.schemas import METRIC_FIELDS, MetricRecord
 
 # One statement per batch: each column travels as one array parameter and ``unnest`` turns the
@@ -69,6 +70,24 @@ def _array_literal(values: list[Any], number: type) -> str:
     return "{" + ",".join("NULL" if value is None else repr(number(value)) for value in values) + "}"
 
 
+def store(session: Session, job_id: str, token_hash: str, records: list[MetricRecord]) -> int | None:
+    """Store a worker's batch (rows, roll-up, user values) and commit; return how many records
+    were new, or None when the job's ingest token ``token_hash`` is no longer valid (the job
+    ended since the request's token check: nothing is stored).
+
+    The token is checked again under the job's shared metric lock, which a terminal transition
+    takes exclusively ([Note: the job's metric lock] in service.advisory_locks): an ingest that
+    passes it commits before the job ends, so no row commits after a stream sent ``end``."""
+    share_job_metrics(session, job_id)
+    if session.execute(select(Job.id).where(Job.id == job_id, Job.ingest_token_hash == token_hash)).first() is None:
+        session.rollback()
+        return None
+    new = insert_new(session, job_id, records)
+    user_metrics.store(session, job_id, records)
+    session.commit()
+    return new
+
+
 def insert_new(session: Session, job_id: str, records: list[MetricRecord]) -> int:
     """Insert ``records`` for ``job_id`` (and their roll-up), ignoring ones already stored;
     return how many were new."""
@@ -76,18 +95,12 @@ def insert_new(session: Session, job_id: str, records: list[MetricRecord]) -> in
 
 
 def insert_new_keys(session: Session, job_id: str, records: list[MetricRecord]) -> list[tuple[int, int, int]]:
-    """``insert_new``, answering the (attempt, rank, step) of each record that was new.
-
-    Holds the job's metric lock until the caller ends the transaction, so commit soon after
-    ([Note: metric ids in commit order] in service.advisory_locks); requests take their turn
-    first (service.ingest_turns). Call it before the transaction's other writes: a lock taken
-    earlier (``user_metrics`` locks the job row for a new name) would be held while waiting
-    here, and the ingest holding the job's metric lock may be waiting for it: a deadlock."""
+    """``insert_new``, answering the (attempt, rank, step) of each record that was new. The
+    rows' ``xid`` is their transaction's, the column's default (service.stream_cursor)."""
     if session.get_bind().dialect.name == "postgresql":
         columns = {name: _array_literal([getattr(record, name) for record in records],
                                         int if name in _INT_COLUMNS else float)
                    for name in _STORED_COLUMNS}
-        lock_job_metrics(session, job_id)  # before the insert draws its ids from the sequence
         return [tuple(row) for row in session.execute(_PG_INSERT, {"job_id": job_id, **columns})]
     return _insert_new_sqlite(session, job_id, records)
 

@@ -144,7 +144,7 @@ class Metric(_metric_columns(), Base):
     __tablename__ = "metrics"
     __table_args__ = (
         UniqueConstraint("job_id", "attempt", "rank", "step", name="uq_metrics_job_attempt_rank_step"),
-        Index("ix_metrics_job_id_id", "job_id", "id"),
+        Index("ix_metrics_job_xid_id", "job_id", "xid", "id"),  # the streams' order
         Index("ix_metrics_job_rank_step", "job_id", "rank", "step"),
     )
 
@@ -155,6 +155,10 @@ class Metric(_metric_columns(), Base):
     step: Mapped[int] = mapped_column(Integer)
     time: Mapped[float | None] = mapped_column(Float)
     world_size: Mapped[int | None] = mapped_column(Integer)  # of the attempt's worker group
+    # The writing transaction's id on PostgreSQL (its default there, migration 0020: never
+    # written by code); 0 on SQLite and for rows stored before. Streams read in (xid, id)
+    # order (service.stream_cursor).
+    xid: Mapped[int] = mapped_column(BigInteger, server_default="0")
     # then one nullable column per row of the metric table (_metric_columns)
 
 

@@ -14,7 +14,9 @@ transaction holds the job's row lock (a transition's or ``note_waiting``'s UPDAT
 one job's event ids are drawn one transaction at a time, each after the previous one
 committed, and a stream never moves past an event still to commit. ``FOR NO KEY UPDATE``
 is the UPDATE's own lock mode, so it does not hold up inserts that merely reference the job
-(metric rows). Metric rows get the same order from an advisory lock (service.advisory_locks).
+(metric rows). Metric rows are read in commit order instead (service.stream_cursor); a move
+to a terminal state first waits for the job's ingests in flight ([Note: the job's metric
+lock] in service.advisory_locks), so no metric row commits after the job ended.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from contract.reasons import Reason  # noqa: F401  (re-exported: the service reads it from here)
+from service.advisory_locks import lock_job_metrics
 from service.models import Job, JobEvent, utcnow
 from service import webhooks
 from service.schemas import TERMINAL_STATES, JobState
@@ -77,6 +80,8 @@ def transition(
     ``expected`` narrows the states the caller is willing to move from (e.g. the scheduler
     reconciling a job it saw RUNNING); ``values`` are extra columns set in the same UPDATE.
     """
+    if target in TERMINAL_STATES:  # before the job's row: ingests take the two in this order
+        lock_job_metrics(session, job_id)
     for _ in range(10):  # each retry means another writer changed the state under us
         current_raw = session.execute(select(Job.state).where(Job.id == job_id)).scalar_one_or_none()
         if current_raw is None:

@@ -1,7 +1,7 @@
 """Training metrics: batched idempotent ingest from workers, queries, and a live SSE stream
 (``service.api.sse``).
 
-Ingest (``service.ingest_turns``, ``service.metric_ingest``) relies on the unique (job,
+Ingest (``service.metric_ingest``) relies on the unique (job,
 attempt, rank, step) key, so a batch re-sent after a timeout is counted as duplicates and
 changes nothing. Queries can be
 downsampled server-side (``max_points``): steps are cut into equal buckets and each bucket
@@ -21,8 +21,10 @@ from fastapi.sse import ServerSentEvent
 from sqlalchemy import Select, func, select
 from sqlalchemy.orm import Session
 
-from service import chart_series, ingest_turns, user_metrics
-from service.api.deps import SessionDep, VisibleJob, WorkerJob
+import anyio
+
+from service import chart_series, metric_ingest, stream_cursor, user_metrics
+from service.api.deps import SessionDep, VisibleJob, WorkerJob, bearer_token, unauthorized
 from service.api.errors import error_responses, text_response
 from service.api.sse import (
     STREAM_BATCH,
@@ -30,8 +32,9 @@ from service.api.sse import (
     Fetch,
     StreamJob,
     poll_rows,
-    resume_after,
 )
+from service.auth import hash_token
+from service.stream_cursor import Position
 from service.chart_series import DEFAULT_POINTS, MAX_POINTS, MIN_POINTS, job_shape
 from service.metric_sql import Averaging, execute_overflow_safe
 from service.models import Job, Metric
@@ -55,7 +58,9 @@ router = APIRouter(prefix="/jobs", tags=["metrics"])
 def ingest_metrics(batch: MetricBatch, job: WorkerJob, request: Request, session: SessionDep) -> IngestResult:
     if not batch.records:
         return IngestResult(accepted=0, duplicates=0)
-    accepted = ingest_turns.store(session, job.id, batch.records)
+    accepted = metric_ingest.store(session, job.id, hash_token(bearer_token(request)), batch.records)
+    if accepted is None:  # the job ended since the token check
+        raise unauthorized(f"not a valid ingest token for job {job.id!r} (or the job has ended)")
     request.app.state.service_metrics.metric_points.inc(accepted)
     return IngestResult(accepted=accepted, duplicates=len(batch.records) - accepted)
 
@@ -132,31 +137,51 @@ def list_metrics(job: VisibleJob, session: SessionDep,
 
 
 def _metric_rows(make_session, job_id: str, rank: int | None) -> Fetch:
-    """The stream's reader: records after a cursor in storage order (service.api.sse)."""
-    def fetch(after_id: int) -> tuple[list[tuple[int, str]], bool]:
+    """The stream's reader: records after a position in commit order, below the frontier while
+    the job runs, all of them once it has ended (service.stream_cursor)."""
+    def fetch(after: Position) -> tuple[list[tuple[Position, str]], bool]:
         with make_session() as session:
             state = session.execute(select(Job.state).where(Job.id == job_id)).scalar_one()
-            query = _filtered(select(Metric), job_id, rank, None, None, None).where(Metric.id > after_id)
-            metrics = session.execute(query.order_by(Metric.id).limit(STREAM_BATCH)).scalars()
+            ended = JobState(state) in TERMINAL_STATES
+            bound = None if ended else stream_cursor.frontier(session)
+            query = _filtered(select(Metric), job_id, rank, None, None, None).where(stream_cursor.after(after))
+            if bound is not None:
+                query = query.where(Metric.xid < bound)
+            metrics = session.execute(query.order_by(Metric.xid, Metric.id).limit(STREAM_BATCH)).scalars().all()
+            positions = [Position(metric.xid, metric.id) for metric in metrics]
             points = user_metrics.attach(session, job_id, [MetricPoint.model_validate(m) for m in metrics])
-            return ([(point.id, point.model_dump_json(exclude_none=True)) for point in points],
-                    JobState(state) in TERMINAL_STATES)
+            return ([(position, point.model_dump_json(exclude_none=True))
+                     for position, point in zip(positions, points, strict=True)], ended)
     return fetch
+
+
+def _start(make_session, job_id: str, after_id: int, after: str | None, last_event_id: str | None) -> Position:
+    """Where a stream starts: the latest of ``after_id``, ``after`` and ``Last-Event-ID``."""
+    with make_session() as session:
+        return stream_cursor.later(session, job_id, after_id, stream_cursor.parse(after),
+                                   stream_cursor.parse(last_event_id))
 
 
 @router.get("/{job_id}/metrics/stream", name="stream_metrics",
             response_class=EventStream,
             responses={**text_response("text/event-stream",
-                                       "one `metric` event per record (`id:` its storage id); `end` when "
-                                       "the job has ended; a `: keep-alive` comment on an idle stream"),
+                                       "one `metric` event per record, in commit order (`id:` its position, "
+                                       "`<xid>:<id>`); `end` when the job has ended and every record was sent; "
+                                       "a `: keep-alive` comment on an idle stream"),
                        **error_responses(429)})
 async def stream_metrics(job: StreamJob, request: Request,
-                         after_id: Annotated[int, Query(ge=0, le=MAX_INT64)] = 0,
+                         after_id: Annotated[int, Query(ge=0, le=MAX_INT64, description=(
+                             "only records after this record id (as stored up to it)"))] = 0,
+                         after: Annotated[str | None, Query(max_length=40, pattern=r"^[0-9]{1,19}:[0-9]{1,19}$",
+                                                            description="only records after this position (an event's `id:`, a chart's `cursor`)")] = None,
                          rank: Annotated[int | None, Query(ge=0, le=MAX_INT32)] = None,
                          last_event_id: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
                          ) -> AsyncIterator[ServerSentEvent]:
     """Server-sent events of new metric records; ends once the job is terminal and drained.
-    Resumes after ``Last-Event-ID`` (or ``after_id``, whichever is later)."""
-    fetch = _metric_rows(request.app.state.sessionmaker, job.id, rank)
-    async for event in poll_rows(request, job.id, "metric", fetch, resume_after(after_id, last_event_id)):
+    Resumes after ``Last-Event-ID``, ``after`` or ``after_id``, whichever is latest."""
+    make_session = request.app.state.sessionmaker
+    start = await anyio.to_thread.run_sync(_start, make_session, job.id, after_id, after, last_event_id,
+                                           limiter=request.app.state.stream_slots.limiter)
+    fetch = _metric_rows(make_session, job.id, rank)
+    async for event in poll_rows(request, job.id, "metric", fetch, start):
         yield event

@@ -1,9 +1,10 @@
 """Server-sent event streams of stored rows (metric records, job events) that survive drops.
 
-Every event's ``id:`` is its row's id; a job's rows become visible in id order, also when
-written concurrently (service.advisory_locks, service.states), so a client that reconnects
-with ``Last-Event-ID`` (browsers' ``EventSource`` does by itself, so does the SDK) resumes right
-after the last event it received: no duplicate, no gap. FastAPI's ``EventSourceResponse`` writes
+Every event's ``id:`` is its row's place in the order the stream sends rows in: a job event's
+id (a job's events become visible in id order: service.states), a metric record's position in
+commit order (service.stream_cursor). So a client that reconnects with ``Last-Event-ID``
+(browsers' ``EventSource`` does by itself, so does the SDK) resumes right after the last event
+it received: no duplicate, no gap. FastAPI's ``EventSourceResponse`` writes
 the wire format; an idle stream (a QUEUED job, a quiet one) sends a ``: keep-alive`` comment every
 ``SSE_KEEPALIVE_S`` seconds. A stream ends with an ``end`` event once its job is terminal and
 every row has been sent.
@@ -16,7 +17,7 @@ import json
 import re
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Annotated
+from typing import Annotated, Any
 
 import anyio
 from fastapi import Depends, Request
@@ -30,9 +31,10 @@ IDLE_POLL_S = 2.0  # longest wait between polls of a stream that receives nothin
 STREAM_BATCH = 1000  # rows read per poll
 RETRY_MS = 1000  # the reconnection delay the stream asks clients for
 
-#: Rows after a cursor as (id, JSON text), at most STREAM_BATCH, and whether the job had ended
-#: before they were read. Runs in a worker thread with a session of its own.
-Fetch = Callable[[int], tuple[list[tuple[int, str]], bool]]
+#: Rows after a cursor as (their cursor, JSON text), at most STREAM_BATCH, and whether the job
+#: had ended before they were read. A cursor is an int or a ``stream_cursor.Position``; its
+#: ``str`` is the event's ``id:``. Runs in a worker thread with a session of its own.
+Fetch = Callable[[Any], tuple[list[tuple[Any, str]], bool]]
 
 
 class EventStream(EventSourceResponse):
@@ -89,7 +91,7 @@ StreamJob = Annotated[Job, Depends(_stream_job)]
 
 
 async def poll_rows(request: Request, job_id: str, event: str, fetch: Fetch,
-                    cursor: int) -> AsyncIterator[ServerSentEvent]:
+                    cursor: Any) -> AsyncIterator[ServerSentEvent]:
     """The events of a stream: ``retry:`` first, then one ``event`` per row after ``cursor``.
 
     [Note: a stopping server ends its streams] uvicorn stops by waiting for every open

@@ -3,8 +3,8 @@
 * ``GET /api/v1/jobs/{id}/metrics/chart`` — everything the job page draws from metrics, in one
   answer: per-step series downsampled in SQL (``charts.series``), the list of charts to draw
   from them and how each field combines ranks (the metric table's), each rank's latest memory,
-  the predicted bytes for the job's stage, the step time predicted at start, and the id of the newest record so that the live
-  stream (``/metrics/stream?after_id=``) continues exactly where the first render stopped.
+  the predicted bytes for the job's stage, the step time predicted at start, and a ``cursor``
+  from which the live stream (``/metrics/stream?after=``) misses no record the first render lacks.
 * ``GET /api/v1/dashboard/progress?job_id=…`` — latest step and tokens/s of the jobs on one
   page of the jobs list (a job row holds neither).
 * ``GET /api/v1/dashboard/preemption?job_id=…`` — for the queue and a job page: the running

@@ -18,16 +18,19 @@ from sqlalchemy import Select, and_, func, select
 from sqlalchemy.orm import Session
 
 from contract.metrics import MEMORY_FIELDS, THROUGHPUT
-from service import chart_series, user_metrics
+from service import chart_series, stream_cursor, user_metrics
 from service.metric_sql import Averaging, execute_overflow_safe, latest_attempt_per_step
 from service.models import Metric, MetricMemory, UserMetric
 
 
 def series(session: Session, job_id: str, steps: int, world: int, max_points: int) -> dict[str, Any]:
-    """``chart_series.series`` and the user-reported scalars bucketed the same way."""
+    """``chart_series.series``, the user-reported scalars bucketed the same way, and the
+    ``cursor`` the live stream continues from: read first, so the stream may send again a few
+    records the chart already holds (the page skips them) but never misses one."""
+    cursor = stream_cursor.newest_below(session, stream_cursor.frontier(session))
     answer = chart_series.series(session, job_id, steps, world, max_points)
     mixed_attempts = answer.pop("mixed_attempts")
-    return {**answer, "user_metrics": user_series(session, job_id, answer["bucket_steps"], answer["series"]["step"],
+    return {**answer, "cursor": str(cursor), "user_metrics": user_series(session, job_id, answer["bucket_steps"], answer["series"]["step"],
                                                   latest_only=mixed_attempts)}
 
 

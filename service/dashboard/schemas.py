@@ -98,7 +98,8 @@ class ChartOut(BaseModel):
     job_id: str
     max_points: int
     records: int
-    last_id: int  # continue the live stream with /metrics/stream?after_id=
+    last_id: int  # the newest record id the chart counts
+    cursor: str = Field(description="continue the live stream from here: `/metrics/stream?after=`")
     latest_attempt: int | None
     bucket_steps: int
     series: ChartSeries

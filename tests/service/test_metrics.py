@@ -48,16 +48,25 @@ def test_stream_delivers_every_record_once_and_ends_with_the_job(running_job):
 
 
 def test_stream_resumes_after_last_event_id(running_job):
+    """An event's ``id:`` is its record's position ``<xid>:<id>``; a stream resumes after the
+    one a client got last, or after a plain record id (a stream served before positions)."""
     service, job_id, worker = running_job
     post_steps(worker, range(0, 4), ranks=1)
     worker.post("/worker/state", json={"state": "SUCCEEDED"}).raise_for_status()
     ids = [p.id for p in service.client().metrics(job_id)]
-    response = httpx.get(f"{service.url}/api/v1/jobs/{job_id}/metrics/stream",
-                         headers={"Authorization": f"Bearer {service.admin_token}", "Last-Event-ID": str(ids[1])})
-    assert response.headers["content-type"].startswith("text/event-stream")
-    streamed = [int(line[4:]) for line in response.text.splitlines() if line.startswith("id: ")]
-    assert streamed == ids[2:]
-    assert "event: end" in response.text
+
+    def streamed(last_event_id: str) -> list[str]:
+        response = httpx.get(f"{service.url}/api/v1/jobs/{job_id}/metrics/stream",
+                             headers={"Authorization": f"Bearer {service.admin_token}",
+                                      "Last-Event-ID": last_event_id})
+        assert response.headers["content-type"].startswith("text/event-stream")
+        assert "event: end" in response.text
+        return [line[4:] for line in response.text.splitlines() if line.startswith("id: ")]
+
+    positions = streamed("0:0")
+    assert [int(position.split(":")[1]) for position in positions] == ids
+    assert streamed(positions[1]) == positions[2:]
+    assert streamed(str(ids[1])) == positions[2:]
 
 
 def test_downsampled_query_keeps_one_mean_point_per_bucket_and_rank(running_job):

@@ -180,3 +180,45 @@ def test_preempt_shrink_to_is_added_empty_and_dropped_again(database_url):
             assert connection.execute(text("SELECT id FROM jobs")).all() == [("job-old",)]
     finally:
         engine.dispose()
+
+
+def test_metric_rows_carry_their_writing_transaction(database_url):
+    """0020 adds ``metrics.xid`` (the streams' commit order): rows stored before read 0, and on
+    PostgreSQL a row inserted by code that does not name the column (a replica not yet upgraded)
+    carries its transaction's id; SQLite keeps 0. A downgrade to 0019 removes it."""
+    from sqlalchemy import text
+
+    from service.db import make_sessionmaker
+    from service.models import Job
+
+    def insert(connection, step: int) -> None:
+        connection.execute(text("INSERT INTO metrics (job_id, attempt, \"rank\", step, loss) "
+                                "VALUES ('job-xid', 0, 0, :step, 1.0)"), {"step": step})
+
+    migrate.upgrade(database_url, "0019")
+    engine = make_engine(database_url)
+    try:
+        with make_sessionmaker(engine)() as session:
+            session.add(Job(id="job-xid", name="xid", owner="admin", state="RUNNING", spec={}))
+            session.commit()
+        with engine.begin() as connection:
+            insert(connection, 0)
+        migrate.upgrade(database_url)
+        postgresql = database_url.startswith("postgresql")
+        with engine.begin() as connection:
+            insert(connection, 1)
+            insert(connection, 2)
+            xact = (connection.execute(text("SELECT pg_current_xact_id()::text::bigint")).scalar_one()
+                    if postgresql else 0)
+            assert xact > 0 or not postgresql
+        with engine.begin() as connection:
+            insert(connection, 3)
+            xids = [row for row, in connection.execute(text("SELECT xid FROM metrics ORDER BY step"))]
+        assert xids[:3] == [0, xact, xact]
+        assert (xids[3] > xact) if postgresql else xids[3] == 0
+        migrate.downgrade(database_url, "0019")
+        with engine.begin() as connection:
+            assert "xid" not in {column["name"] for column in inspect(connection).get_columns("metrics")}
+            insert(connection, 4)
+    finally:
+        engine.dispose()

@@ -388,7 +388,7 @@ export function jobPage({ jobId, signal }) {
     if (streaming || TERMINAL_STATES.has(job.state)) return;
     streaming = true;
     liveStatus.textContent = "● live";
-    followEvents(`${path}/metrics/stream?after_id=${store.lastId}`, {
+    followEvents(`${path}/metrics/stream?after=${store.cursor}`, {
       signal,
       onStatus: (s) => (liveStatus.textContent = { live: "● live", reconnecting: "○ reconnecting…", stopped: "" }[s]),
       onEvent: (ev) => {

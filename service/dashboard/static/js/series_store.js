@@ -44,6 +44,7 @@ export class SeriesStore {
     this.final = [];
     this.open = new Map(); // step -> {attempt, byRank: Map(rank -> record)}
     this.lastId = 0;
+    this.cursor = "0:0"; // the live stream's start (?after=), from the chart's answer
     this.finalAttempt = -1;
     this.memory = new Map(); // rank -> latest record with memory numbers
     this.memoryAttempt = -1;
@@ -72,6 +73,7 @@ export class SeriesStore {
       return point;
     });
     this.lastId = chart.last_id || 0;
+    this.cursor = chart.cursor || "0:0";
     this.finalAttempt = chart.latest_attempt ?? -1;
     this.memory = new Map((chart.memory || []).map((r) => [r.rank, r]));
     this.memoryAttempt = Math.max(-1, ...(chart.memory || []).map((r) => r.attempt));
