@@ -325,7 +325,8 @@ def print_table(result: dict[str, Any]) -> None:
         return
     gb = 1e9
     if p:
-        print(f"  parameters {p['parameters'] / 1e9:.3f}B; fp32 AdamW state {16 * p['parameters'] / gb:.1f} GB")
+        print(f"  parameters {p['parameters'] / 1e9:.3f}B; fp32 AdamW state {16 * p['parameters'] / gb:.1f} GB; "
+              f"planner: peak growth {p['peak_bytes'] / GIB:.2f} GiB and {p['disk_bytes'] / GIB:.2f} GiB of files per rank")
     print(f"  disk probe ({settings['world_size']} ranks at once, O_DIRECT={s['probe_direct']}): "
           f"read {s['probe_read_bytes_per_s'] / gb:.2f} GB/s, write {s['probe_write_bytes_per_s'] / gb:.2f} GB/s")
     print(f"  peak RSS per rank {[f'{b / GIB:.2f} GiB' for b in s['peak_rss_bytes_per_rank']]} (growth "
@@ -346,6 +347,8 @@ def print_table(result: dict[str, Any]) -> None:
               f"exposed {p.get('disk_exposed_s') or 0:.2f})" + (f"; measured steady step {steady:.2f} s, "
                                                                 f"predicted/measured {p['step_time_s'] / steady:.2f}"
                                                                 if steady else ""))
+        print("  predicted/measured per step after the first: "
+              + ", ".join(f"{p['step_time_s'] / st['step_s']:.2f}" for st in s["steps"][1:]))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
