@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from typing import Any
 
 import torch
@@ -150,11 +151,17 @@ class DeepSpeedRunner(Runner):
 
         ds_logger.setLevel(logging.WARNING)
         deepspeed.init_distributed(dist_backend="gloo" if device.type == "cpu" else "nccl")
-        self.stage = int(row[2])
+        self.stage, self.row, self.args = int(row[2]), row, args
         optimizer = torch.optim.AdamW(model.parameters(), lr=args["lr"], weight_decay=0.1)
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(row, args))
         self.measured: dict[str, int] = {}
         self.buffers = 0
+
+    def close(self) -> None:
+        """DeepSpeed leaves its NVMe swap folder behind: ds3-nvme removes it."""
+        path = ds_config(self.row, self.args)["zero_optimization"].get("offload_param", {}).get("nvme_path")
+        if path:
+            shutil.rmtree(path, ignore_errors=True)
 
     def step(self, x, y, measure):
         loss = self.engine(x, y)
