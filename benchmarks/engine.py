@@ -11,7 +11,8 @@ into the next row's numbers. Rows:
                    (the documented way); bf16 = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16)
     ds1 .. ds3     DeepSpeed ZeRO-1/2/3 (``benchmarks/peers/deepspeed_row.py``; ``make bench`` installs
                    DeepSpeed), its defaults, buckets of --bucket-mb, the same torch AdamW;
-                   ds1-reduce, ds2-reduce: with ``use_multi_rank_bucket_allreduce: false``
+                   ds1-reduce, ds2-reduce: with ``use_multi_rank_bucket_allreduce: false``;
+                   ds3-nvme (not in the default rows): optimizer and parameters on NVMe under --nvme-dir
     zero0 .. zero3 zerotrain ZeroEngine at that stage (bucket_mb = --bucket-mb, prefetch 1),
                    ``backward(loss, sync=True)`` as its API asks for the last micro-batch, so
                    stages 0/1 reduce during backward the way DDP does
@@ -130,7 +131,7 @@ ROWS: dict[str, str] = {
     "zero3-nvme-params": "zerotrain stage 3 + NVMe optimizer + params",
     "local": "no communication (local)",
 }
-DEFAULT_ROWS = ["ddp", "fsdp2", *deepspeed_row.ROWS, "zero0", "zero1", "zero2", "zero3", "zero3-offload"]
+DEFAULT_ROWS = ["ddp", "fsdp2", *deepspeed_row.DEFAULT_ROWS, "zero0", "zero1", "zero2", "zero3", "zero3-offload"]
 #: each zerotrain stage and the DeepSpeed row it is read against (same stage, DeepSpeed's defaults)
 PEERS = {"zero1": "ds1", "zero2": "ds2", "zero3": "ds3"}
 COLUMNS = ["row", "label", "ok", "error", "step_time_s", "best_step_time_s", "tokens_per_s", "ratio_to_ddp",

@@ -107,3 +107,54 @@ def test_plan_for_spec_counts_the_jobs_work_for_every_micro_batch():
     flops = plan.inputs["flops_per_step"]
     assert plan.chosen.compute_time_s == pytest.approx(
         flops / 1e11 + 2 * micro.elementwise_bytes / 2e10 + 2 * micro.ops * 5e-6)
+
+
+def nvme_prediction(precision: str = "fp32", read: float = 1e9, write: float | None = 5e8):
+    """Stage 3 over 2 ranks, the optimizer state and the parameters on NVMe, at these disk rates."""
+    return predict(inputs(n_ranks=2, precision=precision, offload_params="nvme", disk_bytes_per_s=read,
+                          disk_write_bytes_per_s=write, calibration=replace(RATES, world_size=2)), 3, "nvme")
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_swap_traffic_splits_into_the_forward_backward_reads_and_the_steps(precision):
+    p = nvme_prediction(precision)
+    shard = PHI // 2
+    if precision == "fp32":  # the files hold master and moments; the step reads them all, the passes the masters twice
+        assert p.disk_write_bytes == p.disk_step_read_bytes == p.disk_bytes == pytest.approx(12 * shard, rel=1e-2)
+        assert p.disk_read_bytes - p.disk_step_read_bytes == pytest.approx(2 * 4 * shard, rel=1e-2)
+    else:  # the step reads the moments; forward and backward read the bf16 shard (the master stays in memory)
+        assert p.disk_step_read_bytes == pytest.approx(8 * shard, rel=1e-2)
+        assert p.disk_read_bytes - p.disk_step_read_bytes == pytest.approx(2 * 2 * shard, rel=1e-2)
+        assert p.disk_write_bytes == p.disk_bytes == pytest.approx(10 * shard, rel=1e-2)
+
+
+def test_a_fast_disk_hides_behind_compute_and_the_optimizer():
+    p = nvme_prediction(read=1e9, write=5e8)
+    busy = p.compute_time_s + p.comm_time_s + p.optimizer_time_s
+    # forward/backward reads 40 MB in 0.04 s under 3 s of compute; the step moves 60 MB in and out
+    # in 0.06 + 0.12 s under its 0.2 s of AdamW
+    assert p.disk_time_s == pytest.approx(p.disk_read_bytes / 1e9 + p.disk_write_bytes / 5e8)
+    assert p.step_time_s == pytest.approx(busy)
+    assert p.disk_exposed_s == 0.0
+
+
+def test_a_slow_disk_sets_each_phase_and_the_write_rate_counts_apart():
+    p = nvme_prediction(read=1e7, write=5e6)
+    fb_reads = p.disk_read_bytes - p.disk_step_read_bytes
+    assert fb_reads / 1e7 > p.compute_time_s + p.comm_time_s  # the disk is the slower side of both phases
+    assert p.step_time_s == pytest.approx(fb_reads / 1e7 + p.disk_step_read_bytes / 1e7 + p.disk_write_bytes / 5e6)
+    assert p.step_time_s == pytest.approx(p.disk_time_s)  # nothing of the disk's time is hidden
+    assert p.disk_exposed_s == pytest.approx(p.step_time_s - p.compute_time_s - p.comm_time_s - p.optimizer_time_s)
+    same_rate = nvme_prediction(read=1e7, write=None)  # no write rate: the read rate both ways
+    assert same_rate.disk_time_s == pytest.approx((p.disk_read_bytes + p.disk_write_bytes) / 1e7)
+
+
+def test_each_phase_takes_the_slower_of_its_work_and_its_disk():
+    # the forward/backward reads hide under compute while the step's swap is longer than AdamW
+    p = nvme_prediction(read=1e8, write=1e8)
+    fb_reads = p.disk_read_bytes - p.disk_step_read_bytes
+    assert fb_reads / 1e8 < p.compute_time_s + p.comm_time_s
+    step_disk = (p.disk_step_read_bytes + p.disk_write_bytes) / 1e8
+    assert step_disk > p.optimizer_time_s
+    assert p.step_time_s == pytest.approx(p.compute_time_s + p.comm_time_s + step_disk)
+    assert p.disk_exposed_s == pytest.approx(step_disk - p.optimizer_time_s)

@@ -49,16 +49,8 @@ from contract.zero_math import (
     swap_bytes,
 )
 
-from .buffers import (
-    allocator_reserve_bytes,
-    backward_buffer_bytes,
-    gathered_unit_bytes,
-    kept_unit_elements,
-    param_swap_bytes,
-    param_swap_reads,
-    stage2_tail_bytes,
-    step_buffer_bytes,
-)
+from .buffers import (allocator_reserve_bytes, backward_buffer_bytes, gathered_unit_bytes, kept_unit_elements,
+                      param_swap_bytes, param_swap_reads, stage2_tail_bytes, step_buffer_bytes)
 from .groups import hpz_secondary_bytes, hybrid_group_size
 from .method import METHOD
 from .peak import CHECKPOINTS, PeakInputs, job_peak, step_gradient_bytes, summarize
@@ -92,10 +84,12 @@ class StagePrediction:
     disk_bytes: int = 0  # the swap files: the optimizer state's ("nvme" offload), the parameters' (offload_params)
     disk_read_bytes: int = 0  # of them per step (step_time.py, the note on the disk traffic)
     disk_write_bytes: int = 0
+    disk_step_read_bytes: int = 0  # of disk_read_bytes, read by the optimizer step (the rest: forward, backward)
     disk_time_s: float | None = None  # reading and writing them in a step (step_time.py)
+    disk_exposed_s: float | None = None  # calibrated: the part of disk_time_s the step waits for (step_time.py)
     compute_time_s: float | None = None  # calibrated: flops_per_step / the measured matmul rate
     optimizer_time_s: float | None = None  # calibrated: the elements this rank steps / the measured AdamW rate
-    step_time_s: float | None = None  # compute + communication (+ optimizer) + disk, none overlapped
+    step_time_s: float | None = None  # compute + communication (+ optimizer) + the disk's exposed time
 
     @property
     def total(self) -> int:
@@ -123,7 +117,8 @@ class PlanInputs:
     accumulation_steps: int = 1  # micro-batches per step and rank
     device: str = "cuda"  # "cuda" adds the CUDA context to the reserve; "cpu" does not
     bandwidth_bytes_per_s: float | None = None
-    disk_bytes_per_s: float | None = None  # "nvme": the swap disk's rate, read and write each
+    disk_bytes_per_s: float | None = None  # "nvme": one rank's swap disk rate, read (and write unless given)
+    disk_write_bytes_per_s: float | None = None  # "nvme": one rank's write rate (None: disk_bytes_per_s)
     compute_s: float | None = None
     target_efficiency: float = DEFAULT_TARGET_EFFICIENCY
     reshard_after_forward: Any = ZERO_DEFAULTS["reshard_after_forward"]  # stage 3: True, False, "all_but_last"
@@ -169,7 +164,7 @@ class PlanInputs:
             "accumulation_steps": self.accumulation_steps,
             "device": self.device,
             "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s,
-            "disk_bytes_per_s": self.disk_bytes_per_s,
+            "disk_bytes_per_s": self.disk_bytes_per_s, "disk_write_bytes_per_s": self.disk_write_bytes_per_s,
             "compute_s": self.compute_s,
             "target_efficiency": self.target_efficiency,
             "deferred_init": self.deferred_init,
@@ -298,8 +293,9 @@ def predict(inputs: PlanInputs, stage: int, offload: bool | str = False) -> Stag
         comm_intra_elements=intra,
         comm_inter_elements=inter,
         offload_params=inputs.offload_params if traits.shards_parameters else None,
-        disk_bytes=disk, disk_write_bytes=disk, disk_read_bytes=disk - param_disk + param_swap_reads(
-            param_disk, masters_in_files, inputs.accumulation_steps, 1 - kept_elements / max(shape.phi, 1)),
+        disk_bytes=disk, disk_write_bytes=disk, disk_step_read_bytes=disk - (0 if masters_in_files else param_disk),
+        disk_read_bytes=disk - param_disk + param_swap_reads(param_disk, masters_in_files, inputs.accumulation_steps,
+                                                             1 - kept_elements / max(shape.phi, 1)),
     )
     add_calibrated_time(prediction, inputs, inputs.calibration, n) if inputs.calibration is not None \
         else add_time_model(prediction, inputs)

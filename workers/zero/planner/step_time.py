@@ -21,15 +21,38 @@ bucket through the engine's own collectives):
   (G ranks per shard group) the intra-group collectives run over G (f = (G-1)/G) and the shard's
   all-reduce across the N/G replicas is added, each at the rates measured over the world;
 * the optimizer step: the elements this rank steps (Φ at stage 0, its shard Φ/N otherwise) at the
-  device's AdamW rate, or the host's under optimizer offload (and NVMe's disk time on top). A GPU
-  rank's copies of the gradient shard to the host and of the parameters back are not priced (on a
-  CPU rank they are plain memory copies).
+  device's AdamW rate, or the host's under optimizer offload. A GPU rank's copies of the gradient
+  shard to the host and of the parameters back are not priced (on a CPU rank they are plain
+  memory copies);
+* NVMe's swap files: the note on the disk's overlap.
 
-Overlap: none is assumed. The engine does overlap (stage 0-2 buckets reduce during backward,
-stage 3 prefetches the next unit), but on the hosts this model is checked on (Gloo ranks sharing
-CPU cores) communication and compute compete for the same cores, and the terms are simply
-added. The step time is therefore a bound the engine's pipelines can only improve on; the
-benchmark (``benchmarks/step_time_model.py``) measures how far each stage lands from it.
+Overlap of compute and communication: none is assumed. The engine does overlap (stage 0-2
+buckets reduce during backward, stage 3 prefetches the next unit), but on the hosts this model is
+checked on (Gloo ranks sharing CPU cores) communication and compute compete for the same cores,
+and the terms are simply added. That part of the step time is therefore a bound the engine's
+pipelines can only improve on; the benchmark (``benchmarks/step_time_model.py``) measures how far
+each stage lands from it.
+
+[Note: the disk's overlap] The swap files are read and written by I/O threads that wait on the
+disk, not on the cores, while the step goes on: stage 3's parameter files one unit ahead of the
+gathers (``stage3_swap.py``), the optimizer's buckets one ahead of the bucket being stepped and
+one behind it (``optimizer_swap.py``). So the calibrated model prices two phases, each as the
+slower of its compute and its disk traffic:
+
+* forward and backward: ``max(compute + communication, R_fb / read rate)``, where ``R_fb`` is the
+  parameter files read by the forwards and backwards (``disk_read_bytes - disk_step_read_bytes``);
+* the optimizer step: ``max(optimizer, R_step / read rate + W / write rate)``: what the step
+  reads (the optimizer state's files, and in fp32 the masters) and writes (every file) share one
+  disk, so their times add.
+
+``disk_time_s`` stays every byte's time (no overlap: what a step would wait with no pipeline);
+``disk_exposed_s`` is what the two maxima add over compute, communication and optimizer. Rates
+are one rank's: where N ranks share one disk, the disk's rate with N writers at once, over N
+(``benchmarks/nvme_headline.py`` measures it so). Left out: a pipeline's fill and drain (the
+first unit's or bucket's read, the last bucket's write: one unit's bytes of many) and a step
+that reads faster than the optimizer steps (the reads then wait on free buffers, which the max
+counts as compute). The uncalibrated model (``add_time_model``: a typed compute time with no
+optimizer term) keeps the disk fully exposed, an upper bound.
 
 [Note: the disk traffic of an NVMe step] Each optimizer step reads every bucket's swap file
 into the buffer pool and writes it back (``optimizer_swap.py``): its bytes in and out per step
@@ -70,7 +93,7 @@ def add_time_model(prediction: Any, inputs: Any) -> None:
             prediction.efficiency = efficiency(inputs.compute_s, prediction.comm_time_s)
     if prediction.disk_bytes and inputs.disk_bytes_per_s:
         prediction.disk_time_s = disk_time_s(prediction.disk_read_bytes, prediction.disk_write_bytes,
-                                             inputs.disk_bytes_per_s)
+                                             inputs.disk_bytes_per_s, inputs.disk_write_bytes_per_s)
     comm_known = n == 1 or prediction.comm_time_s is not None
     disk_known = not prediction.disk_bytes or prediction.disk_time_s is not None
     if inputs.compute_s and comm_known and disk_known:  # a sum with a term left out would mislead
@@ -86,14 +109,29 @@ def add_calibrated_time(prediction: Any, inputs: Any, calibration: Any, group: i
     prediction.optimizer_time_s = optimizer_time_s(prediction, inputs, calibration, group)
     if prediction.disk_bytes and inputs.disk_bytes_per_s:
         prediction.disk_time_s = disk_time_s(prediction.disk_read_bytes, prediction.disk_write_bytes,
-                                             inputs.disk_bytes_per_s)
+                                             inputs.disk_bytes_per_s, inputs.disk_write_bytes_per_s)
     if inputs.flops_per_step is None:
         return
     prediction.compute_time_s = compute_time_s(inputs.flops_per_step, inputs.step_work, calibration)
     prediction.efficiency = efficiency(prediction.compute_time_s, prediction.comm_time_s)
-    if not prediction.disk_bytes or prediction.disk_time_s is not None:
-        prediction.step_time_s = (prediction.compute_time_s + prediction.comm_time_s + prediction.optimizer_time_s
-                                  + (prediction.disk_time_s or 0.0))
+    busy = prediction.compute_time_s + prediction.comm_time_s + prediction.optimizer_time_s
+    if not prediction.disk_bytes:
+        prediction.step_time_s = busy
+    elif prediction.disk_time_s is not None:
+        prediction.step_time_s = overlapped_step_s(prediction, inputs.disk_bytes_per_s,
+                                                   inputs.disk_write_bytes_per_s or inputs.disk_bytes_per_s)
+        prediction.disk_exposed_s = prediction.step_time_s - busy
+
+
+def overlapped_step_s(prediction: Any, read_bytes_per_s: float, write_bytes_per_s: float) -> float:
+    """A step with swap files, each phase as long as the slower of its work and its disk traffic
+    (the note on the disk's overlap); the prediction's compute, communication and optimizer terms set."""
+    forward_backward_reads = prediction.disk_read_bytes - prediction.disk_step_read_bytes
+    forward_backward = max(prediction.compute_time_s + prediction.comm_time_s,
+                           forward_backward_reads / read_bytes_per_s)
+    step = max(prediction.optimizer_time_s, disk_time_s(prediction.disk_step_read_bytes, prediction.disk_write_bytes,
+                                                         read_bytes_per_s, write_bytes_per_s))
+    return forward_backward + step
 
 
 def compute_time_s(flops: float, work: Any, calibration: Any) -> float:
