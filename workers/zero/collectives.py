@@ -8,10 +8,9 @@ Everything the engine sends goes through :class:`Collectives`, which
   or 2 adds up to 2Φ (padded). Small control messages (the gradient-norm scalar and the
   "which parameters got a gradient" mask) are counted apart, under ``control``.
 * times how long the caller is blocked waiting on them (``comm_exposed_s``);
-* numbers every collective (a per-group sequence number) and, through a watchdog thread (``watchdog.py``),
-  logs which bucket and which sequence number a rank is stuck on when one collective has not
-  completed ``timeout_s`` after its launch -- the first thing to look at when a job hangs
-  because ranks disagree on the order of collectives (watchdog.py, the note on the watchdog);
+* numbers every collective (a per-group sequence number); a watchdog thread (``watchdog.py``)
+  logs the bucket and number a rank is stuck on when one has not completed ``timeout_s`` after
+  its launch: the first thing to read when ranks disagree on the order of collectives and hang;
 * runs on one rank without any process group (world size 1): nothing is sent and nothing is
   counted, the "collective" is a local copy. ``force_distributed`` runs a world of one through
   its process group anyway (a one-GPU check of the NCCL path, ``benchmarks/gpu_check.py``).
