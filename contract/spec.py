@@ -449,30 +449,24 @@ class JobSpec(SpecModel):
     def _shard_groups(self) -> None:
         """``zero.shard_group_size`` and ``zero.hpz_partition_size`` split every world the job may run
         at into whole groups."""
-        g, resources = self.zero.shard_group_size, self.resources
-        bad = shard_group_misfits(g, resources.world_sizes)
-        if bad:
-            raise PydanticCustomError(
-                "shard_group_size",
-                "zero.shard_group_size ({g}) must divide resources.num_workers ({num_workers}){elastic}: "
-                "the ranks are split into shard groups of {g} contiguous ranks; world size {bad_list}",
-                {"g": g, "num_workers": resources.num_workers,
-                 "elastic": (f" and every world size down to resources.min_workers ({resources.min_workers})"
-                             if resources.elastic else ""),
-                 "bad_list": ", ".join(map(str, bad)) + (" does not" if len(bad) == 1 else " do not"),
-                 "incompatible": bad, "field": "zero.shard_group_size"})
-        h = self.zero.hpz_partition_size
-        bad = hpz_misfits(h, resources.world_sizes)
-        if bad:
-            raise PydanticCustomError(
-                "hpz_partition_size",
-                "zero.hpz_partition_size ({h}) must divide resources.num_workers ({num_workers}){elastic}: "
-                "hpZ keeps a secondary partition over groups of {h} contiguous ranks; world size {bad_list}",
-                {"h": h, "num_workers": resources.num_workers,
-                 "elastic": (f" and every world size down to resources.min_workers ({resources.min_workers})"
-                             if resources.elastic else ""),
-                 "bad_list": ", ".join(map(str, bad)) + (" does not" if len(bad) == 1 else " do not"),
-                 "incompatible": bad, "field": "zero.hpz_partition_size"})
+        resources = self.resources
+        for field, misfits, why in (
+                ("shard_group_size", shard_group_misfits,
+                 "the ranks are split into shard groups of {g} contiguous ranks"),
+                ("hpz_partition_size", hpz_misfits,
+                 "hpZ keeps a secondary partition over groups of {g} contiguous ranks")):
+            g = getattr(self.zero, field)
+            bad = misfits(g, resources.world_sizes)
+            if bad:
+                raise PydanticCustomError(
+                    field,
+                    f"zero.{field} ({{g}}) must divide resources.num_workers ({{num_workers}}){{elastic}}: "
+                    f"{why}; world size {{bad_list}}",
+                    {"g": g, "num_workers": resources.num_workers,
+                     "elastic": (f" and every world size down to resources.min_workers ({resources.min_workers})"
+                                 if resources.elastic else ""),
+                     "bad_list": ", ".join(map(str, bad)) + (" does not" if len(bad) == 1 else " do not"),
+                     "incompatible": bad, "field": f"zero.{field}"})
 
     @property
     def accumulation_steps(self) -> int:
