@@ -83,8 +83,9 @@ def test_preset_parameter_counts_are_those_of_the_built_models():
 
 def test_metric_columns_match_the_metric_record():
     assert set(METRIC_FIELDS) | {"attempt", "rank", "step", "time", "world_size", "user"} == set(MetricRecord.model_fields)
-    # the user's scalars are rows of their own table (service.user_metrics)
-    assert set(Metric.__table__.columns.keys()) == set(MetricRecord.model_fields) - {"user"} | {"id", "job_id"}
+    # the user's scalars are rows of their own table (service.user_metrics); xid is the writing
+    # transaction, filled by the database (service.stream_cursor)
+    assert set(Metric.__table__.columns.keys()) == set(MetricRecord.model_fields) - {"user"} | {"id", "job_id", "xid"}
 
 
 def test_the_charts_combine_ranks_as_before_the_table():
