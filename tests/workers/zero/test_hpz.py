@@ -8,7 +8,8 @@
   (``comm_volume(by_group=True)``) and below it (what torch.distributed was asked to broadcast,
   over which group, in which phase), while the forward's gathers go over the world;
 * nothing of the secondary shards is left after a step;
-* at N=2: groups of one (a whole secondary copy, also with the primary in swap files, and under
+* at N=2: groups of one (a whole secondary copy, also with the primary in swap files -- whose
+  backward then reads none of them -- and under
   a ``keep_gathered_bytes`` cap that lets kept units go) and of the whole world equal stage 3;
   sizes that do not divide the world are refused;
 * ``stage: "auto"`` with hpZ resolves to stage 3.
@@ -47,7 +48,8 @@ def _equal(a, b, where: str) -> None:
         assert a == b, (where, a, b)
 
 
-@pytest.mark.parametrize("exact,hpz", [("stage3", "hpz"), ("qwz", "hpz_qwz"), ("hsdp", "hsdp_hpz")])
+@pytest.mark.parametrize("exact,hpz", [("stage3", "hpz"), ("qwz", "hpz_qwz"), ("hsdp", "hsdp_hpz"),
+                                       ("hsdp_qwz", "hsdp_hpz_qwz")])
 def test_hpz_is_stage_3_bit_for_bit(trained, exact, hpz):
     for rank, runs in enumerate(trained):
         a, b = runs[exact], runs[hpz]
@@ -89,11 +91,26 @@ def test_hpz_backward_gathers_send_nothing_across_groups(trained):
     assert hpz_cases.H == 2
 
 
+def test_with_qwz_the_secondary_gather_sends_int8_codes_and_scales(trained):
+    """qwZ's backward gather inside the hpZ group sends what its forward gather over the world
+    sends (int8 codes, an fp32 scale per block), not the compute dtype; still bit for bit qwZ
+    alone (``test_hpz_is_stage_3_bit_for_bit``)."""
+    for rank, runs in enumerate(trained):
+        for step in range(STEPS):
+            quantized, plain = runs["hpz_qwz"]["groups"][step], runs["hpz"]["groups"][step]
+            assert quantized["hpz"]["all_gather"] <= 0.55 * plain["hpz"]["all_gather"], (rank, step)
+            assert quantized["hpz"]["all_gather"] == quantized["world"]["all_gather"], (rank, step)
+
+
 def test_hpz_at_n2_groups_of_one_and_two_with_nvme_or_a_keep_cap_and_sizes_that_do_not_fit(tmp_path):
     for rank, runs in enumerate(spawn_world(hpz_cases.sizes_world, 2, (str(tmp_path),), timeout_s=300)):
         phi = runs["stage3"]["padded"]
         assert runs["h1_nvme"]["strategy"] == "HpzSwappedParamShardStrategy"
         assert runs["h1_nvme"]["sent"] == runs["h1"]["sent"]
+        # every unit's secondary (here the whole unit) is held into its backward: the backward
+        # gathers from it and reads none of the primary shards' files, which the forwards read
+        assert runs["h1_nvme"]["reads"]["backward"] == 0, runs["h1_nvme"]["reads"]
+        assert runs["h1_nvme"]["reads"]["forward"] > 0, runs["h1_nvme"]["reads"]
         for name in ("h1", "h2", "h1_nvme"):
             for part in ("losses", "norms", "full"):
                 _equal(runs["stage3"][part], runs[name][part], f"rank {rank} {name} {part}")
@@ -144,3 +161,4 @@ def test_the_planner_prices_the_secondary_shards_as_the_engine_holds_them(traine
                               reshard_after_forward=False), 3).gpu["gathered_units"] == predict(
         PlanInputs(shape=shape, n_ranks=N, precision="fp32", device="cpu", reshard_after_forward=False), 3
     ).gpu["gathered_units"]  # every unit stays gathered: no secondary
+
