@@ -21,7 +21,9 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-backg
 def cold_loads(base: str, token: str, job_id: str, loads: int) -> dict:
     """``loads`` cold loads of ``base``'s page of ``job_id`` (after one unmeasured warm-up of
     the browser and the server): each load's wall time, the page's own navigation-to-render
-    time and its three slowest requests; the median and min–max of the wall times."""
+    time, when the chart answer arrived and what the page took from then to its first render
+    (the browser's share), and its three slowest requests; the median and min–max of the wall
+    times."""
     from playwright.sync_api import expect, sync_playwright
 
     with sync_playwright() as playwright:
@@ -50,8 +52,12 @@ def _cold_load(browser, expect, base: str, token: str, job_id: str) -> dict:
         slowest = page.evaluate("""performance.getEntriesByType('resource')
             .map((r) => [r.name.replace(location.origin, ''), Math.round(r.responseEnd - r.startTime)])
             .sort((a, b) => b[1] - a[1]).slice(0, 3)""")
-        return {"wall_ms": round(wall_ms, 1),
-                "navigation_to_render_ms": float(page.locator(".job-page").get_attribute("data-rendered-at-ms")),
+        chart_end = page.evaluate("""performance.getEntriesByType('resource')
+            .filter((r) => r.name.includes('/metrics/chart')).map((r) => r.responseEnd)[0] ?? null""")
+        rendered_at = float(page.locator(".job-page").get_attribute("data-rendered-at-ms"))
+        return {"wall_ms": round(wall_ms, 1), "navigation_to_render_ms": rendered_at,
+                "chart_answered_at_ms": None if chart_end is None else round(chart_end, 1),
+                "render_after_chart_ms": None if chart_end is None else round(rendered_at - chart_end, 1),
                 "points_drawn": int(page.locator("#chart-loss").get_attribute("data-points")),
                 "slowest_requests_ms": slowest}
     finally:
