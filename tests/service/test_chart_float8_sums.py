@@ -106,7 +106,9 @@ def test_the_chart_from_float8_sums_equals_the_exact_one(running_job, exact_read
     exact = user.get("/metrics/chart", params={"max_points": points}).raise_for_status().json()
     exact_listed = user.get("/metrics", params={"points": points}).raise_for_status().json()["chart"]
     assert len(exact_reads) >= 2
-    assert chart == exact
+    # the live stream's cursor is the database's transaction frontier when asked, which other
+    # databases' work on the same PostgreSQL moves between two requests: not part of the sums
+    assert {**chart, "cursor": None} == {**exact, "cursor": None}
     assert listed == exact_listed
 
 
