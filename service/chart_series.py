@@ -165,7 +165,8 @@ def _bucketed(source: Any, buckets: Buckets, world: int, averaging: Averaging = 
 def series(session: Session, job_id: str, steps: int, world: int, max_points: int) -> dict[str, Any]:
     """Columnar ``{"step": [...], "<field>": [...]}`` with ``max_points`` points (``Buckets``),
     each point's envelope (``series_min``, ``series_max``: its lowest and highest step), and
-    whether the job's attempts overlap (``mixed_attempts``: only each step's latest counted)."""
+    whether the job's attempts overlap (``mixed_attempts``: only each step's latest counted),
+    and the ``buckets`` (to cut another series the same way: ``charts.user_series``)."""
     buckets = Buckets.for_job(steps, max_points)
     table = MetricStep.__table__
     job_rows = select(table).where(table.c.job_id == job_id).subquery("job_rows")
