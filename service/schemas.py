@@ -184,12 +184,13 @@ class MetricPoint(MetricRecord):
 
 
 class MetricChart(BaseModel):
-    """A job's metrics as at most ``points`` points per series, downsampled in SQL
-    (``service.chart_series``): per bucket of ``bucket_steps`` steps, each charted field's mean
+    """A job's metrics as ``points`` points per series (fewer only for a job of fewer steps),
+    downsampled in SQL (``service.chart_series``): per bucket of consecutive steps
+    (``bucket_steps`` or one fewer), each charted field's mean
     over the bucket's records (the job's total for tokens/s and TFLOPs: each record's share ×
     its attempt's world size) and the lowest and highest of its steps' values."""
 
-    bucket_steps: int
+    bucket_steps: int = Field(description="the steps of the widest bucket; the others hold as many or one fewer")
     records: int = Field(description="the metric records the points summarise")
     step: list[int] = Field(description="each point's last step")
     mean: dict[str, list[float | None]] = Field(description="per charted field, aligned with `step`")
