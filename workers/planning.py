@@ -98,7 +98,7 @@ def inputs_for_spec(
 
 
 def time_prediction(spec: JobSpec, calibration: Any, stage: int, offload: bool | str, n_ranks: int,
-                    offload_params: str | None = None, disk: Any = None) -> Any:
+                    offload_params: str | None, disk: Any = None) -> Any:
     """The ``StagePrediction`` of the (stage, offloads) a job runs at ``n_ranks``, priced with the
     rates its ranks measured (``calibration``; ``disk``, a ``planner.disk_rate.DiskRate``: one rank's
     swap-disk rates, for NVMe). Only its time terms are read (at job start), so no activations are
