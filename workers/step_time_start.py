@@ -14,8 +14,8 @@ needs that disk's rate, which no spec knows: every rank probes its own swap fold
 (``planner.disk_rate.measure_disk_rate``: the engine's own I/O path), all at once, so that ranks
 sharing a disk see it shared, and each takes the slowest rank's read and write rates. The probe
 moves one bucket's fp32 shard, the size of the transfers the swaps make (capped at
-``DEFAULT_PROBE_BYTES``): its buffer is smaller than what building that bucket held, so it adds
-nothing to the rank's peak.
+``DEFAULT_PROBE_BYTES``): its buffer is smaller than the staging that building the bucket held
+beside the same states, so it does not raise the rank's construction peak.
 """
 
 from __future__ import annotations
