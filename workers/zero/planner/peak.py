@@ -14,7 +14,8 @@ part           kept + transient
 =============  ===================================================================================
 construction   parameters, fp32 master (no gradients; no optimizer state yet: torch creates it
                at the first step) + one bucket's (stage 3: unit's) staging; a model built eagerly
-               (not on the meta device) first holds itself whole in fp32
+               (not on the meta device) first holds itself whole in fp32; shards built straight
+               into NVMe swap files: one swap buffer instead of the shards
 forward        what is held between steps + the forward's activations + stage 3's gathered units;
                with several micro-steps per step, the gradients they accumulate (the table's)
 backward       held between steps + activations, gradients (full buckets, then shards) and stage
