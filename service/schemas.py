@@ -255,7 +255,13 @@ class StepTimeReportIn(BaseModel):
     compute_time_s: float | None = Field(default=None, ge=0, allow_inf_nan=False)
     comm_time_s: float | None = Field(default=None, ge=0, allow_inf_nan=False)
     optimizer_time_s: float | None = Field(default=None, ge=0, allow_inf_nan=False)
-    disk_time_s: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    disk_time_s: float | None = Field(default=None, ge=0, allow_inf_nan=False,
+                                      description="NVMe: every swap-file byte of a step at the disk's rates")
+    disk_exposed_s: float | None = Field(default=None, ge=0, allow_inf_nan=False,
+                                         description="NVMe: of disk_time_s, what the step is predicted to wait")
+    disk_rate: dict[str, float | int | bool] | None = Field(
+        default=None, max_length=8, description="NVMe: DiskRate.to_dict() of the swap folder probed at start "
+        "(read_bytes_per_s, write_bytes_per_s: one rank's, every rank at once; direct; nbytes)")
 
 
 class WorkerStateIn(BaseModel):

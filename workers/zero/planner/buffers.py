@@ -115,13 +115,13 @@ def gathered_unit_bytes(root_bucket: int, block_buckets: Sequence[int], precisio
 
 
 def param_swap_bytes(units: Sequence[int], n_ranks: int, precision: str, prefetch: int,
-                     masters_in_files: bool) -> tuple[int, int]:
+                     masters_in_files: bool) -> tuple[int, int, int]:
     """Stage 3 with ``offload_params="nvme"`` (``param_swap.py``): (bytes in swap files, bytes of
-    the buffer pool). A page-rounded file per unit of its compute-dtype shard (``units``: the
-    padded unit lengths), and ``stage3_swap.pool_buffers`` buffers of the largest file; in fp32
-    (``masters_in_files``) the file is the master's."""
+    the buffer pool, bytes of one buffer). A page-rounded file per unit of its compute-dtype shard
+    (``units``: the padded unit lengths), and ``stage3_swap.pool_buffers`` buffers of the largest
+    file; in fp32 (``masters_in_files``) the file is the master's."""
     files = [page_bytes(low_precision_bytes(precision) * shard_numel(u, n_ranks)) for u in units]
-    return sum(files), pool_buffers(prefetch, masters_in_files) * max(files, default=0)
+    return sum(files), pool_buffers(prefetch, masters_in_files) * max(files, default=0), max(files, default=0)
 
 
 def param_swap_reads(files: int, masters_in_files: bool, accumulation_steps: int, backward_share: float) -> int:

@@ -200,7 +200,7 @@ def predict(inputs: PlanInputs, stage: int, offload: bool | str = False) -> Stag
     host_offload = bool(offload) and not nvme  # the master and state in host memory (offload.py)
     states = model_state_bytes(shape.phi, n, precision, stage, False if nvme else offload, phi_padded,
                                inputs.optimizer_states)
-    disk, param_disk, params_in_files, masters_in_files = 0, 0, 0, False  # swap files (params: stage 3)
+    disk, param_disk, params_in_files, masters_in_files, param_pool, param_buffer = 0, 0, 0, False, 0, 0
     if nvme:  # the state in swap files; three buffers of the largest bucket's state in memory
         disk, pool = swap_bytes(buckets, traits.shard_world(n), inputs.optimizer_states)
         states = replace(states, gpu_optimizer=states.gpu_optimizer - 4 * inputs.optimizer_states
@@ -208,7 +208,8 @@ def predict(inputs: PlanInputs, stage: int, offload: bool | str = False) -> Stag
         offload = "nvme"
     if inputs.offload_params == "nvme" and traits.shards_parameters:  # the shards in swap files, a pool in memory
         masters_in_files = not host_offload and not precision_traits(precision).master_bytes
-        param_disk, param_pool = param_swap_bytes(buckets, n, precision, inputs.prefetch, masters_in_files)
+        param_disk, param_pool, param_buffer = param_swap_bytes(buckets, n, precision, inputs.prefetch,
+                                                                masters_in_files)
         params_in_files, disk = states.gpu_params, disk + param_disk
         states = replace(states, gpu_params=param_pool)
     states = replace(states, gpu_params=states.gpu_params + shape.frozen * low_precision_bytes(precision))
@@ -248,7 +249,7 @@ def predict(inputs: PlanInputs, stage: int, offload: bool | str = False) -> Stag
         forward_bytes=forward, backward_bytes=backward_transient, deferred_init=inputs.deferred_init,
         checkpoint=inputs.checkpoint, resume=inputs.resume, per_bucket_step=inputs.per_bucket_step,
         accumulation_steps=inputs.accumulation_steps, params_in_files=params_in_files,
-        masters_in_files=masters_in_files,
+        masters_in_files=masters_in_files, swap_pool_bytes=param_pool, swap_buffer_bytes=param_buffer,
     ))
     step = step_buffer_bytes(stage, precision, buckets, n, inputs.device, host_offload, largest_param,
                              inputs.optimizer_states, inputs.per_bucket_step)
