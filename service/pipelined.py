@@ -19,8 +19,10 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+import psycopg
 from psycopg.pq import TransactionStatus
 from sqlalchemy import Connection
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 
@@ -40,11 +42,19 @@ def commit(session: Session, statements: list[tuple[str, dict[str, Any]]]) -> li
             cursors = [raw.execute(sql, parameters) for sql, parameters in statements]
             raw.execute("COMMIT")
         rows = [cursor.fetchone() for cursor in cursors]
-    except BaseException:
-        with contextlib.suppress(Exception):  # a broken connection: restored or discarded below
+    except BaseException as error:
+        database_error = isinstance(error, psycopg.Error)
+        disconnected = database_error and session.get_bind().dialect.is_disconnect(error, raw, None)
+        with contextlib.suppress(Exception):  # a broken connection: discarded below
             raw.rollback()
-        _restore(connection, raw, opened)
+        if disconnected:
+            connection.invalidate()
+        else:
+            _restore(connection, raw, opened)
         session.rollback()
+        if database_error:  # as SQLAlchemy raises it, so the API answers it as it does (503)
+            raise DBAPIError.instance(statements[0][0], None, error, psycopg.Error,
+                                      connection_invalidated=disconnected) from error
         raise
     _restore(connection, raw, opened)
     session.commit()  # ends the session's transaction; the connection is idle, nothing is sent
