@@ -35,11 +35,13 @@ from service import metric_ingest
 from service.schemas import MetricRecord
 
 COMBINED_RECORDS = 20_000  # at most this many records in one combined insert (past one batch)
+IN_FLIGHT = 2  # transactions of one job under way at once in this process
 
 
 @dataclass
 class _Batch:
     records: list[MetricRecord]
+    taken: bool = False  # in a transaction under way
     done: bool = False
     accepted: int | None = 0  # None: the token is no longer valid
     error: BaseException | None = None
@@ -48,7 +50,7 @@ class _Batch:
 @dataclass
 class _Turn:
     changed: threading.Condition = field(default_factory=threading.Condition)
-    held: bool = False
+    held: int = 0  # transactions under way
     users: int = 0  # requests holding or waiting for this turn
     queued: list[_Batch] = field(default_factory=list)
 
@@ -73,31 +75,29 @@ def store(session: Session, job_id: str, token_hash: str, records: list[MetricRe
     try:
         with turn.changed:
             turn.queued.append(batch)
-            waits = turn.held
-            turn.held = True
-        if waits:
+            leads = turn.held < IN_FLIGHT
+            turn.held += leads
+        if not leads:
             session.commit()  # the token check's transaction ends: no connection held while waiting
             with turn.changed:
-                turn.changed.wait_for(lambda: batch.done or not turn.held)
-                if batch.done:
-                    return _answer(batch)
-                turn.held = True
-        try:
-            while not batch.done:  # a full combined insert may leave it for the next one
-                _store_queued(session, job_id, token_hash, turn)
-        finally:
-            with turn.changed:
-                turn.held = False
-                turn.changed.notify_all()
+                turn.changed.wait_for(lambda: batch.taken or turn.held < IN_FLIGHT)
+                leads = not batch.taken
+                turn.held += leads
+        if leads:
+            try:
+                while not batch.taken:  # a full combined insert may leave it for the next one
+                    _store_queued(session, job_id, token_hash, turn)
+            finally:
+                with turn.changed:
+                    turn.held -= 1
+                    turn.changed.notify_all()
+        with turn.changed:
+            turn.changed.wait_for(lambda: batch.done)
     finally:
         with _turns_lock:
             turn.users -= 1
             if not turn.users:
                 del _turns[(job_id, token_hash)]
-    return _answer(batch)
-
-
-def _answer(batch: _Batch) -> int | None:
     if batch.error is not None:
         raise batch.error
     return batch.accepted
@@ -110,6 +110,7 @@ def _store_queued(session: Session, job_id: str, token_hash: str, turn: _Turn) -
         taken, size = [], 0
         while turn.queued and (not taken or size + len(turn.queued[0].records) <= COMBINED_RECORDS):
             taken.append(turn.queued.pop(0))
+            taken[-1].taken = True
             size += len(taken[-1].records)
     try:
         _store_together(session, job_id, token_hash, taken)

@@ -6,7 +6,7 @@ request is told), one failing batch failing no other. And the lock order between
 transition and an ingest that admits a new user-metric name leaves no deadlock.
 
 To make batches wait, the job's metric lock is held exclusively (as a terminal transition holds
-it) while the first request's transaction asks for it, and the others queue behind that one."""
+it) while the first requests' transactions ask for it, and the others queue behind those."""
 
 from __future__ import annotations
 
@@ -81,43 +81,53 @@ def _waiting_for_advisory_lock(make_session) -> int:
                                     "AND wait_event = 'advisory' AND datname = current_database()")).scalar_one()
 
 
-def _queued_behind_a_blocked_one(make_session, blocker: Callable, first: list[MetricRecord],
-                                 queued: list[list[MetricRecord]], release: Callable) -> dict:
-    """``blocker(session)`` holds the job's metric lock; the first batch's request waits for it
-    in the database, the ``queued`` ones queue in this process; then ``release(session)``."""
+def _leading() -> list[list[MetricRecord]]:
+    """Batches that each start a transaction (as many as a job may have under way at once)."""
+    return [_records(10 + index, range(4)) for index in range(ingest_turns.IN_FLIGHT)]
+
+
+def _queued_behind_blocked_ones(make_session, blocker: Callable, queued: list[list[MetricRecord]],
+                                release: Callable) -> dict:
+    """``blocker(session)`` holds the job's metric lock; the ``_leading()`` batches' requests
+    wait for it in the database, one by one, the ``queued`` ones (indexed from 1) queue in this
+    process; then ``release(session)``. The leading requests' answers are keyed -1, -2, ..."""
     posts = _Posts(make_session)
     with make_session() as held:
         blocker(held)
-        posts.post(0, first)
-        wait_for(lambda: _waiting_for_advisory_lock(make_session) == 1, 30, "the first ingest to wait for the lock")
+        for index, records in enumerate(_leading(), start=1):
+            posts.post(-index, records)
+            wait_for(lambda: _waiting_for_advisory_lock(make_session) == index, 30,
+                     "the leading ingests to wait for the lock")
         for index, records in enumerate(queued, start=1):
             posts.post(index, records)
-        wait_for(lambda: ingest_turns.queued(JOB) == 1 + len(queued), 30, "every request to queue")
+        wait_for(lambda: ingest_turns.queued(JOB) == ingest_turns.IN_FLIGHT + len(queued), 30,
+                 "every request to queue")
         release(held)
     return posts.join()
 
 
 def test_batches_that_waited_are_stored_in_one_transaction_each_counted_once(make_session):
-    first = _records(0, range(5))
-    queued = [_records(1, range(5)), _records(1, range(5)),  # a batch re-sent while the first waits
+    queued = [_records(1, range(5)), _records(1, range(5)),  # a batch re-sent while the others wait
               _records(2, range(3)) + _records(1, [4])]  # one record the others carry too
-    answers = _queued_behind_a_blocked_one(make_session, lambda s: lock_job_metrics(s, JOB), first, queued,
-                                           lambda s: s.rollback())
-    assert answers == {0: 5, 1: 5, 2: 0, 3: 3}  # a record stored once counts new for the first batch carrying it
+    answers = _queued_behind_blocked_ones(make_session, lambda s: lock_job_metrics(s, JOB), queued,
+                                          lambda s: s.rollback())
+    leading = ingest_turns.IN_FLIGHT
+    # a record stored once counts new for the first batch carrying it
+    assert answers == {**{-index: 4 for index in range(1, leading + 1)}, 1: 5, 2: 0, 3: 3}
     with make_session() as session:
-        assert session.execute(select(func.count()).select_from(Metric)).scalar_one() == 13
-        # the first batch alone, the three that waited together
-        assert session.execute(select(func.count(func.distinct(Metric.xid)))).scalar_one() == 2
+        assert session.execute(select(func.count()).select_from(Metric)).scalar_one() == 4 * leading + 8
+        # each leading batch alone, the three that waited together
+        assert session.execute(select(func.count(func.distinct(Metric.xid)))).scalar_one() == leading + 1
         per_step = dict(session.execute(select(MetricStep.step, func.sum(MetricStep.records))
                                         .group_by(MetricStep.step)).all())
-        assert per_step == {0: 3, 1: 3, 2: 3, 3: 2, 4: 2}  # the roll-up counts each stored record once
+        # the roll-up counts each stored record once
+        assert per_step == {0: leading + 2, 1: leading + 2, 2: leading + 2, 3: leading + 1, 4: 1}
 
 
 def test_batches_waiting_when_the_job_ends_are_refused_and_nothing_of_theirs_is_stored(make_session):
-    answers = _queued_behind_a_blocked_one(
-        make_session, lambda s: transition(s, JOB, JobState.SUCCEEDED), _records(0, range(5)),
-        [_records(1, range(5)), _records(2, range(5))], lambda s: s.commit())
-    assert answers == {0: None, 1: None, 2: None}  # the route answers 401
+    answers = _queued_behind_blocked_ones(make_session, lambda s: transition(s, JOB, JobState.SUCCEEDED),
+                                          [_records(1, range(5)), _records(2, range(5))], lambda s: s.commit())
+    assert set(answers.values()) == {None} and len(answers) == ingest_turns.IN_FLIGHT + 2  # the route answers 401
     with make_session() as session:
         assert session.execute(select(func.count()).select_from(Metric)).scalar_one() == 0
         assert session.execute(select(func.count()).select_from(MetricStep)).scalar_one() == 0
@@ -132,13 +142,14 @@ def test_one_failing_batch_fails_no_other_it_waited_with(make_session):
                              "EXECUTE FUNCTION refuse_666()"))
         session.commit()
     queued = [_records(1, range(4)), _records(2, range(4), loss=666.0), _records(3, range(4))]
-    answers = _queued_behind_a_blocked_one(make_session, lambda s: lock_job_metrics(s, JOB),
-                                           _records(0, range(4)), queued, lambda s: s.rollback())
+    answers = _queued_behind_blocked_ones(make_session, lambda s: lock_job_metrics(s, JOB), queued,
+                                          lambda s: s.rollback())
     assert isinstance(answers.pop(2), DBAPIError)
-    assert answers == {0: 4, 1: 4, 3: 4}
+    assert answers == {**{-index: 4 for index in range(1, ingest_turns.IN_FLIGHT + 1)}, 1: 4, 3: 4}
     with make_session() as session:
-        assert sorted(session.execute(select(Metric.rank).distinct()).scalars()) == [0, 1, 3]
-        assert session.execute(select(func.sum(MetricStep.records))).scalar_one() == 12
+        assert sorted(session.execute(select(Metric.rank).distinct()).scalars()) == \
+            [1, 3, *(10 + index for index in range(ingest_turns.IN_FLIGHT))]
+        assert session.execute(select(func.sum(MetricStep.records))).scalar_one() == 4 * (ingest_turns.IN_FLIGHT + 2)
 
 
 def test_a_terminal_transition_waiting_for_ingests_does_not_deadlock_with_one_admitting_a_user_metric(
