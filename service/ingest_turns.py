@@ -1,20 +1,26 @@
-"""Storing a request's metric batch: one transaction of a job at a time in this process, carrying
-every batch of that job that arrived meanwhile.
+"""Storing a request's metric batch: a few transactions of a job at a time in this process, each
+carrying every small batch of that job that arrived meanwhile.
 
 [Note: one transaction for the batches that waited]
 Ranks post at about the same time, and each transaction costs round trips and a commit
-whatever its size. So a job has a turn here: a request whose job has no transaction in flight
-takes the turn and stores at once, in the transaction its token check opened; one that finds
-the turn taken queues its batch and waits. When a transaction ends, the next holder stores every
-batch still queued (the oldest first, up to ``COMBINED_RECORDS`` records) in one insert and one
-commit (``metric_ingest.store_keys``) and each request gets its own answer: a record sent twice
-among them is stored once and counted new for the first batch carrying it. Batches are combined
-only with batches of the same token. Other replicas' ingests of the job run alongside (the
-job's metric lock is shared between ingests: service.advisory_locks).
+whatever its size. So a job has turns here (``IN_FLIGHT`` of them): a request that finds one
+free takes it and stores at once, in the transaction its token check opened; one that finds
+none queues its batch and waits. A turn's next holder stores every batch still queued (the
+oldest first, up to ``COMBINED_RECORDS`` records) in one insert and one commit
+(``metric_ingest.store_keys``), and each request gets its own answer: a record sent twice among
+them is stored once and counted new for the first batch carrying it. Batches are combined only
+with batches of the same token. Other replicas' ingests of the job run alongside (the job's
+metric lock is shared between ingests: service.advisory_locks).
+
+[Note: large batches alone]
+A transaction's fixed cost (round trips, a commit) matters for small batches; a batch of
+``COMBINE_BELOW`` records or more carries enough work to be worth its own, and storing such
+batches one job at a time would leave the database's other cores idle while they wait. So a
+large batch skips the turn: it is stored at once, alongside the job's other transactions.
 
 [Note: waiting without a connection]
 A queued request first ends its token check's transaction, so it waits in this process holding
-no pooled connection and no database lock; only the holder of the turn uses a connection. A
+no pooled connection and no database lock; only the holders of the turns use connections. A
 request whose batch was stored meanwhile just returns.
 
 [Note: one bad batch]
@@ -36,6 +42,7 @@ from service.schemas import MetricRecord
 
 COMBINED_RECORDS = 20_000  # at most this many records in one combined insert (past one batch)
 IN_FLIGHT = 2  # transactions of one job under way at once in this process
+COMBINE_BELOW = 256  # a batch of at least this many records is stored on its own, at once
 
 
 @dataclass
@@ -68,6 +75,8 @@ def queued(job_id: str) -> int:
 def store(session: Session, job_id: str, token_hash: str, records: list[MetricRecord]) -> int | None:
     """Store ``records`` (rows, roll-up, user values) and commit; return how many were new, or
     None when the job's ingest token ``token_hash`` is no longer valid (nothing is stored)."""
+    if len(records) >= COMBINE_BELOW:  # [Note: large batches alone]
+        return metric_ingest.store(session, job_id, token_hash, records)
     batch = _Batch(records)
     with _turns_lock:
         turn = _turns.setdefault((job_id, token_hash), _Turn())
