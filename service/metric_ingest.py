@@ -98,9 +98,8 @@ def store_keys(session: Session, job_id: str, token_hash: str, records: list[Met
     the insert that re-checks the token, and the commit."""
     if session.get_bind().dialect.name == "postgresql":
         if not any(record.user for record in records):
-            lock, parameters = job_metrics_share(job_id)
-            valid, *keys = pipelined.commit(session, [(lock, parameters),
-                                                      (_PG_INSERT_PSYCOPG, _pg_parameters(job_id, token_hash, records))])[1]
+            insert = (_PG_INSERT_PSYCOPG, _pg_parameters(job_id, token_hash, records))
+            valid, *keys = pipelined.commit(session, [job_metrics_share(job_id), insert])[1]
             return _keys(keys) if valid else None
         share_job_metrics(session, job_id)
         valid, *keys = session.execute(_PG_INSERT, _pg_parameters(job_id, token_hash, records)).one()

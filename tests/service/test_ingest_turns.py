@@ -96,7 +96,7 @@ def _queued_behind_blocked_ones(make_session, blocker: Callable, queued: list[li
         blocker(held)
         for index, records in enumerate(_leading(), start=1):
             posts.post(-index, records)
-            wait_for(lambda: _waiting_for_advisory_lock(make_session) == index, 30,
+            wait_for(lambda waiting=index: _waiting_for_advisory_lock(make_session) == waiting, 30,
                      "the leading ingests to wait for the lock")
         for index, records in enumerate(queued, start=1):
             posts.post(index, records)
