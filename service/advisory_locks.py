@@ -29,6 +29,7 @@ from sqlalchemy.orm import Session
 JOB_METRICS_CLASS = -1  # (class, job key): the inserts of one job's metric rows
 _LOCK = text("SELECT pg_advisory_xact_lock(CAST(:lock_class AS int4), CAST(:key AS int4))")
 _SHARE = text("SELECT pg_advisory_xact_lock_shared(CAST(:lock_class AS int4), CAST(:key AS int4))")
+_SHARE_PSYCOPG = "SELECT pg_advisory_xact_lock_shared(CAST(%(lock_class)s AS int4), CAST(%(key)s AS int4))"
 
 
 def name_key(name: str) -> int:
@@ -41,6 +42,11 @@ def share_job_metrics(session: Session, job_id: str) -> None:
     its other ingests ([Note: the job's metric lock]); nothing on SQLite."""
     if session.get_bind().dialect.name == "postgresql":
         session.execute(_SHARE, {"lock_class": JOB_METRICS_CLASS, "key": name_key(job_id)})
+
+
+def job_metrics_share(job_id: str) -> tuple[str, dict[str, int]]:
+    """``share_job_metrics`` as a statement for psycopg itself (service.pipelined) and its parameters."""
+    return _SHARE_PSYCOPG, {"lock_class": JOB_METRICS_CLASS, "key": name_key(job_id)}
 
 
 def lock_job_metrics(session: Session, job_id: str) -> None:

@@ -20,6 +20,7 @@ batch would wait for the previous one's commit to update it; a step's rows are s
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from typing import Any
 
@@ -28,26 +29,29 @@ from sqlalchemy.dialects import sqlite
 from sqlalchemy.orm import Session
 
 from contract.metrics import CHARTED_FIELDS
-from service import user_metrics
-from service.advisory_locks import share_job_metrics
+from service import pipelined, user_metrics
+from service.advisory_locks import job_metrics_share, share_job_metrics
 from service.models import METRIC_STEP_PARTS, Job, Metric, MetricStep
 from service.schemas import METRIC_FIELDS, MetricRecord
 
 # One statement per batch: each column travels as one array parameter and ``unnest`` turns the
 # arrays back into rows (in order, so ids follow the batch). Each array is written as one
 # PostgreSQL array literal (numbers only: validated ints and floats), much faster than psycopg
-# quoting every element of a Python list.
+# quoting every element of a Python list. The rows are inserted only while the job's ingest
+# token is ``token_hash`` (any token when it is null): the token re-check rides in the insert.
 _STORED_COLUMNS = ("attempt", "rank", "step", "time", "world_size", *METRIC_FIELDS)
 _INT_COLUMNS = frozenset({"attempt", "rank", "step", "world_size"})
 _QUOTED_COLUMNS = ", ".join(f'"{name}"' for name in _STORED_COLUMNS)  # "rank", "time" are keywords
 _CHARTED = tuple(field.name for field in CHARTED_FIELDS)
 _ROLLUP_COLUMNS = ", ".join(f"sum_{name}, n_{name}" for name in _CHARTED)
-_PG_INSERT = text(
-    "WITH new AS ("
+_PG_INSERT_SQL = (
+    "WITH valid AS (SELECT 1 FROM jobs WHERE id = CAST(:job_id AS text) "
+    "AND (CAST(:token_hash AS text) IS NULL OR ingest_token_hash = CAST(:token_hash AS text))), "
+    "new AS ("
     f"INSERT INTO metrics (job_id, {_QUOTED_COLUMNS}) "
     "SELECT CAST(:job_id AS text), * FROM unnest("
     + ", ".join(f"CAST(:{name} AS {'int4' if name in _INT_COLUMNS else 'float8'}[])" for name in _STORED_COLUMNS)
-    + ") ON CONFLICT DO NOTHING "
+    + ") WHERE EXISTS (SELECT 1 FROM valid) ON CONFLICT DO NOTHING "
     f'RETURNING id, attempt, "rank", step, world_size, {", ".join(_CHARTED)}), '
     "rolled AS ("
     f"INSERT INTO metric_steps (job_id, attempt, step, part, records, last_id, world_size, {_ROLLUP_COLUMNS}) "
@@ -60,8 +64,13 @@ _PG_INSERT = text(
     "world_size = GREATEST(metric_steps.world_size, excluded.world_size), "
     + ", ".join(f"sum_{name} = COALESCE(metric_steps.sum_{name}, 0) + COALESCE(excluded.sum_{name}, 0), "
                 f"n_{name} = metric_steps.n_{name} + excluded.n_{name}" for name in _CHARTED)
-    + ') SELECT attempt, "rank", step FROM new'
+    + ") SELECT EXISTS (SELECT 1 FROM valid), "
+    'COALESCE((SELECT array_agg(attempt) FROM new), \'{}\'), COALESCE((SELECT array_agg("rank") FROM new), \'{}\'), '
+    "COALESCE((SELECT array_agg(step) FROM new), '{}')"
 )
+_PG_INSERT = text(_PG_INSERT_SQL)
+# the same statement for psycopg itself (service.pipelined): %(name)s parameters, % doubled
+_PG_INSERT_PSYCOPG = re.sub(r":(\w+)", r"%(\1)s", _PG_INSERT_SQL.replace("%", "%%"))
 
 
 def _array_literal(values: list[Any], number: type) -> str:
@@ -71,21 +80,51 @@ def _array_literal(values: list[Any], number: type) -> str:
 
 
 def store(session: Session, job_id: str, token_hash: str, records: list[MetricRecord]) -> int | None:
-    """Store a worker's batch (rows, roll-up, user values) and commit; return how many records
-    were new, or None when the job's ingest token ``token_hash`` is no longer valid (the job
-    ended since the request's token check: nothing is stored).
+    """``store_keys``, answering how many records were new (None: the token is no longer valid)."""
+    keys = store_keys(session, job_id, token_hash, records)
+    return None if keys is None else len(keys)
+
+
+def store_keys(session: Session, job_id: str, token_hash: str, records: list[MetricRecord]
+               ) -> list[tuple[int, int, int]] | None:
+    """Store a worker's batch (rows, roll-up, user values) and commit; return the (attempt,
+    rank, step) of each record that was new, or None when the job's ingest token ``token_hash``
+    is no longer valid (the job ended since the request's token check: nothing is stored).
 
     The token is checked again under the job's shared metric lock, which a terminal transition
     takes exclusively ([Note: the job's metric lock] in service.advisory_locks): an ingest that
-    passes it commits before the job ends, so no row commits after a stream sent ``end``."""
-    share_job_metrics(session, job_id)
-    if session.execute(select(Job.id).where(Job.id == job_id, Job.ingest_token_hash == token_hash)).first() is None:
-        session.rollback()
-        return None
-    new = insert_new(session, job_id, records)
+    passes it commits before the job ends, so no row commits after a stream sent ``end``. On
+    PostgreSQL a batch without user values is one round trip (``service.pipelined``): the lock,
+    the insert that re-checks the token, and the commit."""
+    if session.get_bind().dialect.name == "postgresql":
+        if not any(record.user for record in records):
+            insert = (_PG_INSERT_PSYCOPG, _pg_parameters(job_id, token_hash, records))
+            valid, *keys = pipelined.commit(session, [job_metrics_share(job_id), insert])[1]
+            return _keys(keys) if valid else None
+        share_job_metrics(session, job_id)
+        valid, *keys = session.execute(_PG_INSERT, _pg_parameters(job_id, token_hash, records)).one()
+        if not valid:
+            session.rollback()
+            return None
+        new = _keys(keys)
+    else:
+        if session.execute(select(Job.id).where(Job.id == job_id, Job.ingest_token_hash == token_hash)).first() is None:
+            session.rollback()
+            return None
+        new = _insert_new_sqlite(session, job_id, records)
     user_metrics.store(session, job_id, records)
     session.commit()
     return new
+
+
+def _pg_parameters(job_id: str, token_hash: str | None, records: list[MetricRecord]) -> dict[str, Any]:
+    return {"job_id": job_id, "token_hash": token_hash,
+            **{name: _array_literal([getattr(record, name) for record in records],
+                                    int if name in _INT_COLUMNS else float) for name in _STORED_COLUMNS}}
+
+
+def _keys(columns: list[list[int]]) -> list[tuple[int, int, int]]:
+    return list(zip(*columns)) if columns[0] else []
 
 
 def insert_new(session: Session, job_id: str, records: list[MetricRecord]) -> int:
@@ -98,10 +137,8 @@ def insert_new_keys(session: Session, job_id: str, records: list[MetricRecord]) 
     """``insert_new``, answering the (attempt, rank, step) of each record that was new. The
     rows' ``xid`` is their transaction's, the column's default (service.stream_cursor)."""
     if session.get_bind().dialect.name == "postgresql":
-        columns = {name: _array_literal([getattr(record, name) for record in records],
-                                        int if name in _INT_COLUMNS else float)
-                   for name in _STORED_COLUMNS}
-        return [tuple(row) for row in session.execute(_PG_INSERT, {"job_id": job_id, **columns})]
+        _valid, *keys = session.execute(_PG_INSERT, _pg_parameters(job_id, None, records)).one()
+        return _keys(keys)
     return _insert_new_sqlite(session, job_id, records)
 
 

@@ -22,8 +22,8 @@ everything below it is visible to the rows' (later) snapshot.
 
 [Note: a job that has ended]
 Once its job is terminal (read before the rows) no more rows of it can commit: an ingest holds
-the job's row ``FOR SHARE`` and finds its token still valid (service.metric_ingest) or is
-refused, and the terminal transition waits for those holding it. So a stream of an ended job
+the job's metric lock shared and finds its token still valid (service.metric_ingest) or is
+refused, and the terminal transition takes that lock exclusively, so it waits for them. So a stream of an ended job
 reads every remaining row, frontier or not, and then ends.
 
 [Note: ids from before the change]

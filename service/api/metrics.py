@@ -1,7 +1,7 @@
 """Training metrics: batched idempotent ingest from workers, queries, and a live SSE stream
 (``service.api.sse``).
 
-Ingest (``service.metric_ingest``) relies on the unique (job,
+Ingest (``service.ingest_turns``, ``service.metric_ingest``) relies on the unique (job,
 attempt, rank, step) key, so a batch re-sent after a timeout is counted as duplicates and
 changes nothing. Queries can be
 downsampled server-side (``max_points``): steps are cut into equal buckets and each bucket
@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session
 
 import anyio
 
-from service import chart_series, metric_ingest, stream_cursor, user_metrics
+from service import chart_series, ingest_turns, stream_cursor, user_metrics
 from service.api.deps import SessionDep, VisibleJob, WorkerJob, bearer_token, unauthorized
 from service.api.errors import error_responses, text_response
 from service.api.sse import (
@@ -58,7 +58,7 @@ router = APIRouter(prefix="/jobs", tags=["metrics"])
 def ingest_metrics(batch: MetricBatch, job: WorkerJob, request: Request, session: SessionDep) -> IngestResult:
     if not batch.records:
         return IngestResult(accepted=0, duplicates=0)
-    accepted = metric_ingest.store(session, job.id, hash_token(bearer_token(request)), batch.records)
+    accepted = ingest_turns.store(session, job.id, hash_token(bearer_token(request)), batch.records)
     if accepted is None:  # the job ended since the token check
         raise unauthorized(f"not a valid ingest token for job {job.id!r} (or the job has ended)")
     request.app.state.service_metrics.metric_points.inc(accepted)
