@@ -7,9 +7,8 @@ ranks themselves (``workers.zero.calibration.Calibration``, measured at job star
 ``add_calibrated_time``).
 
 [Note: the calibrated time model]
-Per rank and step, with B the bytes of a communicated element, f = (N-1)/N and every rate a
-``Calibration``'s (a collective's rate is its buffer's bytes × f per second, measured on one
-bucket through the engine's own collectives):
+Per rank and step, every rate a ``Calibration``'s (a collective's rate is its buffer's bytes ×
+(N-1)/N per second, measured on one bucket of the world through the engine's own collectives):
 
 * compute: the matmuls, ``flops_per_step`` (``workers.models.flops_per_token`` × the rank's tokens
   per step) / ``compute_flops_per_s`` (a linear layer's training matmuls of the job's dtype); plus
