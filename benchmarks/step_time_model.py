@@ -59,9 +59,12 @@ def rank_run(rank: int, world_size: int, settings: dict[str, Any]) -> dict[str, 
     times = []
     try:
         for step in range(settings["warmup"] + settings["steps"]):
-            inputs, targets = byte_stream_batch(step, 0, rank, settings["micro_batch"], settings["seq_len"])
+            micro_steps = settings.get("accumulation", 1)
+            batches = [byte_stream_batch(step, m, rank, settings["micro_batch"], settings["seq_len"])
+                       for m in range(micro_steps)]
             started = time.perf_counter()
-            engine.backward(engine(inputs, targets))
+            for inputs, targets in batches:
+                engine.backward(engine(inputs, targets) / micro_steps)
             engine.step()
             times.append(time.perf_counter() - started)
     finally:
@@ -70,11 +73,12 @@ def rank_run(rank: int, world_size: int, settings: dict[str, Any]) -> dict[str, 
 
 
 def job_spec(settings: dict[str, Any], ranks: int) -> JobSpec:
-    """The job these settings stand for (one micro-batch per rank and step)."""
+    """The job these settings stand for (``accumulation`` micro-batches per rank and step)."""
     return JobSpec(name="step-time", model=ModelSpec(preset=settings["model"]),
                    data=DataSpec(kind="synthetic", seq_len=settings["seq_len"]),
                    train=TrainSpec(steps=1, micro_batch_size=settings["micro_batch"],
-                                   global_batch_size=settings["micro_batch"] * ranks),
+                                   global_batch_size=settings["micro_batch"] * ranks
+                                   * settings.get("accumulation", 1)),
                    zero=ZeroSpec(stage=settings["stage"], offload_optimizer=settings["offload"],
                                  precision=settings["precision"], bucket_mb=settings["bucket_mb"]),
                    resources=ResourcesSpec(num_workers=ranks))
@@ -98,7 +102,7 @@ def measure(settings: dict[str, Any], ranks: int) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     grid = configurations(args.models, args.stages, not args.no_offload)
     base = {"precision": args.precision, "bucket_mb": args.bucket_mb, "micro_batch": args.micro_batch,
-            "seq_len": args.seq_len, "warmup": args.warmup, "steps": args.steps}
+            "seq_len": args.seq_len, "warmup": args.warmup, "steps": args.steps, "accumulation": args.accumulation}
     runs: dict[int, list[dict[str, Any]]] = {i: [] for i in range(len(grid))}
     for repeat in range(args.repeats):  # interleaved: every configuration once per repeat
         for i, config in enumerate(grid):
@@ -137,6 +141,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--bucket-mb", type=float, default=25.0)
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--accumulation", type=int, default=1, help="micro-steps per step and rank")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=3)

@@ -19,3 +19,4 @@ def test_the_priced_job_is_the_one_the_ranks_train():
     spec = job_spec(settings, 2)
     assert spec.accumulation_steps_at(2) == 1  # one micro-batch per rank and step, as rank_run trains
     assert (spec.zero.stage, spec.zero.offload_optimizer, spec.data.seq_len) == (3, True, 128)
+    assert job_spec({**settings, "accumulation": 3}, 2).accumulation_steps_at(2) == 3  # --accumulation

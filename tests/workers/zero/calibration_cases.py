@@ -60,3 +60,30 @@ def slowest_world(rank: int, world_size: int) -> dict:
 
     figures = {"compute_flops_per_s": 1e9 * (1 + rank), "op_overhead_s": 1e-6 * (1 + rank)}
     return _slowest(figures, dist.group.WORLD, torch.device("cpu"))
+
+
+#: (stage, ZeRO++ fields) the planner's priced bytes are checked for, each at ``PRICED_ACCUM`` micro-steps
+PRICED_RUNS = {"stage0": (0, {}), "stage1": (1, {}), "stage2": (2, {}), "stage3": (3, {}),
+               "stage3_qwz_qgz": (3, {"quantized_weights": True, "quantized_gradients": True})}
+PRICED_ACCUM = 2
+
+
+def comm_counted_world(rank: int, world_size: int) -> dict:
+    """One step of ``PRICED_ACCUM`` micro-steps of the small GPT (fp32, 2 layers) per run of
+    ``PRICED_RUNS``: what the engine counts it sent, by group and kind, and in all."""
+    import pathlib
+
+    from workers.zero.testing import load_module
+
+    cases = load_module("tests.workers.zero.cases", pathlib.Path(__file__).with_name("cases.py"))
+    torch.set_num_threads(1)
+    out = {}
+    for name, (stage, fields) in PRICED_RUNS.items():
+        engine = cases.gpt_engine(rank, "fp32", stage, n_layer=2, **fields)
+        for micro in range(PRICED_ACCUM):
+            x, y = cases.gpt_batch(0, micro, rank)
+            engine.backward(engine(x, y) / PRICED_ACCUM)
+        engine.step()
+        out[name] = {"groups": engine.comm_volume(by_group=True), "total": engine.comm_volume("bytes")["total"]}
+        engine.close()
+    return out

@@ -27,11 +27,17 @@ def inputs(**changes) -> PlanInputs:
 
 
 def test_each_stage_prices_its_own_collectives():
-    ring, b = 3 / 4, 4 * PHI  # fp32: 4 bytes an element
-    assert predict(inputs(), 0).comm_time_s == pytest.approx(b * ring / 1.5e9)  # one all-reduce
+    ring = 3 / 4
+
+    def sent(stage: int) -> int:  # fp32: 4 bytes an element, of the buckets as padded
+        return 4 * PHI + predict(inputs(), stage).padding_bytes
+
+    assert predict(inputs(), 0).comm_time_s == pytest.approx(sent(0) * ring / 1.5e9)  # one all-reduce
     for stage in (1, 2):  # a reduce-scatter and an all-gather
+        b = sent(stage)
         assert predict(inputs(), stage).comm_time_s == pytest.approx(b * ring / 1e9 + b * ring / 2e9)
     # stage 3: all-gathers in forward and backward, one reduce-scatter
+    b = sent(3)
     assert predict(inputs(), 3).comm_time_s == pytest.approx(b * ring / 1e9 + 2 * b * ring / 2e9, rel=1e-3)
     assert predict(inputs(), 3).comm_time_s > predict(inputs(), 2).comm_time_s
 
@@ -57,9 +63,9 @@ def test_the_step_adds_compute_communication_and_the_optimizer():
 
 def test_hybrid_groups_price_the_shard_groups_ring_and_the_replicas_all_reduce():
     hybrid = predict(inputs(shard_group_size=2), 2)
-    b = 4 * PHI
+    b = 4 * PHI + hybrid.padding_bytes  # the buckets as padded
     within = b / 2 / 1e9 + b / 2 / 2e9  # over a group of 2: f = 1/2
-    across = (4 * 2 * (PHI // 2)) / 2 * (1 / 2) / 1.5e9  # Φ/G all-reduced over 2 replicas
+    across = (2 * b // 2) / 2 * (1 / 2) / 1.5e9  # Φ/G all-reduced over 2 replicas
     assert hybrid.comm_time_s == pytest.approx(within + across)
     assert hybrid.optimizer_time_s == pytest.approx(PHI / 2 / 1e8)  # a shard of 1/G
 
@@ -158,3 +164,33 @@ def test_each_phase_takes_the_slower_of_its_work_and_its_disk():
     assert step_disk > p.optimizer_time_s
     assert p.step_time_s == pytest.approx(p.compute_time_s + p.comm_time_s + step_disk)
     assert p.disk_exposed_s == pytest.approx(step_disk - p.optimizer_time_s)
+
+
+def test_the_time_models_price_the_bytes_each_stage_really_sends_per_step():
+    """Stages 0-3 at two micro-steps, and stage 3 with qwZ and qgZ (N=2, the small GPT, fp32): the
+    planner's bytes per step by group and kind are what ``engine.comm_volume`` counts over a real
+    step (stage 2 reduce-scatters every micro-step, stage 3 gathers and reduce-scatters every
+    micro-step, ZeRO++ sends int8 and int4 codes with their scales), and both time models price
+    those bytes: at one rate R for every kind (an all-reduce's per buffer byte, R/2), the step's
+    communication is the engine's total bytes × (N-1)/N / R."""
+    from workers.zero.testing import spawn_world
+
+    from . import calibration_cases
+    from .cases import make_gpt
+
+    n, rate = 2, 1e9
+    flat = Calibration(compute_flops_per_s=1e12, allgather_bytes_per_s=rate, reduce_scatter_bytes_per_s=rate,
+                       allreduce_bytes_per_s=rate / 2, world_size=n)
+    shape = ModelShape.of(make_gpt(0, 2))
+    counted = spawn_world(calibration_cases.comm_counted_world, n, timeout_s=300)
+    for name, (stage, fields) in calibration_cases.PRICED_RUNS.items():
+        base = PlanInputs(shape=shape, n_ranks=n, precision="fp32", device="cpu",
+                          accumulation_steps=calibration_cases.PRICED_ACCUM, **fields)
+        calibrated = predict(replace(base, calibration=flat), stage)
+        typed = predict(replace(base, bandwidth_bytes_per_s=rate), stage)
+        for rank, runs in enumerate(counted):
+            sent = {g: {k: v for k, v in kinds.items() if k != "control"} for g, kinds in runs[name]["groups"].items()}
+            assert calibrated.comm_bytes_by_group == sent, (name, rank)
+            expected_s = runs[name]["total"] * (n - 1) / n / rate
+            assert calibrated.comm_time_s == pytest.approx(expected_s, rel=1e-9), (name, rank)
+            assert typed.comm_time_s == pytest.approx(expected_s, rel=1e-9), (name, rank)

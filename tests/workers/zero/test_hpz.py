@@ -193,12 +193,11 @@ def test_the_planner_predicts_the_bytes_by_group_the_engine_counts(trained, vari
 
 
 def test_the_step_time_model_prices_hpz_gathers_inside_their_groups():
-    """hpZ's backward all-gather (Φ, fp32, nothing kept) runs over rings of H=2, not of N=4: the
-    calibrated and the typed-bandwidth models both take (3/4 - 1/2) of its bytes off the step;
-    with qwZ it is priced in int8 on the typed link."""
+    """hpZ's backward all-gather (Φ per micro-step, fp32, nothing kept) runs over rings of H=2, not
+    of N=4: the calibrated and the typed-bandwidth models both take (3/4 - 1/2) of its bytes off
+    the step; with qwZ its bytes are the int8 codes and scales the engine sends."""
     import math
 
-    from contract.zero_math import QUANT_WIRE_BYTES
     from workers.zero.calibration import Calibration
     from workers.zero.planner.plan import predict
 
@@ -207,10 +206,12 @@ def test_the_step_time_model_prices_hpz_gathers_inside_their_groups():
     plain, hpz = (predict(_plan_inputs(calibration=cal, **f), 3) for f in ({}, {"hpz_partition_size": hpz_cases.H}))
     phi = hpz.comm_hpz_elements
     assert phi == plain.comm_intra_elements // 3 > 0 and plain.comm_hpz_elements == 0
-    assert math.isclose(plain.comm_time_s - hpz.comm_time_s, phi * 4 * (3 / 4 - 1 / 2) / 1e9, rel_tol=1e-12)
+    assert hpz.comm_bytes_by_group["hpz"]["all_gather"] == ACCUM * phi * 4  # every micro-step's backward
+    assert math.isclose(plain.comm_time_s - hpz.comm_time_s, ACCUM * phi * 4 * (3 / 4 - 1 / 2) / 1e9, rel_tol=1e-12)
     for qwz in (False, True):
         typed = {"bandwidth_bytes_per_s": 1e9, "quantized_weights": qwz}
         plain, hpz = (predict(_plan_inputs(**typed, **f), 3) for f in ({}, {"hpz_partition_size": hpz_cases.H}))
-        wire = QUANT_WIRE_BYTES["weights"] if qwz else 4
+        sent = hpz.comm_bytes_by_group["hpz"]["all_gather"]
+        assert sent <= (0.55 if qwz else 1) * ACCUM * phi * 4
         assert plain.comm_bytes == hpz.comm_bytes
-        assert math.isclose(plain.comm_time_s - hpz.comm_time_s, phi * wire * (3 / 4 - 1 / 2) / 1e9, rel_tol=1e-9)
+        assert math.isclose(plain.comm_time_s - hpz.comm_time_s, sent * (3 / 4 - 1 / 2) / 1e9, rel_tol=1e-9)

@@ -1,6 +1,6 @@
 """The process-group shapes the planner prices: hybrid sharding's shard groups (G) and ZeRO++
-hpZ's secondary partition (H), as the engine runs them (``hybrid.py``, ``hpz.py``), and stage
-3's bytes per step by the group they go over, as the engine counts them
+hpZ's secondary partition (H), as the engine runs them (``hybrid.py``, ``hpz.py``), and a
+step's bytes by the group they go over, as the engine counts them
 (``engine.comm_volume(by_group=True)``; ``quantized_comm.py`` for qwZ's and qgZ's wire format)."""
 
 from __future__ import annotations
@@ -66,21 +66,34 @@ def hpz_secondary_bytes(inputs: Any, stage: int, n: int) -> int:
                for i, (_, padded) in enumerate(units) if i not in kept)
 
 
-def comm_bytes_by_group(inputs: Any, stage: int, n: int) -> dict[str, dict[str, int]] | None:
-    """Stage 3's bytes per step by process group, then kind, as ``comm_volume(by_group=True)``
-    counts them (the divergence check's ``control`` tags left out); None at other stages or on one rank.
+def comm_bytes_by_group(inputs: Any, stage: int, n: int, buckets: list[int]) -> dict[str, dict[str, int]] | None:
+    """A step's bytes by process group, then kind, as ``comm_volume(by_group=True)`` counts them
+    (the divergence check's ``control`` tags left out); None on one rank. The one count of what a
+    step sends: the time models price it (``step_time.py``). ``buckets``: the padded flat
+    buckets' elements (stages 0-2; stage 3 has its units), sharded over ``n``.
 
-    Every micro-step gathers every unit in its forward over the shard group ("world", or "shard"
-    with hybrid sharding), again in its backward less the units kept gathered (inside the hpZ
-    groups with hpZ: "hpz"), and reduce-scatters every unit's gradient there; with hybrid
-    sharding each reduced shard is then all-reduced across "replicate" (counted twice)."""
-    if not stage_traits(stage).shards_parameters or inputs.n_ranks == 1:
+    Stage 0 all-reduces every bucket once per step ("world", counted twice), stage 1
+    reduce-scatters and all-gathers every bucket once (both after the last micro-step), stage 2
+    reduce-scatters every micro-step's gradients as they come and all-gathers once. Stage 3:
+    every micro-step gathers every unit in its forward over the shard group ("world", or
+    "shard" with hybrid sharding), again in its backward less the units kept gathered (inside
+    the hpZ groups with hpZ: "hpz"), and reduce-scatters every unit's gradient there. With hybrid
+    sharding (stages 1-3) each reduced shard is then all-reduced across "replicate" (counted twice)."""
+    if inputs.n_ranks == 1:
         return None
+    a, precision, e = inputs.accumulation_steps, inputs.precision, low_precision_bytes(inputs.precision)
+    group = "shard" if hybrid_group_size(inputs, stage) else "world"
+    if not stage_traits(stage).shards_parameters:
+        if not stage_traits(stage).shards_optimizer:
+            return {"world": {"all_reduce": 2 * sum(buckets) * e}}
+        reduces = a if stage_traits(stage).shards_gradients else 1
+        out = {group: {"reduce_scatter": reduces * sum(buckets) * e, "all_gather": sum(buckets) * e}}
+        if group == "shard":
+            out["replicate"] = {"all_reduce": reduces * sum(2 * (p // n) * e for p in buckets)}
+        return out
     units, kept = _units(inputs, n)
-    a, precision = inputs.accumulation_steps, inputs.precision
     gathers = [gathered_bytes(padded, n, precision, inputs.quantized_weights) for _, padded in units]
     again = sum(g for i, g in enumerate(gathers) if i not in kept)
-    group = "shard" if hybrid_group_size(inputs, stage) else "world"
     out = {group: {"all_gather": a * sum(gathers),
                    "reduce_scatter": a * sum(reduced_bytes(p, n, precision, inputs.quantized_gradients)
                                              for _, p in units)}}
@@ -89,5 +102,13 @@ def comm_bytes_by_group(inputs: Any, stage: int, n: int) -> dict[str, dict[str, 
     else:
         out[group]["all_gather"] += a * again
     if group == "shard":
-        out["replicate"] = {"all_reduce": a * sum(2 * (p // n) * low_precision_bytes(precision) for _, p in units)}
+        out["replicate"] = {"all_reduce": a * sum(2 * (p // n) * e for _, p in units)}
     return out
+
+
+def group_sizes(inputs: Any, stage: int) -> dict[str, int]:
+    """Ranks in each process group of ``comm_bytes_by_group`` (a ring over them moves (size-1)/size
+    of a collective's bytes over each rank's link)."""
+    g = hybrid_group_size(inputs, stage)
+    n = inputs.n_ranks
+    return {"world": n, "shard": g or n, "replicate": n // (g or n), "hpz": hpz_size(inputs, stage) or n}

@@ -78,7 +78,7 @@ class StagePrediction:
     comm_intra_elements: int = 0
     comm_inter_elements: int = 0
     comm_hpz_elements: int = 0  # of comm_intra_elements: hpZ's backward all-gather, inside groups of H
-    comm_bytes_by_group: dict | None = None  # stage 3: group -> kind -> bytes per step (groups.py)
+    comm_bytes_by_group: dict | None = None  # group -> kind -> bytes per step, as sent (groups.py)
     comm_time_s: float | None = None
     efficiency: float | None = None
     bandwidth_needed_bytes_per_s: float | None = None
@@ -296,7 +296,7 @@ def predict(inputs: PlanInputs, stage: int, offload: bool | str = False) -> Stag
         comm_intra_elements=intra,
         comm_inter_elements=inter,
         comm_hpz_elements=shape.phi - kept_elements if hpz_size(inputs, stage) else 0,
-        comm_bytes_by_group=comm_bytes_by_group(inputs, stage, n),
+        comm_bytes_by_group=comm_bytes_by_group(inputs, stage, n, buckets),
         offload_params=inputs.offload_params if traits.shards_parameters else None,
         disk_bytes=disk, disk_write_bytes=disk, disk_step_read_bytes=disk - (0 if masters_in_files else param_disk),
         disk_read_bytes=disk - param_disk + param_swap_reads(param_disk, masters_in_files, inputs.accumulation_steps,

@@ -7,22 +7,21 @@ ranks themselves (``workers.zero.calibration.Calibration``, measured at job star
 ``add_calibrated_time``).
 
 [Note: the calibrated time model]
-Per rank and step, with B the bytes of a communicated element, f = (N-1)/N and every rate a
-``Calibration``'s (a collective's rate is its buffer's bytes × f per second, measured on one
-bucket through the engine's own collectives):
+Per rank and step, every rate a ``Calibration``'s (a collective's rate is its buffer's bytes ×
+(N-1)/N per second, measured on one bucket of the world through the engine's own collectives):
 
 * compute: the matmuls, ``flops_per_step`` (``workers.models.flops_per_token`` × the rank's tokens
   per step) / ``compute_flops_per_s`` (a linear layer's training matmuls of the job's dtype); plus
   the rest of the step's forward and backward (``step_work.py``, counted on meta): its element-wise
   bytes / ``elementwise_bytes_per_s`` and its operations × ``op_overhead_s``;
-* communication, each stage's real collectives: stage 0 all-reduces Φ (at the all-reduce rate);
-  stages 1-2 reduce-scatter Φ and all-gather Φ; stage 3 all-gathers every unit in forward and
-  again in backward (less the units kept gathered) and reduce-scatters Φ. With hpZ the
-  backward's all-gather runs inside groups of H (f = (H-1)/H), at the all-gather rate measured
-  over the world: the calibration measures no intra-node rate, so where a node's links are
-  faster than the world's this overprices it (an upper bound). With hybrid sharding
-  (G ranks per shard group) the intra-group collectives run over G (f = (G-1)/G) and the shard's
-  all-reduce across the N/G replicas is added, each at the rates measured over the world;
+* communication: the bytes each collective of the step really puts on the wire, by process
+  group and kind (``groups.comm_bytes_by_group``, equal to ``engine.comm_volume(by_group=True)``:
+  every micro-step's gathers and reduce-scatters where the stage repeats them, qwZ's int8 and
+  qgZ's int4 codes with their scales), each over f = (k-1)/k of a ring of its group's k ranks at
+  its kind's measured rate (qgZ's all-to-all at the reduce-scatter rate; the quantizers' own
+  compute is not priced). hpZ's groups of H and hybrid sharding's groups of G and N/G replicas
+  are priced at the rates measured over the world: the calibration measures no intra-node rate,
+  so where a node's links are faster than the world's this overprices them (an upper bound);
 * the optimizer step: the elements this rank steps (Φ at stage 0, its shard Φ/N otherwise) at the
   device's AdamW rate, or the host's under optimizer offload. A GPU rank's copies of the gradient
   shard to the host and of the parameters back are not priced (on a CPU rank they are plain
@@ -71,8 +70,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from contract.zero_math import (bandwidth_for_efficiency, comm_bytes, comm_time_s, efficiency, low_precision_bytes,
-                                ring_factor, stage_traits)
+from contract.zero_math import bandwidth_for_efficiency, comm_time_s, efficiency, ring_factor, stage_traits
+
+from .groups import group_sizes
 
 
 def disk_time_s(read_bytes: int, write_bytes: int, read_bytes_per_s: float,
@@ -85,17 +85,15 @@ def disk_time_s(read_bytes: int, write_bytes: int, read_bytes_per_s: float,
 
 
 def ring_bytes(prediction: Any, inputs: Any) -> float:
-    """The prediction's bytes as if all went over one ring of the N ranks: hpZ's backward
-    all-gather (``comm_hpz_elements``, int8 with qwZ) runs over rings of H, so it counts
-    (H-1)/H over (N-1)/N of its bytes. It runs inside a node, at the typed link rate here (no
-    intra-node rate is asked for): an upper bound where a node's links are faster."""
-    n, total = inputs.n_ranks, float(prediction.comm_bytes)
-    if not prediction.comm_hpz_elements or n == 1:
-        return total
-    h = inputs.hpz_partition_size
-    hpz = comm_bytes(prediction.comm_hpz_elements, prediction.precision, gathered=prediction.comm_hpz_elements,
-                     quantized_weights=inputs.quantized_weights, quantized_gradients=False)
-    return total - hpz + hpz * ring_factor(h) / ring_factor(n)
+    """The step's bytes (``comm_bytes_by_group``) as if all went over one ring of the N ranks: a
+    group of k ranks moves (k-1)/k of its bytes over a link, so they count (k-1)/k over (N-1)/N
+    of them. hpZ's groups run inside a node, at the typed link rate here (no intra-node rate is
+    asked for): an upper bound where a node's links are faster."""
+    n, by_group = inputs.n_ranks, prediction.comm_bytes_by_group
+    if not by_group:
+        return 0.0
+    sizes = group_sizes(inputs, prediction.stage)
+    return sum(sum(kinds.values()) * ring_factor(sizes[g]) for g, kinds in by_group.items()) / ring_factor(n)
 
 
 def add_time_model(prediction: Any, inputs: Any) -> None:
@@ -123,7 +121,7 @@ def add_calibrated_time(prediction: Any, inputs: Any, calibration: Any, group: i
     ``group``: the ranks the states are sharded over (G with hybrid sharding, else N).
 
     ``inputs.flops_per_step`` unknown: the compute term (and so the step time) is left out."""
-    prediction.comm_time_s = calibrated_comm_time_s(prediction, inputs, calibration, group)
+    prediction.comm_time_s = calibrated_comm_time_s(prediction, inputs, calibration)
     prediction.optimizer_time_s = optimizer_time_s(prediction, inputs, calibration, group)
     if prediction.disk_bytes and inputs.disk_bytes_per_s:
         prediction.disk_time_s = disk_time_s(prediction.disk_read_bytes, prediction.disk_write_bytes,
@@ -162,26 +160,18 @@ def compute_time_s(flops: float, work: Any, calibration: Any) -> float:
     return seconds
 
 
-def calibrated_comm_time_s(prediction: Any, inputs: Any, calibration: Any, group: int) -> float:
-    """Seconds of one step's collectives on one rank, each at its measured rate."""
-    if inputs.n_ranks == 1:
+def calibrated_comm_time_s(prediction: Any, inputs: Any, calibration: Any) -> float:
+    """Seconds of one step's collectives on one rank: each group's bytes of each kind
+    (``comm_bytes_by_group``) over (k-1)/k of a ring of its k ranks, at that kind's measured rate
+    (an all-reduce's bytes are counted twice, its rate is per buffer byte)."""
+    by_group = prediction.comm_bytes_by_group
+    if inputs.n_ranks == 1 or not by_group:
         return 0.0
-    element = low_precision_bytes(prediction.precision)
-    ring = (group - 1) / group
-    intra = prediction.comm_intra_elements * element  # bytes as the engine counts them (comm_volume)
-    if not stage_traits(prediction.stage).shards_optimizer:  # stage 0: one all-reduce of Φ (counted twice)
-        seconds = intra / 2 * ring / calibration.allreduce_bytes_per_s
-    else:  # a reduce-scatter of Φ; the rest is all-gathers (stage 3: forward's and backward's)
-        reduced, hpz = inputs.shape.phi * element, prediction.comm_hpz_elements * element
-        seconds = reduced * ring / calibration.reduce_scatter_bytes_per_s \
-            + (intra - reduced - hpz) * ring / calibration.allgather_bytes_per_s
-        if hpz:  # hpZ's backward all-gather: over rings of H, at the world's measured rate
-            seconds += hpz * ring_factor(inputs.hpz_partition_size) / calibration.allgather_bytes_per_s
-    if prediction.comm_inter_elements:  # hybrid: the shard's all-reduce across the N/G replicas
-        replicas = inputs.n_ranks // group
-        seconds += prediction.comm_inter_elements * element / 2 * (replicas - 1) / replicas \
-            / calibration.allreduce_bytes_per_s
-    return seconds
+    rates = {"all_gather": calibration.allgather_bytes_per_s, "reduce_scatter": calibration.reduce_scatter_bytes_per_s,
+             "all_reduce": 2 * calibration.allreduce_bytes_per_s}
+    sizes = group_sizes(inputs, prediction.stage)
+    return sum(nbytes * ring_factor(sizes[g]) / rates[kind]
+               for g, kinds in by_group.items() for kind, nbytes in kinds.items())
 
 
 def optimizer_time_s(prediction: Any, inputs: Any, calibration: Any, group: int) -> float:
