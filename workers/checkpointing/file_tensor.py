@@ -59,11 +59,3 @@ class FileTensor:
                 yield data
         finally:
             os.close(fd)
-
-    def load(self) -> torch.Tensor:
-        """The whole tensor in memory (for a reader that needs the values, not a writer)."""
-        data = bytearray()
-        for chunk in self.chunks(8 << 20):
-            data += chunk
-        return torch.frombuffer(data, dtype=self.dtype).reshape(self.shape) if data else \
-            torch.empty(self.shape, dtype=self.dtype)

@@ -9,6 +9,7 @@ a resume from them continues bit for bit, and the snapshot is gone once the writ
 
 from __future__ import annotations
 
+import errno
 import gc
 import os
 import threading
@@ -169,3 +170,59 @@ def _same(a, b, what: str) -> None:
             _same(x, y, what)
     else:
         assert a == b, (what, a, b)
+
+
+def _snapshots(nvme: str) -> list[str]:
+    return [n for n in os.listdir(os.path.join(nvme, "0")) if not n.endswith(".swap")]
+
+
+class _Broken(writer.HashingWriter):
+    def write(self, data) -> None:
+        raise OSError("the storage is down")
+
+
+def test_a_failed_write_removes_the_snapshot_and_close_removes_one_in_flight(tmp_path, monkeypatch):
+    nvme = str(tmp_path / "nvme")
+    engine = _engine("params", nvme)
+    _steps(engine, 0, 1)
+    manager = CheckpointManager(checkpoints_uri(f"file://{tmp_path}", "job"), job_id="job", upload_attempts=2)
+    monkeypatch.setattr(writer, "FIRST_RETRY_DELAY_S", 0.0)
+    monkeypatch.setattr(writer, "HashingWriter", _Broken)
+    manager.save(1, engine)
+    with pytest.raises(writer.CheckpointError, match="the storage is down"):
+        manager.wait()
+    assert _snapshots(nvme) == []  # written or not, the snapshot goes when the write ends
+
+    monkeypatch.setattr(writer, "HashingWriter", _Gate)  # a snapshot that close() finds in flight
+    _Gate.opened.clear()
+    manager.save(1, engine)
+    assert len(_snapshots(nvme)) == 1
+    engine.close()
+    assert not os.path.exists(nvme)
+    _Gate.opened.set()
+    with pytest.raises(writer.CheckpointError):  # its files went with the engine: not committed
+        manager.wait()
+    manager.close()
+
+
+def test_a_disk_too_full_for_the_snapshot_takes_the_checkpoint_in_memory(tmp_path, monkeypatch, caplog):
+    def full(*args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    nvme = str(tmp_path / "nvme")
+    engine = _engine("params", nvme)
+    _steps(engine, 0, 1)
+    expected = engine.state_dict()
+    monkeypatch.setattr(os, "copy_file_range", full)
+    manager = CheckpointManager(checkpoints_uri(f"file://{tmp_path}", "job"), job_id="job")
+    manager.save(1, engine, wait=False)
+    manager.wait()
+    assert "offload_disk_full" in caplog.text and "taken in memory instead" in caplog.text
+    assert _snapshots(nvme) == []
+    restored = _engine("params", str(tmp_path / "again"))
+    manager.load(restored)
+    _same(restored.state_dict()["optimizer"], expected["optimizer"], "optimizer")
+    _same(restored.state_dict()["master"], expected["master"], "master")
+    manager.close()
+    engine.close()
+    restored.close()
