@@ -14,8 +14,8 @@ resident growth (``PeakMemoryMeter``: VmHWM above the RSS before the model was b
   for its commit (a save that training would go on after: the state is snapshotted);
   ``final`` the same as a run's last checkpoint (``final=True``: nothing is copied),
 
-and the bytes of the swap files. For the checkpoint it also reports the rise: the peak above
-what the rank held just before it. Run it on two checkouts to compare the code before and after
+and the bytes of the swap files. For the checkpoint it also reports the rise (the peak above
+what the rank held just before it), its seconds and those training was blocked for. Run it on two checkouts to compare the code before and after
 a change (the script only uses the engine's and the checkpoint manager's public API)::
 
     python -m benchmarks.nvme_build --preset gpt-medium --layers 17 --ranks 2 --nvme-dir /tmp \\
@@ -81,27 +81,30 @@ def rank_main(rank: int, world_size: int, args: dict) -> dict[str, Any]:
     memory = engine.memory()
     held = meter.since_lap()  # what the rank holds now (the high-water mark was just reset)
     start = time.perf_counter()
-    state_bytes = _checkpoint(engine, args, rank)
+    state_bytes, blocked_s = _checkpoint(engine, args, rank)
     checkpoint_s = time.perf_counter() - start
     checkpoint = meter.since_lap()
     engine.close()
     return {"rank": rank, "params": params, "build_s": round(build_s, 2), "construction_peak_bytes": construction,
             "training_peak_bytes": training, "checkpoint_peak_bytes": checkpoint,
             "checkpoint_rise_bytes": checkpoint - held, "checkpoint_s": round(checkpoint_s, 2),
+            "checkpoint_blocked_s": round(blocked_s, 2),
             "state_dict_bytes": state_bytes,
             "disk_bytes": memory.get("disk", 0), "params_bytes": memory["params"],
             "optimizer_bytes": memory["optimizer"], "losses": losses}
 
 
-def _checkpoint(engine: ZeroEngine, args: dict, rank: int) -> int:
-    """Take the checkpoint ``--checkpoint`` names; the bytes of this rank's state dict."""
+def _checkpoint(engine: ZeroEngine, args: dict, rank: int) -> tuple[int, float]:
+    """Take the checkpoint ``--checkpoint`` names; the bytes of this rank's state dict and the
+    seconds training was blocked (the whole call for ``state_dict``)."""
     if args["checkpoint"] == "state_dict":
+        start = time.perf_counter()
         state = engine.state_dict()
-        return sum(t.numel() * t.element_size() for t in _tensors(state))
+        return sum(t.numel() * t.element_size() for t in _tensors(state)), time.perf_counter() - start
     manager = CheckpointManager(checkpoints_uri(f"file://{args['nvme_dir']}/storage", "bench"), job_id="bench")
     try:
-        manager.save(args["steps"], engine, final=args["checkpoint"] == "final")
-        return manager.wait().shard_bytes
+        blocked_s = manager.save(args["steps"], engine, final=args["checkpoint"] == "final")
+        return manager.wait().shard_bytes, blocked_s
     finally:
         manager.close()
 
@@ -144,12 +147,12 @@ def main(argv: list[str] | None = None) -> None:
           f"{args['precision']}, N={args['ranks']}, offload={args['offload']}, checkpoint={args['checkpoint']}, "
           f"load average {load}")
     print(f"{'rank':>4} {'construction':>14} {'training':>12} {'checkpoint':>12} {'ckpt rise':>12} "
-          f"{'state':>12} {'disk':>10} {'build s':>8} {'ckpt s':>8}")
+          f"{'state':>12} {'disk':>10} {'build s':>8} {'ckpt s':>8} {'blocked s':>9}")
     for r in ranks:
         print(f"{r['rank']:>4} {r['construction_peak_bytes'] / mib:>10,.0f} MiB {r['training_peak_bytes'] / mib:>8,.0f}"
               f" MiB {r['checkpoint_peak_bytes'] / mib:>8,.0f} MiB {r['checkpoint_rise_bytes'] / mib:>8,.0f} MiB "
               f"{r['state_dict_bytes'] / mib:>8,.0f} MiB {r['disk_bytes'] / mib:>6,.0f} MiB {r['build_s']:>8} "
-              f"{r['checkpoint_s']:>8}")
+              f"{r['checkpoint_s']:>8} {r['checkpoint_blocked_s']:>9}")
     if args["json"]:
         os.makedirs(os.path.dirname(os.path.abspath(args["json"])), exist_ok=True)
         with open(args["json"], "w") as f:
