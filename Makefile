@@ -10,7 +10,7 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export GLOO_SOCKET_IFNAME := lo
 LOOPBACK := scripts/loopback-names
 
-.PHONY: install demo test test-slow bench bench-install services lint clean
+.PHONY: install demo test test-slow bench bench-install services clean
 
 install: $(STAMP)
 

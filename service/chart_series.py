@@ -7,9 +7,10 @@ most ``max_points`` points per series. It reads the per-step roll-up kept with e
 (``metric_steps``, ``service.metric_ingest``: a few rows per step, however many ranks), and the
 database does the reduction and ships about ``max_points`` rows:
 
-* steps are cut into equal buckets of ``ceil((spec steps + 1) / max_points)`` steps (the job's
-  spec bounds the step range, so no extra pass is needed to find it); each bucket becomes one
-  point at its last step;
+* steps are cut into ``max_points`` buckets (``Buckets``: fewer only for a job of fewer
+  steps), so a chart has the same number of points whatever the job's length; the job's spec
+  bounds the step range, so no extra pass is needed to find it; each bucket becomes one point
+  at its last step;
 * a point holds the fields the metric table charts (``contract.metrics.CHARTED_FIELDS``): the
   mean over the bucket's records, for the fields each rank reports its own share of
   (``Across.TOTAL``: tokens/s, TFLOPs) of each record's share times its attempt's world size
@@ -29,9 +30,10 @@ database does the reduction and ships about ``max_points`` rows:
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Float, Row, Select, cast, func, select
+from sqlalchemy import BigInteger, Float, Row, Select, cast, func, select
 from sqlalchemy.orm import Session
 
 from contract.metrics import CHARTED_FIELDS, Across
@@ -46,6 +48,40 @@ from service.models import MetricStep, typed_spec
 
 DEFAULT_POINTS = 1000
 MIN_POINTS, MAX_POINTS = 10, 10_000  # the bounds of a request's ``points`` / ``max_points``
+
+
+@dataclass(frozen=True)
+class Buckets:
+    """The steps 0…``span - 1`` cut into ``count`` runs of consecutive steps: step ``s`` falls in
+    bucket ``s * count // span``, so every bucket holds ``span // count`` steps or one more.
+
+    [Note: a fixed number of points] Buckets of one width, ``ceil(span / max_points)``, would
+    leave a chart between half of ``max_points`` and all of it, depending on the job's length
+    (667 points for a 2,000-step job at 1,000); widths differing by at most one step keep
+    exactly ``max_points``, each point still standing for nearly the same number of steps."""
+
+    count: int
+    span: int
+
+    @classmethod
+    def for_job(cls, steps: int, max_points: int) -> Buckets:
+        """``max_points`` buckets over a job of ``steps`` train steps (steps 0…steps), or one
+        per step when it has fewer."""
+        span = max(steps, 1) + 1
+        return cls(min(max_points, span), span)
+
+    @property
+    def most_steps(self) -> int:
+        """The steps of the widest bucket (the answer's ``bucket_steps``)."""
+        return -(-self.span // self.count)
+
+    def of(self, step: int) -> int:
+        return step * self.count // self.span
+
+    def column(self, step: Any) -> Any:
+        """``of`` in SQL (``//``: integer division on every dialect; the product in 64 bits, as
+        a step of up to 2³¹ times 10,000 points passes 32)."""
+        return cast(step, BigInteger) * self.count // self.span
 
 
 def job_shape(spec_json: dict[str, Any]) -> tuple[int, int]:
@@ -63,7 +99,7 @@ def short(value: Any) -> float | None:
     return None if value is None or not math.isfinite(value) else float(f"{float(value):.7g}")
 
 
-def _rows(session: Session, source: Any, width: int, world: int, bookkeeping: bool = False) -> list[Row]:
+def _rows(session: Session, source: Any, buckets: Buckets, world: int, bookkeeping: bool = False) -> list[Row]:
     """``_bucketed`` rows from the float sums, or, where those overflow or any point is not
     finite, from the exact sums (``execute_overflow_safe``).
 
@@ -75,16 +111,17 @@ def _rows(session: Session, source: Any, width: int, world: int, bookkeeping: bo
     smallest denormal: there ``fsum_`` holds an infinity or NaN, as it does for a sum of
     infinities or NaN. Every such value, or a float8 sum or product overflowing in the query,
     leaves a point that is not finite (or an error), and the exact sums are read instead."""
-    rows = try_float8(session, _bucketed(source, width, world, FLOAT8, bookkeeping, sums="fsum"))
+    rows = try_float8(session, _bucketed(source, buckets, world, FLOAT8, bookkeeping, sums="fsum"))
     if rows is not None and all(math.isfinite(value) for row in rows for value in row
                                 if isinstance(value, float)):
         return rows
-    return execute_overflow_safe(session, lambda averaging: _bucketed(source, width, world, averaging, bookkeeping))
+    return execute_overflow_safe(session, lambda averaging: _bucketed(source, buckets, world, averaging,
+                                                                     bookkeeping))
 
 
-def _bucketed(source: Any, width: int, world: int, averaging: Averaging = FLOAT8,
+def _bucketed(source: Any, buckets: Buckets, world: int, averaging: Averaging = FLOAT8,
               bookkeeping: bool = False, sums: str = "sum") -> Select:
-    """One row per bucket of ``width`` steps over ``source``: roll-up rows (``metric_steps``,
+    """One row per bucket (``buckets``) over ``source``: roll-up rows (``metric_steps``,
     all of the job's or a subquery of them) summed from their ``sums`` columns (``sum``: exact,
     numeric on PostgreSQL; ``fsum``: float8); the points as float8, or as they are computed
     (numeric on PostgreSQL) when ``averaging`` is exact.
@@ -121,25 +158,26 @@ def _bucketed(source: Any, width: int, world: int, averaging: Averaging = FLOAT8
         columns += [func.sum(steps.c.records).label("records"), func.max(steps.c.last_id).label("last_id"),
                     func.min(steps.c.min_attempt).label("min_attempt"),
                     func.max(steps.c.max_attempt).label("max_attempt")]
-    bucket = steps.c.step // width  # `//`: integer division on every dialect
+    bucket = buckets.column(steps.c.step)
     return select(*columns).group_by(bucket).order_by(bucket)
 
 
 def series(session: Session, job_id: str, steps: int, world: int, max_points: int) -> dict[str, Any]:
-    """Columnar ``{"step": [...], "<field>": [...]}`` with about ``max_points`` points at most,
+    """Columnar ``{"step": [...], "<field>": [...]}`` with ``max_points`` points (``Buckets``),
     each point's envelope (``series_min``, ``series_max``: its lowest and highest step), and
-    whether the job's attempts overlap (``mixed_attempts``: only each step's latest counted)."""
-    width = max(1, math.ceil((max(steps, 1) + 1) / max_points))  # steps 0…steps inclusive
+    whether the job's attempts overlap (``mixed_attempts``: only each step's latest counted),
+    and the ``buckets`` (to cut another series the same way: ``charts.user_series``)."""
+    buckets = Buckets.for_job(steps, max_points)
     table = MetricStep.__table__
     job_rows = select(table).where(table.c.job_id == job_id).subquery("job_rows")
-    rows = _rows(session, job_rows, width, world, bookkeeping=True)
+    rows = _rows(session, job_rows, buckets, world, bookkeeping=True)
     records = sum(int(row.records) for row in rows)  # a sum of sums: numeric on PostgreSQL
     last_id = max((int(row.last_id) for row in rows), default=0)
     latest_attempt = max((row.max_attempt for row in rows), default=None)
     mixed_attempts = any(row.min_attempt != row.max_attempt for row in rows)
     if mixed_attempts:
         latest = latest_attempt_per_step(MetricStep, job_id)
-        rows = _rows(session, latest, width, world)
+        rows = _rows(session, latest, buckets, world)
     by_name = dict(zip(rows[0]._fields, zip(*rows), strict=True)) if rows else {}
 
     def column(name: str) -> list:
@@ -155,7 +193,8 @@ def series(session: Session, job_id: str, steps: int, world: int, max_points: in
         "records": records,
         "last_id": last_id,
         "latest_attempt": latest_attempt,
-        "bucket_steps": width,
+        "bucket_steps": buckets.most_steps,
+        "buckets": buckets,
         "series": columns,
         "series_min": lowest,
         "series_max": highest,

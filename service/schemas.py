@@ -184,12 +184,13 @@ class MetricPoint(MetricRecord):
 
 
 class MetricChart(BaseModel):
-    """A job's metrics as at most ``points`` points per series, downsampled in SQL
-    (``service.chart_series``): per bucket of ``bucket_steps`` steps, each charted field's mean
+    """A job's metrics as ``points`` points per series (fewer only for a job of fewer steps),
+    downsampled in SQL (``service.chart_series``): per bucket of consecutive steps
+    (``bucket_steps`` or one fewer), each charted field's mean
     over the bucket's records (the job's total for tokens/s and TFLOPs: each record's share ×
     its attempt's world size) and the lowest and highest of its steps' values."""
 
-    bucket_steps: int
+    bucket_steps: int = Field(description="the steps of the widest bucket; the others hold as many or one fewer")
     records: int = Field(description="the metric records the points summarise")
     step: list[int] = Field(description="each point's last step")
     mean: dict[str, list[float | None]] = Field(description="per charted field, aligned with `step`")
@@ -254,7 +255,13 @@ class StepTimeReportIn(BaseModel):
     compute_time_s: float | None = Field(default=None, ge=0, allow_inf_nan=False)
     comm_time_s: float | None = Field(default=None, ge=0, allow_inf_nan=False)
     optimizer_time_s: float | None = Field(default=None, ge=0, allow_inf_nan=False)
-    disk_time_s: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    disk_time_s: float | None = Field(default=None, ge=0, allow_inf_nan=False,
+                                      description="NVMe: every swap-file byte of a step at the disk's rates")
+    disk_exposed_s: float | None = Field(default=None, ge=0, allow_inf_nan=False,
+                                         description="NVMe: of disk_time_s, what the step is predicted to wait")
+    disk_rate: dict[str, float | int | bool] | None = Field(
+        default=None, max_length=8, description="NVMe: DiskRate.to_dict() of the swap folder probed at start "
+        "(read_bytes_per_s, write_bytes_per_s: one rank's, every rank at once; direct; nbytes)")
 
 
 class WorkerStateIn(BaseModel):

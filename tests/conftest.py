@@ -20,7 +20,6 @@ admin token, also in ``settings.token_file``), ``settings``, ``database_url``, `
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 import uuid
@@ -32,6 +31,8 @@ from typing import Any
 
 import pytest
 from sqlalchemy import create_engine, text
+
+from service.launchers.ports import free_port
 
 ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 
@@ -99,12 +100,6 @@ def migrated_postgres_url(_migrated_template: str, _dropper: Callable[[str], Non
         yield _database_url(name)
     finally:
         _dropper(name)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass

@@ -97,10 +97,12 @@ def inputs_for_spec(
     )
 
 
-def time_prediction(spec: JobSpec, calibration: Any, stage: int, offload: bool | str, n_ranks: int) -> Any:
-    """The ``StagePrediction`` of the (stage, offload) a job runs at ``n_ranks``, priced with the
-    rates its ranks measured (``calibration``). Only its time terms are read (at job start), so no
-    activations are profiled: they change the memory terms, never the time."""
+def time_prediction(spec: JobSpec, calibration: Any, stage: int, offload: bool | str, n_ranks: int,
+                    offload_params: str | None, disk: Any = None) -> Any:
+    """The ``StagePrediction`` of the (stage, offloads) a job runs at ``n_ranks``, priced with the
+    rates its ranks measured (``calibration``; ``disk``, a ``planner.disk_rate.DiskRate``: one rank's
+    swap-disk rates, for NVMe). Only its time terms are read (at job start), so no activations are
+    profiled: they change the memory terms, never the time."""
     zero = spec.zero
     shape = job_shape(spec.model)
     inputs = PlanInputs(
@@ -111,7 +113,9 @@ def time_prediction(spec: JobSpec, calibration: Any, stage: int, offload: bool |
         shard_group_size=zero.shard_group_size,
         optimizer_states=optimizer_state_tensors(spec.train.optimizer, spec.train.momentum),
         flops_per_step=flops_per_step(spec, shape.phi, n_ranks), step_work=step_work(spec, n_ranks),
-        calibration=calibration)
+        calibration=calibration, offload_params=offload_params,
+        disk_bytes_per_s=None if disk is None else disk.read_bytes_per_s,
+        disk_write_bytes_per_s=None if disk is None else disk.write_bytes_per_s)
     return predict(inputs, stage, offload)
 
 

@@ -403,7 +403,8 @@ def train_loop(config: LoopConfig, context: RunContext | None = None) -> dict[st
         report_measured_memory(config, world, attempt, {**engine.step_memory(), **peak.report()})
     summary = {"rank": world.rank, "attempt": attempt, "losses": losses, "memory": engine.step_memory(),
                "preempted_at": preempted_at, "comm_volume": engine.comm_volume(), "stage": engine.config.stage,
-               "group_lrs": [group["lr"] for group in engine.optimizer.param_groups], "step_time": predicted_time}
+               "group_lrs": [group["lr"] for group in engine.optimizer.param_groups], "step_time": predicted_time,
+               "construction_io": engine.construction_io()}  # NVMe: the shards written as built, apart from step 1
     # Only on the way out of a run that succeeded: close() is collective (a barrier), and after a
     # training error a peer may be gone -- the error propagates untouched, as it always did.
     engine.close()

@@ -29,21 +29,21 @@ def series(session: Session, job_id: str, steps: int, world: int, max_points: in
     records the chart already holds (the page skips them) but never misses one."""
     cursor = stream_cursor.newest_below(session, stream_cursor.frontier(session))
     answer = chart_series.series(session, job_id, steps, world, max_points)
-    mixed_attempts = answer.pop("mixed_attempts")
-    return {**answer, "cursor": str(cursor), "user_metrics": user_series(session, job_id, answer["bucket_steps"], answer["series"]["step"],
+    mixed_attempts, buckets = answer.pop("mixed_attempts"), answer.pop("buckets")
+    return {**answer, "cursor": str(cursor), "user_metrics": user_series(session, job_id, buckets, answer["series"]["step"],
                                                   latest_only=mixed_attempts)}
 
 
-def user_series(session: Session, job_id: str, width: int, steps: list[int], *, latest_only: bool
-                ) -> dict[str, list]:
+def user_series(session: Session, job_id: str, buckets: chart_series.Buckets, steps: list[int], *,
+                latest_only: bool) -> dict[str, list]:
     """``{"names": [...], "values": [[...], ...]}``: per admitted name (in the order first stored)
-    its mean over ranks in each bucket of ``width`` steps, aligned with the points at ``steps``
+    its mean over ranks in each of the chart's ``buckets``, aligned with the points at ``steps``
     (null where the name has no value). Names are lists, never object keys: they are user text."""
     names = user_metrics.names(session, job_id)
     if not names or not steps:
         return {"names": names, "values": [[None] * len(steps) for _ in names]}
     source = latest_attempt_per_step(UserMetric, job_id) if latest_only else UserMetric.__table__
-    bucket = (source.c.step // width).label("bucket")
+    bucket = buckets.column(source.c.step).label("bucket")
 
     def query(averaging: Averaging) -> Select:
         statement = select(bucket, source.c.name, averaging.mean(source.c.value).label("mean"))
@@ -51,7 +51,7 @@ def user_series(session: Session, job_id: str, width: int, steps: list[int], *, 
             statement = statement.where(source.c.job_id == job_id)
         return statement.group_by(bucket, source.c.name)
 
-    column = {step // width: i for i, step in enumerate(steps)}
+    column = {buckets.of(step): i for i, step in enumerate(steps)}
     line = {name: i for i, name in enumerate(names)}
     values = [[None] * len(steps) for _ in names]
     for row in execute_overflow_safe(session, query):

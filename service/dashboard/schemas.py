@@ -15,7 +15,7 @@ from contract.metrics import CHARTED_FIELDS, MEMORY_FIELDS, THROUGHPUT
 
 ChartSeries = create_model(
     "ChartSeries",
-    __doc__="Columns of equal length: one entry per point (a bucket of ``bucket_steps`` steps).",
+    __doc__="Columns of equal length: one entry per point (a bucket of ``bucket_steps`` steps or one fewer).",
     step=list[int],
     **{field.name: list[float | None] for field in CHARTED_FIELDS},
 )

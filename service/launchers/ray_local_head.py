@@ -19,7 +19,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,15 +28,14 @@ from pathlib import Path
 import httpx
 
 from service.launchers.driver import LOOPBACK_ENV, host_environment
+from service.launchers.ports import free_ports
 
 log = logging.getLogger(__name__)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
+# The ports a head listens on, all chosen when it is made (``free_ports``: no two the same).
+_PORT_FLAGS = ("--port", "--dashboard-port", "--ray-client-server-port", "--dashboard-agent-listen-port",
+               "--dashboard-agent-grpc-port", "--runtime-env-agent-port", "--metrics-export-port")
 
 RAY_LOCAL_CLUSTER_CONFIG = "cluster_name: zerotrain-local\nprovider:\n  type: local\n"
 
@@ -99,7 +97,8 @@ class LocalRayHead:
         self.num_gpus = num_gpus
         self.token = secrets.token_hex(32)
         self.temp_dir = tempfile.mkdtemp(prefix="zt-ray-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
-        self.gcs_port, self.dashboard_port = _free_port(), _free_port()
+        self.ports = dict(zip(_PORT_FLAGS, free_ports(len(_PORT_FLAGS))))  # every port its own
+        self.gcs_port, self.dashboard_port = self.ports["--port"], self.ports["--dashboard-port"]
         self.dashboard_url = f"http://127.0.0.1:{self.dashboard_port}"
         self.gcs_address = f"127.0.0.1:{self.gcs_port}"
         self.log_path = log_path or Path(self.temp_dir) / "ray-head.log"
@@ -130,17 +129,13 @@ class LocalRayHead:
         return env
 
     def command(self) -> list[str]:
-        ports = {"--port": self.gcs_port, "--dashboard-port": self.dashboard_port,
-                 "--ray-client-server-port": _free_port(), "--dashboard-agent-listen-port": _free_port(),
-                 "--dashboard-agent-grpc-port": _free_port(), "--runtime-env-agent-port": _free_port(),
-                 "--metrics-export-port": _free_port()}
         command = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
                    "--node-ip-address", "127.0.0.1", "--dashboard-host", "127.0.0.1", "--include-dashboard", "true",
                    "--num-cpus", str(self.num_cpus), "--object-store-memory", str(self.object_store_bytes),
                    "--temp-dir", self.temp_dir, "--disable-usage-stats"]
         if self.num_gpus is not None:
             command += ["--num-gpus", str(self.num_gpus)]
-        for flag, port in ports.items():
+        for flag, port in self.ports.items():
             command += [flag, str(port)]
         return command
 

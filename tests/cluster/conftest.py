@@ -49,6 +49,7 @@ from typing import Any
 import httpx
 import pytest
 
+from service.launchers.ports import free_port, free_ports
 from tests import connect_watch
 from tests.faults.test_s3_outage import S3Server
 from tests.helpers.waiting import wait_for
@@ -60,14 +61,6 @@ WORKERS = ("worker1", "worker2")
 WORKER_CPUS = 1
 WORKER_PORTS = 100  # per node: its Ray worker processes (a few per CPU) each hold one
 BUCKET = "zt-cluster"
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind((NODE_IP, 0))
-        return sock.getsockname()[1]
 
 
 class RayNode:
@@ -94,10 +87,10 @@ class RayNode:
                  "--dashboard-agent-grpc-port", "--runtime-env-agent-port", "--metrics-export-port"]
         if self.is_head:
             ports += ["--port", "--dashboard-port", "--ray-client-server-port"]
-        self.ports = {flag: free_port() for flag in ports}
-        low = free_port()  # a worker-port range of its own that holds none of the ports above
+        self.ports = dict(zip(ports, free_ports(len(ports), NODE_IP)))
+        low = free_port(NODE_IP)  # a worker-port range of its own that holds none of the ports above
         while any(low <= port <= low + WORKER_PORTS for port in self.ports.values()) or low + WORKER_PORTS > 65535:
-            low = free_port()
+            low = free_port(NODE_IP)
         ray = ([sys.executable, "-m", "ray.scripts.scripts"] if self.is_head
                else [sys.executable, str(Path(__file__).with_name("ray_worker_node.py")), NODE_IP])
         command = [*ray, "start", "--block", "--node-ip-address", NODE_IP, "--node-name", self.name,

@@ -26,7 +26,7 @@ from service.auth import INGEST_TOKEN_PREFIX, hash_token, new_token
 from service.client import Client
 from service.schemas import JobState
 from service.states import transition
-from tests.conftest import free_port
+from service.launchers.ports import free_ports
 from tests.faults.replicas import MetricFollower, Replica, admin_token
 from tests.helpers.service_specs import make_spec
 from tests.helpers.waiting import wait_for
@@ -41,7 +41,7 @@ LIMIT = 4  # streams per user
 
 @contextlib.contextmanager
 def two_replicas(database_url: str, root, **settings):
-    ports = [free_port(), free_port()]
+    ports = free_ports(2)
     urls = [f"http://127.0.0.1:{port}" for port in ports]
     token = admin_token()
     settings = {"scheduler_enabled": "false", "launcher": "local", "sse_poll_s": 0.05, **settings}

@@ -18,7 +18,7 @@ from sqlalchemy import create_engine, text
 
 from service.client import Client
 from service.schemas import JobState
-from tests.conftest import free_port
+from service.launchers.ports import free_ports
 from tests.faults.replicas import Replica, admin_token, leader_pid
 from tests.helpers.service_specs import FAKE_DRIVER, make_spec
 from tests.helpers.waiting import wait_for
@@ -34,7 +34,7 @@ def succeeded(client: Client, job_id: str) -> bool:
 
 
 def test_a_paused_leader_does_not_act_after_it_resumes(migrated_postgres_url, tmp_path):
-    ports = [free_port(), free_port()]
+    ports = free_ports(2)
     urls = [f"http://127.0.0.1:{port}" for port in ports]
     token = admin_token()
     starts = tmp_path / "starts.txt"

@@ -19,7 +19,7 @@ import pytest
 
 from service.client import Client
 from service.schemas import JobState
-from tests.conftest import free_port
+from service.launchers.ports import free_ports
 from tests.faults.replicas import MetricFollower, Replica, admin_token, leader_pid
 from tests.helpers.waiting import wait_for
 from tests.integration.conftest import ray_head
@@ -35,7 +35,7 @@ TAKEOVER_LIMIT_S = 15.0
 
 def start_replicas(ray_head, database_url: str, root) -> tuple[list[Replica], str]:
     """Two replicas on ``database_url`` and the Ray head, the first one leading; and the admin token."""
-    ports = [free_port(), free_port()]
+    ports = free_ports(2)
     urls = [f"http://127.0.0.1:{port}" for port in ports]
     token = admin_token()
     settings = {"launcher": "ray", "ray_address": ray_head.dashboard_url, "scheduler_poll_s": 0.2,

@@ -12,9 +12,10 @@ import statistics
 import httpx
 import pytest
 
+from tests.helpers.chart_buckets import bucket
 from tests.helpers.service_specs import make_spec
 
-POINTS = 10  # the spec's 20 steps (0…20) make buckets of 3 steps
+STEPS, POINTS = 20, 10  # steps 0…20 in 10 buckets: steps 0-2, then two steps each
 
 
 @pytest.fixture(params=["postgresql", "sqlite"])
@@ -24,7 +25,7 @@ def running_job(request, make_live_service, tmp_path):
     database = {"database_url": "", "home": tmp_path / "home"} if request.param == "sqlite" else {}
     service = make_live_service(scheduler_enabled=False, **database)
     spec = make_spec()
-    spec["train"]["steps"] = 20
+    spec["train"]["steps"] = STEPS
     job_id = service.client().submit(spec).id
     (_, ingest), = service.app.state.scheduler.claim()
     worker = httpx.Client(base_url=f"{service.url}/api/v1/jobs/{job_id}", headers={"Authorization": f"Bearer {ingest}"})
@@ -32,16 +33,16 @@ def running_job(request, make_live_service, tmp_path):
     return service, job_id, worker
 
 
-def _expected(records: list[dict], field: str, width: int, world: int, total: bool) -> dict[int, tuple]:
+def _expected(records: list[dict], field: str, world: int, total: bool) -> dict[int, tuple]:
     """Per bucket: (last step, mean of the records' shares, lowest and highest step mean)."""
     buckets: dict[int, dict[int, list[float]]] = {}
     for record in records:
         share = record[field] * (world if total else 1)
-        buckets.setdefault(record["step"] // width, {}).setdefault(record["step"], []).append(share)
+        buckets.setdefault(bucket(record["step"], STEPS, POINTS), {}).setdefault(record["step"], []).append(share)
     out = {}
-    for bucket, steps in sorted(buckets.items()):
+    for number, steps in sorted(buckets.items()):
         points = [statistics.fmean(shares) for shares in steps.values()]
-        out[bucket] = (max(steps), statistics.fmean(s for shares in steps.values() for s in shares),
+        out[number] = (max(steps), statistics.fmean(s for shares in steps.values() for s in shares),
                        min(points), max(points))
     return out
 
@@ -54,18 +55,18 @@ def test_a_one_step_spike_of_one_rank_shows_as_its_buckets_max(running_job):
     worker.post("/metrics", json={"records": records}).raise_for_status()
     chart = httpx.get(f"{service.url}/api/v1/jobs/{job_id}/metrics/chart", params={"max_points": POINTS},
                       headers={"Authorization": f"Bearer {service.admin_token}"}).raise_for_status().json()
-    width = chart["bucket_steps"]
-    assert width == math.ceil(21 / POINTS) == 3
+    assert chart["bucket_steps"] == math.ceil(21 / POINTS) == 3  # the widest bucket
+    assert len(chart["series"]["step"]) == POINTS
     for field, total in (("loss", False), ("tokens_per_s", True)):  # tokens/s: the job's total (× 2 ranks)
-        expected = _expected(records, field, width, 2, total)
+        expected = _expected(records, field, 2, total)
         assert chart["series"]["step"] == [step for step, *_ in expected.values()]
         for i, (_, mean, low, high) in enumerate(expected.values()):
             assert math.isclose(chart["series"][field][i], mean, rel_tol=1e-6), (field, i)
             assert math.isclose(chart["series_min"][field][i], low, rel_tol=1e-6), (field, i)
             assert math.isclose(chart["series_max"][field][i], high, rel_tol=1e-6), (field, i)
-    spike = chart["series"]["step"].index(8)  # the bucket of steps 6, 7, 8
+    spike = chart["series"]["step"].index(8)  # the bucket of steps 7 and 8
     assert chart["series_max"]["loss"][spike] == 51.035  # step 7: (101 + 1.07) / 2
-    assert chart["series"]["loss"][spike] < 20  # the mean alone flattens it
+    assert chart["series"]["loss"][spike] < 27  # (101 + 1.07 + 2 × 1.08) / 4: the mean alone halves it
 
 
 def test_get_metrics_with_points_answers_the_charts_points_and_bounds_them(running_job):
@@ -80,7 +81,7 @@ def test_get_metrics_with_points_answers_the_charts_points_and_bounds_them(runni
     assert answer["items"] == [] and answer["downsampled"] is True
     got = answer["chart"]
     assert got["bucket_steps"] == 3 and got["records"] == 42
-    assert got["step"] == chart["series"]["step"] == [2, 5, 8, 11, 14, 17, 20]
+    assert got["step"] == chart["series"]["step"] == [2, 4, 6, 8, 10, 12, 14, 16, 18, 20]
     assert got["mean"]["loss"] == chart["series"]["loss"] and got["mean"]["loss"][0] == 7.0  # steps 0-2, both ranks
     assert got["min"]["loss"][0] == 6.0 and got["max"]["loss"][0] == 8.0  # the means of steps 0 and 2
     assert set(got["mean"]["tokens_per_s"]) == {10.0}  # the job's total: 2 ranks × 5

@@ -1,8 +1,8 @@
 """The job page's memory bars: each rank's latest memory report in the latest attempt that
 reported any (service.dashboard.charts.latest_memory), checked against the same rule in plain
 Python when the newest records do not hold every rank (ranks flushed at different times), on
-PostgreSQL and on the embedded SQLite; and the chart's points per series stay at most
-``max_points`` whatever the job's length."""
+PostgreSQL and on the embedded SQLite; and the chart holds ``max_points`` points per series
+whatever the job's length."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 
 from contract.metrics import MEMORY_FIELDS
 from service.dashboard import charts
+from tests.helpers.chart_buckets import bucket
 from tests.helpers.service_specs import make_spec
 
 
@@ -67,24 +68,30 @@ def test_memory_bars_hold_each_ranks_latest_report_when_the_newest_records_miss_
 
 
 @pytest.mark.parametrize("steps", [9, 999, 1000, 2500])
-def test_a_chart_has_at_most_max_points_per_series(make_job, steps):
+def test_a_chart_has_max_points_per_series_whatever_the_jobs_length(make_job, steps):
     chart, worker = make_job(steps)
-    records = [{"attempt": 0, "rank": rank, "step": step, "loss": 1.0 + step, "tokens_per_s": 2.0}
-               for step in range(steps + 1) for rank in range(2)]
+    records = [{"attempt": 0, "rank": rank, "step": step, "loss": 1.0 + step, "tokens_per_s": 2.0,
+                "user": {"seen": float(step + rank)}} for step in range(steps + 1) for rank in range(2)]
     for start in range(0, len(records), 2000):
         worker.post("/metrics", json={"records": records[start:start + 2000]}).raise_for_status()
     for max_points in (10, 1000):
         answer = chart(max_points)
-        width = answer["bucket_steps"]
-        expected_steps = sorted({min(step // width * width + width - 1, steps) for step in range(steps + 1)})
-        assert answer["series"]["step"] == expected_steps
-        assert len(expected_steps) <= max_points
+        buckets: dict[int, list[int]] = {}
+        for step in range(steps + 1):
+            buckets.setdefault(bucket(step, steps, max_points), []).append(step)
+        assert len(buckets) == min(max_points, steps + 1)  # fewer only for a job of fewer steps
+        assert answer["series"]["step"] == [members[-1] for members in buckets.values()]
+        assert answer["bucket_steps"] == max(len(members) for members in buckets.values())
+        assert max(map(len, buckets.values())) - min(map(len, buckets.values())) <= 1
         for field in ("loss", "tokens_per_s"):
-            assert len(answer["series"][field]) == len(answer["series_min"][field]) == len(expected_steps)
-        bucket_means = [sum(1.0 + s for s in range(b * width, min(b * width + width, steps + 1)))
-                        / len(range(b * width, min(b * width + width, steps + 1))) for b in range(len(expected_steps))]
+            assert len(answer["series"][field]) == len(answer["series_min"][field]) == len(buckets)
+        bucket_means = [sum(1.0 + s for s in members) / len(members) for members in buckets.values()]
         assert answer["series"]["loss"] == pytest.approx(bucket_means, rel=1e-6)
+        assert answer["series_min"]["loss"] == [1.0 + members[0] for members in buckets.values()]
+        assert answer["series_max"]["loss"] == [1.0 + members[-1] for members in buckets.values()]
         assert set(answer["series"]["tokens_per_s"]) == {4.0}  # the job's total: 2 ranks × 2
+        assert answer["user_metrics"]["names"] == ["seen"]  # bucketed the same way, aligned with the points
+        assert answer["user_metrics"]["values"] == [pytest.approx([mean - 0.5 for mean in bucket_means], rel=1e-6)]
 
 
 # --- the roll-up (metric_memory) against the walk over the metric rows it replaced ---------------

@@ -346,6 +346,10 @@ class ZeroEngine:
         return memory_report(self.strategy, [b.master for b in self.buckets], self.optimizer, self.offload,
                              self.module_buffers, frozen, self.swap)
 
+    def construction_io(self) -> dict[str, float]:
+        """Swap-file bytes read and written while this engine was built, and the seconds waited (NVMe; else {})."""
+        return dict(self.swap.built_io) if self.swap is not None else {}
+
     def step_memory(self) -> MemoryReport:
         """``memory()`` with ``grads`` as the last ``step()`` began (0 before the first), ``total``
         to match: this step's model states, each at its high point. What the worker reports per
@@ -391,8 +395,7 @@ class ZeroEngine:
         self.strategy.wait_params()
 
     def _publish_loaded(self) -> None:
-        """After a load wrote the masters: the compute parameters take their values (not counted
-        as training traffic)."""
+        """After a load wrote the masters: the compute parameters take their values (not training traffic)."""
         with self.comm.uncounted():
             self.strategy.publish_params()
 
@@ -416,13 +419,10 @@ class ZeroEngine:
             self.offload.drain()
 
     def wait_params(self) -> None:
-        """Wait until every parameter holds the values of the last ``step()``.
-
-        Stages 1/2 leave the parameter all-gather in flight when ``step()`` returns; every read
-        through the module and every engine call that reads parameters waits by itself
-        (``param_gathers.py``). Only a reference to a parameter kept from before ``step()``
-        needs this call before it is read. Other stages: nothing to wait for.
-        """
+        """Wait until every parameter holds the values of the last ``step()``. Stages 1/2 leave the
+        parameter all-gather in flight when ``step()`` returns; every read through the module and every
+        engine call that reads parameters waits by itself (``param_gathers.py``), so only a reference
+        kept from before ``step()`` needs this call before it is read. Other stages: nothing to wait for."""
         self.strategy.wait_params()
 
     def state_dict_meta(self) -> dict[str, Any]:

@@ -37,6 +37,7 @@ class NvmeSwaps:
         self.root, self.rank, self.params, self.keep_master = root, rank, params, keep_master
         self.folder: Optional[SwapFolder] = None
         self.optimizer: Optional[OptimizerStateSwap] = None
+        self.built_io: dict[str, float] = {}  # what construction moved (attach), apart from the first step's
 
     @classmethod
     def open(cls, config: ZeroConfig, layout: FlatLayout, shard_rank: int, dtype: torch.dtype,
@@ -78,6 +79,7 @@ class NvmeSwaps:
             if config.optimizer_offload == "nvme":
                 self.optimizer = swap_files(optimizer, [[v for _, v in b.master_views] for b in buckets], device,
                                             self.folder)
+            self.built_io = self._io_since_last()  # the shards written as built: not the first step's traffic
         except BaseException:
             self.close()
             raise
@@ -119,9 +121,14 @@ class NvmeSwaps:
     def end_step(self) -> dict[str, float]:
         """Wait for every write; then both swaps' bytes read and written and the seconds waited on
         them since the last step (the parameters' include this step's forwards and backwards)."""
-        out = {"io_read_bytes": 0, "io_write_bytes": 0, "io_wait_s": 0.0}
         for part in self.parts:
             part.end_step()
+        return self._io_since_last()
+
+    def _io_since_last(self) -> dict[str, float]:
+        """Both swaps' bytes read and written, and the seconds waited on them, since the last call."""
+        out = {"io_read_bytes": 0, "io_write_bytes": 0, "io_wait_s": 0.0}
+        for part in self.parts:
             for key, value in part.step_io().items():
                 out[key] += value
         return out

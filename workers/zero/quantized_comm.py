@@ -8,8 +8,9 @@ whose ``wait()`` leaves the collective's result where the exact one would have p
   one fp32 scale per block of at most ``BLOCK_ELEMENTS``), the codes and the scales are
   all-gathered (two gathers, the same path as an exact one: ``Collectives.gather_work``), and
   every rank's slice -- its own included, so that every rank computes with the same weights --
-  is dequantized into the gathered compute-dtype buffer. Only the gathered copy is lossy: the
-  shards, the fp32 masters and so every checkpoint and state dict are exact.
+  is dequantized into the gathered compute-dtype buffer (``QuantizedGather``; hpZ keeps a
+  slice of the received codes and scales for the backward's gather, ``hpz.py``). Only the
+  gathered copy is lossy: the shards, the fp32 masters and so every checkpoint and state dict are exact.
 * **qgZ** (``reduce_scatter``, the one-level variant): each rank cuts its full (pre-divided)
   gradient bucket into the N destination shards, quantizes each to blockwise int4 (two codes a
   byte, one fp32 scale per block within a shard), and one all-to-all of the codes and one of
@@ -32,7 +33,7 @@ against bf16, qwZ's all-gather bytes are (1 + 4/B)/2 and qgZ's reduce-scatter by
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -45,7 +46,36 @@ WEIGHT_BITS = 8
 GRADIENT_BITS = 4
 
 
-def all_gather(comm: Any, output: torch.Tensor, input: torch.Tensor):
+class QuantizedGather(_Then):
+    """qwZ's all-gather in flight: waited, it dequantizes the received codes into the output, then
+    hands them to ``keep`` when one was set (hpZ keeps its slice of them, ``hpz.py``)."""
+
+    def __init__(self, works, n: int, codes: torch.Tensor, scales: torch.Tensor, output: torch.Tensor):
+        super().__init__(works, self._unpack)
+        self.n = n
+        self.keep: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None
+        self._parts: Optional[tuple] = (codes, scales, output)
+
+    def _unpack(self) -> None:
+        (codes, scales, output), self._parts = self._parts, None
+        unpack(codes, scales, self.n, output)
+        keep, self.keep = self.keep, None
+        if keep is not None:
+            keep(codes, scales)
+
+
+def unpack(codes: torch.Tensor, scales: torch.Tensor, n: int, output: torch.Tensor) -> None:
+    """Dequantize the int8 ``codes`` and fp32 ``scales`` that ``n`` ranks' shards were gathered as
+    into ``output``, each rank's into its slice: its own too, so every rank computes with the same weights."""
+    flat = output.view(-1)
+    shard = flat.numel() // n
+    nb = blocks(shard)
+    for r in range(n):
+        dequantize(codes[r * shard:(r + 1) * shard], scales[r * nb:(r + 1) * nb], shard, WEIGHT_BITS,
+                   out=flat[r * shard:(r + 1) * shard])
+
+
+def all_gather(comm: Any, output: torch.Tensor, input: torch.Tensor) -> QuantizedGather:
     """qwZ: gather every rank's ``input`` into ``output`` as int8 codes and fp32 scales."""
     n, shard = comm.world_size, input.numel()
     if output.numel() != shard * n:
@@ -58,14 +88,7 @@ def all_gather(comm: Any, output: torch.Tensor, input: torch.Tensor):
     comm.counter.add("all_gather", output.numel(), nbytes(codes) + nbytes(scales), comm.group_name)
     works = [comm.gather_work(codes, codes_slot, "quantized all-gather codes"),
              comm.gather_work(scales, scales_slot, "quantized all-gather scales")]
-    flat = output.view(-1)
-
-    def unpack() -> None:
-        for r in range(n):
-            dequantize(codes[r * shard:(r + 1) * shard], scales[r * nb:(r + 1) * nb], shard, WEIGHT_BITS,
-                       out=flat[r * shard:(r + 1) * shard])
-
-    return _Then(works, unpack)
+    return QuantizedGather(works, n, codes, scales, output)
 
 
 def reduce_scatter(comm: Any, output: torch.Tensor, input: torch.Tensor):

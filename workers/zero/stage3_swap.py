@@ -48,8 +48,14 @@ class SwappedParamShardStrategy(ParamShardStrategy):
     def param_tensors(self) -> list[torch.Tensor]:
         return self.param_swap.tensors()
 
+    def _reads(self, index: int) -> bool:
+        """Whether unit ``index``'s gather sends its primary shard, so needs its file read (hpZ: not
+        while the unit's secondary shard is held, ``hpz.py``)."""
+        return True
+
     def _launch_gather(self, unit: Unit) -> None:
-        unit.shard = self.param_swap.load(unit.index)
+        if self._reads(unit.index):
+            unit.shard = self.param_swap.load(unit.index)
         super()._launch_gather(unit)
 
     def _unshard(self, unit: Unit) -> None:
@@ -74,7 +80,7 @@ class SwappedParamShardStrategy(ParamShardStrategy):
         super()._prefetch(upcoming)
         predictor = self._bwd_predict if self._bwd_predict is not None else self._fwd_predict
         ahead = [i for i in dict.fromkeys(predictor.expected[predictor.pos:])
-                 if i not in upcoming and self.units[i].state is UnitState.FREE]
+                 if i not in upcoming and self.units[i].state is UnitState.FREE and self._reads(i)]
         self.param_swap.read_ahead(ahead[:READ_AHEAD])
 
     def publish_params(self) -> None:

@@ -26,13 +26,16 @@ of a file is padded rather than misaligned; the padding is never read back as da
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import logging
 import mmap
 import os
 import shutil
 import time
 from collections import deque
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
@@ -94,16 +97,55 @@ class SwapFolder:
     def __init__(self, root: str, rank: int):
         self.root = Path(root)
         self.path = self.root / str(rank)
-        if not self.root.exists():
-            self.root.mkdir(parents=True, exist_ok=True)
-            (self.root / self.MADE_HERE).touch()
-        if self.path.exists():
-            log.info("removing swap files an earlier attempt left in %s", self.path)
-            shutil.rmtree(self.path)
-        self.path.mkdir(parents=True)
+        with self._root_held(make=True):
+            if self.path.exists():
+                log.info("removing swap files an earlier attempt left in %s", self.path)
+                shutil.rmtree(self.path)
+            self.path.mkdir()
         self.direct = _supports_direct(self.path)
         if not self.direct:
             log.warning("%s does not support O_DIRECT (tmpfs?): swap files go through the page cache", self.path)
+
+    @contextlib.contextmanager
+    def _root_held(self, make: bool) -> Iterator[bool]:
+        """Hold ``nvme_path``'s lock (``flock`` on the folder itself), made first when ``make``
+        (with the marker) and missing; yields whether it exists.
+
+        [Note: one rank at a time at nvme_path]
+        A rank opening its folder and another removing the last folder (and ``nvme_path`` with it)
+        run at once when an engine is resumed or resized while another closes. Each does its
+        check and its change under this lock, and a rank that locked a folder another had just
+        removed (its inode is no longer the path's) starts again, so ``nvme_path`` is never
+        removed under a rank's new folder nor made again without its marker.
+        """
+        while True:
+            made = False
+            if make:
+                try:
+                    self.root.mkdir(parents=True)
+                    made = True
+                except FileExistsError:
+                    pass
+            try:
+                fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
+            except FileNotFoundError:
+                if not make:
+                    yield False
+                    return
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                try:
+                    if os.stat(self.root).st_ino != os.fstat(fd).st_ino:
+                        continue  # removed (and maybe made again) while this rank waited
+                except FileNotFoundError:
+                    continue
+                if made:
+                    (self.root / self.MADE_HERE).touch()
+                yield True
+                return
+            finally:
+                os.close(fd)  # closing releases the lock
 
     def open(self, name: str) -> DirectFile:
         return DirectFile(str(self.path / name), self.direct)
@@ -111,13 +153,10 @@ class SwapFolder:
     def remove(self) -> None:
         """Delete the folder, and ``nvme_path`` when it was made for the swap files and is empty now."""
         shutil.rmtree(self.path, ignore_errors=True)
-        marker = self.root / self.MADE_HERE
-        try:
-            if marker.exists() and [p.name for p in self.root.iterdir()] == [self.MADE_HERE]:
-                marker.unlink(missing_ok=True)
+        with self._root_held(make=False) as exists:
+            if exists and [p.name for p in self.root.iterdir()] == [self.MADE_HERE]:
+                (self.root / self.MADE_HERE).unlink()
                 self.root.rmdir()
-        except OSError:  # another rank's folder appeared, or another rank removed it first
-            pass
 
 
 def _supports_direct(folder: Path) -> bool:

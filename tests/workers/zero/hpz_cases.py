@@ -22,7 +22,11 @@ H = 2
 VARIANTS = {"stage3": {}, "hpz": {"hpz_partition_size": H},
             "qwz": {"quantized_weights": True}, "hpz_qwz": {"quantized_weights": True, "hpz_partition_size": H},
             # hybrid sharding over groups of 2, hpZ groups of one inside them
-            "hsdp": {"shard_group_size": 2}, "hsdp_hpz": {"shard_group_size": 2, "hpz_partition_size": 1}}
+            "hsdp": {"shard_group_size": 2}, "hsdp_hpz": {"shard_group_size": 2, "hpz_partition_size": 1},
+            # qwZ on shard groups of 2 and hpZ groups of 2 (each hpZ group is a shard group)
+            "hsdp_qwz": {"shard_group_size": 2, "quantized_weights": True},
+            "hsdp_hpz_qwz": {"shard_group_size": 2, "quantized_weights": True, "hpz_partition_size": 2},
+            "hpz_qgz": {"quantized_gradients": True, "hpz_partition_size": H}}  # the planner's bytes only
 STEPS, ACCUM, RESUMED = 2, 2, 1
 
 
@@ -48,22 +52,30 @@ def _phase_counter(engine) -> tuple[dict, list]:
 
 def _steps(engine, rank: int, start: int, stop: int, phase: list) -> dict:
     losses, norms, groups, buffers = [], [], [], None
+    swap = getattr(engine.strategy, "param_swap", None)  # offload_params="nvme": the parameter files
+    reads = {"forward": 0, "backward": 0}  # bytes of them read, by phase
     for step in range(start, stop):
         total = 0.0
         for micro in range(ACCUM):
             x, y = gpt_batch(step, micro, rank)
             phase[0] = "forward"
+            if swap is not None:
+                swap.step_io()
             loss = engine(x, y)
+            if swap is not None:
+                reads["forward"] += swap.step_io()["io_read_bytes"]
             if buffers is None:  # as the first backward begins: hpZ's secondary shards are all alive
                 buffers = engine.memory()["buffers"]
             total += loss.item() / ACCUM
             phase[0] = "backward"
             engine.backward(loss / ACCUM)
+            if swap is not None:
+                reads["backward"] += swap.step_io()["io_read_bytes"]
         phase[0] = "step"
         norms.append(engine.step().grad_norm)
         losses.append(total)
         groups.append(engine.comm_volume(by_group=True))
-    return {"losses": losses, "norms": norms, "groups": groups, "buffers_after_forward": buffers}
+    return {"losses": losses, "norms": norms, "groups": groups, "buffers_after_forward": buffers, "reads": reads}
 
 
 def training_world(rank: int, world_size: int) -> dict:

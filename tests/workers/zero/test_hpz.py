@@ -8,7 +8,8 @@
   (``comm_volume(by_group=True)``) and below it (what torch.distributed was asked to broadcast,
   over which group, in which phase), while the forward's gathers go over the world;
 * nothing of the secondary shards is left after a step;
-* at N=2: groups of one (a whole secondary copy, also with the primary in swap files, and under
+* at N=2: groups of one (a whole secondary copy, also with the primary in swap files -- whose
+  backward then reads none of them -- and under
   a ``keep_gathered_bytes`` cap that lets kept units go) and of the whole world equal stage 3;
   sizes that do not divide the world are refused;
 * ``stage: "auto"`` with hpZ resolves to stage 3.
@@ -47,7 +48,8 @@ def _equal(a, b, where: str) -> None:
         assert a == b, (where, a, b)
 
 
-@pytest.mark.parametrize("exact,hpz", [("stage3", "hpz"), ("qwz", "hpz_qwz"), ("hsdp", "hsdp_hpz")])
+@pytest.mark.parametrize("exact,hpz", [("stage3", "hpz"), ("qwz", "hpz_qwz"), ("hsdp", "hsdp_hpz"),
+                                       ("hsdp_qwz", "hsdp_hpz_qwz")])
 def test_hpz_is_stage_3_bit_for_bit(trained, exact, hpz):
     for rank, runs in enumerate(trained):
         a, b = runs[exact], runs[hpz]
@@ -89,11 +91,26 @@ def test_hpz_backward_gathers_send_nothing_across_groups(trained):
     assert hpz_cases.H == 2
 
 
+def test_with_qwz_the_secondary_gather_sends_int8_codes_and_scales(trained):
+    """qwZ's backward gather inside the hpZ group sends what its forward gather over the world
+    sends (int8 codes, an fp32 scale per block), not the compute dtype; still bit for bit qwZ
+    alone (``test_hpz_is_stage_3_bit_for_bit``)."""
+    for rank, runs in enumerate(trained):
+        for step in range(STEPS):
+            quantized, plain = runs["hpz_qwz"]["groups"][step], runs["hpz"]["groups"][step]
+            assert quantized["hpz"]["all_gather"] <= 0.55 * plain["hpz"]["all_gather"], (rank, step)
+            assert quantized["hpz"]["all_gather"] == quantized["world"]["all_gather"], (rank, step)
+
+
 def test_hpz_at_n2_groups_of_one_and_two_with_nvme_or_a_keep_cap_and_sizes_that_do_not_fit(tmp_path):
     for rank, runs in enumerate(spawn_world(hpz_cases.sizes_world, 2, (str(tmp_path),), timeout_s=300)):
         phi = runs["stage3"]["padded"]
         assert runs["h1_nvme"]["strategy"] == "HpzSwappedParamShardStrategy"
         assert runs["h1_nvme"]["sent"] == runs["h1"]["sent"]
+        # every unit's secondary (here the whole unit) is held into its backward: the backward
+        # gathers from it and reads none of the primary shards' files, which the forwards read
+        assert runs["h1_nvme"]["reads"]["backward"] == 0, runs["h1_nvme"]["reads"]
+        assert runs["h1_nvme"]["reads"]["forward"] > 0, runs["h1_nvme"]["reads"]
         for name in ("h1", "h2", "h1_nvme"):
             for part in ("losses", "norms", "full"):
                 _equal(runs["stage3"][part], runs[name][part], f"rank {rank} {name} {part}")
@@ -140,7 +157,60 @@ def test_the_planner_prices_the_secondary_shards_as_the_engine_holds_them(traine
         assert measured == runs["hpz"]["padded"] * 4 // hpz_cases.H, (rank, measured)
         assert predicted == measured, (rank, predicted, measured)
     assert hpz.peak["bytes"] > plain.peak["bytes"]
+    # with qwZ the secondary is int8 codes and their scales
+    plain_q, hpz_q = (predict(PlanInputs(shape=shape, n_ranks=N, precision="fp32", device="cpu", quantized_weights=True,
+                                         hpz_partition_size=h), 3) for h in (None, hpz_cases.H))
+    predicted_q = hpz_q.gpu["gathered_units"] - plain_q.gpu["gathered_units"]
+    for rank, runs in enumerate(trained):
+        measured = runs["hpz_qwz"]["buffers_after_forward"] - runs["qwz"]["buffers_after_forward"]
+        assert predicted_q == measured < predicted // 3, (rank, predicted_q, measured)
     assert predict(PlanInputs(shape=shape, n_ranks=N, precision="fp32", device="cpu", hpz_partition_size=2,
                               reshard_after_forward=False), 3).gpu["gathered_units"] == predict(
         PlanInputs(shape=shape, n_ranks=N, precision="fp32", device="cpu", reshard_after_forward=False), 3
     ).gpu["gathered_units"]  # every unit stays gathered: no secondary
+
+
+def _plan_inputs(**fields):
+    from workers.zero.planner.plan import PlanInputs
+    from workers.zero.planner.shape import ModelShape
+
+    return PlanInputs(shape=ModelShape.of(hpz_cases.make_gpt(0, 2)), n_ranks=N, precision="fp32", device="cpu",
+                      accumulation_steps=ACCUM, **fields)
+
+
+@pytest.mark.parametrize("variant", sorted(hpz_cases.VARIANTS))
+def test_the_planner_predicts_the_bytes_by_group_the_engine_counts(trained, variant):
+    """Stage 3's bytes per step by group and kind (hpZ's backward gather under "hpz", int8 with
+    qwZ; hybrid sharding's "shard" and "replicate"), as ``comm_volume(by_group=True)`` counts them."""
+    from workers.zero.planner.plan import predict
+
+    predicted = predict(_plan_inputs(**hpz_cases.VARIANTS[variant]), 3).comm_bytes_by_group
+    for rank, runs in enumerate(trained):
+        for step in range(STEPS):
+            counted = {group: {k: v for k, v in kinds.items() if k != "control"}
+                       for group, kinds in runs[variant]["groups"][step].items()}
+            assert predicted == {g: k for g, k in counted.items() if k}, (variant, rank, step)
+
+
+def test_the_step_time_model_prices_hpz_gathers_inside_their_groups():
+    """hpZ's backward all-gather (Φ, fp32, nothing kept) runs over rings of H=2, not of N=4: the
+    calibrated and the typed-bandwidth models both take (3/4 - 1/2) of its bytes off the step;
+    with qwZ it is priced in int8 on the typed link."""
+    import math
+
+    from contract.zero_math import QUANT_WIRE_BYTES
+    from workers.zero.calibration import Calibration
+    from workers.zero.planner.plan import predict
+
+    cal = Calibration(compute_flops_per_s=1e12, allgather_bytes_per_s=1e9, reduce_scatter_bytes_per_s=2e9,
+                      allreduce_bytes_per_s=1e9)
+    plain, hpz = (predict(_plan_inputs(calibration=cal, **f), 3) for f in ({}, {"hpz_partition_size": hpz_cases.H}))
+    phi = hpz.comm_hpz_elements
+    assert phi == plain.comm_intra_elements // 3 > 0 and plain.comm_hpz_elements == 0
+    assert math.isclose(plain.comm_time_s - hpz.comm_time_s, phi * 4 * (3 / 4 - 1 / 2) / 1e9, rel_tol=1e-12)
+    for qwz in (False, True):
+        typed = {"bandwidth_bytes_per_s": 1e9, "quantized_weights": qwz}
+        plain, hpz = (predict(_plan_inputs(**typed, **f), 3) for f in ({}, {"hpz_partition_size": hpz_cases.H}))
+        wire = QUANT_WIRE_BYTES["weights"] if qwz else 4
+        assert plain.comm_bytes == hpz.comm_bytes
+        assert math.isclose(plain.comm_time_s - hpz.comm_time_s, phi * wire * (3 / 4 - 1 / 2) / 1e9, rel_tol=1e-9)

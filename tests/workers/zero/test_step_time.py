@@ -39,6 +39,32 @@ def test_predicted_disk_traffic_is_what_an_nvme_step_moves(stage, tmp_path):
     assert prediction.step_time_s == pytest.approx(0.5 + prediction.disk_time_s)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_first_step_reports_its_own_io_and_construction_its_writes_apart(precision, tmp_path):
+    """Stage 3 built on meta with the parameters and the optimizer on NVMe: construction writes every
+    unit's shard to its file (``engine.construction_io()``), and the first step's ``io_write_bytes``
+    are that step's alone: each file written once, as in every later step."""
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = build_model({"preset": "gpt-nano"})
+    shape = ModelShape.of(model)
+    config = ZeroConfig(stage=3, precision=precision, offload_params="nvme", offload_optimizer="nvme",
+                        nvme_path=str(tmp_path / "swap"))
+    engine = ZeroEngine(model, lambda params: torch.optim.AdamW(params, lr=1e-3), config)
+    try:
+        built = engine.construction_io()
+        idx = torch.randint(0, 100, (2, 16))
+        engine.backward(engine(idx, idx))
+        first = engine.step()
+    finally:
+        engine.close()
+    inputs = PlanInputs(shape=shape, n_ranks=1, precision=precision, offload_params="nvme")
+    both, params_only = predict(inputs, 3, "nvme"), predict(inputs, 3, False)
+    assert first.io_write_bytes == both.disk_write_bytes
+    assert built["io_write_bytes"] == params_only.disk_bytes and built["io_read_bytes"] == 0
+    assert built["io_wait_s"] >= 0
+
+
 def test_no_disk_time_without_nvme_or_a_rate():
     shape = ModelShape.from_count(1e6)
     assert predict(PlanInputs(shape=shape, n_ranks=2, disk_bytes_per_s=1e9), 2, True).disk_time_s is None

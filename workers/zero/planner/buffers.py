@@ -115,13 +115,13 @@ def gathered_unit_bytes(root_bucket: int, block_buckets: Sequence[int], precisio
 
 
 def param_swap_bytes(units: Sequence[int], n_ranks: int, precision: str, prefetch: int,
-                     masters_in_files: bool) -> tuple[int, int]:
+                     masters_in_files: bool) -> tuple[int, int, int]:
     """Stage 3 with ``offload_params="nvme"`` (``param_swap.py``): (bytes in swap files, bytes of
-    the buffer pool). A page-rounded file per unit of its compute-dtype shard (``units``: the
-    padded unit lengths), and ``stage3_swap.pool_buffers`` buffers of the largest file; in fp32
-    (``masters_in_files``) the file is the master's."""
+    the buffer pool, bytes of one buffer). A page-rounded file per unit of its compute-dtype shard
+    (``units``: the padded unit lengths), and ``stage3_swap.pool_buffers`` buffers of the largest
+    file; in fp32 (``masters_in_files``) the file is the master's."""
     files = [page_bytes(low_precision_bytes(precision) * shard_numel(u, n_ranks)) for u in units]
-    return sum(files), pool_buffers(prefetch, masters_in_files) * max(files, default=0)
+    return sum(files), pool_buffers(prefetch, masters_in_files) * max(files, default=0), max(files, default=0)
 
 
 def param_swap_reads(files: int, masters_in_files: bool, accumulation_steps: int, backward_share: float) -> int:
@@ -136,22 +136,35 @@ def kept_unit_elements(root_numel: int, block_numels: Sequence[int], root_bucket
                        keep_gathered_bytes: int = ZERO_DEFAULTS["keep_gathered_bytes"]) -> tuple[int, int]:
     """Stage 3: ``(elements, block bytes)`` of the units kept gathered from forward to backward.
 
-    The engine's rule (``stage3.py``, the note on kept units; ``units.kept_after_forward``),
-    with the blocks in registration order and the root last (its forward ends last);
-    ``*_bucket(s)`` are the units' padded lengths (``ModelShape.unit_buckets``).
     ``elements`` (unpadded) is what the step does not gather again: the step communicates
     3Φ - elements. ``block bytes`` (padded, compute dtype) is what the kept blocks hold on
     top of ``gathered_unit_bytes`` (which already holds the root for the whole step) -- an
     upper bound: a kept block may be one of the ``prefetch + 1`` counted there.
+    """
+    units, kept = kept_units(root_numel, block_numels, root_bucket, block_buckets, precision,
+                             reshard_after_forward, keep_gathered_bytes)
+    root = len(units) - 1 if root_numel else None
+    p = low_precision_bytes(precision)
+    return sum(units[i][0] for i in kept), sum(p * units[i][1] for i in kept if i != root)
+
+
+def kept_units(root_numel: int, block_numels: Sequence[int], root_bucket: int, block_buckets: Sequence[int],
+               precision: str, reshard_after_forward=ZERO_DEFAULTS["reshard_after_forward"],
+               keep_gathered_bytes: int = ZERO_DEFAULTS["keep_gathered_bytes"]) -> tuple[list[tuple[int, int]], set[int]]:
+    """Stage 3's non-empty units as ``(elements, padded length)``, the blocks then the root, and the
+    indices of those kept gathered from forward to backward.
+
+    The engine's rule (``stage3.py``, the note on kept units; ``units.kept_after_forward``),
+    with the blocks in registration order and the root last (its forward ends last);
+    ``*_bucket(s)`` are the units' padded lengths (``ModelShape.unit_buckets``).
     """
     units = [(b, p) for b, p in zip(block_numels, block_buckets) if b] + ([(root_numel, root_bucket)] if root_numel
                                                                          else [])
     root = len(units) - 1 if root_numel else None
     blocks = [i for i in range(len(units)) if i != root]
     nbytes = {i: low_precision_bytes(precision) * padded for i, (_, padded) in enumerate(units)}
-    kept = kept_after_forward(reshard_after_forward, keep_gathered_bytes, list(range(len(units))), nbytes,
-                              blocks[-1] if blocks else None)
-    return sum(units[i][0] for i in kept), sum(nbytes[i] for i in kept if i != root)
+    return units, kept_after_forward(reshard_after_forward, keep_gathered_bytes, list(range(len(units))), nbytes,
+                                     blocks[-1] if blocks else None)
 
 
 def construction_staging_bytes(stage: int, precision: str, buckets: Sequence[int]) -> int:

@@ -14,7 +14,8 @@ part           kept + transient
 =============  ===================================================================================
 construction   parameters, fp32 master (no gradients; no optimizer state yet: torch creates it
                at the first step) + one bucket's (stage 3: unit's) staging; a model built eagerly
-               (not on the meta device) first holds itself whole in fp32
+               (not on the meta device) first holds itself whole in fp32; shards built straight
+               into NVMe swap files: one swap buffer instead of the shards
 forward        what is held between steps + the forward's activations + stage 3's gathered units;
                with several micro-steps per step, the gradients they accumulate (the table's)
 backward       held between steps + activations, gradients (full buckets, then shards) and stage
@@ -83,9 +84,12 @@ class PeakInputs:
     per_bucket_step: bool = True
     accumulation_steps: int = 1  # micro-batches per step: from the second on, gradients are held in forward
     #: stage 3, offload_params "nvme": the shard bytes kept in swap files between uses (the states'
-    #: params are the buffer pool then); in fp32 (``masters_in_files``) the files hold the masters
+    #: params are the buffer pool then, ``swap_pool_bytes``; construction holds one of its buffers,
+    #: ``swap_buffer_bytes``); in fp32 (``masters_in_files``) the files hold the masters
     params_in_files: int = 0
     masters_in_files: bool = False
+    swap_pool_bytes: int = 0
+    swap_buffer_bytes: int = 0
 
 
 def job_peak(states: ModelStateBytes, x: PeakInputs) -> dict[str, dict[str, int]]:
@@ -107,14 +111,15 @@ def job_peak(states: ModelStateBytes, x: PeakInputs) -> dict[str, dict[str, int]
     staging = construction_staging_bytes(x.stage, x.precision, x.buckets)
     # buckets are built one by one (the master on the device until offload moves it), then offload's
     # host state; gradients come with the first backward
-    params_and_master = kept_device - opt_state_device + (master if x.offload else 0)
-    # a swapped shard is written to its file only once the engine is built: construction holds it
-    params_and_master += x.params_in_files
+    # swapped shards go to their files as their units are built (param_swap.py, the note on building
+    # straight to disk): construction holds no shard and one buffer of the pool, written behind
+    swapped = x.swap_pool_bytes - x.swap_buffer_bytes
+    params_and_master = kept_device - opt_state_device + (master if x.offload else 0) - swapped
     building = {"device": params_and_master + staging, "host": 0}
     if not x.deferred_init:  # the whole fp32 model first, freed bucket by bucket as the engine takes it
         building["device"] = max(building["device"], 4 * x.phi_model + staging - 4 * max(x.buckets, default=0))
     built = {"device": params_and_master, "host": 0}
-    moved = {"device": kept_device - opt_state_device, "host": kept_host - opt_state_host}
+    moved = {"device": kept_device - opt_state_device - swapped, "host": kept_host - opt_state_host}
     parts["construction"] = max(building, built, moved, key=lambda v: _seen(v, x.device))
     accumulated = states.gpu_grads if x.accumulation_steps > 1 else 0
     parts["forward"] = {"device": kept_device + accumulated + x.forward_bytes, "host": kept_host}

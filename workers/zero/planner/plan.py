@@ -51,7 +51,7 @@ from contract.zero_math import (
 
 from .buffers import (allocator_reserve_bytes, backward_buffer_bytes, gathered_unit_bytes, kept_unit_elements,
                       param_swap_bytes, param_swap_reads, stage2_tail_bytes, step_buffer_bytes)
-from .groups import hpz_secondary_bytes, hybrid_group_size
+from .groups import comm_bytes_by_group, hpz_secondary_bytes, hpz_size, hybrid_group_size
 from .method import METHOD
 from .peak import CHECKPOINTS, PeakInputs, job_peak, step_gradient_bytes, summarize
 from .shape import ModelShape, bucket_elements, bucket_numels
@@ -77,6 +77,8 @@ class StagePrediction:
     #: of comm_elements: inside a shard group / across groups (hybrid sharding; 0 without it)
     comm_intra_elements: int = 0
     comm_inter_elements: int = 0
+    comm_hpz_elements: int = 0  # of comm_intra_elements: hpZ's backward all-gather, inside groups of H
+    comm_bytes_by_group: dict | None = None  # stage 3: group -> kind -> bytes per step (groups.py)
     comm_time_s: float | None = None
     efficiency: float | None = None
     bandwidth_needed_bytes_per_s: float | None = None
@@ -198,7 +200,7 @@ def predict(inputs: PlanInputs, stage: int, offload: bool | str = False) -> Stag
     host_offload = bool(offload) and not nvme  # the master and state in host memory (offload.py)
     states = model_state_bytes(shape.phi, n, precision, stage, False if nvme else offload, phi_padded,
                                inputs.optimizer_states)
-    disk, param_disk, params_in_files, masters_in_files = 0, 0, 0, False  # swap files (params: stage 3)
+    disk, param_disk, params_in_files, masters_in_files, param_pool, param_buffer = 0, 0, 0, False, 0, 0
     if nvme:  # the state in swap files; three buffers of the largest bucket's state in memory
         disk, pool = swap_bytes(buckets, traits.shard_world(n), inputs.optimizer_states)
         states = replace(states, gpu_optimizer=states.gpu_optimizer - 4 * inputs.optimizer_states
@@ -206,7 +208,8 @@ def predict(inputs: PlanInputs, stage: int, offload: bool | str = False) -> Stag
         offload = "nvme"
     if inputs.offload_params == "nvme" and traits.shards_parameters:  # the shards in swap files, a pool in memory
         masters_in_files = not host_offload and not precision_traits(precision).master_bytes
-        param_disk, param_pool = param_swap_bytes(buckets, n, precision, inputs.prefetch, masters_in_files)
+        param_disk, param_pool, param_buffer = param_swap_bytes(buckets, n, precision, inputs.prefetch,
+                                                                masters_in_files)
         params_in_files, disk = states.gpu_params, disk + param_disk
         states = replace(states, gpu_params=param_pool)
     states = replace(states, gpu_params=states.gpu_params + shape.frozen * low_precision_bytes(precision))
@@ -233,7 +236,7 @@ def predict(inputs: PlanInputs, stage: int, offload: bool | str = False) -> Stag
         backward = backward_transient - (gathered if traits.shards_parameters else 0)  # for the terms below
     else:
         backward_transient = backward + gathered
-    secondary = hpz_secondary_bytes(inputs, stage, phi_padded, kept_bytes)  # alive from forward to backward
+    secondary = hpz_secondary_bytes(inputs, stage, n)  # alive from forward to backward
     backward_transient, gathered = backward_transient + secondary, gathered + secondary
     largest_param = max(shape.param_numels, default=0)
     forward = (activations if inputs.activation_bytes_forward is None else inputs.activation_bytes_forward) + gathered
@@ -246,7 +249,7 @@ def predict(inputs: PlanInputs, stage: int, offload: bool | str = False) -> Stag
         forward_bytes=forward, backward_bytes=backward_transient, deferred_init=inputs.deferred_init,
         checkpoint=inputs.checkpoint, resume=inputs.resume, per_bucket_step=inputs.per_bucket_step,
         accumulation_steps=inputs.accumulation_steps, params_in_files=params_in_files,
-        masters_in_files=masters_in_files,
+        masters_in_files=masters_in_files, swap_pool_bytes=param_pool, swap_buffer_bytes=param_buffer,
     ))
     step = step_buffer_bytes(stage, precision, buckets, n, inputs.device, host_offload, largest_param,
                              inputs.optimizer_states, inputs.per_bucket_step)
@@ -292,9 +295,12 @@ def predict(inputs: PlanInputs, stage: int, offload: bool | str = False) -> Stag
                               quantized_gradients=inputs.quantized_gradients),
         comm_intra_elements=intra,
         comm_inter_elements=inter,
+        comm_hpz_elements=shape.phi - kept_elements if hpz_size(inputs, stage) else 0,
+        comm_bytes_by_group=comm_bytes_by_group(inputs, stage, n),
         offload_params=inputs.offload_params if traits.shards_parameters else None,
         disk_bytes=disk, disk_write_bytes=disk, disk_step_read_bytes=disk - (0 if masters_in_files else param_disk),
         disk_read_bytes=disk - param_disk + param_swap_reads(param_disk, masters_in_files, inputs.accumulation_steps,
+                                                             0 if hpz_size(inputs, stage) else  # hpz.py
                                                              1 - kept_elements / max(shape.phi, 1)),
     )
     add_calibrated_time(prediction, inputs, inputs.calibration, n) if inputs.calibration is not None \

@@ -17,7 +17,10 @@ bucket through the engine's own collectives):
   bytes / ``elementwise_bytes_per_s`` and its operations × ``op_overhead_s``;
 * communication, each stage's real collectives: stage 0 all-reduces Φ (at the all-reduce rate);
   stages 1-2 reduce-scatter Φ and all-gather Φ; stage 3 all-gathers every unit in forward and
-  again in backward (less the units kept gathered) and reduce-scatters Φ. With hybrid sharding
+  again in backward (less the units kept gathered) and reduce-scatters Φ. With hpZ the
+  backward's all-gather runs inside groups of H (f = (H-1)/H), at the all-gather rate measured
+  over the world: the calibration measures no intra-node rate, so where a node's links are
+  faster than the world's this overprices it (an upper bound). With hybrid sharding
   (G ranks per shard group) the intra-group collectives run over G (f = (G-1)/G) and the shard's
   all-reduce across the N/G replicas is added, each at the rates measured over the world;
 * the optimizer step: the elements this rank steps (Φ at stage 0, its shard Φ/N otherwise) at the
@@ -68,7 +71,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from contract.zero_math import bandwidth_for_efficiency, comm_time_s, efficiency, low_precision_bytes, stage_traits
+from contract.zero_math import (bandwidth_for_efficiency, comm_bytes, comm_time_s, efficiency, low_precision_bytes,
+                                ring_factor, stage_traits)
 
 
 def disk_time_s(read_bytes: int, write_bytes: int, read_bytes_per_s: float,
@@ -80,9 +84,23 @@ def disk_time_s(read_bytes: int, write_bytes: int, read_bytes_per_s: float,
     return read_bytes / read_bytes_per_s + write_bytes / write
 
 
+def ring_bytes(prediction: Any, inputs: Any) -> float:
+    """The prediction's bytes as if all went over one ring of the N ranks: hpZ's backward
+    all-gather (``comm_hpz_elements``, int8 with qwZ) runs over rings of H, so it counts
+    (H-1)/H over (N-1)/N of its bytes. It runs inside a node, at the typed link rate here (no
+    intra-node rate is asked for): an upper bound where a node's links are faster."""
+    n, total = inputs.n_ranks, float(prediction.comm_bytes)
+    if not prediction.comm_hpz_elements or n == 1:
+        return total
+    h = inputs.hpz_partition_size
+    hpz = comm_bytes(prediction.comm_hpz_elements, prediction.precision, gathered=prediction.comm_hpz_elements,
+                     quantized_weights=inputs.quantized_weights, quantized_gradients=False)
+    return total - hpz + hpz * ring_factor(h) / ring_factor(n)
+
+
 def add_time_model(prediction: Any, inputs: Any) -> None:
     """Fill a ``StagePrediction``'s time terms from ``PlanInputs``' rates (those given)."""
-    n, comm_bytes = inputs.n_ranks, prediction.comm_bytes
+    n, comm_bytes = inputs.n_ranks, ring_bytes(prediction, inputs)
     if inputs.compute_s and n > 1:
         prediction.bandwidth_needed_bytes_per_s = bandwidth_for_efficiency(
             comm_bytes, n, inputs.compute_s, inputs.target_efficiency
@@ -154,9 +172,11 @@ def calibrated_comm_time_s(prediction: Any, inputs: Any, calibration: Any, group
     if not stage_traits(prediction.stage).shards_optimizer:  # stage 0: one all-reduce of Φ (counted twice)
         seconds = intra / 2 * ring / calibration.allreduce_bytes_per_s
     else:  # a reduce-scatter of Φ; the rest is all-gathers (stage 3: forward's and backward's)
-        reduced = inputs.shape.phi * element
+        reduced, hpz = inputs.shape.phi * element, prediction.comm_hpz_elements * element
         seconds = reduced * ring / calibration.reduce_scatter_bytes_per_s \
-            + (intra - reduced) * ring / calibration.allgather_bytes_per_s
+            + (intra - reduced - hpz) * ring / calibration.allgather_bytes_per_s
+        if hpz:  # hpZ's backward all-gather: over rings of H, at the world's measured rate
+            seconds += hpz * ring_factor(inputs.hpz_partition_size) / calibration.allgather_bytes_per_s
     if prediction.comm_inter_elements:  # hybrid: the shard's all-reduce across the N/G replicas
         replicas = inputs.n_ranks // group
         seconds += prediction.comm_inter_elements * element / 2 * (replicas - 1) / replicas \

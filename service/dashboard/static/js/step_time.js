@@ -21,9 +21,14 @@ export function measuredStepTime(points) {
 /** One sentence: the prediction and its terms, the measurement, their ratio; "" with no prediction. */
 export function stepTimeText(stepTime, points) {
   if (!stepTime || !Number.isFinite(stepTime.step_time_s)) return "";
-  const terms = [["compute", stepTime.compute_time_s], ["communication", stepTime.comm_time_s],
+  const parts = [["compute", stepTime.compute_time_s], ["communication", stepTime.comm_time_s],
     ["optimizer", stepTime.optimizer_time_s], ["disk", stepTime.disk_time_s]]
-    .filter(([, v]) => Number.isFinite(v)).map(([name, v]) => `${name} ${s(v)}`).join(", ");
+    .filter(([, v]) => Number.isFinite(v)).map(([name, v]) => `${name} ${s(v)}`);
+  // NVMe: the disk's reads and writes overlap the work; what the step waits for is the exposed part
+  if (Number.isFinite(stepTime.disk_exposed_s) && Number.isFinite(stepTime.disk_time_s)) {
+    parts[parts.length - 1] = `disk ${s(stepTime.disk_exposed_s)} exposed of ${s(stepTime.disk_time_s)}`;
+  }
+  const terms = parts.join(", ");
   let text = `Predicted step time ${s(stepTime.step_time_s)} (${terms}; from the rates the ranks measured at the start of attempt ${stepTime.attempt})`;
   const measured = measuredStepTime(points);
   if (measured !== null) text += `; measured ${s(measured)} (median of the latest steps), predicted/measured ${number(stepTime.step_time_s / measured, 2)}`;
