@@ -191,7 +191,7 @@ def test_a_failed_write_removes_the_snapshot_and_close_removes_one_in_flight(tmp
     engine = _engine("params", nvme)
     _steps(engine, 0, 1)
     manager = CheckpointManager(checkpoints_uri(f"file://{tmp_path}", "job"), job_id="job", upload_attempts=2)
-    monkeypatch.setattr(writer, "FIRST_RETRY_DELAY_S", 0.0)
+    manager.writer.first_retry_delay_s = 0.0
     monkeypatch.setattr(writer, "HashingWriter", _Broken)
     manager.save(1, engine)
     with pytest.raises(writer.CheckpointError, match="the storage is down"):
