@@ -8,14 +8,18 @@ resident growth (``PeakMemoryMeter``: VmHWM above the RSS before the model was b
 
 * construction (``ZeroEngine(...)``),
 * ``--steps`` training steps,
-* a checkpoint's host copy (``engine.state_dict()``, what ``take_snapshot`` holds while a
-  shard uploads),
+* a checkpoint (``--checkpoint``): ``state_dict`` takes the engine's ``state_dict()`` (the
+  host copy a checkpoint held before it streamed from the swap files); ``save`` writes a real
+  checkpoint with ``CheckpointManager.save`` to a local folder beside the swap files and waits
+  for its commit (a save that training would go on after: the state is snapshotted);
+  ``final`` the same as a run's last checkpoint (``final=True``: nothing is copied),
 
-and the bytes of the swap files. Run it on two checkouts to compare the code before and after a
-change (the script only uses the engine's public API)::
+and the bytes of the swap files. For the checkpoint it also reports the rise (the peak above
+what the rank held just before it), its seconds and those training was blocked for. Run it on two checkouts to compare the code before and after
+a change (the script only uses the engine's and the checkpoint manager's public API)::
 
     python -m benchmarks.nvme_build --preset gpt-medium --layers 17 --ranks 2 --nvme-dir /tmp \\
-        --json bench-results/nvme_build.json
+        --checkpoint save --json bench-results/nvme_build.json
 
 Figures and the commands that produced them are in ``docs/engine.md`` (Parameter offload).
 """
@@ -34,6 +38,7 @@ from typing import Any
 
 import torch
 
+from workers.checkpoint import CheckpointManager, checkpoints_uri
 from workers.host_memory import map_large_blocks
 from workers.models import GPT, PRESETS, num_parameters
 from workers.zero import ZeroConfig, ZeroEngine
@@ -74,15 +79,34 @@ def rank_main(rank: int, world_size: int, args: dict) -> dict[str, Any]:
         losses.append(loss.item())
     training = meter.lap("step")
     memory = engine.memory()
-    state = engine.state_dict()  # a checkpoint's host copy of this rank's shard
+    held = meter.since_lap()  # what the rank holds now (the high-water mark was just reset)
+    start = time.perf_counter()
+    state_bytes, blocked_s = _checkpoint(engine, args, rank)
+    checkpoint_s = time.perf_counter() - start
     checkpoint = meter.since_lap()
-    state_bytes = sum(t.numel() * t.element_size() for t in _tensors(state))
-    del state
     engine.close()
     return {"rank": rank, "params": params, "build_s": round(build_s, 2), "construction_peak_bytes": construction,
-            "training_peak_bytes": training, "checkpoint_peak_bytes": checkpoint, "state_dict_bytes": state_bytes,
+            "training_peak_bytes": training, "checkpoint_peak_bytes": checkpoint,
+            "checkpoint_rise_bytes": checkpoint - held, "checkpoint_s": round(checkpoint_s, 2),
+            "checkpoint_blocked_s": round(blocked_s, 2),
+            "state_dict_bytes": state_bytes,
             "disk_bytes": memory.get("disk", 0), "params_bytes": memory["params"],
             "optimizer_bytes": memory["optimizer"], "losses": losses}
+
+
+def _checkpoint(engine: ZeroEngine, args: dict, rank: int) -> tuple[int, float]:
+    """Take the checkpoint ``--checkpoint`` names; the bytes of this rank's state dict and the
+    seconds training was blocked (the whole call for ``state_dict``)."""
+    if args["checkpoint"] == "state_dict":
+        start = time.perf_counter()
+        state = engine.state_dict()
+        return sum(t.numel() * t.element_size() for t in _tensors(state)), time.perf_counter() - start
+    manager = CheckpointManager(checkpoints_uri(f"file://{args['nvme_dir']}/storage", "bench"), job_id="bench")
+    try:
+        blocked_s = manager.save(args["steps"], engine, final=args["checkpoint"] == "final")
+        return manager.wait().shard_bytes, blocked_s
+    finally:
+        manager.close()
 
 
 def _tensors(obj: Any):
@@ -107,6 +131,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--checkpoint", default="state_dict", choices=["state_dict", "save", "final"],
+                   help="how the checkpoint is taken (the module's docstring)")
     p.add_argument("--nvme-dir", default=tempfile.gettempdir(), help="where the swap files go (a folder per run)")
     p.add_argument("--json", help="write the per-rank results here")
     args = vars(p.parse_args(argv))
@@ -118,13 +144,15 @@ def main(argv: list[str] | None = None) -> None:
     load = [round(v, 2) for v in os.getloadavg()]
     mib = 2 ** 20
     print(f"{args['preset']} x{args['layers']} layers, {ranks[0]['params'] / 1e6:.1f}M parameters, stage 3 "
-          f"{args['precision']}, N={args['ranks']}, offload={args['offload']}, load average {load}")
-    print(f"{'rank':>4} {'construction':>14} {'training':>12} {'checkpoint':>12} {'state_dict':>12} "
-          f"{'disk':>10} {'build s':>8}")
+          f"{args['precision']}, N={args['ranks']}, offload={args['offload']}, checkpoint={args['checkpoint']}, "
+          f"load average {load}")
+    print(f"{'rank':>4} {'construction':>14} {'training':>12} {'checkpoint':>12} {'ckpt rise':>12} "
+          f"{'state':>12} {'disk':>10} {'build s':>8} {'ckpt s':>8} {'blocked s':>9}")
     for r in ranks:
         print(f"{r['rank']:>4} {r['construction_peak_bytes'] / mib:>10,.0f} MiB {r['training_peak_bytes'] / mib:>8,.0f}"
-              f" MiB {r['checkpoint_peak_bytes'] / mib:>8,.0f} MiB {r['state_dict_bytes'] / mib:>8,.0f} MiB "
-              f"{r['disk_bytes'] / mib:>6,.0f} MiB {r['build_s']:>8}")
+              f" MiB {r['checkpoint_peak_bytes'] / mib:>8,.0f} MiB {r['checkpoint_rise_bytes'] / mib:>8,.0f} MiB "
+              f"{r['state_dict_bytes'] / mib:>8,.0f} MiB {r['disk_bytes'] / mib:>6,.0f} MiB {r['build_s']:>8} "
+              f"{r['checkpoint_s']:>8} {r['checkpoint_blocked_s']:>9}")
     if args["json"]:
         os.makedirs(os.path.dirname(os.path.abspath(args["json"])), exist_ok=True)
         with open(args["json"], "w") as f:

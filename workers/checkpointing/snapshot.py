@@ -29,12 +29,15 @@ import base64
 import datetime as dt
 import random
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
 
 from storage.manifest import shard_name
+from workers.zero.swap_checkpoint import checkpoint_state
+
+from .file_tensor import FileTensor
 
 SAFETENSORS_DTYPE = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -50,13 +53,14 @@ class ShardSnapshot:
     rank: int
     world_size: int
     file: str
-    tensors: dict[str, torch.Tensor]  # shard-file name -> contiguous host tensor
+    tensors: dict[str, torch.Tensor | FileTensor]  # shard-file name -> contiguous host tensor, or its bytes on disk
     entries: dict[str, dict]  # shard-file name -> its manifest ENTRY (offsets filled when written)
     index: dict[str, dict]  # {"params": {name: ENTRY}, "optimizer": {name: {key: ENTRY}}, ...}
     values: dict[str, dict[str, Any]]  # non-tensor optimizer state
     rng: dict[str, Any]
     common: Optional[dict[str, Any]] = None  # rank 0 only
     group_names: list[list[str]] = field(default_factory=list)  # this rank's members of each param group
+    release: Callable[[], None] = lambda: None  # removes what the FileTensors point at, once written
     nbytes: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -68,7 +72,9 @@ def _entry(tensor: torch.Tensor, file: str, lo: int, hi: int, shape: list[int], 
             "pieces": [{"file": file, "range": [lo, hi], "offsets": None}]}
 
 
-def _host(t: torch.Tensor) -> torch.Tensor:
+def _host(t: torch.Tensor | FileTensor) -> torch.Tensor | FileTensor:
+    if isinstance(t, FileTensor):
+        return t
     t = t.detach()
     if t.device.type != "cpu":
         t = t.to("cpu")
@@ -87,11 +93,24 @@ def take_snapshot(engine: Any, loader: Any, step: int, rank: int, world_size: in
     The copy is what lets training go on while the shard uploads, and it is the largest transient
     a CPU rank has besides the backward pass: its fp32 master and optimizer state again, (4 + 4K)
     bytes per element of its shard (the planner's ``buffers.snapshot_bytes``). A save that is
-    waited for needs none of it; device tensors are copied to the host either way.
+    waited for needs none of it; device tensors are copied to the host either way. What an NVMe
+    engine keeps in swap files is snapshotted on disk instead, and read in chunks as it is written
+    (``workers.zero.swap_checkpoint``: ``FileTensor``s, removed by ``release()``).
     """
     if rank != 0 and rank >= engine.state_dict_meta()["shard_world_size"]:
         return _replica_snapshot(step, rank, world_size)  # stage 0: rank 0 writes the one copy
-    sd = engine.state_dict(copy=copy)  # host copies (copy=True): training may continue while they upload
+    # host copies (copy=True): training may continue while they upload
+    sd, release = checkpoint_state(engine, copy=copy)
+    try:
+        return _describe(engine, loader, sd, step, rank, world_size, release)
+    except BaseException:
+        release()
+        raise
+
+
+def _describe(engine: Any, loader: Any, sd: dict, step: int, rank: int, world_size: int,
+              release: Callable[[], None]) -> ShardSnapshot:
+    """The snapshot of state dict ``sd``: its shard-file tensors and where each will lie."""
     file = shard_name(rank, world_size)
     tensors: dict[str, torch.Tensor] = {}
     entries: dict[str, dict] = {}
@@ -111,10 +130,10 @@ def take_snapshot(engine: Any, loader: Any, step: int, rank: int, world_size: in
             master = sd["master"][name]
             index["params"][name] = add(f"params/{name}", master, _entry(master, file, lo, hi, meta["shape"], True))
             for key, value in opt_state.get(i, {}).items():
-                if not isinstance(value, torch.Tensor):
+                if not isinstance(value, (torch.Tensor, FileTensor)):
                     values.setdefault(name, {})[key] = value
                     continue
-                sharded = value.dim() == 1 and value.numel() == hi - lo
+                sharded = len(value.shape) == 1 and value.numel() == hi - lo
                 entry = (_entry(value, file, lo, hi, meta["shape"], True) if sharded
                          else _entry(value, file, 0, value.numel(), list(value.shape), False))
                 index["optimizer"].setdefault(name, {})[key] = add(f"optimizer/{name}/{key}", value, entry)
@@ -126,7 +145,8 @@ def take_snapshot(engine: Any, loader: Any, step: int, rank: int, world_size: in
                          index=index,
                          values=values, rng=rng_state(),
                          common=_common(engine, loader, sd, step, world_size) if rank == 0 else None,
-                         group_names=[list(g.get("param_names", [])) for g in sd["optimizer"]["param_groups"]])
+                         group_names=[list(g.get("param_names", [])) for g in sd["optimizer"]["param_groups"]],
+                         release=release)
 
 
 def _replica_snapshot(step: int, rank: int, world_size: int) -> ShardSnapshot:

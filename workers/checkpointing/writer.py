@@ -48,6 +48,7 @@ from contract.environment import UPLOAD_ATTEMPTS_ENV
 
 from . import retention
 from storage.manifest import FORMAT, MANIFEST, step_dir
+from .file_tensor import FileTensor
 from .snapshot import ShardSnapshot
 from storage.stfile import ITEMSIZE, HashingWriter, TensorSpec, build_header
 from storage.storage import Storage
@@ -99,7 +100,12 @@ def write_shard(step_storage: Storage, snap: ShardSnapshot) -> tuple[int, str]:
         out = HashingWriter(sink)
         out.write(header)
         for key in names:
-            raw = snap.tensors[key].reshape(-1).view(torch.uint8).numpy()
+            tensor = snap.tensors[key]
+            if isinstance(tensor, FileTensor):  # an NVMe engine's state: from its file, a chunk at a time
+                for chunk in tensor.chunks(CHUNK_BYTES):
+                    out.write(chunk)
+                continue
+            raw = tensor.reshape(-1).view(torch.uint8).numpy()
             for start in range(0, raw.size, CHUNK_BYTES):
                 out.write(raw[start : start + CHUNK_BYTES])
     return out.size, out.hexdigest()
@@ -262,8 +268,10 @@ class AsyncCheckpointWriter:
                 step_storage, snap, self.upload_attempts, self.first_retry_delay_s)
         except Exception as error:  # noqa: BLE001 - reported to rank 0, which then does not commit
             status["error"] = f"rank {self.rank} could not write {step_storage.uri}/{snap.file}: {error}"
+        finally:
+            snap.tensors.clear()  # the host copy is no longer needed
+            snap.release()  # nor the snapshot on disk
         upload_s = time.perf_counter() - started
-        snap.tensors.clear()  # the host copy is no longer needed
         self._wait_before_commit(snap.step)
         statuses = self._gather(status)
         outcome = self._commit(step_storage, snap.step, statuses) if self.rank == 0 else None

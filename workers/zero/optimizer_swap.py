@@ -25,10 +25,9 @@ computed again at every release, and a new layout makes a new file image.
 
 [Note: outside a step]
 Between steps the state tensors in ``optimizer.state`` are empty placeholders. Whatever reads
-or writes the whole state (``state_dict``, ``load_state_dict``, a checkpoint) runs inside
-``resident()``, which reads every file into memory and afterwards writes back what a load
-changed. A checkpoint therefore holds this rank's whole optimizer state in memory while it is
-taken.
+or writes the whole state (``state_dict``, ``load_state_dict``) runs inside ``resident()``,
+which reads every file into memory and afterwards writes back what a load changed. A checkpoint
+does not: it snapshots the files on disk and streams them to storage (``swap_checkpoint.py``).
 """
 
 from __future__ import annotations

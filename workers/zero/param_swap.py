@@ -29,7 +29,8 @@ the step, where the in-memory engine casts it into the shard.
 ``state_dict``, the loads and ``full_state_dict`` read or write the masters: ``resident()``
 brings every master file into memory for the call and, after a load, writes them back. A
 master handed out without a copy would point into storage freed afterwards, so the engine
-copies it (``holds_masters``).
+copies it (``holds_masters``). A checkpoint reads the master files from a snapshot on disk
+instead (``swap_checkpoint.py``).
 """
 
 from __future__ import annotations
