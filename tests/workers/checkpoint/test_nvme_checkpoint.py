@@ -13,36 +13,22 @@ import errno
 import gc
 import os
 import threading
-import warnings
 
 import pytest
 import torch
 
 from storage.manifest import read_manifest, step_dir
 from storage.storage import Storage
+from tests.helpers.live_tensors import live_tensor_bytes
+from tests.workers.zero import deferred_cases as dc
 from workers.checkpoint import CheckpointManager, checkpoints_uri
 from workers.checkpointing import writer
 from workers.models import GPT
 from workers.zero import ZeroConfig, ZeroEngine
-from tests.workers.zero import deferred_cases as dc
 
 SAMPLE_BYTES = 2 << 20
 KINDS = {"params": {"stage": 3, "precision": "fp32", "offload_params": "nvme", "offload_optimizer": "nvme"},
          "optimizer": {"stage": 2, "precision": "bf16", "offload_optimizer": "nvme"}}
-
-
-def _live_tensor_bytes() -> int:
-    """Bytes of every distinct non-meta tensor storage Python can reach now (as test_nvme_build)."""
-    seen, total = set(), 0
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor) and not obj.is_meta]
-    for obj in tensors:
-        storage = obj.untyped_storage()
-        if storage.nbytes() and storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
-            total += storage.nbytes()
-    return total
 
 
 def _engine(kind: str, nvme: str | None) -> ZeroEngine:
@@ -80,7 +66,7 @@ class _Gate(writer.HashingWriter):
         before = self.size
         super().write(data)
         if self.counting and before // SAMPLE_BYTES != self.size // SAMPLE_BYTES:
-            self.seen.append(_live_tensor_bytes())
+            self.seen.append(live_tensor_bytes())
 
 
 def _shard_bytes(root: str, job: str, step: int) -> tuple[dict, dict[str, bytes]]:
@@ -117,9 +103,9 @@ def test_an_nvme_checkpoint_streams_from_disk_and_equals_the_in_memory_jobs_bit_
         _Gate.counting = True
         losses[job] = _steps(engine, 0, 2)
         gc.collect()
-        base = _live_tensor_bytes()
+        base = live_tensor_bytes()
         manager.save(2, engine)  # training goes on while the shard uploads: the next step runs first
-        held = _live_tensor_bytes() - base
+        held = live_tensor_bytes() - base
         losses[job] += _steps(engine, 2, 1)
         if folder is not None:  # while the upload waits: the swap files and a snapshot beside them
             during = sorted(os.listdir(os.path.join(folder, "0")))

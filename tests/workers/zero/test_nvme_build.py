@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import gc
 import os
-import warnings
 import weakref
 from dataclasses import replace
 
@@ -18,6 +17,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from tests.helpers.live_tensors import live_tensor_bytes
 from workers.models import GPT, PRESETS
 from workers.zero import ZeroConfig, ZeroEngine, param_swap, swap_io
 from workers.zero.planner import PlanInputs, model_shape, predict
@@ -28,20 +28,6 @@ from .test_nvme_offload import _same
 
 #: eight equal blocks and a small root (byte vocabulary): one unit is about an eighth of the model
 EIGHT = replace(PRESETS["gpt-nano"], block_size=16, n_layer=8, n_head=4, n_embd=128)
-
-
-def _live_tensor_bytes() -> int:
-    """Bytes of every distinct non-meta tensor storage Python can reach now."""
-    seen, total = set(), 0
-    with warnings.catch_warnings():  # isinstance() wakes deprecated lazy attributes of some modules
-        warnings.simplefilter("ignore")
-        tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor) and not obj.is_meta]
-    for obj in tensors:
-        storage = obj.untyped_storage()
-        if storage.nbytes() and storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
-            total += storage.nbytes()
-    return total
 
 
 def _build_watching_memory(tmp_path, **swap) -> tuple[ZeroEngine, int, int]:
@@ -55,14 +41,14 @@ def _build_watching_memory(tmp_path, **swap) -> tuple[ZeroEngine, int, int]:
 
     def init(module: torch.nn.Module) -> None:
         hook(module)
-        most[0] = max(most[0], _live_tensor_bytes())
+        most[0] = max(most[0], live_tensor_bytes())
 
     engine = ZeroEngine(model, dc.adamw, ZeroConfig(stage=3, precision="fp32", **swap), init_weights=init)
     return engine, most[0], sum(p.numel() * 4 for p in model.parameters())
 
 
 def test_the_shard_is_built_straight_into_the_swap_files_never_whole_in_memory(tmp_path):
-    base = _live_tensor_bytes()
+    base = live_tensor_bytes()
     engine, in_memory, model_bytes = _build_watching_memory(tmp_path)
     engine.close()
     del engine
