@@ -71,6 +71,8 @@ def latest_memory(session: Session, job_id: str, world: int) -> list[dict[str, A
     reported = and_(Metric.job_id == job_id, Metric.mem_params_bytes.is_not(None))
     newest = select(Metric.attempt).where(reported).order_by(Metric.id.desc()).limit(4 * world).subquery("newest")
     attempt = session.execute(select(func.max(newest.c.attempt))).scalar()
+    if attempt is None:  # no raw rows (dropped once the job ended: service.metric_retention)
+        attempt = session.execute(select(func.max(MetricMemory.attempt)).where(MetricMemory.job_id == job_id)).scalar()
     if attempt is None:
         return []
     columns = (MetricMemory.rank, MetricMemory.attempt, MetricMemory.step,
