@@ -29,7 +29,8 @@ whether more remain, so the scheduler's pass is never held up for long; the rest
 next passes.
 
 After the deletion ``GET /jobs/{id}/metrics`` lists no records for the dropped rows (and its
-``max_points`` form no points); its ``points`` form (the chart), the job page, the memory bars
+``max_points`` form no points); its ``points`` form (the chart), the job page, the memory bars,
+the jobs list's progress (``service.dashboard.charts``: from the roll-ups when the rows are gone)
 and the user-reported scalars (``user_metrics``, kept) answer as before; a metric stream of the
 job sends ``end`` at once.
 """

@@ -64,14 +64,17 @@ def counts(service, job_id: str) -> tuple[int, int, int]:
                      for table in (Metric, MetricStep, UserMetric))
 
 
-def page(service, job_id: str) -> tuple[dict, dict]:
-    """(the job page's chart data less its stream cursor, ``GET /metrics?points=``'s chart)."""
+def page(service, job_id: str) -> tuple[dict, dict, dict]:
+    """(the job page's chart data less its stream cursor, ``GET /metrics?points=``'s chart, the
+    jobs list's progress of the job)."""
     headers = {"Authorization": f"Bearer {service.admin_token}"}
     chart = httpx.get(f"{service.url}/api/v1/jobs/{job_id}/metrics/chart", headers=headers).raise_for_status().json()
     chart.pop("cursor")
     points = httpx.get(f"{service.url}/api/v1/jobs/{job_id}/metrics", params={"points": 100},
                        headers=headers).raise_for_status().json()["chart"]
-    return chart, points
+    progress = httpx.get(f"{service.url}/api/v1/dashboard/progress", params={"job_id": job_id},
+                         headers=headers).raise_for_status().json()["items"][job_id]
+    return chart, points, progress
 
 
 def test_the_leader_drops_an_ended_jobs_raw_rows_and_the_charts_answer_the_same(make_service):
@@ -81,6 +84,7 @@ def test_the_leader_drops_an_ended_jobs_raw_rows_and_the_charts_answer_the_same(
     before = page(service, job_id)
     assert counts(service, job_id) == (RANKS * STEPS, STEPS * RANKS, RANKS * STEPS)
     assert len(before[0]["memory"]) == RANKS and before[0]["records"] == RANKS * STEPS
+    assert before[2]["step"] == STEPS - 1 and before[2]["tokens_per_s"] == 200.0  # the ranks' mean, 100, times the spec's 2 workers
 
     service.app.state.scheduler.drop_rolled_up_metrics()  # the leader's duty, as a pass runs it
 
