@@ -74,6 +74,7 @@ def main() -> int:
         make_session = make_sessionmaker(engine)
         lease = Lease(make_session, "benchmark", lease_s=30)
         assert lease.renew()
+        lease.start()  # renewed as a replica's thread does, for a deletion longer than the lease
         load = [os.getloadavg()[0]]
         batches: list[float] = []
         deleted = 0
@@ -85,6 +86,7 @@ def main() -> int:
             if not sweep.more:
                 break
         load.append(os.getloadavg()[0])
+        lease.stop()
         engine.dispose()
         size_after = table_bytes(database_url)
         with psycopg.connect(plain_url, autocommit=True) as connection:

@@ -24,9 +24,9 @@ more, so the roll-up stays exact. A running job's rows are kept, however old.
 hold its locks and bloat one transaction for minutes. The rows go ``BATCH_ROWS`` at a time,
 oldest id first, each batch its own short transaction fenced by the leader lease
 (``service.leadership``: ``lease.begin`` / ``lease.commit``), so a paused ex-leader deletes
-nothing after it lost the lease. One call deletes at most ``max_batches`` batches and says
-whether more remain, so the scheduler's pass is never held up for long; the rest goes on the
-next passes.
+nothing after it lost the lease. One call starts no batch after ``PASS_BUDGET_S`` (nor past
+``max_batches``), but runs one at least and says whether more remain, so the scheduler's pass (claims, launches,
+reconciling) is never held up for long; the rest goes on the next passes.
 
 After the deletion ``GET /jobs/{id}/metrics`` lists no records for the dropped rows (and its
 ``max_points`` form no points); its ``points`` form (the chart), the job page, the memory bars,
@@ -38,6 +38,7 @@ job sends ``end`` at once.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 
@@ -52,6 +53,7 @@ log = logging.getLogger(__name__)
 
 BATCH_ROWS = 10_000  # raw rows deleted per transaction
 SWEEP_S = 600.0  # how often the leader looks for jobs whose rows are due, when none were left over
+PASS_BUDGET_S = 1.0  # a call starts no new batch after this many seconds
 JOBS_PER_SWEEP = 100  # jobs looked at per call; more wait for the next one
 _DELETE_BATCH = text("DELETE FROM metrics WHERE id IN "
                      "(SELECT id FROM metrics WHERE job_id = :job_id ORDER BY id LIMIT :rows)")
@@ -75,15 +77,18 @@ def due_jobs(session: Session, retention: timedelta, now: datetime | None = None
 
 
 def drop_rolled_up(make_session: sessionmaker[Session], lease: Lease | SoleLeader, retention: timedelta, *,
-                   max_batches: int = 50, batch_rows: int = BATCH_ROWS, now: datetime | None = None) -> Sweep:
-    """Delete the due raw rows, ``batch_rows`` per fenced transaction, at most ``max_batches``
-    transactions; ``LeadershipLost`` when the lease is gone (the batch is rolled back)."""
+                   max_batches: int | None = None, budget_s: float = PASS_BUDGET_S, batch_rows: int = BATCH_ROWS,
+                   now: datetime | None = None) -> Sweep:
+    """Delete the due raw rows, ``batch_rows`` per fenced transaction, until ``budget_s`` has
+    passed or ``max_batches`` transactions ran; ``LeadershipLost`` when the lease is gone (the
+    batch is rolled back)."""
+    started = time.monotonic()
     with make_session() as session:
         job_ids = due_jobs(session, retention, now)
     deleted = batches = 0
     for job_id in job_ids:
         while True:
-            if batches == max_batches:
+            if batches == max_batches or (batches and time.monotonic() - started >= budget_s):  # one at least
                 return _logged(Sweep(deleted, more=True), retention)
             with make_session() as session:
                 lease.begin(session)

@@ -139,9 +139,26 @@ def test_rows_go_in_bounded_batches_and_a_replica_without_the_lease_deletes_noth
     else:
         lease = service.app.state.lease
     batch = RANKS * STEPS // 4 + 1  # four batches take all but a few rows
-    sweep = metric_retention.drop_rolled_up(make_session, lease, timedelta(days=2), max_batches=3, batch_rows=batch)
+    sweep = metric_retention.drop_rolled_up(make_session, lease, timedelta(days=2), max_batches=3, budget_s=600, batch_rows=batch)
     assert sweep == metric_retention.Sweep(deleted=3 * batch, more=True)
     assert counts(service, job_id)[0] == RANKS * STEPS - 3 * batch
-    sweep = metric_retention.drop_rolled_up(make_session, lease, timedelta(days=2), max_batches=3, batch_rows=batch)
+    sweep = metric_retention.drop_rolled_up(make_session, lease, timedelta(days=2), max_batches=3, budget_s=600, batch_rows=batch)
     assert sweep == metric_retention.Sweep(deleted=RANKS * STEPS - 3 * batch, more=False)
+    assert counts(service, job_id)[0] == 0
+
+
+def test_a_spent_time_budget_still_deletes_one_batch_per_call(make_service):
+    service = make_service()
+    job_id, worker = run_job(service)
+    end(service, job_id, worker, days_ago=3)
+    make_session = service.app.state.sessionmaker
+    lease = Lease(make_session, "leader", lease_s=10) if service.settings.database_url.startswith("postgresql") \
+        else service.app.state.lease
+    if isinstance(lease, Lease):
+        assert lease.renew()
+    batch = RANKS * STEPS // 2 + 1
+    first = metric_retention.drop_rolled_up(make_session, lease, timedelta(days=2), budget_s=0, batch_rows=batch)
+    assert first == metric_retention.Sweep(deleted=batch, more=True)
+    second = metric_retention.drop_rolled_up(make_session, lease, timedelta(days=2), budget_s=0, batch_rows=batch)
+    assert second == metric_retention.Sweep(deleted=RANKS * STEPS - batch, more=False)
     assert counts(service, job_id)[0] == 0
