@@ -42,7 +42,7 @@ from sqlalchemy import select, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from contract.reasons import Reason
-from service import admission, preemption, preemption_notes, quotas, tensorboard
+from service import admission, metric_retention, preemption, preemption_notes, quotas, tensorboard
 from service.auth import INGEST_TOKEN_PREFIX, hash_token, new_token
 from service.code_package_retention import delete_unused_packages
 from service.launchers.base import (
@@ -85,6 +85,7 @@ class Scheduler:
         self.limits = admission.limits_from(settings)
         self._next_package_sweep = 0.0  # time.monotonic() of the next code-package sweep
         self._next_tensorboard_export = 0.0  # time.monotonic() of the next TensorBoard export
+        self._next_metric_sweep = 0.0  # time.monotonic() of the next raw metric sweep
 
     # ------------------------------------------------------------------ loop
 
@@ -98,6 +99,7 @@ class Scheduler:
             self.reconcile()
             self.sweep_code_packages()
             self.export_tensorboard()
+            self.drop_rolled_up_metrics()
         except LeadershipLost as lost:
             log.warning("scheduler pass abandoned: %s", lost)
 
@@ -108,6 +110,16 @@ class Scheduler:
             return
         self._next_tensorboard_export = time.monotonic() + self.settings.tensorboard_export_s
         tensorboard.export_pending(self.make_session, self.settings.storage_uri)
+
+    def drop_rolled_up_metrics(self) -> None:
+        """With ``metrics_raw_retention_days`` set: delete the raw metric rows of jobs that ended
+        that long ago (``service.metric_retention``), a bounded number per pass, fenced; when rows
+        remain the next pass goes on, else the next look is ``SWEEP_S`` later."""
+        days = self.settings.metrics_raw_retention_days
+        if days is None or time.monotonic() < self._next_metric_sweep:
+            return
+        sweep = metric_retention.drop_rolled_up(self.make_session, self.lease, timedelta(days=days))
+        self._next_metric_sweep = 0.0 if sweep.more else time.monotonic() + metric_retention.SWEEP_S
 
     def sweep_code_packages(self) -> None:
         """Every ``code_package_sweep_s``: delete the code packages nothing needs any more

@@ -79,6 +79,9 @@ class Settings(BaseSettings):
     # looks every code_package_sweep_s (service.code_package_retention).
     code_package_retention_days: float = Field(default=30.0, gt=0)
     code_package_sweep_s: float = Field(default=3600.0, gt=0)
+    # Raw metric rows of a job that ended more than this many days ago are deleted once rolled up
+    # (service.metric_retention: the charts read the roll-ups); empty: kept for ever.
+    metrics_raw_retention_days: float | None = Field(default=None, gt=0)
     # The scheduler writes new steps to the jobs' TensorBoard event files every this often (service.tensorboard).
     tensorboard_export_s: float = Field(default=10.0, gt=0)
     max_spec_bytes: int = Field(default=256 * 1024, ge=1024)  # a stored spec's JSON; larger is a 422

@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 from contract.metrics import MEMORY_FIELDS, THROUGHPUT
 from service import chart_series, stream_cursor, user_metrics
 from service.metric_sql import Averaging, execute_overflow_safe, latest_attempt_per_step
-from service.models import Metric, MetricMemory, UserMetric
+from service.models import Metric, MetricMemory, MetricStep, UserMetric
 
 
 def series(session: Session, job_id: str, steps: int, world: int, max_points: int) -> dict[str, Any]:
@@ -71,6 +71,8 @@ def latest_memory(session: Session, job_id: str, world: int) -> list[dict[str, A
     reported = and_(Metric.job_id == job_id, Metric.mem_params_bytes.is_not(None))
     newest = select(Metric.attempt).where(reported).order_by(Metric.id.desc()).limit(4 * world).subquery("newest")
     attempt = session.execute(select(func.max(newest.c.attempt))).scalar()
+    if attempt is None:  # no raw rows (dropped once the job ended: service.metric_retention)
+        attempt = session.execute(select(func.max(MetricMemory.attempt)).where(MetricMemory.job_id == job_id)).scalar()
     if attempt is None:
         return []
     columns = (MetricMemory.rank, MetricMemory.attempt, MetricMemory.step,
@@ -105,6 +107,28 @@ def progress(session: Session, job_ids: list[str], worlds: dict[str, int]) -> di
     for row in execute_overflow_safe(session, query):  # ordered by attempt: the latest attempt wins
         world = row.world_size or worlds.get(row.job_id, 1)
         speed = None if row.speed is None else float(row.speed) * world
+        out[row.job_id] = {"step": row.step, "attempt": row.attempt,
+                           THROUGHPUT: speed if speed is None or math.isfinite(speed) else None}
+    dropped = [job_id for job_id in job_ids if job_id not in out]
+    return {**out, **(_progress_from_rollup(session, dropped, worlds) if dropped else {})}
+
+
+def _progress_from_rollup(session: Session, job_ids: list[str], worlds: dict[str, int]) -> dict[str, dict[str, Any]]:
+    """``progress`` of jobs without raw rows (dropped once ended: service.metric_retention),
+    from the roll-up's exact sums at each job's latest step."""
+    top = (select(MetricStep.job_id, func.max(MetricStep.step).label("step"))
+           .where(MetricStep.job_id.in_(job_ids)).group_by(MetricStep.job_id).subquery("top"))
+    rows = session.execute(
+        select(MetricStep.job_id, MetricStep.attempt, MetricStep.step, func.max(MetricStep.world_size).label("world_size"),
+               func.sum(getattr(MetricStep, f"sum_{THROUGHPUT}")).label("total"),
+               func.sum(getattr(MetricStep, f"n_{THROUGHPUT}")).label("count"))
+        .join(top, and_(MetricStep.job_id == top.c.job_id, MetricStep.step == top.c.step))
+        .group_by(MetricStep.job_id, MetricStep.attempt, MetricStep.step)
+        .order_by(MetricStep.job_id, MetricStep.attempt))
+    out: dict[str, dict[str, Any]] = {}
+    for row in rows:  # ordered by attempt: the latest attempt wins
+        world = row.world_size or worlds.get(row.job_id, 1)
+        speed = float(row.total) / row.count * world if row.count and row.total is not None else None
         out[row.job_id] = {"step": row.step, "attempt": row.attempt,
                            THROUGHPUT: speed if speed is None or math.isfinite(speed) else None}
     return out
