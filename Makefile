@@ -41,7 +41,12 @@ test-slow: install services
 # here only, beside the CPU torch (the constraints keep pip from replacing it and pin what it pulls
 # in; DS_BUILD_OPS=0: no ops compiled at install, the rows use a torch optimizer). The benchmark
 # runs every row interleaved in one world, 5 repeats in rotated order (benchmarks/engine.py);
-# e.g. BENCH_ARGS="--steps 3 --warmup 1" for a shorter run.
+# e.g. BENCH_ARGS="--steps 3 --warmup 1" for a shorter run. Three tables, each one run:
+# gpt-mini fp32, gpt-mini bf16 (autocast for DDP/DeepSpeed, the engine's bf16 for ours) and gpt-small
+# (124M, fp32, a shorter shape so that it ends in minutes on a CPU; each row in a world of its own,
+# the rows rotated per repeat: twelve 124M rows in one world do not fit a 23 GiB machine); then the
+# ZeRO++ table.
+BENCH_SMALL_ARGS := --seq-len 64 --micro-batch 1 --steps 3 --warmup 1
 BENCH_DEPS  := deepspeed==0.19.8
 BENCH_STAMP := $(VENV)/.installed-bench
 
@@ -54,6 +59,9 @@ $(BENCH_STAMP): $(STAMP) constraints.txt
 
 bench: install bench-install services
 	$(PY) -m benchmarks.engine --interleave --repeats 5 $(BENCH_ARGS) --json bench-results/engine.json
+	$(PY) -m benchmarks.engine --interleave --repeats 5 --precision bf16 $(BENCH_ARGS) --json bench-results/engine-bf16.json
+	$(PY) -m benchmarks.engine --repeats 3 --preset gpt-small $(BENCH_SMALL_ARGS) $(BENCH_ARGS) --json bench-results/engine-gpt-small.json
+	$(PY) -m benchmarks.zeropp --json bench-results/zeropp.json
 	$(PY) -m benchmarks.service --json bench-results/service.json
 
 clean:

@@ -19,7 +19,6 @@ import argparse
 import json
 import logging
 import os
-import socket
 import statistics
 import sys
 import time
@@ -31,14 +30,9 @@ import torch
 
 from contract.presets import PRESETS
 from contract.spec import DataSpec
+from service.launchers.ports import free_port
 from workers.data import ShardedBatchLoader, build_dataset
 from workers.models import GPT
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def upload(endpoint: str, bucket: str, seq_len: int) -> dict[str, dict[str, Any]]:

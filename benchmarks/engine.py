@@ -91,7 +91,6 @@ import json
 import os
 import platform
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -112,6 +111,7 @@ from benchmarks.collective_count import check_own_volume
 from benchmarks.collective_count import describe as describe_collectives
 from benchmarks.peers import deepspeed_row
 from benchmarks.runner import Runner, torch_model_state
+from service.launchers.ports import free_port
 from workers.host_memory import map_large_blocks
 from workers.models import GPT, PRESETS, GPTConfig, num_parameters
 from workers.zero.planner.check import PeakMemoryMeter
@@ -500,11 +500,6 @@ def worker(rank: int, rows: list[str], args: dict, port: int, out_dir: str) -> N
 
 
 # -- driver ----------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 def run_world(rows: list[str], args: dict) -> list[dict[str, Any]]:
     """Spawn one world of ``world_size`` processes that runs ``rows`` in order; one result each."""

@@ -205,7 +205,7 @@ def available_bytes() -> int:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """One world of ``--world-size`` ranks under the memory watchdog; the ranks' reports."""
-    from benchmarks.engine import free_port
+    from service.launchers.ports import free_port
 
     settings = {"world_size": args.world_size, "nvme_dir": args.nvme_dir, "probe_mb": args.probe_mb,
                 "model": gpt_config(args), "micro_batch": args.micro_batch, "seq_len": args.seq_len,

@@ -11,7 +11,6 @@ source tree's code for a baseline); it is stopped at the end too, if it is still
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
+from service.launchers.ports import free_port
 
 ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 QUEUE_LIMIT = 10**6  # the per-user queue limit (still counted on every submit) never refuses a benchmark's jobs
@@ -159,9 +160,3 @@ def admin_sql(statement: str) -> None:
     with engine.connect() as connection:
         connection.execute(text(statement))
     engine.dispose()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

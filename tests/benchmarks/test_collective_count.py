@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
+
+from service.launchers.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -48,12 +49,6 @@ dist.destroy_process_group()
 # exception", SIGABRT) after the report was printed; leave without that teardown.
 os._exit(0)
 """
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_counter_counts_each_kind_on_two_gloo_ranks() -> None:
