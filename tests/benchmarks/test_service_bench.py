@@ -7,8 +7,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from benchmarks.service import Step, judge, open_loop, ramp, stop
+
+
+def run_alone(coroutine):
+    """``asyncio.run`` in a thread of its own. Playwright's sync API keeps an event loop running
+    in the main thread while the dashboard tests' session-wide browser lives, and
+    ``asyncio.run`` refuses to start under a running loop: these tests failed whenever they ran
+    after a dashboard test in one session."""
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coroutine).result()
 
 
 def fake_send(hang_from: int):
@@ -35,7 +45,7 @@ def args(**overrides) -> argparse.Namespace:
 
 def test_a_step_that_keeps_up_runs_to_the_end() -> None:
     send, sent, _ = fake_send(hang_from=10**9)
-    load = asyncio.run(open_loop(50, 0.4, send, give_up_s=1.0))
+    load = run_alone(open_loop(50, 0.4, send, give_up_s=1.0))
     assert sent == list(range(20)) and len(load.latencies) == 20
     assert not load.abandoned and load.failed == 0 and load.unfinished == 0
     assert 0.35 < load.seconds < 1.0
@@ -49,7 +59,7 @@ def test_an_outstanding_request_abandons_the_step_at_once() -> None:
         return load, [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
 
     started = time.monotonic()
-    load, leftover = asyncio.run(run())
+    load, leftover = run_alone(run())
     assert time.monotonic() - started < 2.5  # request 5 was due at 0.05 s, given up at 0.25 s
     assert load.abandoned and leftover == []
     assert 5 < len(sent) < 100  # nothing was sent after the give-up
@@ -73,7 +83,7 @@ def test_the_ramp_ends_at_the_abandoned_step_and_says_why() -> None:
                           len(load.latencies) / load.seconds, 0.0, 0.0, 0.0, unfinished=load.unfinished,
                           abandoned=load.abandoned, seconds=load.seconds), options)
 
-    steps = asyncio.run(ramp(10, options, measure_at))
+    steps = run_alone(ramp(10, options, measure_at))
     assert levels == [10, 20, 40]
     assert [step.kept_up for step in steps] == [True, True, False] and steps[-1].abandoned
     stopped = stop(steps, options)
