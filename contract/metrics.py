@@ -112,7 +112,7 @@ CHARTS: tuple[Chart, ...] = (
     Chart("loss", "Loss", "training", zero_based=False),
     Chart("throughput", "Throughput", "training"),
     Chart("compute", "TFLOPs and MFU", "training", description="MFU is reported on GPUs only."),
-    # The communication section opens with the job page's own chart of comm_bytes per element
+    # The communication section opens with the job page's own chart of comm_bytes
     # against the prediction's expectation (it needs the prediction, so it is not a table chart).
     Chart("exposed", "Exposed communication time per step", "communication",
           description="Communication the computation did not hide, mean over ranks. "
@@ -182,7 +182,7 @@ METRICS: tuple[MetricField, ...] = (
     MetricField("mem_peak_bytes", float, "bytes", "this rank's peak memory so far: " + PEAK_MEASURE,
                 Across.LATEST_PER_RANK, lambda o: o.peak_memory_bytes),
     MetricField("comm_bytes", float, "bytes", "bytes this rank passed to collectives in the step", Across.MEAN,
-                lambda o: o.comm_bytes),  # drawn per element by the job page's communication chart
+                lambda o: o.comm_bytes),  # drawn against the prediction by the job page's communication chart
     MetricField("comm_exposed_s", float, "s", "communication the computation did not hide", Across.MEAN,
                 lambda o: o.comm_exposed_s, Series("exposed", "exposed communication", "seconds")),
     MetricField("checkpoint_blocked_s", float, "s", "time the step waited for a checkpoint", Across.NONE,

@@ -262,6 +262,25 @@ def comm_bytes(elements: int, precision: str, *, gathered: int = 0, reduced: int
     return int(round(total))
 
 
+def comm_bytes_per_step(phi: int, stage: int, precision: str, *, reshard_after_forward: bool,
+                        accumulation_steps: int = 1, quantized_weights: bool = False,
+                        quantized_gradients: bool = False) -> int:
+    """Bytes one rank hands to collectives in a whole optimizer step of ``accumulation_steps``
+    micro-steps, by the formula (no bucket padding; the planner's ``comm_bytes_by_group`` counts
+    that too): stages 0 and 1 communicate once per step, after the last micro-step; stage 2
+    reduce-scatters every micro-step's gradients and all-gathers once; stage 3 gathers and
+    reduce-scatters every unit in every micro-step, its gathers int8 with ``quantized_weights``
+    and its reduce-scatters int4 with ``quantized_gradients``. What a job's ``comm_bytes``
+    metric measures (``engine.comm_volume("bytes")``)."""
+    traits, a = stage_traits(stage), int(accumulation_steps)
+    per_micro_step = comm_elements(phi, stage, reshard_after_forward)
+    if traits.shards_parameters:
+        return a * comm_bytes(per_micro_step, precision, gathered=per_micro_step - int(phi), reduced=int(phi),
+                              quantized_weights=quantized_weights, quantized_gradients=quantized_gradients)
+    elements = per_micro_step + (a - 1) * int(phi) if traits.shards_gradients else per_micro_step
+    return comm_bytes(elements, precision, quantized_weights=False, quantized_gradients=False)
+
+
 def gbps_to_bytes_per_s(gbps: float) -> float:
     """A link rate in gigabits per second (what NICs are sold by) as bytes per second."""
     return gbps * 1e9 / 8

@@ -27,9 +27,19 @@ def model_state_bytes(phi: int, world: int, stage: int, precision: str,
 
 
 def comm_elements_per_step(phi: int, stage: int, reshard_after_forward: bool) -> int:
-    """Elements one rank communicates per step: 2Φ for stages 0–2, 3Φ for stage 3 (2Φ when it
-    keeps the units gathered into the backward)."""
+    """Elements one rank communicates per micro-step: 2Φ for stages 0–2, 3Φ for stage 3 (2Φ when
+    it keeps the units gathered into the backward)."""
     return zero_math.comm_elements(phi, stage, reshard_after_forward)
+
+
+def planned_comm_bytes_per_step(chosen: dict[str, Any]) -> int | None:
+    """The planner's bytes per rank and optimizer step, as the job's ``comm_bytes`` metric counts
+    them: its count by group (padding, every micro-step and ZeRO++'s quantized bytes included; 0
+    on one rank). A prediction stored before that count existed has only one micro-step's
+    ``comm_bytes``; older ones have neither."""
+    if "comm_bytes_by_group" in chosen:
+        return sum(sum(kinds.values()) for kinds in (chosen["comm_bytes_by_group"] or {}).values())
+    return chosen.get("comm_bytes")
 
 
 def from_planner(planner: dict[str, Any], memory_check: dict[str, Any] | None) -> dict[str, Any]:
@@ -67,6 +77,7 @@ def from_planner(planner: dict[str, Any], memory_check: dict[str, Any] | None) -
         "peak_measured": (check.get("peak") or {}).get("measured"),
         "peak_parts": parts or None,
         "comm_elements_per_step": chosen["comm_elements"],
+        "comm_bytes_per_step": planned_comm_bytes_per_step(chosen),
         "choice": planner.get("reason"),
         "check": whole or None,
     }
@@ -100,6 +111,10 @@ def predict(spec: JobSpec | None, checkpoint_stage: int | None, planner: dict[st
         **model_state_bytes(phi, world, stage, precision,
                             zero_math.optimizer_state_tensors(spec.train.optimizer, spec.train.momentum)),
         "comm_elements_per_step": comm_elements_per_step(phi, stage, bool(spec.zero.reshard_after_forward)),
+        "comm_bytes_per_step": zero_math.comm_bytes_per_step(
+            phi, stage, precision, reshard_after_forward=bool(spec.zero.reshard_after_forward),
+            accumulation_steps=spec.accumulation_steps, quantized_weights=spec.zero.quantized_weights,
+            quantized_gradients=spec.zero.quantized_gradients) if world > 1 else 0,
     }
 
 

@@ -91,7 +91,10 @@ class Prediction(BaseModel):
     peak_parts: list[PeakPart] | None = None
     choice: str | None = None
     check: dict[str, float | None] | None = Field(default=None, description="rank 0's relative error per term")
-    comm_elements_per_step: int | None = None
+    comm_elements_per_step: int | None = Field(default=None, description="elements per rank and micro-step")
+    comm_bytes_per_step: int | None = Field(
+        default=None, description="bytes per rank and optimizer step, every micro-step included: what the "
+                                  "comm_bytes metric measures")
 
 
 class ChartOut(BaseModel):

@@ -40,6 +40,9 @@ BASE_SPEC: dict[str, Any] = {
     "checkpoint": {"every_steps": 100, "keep_last": 2},
 }
 NANO_PHI = 1_057_152
+# ZeRO-2 with two micro-steps per step (8 = 2 ranks x 2 micro-batches x 2): Φ reduce-scattered per
+# micro-step, Φ all-gathered once, 2 bytes an element: 6Φ bytes per rank and step.
+COMM_BYTES_PER_STEP_PER_PHI = 6
 
 
 def spec(name: str, **changes: Any) -> dict[str, Any]:
@@ -68,7 +71,7 @@ def training_records(steps: range, *, attempt: int = 0, world: int = 2, stage: i
                 "tokens_per_s": 2400 * wobble, "samples_per_s": 37.5 * wobble, "tflops": 0.009 * wobble,
                 "mem_params_bytes": 2 * phi, "mem_grads_bytes": 2 * phi / world + 64 * rank,
                 "mem_optimizer_bytes": 12 * phi / world + 64 * rank, "mem_buffers_bytes": 3.1e6,
-                "mem_peak_bytes": 2.4e7, "comm_bytes": 2 * (2 * phi), "comm_exposed_s": 0.03 * wobble,
+                "mem_peak_bytes": 2.4e7, "comm_bytes": COMM_BYTES_PER_STEP_PER_PHI * phi, "comm_exposed_s": 0.03 * wobble,
                 "checkpoint_blocked_s": 0.0,
             })
     return out

@@ -54,6 +54,8 @@ def test_running_job_updates_live_and_cancels(dashboard, page):
     expect(page.locator("#memory-prediction-note")).to_contain_text("9.51 MB")
     expect(page.locator("#memory-prediction-note")).to_contain_text("stage 2")
     expect(page.locator("#chart-comm")).to_contain_text("ZeRO formula")
+    # the whole step's bytes, both micro-steps' reduce-scatters included: 6Φ = 6,342,912 B
+    expect(page.locator("#comm-summary")).to_contain_text("expects 6.34 MB per rank per step")
     expect(job_page).not_to_contain_text("§")  # plain words: no section signs of a design document
     expect(job_page).not_to_contain_text("MiB")
 

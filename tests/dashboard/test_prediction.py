@@ -93,3 +93,40 @@ def test_an_nvme_jobs_prediction_says_where_its_state_is_and_fits_the_published_
     shown = predict(spec, None, plan_for_spec(spec).to_dict())
     assert (shown["offload"], shown["offload_params"]) == ("nvme", "nvme")
     assert Prediction.model_validate(shown).offload == "nvme"  # what GET .../metrics/chart documents
+
+
+@pytest.mark.parametrize(("stage", "zero"), [(0, {}), (1, {}), (2, {}), (3, {}), (3, {"reshard_after_forward": False}),
+                                             (3, {"quantized_weights": True, "quantized_gradients": True})])
+def test_the_expected_communication_is_a_whole_steps_bytes_as_the_planner_counts_them(stage, zero):
+    """The job page draws ``comm_bytes`` (every micro-step's bytes, ZeRO++'s int8/int4 on the wire)
+    against ``comm_bytes_per_step``: with two micro-steps stage 2 reduce-scatters twice and stage 3
+    gathers and reduce-scatters twice, so one micro-step's elements in the compute dtype would be
+    far off. The formula's figure agrees with the planner's count (equal to the engine's
+    ``comm_volume``, tests/workers/zero/test_calibrated_time.py) up to the bucket padding the
+    planner adds."""
+    pytest.importorskip("torch")
+    from workers.planning import plan_for_spec
+
+    spec = JobSpec.model_validate({
+        "name": "comm", "model": {"preset": "gpt-nano"}, "data": {"kind": "synthetic", "vocab_size": 256, "seq_len": 64},
+        "train": {"steps": 10, "global_batch_size": 8, "micro_batch_size": 2},
+        "zero": {"stage": stage, "precision": "bf16", **zero}, "resources": {"num_workers": 2, "gpus_per_worker": 0}})
+    assert spec.accumulation_steps == 2
+    planner = plan_for_spec(spec).to_dict()
+    by_group = planner["chosen"]["comm_bytes_by_group"]
+    planned = sum(sum(kinds.values()) for kinds in by_group.values())
+    shown = predict(spec, None, planner)
+    formula = predict(spec, None)
+    assert shown["comm_bytes_per_step"] == planned
+    assert formula["comm_bytes_per_step"] == pytest.approx(planned, rel=0.01)
+    one_micro_step = formula["comm_elements_per_step"] * 2  # bf16
+    if stage >= 2:
+        assert planned > 1.4 * one_micro_step or zero.get("quantized_weights")
+
+
+def test_a_stored_prediction_without_the_count_by_group_falls_back_to_its_own_bytes():
+    from service.dashboard.prediction import planned_comm_bytes_per_step
+
+    assert planned_comm_bytes_per_step({"comm_bytes": 123}) == 123
+    assert planned_comm_bytes_per_step({}) is None
+    assert planned_comm_bytes_per_step({"comm_bytes_by_group": None, "comm_bytes": 5}) == 0  # one rank: nothing sent

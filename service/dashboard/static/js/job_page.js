@@ -25,11 +25,7 @@ const POLL_MS = 2000;
 const percent = (v) => (Number.isFinite(v) ? `${(100 * v).toFixed(1)}%` : "–");
 const seconds = (v) => (Number.isFinite(v) ? `${number(v)} s` : "–");
 
-function elementBytes(precision) {
-  return precision === "fp32" ? 4 : 2;
-}
-
-const FORMATS = { number, compact, percent, seconds };
+const FORMATS = { number, compact, percent, seconds, bytes };
 
 /**
  * A chart of the chart answer, each series with its envelope (the lowest and highest step of
@@ -66,26 +62,28 @@ function userChart(names) {
 
 /**
  * The charts of the chart answer's list (the metric table's, contract/metrics.py), by section,
- * plus the page's own communication chart: comm_bytes per element against the prediction.
+ * plus the page's own communication chart: comm_bytes against the prediction.
  */
 function buildCharts(job, chartList, throughputField) {
   const comm = new StepChart({
     id: "chart-comm",
     zeroBased: true,
-    title: "Communication per step (elements per rank)",
+    title: "Communication per step (bytes per rank)",
     series: [
-      { key: "comm_elements", label: "measured", format: compact },
-      { key: "expected_comm", label: "ZeRO formula", format: compact },
+      { key: "comm_bytes", label: "measured", format: bytes },
+      { key: "expected_comm", label: "ZeRO formula", format: bytes },
     ],
-    description: `Bytes each rank passed to collectives in a step, divided by ${elementBytes((job.spec.zero || {}).precision)} bytes per element.`,
+    description: "Bytes each rank passed to collectives in a step, all its micro-steps included, against what the "
+      + "stage's formula says it sends (the planner's count once the job stored one: bucket padding, gradient "
+      + "accumulation and ZeRO++'s quantized bytes included).",
   });
   const inSection = (section) => chartList.filter((c) => c.section === section).map((c) => lineChart(c, throughputField));
   return { training: inSection("training"), communication: [comm, ...inSection("communication")] };
 }
 
 /** What the ZeRO formula says a stage communicates (docs/design.md, "The math the engine honours"). */
-function formulaComm(elements, stage) {
-  return `The ZeRO formula for stage ${stage} expects ${compact(elements)} elements per rank per step.`;
+function formulaComm(bytesPerStep, stage) {
+  return `The ZeRO formula for stage ${stage} expects ${bytes(bytesPerStep)} per rank per step.`;
 }
 
 /** The series spec of the job's speed (the field the progress line shows), if it is charted. */
@@ -295,12 +293,8 @@ export function jobPage({ jobId, signal }) {
 
   function renderMetrics() {
     const points = store.points();
-    const elems = elementBytes((job.spec.zero || {}).precision);
-    const expected = prediction && prediction.comm_elements_per_step;
-    for (const p of points) {
-      p.comm_elements = Number.isFinite(p.comm_bytes) ? p.comm_bytes / elems : null;
-      p.expected_comm = expected && Number.isFinite(p.comm_bytes) ? expected : null;
-    }
+    const expected = prediction && prediction.comm_bytes_per_step;
+    for (const p of points) p.expected_comm = expected && Number.isFinite(p.comm_bytes) ? expected : null;
     if (speed) addMovingMedian(points, speed.key);
     const names = store.userNames;
     if (names.length !== (charts.user ? charts.user.series.length : 0)) {
