@@ -50,9 +50,10 @@ def tiny_gpt(seed: int, dropout: float = 0.0) -> GPT:
     return model
 
 
-def make_engine(stage: int, seed: int, dropout: float = 0.0, shard_group_size: int | None = None) -> ZeroEngine:
+def make_engine(stage: int, seed: int, dropout: float = 0.0, shard_group_size: int | None = None,
+                hpz_partition_size: int | None = None) -> ZeroEngine:
     config = ZeroConfig(stage=stage, precision="fp32", bucket_mb=0.002, grad_clip=1.0,
-                        shard_group_size=shard_group_size)
+                        shard_group_size=shard_group_size, hpz_partition_size=hpz_partition_size)
     return ZeroEngine(tiny_gpt(seed, dropout), lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.1), config)
 
 
@@ -68,7 +69,7 @@ def needed_bytes(engine: ZeroEngine) -> int:
 
 def run_task(rank: int, world_size: int, task: dict[str, Any]) -> dict[str, Any]:
     engine = make_engine(task["stage"], task.get("init_seed", 0), task.get("dropout", 0.0),
-                         task.get("shard_group_size"))
+                         task.get("shard_group_size"), task.get("hpz_partition_size"))
     torch.manual_seed(1000 + rank)  # dropout streams differ per rank, as in workers.train
     loader = ShardedBatchLoader(SyntheticDataset(VOCAB, SEQ, seed=0),
                                 global_batch_size=task.get("global_batch", GLOBAL_BATCH),
