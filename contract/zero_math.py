@@ -263,8 +263,7 @@ def comm_bytes(elements: int, precision: str, *, gathered: int = 0, reduced: int
 
 
 def comm_bytes_per_step(phi: int, stage: int, precision: str, *, reshard_after_forward: bool,
-                        accumulation_steps: int = 1, quantized_weights: bool = False,
-                        quantized_gradients: bool = False) -> int:
+                        accumulation_steps: int, quantized_weights: bool, quantized_gradients: bool) -> int:
     """Bytes one rank hands to collectives in a whole optimizer step of ``accumulation_steps``
     micro-steps, by the formula (no bucket padding; the planner's ``comm_bytes_by_group`` counts
     that too): stages 0 and 1 communicate once per step, after the last micro-step; stage 2
