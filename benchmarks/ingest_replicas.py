@@ -41,7 +41,13 @@ from pathlib import Path
 import httpx
 
 from benchmarks.scratch import Scratch, Server, scratch_service
-from benchmarks.service import SPEC, claim_ingest_tokens, cpu_seconds, metric_record
+from benchmarks.service import (
+    SPEC,
+    claim_ingest_tokens,
+    cpu_seconds,
+    metric_record,
+    wait_idle,
+)
 
 
 def _record_template() -> str:
@@ -147,18 +153,6 @@ class _PostgresCpu(threading.Thread):
         self.join()
         self.poll()
         return self.readings
-
-
-def wait_idle(servers: list[Server], within_s: float = 180.0) -> None:
-    """Until every server uses under 5% of a core over a second: a started server warms its
-    planner up in a thread (service.prediction.warm_up, torch imported), which no round pays for."""
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        before = sum(cpu_seconds(server.pid) for server in servers)
-        time.sleep(1.0)
-        if sum(cpu_seconds(server.pid) for server in servers) - before < 0.05 * len(servers):
-            return
-    raise SystemExit(f"the servers were still busy {within_s:.0f} s after starting")
 
 
 def one_round(group: list[Server], database_url: str, job_id: str, token: str, args: argparse.Namespace) -> dict:
