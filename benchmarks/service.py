@@ -48,7 +48,7 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.scratch import Scratch, scratch_service
+from benchmarks.scratch import Scratch, Server, scratch_service
 
 SPEC = {
     "name": "bench", "model": {"preset": "gpt-nano"},
@@ -111,6 +111,18 @@ def cpu_seconds(pid: int) -> float:
     """User + system CPU time of ``pid`` so far (Linux /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def wait_idle(servers: list[Server], within_s: float = 180.0) -> None:
+    """Until every server uses under 5% of a core over a second: a started server warms its
+    planner up in a thread (service.prediction.warm_up, torch imported), which no measure pays for."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        before = sum(cpu_seconds(server.pid) for server in servers)
+        time.sleep(1.0)
+        if sum(cpu_seconds(server.pid) for server in servers) - before < 0.05 * len(servers):
+            return
+    raise SystemExit(f"the servers were still busy {within_s:.0f} s after starting")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -323,6 +335,7 @@ async def run_phases(scratch: Scratch, args: argparse.Namespace) -> dict:
     (job_id, ingest), = claim_ingest_tokens(scratch.database_url, scratch.home, 1)
     next_step = [0] * args.ranks  # per rank: the next step to report, unique across the ramp
     extra = [scratch.serve(f"ingest-replica-{index}") for index in range(1, args.ingest_replicas)]
+    wait_idle(extra)  # a started server's planner warm-up is not the ingest's cost
     args.server_pids = [scratch.server.pid, *(server.pid for server in extra)]
     async with contextlib.AsyncExitStack() as stack:
         workers = [await stack.enter_async_context(httpx.AsyncClient(

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 from sqlalchemy.orm import Session
 
-from service import metric_ingest
+from service import metric_copy, metric_ingest
 from service.schemas import MetricRecord
 
 COMBINED_RECORDS = 20_000  # at most this many records in one combined insert (past one batch)
@@ -76,7 +76,8 @@ def store(session: Session, job_id: str, token_hash: str, records: list[MetricRe
     """Store ``records`` (rows, roll-up, user values) and commit; return how many were new, or
     None when the job's ingest token ``token_hash`` is no longer valid (nothing is stored)."""
     if len(records) >= COMBINE_BELOW:  # [Note: large batches alone]
-        return metric_ingest.store(session, job_id, token_hash, records)
+        keys = _store_keys(session, job_id, token_hash, records)
+        return None if keys is None else len(keys)
     batch = _Batch(records)
     with _turns_lock:
         turn = _turns.setdefault((job_id, token_hash), _Turn())
@@ -147,8 +148,7 @@ def _store_queued(session: Session, job_id: str, token_hash: str, turn: _Turn) -
 
 def _store_together(session: Session, job_id: str, token_hash: str, batches: list[_Batch]) -> None:
     """One transaction for ``batches``; each gets its count of new records (or None)."""
-    keys = metric_ingest.store_keys(session, job_id, token_hash,
-                                    [record for batch in batches for record in batch.records])
+    keys = _store_keys(session, job_id, token_hash, [record for batch in batches for record in batch.records])
     if keys is None:
         for batch in batches:
             batch.accepted = None
@@ -161,3 +161,14 @@ def _store_together(session: Session, job_id: str, token_hash: str, batches: lis
             if new[key]:
                 new[key] -= 1
                 batch.accepted += 1
+
+
+def _store_keys(session: Session, job_id: str, token_hash: str, records: list[MetricRecord]
+                ) -> list[tuple[int, int, int]] | None:
+    """One transaction's records, stored and committed: through COPY on PostgreSQL from
+    ``metric_copy.COPY_FROM`` records on (service.metric_copy), else in one statement with
+    array parameters (service.metric_ingest); the (attempt, rank, step) of each new one, or
+    None when the token is no longer valid."""
+    if len(records) >= metric_copy.COPY_FROM and session.get_bind().dialect.name == "postgresql":
+        return metric_copy.store_keys(session, job_id, token_hash, records)
+    return metric_ingest.store_keys(session, job_id, token_hash, records)

@@ -39,35 +39,45 @@ from service.schemas import METRIC_FIELDS, MetricRecord
 # PostgreSQL array literal (numbers only: validated ints and floats), much faster than psycopg
 # quoting every element of a Python list. The rows are inserted only while the job's ingest
 # token is ``token_hash`` (any token when it is null): the token re-check rides in the insert.
-_STORED_COLUMNS = ("attempt", "rank", "step", "time", "world_size", *METRIC_FIELDS)
-_INT_COLUMNS = frozenset({"attempt", "rank", "step", "world_size"})
-_QUOTED_COLUMNS = ", ".join(f'"{name}"' for name in _STORED_COLUMNS)  # "rank", "time" are keywords
+# A large batch's rows come from a staging table instead (service.metric_copy).
+STORED_COLUMNS = ("attempt", "rank", "step", "time", "world_size", *METRIC_FIELDS)
+INT_COLUMNS = frozenset({"attempt", "rank", "step", "world_size"})
+_QUOTED_COLUMNS = ", ".join(f'"{name}"' for name in STORED_COLUMNS)  # "rank", "time" are keywords
 _CHARTED = tuple(field.name for field in CHARTED_FIELDS)
 _ROLLUP_COLUMNS = ", ".join(f"sum_{name}, n_{name}" for name in _CHARTED)
-_PG_INSERT_SQL = (
-    "WITH valid AS (SELECT 1 FROM jobs WHERE id = CAST(:job_id AS text) "
-    "AND (CAST(:token_hash AS text) IS NULL OR ingest_token_hash = CAST(:token_hash AS text))), "
-    "new AS ("
-    f"INSERT INTO metrics (job_id, {_QUOTED_COLUMNS}) "
-    "SELECT CAST(:job_id AS text), * FROM unnest("
-    + ", ".join(f"CAST(:{name} AS {'int4' if name in _INT_COLUMNS else 'float8'}[])" for name in _STORED_COLUMNS)
-    + ") WHERE EXISTS (SELECT 1 FROM valid) ON CONFLICT DO NOTHING "
-    f'RETURNING id, attempt, "rank", step, world_size, {", ".join(_CHARTED)}), '
-    "rolled AS ("
-    f"INSERT INTO metric_steps (job_id, attempt, step, part, records, last_id, world_size, {_ROLLUP_COLUMNS}) "
-    f'SELECT CAST(:job_id AS text), attempt, step, "rank" % {METRIC_STEP_PARTS}, COUNT(*), MAX(id), MAX(world_size), '
-    + ", ".join(f"SUM(CAST({name} AS numeric)), COUNT({name})" for name in _CHARTED)
-    + f' FROM new GROUP BY attempt, step, "rank" % {METRIC_STEP_PARTS} ORDER BY 2, 3, 4 '
-    "ON CONFLICT (job_id, attempt, step, part) DO UPDATE SET "
-    "records = metric_steps.records + excluded.records, "
-    "last_id = GREATEST(metric_steps.last_id, excluded.last_id), "
-    "world_size = GREATEST(metric_steps.world_size, excluded.world_size), "
-    + ", ".join(f"sum_{name} = COALESCE(metric_steps.sum_{name}, 0) + COALESCE(excluded.sum_{name}, 0), "
-                f"n_{name} = metric_steps.n_{name} + excluded.n_{name}" for name in _CHARTED)
-    + ") SELECT EXISTS (SELECT 1 FROM valid), "
-    'COALESCE((SELECT array_agg(attempt) FROM new), \'{}\'), COALESCE((SELECT array_agg("rank") FROM new), \'{}\'), '
-    "COALESCE((SELECT array_agg(step) FROM new), '{}')"
-)
+
+
+def insert_sql(rows: str, answer: str) -> str:
+    """The statement storing a batch and its roll-up: ``rows`` a FROM item whose columns are
+    ``STORED_COLUMNS`` in order; it answers whether the token was valid, then ``answer`` (an
+    expression that may read ``new``, the rows inserted)."""
+    return (
+        "WITH valid AS (SELECT 1 FROM jobs WHERE id = CAST(:job_id AS text) "
+        "AND (CAST(:token_hash AS text) IS NULL OR ingest_token_hash = CAST(:token_hash AS text))), "
+        "new AS ("
+        f"INSERT INTO metrics (job_id, {_QUOTED_COLUMNS}) "
+        f"SELECT CAST(:job_id AS text), * FROM {rows} WHERE EXISTS (SELECT 1 FROM valid) ON CONFLICT DO NOTHING "
+        f'RETURNING id, attempt, "rank", step, world_size, {", ".join(_CHARTED)}), '
+        "rolled AS ("
+        f"INSERT INTO metric_steps (job_id, attempt, step, part, records, last_id, world_size, {_ROLLUP_COLUMNS}) "
+        f'SELECT CAST(:job_id AS text), attempt, step, "rank" % {METRIC_STEP_PARTS}, COUNT(*), MAX(id), MAX(world_size), '
+        + ", ".join(f"SUM(CAST({name} AS numeric)), COUNT({name})" for name in _CHARTED)
+        + f' FROM new GROUP BY attempt, step, "rank" % {METRIC_STEP_PARTS} ORDER BY 2, 3, 4 '
+        "ON CONFLICT (job_id, attempt, step, part) DO UPDATE SET "
+        "records = metric_steps.records + excluded.records, "
+        "last_id = GREATEST(metric_steps.last_id, excluded.last_id), "
+        "world_size = GREATEST(metric_steps.world_size, excluded.world_size), "
+        + ", ".join(f"sum_{name} = COALESCE(metric_steps.sum_{name}, 0) + COALESCE(excluded.sum_{name}, 0), "
+                    f"n_{name} = metric_steps.n_{name} + excluded.n_{name}" for name in _CHARTED)
+        + f") SELECT EXISTS (SELECT 1 FROM valid), {answer}")
+
+
+# the (attempt, rank, step) of the rows inserted, as three arrays (``keys_of`` pairs them up)
+NEW_KEYS = ('COALESCE((SELECT array_agg(attempt) FROM new), \'{}\'), COALESCE((SELECT array_agg("rank") FROM new), \'{}\'), '
+            "COALESCE((SELECT array_agg(step) FROM new), '{}')")
+_PG_INSERT_SQL = insert_sql(
+    "unnest(" + ", ".join(f"CAST(:{name} AS {'int4' if name in INT_COLUMNS else 'float8'}[])"
+                          for name in STORED_COLUMNS) + ")", NEW_KEYS)
 _PG_INSERT = text(_PG_INSERT_SQL)
 # the same statement for psycopg itself (service.pipelined): %(name)s parameters, % doubled
 _PG_INSERT_PSYCOPG = re.sub(r":(\w+)", r"%(\1)s", _PG_INSERT_SQL.replace("%", "%%"))
@@ -100,13 +110,13 @@ def store_keys(session: Session, job_id: str, token_hash: str, records: list[Met
         if not any(record.user for record in records):
             insert = (_PG_INSERT_PSYCOPG, _pg_parameters(job_id, token_hash, records))
             valid, *keys = pipelined.commit(session, [job_metrics_share(job_id), insert])[1]
-            return _keys(keys) if valid else None
+            return keys_of(keys) if valid else None
         share_job_metrics(session, job_id)
         valid, *keys = session.execute(_PG_INSERT, _pg_parameters(job_id, token_hash, records)).one()
         if not valid:
             session.rollback()
             return None
-        new = _keys(keys)
+        new = keys_of(keys)
     else:
         if session.execute(select(Job.id).where(Job.id == job_id, Job.ingest_token_hash == token_hash)).first() is None:
             session.rollback()
@@ -120,10 +130,10 @@ def store_keys(session: Session, job_id: str, token_hash: str, records: list[Met
 def _pg_parameters(job_id: str, token_hash: str | None, records: list[MetricRecord]) -> dict[str, Any]:
     return {"job_id": job_id, "token_hash": token_hash,
             **{name: _array_literal([getattr(record, name) for record in records],
-                                    int if name in _INT_COLUMNS else float) for name in _STORED_COLUMNS}}
+                                    int if name in INT_COLUMNS else float) for name in STORED_COLUMNS}}
 
 
-def _keys(columns: list[list[int]]) -> list[tuple[int, int, int]]:
+def keys_of(columns: list[list[int]]) -> list[tuple[int, int, int]]:
     return list(zip(*columns)) if columns[0] else []
 
 
@@ -138,7 +148,7 @@ def insert_new_keys(session: Session, job_id: str, records: list[MetricRecord]) 
     rows' ``xid`` is their transaction's, the column's default (service.stream_cursor)."""
     if session.get_bind().dialect.name == "postgresql":
         _valid, *keys = session.execute(_PG_INSERT, _pg_parameters(job_id, None, records)).one()
-        return _keys(keys)
+        return keys_of(keys)
     return _insert_new_sqlite(session, job_id, records)
 
 

@@ -17,7 +17,7 @@ import pytest
 from sqlalchemy import func, select, text
 from sqlalchemy.exc import DBAPIError
 
-from service import ingest_turns, user_metrics
+from service import ingest_turns, metric_copy, user_metrics
 from service.advisory_locks import lock_job_metrics, share_job_metrics
 from service.auth import hash_token
 from service.db import make_engine, make_sessionmaker
@@ -31,8 +31,12 @@ JOB = "job-turns"
 TOKEN = hash_token("ingest-token")
 
 
-@pytest.fixture
-def make_session(migrated_postgres_url):
+@pytest.fixture(params=["arrays", "copy"])
+def make_session(request, migrated_postgres_url, monkeypatch):
+    """Each test twice: the transactions in one statement with array parameters, and staged by
+    COPY (service.metric_copy) however few their records."""
+    if request.param == "copy":
+        monkeypatch.setattr(metric_copy, "COPY_FROM", 1)
     engine = make_engine(migrated_postgres_url)
     make = make_sessionmaker(engine)
     with make() as session:
