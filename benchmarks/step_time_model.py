@@ -10,7 +10,10 @@ world of ``--ranks`` processes (one thread each) does what a job does at start: 
 ends together); a world's is the median over its timed steps. The prediction is
 ``plan_for_spec(spec, calibration=...)``'s ``step_time_s`` for that stage, from rank 0's
 calibration (the ranks agree: each rate is the slowest rank's). Worlds run interleaved (every
-configuration once per repeat) and the table shows medians over ``--repeats``.
+configuration once per repeat) and the table shows medians over ``--repeats``: of the times,
+and of each world's predicted/measured (with its range), and ``counted/meas``: the same calibration's step with
+the compute priced from counts (matmul flops, element-wise bytes, operations) instead of the
+model's timed forward and backward, as the time model did before it timed the model.
 
 Timing on a loaded machine says little; every figure printed is as measured, with the load
 average beside it.
@@ -24,6 +27,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -31,7 +35,7 @@ import torch
 from contract.spec import DataSpec, JobSpec, ModelSpec, ResourcesSpec, TrainSpec, ZeroSpec
 from contract.zero_math import precision_traits
 from workers.models import build_model
-from workers.planning import matmul_shape, plan_for_spec
+from workers.planning import matmul_shape, plan_for_spec, timed_model
 from workers.zero import ZeroConfig, ZeroEngine
 from workers.zero.calibration import Calibration, calibrate
 from workers.zero.planner.shape import bucket_elements
@@ -50,8 +54,9 @@ def rank_run(rank: int, world_size: int, settings: dict[str, Any]) -> dict[str, 
     """One rank: calibrate as a job does at start, then train and time ``steps`` steps."""
     precision = settings["precision"]
     dtype = getattr(torch, precision_traits(precision).torch_dtype)
+    spec = job_spec(settings, world_size)
     calibration = calibrate(dtype=dtype, bucket_numel=bucket_elements(settings["bucket_mb"], precision), device="cpu",
-                            matmul_shape=matmul_shape(job_spec(settings, world_size)))
+                            matmul_shape=matmul_shape(spec), model=timed_model(spec))
     torch.manual_seed(0)
     engine = ZeroEngine(build_model({"preset": settings["model"]}), lambda params: torch.optim.AdamW(params, lr=1e-4),
                         ZeroConfig(stage=settings["stage"], offload_optimizer=settings["offload"],
@@ -85,9 +90,14 @@ def job_spec(settings: dict[str, Any], ranks: int) -> JobSpec:
 
 
 def predicted(settings: dict[str, Any], ranks: int, calibration: Calibration) -> dict[str, float]:
-    """The chosen candidate's time terms from ``plan_for_spec(..., calibration=...)``."""
-    chosen = plan_for_spec(job_spec(settings, ranks), calibration=calibration).chosen
-    return {k: getattr(chosen, k) for k in ("step_time_s", "compute_time_s", "comm_time_s", "optimizer_time_s")}
+    """The chosen candidate's time terms from ``plan_for_spec(..., calibration=...)``, and
+    ``counted_step_time_s``: the step the same rates price with the compute counted, not timed
+    (the calibration without its ``forward_backward_s``: the model before the timed one)."""
+    spec = job_spec(settings, ranks)
+    chosen = plan_for_spec(spec, calibration=calibration).chosen
+    counted = plan_for_spec(spec, calibration=replace(calibration, forward_backward_s=None)).chosen
+    return {**{k: getattr(chosen, k) for k in ("step_time_s", "compute_time_s", "comm_time_s", "optimizer_time_s")},
+            "counted_step_time_s": counted.step_time_s}
 
 
 def measure(settings: dict[str, Any], ranks: int) -> dict[str, Any]:
@@ -112,20 +122,27 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     for i, config in enumerate(grid):
         median = {k: statistics.median(r[k] for r in runs[i])
-                  for k in ("measured_s", "step_time_s", "compute_time_s", "comm_time_s", "optimizer_time_s")}
-        ratio = median["step_time_s"] / median["measured_s"]
+                  for k in ("measured_s", "step_time_s", "compute_time_s", "comm_time_s", "optimizer_time_s",
+                            "counted_step_time_s")}
+        # each world's prediction against its own step (the load drifts between worlds), then the median
+        ratios = [r["step_time_s"] / r["measured_s"] for r in runs[i]]
+        ratio = statistics.median(ratios)
         rows.append({**config, **median, "predicted_over_measured": ratio, "within_goal": abs(ratio - 1) <= GOAL,
+                     "ratio_min": min(ratios), "ratio_max": max(ratios),
+                     "counted_over_measured": statistics.median(r["counted_step_time_s"] / r["measured_s"]
+                                                            for r in runs[i]),
                      "repeats": runs[i]})
     return rows
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     print(f"{'model':<10} {'stage':>5} {'offload':>7} {'measured s':>10} {'predicted s':>11} {'pred/meas':>9} "
-          f"{'compute':>8} {'comm':>7} {'optim':>7}")
+          f"{'min-max':>9} {'compute':>8} {'comm':>7} {'optim':>7} {'counted/meas':>12}")
     for r in rows:
         print(f"{r['model']:<10} {r['stage']:>5} {str(r['offload']):>7} {r['measured_s']:>10.3f} "
-              f"{r['step_time_s']:>11.3f} {r['predicted_over_measured']:>9.2f} {r['compute_time_s']:>8.3f} "
-              f"{r['comm_time_s']:>7.3f} {r['optimizer_time_s']:>7.3f}")
+              f"{r['step_time_s']:>11.3f} {r['predicted_over_measured']:>9.2f} "
+              f"{r['ratio_min']:>4.2f}-{r['ratio_max']:<4.2f} {r['compute_time_s']:>8.3f} "
+              f"{r['comm_time_s']:>7.3f} {r['optimizer_time_s']:>7.3f} {r['counted_over_measured']:>12.2f}")
     met = sum(r["within_goal"] for r in rows)
     print(f"within {GOAL:.0%}: {met} of {len(rows)}; load average {os.getloadavg()[0]:.1f} "
           f"on {os.cpu_count()} CPUs (a loaded machine times poorly)")

@@ -135,6 +135,15 @@ def matmul_shape(spec: JobSpec) -> tuple[int, int, int] | None:
     return spec.train.micro_batch_size * (spec.data.seq_len or DEFAULT_SEQ_LEN), width, 4 * width
 
 
+def timed_model(spec: JobSpec) -> Any:
+    """What ``calibrate`` times of this job (``model_timing.TimedModel``): its model, one micro-batch
+    of its shape, its vocabulary."""
+    from workers.zero.model_timing import TimedModel
+
+    return TimedModel(model_block(spec.model), spec.train.micro_batch_size, spec.data.seq_len or DEFAULT_SEQ_LEN,
+                      spec.data.vocab_size)
+
+
 def flops_per_step(spec: JobSpec, phi: int, n_ranks: int) -> float:
     """One rank's training flops per step at ``n_ranks``: ``workers.models.flops_per_token`` (6Φ and
     attention's term, the MFU metric's count) × its micro-batches' tokens. A model not built here on

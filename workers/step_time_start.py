@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from contract.spec import JobSpec
-from workers.planning import matmul_shape, time_prediction
+from workers.planning import matmul_shape, time_prediction, timed_model
 from workers.zero.calibration import Calibration, calibrate
 from workers.zero.planner.disk_rate import DEFAULT_PROBE_BYTES, DiskRate, measure_disk_rate
 from workers.zero.planner.shape import bucket_elements
@@ -39,10 +39,11 @@ TIME_TERMS = ("step_time_s", "compute_time_s", "comm_time_s", "optimizer_time_s"
 
 
 def calibrate_job(spec: JobSpec, engine: Any, device: Any) -> Calibration:
-    """Every rank: the job's rates (its dtype, one bucket of its size, its model's MLP matmul)."""
+    """Every rank: the job's rates (its dtype, one bucket of its size, its model's MLP matmul, one
+    micro-batch's forward and backward of its model)."""
     zero = spec.zero
     return calibrate(dtype=engine.precision.compute_dtype, bucket_numel=bucket_elements(zero.bucket_mb, zero.precision),
-                     device=device, matmul_shape=matmul_shape(spec))
+                     device=device, matmul_shape=matmul_shape(spec), model=timed_model(spec))
 
 
 def probe_disk(engine: Any, world_size: int) -> DiskRate | None:

@@ -21,7 +21,17 @@ rate the way the engine incurs it, in well under a second:
   broadcast all-gather and two-rank exchange included), as a ring's bus rate:
   ``bytes × (N-1)/N / seconds``, so that ``contract.zero_math.comm_time_s`` inverts it;
 * ``optimizer_params_per_s`` / ``host_optimizer_params_per_s``: ``torch.optim.AdamW`` steps over
-  a flat fp32 tensor on the device and on the host (where offload steps it).
+  a flat fp32 tensor on the device and on the host (where offload steps it), by default of one
+  bucket's shard (``bucket_numel / N``, the piece the engine steps at a time), kept between
+  ``MIN_OPTIMIZER_NUMEL`` and ``MAX_OPTIMIZER_NUMEL``: AdamW reads and writes four tensors per
+  element, and a piece that fits in the cache steps several times faster than the engine's
+  buckets, which do not;
+* ``forward_backward_s`` (given the job's model, ``model=``): one micro-batch's forward and
+  backward of the model itself, timed piece by piece (``model_timing``: one unit of each kind and
+  the root, in the job's dtype and shape), and ``forward_backward_flops``, that micro-batch's
+  flops as ``workers.models.flops_per_token`` counts them. The planner prices a step's compute
+  from these when they are there (their ratio is the model's own training rate, every kind of
+  work included), and from the rates above when not (``planner/step_time.py``).
 
 Each figure is the median of a few repeats after one warm-up, each repeat running the operation
 enough times to last ``MIN_REPEAT_S`` (a 1 ms matmul timed once says more about the scheduler
@@ -45,10 +55,12 @@ import torch
 import torch.distributed as dist
 
 from .collectives import Collectives
+from .model_timing import TimedModel, time_forward_backward
 
 DEFAULT_REPEATS = 3
 DEFAULT_MATMUL_SIZE = 512  # m of the m×m matmul: large enough to run near the device's matmul rate
-DEFAULT_OPTIMIZER_NUMEL = 1 << 19  # elements of the AdamW step timed
+MIN_OPTIMIZER_NUMEL = 1 << 19  # elements of the AdamW step timed, at least (per-call overhead aside)
+MAX_OPTIMIZER_NUMEL = 1 << 23  # and at most (128 MiB of fp32 state with its gradient: out of cache, cheap to time)
 DEFAULT_BUCKET_NUMEL = 1 << 20  # when the caller gives no bucket
 MIN_REPEAT_S = 0.01  # a repeat runs its operation at least this long
 
@@ -70,6 +82,8 @@ class Calibration:
     device: str = "cpu"
     bucket_numel: int = DEFAULT_BUCKET_NUMEL
     seconds: float = 0.0  # how long calibrating took
+    forward_backward_s: Optional[float] = None  # one micro-batch of the job's model, timed (None: not timed)
+    forward_backward_flops: float = 0.0  # that micro-batch's flops (flops_per_token × its tokens)
 
     def __post_init__(self) -> None:
         for name in RATES:
@@ -78,6 +92,11 @@ class Calibration:
                 raise ValueError(f"{name} must be positive, got {value!r}")
         if not (self.op_overhead_s >= 0 and math.isfinite(self.op_overhead_s)):
             raise ValueError(f"op_overhead_s must be finite and non-negative, got {self.op_overhead_s!r}")
+        if self.forward_backward_s is not None:
+            for name in ("forward_backward_s", "forward_backward_flops"):
+                value = getattr(self, name)
+                if not (value > 0 and math.isfinite(value)):
+                    raise ValueError(f"{name} must be finite and positive with a timed model, got {value!r}")
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able: an infinite rate (nothing measured: a world of one) becomes None."""
@@ -95,27 +114,31 @@ class Calibration:
 
 RATES = ("compute_flops_per_s", "allgather_bytes_per_s", "reduce_scatter_bytes_per_s", "allreduce_bytes_per_s",
          "elementwise_bytes_per_s", "optimizer_params_per_s", "host_optimizer_params_per_s")
-TIMES = ("op_overhead_s",)
+TIMES = ("op_overhead_s", "forward_backward_s")
 
 
 def calibrate(group: Optional[dist.ProcessGroup] = None, dtype: torch.dtype = torch.float32,
               bucket_numel: int = DEFAULT_BUCKET_NUMEL, device: torch.device | str = "cpu",
               repeats: int = DEFAULT_REPEATS, matmul_shape: tuple[int, int, int] | None = None,
-              optimizer_numel: int = DEFAULT_OPTIMIZER_NUMEL) -> Calibration:
+              optimizer_numel: Optional[int] = None, model: Optional[TimedModel] = None) -> Calibration:
     """Measure this rank's rates (collectively on ``group``: every rank of it must call this).
 
     ``group`` None means the default process group when one is initialized, else a world of one.
     ``matmul_shape`` (m, k, n): the timed matmuls' shape, (m×k)·(k×n), and the element-wise add's
-    (m×n); None: 512 square.
+    (m×n); None: 512 square. ``optimizer_numel``: the AdamW step's elements; None: one bucket's
+    shard, within the module's bounds. ``model``: the job's model and micro-batch, to time its forward and
+    backward (``forward_backward_s``); None, or a model that cannot be timed so: not timed.
     """
     m, k, n = matmul_shape or (DEFAULT_MATMUL_SIZE,) * 3
-    if repeats < 1 or bucket_numel < 1 or min(m, k, n) < 1 or optimizer_numel < 1:
+    if repeats < 1 or bucket_numel < 1 or min(m, k, n) < 1 or (optimizer_numel is not None and optimizer_numel < 1):
         raise ValueError("repeats, bucket_numel, matmul_shape and optimizer_numel must be positive")
     started = time.perf_counter()
     device = torch.device(device)
     if group is None and dist.is_available() and dist.is_initialized():
         group = dist.group.WORLD
     world = dist.get_world_size(group) if group is not None else 1
+    if optimizer_numel is None:
+        optimizer_numel = min(max(-(-bucket_numel // world), MIN_OPTIMIZER_NUMEL), MAX_OPTIMIZER_NUMEL)
     sync = _synchronizer(device)
     flops = 6.0 * m * k * n / _median_time(_linear_matmuls(m, k, n, dtype, device), repeats, sync)
     elementwise = 3 * m * n * torch.empty((), dtype=dtype).element_size() \
@@ -127,6 +150,9 @@ def calibrate(group: Optional[dist.ProcessGroup] = None, dtype: torch.dtype = to
     rates = {"compute_flops_per_s": flops, "elementwise_bytes_per_s": elementwise, "optimizer_params_per_s": optimizer,
              "host_optimizer_params_per_s": host, "allgather_bytes_per_s": math.inf,
              "reduce_scatter_bytes_per_s": math.inf, "op_overhead_s": overhead}  # a world of one
+    timed = None if model is None else time_forward_backward(model, dtype, device)
+    if model is not None:  # every rank sends it (inf: not timed here), so that the collective below matches
+        rates["forward_backward_s"] = math.inf if timed is None else timed.seconds
     if world > 1:
         comm = Collectives(group, device)
         numel = -(-bucket_numel // world) * world  # padded to a multiple of N, as the engine's buckets are
@@ -134,8 +160,12 @@ def calibrate(group: Optional[dist.ProcessGroup] = None, dtype: torch.dtype = to
         for name, run in _collective_runs(comm, numel, dtype, device).items():
             rates[name] = bus / _median_time(run, repeats, sync, local=False)
         rates = _slowest(rates, group, device)
+    slowest_s = rates.pop("forward_backward_s", math.inf)  # inf: not timed, here or on some rank
+    timed = timed if math.isfinite(slowest_s) else None
     return Calibration(**rates, world_size=world, dtype=str(dtype).removeprefix("torch."), device=str(device),
-                       bucket_numel=bucket_numel, seconds=time.perf_counter() - started)
+                       bucket_numel=bucket_numel, seconds=time.perf_counter() - started,
+                       forward_backward_s=None if timed is None else slowest_s,
+                       forward_backward_flops=0.0 if timed is None else timed.flops)
 
 
 def _synchronizer(device: torch.device) -> Callable[[], None]:

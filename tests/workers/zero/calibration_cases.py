@@ -19,20 +19,30 @@ def calibrate_world(rank: int, world_size: int, bucket_numel: int) -> dict:
     return {"calibration": calibration.to_dict(), "after": check.item()}
 
 
+def calibrate_model_world(rank: int, world_size: int) -> dict:
+    """Each rank's calibration with gpt-nano's forward and backward timed (1 × 16 tokens)."""
+    from workers.zero.model_timing import TimedModel
+
+    calibration = calibrate(bucket_numel=1 << 12, matmul_shape=(16, 128, 512),
+                            model=TimedModel({"preset": "gpt-nano"}, 1, 16))
+    return calibration.to_dict()
+
+
 def predicted_vs_measured_world(rank: int, world_size: int, settings: dict) -> dict:
     """What a job does at start, for each stage in turn on one world: calibrate, then train a step
     and time it -- calibrating again before every timed step, so that each step is priced with rates
     measured just before it (the load of a shared machine changes from one second to the next)."""
     from benchmarks.step_time_model import job_spec
     from workers.models import build_model
-    from workers.planning import matmul_shape
+    from workers.planning import matmul_shape, timed_model
     from workers.zero import ZeroConfig, ZeroEngine
     from workers.zero.planner.shape import bucket_elements
     from workers.zero.testing import byte_stream_batch
 
     import time
 
-    shape = matmul_shape(job_spec({**settings, "stage": 0, "offload": False}, world_size))
+    spec = job_spec({**settings, "stage": 0, "offload": False}, world_size)
+    shape, model = matmul_shape(spec), timed_model(spec)
     bucket = bucket_elements(settings["bucket_mb"], "fp32")
     calibrations, step_times = {}, {}
     for stage in settings["stages"]:
@@ -43,7 +53,7 @@ def predicted_vs_measured_world(rank: int, world_size: int, settings: dict) -> d
         for step in range(settings["warmup"] + settings["steps"]):
             timed = step >= settings["warmup"]
             if timed:
-                calibrations[stage].append(calibrate(bucket_numel=bucket, matmul_shape=shape).to_dict())
+                calibrations[stage].append(calibrate(bucket_numel=bucket, matmul_shape=shape, model=model).to_dict())
             inputs, targets = byte_stream_batch(step, 0, rank, settings["micro_batch"], settings["seq_len"])
             started = time.perf_counter()
             engine.backward(engine(inputs, targets))

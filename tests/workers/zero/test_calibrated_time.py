@@ -102,6 +102,29 @@ def test_compute_adds_the_non_matmul_work_at_its_measured_rates():
     assert predict(inputs(calibration=rates), 2).compute_time_s == pytest.approx(3.0)  # no work counted: matmuls only
 
 
+def test_a_timed_model_prices_the_compute_at_its_own_rate_and_the_counts_step_aside():
+    # one micro-batch of 1e10 flops timed at 0.25 s: the step's 3e11 flops take 7.5 s, whatever the counts say
+    rates = replace(RATES, elementwise_bytes_per_s=2e10, op_overhead_s=5e-6, forward_backward_s=0.25,
+                    forward_backward_flops=1e10)
+    work = StepWork(elementwise_bytes=4_000_000_000, ops=3000)
+    for stage, offload in [(0, False), (1, True), (2, False), (3, True)]:
+        p = predict(inputs(calibration=rates, step_work=work), stage, offload)
+        assert p.compute_time_s == pytest.approx(3e11 * 0.25 / 1e10)
+        assert p.step_time_s == pytest.approx(p.compute_time_s + p.comm_time_s + p.optimizer_time_s)
+    assert Calibration.from_dict(rates.to_dict()) == rates  # the report carries it
+    untimed = predict(inputs(calibration=replace(rates, forward_backward_s=None), step_work=work), 2)
+    assert untimed.compute_time_s == pytest.approx(3.0 + 0.2 + 0.015)  # not timed: priced from counts
+
+
+def test_a_timed_model_needs_a_positive_time_and_flops():
+    with pytest.raises(ValueError, match="forward_backward_s"):
+        replace(RATES, forward_backward_s=0.0, forward_backward_flops=1e9)
+    with pytest.raises(ValueError, match="forward_backward_flops"):
+        replace(RATES, forward_backward_s=0.1)  # a time without the flops it ran
+    assert RATES.forward_backward_s is None and Calibration.from_dict(
+        {k: v for k, v in RATES.to_dict().items() if not k.startswith("forward_backward")}) == RATES
+
+
 def test_plan_for_spec_counts_the_jobs_work_for_every_micro_batch():
     spec = JobSpec(name="t", model=ModelSpec(preset="gpt-nano"), data=DataSpec(kind="synthetic", seq_len=64),
                    train=TrainSpec(steps=1, global_batch_size=8, micro_batch_size=2),

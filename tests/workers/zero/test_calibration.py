@@ -10,7 +10,7 @@ import torch
 from workers.zero.calibration import RATES, TIMES, Calibration, calibrate
 from workers.zero.testing import spawn_world
 
-from .calibration_cases import calibrate_world, slowest_world
+from .calibration_cases import calibrate_model_world, calibrate_world, slowest_world
 
 
 def test_two_gloo_ranks_measure_positive_finite_rates_and_agree():
@@ -60,3 +60,10 @@ def test_the_operation_overhead_must_be_a_finite_non_negative_time():
         with pytest.raises(ValueError, match="op_overhead_s"):
             Calibration(compute_flops_per_s=1e9, allgather_bytes_per_s=1e9, reduce_scatter_bytes_per_s=1e9,
                         op_overhead_s=bad)
+
+
+def test_two_ranks_time_the_jobs_model_and_take_the_slower_time():
+    first, second = spawn_world(calibrate_model_world, 2)
+    for name in ("forward_backward_s", "forward_backward_flops"):  # the slowest rank's time, the same flops
+        assert first[name] == second[name], name
+    assert 0 < first["forward_backward_s"] < 1.0 and first["forward_backward_flops"] > 0

@@ -10,10 +10,17 @@ ranks themselves (``workers.zero.calibration.Calibration``, measured at job star
 Per rank and step, every rate a ``Calibration``'s (a collective's rate is its buffer's bytes ×
 (N-1)/N per second, measured on one bucket of the world through the engine's own collectives):
 
-* compute: the matmuls, ``flops_per_step`` (``workers.models.flops_per_token`` × the rank's tokens
-  per step) / ``compute_flops_per_s`` (a linear layer's training matmuls of the job's dtype); plus
-  the rest of the step's forward and backward (``step_work.py``, counted on meta): its element-wise
-  bytes / ``elementwise_bytes_per_s`` and its operations × ``op_overhead_s``;
+* compute: measured where it can be. A calibration that timed the job's own model
+  (``forward_backward_s``: one micro-batch's forward and backward, one unit of each kind and the
+  root, ``workers.zero.model_timing``) prices ``flops_per_step`` (``workers.models.flops_per_token``
+  × the rank's tokens per step) at that micro-batch's rate, ``forward_backward_flops /
+  forward_backward_s``: at the job's own shape, exactly its micro-batches × the timed one, with
+  everything the model runs included (attention's kernel, norms, GELU, the loss over the
+  vocabulary, each operation's overhead); at another shape, scaled by flops. Without it (an older
+  calibration, a model that cannot be timed so): the matmuls at ``compute_flops_per_s`` (a linear
+  layer's training matmuls of the job's dtype), plus the rest of the step's forward and backward
+  (``step_work.py``, counted on meta): its element-wise bytes / ``elementwise_bytes_per_s`` and its
+  operations × ``op_overhead_s``;
 * communication: the bytes each collective of the step really puts on the wire, by process
   group and kind (``groups.comm_bytes_by_group``, equal to ``engine.comm_volume(by_group=True)``:
   every micro-step's gathers and reduce-scatters where the stage repeats them, qwZ's int8 and
@@ -151,9 +158,13 @@ def overlapped_step_s(prediction: Any, read_bytes_per_s: float, write_bytes_per_
 
 
 def compute_time_s(flops: float, work: Any, calibration: Any) -> float:
-    """Seconds of one rank's forward and backward: ``flops`` at the matmul rate, and the non-matmul
-    ``work`` (a ``step_work.StepWork``, or None: not counted) at the element-wise rate and the
-    per-operation overhead."""
+    """Seconds of one rank's forward and backward. With the job's model timed at calibration
+    (``forward_backward_s``): ``flops`` at that micro-batch's own rate, its flops over its seconds
+    (every kind of work the model runs included). Otherwise from counts: ``flops`` at the matmul
+    rate, and the non-matmul ``work`` (a ``step_work.StepWork``, or None: not counted) at the
+    element-wise rate and the per-operation overhead."""
+    if calibration.forward_backward_s is not None:
+        return flops * calibration.forward_backward_s / calibration.forward_backward_flops
     seconds = flops / calibration.compute_flops_per_s
     if work is not None:
         seconds += work.elementwise_bytes / calibration.elementwise_bytes_per_s + work.ops * calibration.op_overhead_s
