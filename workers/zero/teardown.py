@@ -1,5 +1,5 @@
 """The end of an engine's process groups: ``ZeroEngine.close(destroy_group=True)``, and what is
-left of them at interpreter exit after the caller destroyed the group (``release_at_exit``).
+left of them at interpreter exit after the caller destroyed the group (``release_dead_groups``).
 
 [Note: why close() can destroy the group]
 Gloo's ``ProcessGroupGloo`` runs each group's work on C++ worker threads (two per group, plus a
@@ -40,9 +40,9 @@ what the registered engines, ``hybrid.py``'s and ``hpz.py``'s caches and torch's
 hold of the dead groups, lets go of the works still in flight (an engine never closed: their
 handles hold the Gloo context, and with it the transport thread and the store) and collects
 them: the C++ groups are destroyed then and their threads joined (a group's destructor first
-lets its queued works finish), as ``close(destroy_group=True)`` would have done. A group still initialized at exit is
-the caller's (Ray Train's, or a script that never destroyed it): it is left alone, and
-``close()`` itself never destroys a group unless asked.
+lets its queued works finish), as ``close(destroy_group=True)`` would have done. A group
+still initialized at exit is the caller's (Ray Train's, or a script that never destroyed it):
+it is left alone, and ``close()`` itself never destroys a group unless asked.
 """
 
 from __future__ import annotations
