@@ -1,23 +1,27 @@
 """Exit-loop benchmark: how often a world dies at exit, by how its script ends.
 
-    python -m benchmarks.exit_loop --worlds 200 --json out.json                 # 200 worlds of ending N
-    python -m benchmarks.exit_loop --worlds 200 --reproduce --old-worlds 50     # and 50 of A, B, C each
+    python -m benchmarks.exit_loop --worlds 70 --json out.json                  # 70 worlds each of N, A, B
+    python -m benchmarks.exit_loop --worlds 70 --reproduce --old-worlds 20      # and 20 each of A0 and C
 
 Each world is 2 or 3 fresh processes forming a Gloo process group on loopback (torchrun's
 environment: MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE, ``init_method="env://"``). Every rank
-trains a small model for a few steps (two micro-steps each), then the script ends one of four
+trains a small model for a few steps (two micro-steps each), then the script ends one of five
 ways -- the last lines of a user's script:
 
-    N  closed  engine.close(destroy_group=True)                 (the guaranteed clean end)
-    A  close   engine.close(); dist.destroy_process_group()     (the old end; --reproduce)
-    B  bare    dist.destroy_process_group() with the engine still referenced (a global)
-    C  ddp     DistributedDataParallel, bare dist.destroy_process_group() (the reference)
+    N   closed    engine.close(destroy_group=True)                 (the guaranteed clean end)
+    A   close     engine.close(); dist.destroy_process_group()     (what scripts write)
+    B   bare      dist.destroy_process_group() with the engine still referenced (a global)
+    A0  unhooked  A with ``teardown.release_dead_groups`` taken out of ``atexit``: the code
+                  before that hook (--reproduce)
+    C   ddp       DistributedDataParallel, bare dist.destroy_process_group() (the reference; --reproduce)
 
 and the process exits normally (the interpreter's own shutdown, where a Gloo thread still
 running can abort the process with "terminate called without an active exception":
-``workers/zero/teardown.py``). A world *fails* when any rank exits nonzero, dies of a signal,
+``workers/zero/teardown.py``). The model, the optimizer, the last batch and loss stay module
+globals until then, as in a script. A world *fails* when any rank exits nonzero, dies of a signal,
 mentions "terminate called" on stderr, or does not finish within ``--timeout`` seconds. Each rank
-also reports how many OS threads it has at its end beyond those it had before
+also reports how many OS threads it has at ``atexit`` time -- after the engine's own ``atexit``
+function, just before interpreter shutdown begins -- beyond those it had before
 ``init_process_group`` (``thr.left``): the Gloo workers, transport loop and store threads that
 would run into interpreter shutdown -- the abort's precondition, which the old endings meet in
 every world while the abort itself is a race. The engine worlds cycle through stages 0-3, with
@@ -37,6 +41,8 @@ tears down exactly as a ``torchrun``-launched script does. ``--exec`` launches e
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
 import json
 import os
 import shutil
@@ -53,15 +59,17 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from workers.zero import ZeroConfig, ZeroEngine
+from workers.zero import ZeroConfig, ZeroEngine, teardown
 
-ENDINGS = ("closed", "close", "bare", "ddp")
-OLD_ENDINGS = ("close", "bare", "ddp")
+ENDINGS = ("closed", "close", "bare", "unhooked", "ddp")
+OLD_ENDINGS = ("unhooked", "ddp")  # --reproduce
 LABELS = {"closed": "N: close(destroy_group=True)", "close": "A: engine.close() + destroy",
-          "bare": "B: bare destroy, engine alive", "ddp": "C: DDP, bare destroy"}
+          "bare": "B: bare destroy, engine alive", "unhooked": "A0: A without the exit hook",
+          "ddp": "C: DDP, bare destroy"}
 #: (stage, offload) of the engine worlds, cycled through
 ENGINE_CONFIGS = [(0, False), (1, False), (2, False), (3, False), (1, True), (2, True), (3, True)]
 STEPS, MICRO = 3, 2
+BUCKET_MB = 0.01  # 10 KB buckets: several per model, as the outside harness ran
 
 # ranks keep what they built here, alive until the interpreter exits (a user's script's globals)
 _KEEP: list = []
@@ -76,7 +84,8 @@ class World:
     offload: bool = False
     exit_codes: list = field(default_factory=list)  # per rank; negative: killed by that signal
     terminate_called: bool = False
-    threads_left: int = 0  # most OS threads any rank had at its exit beyond those before init_process_group
+    threads_left: int = 0  # most OS threads any rank had at atexit beyond those before init_process_group
+    thread_names: list = field(default_factory=list)  # those threads' names, over the ranks
     timed_out: bool = False
     seconds: float = 0.0
     stderr_tail: str = ""
@@ -87,7 +96,7 @@ class World:
 
 
 def plan(counts: dict[str, int]) -> list[World]:
-    """Interleaved endings: A, B, C, A, B, C, ... until each ending has its count."""
+    """Interleaved endings: N, A, B, A0, C, N, A, ... until each ending has its count."""
     counts = dict(counts)
     out: list[World] = []
     k = 0
@@ -125,20 +134,33 @@ class Net(torch.nn.Module):
 def rank_main(ending: str, stage: Optional[int], offload: bool) -> None:
     """Train a few steps and end the way ``ending`` says; the process then exits normally."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    before = _os_threads()
-    try:
-        _train_and_end(ending, stage, offload)
-    finally:
-        print(f"{THREADS_MARK}{_os_threads() - before}", file=sys.stderr, flush=True)
+    if int(os.environ.get(THREADS_ENV, "0")):
+        torch.set_num_threads(int(os.environ[THREADS_ENV]))
+    # registered first, so it runs last of the atexit functions (after the engine's): the threads
+    # that interpreter shutdown will find
+    atexit.register(_report_threads, set(_os_threads()))
+    _train_and_end(ending, stage, offload)
+
+
+def _report_threads(before: set[str]) -> None:
+    """Print how many threads the rank has beyond ``before`` (thread ids), and their names."""
+    names = []
+    for task in sorted(set(_os_threads()) - before):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                names.append(f.read().strip())
+        except FileNotFoundError:  # it ended meanwhile
+            continue
+    print(f"{THREADS_MARK}{len(names)} {','.join(names)}", file=sys.stderr, flush=True)
 
 
 THREADS_MARK = "exit-loop threads left: "
+THREADS_ENV = "EXIT_LOOP_TORCH_THREADS"  # --torch-threads, for the ranks
 
 
-def _os_threads() -> int:
-    """The process's OS threads (Python's and C++'s: Gloo's workers, its transport loop, the store's)."""
-    return len(os.listdir("/proc/self/task"))
+def _os_threads() -> list[str]:
+    """The process's OS threads' ids (Python's and C++'s: Gloo's workers, its transport loop, the store's)."""
+    return os.listdir("/proc/self/task")
 
 
 def _train_and_end(ending: str, stage: Optional[int], offload: bool) -> None:
@@ -147,36 +169,39 @@ def _train_and_end(ending: str, stage: Optional[int], offload: bool) -> None:
     torch.manual_seed(0)
     model = Net()
     if ending == "ddp":
-        ddp = DistributedDataParallel(model, bucket_cap_mb=0.002)
+        ddp = DistributedDataParallel(model, bucket_cap_mb=BUCKET_MB)
         optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
         _KEEP.extend([ddp, optimizer])
         for step in range(STEPS):
             for micro in range(MICRO):
                 x, y = _batch(step, micro, rank)
-                if micro < MICRO - 1:
-                    with ddp.no_sync():
-                        ddp(x, y).backward()
-                else:
-                    ddp(x, y).backward()
+                with ddp.no_sync() if micro < MICRO - 1 else contextlib.nullcontext():
+                    loss = ddp(x, y)
+                    loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+        _KEEP.extend([x, y, loss])
         dist.destroy_process_group()
         return
 
-    config = ZeroConfig(stage=stage, precision="fp32", bucket_mb=0.002, offload_optimizer=offload)
+    config = ZeroConfig(stage=stage, precision="fp32", bucket_mb=BUCKET_MB, offload_optimizer=offload)
     engine = ZeroEngine(model, lambda ps: torch.optim.AdamW(ps, lr=1e-3), config)
     _KEEP.append(engine)
     for step in range(STEPS):
         for micro in range(MICRO):
             x, y = _batch(step, micro, rank)
-            engine.backward(engine(x, y), sync=micro == MICRO - 1)
+            loss = engine(x, y)
+            engine.backward(loss, sync=micro == MICRO - 1)
         engine.step()
+    _KEEP.extend([x, y, loss])
     if ending == "closed":
         engine.close(destroy_group=True)
         return
-    if ending == "close":
+    if ending in ("close", "unhooked"):
         engine.close()
     dist.destroy_process_group()
+    if ending == "unhooked":
+        atexit.unregister(teardown.release_dead_groups)
 
 
 def _batch(step: int, micro: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -193,9 +218,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_env(world: World, rank: int, port: int) -> dict[str, str]:
-    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(world.world_size), "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+def _rank_env(world: World, rank: int, port: int, torch_threads: int) -> dict[str, str]:
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "LOCAL_RANK": str(rank),
+           "WORLD_SIZE": str(world.world_size), "GLOO_SOCKET_IFNAME": "lo", THREADS_ENV: str(torch_threads)}
+    return {**env, "OMP_NUM_THREADS": str(torch_threads)} if torch_threads else env
 
 
 class _Running:
@@ -239,21 +265,23 @@ class _Running:
                 text += f.read()
             os.unlink(path)
         w.terminate_called = "terminate called" in text
-        w.threads_left = max([int(line[len(THREADS_MARK):]) for line in text.splitlines()
-                              if line.startswith(THREADS_MARK)] or [-1])
+        reports = [line[len(THREADS_MARK):].split(" ", 1) for line in text.splitlines()
+                   if line.startswith(THREADS_MARK)]
+        w.threads_left = max([int(n) for n, _ in reports] or [-1])
+        w.thread_names = sorted({name for _, names in reports for name in names.split(",") if name})
         if w.failed:
             w.stderr_tail = text[-2000:]
         return w
 
 
-def launch(world: World, logdir: str, use_exec: bool):
+def launch(world: World, logdir: str, use_exec: bool, torch_threads: int):
     """Start every rank of ``world``. In a forked rank this returns ``(ending, stage, offload)``."""
     port = _free_port()
     ranks, logs = [], []
     for rank in range(world.world_size):
         log_path = os.path.join(logdir, f"w{world.index}r{rank}.log")
         logs.append(log_path)
-        env = _rank_env(world, rank, port)
+        env = _rank_env(world, rank, port, torch_threads)
         if use_exec:
             cmd = [sys.executable, "-m", __spec__.name, "--rank", world.ending, str(world.stage),
                    str(int(world.offload))]
@@ -292,18 +320,23 @@ def table(worlds: list[World]) -> str:
         left = sum(w.threads_left != 0 for w in mine)  # -1: a rank died before it could count
         rows.append(f"{LABELS[ending]:34s} {len(mine):6d} {len(bad):6d} {left:8d}   "
                     + ", ".join(f"{k}: {v}" for k, v in sorted(where.items())))
+    names = {LABELS[e].split(":")[0]: sorted({n for w in worlds if w.ending == e for n in w.thread_names})
+             for e in ENDINGS}
+    rows += [f"threads left at exit in {e}: {', '.join(n)}" for e, n in names.items() if n]
     return "\n".join(rows)
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--worlds", type=int, default=200, help="worlds of ending N, close(destroy_group=True)")
+    p.add_argument("--worlds", type=int, default=70, help="worlds of each ending N, A, B")
     p.add_argument("--reproduce", action="store_true",
-                   help="also run the old endings A, B, C (--old-worlds each), interleaved with N")
+                   help="also run A0 and C (--old-worlds each), interleaved with N, A, B")
     p.add_argument("--old-worlds", type=int, default=None, help="worlds of each old ending (default: --worlds)")
     p.add_argument("--jobs", type=int, default=1, help="worlds running at once")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds before a world counts as hung")
     p.add_argument("--exec", dest="use_exec", action="store_true", help="exec fresh interpreters, no fork")
+    p.add_argument("--torch-threads", type=int, default=1,
+                   help="each rank's torch.set_num_threads (0: torch's default)")
     p.add_argument("--json", help="write every world's result here")
     p.add_argument("--rank", nargs=3, metavar=("ENDING", "STAGE", "OFFLOAD"), help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -326,7 +359,7 @@ def main():
     try:
         while todo or running:
             while todo and len(running) < args.jobs:
-                started = launch(todo.pop(0), logdir, args.use_exec)
+                started = launch(todo.pop(0), logdir, args.use_exec, args.torch_threads)
                 if isinstance(started, tuple):
                     return started  # a forked rank
                 running.append(started)
@@ -353,7 +386,8 @@ def main():
     wall = time.monotonic() - t0
     done.sort(key=lambda w: w.index)
     print(table(done))
-    print(f"{len(done)} worlds in {wall:.0f} s (jobs={args.jobs}, {'exec' if args.use_exec else 'fork'})")
+    print(f"{len(done)} worlds in {wall:.0f} s (jobs={args.jobs}, {'exec' if args.use_exec else 'fork'}, "
+          f"torch threads {args.torch_threads or 'default'}; load average now {os.getloadavg()[0]:.2f})")
     if args.json:
         write_json(args.json, done, wall, args)
     return None
@@ -367,7 +401,8 @@ def write_json(path: str, done: list[World], wall: float, args: argparse.Namespa
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
         json.dump({"wall_s": round(wall, 1), "jobs": args.jobs, "launcher": "exec" if args.use_exec else "fork",
-                   "torch": torch.__version__,
+                   "torch_threads": args.torch_threads, "bucket_mb": BUCKET_MB, "steps": STEPS,
+                   "torch": torch.__version__, "load": os.getloadavg(),
                    "summary": {e: {"worlds": sum(w.ending == e for w in done),
                                    "failed": sum(w.ending == e and w.failed for w in done),
                                    "threads_left": sum(w.ending == e and w.threads_left != 0 for w in done)}

@@ -61,7 +61,7 @@ from .strategies import make_strategy
 from .swap_io import OffloadDiskFull
 from .units import checkpoint_forward, unit_modules
 from .update import clip_coef, norm_and_usage, optimizer_step
-from .teardown import destroy_groups
+from .teardown import destroy_groups, released_at_exit
 from .watchdog import stop_watchdog
 
 log = logging.getLogger(__name__)
@@ -109,9 +109,9 @@ class ZeroEngine:
         self.precision.check_device(self.device)
         traits = config.traits
         # hybrid sharding (hybrid.py) needs something sharded: stage 0 all-reduces over the world
-        self.comm = Collectives(process_group, self.device, config.comm_timeout_s, config.force_distributed,
-                                config.shard_group_size if traits.shards_optimizer else None,
-                                config.quantized_weights, config.quantized_gradients)
+        self.comm = released_at_exit(Collectives(  # dropped at exit once the group is destroyed (teardown.py)
+            process_group, self.device, config.comm_timeout_s, config.force_distributed, config.shard_group_size
+            if traits.shards_optimizer else None, config.quantized_weights, config.quantized_gradients))
         self.rank, self.world_size = self.comm.dp_rank, self.comm.dp_size
         # A stage that shards nothing (0): its "shard" is the whole bucket on every rank. With
         # hybrid sharding the buffers are split over the shard group (rank % G), not the world.

@@ -102,6 +102,11 @@ def forget(group: Optional[dist.ProcessGroup]) -> list[dist.ProcessGroup]:
     return out
 
 
+def forget_all() -> None:
+    """Drop every cached group (``teardown.release_dead_groups``: the default group was destroyed, so all are dead)."""
+    _CACHE.clear()
+
+
 class SecondaryGather:
     """The all-gather of the secondary shards inside this rank's hpZ group, tagged and counted
     (under ``"hpz"`` in ``CommCounter.by_group``) through the engine's ``Collectives``."""

@@ -85,3 +85,8 @@ def forget(group: Optional[dist.ProcessGroup]) -> None:
     """Drop the cached groups made over ``group`` (``teardown.destroy_groups``: nothing may keep them alive)."""
     for key in [k for k, (g, _) in _CACHE.items() if g is group]:
         del _CACHE[key]
+
+
+def forget_all() -> None:
+    """Drop every cached group (``teardown.release_dead_groups``: the default group was destroyed, so all are dead)."""
+    _CACHE.clear()

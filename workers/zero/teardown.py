@@ -1,4 +1,5 @@
-"""The end of an engine's process groups: ``ZeroEngine.close(destroy_group=True)``.
+"""The end of an engine's process groups: ``ZeroEngine.close(destroy_group=True)``, and what is
+left of them at interpreter exit after the caller destroyed the group (``release_dead_groups``).
 
 [Note: why close() can destroy the group]
 Gloo's ``ProcessGroupGloo`` runs each group's work on C++ worker threads (two per group, plus a
@@ -25,17 +26,41 @@ that builds its optimizer then, ours and DDP's alike. From then on those default
 default group, so ``destroy_process_group()`` can never free it and its threads always run into
 interpreter shutdown. ``_unpin`` replaces that group in the defaults by ``None`` (which the
 functions read as the default group, whatever it is then) before the group is destroyed.
+
+[Note: the endings users write]
+Scripts end with ``engine.close()`` then ``dist.destroy_process_group()`` (or destroy the group
+with the engine still alive), not with ``close(destroy_group=True)``; the engine, a module
+global, then holds the dead group until interpreter shutdown, and torch's defaults hold it for
+good. So every engine's ``Collectives`` is registered here when it is built
+(``released_at_exit``), weakly, and the first registration adds ``release_dead_groups`` to
+``atexit``. Python runs ``atexit`` functions while the interpreter is fully alive, before
+shutdown begins; there, if the default group is no longer initialized -- the caller destroyed
+it, so every group of the process is dead -- the function stops the watchdog thread, drops
+what the registered engines, ``hybrid.py``'s and ``hpz.py``'s caches and torch's defaults still
+hold of the dead groups, lets go of the works still in flight (an engine never closed: their
+handles hold the Gloo context, and with it the transport thread and the store) and collects
+them: the C++ groups are destroyed then and their threads joined (a group's destructor first
+lets its queued works finish), as ``close(destroy_group=True)`` would have done. A group
+still initialized at exit is the caller's (Ray Train's, or a script that never destroyed it):
+it is left alone, and ``close()`` itself never destroys a group unless asked.
 """
 
 from __future__ import annotations
 
+import atexit
 import gc
 import sys
+import weakref
 from typing import Optional
 
 import torch.distributed as dist
 
 from . import hpz, hybrid
+from .watchdog import WATCHDOG, stop_watchdog
+
+#: every engine's ``Collectives`` with a process group, weakly (the note on the endings users write)
+_REGISTERED: "weakref.WeakSet" = weakref.WeakSet()
+_hooked = False  # release_dead_groups is in atexit
 
 
 def destroy_groups(comm) -> None:
@@ -46,14 +71,10 @@ def destroy_groups(comm) -> None:
     sharding's shard and replicate groups, hpZ's group: ``hpz.py``), then the group it was given. Local: every rank calls
     it after ``close()``'s barrier, so no peer still communicates.
     """
-    dp_group: Optional[dist.ProcessGroup] = comm.dp_group
-    own = [g for g in (comm.group, comm.replicate_group) if g is not None and g is not dp_group]
-    own += [g for g in hpz.forget(dp_group) if g is not None and all(g is not o for o in own)]
-    comm.dp_group = comm.group = comm.replicate_group = None
-    hybrid.forget(dp_group)
+    dp_group, own = _forget(comm)
     if dp_group is not None and dist.is_initialized():
         if dp_group is dist.group.WORLD:
-            _unpin(dp_group)
+            _unpin(lambda g: g is dp_group)
             dist.destroy_process_group()
         else:
             for group in own + [dp_group]:
@@ -63,12 +84,54 @@ def destroy_groups(comm) -> None:
     gc.collect()  # a cycle that still holds a group would keep its threads to interpreter shutdown
 
 
-def _unpin(group: dist.ProcessGroup) -> None:
-    """Take ``group`` out of ``torch.distributed.nn.functional``'s default arguments (the note)."""
+def _forget(comm) -> tuple[Optional[dist.ProcessGroup], list[dist.ProcessGroup]]:
+    """Take every group out of ``comm`` and the caches; returns its data-parallel group and its own groups."""
+    dp_group: Optional[dist.ProcessGroup] = comm.dp_group
+    own = [g for g in (comm.group, comm.replicate_group) if g is not None and g is not dp_group]
+    own += [g for g in hpz.forget(dp_group) if g is not None and all(g is not o for o in own)]
+    comm.dp_group = comm.group = comm.replicate_group = None
+    hybrid.forget(dp_group)
+    return dp_group, own
+
+
+def released_at_exit(comm):
+    """Register ``comm`` (a ``Collectives``) for ``release_dead_groups`` at interpreter exit; returns it."""
+    global _hooked
+    if comm.dp_group is not None:
+        if not _hooked:
+            atexit.register(release_dead_groups)
+            _hooked = True
+        _REGISTERED.add(comm)
+    return comm
+
+
+def release_dead_groups() -> bool:
+    """At exit: if the caller destroyed the default group, drop and collect what still holds the dead
+    groups so their threads are joined before interpreter shutdown (the note). Returns whether it did."""
+    if dist.is_initialized() or not _REGISTERED:
+        return False  # the group is alive: the caller's to end, not ours
+    stop_watchdog()
+    for comm in list(_REGISTERED):
+        for pending in comm._pending:  # in flight (a bare destroy after step()): the handles hold the context
+            WATCHDOG.exit(pending.watch)  # its probe too
+            pending.let_go()
+        comm._pending = []
+        _forget(comm)
+    _REGISTERED.clear()
+    hybrid.forget_all()  # engines gone since may have left their groups cached
+    hpz.forget_all()
+    _unpin(lambda g: isinstance(g, dist.ProcessGroup))  # the default group is gone: every group is dead
+    gc.collect()
+    return True
+
+
+def _unpin(dead) -> None:
+    """Replace the groups ``dead(group)`` picks in ``torch.distributed.nn.functional``'s default arguments
+    by ``None`` (the note on torch pinning the default group)."""
     module = sys.modules.get("torch.distributed.nn.functional")
     if module is None:
         return
     for value in list(vars(module).values()):
         defaults = getattr(value, "__defaults__", None)
-        if isinstance(defaults, tuple) and any(d is group for d in defaults):
-            value.__defaults__ = tuple(None if d is group else d for d in defaults)
+        if isinstance(defaults, tuple) and any(dead(d) for d in defaults):
+            value.__defaults__ = tuple(None if dead(d) else d for d in defaults)

@@ -92,6 +92,12 @@ class Pending:
             self.owner._timed_wait(self.work, self.watch)
         self.tensors = ()
 
+    def let_go(self) -> None:
+        """Drop the work unwaited (``teardown.release_dead_groups``, at exit, its group destroyed): its
+        handle holds the Gloo context, whose transport thread would outlive the group; the group's
+        destructor still lets the work finish. A later ``wait()`` returns at once."""
+        self.work, self.tensors, self.done = None, (), True
+
 
 class _StreamWork:
     """A collective queued on a CUDA side stream: complete when the event after it is; ``wait()``

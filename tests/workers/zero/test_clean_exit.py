@@ -9,8 +9,9 @@ closes too, and after an exception inside it closes without communicating and le
 exception through. ``test_close_destroy_group_joins_every_thread``: ``close(destroy_group=True)``
 (hybrid sharding: the engine's own groups too) leaves no thread of Gloo or the store running.
 ``test_worlds_exit_cleanly`` is a small run of ``benchmarks/exit_loop.py``: fresh worlds ending
-with ``close(destroy_group=True)`` exit 0 with no such thread left at exit; the old end
-(``close()`` + ``destroy_process_group()``) leaves them (``workers/zero/teardown.py``).
+with ``close(destroy_group=True)``, with ``close()`` + ``destroy_process_group()`` or with a bare
+destroy exit 0 with no such thread left at exit; without the engine's exit hook the second
+ending leaves them (``workers/zero/teardown.py``).
 """
 
 from __future__ import annotations
@@ -143,8 +144,10 @@ def test_close_destroy_group_joins_every_thread():
 
 
 def test_worlds_exit_cleanly(tmp_path):
-    """4 fresh worlds ending with close(destroy_group=True) (stages 0-3) exit 0 with no thread of
-    torch.distributed's left; one world of each old ending shows what that measures (threads left)."""
+    """Fresh worlds (stages 0-3) ending with close(destroy_group=True), with close() then
+    destroy_process_group(), or with a bare destroy (the engine alive) exit 0 with no thread of
+    torch.distributed's left at atexit time; A0 (the second ending without the engine's exit hook,
+    teardown.release_dead_groups) shows what that measures (threads left)."""
     out = tmp_path / "exit.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "GLOO_SOCKET_IFNAME": "lo"}
     proc = subprocess.run(
@@ -153,9 +156,10 @@ def test_worlds_exit_cleanly(tmp_path):
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    closed = [w for w in result["worlds"] if w["ending"] == "closed"]
-    assert sorted(w["stage"] for w in closed) == [0, 1, 2, 3]
-    assert not [w for w in closed if w["failed"] or w["threads_left"] != 0], json.dumps(closed, indent=1)[-3000:]
-    old_close = [w for w in result["worlds"] if w["ending"] == "close"]
-    # the old end leaves the group's threads running into interpreter shutdown (or a rank died)
-    assert len(old_close) == 1 and old_close[0]["threads_left"] != 0, old_close
+    for ending in ("closed", "close", "bare"):
+        mine = [w for w in result["worlds"] if w["ending"] == ending]
+        assert sorted(w["stage"] for w in mine) == [0, 1, 2, 3], ending
+        assert not [w for w in mine if w["failed"] or w["threads_left"] != 0], json.dumps(mine, indent=1)[-3000:]
+    unhooked = [w for w in result["worlds"] if w["ending"] == "unhooked"]
+    # without the hook the group's threads run into interpreter shutdown (or a rank died)
+    assert len(unhooked) == 1 and unhooked[0]["threads_left"] != 0, unhooked
