@@ -67,6 +67,7 @@ def _entry(rank: int, world_size: int, port: int, target: tuple[str, str, str], 
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
     )
+    failed = True
     try:
         result = _resolve(*target)(rank, world_size, *args)
         torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
@@ -74,9 +75,14 @@ def _entry(rank: int, world_size: int, port: int, target: tuple[str, str, str], 
         gc.collect()  # what the function left behind (an engine it did not close) goes while the group lives
         if dist.is_initialized():  # not after engine.close(destroy_group=True)
             dist.barrier()  # no rank destroys the group while a peer still communicates
+        failed = False
     finally:
         gc.collect()  # whatever the run built is freed now, not during interpreter shutdown
-        if dist.is_initialized():  # a run that ended with engine.close(destroy_group=True) already did
+        # A rank that raised leaves its group to end with its process. Destroyed here, the engine's
+        # exit hook (``teardown.release_dead_groups``) would close its connections before the process
+        # is gone, and a peer's "Connection closed by peer" could reach ``mp.spawn`` first, reported in
+        # place of this rank's own error.
+        if dist.is_initialized() and not failed:  # after close(destroy_group=True) it is already gone
             dist.destroy_process_group()
 
 
