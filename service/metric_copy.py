@@ -39,8 +39,8 @@ from sqlalchemy.orm import Session
 from service import user_metrics
 from service.advisory_locks import share_job_metrics
 from service.metric_ingest import (
-    INT_COLUMNS,
     NEW_KEYS,
+    PG_TYPES,
     STORED_COLUMNS,
     insert_sql,
     keys_of,
@@ -51,9 +51,8 @@ COPY_FROM = 256  # a transaction of at least this many records stages them by CO
 STAGE = "metric_stage"
 _STAGED = "zerotrain_metric_stage"  # the pooled connection's ``info`` key: it has the table
 _CREATE = (f"CREATE TEMPORARY TABLE IF NOT EXISTS {STAGE} ("
-           + ", ".join(f'"{name}" {"int4" if name in INT_COLUMNS else "float8"}' for name in STORED_COLUMNS)
+           + ", ".join(f'"{name}" {pg_type}' for name, pg_type in zip(STORED_COLUMNS, PG_TYPES))
            + ") ON COMMIT DELETE ROWS")
-_TYPES = ["int4" if name in INT_COLUMNS else "float8" for name in STORED_COLUMNS]
 _COPY = f"COPY pg_temp.{STAGE} FROM STDIN (FORMAT BINARY)"
 _INSERT = text(insert_sql(f"pg_temp.{STAGE}", NEW_KEYS))
 _row = attrgetter(*STORED_COLUMNS)
@@ -85,7 +84,7 @@ def _copy(session: Session, pooled: Any, records: list[MetricRecord]) -> None:
     raw = pooled.driver_connection
     try:
         with raw.cursor() as cursor, cursor.copy(_COPY) as copy:
-            copy.set_types(_TYPES)
+            copy.set_types(list(PG_TYPES))
             for record in records:
                 copy.write_row(_row(record))
     except psycopg.Error as error:

@@ -42,6 +42,7 @@ from service.schemas import METRIC_FIELDS, MetricRecord
 # A large batch's rows come from a staging table instead (service.metric_copy).
 STORED_COLUMNS = ("attempt", "rank", "step", "time", "world_size", *METRIC_FIELDS)
 INT_COLUMNS = frozenset({"attempt", "rank", "step", "world_size"})
+PG_TYPES = tuple("int4" if name in INT_COLUMNS else "float8" for name in STORED_COLUMNS)  # each column's, in order
 _QUOTED_COLUMNS = ", ".join(f'"{name}"' for name in STORED_COLUMNS)  # "rank", "time" are keywords
 _CHARTED = tuple(field.name for field in CHARTED_FIELDS)
 _ROLLUP_COLUMNS = ", ".join(f"sum_{name}, n_{name}" for name in _CHARTED)
@@ -76,8 +77,8 @@ def insert_sql(rows: str, answer: str) -> str:
 NEW_KEYS = ('COALESCE((SELECT array_agg(attempt) FROM new), \'{}\'), COALESCE((SELECT array_agg("rank") FROM new), \'{}\'), '
             "COALESCE((SELECT array_agg(step) FROM new), '{}')")
 _PG_INSERT_SQL = insert_sql(
-    "unnest(" + ", ".join(f"CAST(:{name} AS {'int4' if name in INT_COLUMNS else 'float8'}[])"
-                          for name in STORED_COLUMNS) + ")", NEW_KEYS)
+    "unnest(" + ", ".join(f"CAST(:{name} AS {pg_type}[])" for name, pg_type in zip(STORED_COLUMNS, PG_TYPES)) + ")",
+    NEW_KEYS)
 _PG_INSERT = text(_PG_INSERT_SQL)
 # the same statement for psycopg itself (service.pipelined): %(name)s parameters, % doubled
 _PG_INSERT_PSYCOPG = re.sub(r":(\w+)", r"%(\1)s", _PG_INSERT_SQL.replace("%", "%%"))
