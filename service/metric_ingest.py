@@ -90,12 +90,6 @@ def _array_literal(values: list[Any], number: type) -> str:
     return "{" + ",".join("NULL" if value is None else repr(number(value)) for value in values) + "}"
 
 
-def store(session: Session, job_id: str, token_hash: str, records: list[MetricRecord]) -> int | None:
-    """``store_keys``, answering how many records were new (None: the token is no longer valid)."""
-    keys = store_keys(session, job_id, token_hash, records)
-    return None if keys is None else len(keys)
-
-
 def store_keys(session: Session, job_id: str, token_hash: str, records: list[MetricRecord]
                ) -> list[tuple[int, int, int]] | None:
     """Store a worker's batch (rows, roll-up, user values) and commit; return the (attempt,

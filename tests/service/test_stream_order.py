@@ -213,7 +213,7 @@ def test_a_job_ends_only_after_its_ingests_in_flight_commit_and_a_later_ingest_i
     row; an ingest after the transition is refused and stores nothing."""
     from service.advisory_locks import share_job_metrics
     from service.auth import hash_token
-    from service.metric_ingest import store
+    from service.metric_ingest import store_keys
 
     make_session, _ = db
     _add_job(make_session, JobState.RUNNING)
@@ -224,7 +224,7 @@ def test_a_job_ends_only_after_its_ingests_in_flight_commit_and_a_later_ingest_i
     seen_during: list[tuple[int, bool]] = []
 
     def ingest_in_flight(session) -> None:
-        share_job_metrics(session, JOB)  # what metric_ingest.store does before its token check
+        share_job_metrics(session, JOB)  # what metric_ingest.store_keys does before its token check
 
     def its_insert(session) -> None:
         insert_new(session, JOB, _records(0, range(5)))
@@ -243,7 +243,7 @@ def test_a_job_ends_only_after_its_ingests_in_flight_commit_and_a_later_ingest_i
     rows, ended = fetch(stream_cursor.Position(*_last_position(make_session)))
     assert ended and rows == []
     with make_session() as session:
-        assert store(session, JOB, hash_token("ingest-token"), _records(1, range(5))) is None
+        assert store_keys(session, JOB, hash_token("ingest-token"), _records(1, range(5))) is None
     assert len(_stored_in_commit_order(make_session)) == 5
 
 
