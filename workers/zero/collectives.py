@@ -16,12 +16,12 @@ Everything the engine sends goes through :class:`Collectives`, which
   its process group anyway (a one-GPU check of the NCCL path, ``benchmarks/gpu_check.py``).
 
 [Note: Gloo's copies]
-Gloo (CPU) has no reduce-scatter or all-gather of its own that works in place: torch's Gloo
-backend all-reduces a full-size copy of a reduce-scatter's input (the wire carries exactly what
-an all-reduce carries) and gathers into a full-size temporary before copying into the output.
-On a CPU rank those copies are memory on top of the bucket -- a whole model's worth at stage 1,
-whose buckets all reduce at once in ``step()`` -- and they are allocated on Gloo's own threads,
-whose malloc arenas keep the pages. So on Gloo/CPU (``in_place``):
+Gloo (CPU) has no reduce-scatter or all-gather of its own that works in place: torch's Gloo backend
+all-reduces a full-size copy of a reduce-scatter's input (the wire carries exactly what an
+all-reduce carries) and gathers into a full-size temporary before copying into the output. On a CPU
+rank those copies are memory on top of the bucket -- a whole model's worth at stage 1, whose
+buckets all reduce at once in ``step()`` -- and they are allocated on Gloo's own threads, whose
+malloc arenas keep the pages. So on Gloo/CPU (``in_place``):
 
 * over a group of two ranks (``exchanges``) a reduce-scatter is an exchange: each rank sends
   the peer the half of ``input`` the peer owns and receives the peer's half of its own into
@@ -38,43 +38,40 @@ whose malloc arenas keep the pages. So on Gloo/CPU (``in_place``):
 * an all-gather is one broadcast per rank, from its slot into every rank's same slot of
   ``output``: no temporary, and the same bytes on the wire as a ring all-gather.
 
-Each is counted as the reduce-scatter or all-gather it stands for. Every message of an
-exchange has a tag of its own, the same on every rank (``_p2p_tags``, counted per process group,
-so engines sharing a group never reuse one): Gloo matches a receive to a send by tag alone and
-aborts the process when their sizes differ, so no match may depend on the order in which
-messages of one tag are paired. Both sides' sizes follow from the layout and the dtype, which
-``reduce_scatter_pieces`` checks. NCCL has native collectives without
-copies; nothing changes there.
+Each is counted as the reduce-scatter or all-gather it stands for. Every message of an exchange has
+a tag of its own, the same on every rank (``_p2p_tags``, counted per process group, so engines
+sharing a group never reuse one): Gloo matches a receive to a send by tag alone and aborts the
+process when their sizes differ, so no match may depend on the order in which messages of one tag
+are paired. Both sides' sizes follow from the layout and the dtype, which ``reduce_scatter_pieces``
+checks. NCCL has native collectives without copies; nothing changes there.
 
 [Note: CUDA streams]
 On CUDA (FSDP2's scheme, ``_fsdp_collectives.py``) all-gathers run on one side stream and
 reduce-scatters and all-reduces on another, each launched with ``async_op=False`` inside its
 stream: ProcessGroupNCCL then runs a synchronous collective on the *current* stream (the side
-stream) instead of its one internal NCCL stream, so a stage-3 prefetch all-gather does not
-queue behind the backward's reduce-scatters. Each side stream first waits for the compute
-stream (the inputs are written there), an event is recorded after the collective, and
-``wait()`` makes the compute stream wait for that event: nothing blocks the host. A tensor a
-side stream uses stays referenced by its ``Pending`` until that wait, so the caching allocator
-cannot hand its memory to later work of the compute stream too early (every free happens after
-the compute stream was ordered behind the collective). Exposed time on CUDA is measured with a
-pair of timing events around that stream wait: the gap is how long the compute stream stalled
-for communication. On the CPU (Gloo) collectives are launched ``async_op=True`` and
-``wait()`` blocks the host.
+stream) instead of its one internal NCCL stream, so a stage-3 prefetch all-gather does not queue
+behind the backward's reduce-scatters. Each side stream first waits for the compute stream (the
+inputs are written there), an event is recorded after the collective, and ``wait()`` makes the
+compute stream wait for that event: nothing blocks the host. A tensor a side stream uses stays
+referenced by its ``Pending`` until that wait, so the caching allocator cannot hand its memory to
+later work of the compute stream too early (every free happens after the compute stream was ordered
+behind the collective). Exposed time on CUDA is measured with a pair of timing events around that
+stream wait: the gap is how long the compute stream stalled for communication. On the CPU (Gloo)
+collectives are launched ``async_op=True`` and ``wait()`` blocks the host.
 
 [Note: hybrid sharding's two steps]
-With ``shard_group_size`` (``hybrid.py``) ``group`` is this rank's shard group and a
-reduce-scatter is two collectives: the reduce-scatter inside the shard group, then an all-reduce
-of its output shard across the replicate group (the ranks holding the same shard); the caller
-pre-divided by the whole world ``dp_size``, so the result is the mean over every rank. The
-second must see the first's result. On CUDA both are queued on the reduce stream, in order, and
-nothing blocks. On the CPU Gloo runs each group's work on its own threads, so the host waits for
-the shard group's part before launching the all-reduce (launches stay in the one deterministic
-order every rank follows; the all-reduce is what the caller's ``Pending`` waits for). The
-all-reduce is counted under ``all_reduce`` (twice its elements) and under ``inter_group``;
-everything else a step sends stays inside one shard group (``intra_group``). Control messages,
-set-up broadcasts and barriers go over the whole world (``dp_group``).
-ZeRO++'s quantized gathers and reduce-scatters are ``quantized_comm.py``'s.
-"""
+With ``shard_group_size`` (``hybrid.py``) ``group`` is this rank's shard group and a reduce-scatter
+is two collectives: the reduce-scatter inside the shard group, then an all-reduce of its output
+shard across the replicate group (the ranks holding the same shard); the caller pre-divided by the
+whole world ``dp_size``, so the result is the mean over every rank. The second must see the first's
+result. On CUDA both are queued on the reduce stream, in order, and nothing blocks. On the CPU Gloo
+runs each group's work on its own threads, so the host waits for the shard group's part before
+launching the all-reduce (launches stay in the one deterministic order every rank follows; the
+all-reduce is what the caller's ``Pending`` waits for). The all-reduce is counted under
+``all_reduce`` (twice its elements) and under ``inter_group``; everything else a step sends stays
+inside one shard group (``intra_group``). Control messages, set-up broadcasts and barriers go over
+the whole world (``dp_group``). ZeRO++'s quantized gathers and reduce-scatters are
+``quantized_comm.py``'s."""
 
 from __future__ import annotations
 
@@ -116,8 +113,7 @@ class Collectives:
                  quantize_weights: bool = False, quantize_gradients: bool = False):
         #: the whole data-parallel world: control messages, set-up broadcasts, stage 0's all-reduce
         self.dp_group = group
-        self.dp_rank, self.dp_size = (dist.get_rank(group), dist.get_world_size(group)) if group is not None \
-            else (0, 1)
+        self.dp_rank, self.dp_size = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
         check_shard_group_size(shard_group_size, self.dp_size)
         #: hybrid sharding (``hybrid.py``): ``group`` is this rank's shard group, and every
         #: reduce-scatter is followed by an all-reduce of its shard over ``replicate_group``
@@ -128,11 +124,7 @@ class Collectives:
             group, self.replicate_group, self.replicas = groups.shard, groups.replicate, groups.replicas
         #: the group parameters and gradients are sharded over (the world, or the shard group)
         self.group = group
-        if group is not None:
-            self.rank = dist.get_rank(group)
-            self.world_size = dist.get_world_size(group)
-        else:
-            self.rank, self.world_size = 0, 1
+        self.rank, self.world_size = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
         #: which copy of the shards this rank holds (0 .. replicas-1); 0 without hybrid sharding
         self.replica_index = self.dp_rank // self.world_size if self.replicate_group is not None else 0
         self.group_name = "shard" if self.replicate_group is not None else "world"  # CommCounter.by_group's
@@ -243,6 +235,13 @@ class Collectives:
     def pending(self) -> list[str]:
         """Labels of the collectives launched and not waited on yet, oldest first."""
         return [p.label for p in self._pending if not p.done]
+
+    def abandon_pending(self) -> None:
+        """Let go of every collective in flight and its watchdog probe (``Pending.let_go``: at exit)."""
+        for p in self._pending:
+            _WATCHDOG.exit(p.watch)
+            p.let_go()
+        self._pending = []
 
     def drain(self, device_too: bool = False) -> None:
         """Wait for every collective still in flight, oldest first.

@@ -56,7 +56,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from . import hpz, hybrid
-from .watchdog import WATCHDOG, stop_watchdog
+from .watchdog import stop_watchdog
 
 #: every engine's ``Collectives`` with a process group, weakly (the note on the endings users write)
 _REGISTERED: "weakref.WeakSet" = weakref.WeakSet()
@@ -74,7 +74,7 @@ def destroy_groups(comm) -> None:
     dp_group, own = _forget(comm)
     if dp_group is not None and dist.is_initialized():
         if dp_group is dist.group.WORLD:
-            _unpin(lambda g: g is dp_group)
+            _unpin(lambda g, world=dp_group: g is world)
             dist.destroy_process_group()
         else:
             for group in own + [dp_group]:
@@ -112,10 +112,7 @@ def release_dead_groups() -> bool:
         return False  # the group is alive: the caller's to end, not ours
     stop_watchdog()
     for comm in list(_REGISTERED):
-        for pending in comm._pending:  # in flight (a bare destroy after step()): the handles hold the context
-            WATCHDOG.exit(pending.watch)  # its probe too
-            pending.let_go()
-        comm._pending = []
+        comm.abandon_pending()  # in flight (a bare destroy after step()): the handles hold the context
         _forget(comm)
     _REGISTERED.clear()
     hybrid.forget_all()  # engines gone since may have left their groups cached
