@@ -45,21 +45,10 @@ from benchmarks.service import (
     SPEC,
     claim_ingest_tokens,
     cpu_seconds,
-    metric_record,
+    metric_body,
+    record_template,
     wait_idle,
 )
-
-
-def _record_template() -> str:
-    """One record's JSON with ``%(rank)d`` and ``%(step)d`` in place of its rank and step."""
-    record = {**metric_record(0, 0), "rank": -1111, "step": -2222}
-    return json.dumps(record, separators=(",", ":")).replace("%", "%%").replace(
-        "-1111", "%(rank)d").replace("-2222", "%(step)d")
-
-
-def body(template: str, rank: int, first: int, batch: int) -> bytes:
-    return ('{"records":[' + ",".join(template % {"rank": rank, "step": step}
-                                      for step in range(first, first + batch)) + "]}").encode()
 
 
 def _libpq(database_url: str) -> str:
@@ -95,7 +84,7 @@ def _self_cpu() -> float:
 
 
 async def _post_loop(bases: list[str], job_id: str, token: str, ranks: int, batch: int, seconds: float) -> dict:
-    template = _record_template()
+    template = record_template()
     stored, requests, resent = 0, 0, 0
     deadline = time.perf_counter() + seconds
     limits = httpx.Limits(max_connections=ranks, max_keepalive_connections=ranks)
@@ -110,7 +99,7 @@ async def _post_loop(bases: list[str], job_id: str, token: str, ranks: int, batc
             base = bases[counter % len(bases)]  # round-robin over the replicas
             try:
                 response = await client.post(f"{base}/api/v1/jobs/{job_id}/metrics",
-                                             content=body(template, rank, step, batch))
+                                             content=metric_body(template, rank, step, batch))
             except httpx.TransportError:  # a kept-alive connection the server closed: resend, as workers do
                 resent += 1
                 continue
