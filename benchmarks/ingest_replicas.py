@@ -16,7 +16,7 @@ backends connected to the benchmark's database, polled through the round so that
 exits keeps its share: the statements' own work, connecting included), ``pg_other``
 (PostgreSQL's shared processes: WAL writer, checkpointer, background writer, autovacuum; on a
 shared machine they also serve other databases) and ``client`` (this process: building the
-bodies, HTTP). The bodies are built from a JSON template (one string format per record), so
+bodies, HTTP). The bodies are built from a JSON template (one string format per body), so
 the generator costs little of the machine the servers need. The load average is reported
 with every round.
 
@@ -45,8 +45,7 @@ from benchmarks.service import (
     SPEC,
     claim_ingest_tokens,
     cpu_seconds,
-    metric_body,
-    record_template,
+    MetricBodies,
     wait_idle,
 )
 
@@ -84,7 +83,7 @@ def _self_cpu() -> float:
 
 
 async def _post_loop(bases: list[str], job_id: str, token: str, ranks: int, batch: int, seconds: float) -> dict:
-    template = record_template()
+    bodies = MetricBodies()
     stored, requests, resent = 0, 0, 0
     deadline = time.perf_counter() + seconds
     limits = httpx.Limits(max_connections=ranks, max_keepalive_connections=ranks)
@@ -99,7 +98,7 @@ async def _post_loop(bases: list[str], job_id: str, token: str, ranks: int, batc
             base = bases[counter % len(bases)]  # round-robin over the replicas
             try:
                 response = await client.post(f"{base}/api/v1/jobs/{job_id}/metrics",
-                                             content=metric_body(template, rank, step, batch))
+                                             content=bodies.body(rank, step, batch))
             except httpx.TransportError:  # a kept-alive connection the server closed: resend, as workers do
                 resent += 1
                 continue

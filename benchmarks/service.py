@@ -262,19 +262,23 @@ def metric_record(rank: int, step: int) -> dict:
             "checkpoint_blocked_s": 0.0}
 
 
-def record_template() -> str:
-    """``metric_record``'s JSON with ``%(rank)d`` and ``%(step)d`` in place of its rank and step."""
-    record = {**metric_record(0, 0), "rank": -1111, "step": -2222}
-    return json.dumps(record, separators=(",", ":")).replace("%", "%%").replace(
-        "-1111", "%(rank)d").replace("-2222", "%(step)d")
+class MetricBodies:
+    """POST bodies of ``metric_record``s, ``batch`` steps of one rank from step ``first`` on: one
+    string format per body, its steps the only values left to write (the rest of each rank's
+    body is written once per batch size), so that the load generator takes little of the CPU
+    the servers and the database share with it (``json.dumps`` of dicts costs many times more)."""
 
+    def __init__(self) -> None:
+        record = {**metric_record(0, 0), "rank": -1111, "step": -2222}
+        self.record = json.dumps(record, separators=(",", ":")).replace("%", "%%").replace("-2222", "%d")
+        self.templates: dict[int, tuple[int, str]] = {}  # per rank: its latest batch size and body
 
-def metric_body(template: str, rank: int, first: int, batch: int) -> bytes:
-    """A POST body of ``batch`` records of ``rank`` from step ``first`` on, from ``record_template``:
-    one string format per record, so that the load generator costs little of the CPU the servers
-    and the database share with it (json.dumps of dicts costs several times more)."""
-    return ('{"records":[' + ",".join(template % {"rank": rank, "step": step}
-                                      for step in range(first, first + batch)) + "]}").encode()
+    def body(self, rank: int, first: int, batch: int) -> bytes:
+        size, template = self.templates.get(rank, (None, ""))
+        if size != batch:
+            template = '{"records":[' + ",".join([self.record.replace("-1111", str(rank))] * batch) + "]}"
+            self.templates[rank] = (batch, template)
+        return (template % tuple(range(first, first + batch))).encode()
 
 
 # ----------------------------------------------------------------------------- the database
@@ -358,14 +362,14 @@ async def run_phases(scratch: Scratch, args: argparse.Namespace) -> dict:
             headers={"Authorization": f"Bearer {ingest}"})) for server_base in [base, *(s.base for s in extra)]]
         worker = workers[0]
 
-        template = record_template()
+        bodies = MetricBodies()
 
         def batches_of(size: int) -> Callable[[int], Awaitable[bool]]:  # ``size`` records per batch
             async def post(index: int) -> bool:
                 rank = index % args.ranks
                 first, next_step[rank] = next_step[rank], next_step[rank] + size
                 response = await workers[index % len(workers)].post(  # round-robin
-                    "/metrics", content=metric_body(template, rank, first, size),
+                    "/metrics", content=bodies.body(rank, first, size),
                     headers={"Content-Type": "application/json"})
                 return response.status_code == 200 and response.json()["accepted"] == size
             return post
