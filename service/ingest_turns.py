@@ -44,7 +44,7 @@ from service import metric_copy, metric_ingest
 from service.schemas import MetricRecord
 
 COMBINED_RECORDS = 20_000  # at most this many records in one combined insert (past one batch)
-IN_FLIGHT = 2  # transactions of one job under way at once in this process
+IN_FLIGHT = 1  # transactions of one job under way at once in this process: the more wait, the more share
 
 
 @dataclass
