@@ -17,7 +17,7 @@ exits keeps its share: the statements' own work, connecting included), ``pg_othe
 (PostgreSQL's shared processes: WAL writer, checkpointer, background writer, autovacuum; on a
 shared machine they also serve other databases) and ``client`` (this process: building the
 bodies, HTTP). The bodies are built from a JSON template (one string format per body) and
-posted over plain keep-alive connections (``benchmarks.service.Posters``), so the generator
+posted over plain keep-alive connections (``benchmarks.ingest_load.Posters``), so the generator
 costs little of the machine the servers need. The load average is reported
 with every round.
 
@@ -41,13 +41,12 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks.ingest_load import MetricBodies, Posters
 from benchmarks.scratch import Scratch, Server, scratch_service
 from benchmarks.service import (
     SPEC,
     claim_ingest_tokens,
     cpu_seconds,
-    MetricBodies,
-    Posters,
     wait_idle,
 )
 

@@ -10,7 +10,7 @@ import json
 import uvicorn
 from fastapi import FastAPI, Request
 
-from benchmarks.service import MetricBodies, Posters
+from benchmarks.ingest_load import MetricBodies, Posters
 from service.launchers.ports import free_port
 from service.schemas import MetricBatch
 from tests.benchmarks.test_service_bench import run_alone
