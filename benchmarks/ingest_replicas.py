@@ -16,8 +16,9 @@ backends connected to the benchmark's database, polled through the round so that
 exits keeps its share: the statements' own work, connecting included), ``pg_other``
 (PostgreSQL's shared processes: WAL writer, checkpointer, background writer, autovacuum; on a
 shared machine they also serve other databases) and ``client`` (this process: building the
-bodies, HTTP). The bodies are built from a JSON template (one string format per record), so
-the generator costs little of the machine the servers need. The load average is reported
+bodies, HTTP). The bodies are built from a JSON template (one string format per body) and
+posted over plain keep-alive connections (``benchmarks.ingest_load.Posters``), so the generator
+costs little of the machine the servers need. The load average is reported
 with every round.
 
 Everything it creates (servers, database, data directory) is removed at the end.
@@ -40,26 +41,14 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks.ingest_load import MetricBodies, Posters
 from benchmarks.scratch import Scratch, Server, scratch_service
 from benchmarks.service import (
     SPEC,
     claim_ingest_tokens,
     cpu_seconds,
-    metric_record,
     wait_idle,
 )
-
-
-def _record_template() -> str:
-    """One record's JSON with ``%(rank)d`` and ``%(step)d`` in place of its rank and step."""
-    record = {**metric_record(0, 0), "rank": -1111, "step": -2222}
-    return json.dumps(record, separators=(",", ":")).replace("%", "%%").replace(
-        "-1111", "%(rank)d").replace("-2222", "%(step)d")
-
-
-def body(template: str, rank: int, first: int, batch: int) -> bytes:
-    return ('{"records":[' + ",".join(template % {"rank": rank, "step": step}
-                                      for step in range(first, first + batch)) + "]}").encode()
 
 
 def _libpq(database_url: str) -> str:
@@ -95,33 +84,36 @@ def _self_cpu() -> float:
 
 
 async def _post_loop(bases: list[str], job_id: str, token: str, ranks: int, batch: int, seconds: float) -> dict:
-    template = _record_template()
+    bodies = MetricBodies()
     stored, requests, resent = 0, 0, 0
     deadline = time.perf_counter() + seconds
-    limits = httpx.Limits(max_connections=ranks, max_keepalive_connections=ranks)
-    headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+    posters = [Posters(base, token) for base in bases]
+    path = f"/api/v1/jobs/{job_id}/metrics"
     counter = 0
 
-    async def rank_loop(rank: int, client: httpx.AsyncClient) -> None:
+    async def rank_loop(rank: int) -> None:
         nonlocal stored, requests, resent, counter
         step = 0
         while time.perf_counter() < deadline:
             counter += 1
-            base = bases[counter % len(bases)]  # round-robin over the replicas
-            try:
-                response = await client.post(f"{base}/api/v1/jobs/{job_id}/metrics",
-                                             content=body(template, rank, step, batch))
-            except httpx.TransportError:  # a kept-alive connection the server closed: resend, as workers do
+            try:  # round-robin over the replicas
+                status, content = await posters[counter % len(posters)].post(path, bodies.body(rank, step, batch))
+            except ConnectionError:  # a kept-alive connection the server closed: resend, as workers do
                 resent += 1
                 continue
-            stored += response.raise_for_status().json()["accepted"]
+            if status != 200:
+                raise SystemExit(f"POST {path} answered {status}: {content[:500]!r}")
+            stored += json.loads(content)["accepted"]
             requests += 1
             step += batch
 
-    async with httpx.AsyncClient(headers=headers, limits=limits, timeout=120) as client:
-        started = time.perf_counter()
-        await asyncio.gather(*(rank_loop(rank, client) for rank in range(ranks)))
-        elapsed = time.perf_counter() - started
+    started = time.perf_counter()
+    try:
+        await asyncio.gather(*(rank_loop(rank) for rank in range(ranks)))
+    finally:
+        for poster in posters:
+            poster.close()
+    elapsed = time.perf_counter() - started
     return {"points_stored": stored, "requests": requests, "resent": resent, "seconds": round(elapsed, 2)}
 
 

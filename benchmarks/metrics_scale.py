@@ -52,7 +52,8 @@ from rich.table import Table
 
 from benchmarks.job_page_load import cold_loads
 from benchmarks.scratch import scratch_service
-from benchmarks.service import SPEC, claim_ingest_tokens, metric_record, percentile
+from benchmarks.ingest_load import metric_record
+from benchmarks.service import SPEC, claim_ingest_tokens, percentile
 
 
 def generate_rows(database_url: str, job_id: str, ranks: int, steps: int) -> float:

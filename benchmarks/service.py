@@ -48,6 +48,7 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
+from benchmarks.ingest_load import MetricBodies, Posters, metric_record
 from benchmarks.scratch import Scratch, Server, scratch_service
 
 SPEC = {
@@ -253,15 +254,6 @@ async def settle(client: httpx.AsyncClient, url: str, args: argparse.Namespace) 
                      f"in {SETTLE_WITHIN_S:.0f} s")
 
 
-def metric_record(rank: int, step: int) -> dict:
-    """The fields ``workers.reporting.StepMeter.record`` fills on a CPU rank."""
-    return {"attempt": 0, "rank": rank, "step": step, "time": time.time(), "loss": 2.5, "lr": 3e-4,
-            "grad_norm": 0.9, "step_time_s": 0.21, "tokens_per_s": 2400.0, "samples_per_s": 37.5, "tflops": 0.009,
-            "mfu": None, "mem_params_bytes": 4.1e6, "mem_grads_bytes": 2.0e6, "mem_optimizer_bytes": 1.2e7,
-            "mem_buffers_bytes": 3.1e6, "mem_peak_bytes": 2.4e8, "comm_bytes": 8.2e6, "comm_exposed_s": 0.03,
-            "checkpoint_blocked_s": 0.0}
-
-
 # ----------------------------------------------------------------------------- the database
 
 
@@ -342,14 +334,20 @@ async def run_phases(scratch: Scratch, args: argparse.Namespace) -> dict:
             base_url=f"{server_base}/api/v1/jobs/{job_id}", timeout=30, limits=limits,
             headers={"Authorization": f"Bearer {ingest}"})) for server_base in [base, *(s.base for s in extra)]]
         worker = workers[0]
+        bodies = MetricBodies()
+        posters = [Posters(server_base, ingest) for server_base in [base, *(s.base for s in extra)]]
+        stack.callback(lambda: [poster.close() for poster in posters])
 
         def batches_of(size: int) -> Callable[[int], Awaitable[bool]]:  # ``size`` records per batch
             async def post(index: int) -> bool:
                 rank = index % args.ranks
                 first, next_step[rank] = next_step[rank], next_step[rank] + size
-                body = {"records": [metric_record(rank, step) for step in range(first, first + size)]}
-                response = await workers[index % len(workers)].post("/metrics", json=body)  # round-robin
-                return response.status_code == 200 and response.json()["accepted"] == size
+                try:
+                    status, content = await posters[index % len(posters)].post(  # round-robin
+                        f"/api/v1/jobs/{job_id}/metrics", bodies.body(rank, first, size))
+                except ConnectionError:
+                    return False
+                return status == 200 and json.loads(content)["accepted"] == size
             return post
 
         for index in range(len(workers)):  # each replica warmed up (a started one has opened nothing yet)

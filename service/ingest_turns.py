@@ -1,5 +1,5 @@
 """Storing a request's metric batch: a few transactions of a job at a time in this process, each
-carrying every small batch of that job that arrived meanwhile.
+carrying every batch of that job that arrived meanwhile.
 
 [Note: one transaction for the batches that waited]
 Ranks post at about the same time, and each transaction costs round trips and a commit
@@ -12,11 +12,14 @@ them is stored once and counted new for the first batch carrying it. Batches are
 with batches of the same token. Other replicas' ingests of the job run alongside (the job's
 metric lock is shared between ingests: service.advisory_locks).
 
-[Note: large batches alone]
-A transaction's fixed cost (round trips, a commit) matters for small batches; a batch of
-``COMBINE_BELOW`` records or more carries enough work to be worth its own, and storing such
-batches one job at a time would leave the database's other cores idle while they wait. So a
-large batch skips the turn: it is stored at once, alongside the job's other transactions.
+[Note: large batches too]
+Each record costs the roll-up one row written (an insert or an update of its (attempt, step,
+part) row) for every transaction that carries it; batches of several ranks stored together
+share those rows, ranks of one part adding to one row once per transaction instead of once per
+batch, and the roll-up's rows are much of the database's work per record. So a large batch
+takes its turn like a small one: while one of the job's turns is free it is stored at once,
+alone; only batches that arrive while ``IN_FLIGHT`` transactions of the job are under way in
+this process wait, and are stored together.
 
 [Note: waiting without a connection]
 A queued request first ends its token check's transaction, so it waits in this process holding
@@ -41,8 +44,7 @@ from service import metric_copy, metric_ingest
 from service.schemas import MetricRecord
 
 COMBINED_RECORDS = 20_000  # at most this many records in one combined insert (past one batch)
-IN_FLIGHT = 2  # transactions of one job under way at once in this process
-COMBINE_BELOW = 256  # a batch of at least this many records is stored on its own, at once
+IN_FLIGHT = 1  # transactions of one job under way at once in this process: the more wait, the more share
 
 
 @dataclass
@@ -75,9 +77,6 @@ def queued(job_id: str) -> int:
 def store(session: Session, job_id: str, token_hash: str, records: list[MetricRecord]) -> int | None:
     """Store ``records`` (rows, roll-up, user values) and commit; return how many were new, or
     None when the job's ingest token ``token_hash`` is no longer valid (nothing is stored)."""
-    if len(records) >= COMBINE_BELOW:  # [Note: large batches alone]
-        keys = _store_keys(session, job_id, token_hash, records)
-        return None if keys is None else len(keys)
     batch = _Batch(records)
     with _turns_lock:
         turn = _turns.setdefault((job_id, token_hash), _Turn())
@@ -152,6 +151,10 @@ def _store_together(session: Session, job_id: str, token_hash: str, batches: lis
     if keys is None:
         for batch in batches:
             batch.accepted = None
+        return
+    if len(keys) == sum(len(batch.records) for batch in batches):  # every record new: no count to match
+        for batch in batches:
+            batch.accepted = len(batch.records)
         return
     new = Counter(keys)
     for batch in batches:

@@ -12,10 +12,17 @@ every stored record exactly once, a re-sent batch included, and a chart never se
 roll-up lacks.
 
 [Note: parts, and locks taken in step order]
-Ranks post the same steps at about the same time. Were a step one roll-up row, every rank's
-batch would wait for the previous one's commit to update it; a step's rows are spread over
-``METRIC_STEP_PARTS`` parts (rank % parts) and each statement updates its rows in
-(attempt, step, part) order, so two batches never wait for each other in a circle.
+Ranks post the same steps at about the same time. Were a step one roll-up row, every
+transaction storing it would wait for the previous one's commit to update it; so a step's rows
+are spread over ``METRIC_STEP_PARTS`` parts, and each statement updates its rows in (attempt,
+step, part) order, so two transactions never wait for each other in a circle. On PostgreSQL a
+transaction's part is its connection's (the backend's process id % parts): transactions under
+way at once are on different connections, so they mostly update different rows, and all the
+records of one step in a transaction -- every rank of the batches ``service.ingest_turns``
+stored together -- are added to one row: one roll-up row written per step and transaction,
+not one per step and part of the ranks. Which part holds a record matters to no reader (each
+sums a step's parts), so rows written under another rule (rank % parts: ``rebuild_rollup``,
+SQLite, a replica not yet upgraded) add up the same.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ PG_TYPES = tuple("int4" if name in INT_COLUMNS else "float8" for name in STORED_
 _QUOTED_COLUMNS = ", ".join(f'"{name}"' for name in STORED_COLUMNS)  # "rank", "time" are keywords
 _CHARTED = tuple(field.name for field in CHARTED_FIELDS)
 _ROLLUP_COLUMNS = ", ".join(f"sum_{name}, n_{name}" for name in _CHARTED)
+_PART = f"pg_backend_pid() % {METRIC_STEP_PARTS}"  # [Note: parts, and locks taken in step order]
 
 
 def insert_sql(rows: str, answer: str) -> str:
@@ -61,9 +69,9 @@ def insert_sql(rows: str, answer: str) -> str:
         f'RETURNING id, attempt, "rank", step, world_size, {", ".join(_CHARTED)}), '
         "rolled AS ("
         f"INSERT INTO metric_steps (job_id, attempt, step, part, records, last_id, world_size, {_ROLLUP_COLUMNS}) "
-        f'SELECT CAST(:job_id AS text), attempt, step, "rank" % {METRIC_STEP_PARTS}, COUNT(*), MAX(id), MAX(world_size), '
+        f"SELECT CAST(:job_id AS text), attempt, step, {_PART}, COUNT(*), MAX(id), MAX(world_size), "
         + ", ".join(f"SUM(CAST({name} AS numeric)), COUNT({name})" for name in _CHARTED)
-        + f' FROM new GROUP BY attempt, step, "rank" % {METRIC_STEP_PARTS} ORDER BY 2, 3, 4 '
+        + " FROM new GROUP BY attempt, step ORDER BY 2, 3 "
         "ON CONFLICT (job_id, attempt, step, part) DO UPDATE SET "
         "records = metric_steps.records + excluded.records, "
         "last_id = GREATEST(metric_steps.last_id, excluded.last_id), "

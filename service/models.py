@@ -165,8 +165,9 @@ class Metric(_metric_columns(), Base):
 #: A roll-up sum: numeric on PostgreSQL, so no sum of float8 values can overflow (NaN and
 #: infinities included); SQLite's float sum reads inf past the limit.
 RollupSum = Float().with_variant(Numeric(), "postgresql")
-#: Rows of one step are spread over this many parts (rank % parts), so that ranks posting the
-#: same steps at once mostly update different rows (service.metric_ingest).
+#: Rows of one step are spread over this many parts (on PostgreSQL the writing connection's),
+#: so that transactions storing the same steps at once mostly update different rows
+#: (service.metric_ingest).
 METRIC_STEP_PARTS = 16
 
 

@@ -26,6 +26,7 @@ import anyio
 from service import chart_series, ingest_turns, stream_cursor, user_metrics
 from service.api.deps import SessionDep, VisibleJob, WorkerJob, bearer_token, unauthorized
 from service.api.errors import error_responses, text_response
+from service.api.json_body import OnePassJsonRoute
 from service.api.sse import (
     STREAM_BATCH,
     EventStream,
@@ -54,7 +55,7 @@ from service.schemas import (
 router = APIRouter(prefix="/jobs", tags=["metrics"])
 
 
-@router.post("/{job_id}/metrics", response_model=IngestResult, name="ingest_metrics")
+# the body read by pydantic in one pass (service.api.json_body): registered below with its route class
 def ingest_metrics(batch: MetricBatch, job: WorkerJob, request: Request, session: SessionDep) -> IngestResult:
     if not batch.records:
         return IngestResult(accepted=0, duplicates=0)
@@ -63,6 +64,10 @@ def ingest_metrics(batch: MetricBatch, job: WorkerJob, request: Request, session
         raise unauthorized(f"not a valid ingest token for job {job.id!r} (or the job has ended)")
     request.app.state.service_metrics.metric_points.inc(accepted)
     return IngestResult(accepted=accepted, duplicates=len(batch.records) - accepted)
+
+
+router.add_api_route("/{job_id}/metrics", ingest_metrics, methods=["POST"], response_model=IngestResult,
+                     name="ingest_metrics", route_class_override=OnePassJsonRoute)
 
 
 def _filtered(query: Select, job_id: str, rank: int | None, attempt: int | None,

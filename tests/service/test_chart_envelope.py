@@ -103,8 +103,15 @@ def _rollup(session) -> list[tuple]:
     for r in rows:  # the float copy the charts read (written by ingest or, on PostgreSQL, generated)
         assert r.fsum_loss == float(r.sum_loss)
         assert r.fsum_tokens_per_s == (None if r.sum_tokens_per_s is None else float(r.sum_tokens_per_s))
-    return [(r.attempt, r.step, r.part, r.records, r.last_id, r.world_size, float(r.sum_loss), r.n_loss,
-             None if r.sum_tokens_per_s is None else float(r.sum_tokens_per_s), r.n_tokens_per_s) for r in rows]
+    # per (attempt, step), over its parts, as every reader sums them (a sum over no value, 0 or
+    # null, reads as no value: sum / nullif(n, 0))
+    steps: dict[tuple[int, int], list] = {}
+    for r in rows:
+        kept = steps.setdefault((r.attempt, r.step), [0, 0, 0, 0.0, 0, 0.0, 0])
+        kept[:] = [kept[0] + r.records, max(kept[1], r.last_id), max(kept[2], r.world_size),
+                   kept[3] + float(r.sum_loss), kept[4] + r.n_loss,
+                   kept[5] + float(r.sum_tokens_per_s or 0), kept[6] + r.n_tokens_per_s]
+    return [(*key, *values) for key, values in sorted(steps.items())]
 
 
 def test_the_rollup_counts_every_stored_record_once_whatever_is_resent(running_job):
@@ -120,14 +127,14 @@ def test_the_rollup_counts_every_stored_record_once_whatever_is_resent(running_j
     assert worker.post("/metrics", json=batch(range(0, 10), [0])).json()["accepted"] == 10
     assert worker.post("/metrics", json=batch(range(5, 15), [0, 17])).json() == {"accepted": 15, "duplicates": 5}
     assert worker.post("/metrics", json=batch(range(0, 15), [0, 17])).json() == {"accepted": 5, "duplicates": 25}
-    worker.post("/metrics", json=batch(range(12, 16), [1, 33], attempt=1)).raise_for_status()  # one part: 33 % 16
+    worker.post("/metrics", json=batch(range(12, 16), [1, 33], attempt=1)).raise_for_status()
     with service.app.state.sessionmaker() as session:
         kept = _rollup(session)
         rebuild_rollup(session, job_id)
         assert kept == _rollup(session)
         session.rollback()
-    assert sum(row[3] for row in kept) == 38
-    assert {row[2] for row in kept} == {0, 1} and max(row[3] for row in kept) == 2  # ranks 1 and 33 summed
+    assert sum(row[2] for row in kept) == 38
+    assert {row[1]: row[2] for row in kept if row[0] == 1} == {12: 2, 13: 2, 14: 2, 15: 2}  # ranks 1 and 33
     chart = httpx.get(f"{service.url}/api/v1/jobs/{job_id}/metrics/chart",
                       headers={"Authorization": f"Bearer {service.admin_token}"}).raise_for_status().json()
     assert chart["records"] == 38 and chart["latest_attempt"] == 1
