@@ -30,7 +30,8 @@ rate the way the engine incurs it, in well under a second:
   unit and stages 2-3's reduce of a micro-step's gradients as the engine issues them
   (``engine_timing.py``: a re-allocated buffer and the order tag; pre-divided pieces exchanged
   into a new shard), on one block of the job's model (without one, on one bucket), as bus rates
-  like the others; None on a world of one;
+  like the others, and ``root_allgather_bytes_per_s``, the gather on the root's own size (a large
+  vocabulary's root is the largest unit by far); None on a world of one (the root's: without a model);
 * ``forward_backward_s`` (given the job's model, ``model=``): one micro-batch's forward and
   backward of the model itself, timed piece by piece (``model_timing``: one unit of each kind and
   the root, in the job's dtype and shape), and ``forward_backward_flops``, that micro-batch's
@@ -94,6 +95,7 @@ class Calibration:
     #: calibration, priced at the bucket's rates): stage 3's gather of one unit, stages 2-3's
     #: reduce of one micro-step's gradients
     unit_allgather_bytes_per_s: Optional[float] = None
+    root_allgather_bytes_per_s: Optional[float] = None  # the same gather on the root unit (its own size)
     grad_reduce_scatter_bytes_per_s: Optional[float] = None
 
     def __post_init__(self) -> None:
@@ -130,7 +132,8 @@ class Calibration:
 RATES = ("compute_flops_per_s", "allgather_bytes_per_s", "reduce_scatter_bytes_per_s", "allreduce_bytes_per_s",
          "elementwise_bytes_per_s", "optimizer_params_per_s", "host_optimizer_params_per_s")
 TIMES = ("op_overhead_s", "forward_backward_s")
-ENGINE_RATES = ("unit_allgather_bytes_per_s", "grad_reduce_scatter_bytes_per_s")  # None: not measured
+ENGINE_RATES = ("unit_allgather_bytes_per_s", "root_allgather_bytes_per_s",  # None: not measured
+                "grad_reduce_scatter_bytes_per_s")
 
 
 def calibrate(group: Optional[dist.ProcessGroup] = None, dtype: torch.dtype = torch.float32,
@@ -181,8 +184,8 @@ def calibrate(group: Optional[dist.ProcessGroup] = None, dtype: torch.dtype = to
         for name, run in _collective_runs(comm, numel, dtype, device).items():
             rates[name] = bus / _median_time(run, repeats, sync, local=False)
         for name, (run, padded) in _engine_runs(comm, pieces, numel, dtype, device).items():
-            seconds = _median_time(run, max(repeats, engine_timing.MIN_REPEATS), sync, local=False)
-            rates[name] = (world - 1) / world * padded * element / seconds
+            times = repeats if name == "root_allgather_bytes_per_s" else max(repeats, engine_timing.MIN_REPEATS)
+            rates[name] = (world - 1) / world * padded * element / _median_time(run, times, sync, local=False)
         rates = _slowest(rates, group, device)
     slowest_s = rates.pop("forward_backward_s", math.inf)  # inf: not timed, here or on some rank
     timed = timed if math.isfinite(slowest_s) else None
@@ -253,11 +256,18 @@ def _collective_runs(comm: Collectives, numel: int, dtype: torch.dtype,
 def _engine_runs(comm: Collectives, pieces: Optional[tuple[list[int], list[int]]], bucket_numel: int,
                  dtype: torch.dtype, device: torch.device) -> dict[str, tuple[Callable[[], None], int]]:
     """The engine's own collective paths (``engine_timing.py``) on one block's parameters (without
-    a model: on one bucket), each with the padded elements it moves."""
+    a model: on one bucket), and stage 3's gather of the root on the root's, each with the padded
+    elements it moves (the root's, once: a large vocabulary's root is most of the cost)."""
+    def padded(numels: list[int]) -> int:
+        return -(-sum(numels) // comm.world_size) * comm.world_size
+
     block = pieces[0] if pieces and sum(pieces[0]) > 0 else [bucket_numel]
-    padded = -(-sum(block) // comm.world_size) * comm.world_size
-    return {"unit_allgather_bytes_per_s": (engine_timing.unit_gather(comm, padded, dtype, device), padded),
+    runs = {"unit_allgather_bytes_per_s": (engine_timing.unit_gather(comm, padded(block), dtype, device), padded(block)),
             "grad_reduce_scatter_bytes_per_s": engine_timing.grad_reduce(comm, block, dtype, device)}
+    if pieces and sum(pieces[1]) > 0:
+        root = padded(pieces[1])
+        runs["root_allgather_bytes_per_s"] = (engine_timing.unit_gather(comm, root, dtype, device), root)
+    return runs
 
 
 def _slowest(figures: dict[str, float], group: dist.ProcessGroup, device: torch.device) -> dict[str, float]:

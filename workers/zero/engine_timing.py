@@ -9,12 +9,13 @@ are not what the engine runs. Three paths differ enough to move a step's time:
   so a step over many pieces that each fit in the cache runs several times faster per element
   than one over a bucket-sized tensor that does not. So AdamW is timed over pieces the size of
   this rank's parts of the job's own parameters: one block's and the root's, each parameter's
-  1/N (the sharded stages' pieces), at most ``MAX_PIECE_ELEMENTS`` in all (a larger tensor runs
-  out of the cache anyway);
+  1/N (the sharded stages' pieces), at most ``MAX_PIECE_ELEMENTS`` in all;
 * **stage 3's all-gather of a unit** (``stage3.py``) re-allocates the unit's flat buffer (its
   storage was freed after the last use), gathers the order tag of the divergence check beside
   it (``collectives.tagged_all_gather``) and, on Gloo, copies the own shard into its slot and
-  broadcasts every rank's: timed so, on a buffer of one block's padded size;
+  broadcasts every rank's: timed so, on a buffer of one block's padded size and on one of the
+  root's (a large vocabulary's root is the largest unit, and a fresh buffer that large costs a
+  CPU rank a page fault per page every time);
 * **stages 2 and 3 reduce every micro-step's gradients** as ``grad_reducer.py`` does: each
   parameter's gradient pre-divided in place, then exchanged piece by piece over two Gloo ranks
   (one message per parameter part, ``Collectives.reduce_scatter_pieces``) into a new shard, or
@@ -33,8 +34,10 @@ import torch
 
 from .collectives import Collectives, tagged_all_gather
 
-#: AdamW is timed over at most this many elements of pieces (the largest pieces are cut to fit)
-MAX_PIECE_ELEMENTS = 1 << 23
+#: AdamW is timed over at most this many elements of pieces (the last ones cut to fit): enough
+#: for a large vocabulary's embedding shard whole (gpt-small's: 2^24.2 at N=2), whose fresh
+#: temporaries cost a CPU rank page faults that a cut piece's would not
+MAX_PIECE_ELEMENTS = 1 << 25
 MIN_PIECE_ELEMENTS = 1 << 16  # fewer than this: a step of fixed costs, not of its elements
 #: each collective path is timed at least this often (the median): one run lasts a few
 #: milliseconds, so a few runs say more about the scheduler of a shared host than about the path

@@ -260,3 +260,18 @@ def test_an_engine_path_rate_must_be_positive():
         replace(RATES, unit_allgather_bytes_per_s=0.0)
     with pytest.raises(ValueError, match="grad_reduce_scatter_bytes_per_s"):
         replace(RATES, grad_reduce_scatter_bytes_per_s=float("nan"))
+
+
+def test_stage_3_prices_the_roots_gathers_at_the_roots_own_rate():
+    """A large vocabulary makes the root the largest unit by far, and gathering it (a fresh buffer
+    of its size) runs at its own rate: the root's two gathers per micro-step go at the root's
+    rate, the blocks' at the block's (4 blocks of 1M, a root of 4M, N=4, fp32, one micro-step)."""
+    shape = ModelShape.from_units([1_000_000] * 4 + [4_000_000], [4_000_000], [[1_000_000]] * 4)
+    paths = replace(RATES, unit_allgather_bytes_per_s=5e8, root_allgather_bytes_per_s=1e8)
+    p = predict(inputs(shape=shape, calibration=paths), 3)
+    ring = 3 / 4
+    gathers = 2 * 4 * 1_000_000 * 4 * ring / 5e8 + 2 * 4_000_000 * 4 * ring / 1e8  # forward and backward
+    reduces = p.comm_bytes_by_group["world"]["reduce_scatter"] * ring / 1e9
+    assert p.comm_time_s == pytest.approx(gathers + reduces)
+    without = predict(inputs(shape=shape, calibration=replace(paths, root_allgather_bytes_per_s=None)), 3)
+    assert without.comm_time_s == pytest.approx(2 * 8_000_000 * 4 * ring / 5e8 + reduces)  # all at the block's

@@ -20,9 +20,11 @@ from .calibration_cases import calibrate_model_world, calibrate_world, slowest_w
 def test_two_gloo_ranks_measure_positive_finite_rates_and_agree():
     results = spawn_world(calibrate_world, 2, args=(1 << 18,))
     first = Calibration.from_dict(results[0]["calibration"])
-    for name in RATES + ENGINE_RATES:  # the engine's own paths too (without a model: on one bucket)
+    measured = RATES + ("unit_allgather_bytes_per_s", "grad_reduce_scatter_bytes_per_s")  # without a model: one bucket
+    for name in measured:
         value = getattr(first, name)
         assert 0 < value < math.inf, name
+    assert first.root_allgather_bytes_per_s is None  # no model, no root
     assert 0 < first.op_overhead_s < 1e-2  # one operation's fixed cost: microseconds, not a step
     # every rank takes the slowest rank's figures: the ranks agree
     figures = RATES + TIMES + ENGINE_RATES
@@ -74,7 +76,7 @@ def test_two_ranks_time_the_jobs_model_and_take_the_slower_time():
     assert 0 < first["forward_backward_s"] < 1.0 and first["forward_backward_flops"] > 0
 
 
-def test_two_ranks_time_the_engines_own_paths_on_one_block_of_the_jobs_model():
+def test_two_ranks_time_the_engines_own_paths_on_one_block_and_the_root_of_the_jobs_model():
     first, second = spawn_world(calibrate_model_world, 2)
     for name in ENGINE_RATES:  # measured on gpt-nano's block, the slowest rank's
         assert 0 < first[name] < math.inf and first[name] == second[name], name

@@ -32,7 +32,8 @@ Per rank and step, every rate a ``Calibration``'s (a collective's rate is its bu
   buffer re-allocated, the divergence check's order tag beside it, Gloo's own-slot copy and
   broadcasts) and stages 2-3's reduces of every micro-step's gradients
   (``grad_reduce_scatter_bytes_per_s``: each gradient pre-divided, exchanged piece by piece into
-  a new shard), each timed on one block of the job's model; everything else (stage 0's
+  a new shard), each timed on one block of the job's model, and the root's gathers at its own
+  size's rate (``root_allgather_bytes_per_s``, ``unit_gather_rate``); everything else (stage 0's
   all-reduce, stage 1's reduce at the step, stages 1-2's parameter gathers, hpZ's, qwZ's and
   qgZ's) at the bucket's rates. hpZ's groups of H and hybrid sharding's groups of G and N/G replicas
   are priced at the rates measured over the world: the calibration measures no intra-node rate,
@@ -95,7 +96,7 @@ from typing import Any
 
 from contract.zero_math import bandwidth_for_efficiency, comm_time_s, efficiency, ring_factor, stage_traits
 
-from .groups import group_sizes
+from .groups import group_sizes, hpz_size, stage3_units_kept
 
 
 def disk_time_s(read_bytes: int, write_bytes: int, read_bytes_per_s: float,
@@ -209,7 +210,7 @@ def engine_path_rates(stage: int, inputs: Any, calibration: Any) -> dict[str, fl
     out = {}
     unit, grad = calibration.unit_allgather_bytes_per_s, calibration.grad_reduce_scatter_bytes_per_s
     if stage == 3 and unit is not None and not inputs.quantized_weights:
-        out["all_gather"] = unit
+        out["all_gather"] = unit_gather_rate(inputs, unit, calibration.root_allgather_bytes_per_s)
     if stage >= 2 and grad is not None and not inputs.quantized_gradients:
         out["reduce_scatter"] = grad
     return out
@@ -220,3 +221,18 @@ def optimizer_time_s(prediction: Any, inputs: Any, calibration: Any, group: int)
     stepped = inputs.shape.phi / (group if stage_traits(prediction.stage).shards_optimizer else 1)
     rate = calibration.host_optimizer_params_per_s if prediction.offload else calibration.optimizer_params_per_s
     return stepped / rate
+
+
+def unit_gather_rate(inputs: Any, unit: float, root: float | None) -> float:
+    """Stage 3's exact gathers over the shard group at one rate: the blocks' at ``unit``, the
+    root's at ``root`` (its own size's rate; None: ``unit``), each unit's bytes weighted by how
+    often a micro-step gathers it (forward, and backward unless kept or hpZ gathers it there)."""
+    if root is None:
+        return unit
+    n = group_sizes(inputs, 3)["shard"]
+    units, kept = stage3_units_kept(inputs, n)
+    again = hpz_size(inputs, 3) is None
+    root_index = len(units) - 1 if inputs.shape.root_numel else None
+    weights = [padded * (1 + (again and i not in kept)) for i, (_, padded) in enumerate(units)]
+    seconds = sum(w / (root if i == root_index else unit) for i, w in enumerate(weights))
+    return sum(weights) / seconds if seconds else unit
