@@ -20,8 +20,9 @@ rate the way the engine incurs it, in well under a second:
   one bucket of ``bucket_numel`` elements through the engine's own ``Collectives`` (Gloo's
   broadcast all-gather and two-rank exchange included), as a ring's bus rate:
   ``bytes × (N-1)/N / seconds``, so that ``contract.zero_math.comm_time_s`` inverts it;
-* ``optimizer_params_per_s`` / ``host_optimizer_params_per_s``: ``torch.optim.AdamW`` steps on
-  the device and on the host (where offload steps it), over the pieces the engine steps: given
+* ``optimizer_params_per_s`` / ``host_optimizer_params_per_s``: the gradient's norm and a
+  ``torch.optim.AdamW`` step on the device and on the host (where offload steps it), over the
+  pieces the engine steps: given
   the job's model, one tensor per parameter of one block and of the root, each this rank's 1/N
   (``engine_timing.py``: pieces that fit in the cache step several times faster per element than
   one flat tensor); without one, a flat tensor of one bucket's shard (``bucket_numel / N``), kept

@@ -4,8 +4,9 @@ model's forward and backward, timed through the engine's own code on the job's o
 Why: a collective's rate measured on one preallocated bucket, and AdamW's on one flat tensor,
 are not what the engine runs. Three paths differ enough to move a step's time:
 
-* **the optimizer step** runs ``torch.optim.AdamW`` over each bucket's master views, one tensor
-  per parameter piece (``update.py``). torch's CPU AdamW makes several passes over each tensor,
+* **the optimizer step** takes the norm of each bucket's gradient shard and runs
+  ``torch.optim.AdamW`` over its master views, one tensor per parameter piece, their gradients
+  views of that shard (``update.py``). torch's CPU AdamW makes several passes over each tensor,
   so a step over many pieces that each fit in the cache runs several times faster per element
   than one over a bucket-sized tensor that does not. So AdamW is timed over pieces the size of
   this rank's parts of the job's own parameters: one block's and the root's, each parameter's
@@ -72,11 +73,18 @@ def shard_pieces(numels: list[int], world: int, limit: int = MAX_PIECE_ELEMENTS)
 
 
 def adamw_pieces(numels: list[int], device: torch.device) -> Callable[[], None]:
-    """One ``torch.optim.AdamW`` step over one tensor per piece, as the engine steps master views."""
+    """The engine's optimizer step over one tensor per piece (``update.py``): the gradient's norm
+    over the flat shard the pieces' gradients are views of, then one ``torch.optim.AdamW`` step."""
     params = [torch.nn.Parameter(torch.zeros(n, device=device)) for n in numels]
-    for p in params:
-        p.grad = torch.full_like(p, 1e-3)
-    return torch.optim.AdamW(params, lr=1e-3).step
+    grads = torch.full((sum(numels),), 1e-3, device=device)
+    for p, g in zip(params, grads.split(numels)):
+        p.grad = g
+    step = torch.optim.AdamW(params, lr=1e-3).step
+
+    def run() -> None:
+        torch.linalg.vector_norm(grads)
+        step()
+    return run
 
 
 def unit_gather(comm: Collectives, numel: int, dtype: torch.dtype, device: torch.device) -> Callable[[], None]:

@@ -107,3 +107,13 @@ def test_pieces_are_each_parameters_share_cut_to_the_limit():
     assert engine_timing.shard_pieces([10, 7, 4], 2, limit=8) == [5, 3]
     assert engine_timing.model_pieces(None) is None
     assert engine_timing.model_pieces({"factory": "json:loads", "kwargs": {"s": "{"}}) is None
+
+
+def test_the_timed_optimizer_step_takes_the_gradients_norm_over_one_flat_shard_first(monkeypatch):
+    """As ``update.py`` does: the norm over the bucket's flat gradient shard, whose views are the
+    pieces' gradients, then AdamW over the pieces."""
+    norms: list[int] = []
+    real = torch.linalg.vector_norm
+    monkeypatch.setattr(torch.linalg, "vector_norm", lambda t, *a, **k: norms.append(t.numel()) or real(t, *a, **k))
+    engine_timing.adamw_pieces([3, 5], torch.device("cpu"))()
+    assert norms == [8]

@@ -40,7 +40,8 @@ Per rank and step, every rate a ``Calibration``'s (a collective's rate is its bu
   so where a node's links are faster than the world's this overprices them (an upper bound);
 * the optimizer step: the elements this rank steps (Φ at stage 0, its shard Φ/N otherwise) at the
   device's AdamW rate, or the host's under optimizer offload, each timed over the pieces the
-  engine steps (one tensor per parameter piece of this rank's shard: one block's and the root's,
+  engine steps, the gradient's norm before it included (one tensor per parameter piece of this
+  rank's shard: one block's and the root's,
   ``engine_timing.py``; torch's CPU AdamW makes several passes over each tensor, so pieces that
   fit in the cache step several times faster per element than one flat bucket). Stage 0's
   pieces are N times larger than the timed ones: on a host whose cache holds the sharded piece
@@ -49,8 +50,7 @@ Per rank and step, every rate a ``Calibration``'s (a collective's rate is its bu
   memory copies);
 * NVMe's swap files: the note on the disk's overlap.
 
-Left out: the gradient norm before the optimizer step (one read of the gradients this rank
-holds), the gradient copies of stages 0-1 into their buckets, and the hooks' own Python time.
+Left out: the gradient copies of stages 0-1 into their buckets, and the hooks' own Python time.
 
 Overlap of compute and communication: none is assumed. The engine does overlap (stage 0-2
 buckets reduce during backward, stage 3 prefetches the next unit), but on the hosts this model is
