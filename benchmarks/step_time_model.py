@@ -13,7 +13,10 @@ calibration (the ranks agree: each rate is the slowest rank's). Worlds run inter
 configuration once per repeat) and the table shows medians over ``--repeats``: of the times,
 and of each world's predicted/measured (with its range), and ``counted/meas``: the same calibration's step with
 the compute priced from counts (matmul flops, element-wise bytes, operations) instead of the
-model's timed forward and backward, as the time model did before it timed the model.
+model's timed forward and backward, as the time model did before it timed the model, and
+``old/meas``: the same world priced without the engine's own paths (``workers/zero/engine_timing.py``:
+every collective at the bucket's rate, AdamW at one flat shard's, timed in the same rank), as the
+model priced it before it timed them.
 
 Timing on a loaded machine says little; every figure printed is as measured, with the load
 average beside it.
@@ -37,7 +40,8 @@ from contract.zero_math import precision_traits
 from workers.models import build_model
 from workers.planning import matmul_shape, plan_for_spec, timed_model
 from workers.zero import ZeroConfig, ZeroEngine
-from workers.zero.calibration import Calibration, calibrate
+from workers.zero.calibration import MAX_OPTIMIZER_NUMEL, MIN_OPTIMIZER_NUMEL, Calibration, _median_time, calibrate
+from workers.zero.engine_timing import adamw_pieces
 from workers.zero.planner.shape import bucket_elements
 from workers.zero.testing import byte_stream_batch, spawn_world
 
@@ -55,8 +59,11 @@ def rank_run(rank: int, world_size: int, settings: dict[str, Any]) -> dict[str, 
     precision = settings["precision"]
     dtype = getattr(torch, precision_traits(precision).torch_dtype)
     spec = job_spec(settings, world_size)
-    calibration = calibrate(dtype=dtype, bucket_numel=bucket_elements(settings["bucket_mb"], precision), device="cpu",
-                            matmul_shape=matmul_shape(spec), model=timed_model(spec))
+    bucket = bucket_elements(settings["bucket_mb"], precision)
+    calibration = calibrate(dtype=dtype, bucket_numel=bucket, device="cpu", matmul_shape=matmul_shape(spec),
+                            model=timed_model(spec))
+    flat = min(max(-(-bucket // world_size), MIN_OPTIMIZER_NUMEL), MAX_OPTIMIZER_NUMEL)  # the old model's AdamW
+    flat_rate = flat / _median_time(adamw_pieces([flat], torch.device("cpu")), 3, lambda: None)
     torch.manual_seed(0)
     engine = ZeroEngine(build_model({"preset": settings["model"]}), lambda params: torch.optim.AdamW(params, lr=1e-4),
                         ZeroConfig(stage=settings["stage"], offload_optimizer=settings["offload"],
@@ -74,7 +81,8 @@ def rank_run(rank: int, world_size: int, settings: dict[str, Any]) -> dict[str, 
             times.append(time.perf_counter() - started)
     finally:
         engine.close()
-    return {"calibration": calibration.to_dict(), "step_times": times[settings["warmup"]:]}
+    return {"calibration": calibration.to_dict(), "flat_optimizer_params_per_s": flat_rate,
+            "step_times": times[settings["warmup"]:]}
 
 
 def job_spec(settings: dict[str, Any], ranks: int) -> JobSpec:
@@ -89,15 +97,24 @@ def job_spec(settings: dict[str, Any], ranks: int) -> JobSpec:
                    resources=ResourcesSpec(num_workers=ranks))
 
 
-def predicted(settings: dict[str, Any], ranks: int, calibration: Calibration) -> dict[str, float]:
-    """The chosen candidate's time terms from ``plan_for_spec(..., calibration=...)``, and
+def predicted(settings: dict[str, Any], ranks: int, calibration: Calibration,
+              flat_optimizer_params_per_s: float | None = None) -> dict[str, float]:
+    """The chosen candidate's time terms from ``plan_for_spec(..., calibration=...)``;
     ``counted_step_time_s``: the step the same rates price with the compute counted, not timed
-    (the calibration without its ``forward_backward_s``: the model before the timed one)."""
+    (the calibration without its ``forward_backward_s``); ``old_step_time_s`` (given AdamW's rate
+    over one flat shard): the step without the engine's own paths (``engine_timing.py``), every
+    collective at the bucket's rate and AdamW at the flat tensor's, as the model priced it before."""
     spec = job_spec(settings, ranks)
     chosen = plan_for_spec(spec, calibration=calibration).chosen
     counted = plan_for_spec(spec, calibration=replace(calibration, forward_backward_s=None)).chosen
-    return {**{k: getattr(chosen, k) for k in ("step_time_s", "compute_time_s", "comm_time_s", "optimizer_time_s")},
-            "counted_step_time_s": counted.step_time_s}
+    out = {**{k: getattr(chosen, k) for k in ("step_time_s", "compute_time_s", "comm_time_s", "optimizer_time_s")},
+           "counted_step_time_s": counted.step_time_s}
+    if flat_optimizer_params_per_s is not None:
+        old = replace(calibration, unit_allgather_bytes_per_s=None, grad_reduce_scatter_bytes_per_s=None,
+                      optimizer_params_per_s=flat_optimizer_params_per_s,
+                      host_optimizer_params_per_s=flat_optimizer_params_per_s)
+        out["old_step_time_s"] = plan_for_spec(spec, calibration=old).chosen.step_time_s
+    return out
 
 
 def measure(settings: dict[str, Any], ranks: int) -> dict[str, Any]:
@@ -106,7 +123,7 @@ def measure(settings: dict[str, Any], ranks: int) -> dict[str, Any]:
     slowest = [max(steps) for steps in zip(*(r["step_times"] for r in results))]
     calibration = Calibration.from_dict(results[0]["calibration"])
     return {"measured_s": statistics.median(slowest), "calibration": calibration.to_dict(),
-            **predicted(settings, ranks, calibration)}
+            **predicted(settings, ranks, calibration, results[0]["flat_optimizer_params_per_s"])}
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -123,7 +140,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     for i, config in enumerate(grid):
         median = {k: statistics.median(r[k] for r in runs[i])
                   for k in ("measured_s", "step_time_s", "compute_time_s", "comm_time_s", "optimizer_time_s",
-                            "counted_step_time_s")}
+                            "counted_step_time_s", "old_step_time_s")}
         # each world's prediction against its own step (the load drifts between worlds), then the median
         ratios = [r["step_time_s"] / r["measured_s"] for r in runs[i]]
         ratio = statistics.median(ratios)
@@ -131,18 +148,20 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                      "ratio_min": min(ratios), "ratio_max": max(ratios),
                      "counted_over_measured": statistics.median(r["counted_step_time_s"] / r["measured_s"]
                                                             for r in runs[i]),
+                     "old_over_measured": statistics.median(r["old_step_time_s"] / r["measured_s"] for r in runs[i]),
                      "repeats": runs[i]})
     return rows
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     print(f"{'model':<10} {'stage':>5} {'offload':>7} {'measured s':>10} {'predicted s':>11} {'pred/meas':>9} "
-          f"{'min-max':>9} {'compute':>8} {'comm':>7} {'optim':>7} {'counted/meas':>12}")
+          f"{'min-max':>9} {'compute':>8} {'comm':>7} {'optim':>7} {'counted/meas':>12} {'old/meas':>8}")
     for r in rows:
         print(f"{r['model']:<10} {r['stage']:>5} {str(r['offload']):>7} {r['measured_s']:>10.3f} "
               f"{r['step_time_s']:>11.3f} {r['predicted_over_measured']:>9.2f} "
               f"{r['ratio_min']:>4.2f}-{r['ratio_max']:<4.2f} {r['compute_time_s']:>8.3f} "
-              f"{r['comm_time_s']:>7.3f} {r['optimizer_time_s']:>7.3f} {r['counted_over_measured']:>12.2f}")
+              f"{r['comm_time_s']:>7.3f} {r['optimizer_time_s']:>7.3f} {r['counted_over_measured']:>12.2f} "
+              f"{r['old_over_measured']:>8.2f}")
     met = sum(r["within_goal"] for r in rows)
     print(f"within {GOAL:.0%}: {met} of {len(rows)}; load average {os.getloadavg()[0]:.1f} "
           f"on {os.cpu_count()} CPUs (a loaded machine times poorly)")

@@ -20,12 +20,19 @@ rate the way the engine incurs it, in well under a second:
   one bucket of ``bucket_numel`` elements through the engine's own ``Collectives`` (Gloo's
   broadcast all-gather and two-rank exchange included), as a ring's bus rate:
   ``bytes × (N-1)/N / seconds``, so that ``contract.zero_math.comm_time_s`` inverts it;
-* ``optimizer_params_per_s`` / ``host_optimizer_params_per_s``: ``torch.optim.AdamW`` steps over
-  a flat fp32 tensor on the device and on the host (where offload steps it), by default of one
-  bucket's shard (``bucket_numel / N``, the piece the engine steps at a time), kept between
-  ``MIN_OPTIMIZER_NUMEL`` and ``MAX_OPTIMIZER_NUMEL``: AdamW reads and writes four tensors per
-  element, and a piece that fits in the cache steps several times faster than the engine's
-  buckets, which do not;
+* ``optimizer_params_per_s`` / ``host_optimizer_params_per_s``: the gradient's norm and a
+  ``torch.optim.AdamW`` step on the device and on the host (where offload steps it), over the
+  pieces the engine steps: given
+  the job's model, one tensor per parameter of one block and of the root, each this rank's 1/N
+  (``engine_timing.py``: pieces that fit in the cache step several times faster per element than
+  one flat tensor); without one, a flat tensor of one bucket's shard (``bucket_numel / N``), kept
+  between ``MIN_OPTIMIZER_NUMEL`` and ``MAX_OPTIMIZER_NUMEL``;
+* ``unit_allgather_bytes_per_s`` / ``grad_reduce_scatter_bytes_per_s``: stage 3's gather of a
+  unit and stages 2-3's reduce of a micro-step's gradients as the engine issues them
+  (``engine_timing.py``: a re-allocated buffer and the order tag; pre-divided pieces exchanged
+  into a new shard), on one block of the job's model (without one, on one bucket), as bus rates
+  like the others, and ``root_allgather_bytes_per_s``, the gather on the root's own size (a large
+  vocabulary's root is the largest unit by far); None on a world of one (the root's: without a model);
 * ``forward_backward_s`` (given the job's model, ``model=``): one micro-batch's forward and
   backward of the model itself, timed piece by piece (``model_timing``: one unit of each kind and
   the root, in the job's dtype and shape), and ``forward_backward_flops``, that micro-batch's
@@ -54,6 +61,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from . import engine_timing
 from .collectives import Collectives
 from .model_timing import TimedModel, time_forward_backward
 
@@ -84,6 +92,12 @@ class Calibration:
     seconds: float = 0.0  # how long calibrating took
     forward_backward_s: Optional[float] = None  # one micro-batch of the job's model, timed (None: not timed)
     forward_backward_flops: float = 0.0  # that micro-batch's flops (flops_per_token × its tokens)
+    #: the engine's own paths (``engine_timing.py``; None: not measured, a world of one or an older
+    #: calibration, priced at the bucket's rates): stage 3's gather of one unit, stages 2-3's
+    #: reduce of one micro-step's gradients
+    unit_allgather_bytes_per_s: Optional[float] = None
+    root_allgather_bytes_per_s: Optional[float] = None  # the same gather on the root unit (its own size)
+    grad_reduce_scatter_bytes_per_s: Optional[float] = None
 
     def __post_init__(self) -> None:
         for name in RATES:
@@ -92,6 +106,10 @@ class Calibration:
                 raise ValueError(f"{name} must be positive, got {value!r}")
         if not (self.op_overhead_s >= 0 and math.isfinite(self.op_overhead_s)):
             raise ValueError(f"op_overhead_s must be finite and non-negative, got {self.op_overhead_s!r}")
+        for name in ENGINE_RATES:
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be positive or None, got {value!r}")
         if self.forward_backward_s is not None:
             for name in ("forward_backward_s", "forward_backward_flops"):
                 value = getattr(self, name)
@@ -115,6 +133,8 @@ class Calibration:
 RATES = ("compute_flops_per_s", "allgather_bytes_per_s", "reduce_scatter_bytes_per_s", "allreduce_bytes_per_s",
          "elementwise_bytes_per_s", "optimizer_params_per_s", "host_optimizer_params_per_s")
 TIMES = ("op_overhead_s", "forward_backward_s")
+ENGINE_RATES = ("unit_allgather_bytes_per_s", "root_allgather_bytes_per_s",  # None: not measured
+                "grad_reduce_scatter_bytes_per_s")
 
 
 def calibrate(group: Optional[dist.ProcessGroup] = None, dtype: torch.dtype = torch.float32,
@@ -137,16 +157,20 @@ def calibrate(group: Optional[dist.ProcessGroup] = None, dtype: torch.dtype = to
     if group is None and dist.is_available() and dist.is_initialized():
         group = dist.group.WORLD
     world = dist.get_world_size(group) if group is not None else 1
-    if optimizer_numel is None:
-        optimizer_numel = min(max(-(-bucket_numel // world), MIN_OPTIMIZER_NUMEL), MAX_OPTIMIZER_NUMEL)
+    pieces = engine_timing.model_pieces(None if model is None else model.block)  # (one block, the root)
+    stepped = engine_timing.shard_pieces(pieces[0] + pieces[1], world) if pieces and optimizer_numel is None else []
+    if sum(stepped) < engine_timing.MIN_PIECE_ELEMENTS:  # no model, or one too small: one flat shard
+        optimizer_numel = optimizer_numel or min(max(-(-bucket_numel // world), MIN_OPTIMIZER_NUMEL),
+                                                 MAX_OPTIMIZER_NUMEL)
+        stepped = [optimizer_numel]
     sync = _synchronizer(device)
     flops = 6.0 * m * k * n / _median_time(_linear_matmuls(m, k, n, dtype, device), repeats, sync)
     elementwise = 3 * m * n * torch.empty((), dtype=dtype).element_size() \
         / _median_time(_add(m * n, dtype, device), repeats, sync)
     overhead = _median_time(_add(1, dtype, device), repeats, sync)
-    optimizer = optimizer_numel / _median_time(_adamw_step(optimizer_numel, device), repeats, sync)
-    host = optimizer if device.type == "cpu" else \
-        optimizer_numel / _median_time(_adamw_step(optimizer_numel, torch.device("cpu")), repeats, lambda: None)
+    optimizer = sum(stepped) / _median_time(engine_timing.adamw_pieces(stepped, device), repeats, sync)
+    host = optimizer if device.type == "cpu" else sum(stepped) / _median_time(
+        engine_timing.adamw_pieces(stepped, torch.device("cpu")), repeats, lambda: None)
     rates = {"compute_flops_per_s": flops, "elementwise_bytes_per_s": elementwise, "optimizer_params_per_s": optimizer,
              "host_optimizer_params_per_s": host, "allgather_bytes_per_s": math.inf,
              "reduce_scatter_bytes_per_s": math.inf, "op_overhead_s": overhead}  # a world of one
@@ -156,9 +180,13 @@ def calibrate(group: Optional[dist.ProcessGroup] = None, dtype: torch.dtype = to
     if world > 1:
         comm = Collectives(group, device)
         numel = -(-bucket_numel // world) * world  # padded to a multiple of N, as the engine's buckets are
-        bus = (world - 1) / world * numel * torch.empty((), dtype=dtype).element_size()
+        element = torch.empty((), dtype=dtype).element_size()
+        bus = (world - 1) / world * numel * element
         for name, run in _collective_runs(comm, numel, dtype, device).items():
             rates[name] = bus / _median_time(run, repeats, sync, local=False)
+        for name, (run, padded) in _engine_runs(comm, pieces, numel, dtype, device).items():
+            times = repeats if name == "root_allgather_bytes_per_s" else max(repeats, engine_timing.MIN_REPEATS)
+            rates[name] = (world - 1) / world * padded * element / _median_time(run, times, sync, local=False)
         rates = _slowest(rates, group, device)
     slowest_s = rates.pop("forward_backward_s", math.inf)  # inf: not timed, here or on some rank
     timed = timed if math.isfinite(slowest_s) else None
@@ -212,13 +240,6 @@ def _add(numel: int, dtype: torch.dtype, device: torch.device) -> Callable[[], N
     return lambda: torch.add(a, b)
 
 
-def _adamw_step(numel: int, device: torch.device) -> Callable[[], None]:
-    param = torch.nn.Parameter(torch.zeros(numel, device=device))
-    param.grad = torch.full_like(param, 1e-3)
-    optimizer = torch.optim.AdamW([param], lr=1e-3)
-    return optimizer.step
-
-
 def _collective_runs(comm: Collectives, numel: int, dtype: torch.dtype,
                      device: torch.device) -> dict[str, Callable[[], None]]:
     """One bucket through each collective as the engine issues it (the output apart from the
@@ -231,6 +252,23 @@ def _collective_runs(comm: Collectives, numel: int, dtype: torch.dtype,
         "reduce_scatter_bytes_per_s": lambda: comm.reduce_scatter(shard, full, "calibrate").wait(),
         "allreduce_bytes_per_s": lambda: comm.all_reduce(full, "calibrate").wait(),
     }
+
+
+def _engine_runs(comm: Collectives, pieces: Optional[tuple[list[int], list[int]]], bucket_numel: int,
+                 dtype: torch.dtype, device: torch.device) -> dict[str, tuple[Callable[[], None], int]]:
+    """The engine's own collective paths (``engine_timing.py``) on one block's parameters (without
+    a model: on one bucket), and stage 3's gather of the root on the root's, each with the padded
+    elements it moves (the root's, once: a large vocabulary's root is most of the cost)."""
+    def padded(numels: list[int]) -> int:
+        return -(-sum(numels) // comm.world_size) * comm.world_size
+
+    block = pieces[0] if pieces and sum(pieces[0]) > 0 else [bucket_numel]
+    runs = {"unit_allgather_bytes_per_s": (engine_timing.unit_gather(comm, padded(block), dtype, device), padded(block)),
+            "grad_reduce_scatter_bytes_per_s": engine_timing.grad_reduce(comm, block, dtype, device)}
+    if pieces and sum(pieces[1]) > 0:
+        root = padded(pieces[1])
+        runs["root_allgather_bytes_per_s"] = (engine_timing.unit_gather(comm, root, dtype, device), root)
+    return runs
 
 
 def _slowest(figures: dict[str, float], group: dist.ProcessGroup, device: torch.device) -> dict[str, float]:

@@ -25,9 +25,10 @@ and the micro-batch's time is the root's plus each kind's time × its count. A m
 be run so (one that does not run on meta, a unit whose inputs are not tensors of fixed shape)
 is not timed (None): the planner then prices its compute from counts.
 
-What is still left out: the engine's own work around the model (stage 3's gathers and frees,
-the gradient buckets' copies), the recomputation of activation checkpointing, and a boundary
-effect between the pieces (the caches a block's output warms for the next).
+What is left out: the engine's own work around the model (``engine_timing.py`` times the parts
+that the step-time model prices: stage 3's gathers, the gradient reduces, the optimizer's pieces),
+the recomputation of activation checkpointing, and a boundary effect between the pieces (the
+caches a block's output warms for the next).
 
 [Note: the cost] Each piece runs once to warm up and then up to ``repeats`` times, stopping
 after ``budget_s`` of timed runs (one at least): about twice the forward and backward of one
@@ -45,7 +46,7 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from .units import unit_modules
 

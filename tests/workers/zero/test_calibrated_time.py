@@ -217,3 +217,61 @@ def test_the_time_models_price_the_bytes_each_stage_really_sends_per_step():
             expected_s = runs[name]["total"] * (n - 1) / n / rate
             assert calibrated.comm_time_s == pytest.approx(expected_s, rel=1e-9), (name, rank)
             assert typed.comm_time_s == pytest.approx(expected_s, rel=1e-9), (name, rank)
+
+
+def test_the_engines_own_paths_price_stage_3s_gathers_and_every_micro_steps_reduces():
+    """A calibration that timed the engine's own paths (``engine_timing.py``) prices stage 3's unit
+    gathers at the unit gather's rate and stages 2-3's gradient reduces at the gradient reduce's;
+    stage 1's step-time reduce, every all-gather of stages 1-2 and stage 0's all-reduce keep the
+    bucket's rates, and so does a calibration without them (an older one)."""
+    paths = replace(RATES, unit_allgather_bytes_per_s=5e8, grad_reduce_scatter_bytes_per_s=2.5e8)
+    ring = 3 / 4
+    for stage in range(4):
+        bucket, engine = predict(inputs(), stage), predict(inputs(calibration=paths), stage)
+        sent = engine.comm_bytes_by_group["world"]
+        gather_rate = 5e8 if stage == 3 else 2e9
+        reduce_rate = 2.5e8 if stage >= 2 else 1e9
+        expected = sent.get("all_gather", 0) * ring / gather_rate + sent.get("reduce_scatter", 0) * ring / reduce_rate \
+            + sent.get("all_reduce", 0) * ring / (2 * 1.5e9)
+        assert engine.comm_time_s == pytest.approx(expected), stage
+        assert (engine.comm_time_s > bucket.comm_time_s) == (stage >= 2), stage
+        assert engine.step_time_s == pytest.approx(bucket.step_time_s + engine.comm_time_s - bucket.comm_time_s)
+    old = {k: v for k, v in paths.to_dict().items() if k not in ("unit_allgather_bytes_per_s",
+                                                                 "grad_reduce_scatter_bytes_per_s")}
+    assert Calibration.from_dict(old) == RATES and Calibration.from_dict(paths.to_dict()) == paths
+    assert predict(inputs(calibration=Calibration.from_dict(old)), 3).comm_time_s == predict(inputs(), 3).comm_time_s
+
+
+def test_zeropp_and_hpz_keep_the_bucket_rates_for_the_paths_they_replace():
+    paths = replace(RATES, unit_allgather_bytes_per_s=5e8, grad_reduce_scatter_bytes_per_s=2.5e8)
+    for fields in ({"quantized_weights": True, "quantized_gradients": True}, {"hpz_partition_size": 2}):
+        bucket, engine = predict(inputs(**fields), 3), predict(inputs(calibration=paths, **fields), 3)
+        world = engine.comm_bytes_by_group["world"]
+        changed = 0.0
+        if not fields.get("quantized_weights"):  # exact gathers over the world: the unit gather's rate
+            changed += world["all_gather"] * 3 / 4 * (1 / 5e8 - 1 / 2e9)
+        if not fields.get("quantized_gradients"):
+            changed += world["reduce_scatter"] * 3 / 4 * (1 / 2.5e8 - 1 / 1e9)
+        assert engine.comm_time_s == pytest.approx(bucket.comm_time_s + changed), fields
+
+
+def test_an_engine_path_rate_must_be_positive():
+    with pytest.raises(ValueError, match="unit_allgather_bytes_per_s"):
+        replace(RATES, unit_allgather_bytes_per_s=0.0)
+    with pytest.raises(ValueError, match="grad_reduce_scatter_bytes_per_s"):
+        replace(RATES, grad_reduce_scatter_bytes_per_s=float("nan"))
+
+
+def test_stage_3_prices_the_roots_gathers_at_the_roots_own_rate():
+    """A large vocabulary makes the root the largest unit by far, and gathering it (a fresh buffer
+    of its size) runs at its own rate: the root's two gathers per micro-step go at the root's
+    rate, the blocks' at the block's (4 blocks of 1M, a root of 4M, N=4, fp32, one micro-step)."""
+    shape = ModelShape.from_units([1_000_000] * 4 + [4_000_000], [4_000_000], [[1_000_000]] * 4)
+    paths = replace(RATES, unit_allgather_bytes_per_s=5e8, root_allgather_bytes_per_s=1e8)
+    p = predict(inputs(shape=shape, calibration=paths), 3)
+    ring = 3 / 4
+    gathers = 2 * 4 * 1_000_000 * 4 * ring / 5e8 + 2 * 4_000_000 * 4 * ring / 1e8  # forward and backward
+    reduces = p.comm_bytes_by_group["world"]["reduce_scatter"] * ring / 1e9
+    assert p.comm_time_s == pytest.approx(gathers + reduces)
+    without = predict(inputs(shape=shape, calibration=replace(paths, root_allgather_bytes_per_s=None)), 3)
+    assert without.comm_time_s == pytest.approx(2 * 8_000_000 * 4 * ring / 5e8 + reduces)  # all at the block's

@@ -47,7 +47,9 @@ def reduced_bytes(padded: int, n: int, precision: str, quantized: bool) -> int:
     return n * (code_bytes(padded // n, GRADIENT_BITS) + SCALE_BYTES * blocks(padded // n))
 
 
-def _units(inputs: Any, n: int) -> tuple[list[tuple[int, int]], set[int]]:
+def stage3_units_kept(inputs: Any, n: int) -> tuple[list[tuple[int, int]], set[int]]:
+    """Stage 3's units sharded over ``n`` (``buffers.kept_units``: the blocks, then the root) and
+    those kept gathered into the backward."""
     root, block_buckets = inputs.shape.unit_buckets(n)
     return kept_units(inputs.shape.root_numel, inputs.shape.unit_numels, root, block_buckets, inputs.precision,
                       inputs.reshard_after_forward, inputs.keep_gathered_bytes)
@@ -61,7 +63,7 @@ def hpz_secondary_bytes(inputs: Any, stage: int, n: int) -> int:
     h = hpz_size(inputs, stage)
     if h is None or inputs.reshard_after_forward is False:
         return 0
-    units, kept = _units(inputs, n)
+    units, kept = stage3_units_kept(inputs, n)
     return sum(gathered_bytes(padded, n, inputs.precision, inputs.quantized_weights) // h
                for i, (_, padded) in enumerate(units) if i not in kept)
 
@@ -91,7 +93,7 @@ def comm_bytes_by_group(inputs: Any, stage: int, n: int, buckets: list[int]) -> 
         if group == "shard":
             out["replicate"] = {"all_reduce": reduces * sum(2 * (p // n) * e for p in buckets)}
         return out
-    units, kept = _units(inputs, n)
+    units, kept = stage3_units_kept(inputs, n)
     gathers = [gathered_bytes(padded, n, precision, inputs.quantized_weights) for _, padded in units]
     again = sum(g for i, g in enumerate(gathers) if i not in kept)
     out = {group: {"all_gather": a * sum(gathers),

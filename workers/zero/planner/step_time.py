@@ -26,14 +26,31 @@ Per rank and step, every rate a ``Calibration``'s (a collective's rate is its bu
   every micro-step's gathers and reduce-scatters where the stage repeats them, qwZ's int8 and
   qgZ's int4 codes with their scales), each over f = (k-1)/k of a ring of its group's k ranks at
   its kind's measured rate (qgZ's all-to-all at the reduce-scatter rate; the quantizers' own
-  compute is not priced). hpZ's groups of H and hybrid sharding's groups of G and N/G replicas
+  compute is not priced). Two paths of the engine's own are priced at rates timed through them
+  (``workers.zero.engine_timing``; ``engine_path_rates``), where the calibration has them:
+  stage 3's exact all-gathers of its units (``unit_allgather_bytes_per_s``: the freed flat
+  buffer re-allocated, the divergence check's order tag beside it, Gloo's own-slot copy and
+  broadcasts) and stages 2-3's reduces of every micro-step's gradients
+  (``grad_reduce_scatter_bytes_per_s``: each gradient pre-divided, exchanged piece by piece into
+  a new shard), each timed on one block of the job's model, and the root's gathers at its own
+  size's rate (``root_allgather_bytes_per_s``, ``unit_gather_rate``); everything else (stage 0's
+  all-reduce, stage 1's reduce at the step, stages 1-2's parameter gathers, hpZ's, qwZ's and
+  qgZ's) at the bucket's rates. hpZ's groups of H and hybrid sharding's groups of G and N/G replicas
   are priced at the rates measured over the world: the calibration measures no intra-node rate,
   so where a node's links are faster than the world's this overprices them (an upper bound);
 * the optimizer step: the elements this rank steps (Φ at stage 0, its shard Φ/N otherwise) at the
-  device's AdamW rate, or the host's under optimizer offload. A GPU rank's copies of the gradient
+  device's AdamW rate, or the host's under optimizer offload, each timed over the pieces the
+  engine steps, the gradient's norm before it included (one tensor per parameter piece of this
+  rank's shard: one block's and the root's,
+  ``engine_timing.py``; torch's CPU AdamW makes several passes over each tensor, so pieces that
+  fit in the cache step several times faster per element than one flat bucket). Stage 0's
+  pieces are N times larger than the timed ones: on a host whose cache holds the sharded piece
+  but not the whole parameter, that stage's step is priced short. A GPU rank's copies of the gradient
   shard to the host and of the parameters back are not priced (on a CPU rank they are plain
   memory copies);
 * NVMe's swap files: the note on the disk's overlap.
+
+Left out: the gradient copies of stages 0-1 into their buckets, and the hooks' own Python time.
 
 Overlap of compute and communication: none is assumed. The engine does overlap (stage 0-2
 buckets reduce during backward, stage 3 prefetches the next unit), but on the hosts this model is
@@ -79,7 +96,7 @@ from typing import Any
 
 from contract.zero_math import bandwidth_for_efficiency, comm_time_s, efficiency, ring_factor, stage_traits
 
-from .groups import group_sizes
+from .groups import group_sizes, hpz_size, stage3_units_kept
 
 
 def disk_time_s(read_bytes: int, write_bytes: int, read_bytes_per_s: float,
@@ -180,9 +197,23 @@ def calibrated_comm_time_s(prediction: Any, inputs: Any, calibration: Any) -> fl
         return 0.0
     rates = {"all_gather": calibration.allgather_bytes_per_s, "reduce_scatter": calibration.reduce_scatter_bytes_per_s,
              "all_reduce": 2 * calibration.allreduce_bytes_per_s}
+    engine = engine_path_rates(prediction.stage, inputs, calibration)
     sizes = group_sizes(inputs, prediction.stage)
-    return sum(nbytes * ring_factor(sizes[g]) / rates[kind]
+    return sum(nbytes * ring_factor(sizes[g]) / (rates[kind] if g == "hpz" else engine.get(kind, rates[kind]))
                for g, kinds in by_group.items() for kind, nbytes in kinds.items())
+
+
+def engine_path_rates(stage: int, inputs: Any, calibration: Any) -> dict[str, float]:
+    """The kinds a stage sends through a path of the engine's own that the calibration timed
+    (``engine_timing.py``), at that path's rate: stage 3's unit gathers (not qwZ's), stages 2-3's
+    every-micro-step gradient reduces (not qgZ's); hpZ's backward gathers keep the bucket's rate."""
+    out = {}
+    unit, grad = calibration.unit_allgather_bytes_per_s, calibration.grad_reduce_scatter_bytes_per_s
+    if stage == 3 and unit is not None and not inputs.quantized_weights:
+        out["all_gather"] = unit_gather_rate(inputs, unit, calibration.root_allgather_bytes_per_s)
+    if stage >= 2 and grad is not None and not inputs.quantized_gradients:
+        out["reduce_scatter"] = grad
+    return out
 
 
 def optimizer_time_s(prediction: Any, inputs: Any, calibration: Any, group: int) -> float:
@@ -190,3 +221,18 @@ def optimizer_time_s(prediction: Any, inputs: Any, calibration: Any, group: int)
     stepped = inputs.shape.phi / (group if stage_traits(prediction.stage).shards_optimizer else 1)
     rate = calibration.host_optimizer_params_per_s if prediction.offload else calibration.optimizer_params_per_s
     return stepped / rate
+
+
+def unit_gather_rate(inputs: Any, unit: float, root: float | None) -> float:
+    """Stage 3's exact gathers over the shard group at one rate: the blocks' at ``unit``, the
+    root's at ``root`` (its own size's rate; None: ``unit``), each unit's bytes weighted by how
+    often a micro-step gathers it (forward, and backward unless kept or hpZ gathers it there)."""
+    if root is None:
+        return unit
+    n = group_sizes(inputs, 3)["shard"]
+    units, kept = stage3_units_kept(inputs, n)
+    again = hpz_size(inputs, 3) is None
+    root_index = len(units) - 1 if inputs.shape.root_numel else None
+    weights = [padded * (1 + (again and i not in kept)) for i, (_, padded) in enumerate(units)]
+    seconds = sum(w / (root if i == root_index else unit) for i, w in enumerate(weights))
+    return sum(weights) / seconds if seconds else unit
