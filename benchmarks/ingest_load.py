@@ -55,8 +55,20 @@ class Posters:
         self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
 
     async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
-        """The answer's status and body."""
-        reader, writer = self.idle.pop() if self.idle else await asyncio.open_connection(self.host, self.port)
+        """The answer's status and body. A kept-alive connection the server closed while it was
+        idle (uvicorn closes one idle for 5 s: between the ramp's steps) fails on its next use
+        before any answer; the request is then sent once more on a fresh connection, as httpx and
+        urllib3 do. A fresh connection's failure raises."""
+        if self.idle:
+            try:
+                return await self._post(self.idle.pop(), path, body)
+            except ConnectionError:
+                pass  # closed while idle
+        return await self._post(await asyncio.open_connection(self.host, self.port), path, body)
+
+    async def _post(self, connection: tuple[asyncio.StreamReader, asyncio.StreamWriter], path: str,
+                    body: bytes) -> tuple[int, bytes]:
+        reader, writer = connection
         try:
             writer.writelines([f"POST {path} HTTP/1.1\r\n{self.head}Content-Length: {len(body)}\r\n\r\n".encode(),
                                body])

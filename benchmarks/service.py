@@ -345,9 +345,13 @@ async def run_phases(scratch: Scratch, args: argparse.Namespace) -> dict:
                 try:
                     status, content = await posters[index % len(posters)].post(  # round-robin
                         f"/api/v1/jobs/{job_id}/metrics", bodies.body(rank, first, size))
-                except ConnectionError:
+                except ConnectionError as error:
+                    print(f"ingest request failed: {error}", file=sys.stderr, flush=True)
                     return False
-                return status == 200 and json.loads(content)["accepted"] == size
+                if status != 200 or json.loads(content)["accepted"] != size:
+                    print(f"ingest request answered {status}: {content[:300]!r}", file=sys.stderr, flush=True)
+                    return False
+                return True
             return post
 
         for index in range(len(workers)):  # each replica warmed up (a started one has opened nothing yet)

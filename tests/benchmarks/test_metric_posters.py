@@ -1,6 +1,7 @@
 """The ingest benchmarks' load generator: ``MetricBodies`` builds valid batches of the steps asked
 for, and ``Posters`` posts them to a real uvicorn server over kept-alive connections, reading
-each answer whole, and raises ``ConnectionError`` for a connection the server closed."""
+each answer whole, sends a request again on a new connection when a kept-alive one was closed
+while idle, and raises ``ConnectionError`` when the server is gone."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def test_bodies_are_valid_batches_of_the_steps_asked_for():
         assert [(r.rank, r.step) for r in batch.records] == [(rank, step) for step in range(first, first + size)]
 
 
-def test_posters_keep_connections_read_whole_answers_and_report_a_closed_one():
+def test_posters_keep_connections_read_whole_answers_and_resend_on_one_closed_while_idle():
     app = FastAPI()
     seen: list[tuple[str, str, int]] = []
 
@@ -35,7 +36,7 @@ def test_posters_keep_connections_read_whole_answers_and_report_a_closed_one():
 
     async def scenario() -> None:
         port = free_port()
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", timeout_keep_alive=1))
         serving = asyncio.create_task(server.serve())
         while not server.started:
             await asyncio.sleep(0.01)
@@ -46,14 +47,18 @@ def test_posters_keep_connections_read_whole_answers_and_report_a_closed_one():
                 (200, 2), (200, 2000), (200, 6)]
             assert len(posters.idle) == 1  # one connection, kept alive throughout
             assert seen == [("Bearer secret", "application/json", n) for n in (2, 2000, 6)]
-            posters.idle[0][1].close()  # as a server closing a kept-alive connection
+            assert await posters.idle[0][0].read() == b""  # the server closed it, idle past its keep-alive
+            assert (await posters.post("/echo", b"{}"))[0] == 200  # sent again on a new connection
+            assert len(seen) == 4 and len(posters.idle) == 1
+            server.should_exit = True
+            await serving
+            posters.close()
             try:
                 await posters.post("/echo", b"{}")
             except ConnectionError:
                 pass
             else:
-                raise AssertionError("a closed connection was not reported")
-            assert (await posters.post("/echo", b"{}"))[0] == 200  # a new connection
+                raise AssertionError("a server that is gone was not reported")
         finally:
             posters.close()
             server.should_exit = True
