@@ -10,8 +10,9 @@ a fresh database, then:
               roll-up (``metric_steps``) as ingest keeps it (``rebuild_rollup``);
 * ``size``    each table's size on disk (``pg_table_size``: heap and TOAST, ``pg_indexes_size``,
               ``pg_total_relation_size``) of the rows (``metrics``) and of their roll-up,
-              before and after the roll-up is built. Raw-row retention
-              (``ZEROTRAIN_METRICS_RAW_RETENTION_DAYS``) is not built: the rows stay;
+              before and after the roll-up is built. The rows stay here: dropping them
+              once rolled up (``ZEROTRAIN_METRICS_RAW_RETENTION_DAYS``) is measured by
+              ``benchmarks.metric_retention``;
 * ``chart``   both chart answers, served from the roll-up: the job page's
               ``GET /api/v1/jobs/{id}/metrics/chart?max_points=--points`` and the API's
               ``GET /api/v1/jobs/{id}/metrics?points=--points``, ``--queries`` times each after
