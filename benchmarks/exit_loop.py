@@ -22,7 +22,7 @@ globals until then, as in a script. A world *fails* when any rank exits nonzero,
 mentions "terminate called" on stderr, or does not finish within ``--timeout`` seconds. Each rank
 also reports how many OS threads it has at ``atexit`` time -- after the engine's own ``atexit``
 function, just before interpreter shutdown begins -- beyond those it had before
-``init_process_group`` (``thr.left``): the Gloo workers, transport loop and store threads that
+``init_process_group``, torch's intra-op pool started before (``thr.left``): the Gloo workers, transport loop and store threads that
 would run into interpreter shutdown -- the abort's precondition, which the old endings meet in
 every world while the abort itself is a race. The engine worlds cycle through stages 0-3, with
 and without ``offload_optimizer`` (stages 1-3), at world sizes 2 and 3; the endings are
@@ -136,6 +136,9 @@ def rank_main(ending: str, stage: Optional[int], offload: bool) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     if int(os.environ.get(THREADS_ENV, "0")):
         torch.set_num_threads(int(os.environ[THREADS_ENV]))
+    # torch's intra-op pool (OpenMP: its threads never take the GIL) is started before counting, so
+    # that only what the process group and the engine leave is counted, whatever --torch-threads
+    torch.mm(torch.ones(256, 256), torch.ones(256, 256))
     # registered first, so it runs last of the atexit functions (after the engine's): the threads
     # that interpreter shutdown will find
     atexit.register(_report_threads, set(_os_threads()))
