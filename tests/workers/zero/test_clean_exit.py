@@ -143,6 +143,7 @@ def test_close_destroy_group_joins_every_thread():
         assert res["answers"] and not res["watchdog"], (rank, res)
 
 
+@pytest.mark.slow  # 8 exit-loop worlds, about 30 s: make test keeps the endings' own tests (above, test_exit_hook.py)
 def test_worlds_exit_cleanly(tmp_path):
     """Fresh worlds (stages 0-3) ending with close(destroy_group=True), with close() then
     destroy_process_group(), or with a bare destroy (the engine alive) exit 0 with no thread of
