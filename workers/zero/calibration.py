@@ -63,6 +63,7 @@ import torch.distributed as dist
 
 from . import engine_timing
 from .collectives import Collectives
+from .flat import packed_numel
 from .model_timing import TimedModel, time_forward_backward
 
 DEFAULT_REPEATS = 3
@@ -160,8 +161,7 @@ def calibrate(group: Optional[dist.ProcessGroup] = None, dtype: torch.dtype = to
     pieces = engine_timing.model_pieces(None if model is None else model.block)  # (one block, the root)
     stepped = engine_timing.shard_pieces(pieces[0] + pieces[1], world) if pieces and optimizer_numel is None else []
     if sum(stepped) < engine_timing.MIN_PIECE_ELEMENTS:  # no model, or one too small: one flat shard
-        optimizer_numel = optimizer_numel or min(max(-(-bucket_numel // world), MIN_OPTIMIZER_NUMEL),
-                                                 MAX_OPTIMIZER_NUMEL)
+        optimizer_numel = optimizer_numel or flat_optimizer_numel(bucket_numel, world)
         stepped = [optimizer_numel]
     sync = _synchronizer(device)
     flops = 6.0 * m * k * n / _median_time(_linear_matmuls(m, k, n, dtype, device), repeats, sync)
@@ -254,19 +254,24 @@ def _collective_runs(comm: Collectives, numel: int, dtype: torch.dtype,
     }
 
 
+def flat_optimizer_numel(bucket_numel: int, world: int) -> int:
+    """The flat tensor AdamW is timed over without the job's model: one bucket's shard, kept between
+    ``MIN_OPTIMIZER_NUMEL`` and ``MAX_OPTIMIZER_NUMEL``."""
+    return min(max(-(-bucket_numel // world), MIN_OPTIMIZER_NUMEL), MAX_OPTIMIZER_NUMEL)
+
+
 def _engine_runs(comm: Collectives, pieces: Optional[tuple[list[int], list[int]]], bucket_numel: int,
                  dtype: torch.dtype, device: torch.device) -> dict[str, tuple[Callable[[], None], int]]:
     """The engine's own collective paths (``engine_timing.py``) on one block's parameters (without
     a model: on one bucket), and stage 3's gather of the root on the root's, each with the padded
-    elements it moves (the root's, once: a large vocabulary's root is most of the cost)."""
-    def padded(numels: list[int]) -> int:
-        return -(-sum(numels) // comm.world_size) * comm.world_size
-
+    elements it moves, laid out as the engine's buckets are (``flat.packed_numel``; the root's
+    gathered once: a large vocabulary's root is most of the cost)."""
     block = pieces[0] if pieces and sum(pieces[0]) > 0 else [bucket_numel]
-    runs = {"unit_allgather_bytes_per_s": (engine_timing.unit_gather(comm, padded(block), dtype, device), padded(block)),
+    unit = packed_numel(block, comm.world_size)
+    runs = {"unit_allgather_bytes_per_s": (engine_timing.unit_gather(comm, unit, dtype, device), unit),
             "grad_reduce_scatter_bytes_per_s": engine_timing.grad_reduce(comm, block, dtype, device)}
     if pieces and sum(pieces[1]) > 0:
-        root = padded(pieces[1])
+        root = packed_numel(pieces[1], comm.world_size)
         runs["root_allgather_bytes_per_s"] = (engine_timing.unit_gather(comm, root, dtype, device), root)
     return runs
 

@@ -34,6 +34,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .collectives import Collectives, tagged_all_gather
+from .flat import packed_numel, slot_offsets
 
 #: AdamW is timed over at most this many elements of pieces (the last ones cut to fit): enough
 #: for a large vocabulary's embedding shard whole (gpt-small's: 2^24.2 at N=2), whose fresh
@@ -107,13 +108,13 @@ def grad_reduce(comm: Collectives, numels: list[int], dtype: torch.dtype,
                 device: torch.device) -> tuple[Callable[[], None], int]:
     """A bucket of parameters of these sizes reduced as stages 2-3 reduce a micro-step's
     gradients (``grad_reducer.py``): pre-divided in place, then over two Gloo ranks exchanged
-    piece by piece into a new shard, elsewhere reduce-scattered from the flat bucket. Returns the
-    run and the bucket's padded elements (what the engine counts for it)."""
+    piece by piece into a new shard, elsewhere reduce-scattered from the flat bucket; laid out as
+    the engine lays a bucket out (``flat.py``). Returns the run and the bucket's padded elements
+    (what the engine counts for it)."""
     world = comm.world_size
-    padded = -(-sum(numels) // world) * world
+    padded = packed_numel(numels, world)
     flat = torch.ones(padded, dtype=dtype, device=device)
-    offsets = [sum(numels[:i]) for i in range(len(numels))]
-    pieces = [(o, flat[o:o + n]) for o, n in zip(offsets, numels)]
+    pieces = [(o, flat[o:o + n]) for o, n in zip(slot_offsets(numels)[0], numels)]
 
     def run() -> None:
         out = torch.empty(padded // world, dtype=dtype, device=device)
