@@ -330,10 +330,9 @@ async def run_phases(scratch: Scratch, args: argparse.Namespace) -> dict:
     wait_idle(extra)  # a started server's planner warm-up is not the ingest's cost
     args.server_pids = [scratch.server.pid, *(server.pid for server in extra)]
     async with contextlib.AsyncExitStack() as stack:
-        workers = [await stack.enter_async_context(httpx.AsyncClient(
-            base_url=f"{server_base}/api/v1/jobs/{job_id}", timeout=30, limits=limits,
-            headers={"Authorization": f"Bearer {ingest}"})) for server_base in [base, *(s.base for s in extra)]]
-        worker = workers[0]
+        worker = await stack.enter_async_context(httpx.AsyncClient(  # the settling and the 10,000-record POST
+            base_url=f"{base}/api/v1/jobs/{job_id}", timeout=30, limits=limits,
+            headers={"Authorization": f"Bearer {ingest}"}))
         bodies = MetricBodies()
         posters = [Posters(server_base, ingest) for server_base in [base, *(s.base for s in extra)]]
         stack.callback(lambda: [poster.close() for poster in posters])
@@ -354,11 +353,11 @@ async def run_phases(scratch: Scratch, args: argparse.Namespace) -> dict:
                 return True
             return post
 
-        for index in range(len(workers)):  # each replica warmed up (a started one has opened nothing yet)
+        for index in range(len(posters)):  # each replica warmed up (a started one has opened nothing yet)
             assert await batches_of(1)(index), "warm-up ingest failed"
         request_rate = args.ranks / FLUSH_INTERVAL_S  # every rank flushes once per interval
         print(f"ingest: {args.ranks} ranks, one batch per rank every {FLUSH_INTERVAL_S:.0f} s, "
-              f"{len(workers)} replica(s)", flush=True)
+              f"{len(posters)} replica(s)", flush=True)
 
         async def ingest_at(records_per_rank_s: float) -> Step:  # the batch size grows, not the request rate
             size = max(1, round(records_per_rank_s * FLUSH_INTERVAL_S))

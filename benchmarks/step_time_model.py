@@ -40,7 +40,7 @@ from contract.zero_math import precision_traits
 from workers.models import build_model
 from workers.planning import matmul_shape, plan_for_spec, timed_model
 from workers.zero import ZeroConfig, ZeroEngine
-from workers.zero.calibration import MAX_OPTIMIZER_NUMEL, MIN_OPTIMIZER_NUMEL, Calibration, _median_time, calibrate
+from workers.zero.calibration import Calibration, _median_time, calibrate, flat_optimizer_numel
 from workers.zero.engine_timing import adamw_pieces
 from workers.zero.planner.shape import bucket_elements
 from workers.zero.testing import byte_stream_batch, spawn_world
@@ -62,7 +62,7 @@ def rank_run(rank: int, world_size: int, settings: dict[str, Any]) -> dict[str, 
     bucket = bucket_elements(settings["bucket_mb"], precision)
     calibration = calibrate(dtype=dtype, bucket_numel=bucket, device="cpu", matmul_shape=matmul_shape(spec),
                             model=timed_model(spec))
-    flat = min(max(-(-bucket // world_size), MIN_OPTIMIZER_NUMEL), MAX_OPTIMIZER_NUMEL)  # the old model's AdamW
+    flat = flat_optimizer_numel(bucket, world_size)  # the old model's AdamW
     flat_rate = flat / _median_time(adamw_pieces([flat], torch.device("cpu")), 3, lambda: None)
     torch.manual_seed(0)
     engine = ZeroEngine(build_model({"preset": settings["model"]}), lambda params: torch.optim.AdamW(params, lr=1e-4),
