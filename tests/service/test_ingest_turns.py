@@ -94,7 +94,8 @@ def _queued_behind_blocked_ones(make_session, blocker: Callable, queued: list[li
                                 release: Callable) -> dict:
     """``blocker(session)`` holds the job's metric lock; the ``_leading()`` batches' requests
     wait for it in the database, one by one, the ``queued`` ones (indexed from 1) queue in this
-    process; then ``release(session)``. The leading requests' answers are keyed -1, -2, ..."""
+    process, in that order (each posted once the one before queued: threads started together
+    may queue in any order); then ``release(session)``. The leading requests' answers are keyed -1, -2, ..."""
     posts = _Posts(make_session)
     with make_session() as held:
         blocker(held)
@@ -102,10 +103,10 @@ def _queued_behind_blocked_ones(make_session, blocker: Callable, queued: list[li
             posts.post(-index, records)
             wait_for(lambda waiting=index: _waiting_for_advisory_lock(make_session) == waiting, 30,
                      "the leading ingests to wait for the lock")
-        for index, records in enumerate(queued, start=1):
+        for index, records in enumerate(queued, start=1):  # one at a time: they queue in index order
             posts.post(index, records)
-        wait_for(lambda: ingest_turns.queued(JOB) == ingest_turns.IN_FLIGHT + len(queued), 30,
-                 "every request to queue")
+            wait_for(lambda waiting=index: ingest_turns.queued(JOB) == ingest_turns.IN_FLIGHT + waiting, 30,
+                     "the request to queue")
         release(held)
     return posts.join()
 
