@@ -222,3 +222,77 @@ def test_metric_rows_carry_their_writing_transaction(database_url):
             insert(connection, 4)
     finally:
         engine.dispose()
+
+
+def test_metric_rows_name_a_job_as_a_foreign_key_would(database_url):
+    """0021 checks ``metrics.job_id`` with triggers instead of a foreign key: a row naming no
+    job is refused (alone or among good rows: nothing of the statement is stored), a job's id
+    does not change under its rows, deleting a job deletes its rows and keeps the others'; the
+    unique key still refuses a second (job, attempt, rank, step); memory still rolls up (the
+    SQLite rebuild keeps 0018's trigger). A downgrade brings the foreign key back."""
+    from sqlalchemy import text
+    from sqlalchemy.exc import IntegrityError
+
+    from service.db import make_sessionmaker
+    from service.models import Job
+
+    insert = text('INSERT INTO metrics (job_id, attempt, "rank", step, loss, mem_params_bytes) '
+                  "VALUES (:job, 0, :rank, :step, 1.0, 8.0)")
+    migrate.upgrade(database_url)
+    engine = make_engine(database_url)
+    try:
+        with make_sessionmaker(engine)() as session:
+            session.add_all([Job(id=job, name=job, owner="admin", state="RUNNING", spec={})
+                             for job in ("job-a", "job-b")])
+            session.commit()
+        with engine.begin() as connection:
+            connection.execute(insert, [{"job": job, "rank": rank, "step": 0}
+                                        for job in ("job-a", "job-b") for rank in (0, 1)])
+        for rows in ([{"job": "job-none", "rank": 0, "step": 1}],
+                     [{"job": "job-a", "rank": 0, "step": 1}, {"job": "job-none", "rank": 0, "step": 1}],
+                     [{"job": "job-a", "rank": 0, "step": 0}]):
+            with pytest.raises(IntegrityError), engine.begin() as connection:
+                connection.execute(insert, rows)
+        for statement in ("UPDATE jobs SET id = 'job-c' WHERE id = 'job-a'",
+                          "UPDATE metrics SET job_id = 'job-none' WHERE job_id = 'job-a'"):
+            with pytest.raises(IntegrityError), engine.begin() as connection:
+                connection.execute(text(statement))
+        with engine.begin() as connection:
+            assert connection.execute(text("SELECT count(*) FROM metric_memory")).scalar_one() == 4
+            connection.execute(text("DELETE FROM jobs WHERE id = 'job-a'"))
+            remaining = connection.execute(text("SELECT job_id, count(*) FROM metrics GROUP BY job_id")).all()
+        assert [tuple(row) for row in remaining] == [("job-b", 2)]
+        migrate.downgrade(database_url, "0020")
+        with pytest.raises(IntegrityError), engine.begin() as connection:
+            connection.execute(insert, [{"job": "job-none", "rank": 0, "step": 1}])
+    finally:
+        engine.dispose()
+
+
+def test_a_job_is_not_deleted_under_an_ingest_still_storing_its_rows(postgres_url):
+    """PostgreSQL, as the foreign key did: the insert locks the job's row (``FOR KEY SHARE``),
+    so a delete waits for the storing transaction and then deletes its rows too."""
+    from sqlalchemy import text
+    from sqlalchemy.exc import OperationalError
+
+    from service.db import make_sessionmaker
+    from service.models import Job
+
+    migrate.upgrade(postgres_url)
+    engine = make_engine(postgres_url)
+    try:
+        with make_sessionmaker(engine)() as session:
+            session.add(Job(id="job-a", name="a", owner="admin", state="RUNNING", spec={}))
+            session.commit()
+        with engine.connect() as storing, engine.connect() as deleting:
+            storing.execute(text("INSERT INTO metrics (job_id, attempt, \"rank\", step) VALUES ('job-a', 0, 0, 0)"))
+            deleting.execute(text("SET lock_timeout = '200ms'"))
+            with pytest.raises(OperationalError, match="lock timeout"):
+                deleting.execute(text("DELETE FROM jobs WHERE id = 'job-a'"))
+            deleting.rollback()
+            storing.commit()
+            deleting.execute(text("DELETE FROM jobs WHERE id = 'job-a'"))
+            deleting.commit()
+            assert deleting.execute(text("SELECT count(*) FROM metrics")).scalar_one() == 0
+    finally:
+        engine.dispose()
