@@ -142,3 +142,30 @@ def test_a_bad_field_deep_in_a_large_batch_is_a_422_naming_it_and_nothing_is_sto
     records[1500]["loss"] = 2.0
     assert worker.post("/metrics", json={"records": records}).json() == {"accepted": 2000, "duplicates": 0}
     assert worker.post("/metrics", json={"records": records}).json() == {"accepted": 0, "duplicates": 2000}
+
+
+def test_a_steps_sum_mixes_float8_and_numeric_without_overflow(engines):
+    """[Note: a group's sum] in service.metric_ingest: in one statement's group, values past
+    1e300 and non-finite ones are summed as numeric beside the float8 sum of the others, so
+    two values near the float limit sum to a finite numeric (a float8 sum would be inf), NaN
+    stays NaN, and a field no record had stays null, through COPY and through array
+    parameters alike."""
+    from decimal import Decimal
+
+    sessions = engines[0]
+    big = 1.5e308
+    for job_id, ranks in ((JOB, metric_copy.COPY_FROM), (OTHER, 3)):
+        records = _records(ranks, range(1))
+        records[0].loss, records[1].loss = big, big
+        records[2].tokens_per_s = float("nan")
+        for record in records:
+            record.eval_loss = None
+        with sessions() as session:
+            assert ingest_turns.store(session, job_id, TOKENS[job_id], records) == ranks
+        with sessions() as session:
+            loss, tokens, eval_loss = session.execute(
+                select(func.sum(MetricStep.sum_loss), func.sum(MetricStep.sum_tokens_per_s),
+                       func.sum(MetricStep.sum_eval_loss)).where(MetricStep.job_id == job_id)).one()
+        expected = 2 * Decimal(repr(big)) + sum(Decimal(repr(record.loss)) for record in records[2:])
+        assert abs(loss - expected) <= Decimal("1e-12") * expected, job_id  # finite, past the float limit
+        assert tokens.is_nan() and eval_loss is None, job_id
