@@ -21,6 +21,13 @@ takes its turn like a small one: while one of the job's turns is free it is stor
 alone; only batches that arrive while ``IN_FLIGHT`` transactions of the job are under way in
 this process wait, and are stored together.
 
+[Note: how many together]
+A queued batch waits for the transaction under way and then for its own, so the size of one
+combined transaction bounds the wait: ``COMBINED_RECORDS`` keeps both short when a backlog has
+built up (a pause of the database, a burst), while a transaction of several ranks' batches still
+shares their roll-up rows. Larger transactions store a backlog with a little less work per
+record, but let one request wait for two of them.
+
 [Note: waiting without a connection]
 A queued request first ends its token check's transaction, so it waits in this process holding
 no pooled connection and no database lock; only the holders of the turns use connections. A
@@ -43,7 +50,7 @@ from sqlalchemy.orm import Session
 from service import metric_copy, metric_ingest
 from service.schemas import MetricRecord
 
-COMBINED_RECORDS = 20_000  # at most this many records in one combined insert (past one batch)
+COMBINED_RECORDS = 8_000  # at most this many records in one combined insert (past one batch): [Note: how many together]
 IN_FLIGHT = 1  # transactions of one job under way at once in this process: the more wait, the more share
 
 
