@@ -44,13 +44,12 @@ MISSING = 'insert or update on table "metrics" violates foreign key constraint "
 PG_FUNCTIONS = (f"""
 CREATE FUNCTION metrics_job_check() RETURNS trigger LANGUAGE plpgsql AS $$
 DECLARE
-    named integer;
+    named text[];
     locked integer;
 BEGIN
-    SELECT count(*) INTO named FROM (SELECT job_id FROM inserted GROUP BY job_id) AS jobs_named;
-    SELECT count(*) INTO locked FROM (SELECT 1 FROM jobs WHERE id IN (SELECT job_id FROM inserted)
-                                      FOR KEY SHARE) AS jobs_locked;
-    IF locked < named THEN
+    SELECT array_agg(job_id) INTO named FROM (SELECT job_id FROM inserted GROUP BY job_id) AS jobs_named;
+    SELECT count(*) INTO locked FROM (SELECT 1 FROM jobs WHERE id = ANY(named) FOR KEY SHARE) AS jobs_locked;
+    IF locked < coalesce(cardinality(named), 0) THEN
         RAISE EXCEPTION '{MISSING}' USING ERRCODE = 'foreign_key_violation',
             DETAIL = 'A job_id is not present in table "jobs".';
     END IF;
