@@ -63,8 +63,9 @@ def _group_sum(name: str) -> str:
     [Note: a group's sum]
     Casting a float8 to numeric costs several times more than adding it, and the cast of every
     value was much of the roll-up's cost per stored row. So a group's values up to
-    ``_FLOAT8_SUMMED`` in size are summed as float8 and cast once: a statement stores at most a
-    few tens of thousands of rows, so their sum stays far below the float limit; larger ones,
+    ``_FLOAT8_SUMMED`` in size are summed as float8 and cast once: such a sum passes the float
+    limit (about 1.8e308) only past 10^8 values, far more than a group holds (one statement's
+    rows of a step at ingest, a part's ranks in ``rebuild_rollup``); larger ones,
     infinities and NaN (NaN compares above every number) are summed as numeric, as before, so
     no sum overflows. The float8 sum rounds where the numeric one would not, at float8's own
     precision (the cast to numeric keeps 15 digits of each value in any case)."""
