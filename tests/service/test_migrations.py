@@ -271,7 +271,8 @@ def test_metric_rows_name_a_job_as_a_foreign_key_would(database_url):
 
 def test_a_job_is_not_deleted_under_an_ingest_still_storing_its_rows(postgres_url):
     """PostgreSQL, as the foreign key did: the insert locks the job's row (``FOR KEY SHARE``),
-    so a delete waits for the storing transaction and then deletes its rows too."""
+    so a delete waits for the storing transaction and then deletes its rows too; truncating
+    ``jobs`` truncates ``metrics``."""
     from sqlalchemy import text
     from sqlalchemy.exc import OperationalError
 
@@ -294,5 +295,12 @@ def test_a_job_is_not_deleted_under_an_ingest_still_storing_its_rows(postgres_ur
             deleting.execute(text("DELETE FROM jobs WHERE id = 'job-a'"))
             deleting.commit()
             assert deleting.execute(text("SELECT count(*) FROM metrics")).scalar_one() == 0
+        with make_sessionmaker(engine)() as session:
+            session.add(Job(id="job-b", name="b", owner="admin", state="RUNNING", spec={}))
+            session.commit()
+        with engine.begin() as connection:
+            connection.execute(text("INSERT INTO metrics (job_id, attempt, \"rank\", step) VALUES ('job-b', 0, 0, 0)"))
+            connection.execute(text("TRUNCATE jobs CASCADE"))
+            assert connection.execute(text("SELECT count(*) FROM metrics")).scalar_one() == 0
     finally:
         engine.dispose()
