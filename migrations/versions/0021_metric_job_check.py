@@ -26,10 +26,7 @@ Revises: 0020
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-from alembic import op
+from alembic import context, op
 
 revision = '0021'
 down_revision = '0020'
@@ -38,8 +35,10 @@ depends_on = None
 
 FK = 'metrics_job_id_fkey'  # the foreign key's name on PostgreSQL (0001 left it unnamed)
 NEW_UNIQUE, OLD_UNIQUE = 'uq_metrics_job_rank_step_attempt', 'uq_metrics_job_attempt_rank_step'
-RANK_STEP = 'ix_metrics_job_rank_step'
-MISSING = 'insert or update on table "metrics" violates foreign key constraint "metrics_job_id_fkey"'
+NEW_KEY, OLD_KEY = ['job_id', 'rank', 'step', 'attempt'], ['job_id', 'attempt', 'rank', 'step']
+RANK_STEP, RANK_STEP_KEY = 'ix_metrics_job_rank_step', ['job_id', 'rank', 'step']
+MISSING = f'insert or update on table "metrics" violates foreign key constraint "{FK}"'
+SQLITE_REFUSE = "SELECT RAISE(ABORT, 'FOREIGN KEY constraint failed')"  # SQLite's own foreign key message
 
 PG_FUNCTIONS = (f"""
 CREATE FUNCTION metrics_job_check() RETURNS trigger LANGUAGE plpgsql AS $$
@@ -55,7 +54,7 @@ BEGIN
     END IF;
     RETURN NULL;
 END
-$$""", """
+$$""", f"""
 CREATE FUNCTION jobs_metrics_cascade() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
     IF TG_OP = 'TRUNCATE' THEN
@@ -63,7 +62,7 @@ BEGIN
     ELSIF TG_OP = 'DELETE' THEN
         DELETE FROM metrics WHERE job_id IN (SELECT id FROM gone);
     ELSIF EXISTS (SELECT 1 FROM metrics WHERE job_id = OLD.id) THEN
-        RAISE EXCEPTION 'update on table "jobs" violates foreign key constraint "metrics_job_id_fkey" on table "metrics"'
+        RAISE EXCEPTION 'update on table "jobs" violates foreign key constraint "{FK}" on table "metrics"'
             USING ERRCODE = 'foreign_key_violation';
     END IF;
     RETURN NULL;
@@ -82,27 +81,25 @@ PG_TRIGGERS = (
 )
 SQLITE_TRIGGERS = (
     "CREATE TRIGGER metrics_job_check BEFORE INSERT ON metrics WHEN NOT EXISTS "
-    "(SELECT 1 FROM jobs WHERE id = NEW.job_id) BEGIN SELECT RAISE(ABORT, 'FOREIGN KEY constraint failed'); END",
+    f"(SELECT 1 FROM jobs WHERE id = NEW.job_id) BEGIN {SQLITE_REFUSE}; END",
     "CREATE TRIGGER metrics_job_check_update BEFORE UPDATE OF job_id ON metrics WHEN NOT EXISTS "
-    "(SELECT 1 FROM jobs WHERE id = NEW.job_id) BEGIN SELECT RAISE(ABORT, 'FOREIGN KEY constraint failed'); END",
+    f"(SELECT 1 FROM jobs WHERE id = NEW.job_id) BEGIN {SQLITE_REFUSE}; END",
     "CREATE TRIGGER jobs_metrics_delete AFTER DELETE ON jobs BEGIN DELETE FROM metrics WHERE job_id = OLD.id; END",
     "CREATE TRIGGER jobs_metrics_id_kept BEFORE UPDATE OF id ON jobs WHEN OLD.id IS NOT NEW.id AND EXISTS "
-    "(SELECT 1 FROM metrics WHERE job_id = OLD.id) BEGIN SELECT RAISE(ABORT, 'FOREIGN KEY constraint failed'); END",
+    f"(SELECT 1 FROM metrics WHERE job_id = OLD.id) BEGIN {SQLITE_REFUSE}; END",
 )
 SQLITE_NAMES = {'fk': 'fk_%(table_name)s_%(column_0_name)s'}  # names for 0001's unnamed foreign key
 
 
 def _memory_trigger() -> str:
-    """0018's SQLite memory trigger, which a rebuild of ``metrics`` drops."""
-    spec = importlib.util.spec_from_file_location('revision_0018', Path(__file__).with_name('0018_metric_memory.py'))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.SQLITE_TRIGGER
+    """0018's SQLite memory trigger, which a rebuild of ``metrics`` drops: its revision's module,
+    as Alembic loaded it."""
+    return context.script.get_revision('0018').module.SQLITE_TRIGGER
 
 
 def upgrade() -> None:
     if op.get_bind().dialect.name == 'postgresql':
-        op.create_unique_constraint(NEW_UNIQUE, 'metrics', ['job_id', 'rank', 'step', 'attempt'])
+        op.create_unique_constraint(NEW_UNIQUE, 'metrics', NEW_KEY)
         op.drop_constraint(OLD_UNIQUE, 'metrics', type_='unique')
         op.drop_index(RANK_STEP, table_name='metrics')
         for statement in (*PG_FUNCTIONS, *PG_TRIGGERS):
@@ -112,7 +109,7 @@ def upgrade() -> None:
     with op.batch_alter_table('metrics', recreate='always', naming_convention=SQLITE_NAMES) as batch_op:
         batch_op.drop_constraint('fk_metrics_job_id', type_='foreignkey')
         batch_op.drop_constraint(OLD_UNIQUE, type_='unique')
-        batch_op.create_unique_constraint(NEW_UNIQUE, ['job_id', 'rank', 'step', 'attempt'])
+        batch_op.create_unique_constraint(NEW_UNIQUE, NEW_KEY)
         batch_op.drop_index(RANK_STEP)
     for statement in (_memory_trigger(), *SQLITE_TRIGGERS):
         op.execute(statement)
@@ -126,8 +123,8 @@ def downgrade() -> None:
             op.execute(f'DROP TRIGGER {name} ON {table}')
         op.execute('DROP FUNCTION metrics_job_check()')
         op.execute('DROP FUNCTION jobs_metrics_cascade()')
-        op.create_index(RANK_STEP, 'metrics', ['job_id', 'rank', 'step'])
-        op.create_unique_constraint(OLD_UNIQUE, 'metrics', ['job_id', 'attempt', 'rank', 'step'])
+        op.create_index(RANK_STEP, 'metrics', RANK_STEP_KEY)
+        op.create_unique_constraint(OLD_UNIQUE, 'metrics', OLD_KEY)
         op.drop_constraint(NEW_UNIQUE, 'metrics', type_='unique')
         return
     for trigger in SQLITE_TRIGGERS:
@@ -135,6 +132,6 @@ def downgrade() -> None:
     with op.batch_alter_table('metrics', recreate='always') as batch_op:
         batch_op.create_foreign_key('fk_metrics_job_id', 'jobs', ['job_id'], ['id'], ondelete='CASCADE')
         batch_op.drop_constraint(NEW_UNIQUE, type_='unique')
-        batch_op.create_unique_constraint(OLD_UNIQUE, ['job_id', 'attempt', 'rank', 'step'])
-        batch_op.create_index(RANK_STEP, ['job_id', 'rank', 'step'])
+        batch_op.create_unique_constraint(OLD_UNIQUE, OLD_KEY)
+        batch_op.create_index(RANK_STEP, RANK_STEP_KEY)
     op.execute(_memory_trigger())
